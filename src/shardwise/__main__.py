@@ -1,0 +1,5 @@
+"""`python -m shardwise ...` is the `shardwise` command."""
+
+from .cli import run
+
+run()

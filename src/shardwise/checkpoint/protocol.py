@@ -1,0 +1,74 @@
+"""DCP's `_Checkpointable` hooks for `ShardedTensor`.
+
+DCP asks three questions of a tensor it saves or loads: which chunks do you
+write (`__create_write_items__`), which chunks do you want filled
+(`__create_chunk_list__`), and which local tensor is chunk X
+(`__get_tensor_shard__`). Blocks with no element are left out of both lists:
+DCP has nothing to store or fill for them, and its coverage check counts
+volumes. A write item's `index.index` is the block's position in the rank's
+block list, so lookups take the fast path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from ..tensor import ShardedTensor
+
+__all__ = ["create_chunk_list", "create_write_items", "get_tensor_shard"]
+
+
+def _chunk(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+
+
+def create_write_items(st: ShardedTensor, fqn: str) -> list[WriteItem]:
+    properties = TensorProperties(dtype=st.dtype, requires_grad=st.requires_grad)
+    size = torch.Size(st.layout_spec.global_shape)
+    items = []
+    seen = set()
+    for i, block in enumerate(st.local_blocks):
+        if block.is_empty() or block in seen:  # a block listed twice is written once
+            continue
+        seen.add(block)
+        items.append(
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(block.offsets), i),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=_chunk(block.offsets, block.sizes),
+                    properties=properties,
+                    size=size,
+                ),
+            )
+        )
+    return items
+
+
+def create_chunk_list(st: ShardedTensor) -> list[ChunkStorageMetadata]:
+    return [_chunk(b.offsets, b.sizes) for b in st.local_blocks if not b.is_empty()]
+
+
+def get_tensor_shard(st: ShardedTensor, index: MetadataIndex) -> torch.Tensor:
+    """The live shard at `index.offset`, probing `index.index` first."""
+    blocks = st.local_blocks
+    shards = st.local_shards()
+    offset = tuple(index.offset) if index.offset is not None else None
+    hint = index.index
+    if hint is not None and 0 <= hint < len(blocks) and blocks[hint].offsets == offset:
+        if not blocks[hint].is_empty():
+            return shards[hint]
+    if offset is not None:
+        for block, shard in zip(blocks, shards):
+            if block.offsets == offset and not block.is_empty():
+                return shard
+    raise ValueError(
+        f"rank {st.rank} holds no block at offsets {offset} of '{index.fqn}' "
+        f"(its blocks: {', '.join(map(str, blocks)) or 'none'})"
+    )

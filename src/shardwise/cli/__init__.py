@@ -1,0 +1,39 @@
+"""The `shardwise` command: `main(argv) -> int`, one module per subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from . import bench, demo
+
+__all__ = ["main", "run"]
+
+_SUBCOMMANDS = {"demo": demo, "bench": bench}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardwise",
+        description="Sharded tensors and resharding checkpoints on PyTorch.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in _SUBCOMMANDS.items():
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; return its exit code. Bad input prints one line, exit 2."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"shardwise {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def run() -> None:
+    sys.exit(main())

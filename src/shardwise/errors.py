@@ -1,0 +1,43 @@
+"""Every exception shardwise raises, in one place.
+
+Hierarchy::
+
+    ShardwiseError                      base of everything below
+    ├── LayoutError (ValueError)        a block or layout breaks a geometric rule
+    ├── ShardMismatchError (ValueError) local shards disagree with their layout
+    ├── CorruptCheckpointError          stored bytes fail their checksum
+    └── IncompleteCheckpointError       a checkpoint whose commit never finished
+
+Subclassing the builtin that a caller would naturally catch (``ValueError`` for
+bad geometry) keeps ``except ValueError`` working for code that predates us.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "LayoutError",
+    "ShardMismatchError",
+    "ShardwiseError",
+]
+
+
+class ShardwiseError(Exception):
+    """Base class of every shardwise exception."""
+
+
+class LayoutError(ShardwiseError, ValueError):
+    """A block or layout breaks a rule: bounds, ndim, overlap or coverage."""
+
+
+class ShardMismatchError(ShardwiseError, ValueError):
+    """Local shards do not match the layout they claim (count, sizes, device)."""
+
+
+class CorruptCheckpointError(ShardwiseError, OSError):
+    """Bytes read from a checkpoint do not match the checksum recorded for them."""
+
+
+class IncompleteCheckpointError(ShardwiseError, OSError):
+    """A checkpoint directory whose save never committed (no manifest)."""

@@ -1,0 +1,362 @@
+"""`ShardedTensor`: a `torch.Tensor` whose shape is global and whose data is
+this rank's blocks of a `Layout`.
+
+The wrapper holds no storage of its own; `__torch_dispatch__` sends each op to
+`shardwise.ops`, which applies it shard by shard. Nothing in this module
+communicates: building from a layout is local, and collectives live in
+`shardwise.dist`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import WriteItem
+
+from .errors import ShardMismatchError
+from .layout import Block, Layout
+
+__all__ = ["ShardedTensor"]
+
+
+def _current_rank(group: Any, layout: Layout) -> int:
+    """This process's rank in `group` (or the default group), 0 without one."""
+    import torch.distributed as dist
+
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 0
+    size = dist.get_world_size(group)
+    if size != layout.world_size:
+        raise ShardMismatchError(
+            f"the layout spans {layout.world_size} ranks but the process group has "
+            f"{size}; build the layout for the group's world size"
+        )
+    return dist.get_rank(group)
+
+
+class ShardedTensor(torch.Tensor):
+    """A tensor split into blocks held by the ranks of a group.
+
+    `shape`, `dtype` and `device` are those of the global tensor; the data on
+    this rank is `local_shards()`, one tensor per block of
+    `layout_spec.blocks_of(rank)`, in that order. Build one with
+    `from_layout`, `empty`, `zeros` or `full`.
+    """
+
+    _layout: Layout
+    _rank: int
+    _shards: list[torch.Tensor]
+    _group: Any
+
+    # Torch functions go straight to __torch_dispatch__ (as for DTensor).
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(
+        cls,
+        layout: Layout,
+        shards: list[torch.Tensor],
+        rank: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        group: Any = None,
+        requires_grad: bool = False,
+    ) -> ShardedTensor:
+        # Internal: callers go through from_layout, which validates.
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            layout.global_shape,
+            dtype=dtype,
+            device=device,
+            requires_grad=requires_grad,
+        )
+        out._layout = layout
+        out._rank = rank
+        out._shards = shards
+        out._group = group
+        return out
+
+    # -- construction ---------------------------------------------------------
+
+    @classmethod
+    def from_layout(
+        cls,
+        layout: Layout,
+        shards: Sequence[torch.Tensor],
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        group: Any = None,
+        rank: int | None = None,
+        requires_grad: bool | None = None,
+    ) -> ShardedTensor:
+        """Wrap this rank's shards, one per block of `layout.blocks_of(rank)`.
+
+        No communication: every rank calls it with its own shards, and the
+        caller vouches that the ranks agree on `layout`. `dtype` / `device`
+        are needed only on a rank that holds no shard. The rank is `rank`, or
+        this process's rank in `group` (or the default group), or 0.
+        """
+        if rank is None:
+            rank = _current_rank(group, layout)
+        if not 0 <= rank < layout.world_size:
+            raise ShardMismatchError(
+                f"rank {rank} is outside the layout's world size {layout.world_size}"
+            )
+        shards = list(shards)
+        blocks = layout.blocks_of(rank)
+        if len(shards) != len(blocks):
+            raise ShardMismatchError(
+                f"rank {rank} holds {len(blocks)} blocks in the layout but was given "
+                f"{len(shards)} shards"
+            )
+        for i, (shard, block) in enumerate(zip(shards, blocks)):
+            if not isinstance(shard, torch.Tensor) or isinstance(shard, ShardedTensor):
+                raise TypeError(f"rank {rank}, shard {i}: expected a plain tensor, got {type(shard).__name__}")
+            if tuple(shard.shape) != block.sizes:
+                raise ShardMismatchError(
+                    f"rank {rank}, shard {i} has shape {tuple(shard.shape)} but its block "
+                    f"{block} has sizes {block.sizes}"
+                )
+        dtypes = {s.dtype for s in shards}
+        if dtype is not None:
+            dtypes.add(dtype)
+        if len(dtypes) > 1:
+            raise TypeError(
+                f"rank {rank}: shards have mixed dtypes {sorted(map(str, dtypes))}; "
+                f"convert them to one dtype"
+            )
+        devices = {s.device for s in shards}
+        if device is not None:
+            devices.add(torch.device(device))
+        if len(devices) > 1:
+            raise ShardMismatchError(
+                f"rank {rank}: shards are on several devices {sorted(map(str, devices))}"
+            )
+        if requires_grad is None:
+            requires_grad = any(s.requires_grad for s in shards)
+        return cls(
+            layout,
+            shards,
+            rank,
+            dtype=dtypes.pop() if dtypes else torch.get_default_dtype(),
+            device=devices.pop() if devices else torch.device("cpu"),
+            group=group,
+            requires_grad=requires_grad,
+        )
+
+    @classmethod
+    def empty(
+        cls,
+        layout: Layout,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        group: Any = None,
+        rank: int | None = None,
+        requires_grad: bool = False,
+    ) -> ShardedTensor:
+        """Uninitialised shards for this rank's blocks (default dtype as `torch.empty`)."""
+        return cls._filled(torch.empty, (), layout, dtype, device, group, rank, requires_grad)
+
+    @classmethod
+    def zeros(
+        cls,
+        layout: Layout,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        group: Any = None,
+        rank: int | None = None,
+        requires_grad: bool = False,
+    ) -> ShardedTensor:
+        return cls._filled(torch.zeros, (), layout, dtype, device, group, rank, requires_grad)
+
+    @classmethod
+    def full(
+        cls,
+        layout: Layout,
+        fill_value: Any,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        group: Any = None,
+        rank: int | None = None,
+        requires_grad: bool = False,
+    ) -> ShardedTensor:
+        """Like `torch.full`: the dtype is inferred from `fill_value` when not given."""
+        if dtype is None:
+            dtype = torch.full((), fill_value).dtype
+        return cls._filled(
+            torch.full, (fill_value,), layout, dtype, device, group, rank, requires_grad
+        )
+
+    @classmethod
+    def _filled(
+        cls,
+        factory: Any,
+        extra: tuple[Any, ...],
+        layout: Layout,
+        dtype: torch.dtype | None,
+        device: torch.device | str | None,
+        group: Any,
+        rank: int | None,
+        requires_grad: bool,
+    ) -> ShardedTensor:
+        if rank is None:
+            rank = _current_rank(group, layout)
+        dtype = dtype or torch.get_default_dtype()
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        shards = [
+            factory(b.sizes, *extra, dtype=dtype, device=device)
+            for b in layout.blocks_of(rank)
+        ]
+        return cls.from_layout(
+            layout, shards, dtype=dtype, device=device, group=group, rank=rank,
+            requires_grad=requires_grad,
+        )
+
+    def _with_shards(
+        self,
+        shards: list[torch.Tensor],
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> ShardedTensor:
+        """A new ShardedTensor of this layout, rank and group around `shards`."""
+        if shards:
+            dtype, device = shards[0].dtype, shards[0].device
+        return ShardedTensor(
+            self._layout,
+            shards,
+            self._rank,
+            dtype=dtype or self.dtype,
+            device=device or self.device,
+            group=self._group,
+        )
+
+    # -- what this rank holds ----------------------------------------------
+
+    @property
+    def layout_spec(self) -> Layout:
+        """The global `Layout` (named so to leave `Tensor.layout` alone)."""
+        return self._layout
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def group(self) -> Any:
+        return self._group
+
+    @property
+    def local_blocks(self) -> tuple[Block, ...]:
+        return self._layout.blocks_of(self._rank)
+
+    def local_shards(self) -> list[torch.Tensor]:
+        """The live shard tensors (in-place edits are visible), in block order."""
+        return self._shards
+
+    def local_offsets(self) -> list[torch.Size]:
+        return [torch.Size(b.offsets) for b in self.local_blocks]
+
+    def local_sizes(self) -> list[torch.Size]:
+        return [torch.Size(b.sizes) for b in self.local_blocks]
+
+    @property
+    def local_chunks(self) -> list[ChunkStorageMetadata]:
+        return [
+            ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes))
+            for b in self.local_blocks
+        ]
+
+    def storage_metadata(self) -> TensorStorageMetadata:
+        """DCP's description of this tensor: global size, this rank's chunks."""
+        return TensorStorageMetadata(
+            properties=self._properties(),
+            size=torch.Size(self._layout.global_shape),
+            chunks=self.local_chunks,
+        )
+
+    def _properties(self) -> TensorProperties:
+        return TensorProperties(
+            dtype=self.dtype,
+            requires_grad=self.requires_grad,
+            pin_memory=self.is_pinned(),
+        )
+
+    def is_empty_shard(self) -> bool:
+        """True when this rank holds no element of the tensor."""
+        return all(b.is_empty() for b in self.local_blocks)
+
+    def is_pinned(self, device: Any = None) -> bool:  # type: ignore[override]
+        return bool(self._shards) and all(s.is_pinned() for s in self._shards)
+
+    # -- DCP's _Checkpointable protocol ------------------------------------
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
+        from .checkpoint.protocol import create_write_items
+
+        return create_write_items(self, fqn)
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        from .checkpoint.protocol import create_chunk_list
+
+        return create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        from .checkpoint.protocol import get_tensor_shard
+
+        return get_tensor_shard(self, index)
+
+    # -- ops, printing, pickling ---------------------------------------------
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        from .ops import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return (
+            f"ShardedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"device={self.device}, rank={self._rank}, layout={self._layout}, "
+            f"local_shards={len(self._shards)})"
+        )
+
+    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
+        # The group is process-local and is not pickled: a loaded tensor has none.
+        return (
+            _rebuild,
+            (self._layout, self._shards, self._rank, self.dtype, str(self.device), self.requires_grad),
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShardedTensor:
+        with torch.no_grad():
+            out = self._with_shards([s.clone() for s in self._shards])
+        out.requires_grad_(self.requires_grad)
+        memo[id(self)] = out
+        return out
+
+
+def _rebuild(
+    layout: Layout,
+    shards: list[torch.Tensor],
+    rank: int,
+    dtype: torch.dtype,
+    device: str,
+    requires_grad: bool,
+) -> ShardedTensor:
+    return ShardedTensor(
+        layout, shards, rank, dtype=dtype, device=torch.device(device),
+        requires_grad=requires_grad,
+    )
