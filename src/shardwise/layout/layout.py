@@ -395,7 +395,7 @@ class Layout:
                 shard_dims.append(_normalize_dim(p.dim, len(shape)))
             else:
                 raise LayoutError(
-                    f"placement {p} has no block layout; only Shard(dim) and Replicate() do"
+                    f"placement {p!r} has no block layout; only Shard(dim) and Replicate() do"
                 )
         blocks: dict[int, list[Block]] = {}
         for rank in range(math.prod(mesh_shape)):

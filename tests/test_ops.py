@@ -1,0 +1,207 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise import Layout, LayoutError, ShardedTensor
+from shardwise.testing import shard_of
+
+LAYOUTS = {
+    "row-uneven-empty": Layout.row_wise((7, 5), [3, 0, 4]),
+    "columns-two-per-rank": Layout.column_wise((7, 6), [1, 2, 1, 2], ranks=[0, 1, 0, 1]),
+    "grid-3d": Layout.grid((4, 3, 5), (2, 1, 2)),
+    "replicated": Layout.replicated((3, 4), 2),
+    "scalar": Layout.replicated((), 2),
+}
+
+
+def each_rank(layout, full):
+    return [
+        ShardedTensor.from_layout(layout, shard_of(full, layout, r), rank=r, dtype=full.dtype)
+        for r in range(layout.world_size)
+    ]
+
+
+def assert_matches(sts, full):
+    for st in sts:
+        assert isinstance(st, ShardedTensor)
+        assert st.shape == full.shape and st.dtype == full.dtype
+        for shard, block in zip(st.local_shards(), st.local_blocks):
+            assert torch.equal(shard, full[block.slices()]), block
+
+
+OPS = {
+    "add-scalar": lambda x, y: x + 2,
+    "radd": lambda x, y: 3 - x,
+    "mul-tensor": lambda x, y: x * y,
+    "div": lambda x, y: x / (y.abs() + 1),
+    "unary": lambda x, y: torch.sqrt(x.abs()).neg(),
+    "compare": lambda x, y: x > y,
+    "where": lambda x, y: torch.where(x > 0, x, y),
+    "pow": lambda x, y: x ** 2,
+    "lerp": lambda x, y: torch.lerp(x, y, 0.3),
+    "addcdiv": lambda x, y: torch.addcdiv(x, y, y.abs() + 1, value=-0.5),
+    "clamp": lambda x, y: x.clamp(-0.5, 0.5),
+    "to-double": lambda x, y: x.to(torch.float64),
+    "clone": lambda x, y: x.clone(),
+    "detach": lambda x, y: x.detach(),
+    "zeros_like": lambda x, y: torch.zeros_like(x),
+    "ones_like-int": lambda x, y: torch.ones_like(x, dtype=torch.int32),
+    "full_like": lambda x, y: torch.full_like(x, 4.0),
+    "view-same": lambda x, y: x.view(x.shape),
+    "reshape-same": lambda x, y: x.reshape(x.shape),
+}
+
+
+@pytest.mark.parametrize("op", OPS, ids=list(OPS))
+@pytest.mark.parametrize("name", LAYOUTS, ids=list(LAYOUTS))
+def test_out_of_place_matches_full(op, name):
+    layout = LAYOUTS[name]
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(layout.global_shape, generator=g), torch.randn(layout.global_shape, generator=g)
+    expected = OPS[op](x, y)
+    got = [OPS[op](a, b) for a, b in zip(each_rank(layout, x), each_rank(layout, y))]
+    assert_matches(got, expected)
+
+
+INPLACE = {
+    "add_": lambda x, y: x.add_(y, alpha=2),
+    "mul_-scalar": lambda x, y: x.mul_(0.5),
+    "fill_": lambda x, y: x.fill_(1.25),
+    "zero_": lambda x, y: x.zero_(),
+    "copy_": lambda x, y: x.copy_(y),
+    "addcmul_": lambda x, y: x.addcmul_(y, y, value=0.1),
+    "lerp_": lambda x, y: x.lerp_(y, 0.9),
+    "clamp_": lambda x, y: x.clamp_(min=0),
+}
+
+
+@pytest.mark.parametrize("op", INPLACE, ids=list(INPLACE))
+@pytest.mark.parametrize("name", LAYOUTS, ids=list(LAYOUTS))
+def test_in_place_matches_full(op, name):
+    layout = LAYOUTS[name]
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(layout.global_shape, generator=g), torch.randn(layout.global_shape, generator=g)
+    xs, ys = each_rank(layout, x), each_rank(layout, y)
+    for a, b in zip(xs, ys):
+        assert INPLACE[op](a, b) is a
+    INPLACE[op](x, y)
+    assert_matches(xs, x)
+
+
+def test_plain_operands_broadcast_and_copy_from_full():
+    layout = LAYOUTS["columns-two-per-rank"]
+    x = torch.randn(7, 6)
+    bias = torch.randn(6)
+    assert_matches([a + bias for a in each_rank(layout, x)], x + bias)
+    assert_matches([a * torch.tensor(3.0) for a in each_rank(layout, x)], x * 3)
+    target = [ShardedTensor.zeros(layout, rank=r) for r in range(2)]
+    for t in target:
+        t.copy_(x)
+    assert_matches(target, x)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        each_rank(layout, x)[0] + torch.randn(5)
+
+
+def test_mixing_layouts_is_an_error():
+    x = torch.randn(7, 6)
+    rows = ShardedTensor.from_layout(Layout.chunked((7, 6), 0, 2), shard_of(x, Layout.chunked((7, 6), 0, 2), 0), rank=0)
+    cols = ShardedTensor.from_layout(Layout.chunked((7, 6), 1, 2), shard_of(x, Layout.chunked((7, 6), 1, 2), 0), rank=0)
+    with pytest.raises(LayoutError, match="different layouts"):
+        rows + cols
+    with pytest.raises(LayoutError, match="redistribute"):
+        rows.copy_(cols)
+    plain = torch.zeros(7, 6)
+    with pytest.raises(NotImplementedError, match="full_tensor"):
+        plain.add_(rows)
+
+
+def test_equal_is_local_and_layout_aware():
+    x = torch.randn(7, 6)
+    a = each_rank(Layout.chunked((7, 6), 0, 2), x)
+    b = each_rank(Layout.chunked((7, 6), 1, 2), x)
+    assert torch.equal(a[0], a[0].clone())
+    assert not torch.equal(a[0], b[0])  # same data, different layouts
+    assert torch.equal(a[1], x)  # against a full tensor: this rank's blocks
+    changed = a[0].clone()
+    changed.local_shards()[0][0, 0] += 1
+    assert not torch.equal(a[0], changed)
+
+
+@pytest.mark.parametrize(
+    "op",
+    [lambda x: x.sum(), lambda x: x.t(), lambda x: x.view(-1), lambda x: x @ x.T, lambda x: x.new_empty((2,))],
+    ids=["sum", "t", "view-flat", "matmul", "new_empty-other-size"],
+)
+def test_unsupported_ops_name_the_op(op):
+    x = each_rank(LAYOUTS["row-uneven-empty"], torch.randn(7, 5))[0]
+    with pytest.raises(NotImplementedError, match="aten"):
+        op(x)
+
+
+def test_register_op():
+    x = each_rank(LAYOUTS["row-uneven-empty"], torch.ones(7, 5))[0]
+    calls = []
+
+    def local_sum(t, *args, **kwargs):
+        calls.append((args, kwargs))
+        return sum(s.sum() for s in t.local_shards())
+
+    sw.register_op(torch.ops.aten.sum.default, local_sum)
+    try:
+        assert x.sum() == 15  # rank 0 holds 3 rows of 5
+        assert calls == [((), {})]
+    finally:
+        from shardwise.ops import _USER_HANDLERS
+
+        _USER_HANDLERS.pop(torch.ops.aten.sum.default)
+    with pytest.raises(TypeError, match="OpOverload"):
+        sw.register_op(torch.add, local_sum)
+
+
+def test_autograd_through_local_ops():
+    layout = LAYOUTS["columns-two-per-rank"]
+    x = each_rank(layout, torch.randn(7, 6))[1].requires_grad_()
+    y = (x * 3 + 1).clamp(min=-10)
+    y.backward(ShardedTensor.full(layout, 1.0, rank=1, dtype=torch.float32))
+    assert_matches([x.grad], torch.full((7, 6), 3.0))
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd-momentum-wd-nesterov": lambda ps: torch.optim.SGD(
+        ps, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True
+    ),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=False),
+    "adam-amsgrad-wd": lambda ps: torch.optim.Adam(
+        ps, lr=0.01, amsgrad=True, weight_decay=0.1, foreach=False
+    ),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, foreach=False),
+}
+
+
+@pytest.mark.parametrize("make_opt", OPTIMIZERS, ids=list(OPTIMIZERS))
+@pytest.mark.parametrize("name", ["row-uneven-empty", "columns-two-per-rank", "grid-3d", "scalar"])
+def test_optimizers_step_exactly_as_on_full_tensors(make_opt, name):
+    layout = LAYOUTS[name]
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(layout.global_shape, generator=g)
+    grads = [torch.randn(layout.global_shape, generator=g) for _ in range(3)]
+    full_param = torch.nn.Parameter(w.clone())
+    full_opt = OPTIMIZERS[make_opt]([full_param])
+    for grad in grads:
+        full_param.grad = grad.clone()
+        full_opt.step()
+    for rank in range(layout.world_size):
+        param = torch.nn.Parameter(
+            ShardedTensor.from_layout(layout, shard_of(w, layout, rank), rank=rank, dtype=w.dtype)
+        )
+        opt = OPTIMIZERS[make_opt]([param])
+        for grad in grads:
+            param.grad = ShardedTensor.from_layout(layout, shard_of(grad, layout, rank), rank=rank, dtype=w.dtype)
+            opt.step()
+        assert_matches([param.detach()], full_param.detach())
+        for key, value in opt.state[param].items():
+            if isinstance(value, ShardedTensor):
+                assert_matches([value], full_opt.state[full_param][key])
