@@ -5,6 +5,7 @@ The public surface is what `__all__` lists; everything else is internal.
 
 from __future__ import annotations
 
+from .dist import distribute, equal, from_local
 from .errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -29,6 +30,9 @@ __all__ = [
     "ShardwiseError",
     "Transfer",
     "__version__",
+    "distribute",
+    "equal",
+    "from_local",
     "plan_transfers",
     "register_op",
 ]

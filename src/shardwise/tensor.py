@@ -154,6 +154,23 @@ class ShardedTensor(torch.Tensor):
         )
 
     @classmethod
+    def from_local_shards(
+        cls,
+        shards: Sequence[torch.Tensor],
+        offsets: Sequence[Sequence[int]],
+        global_shape: Sequence[int] | None = None,
+        group: Any = None,
+    ) -> ShardedTensor:
+        """Collective: learn the layout from every rank's shards and offsets.
+
+        See `shardwise.dist.from_local_shards`; a problem on any rank raises the
+        same error on every rank.
+        """
+        from .dist import from_local_shards
+
+        return from_local_shards(shards, offsets, global_shape, group)
+
+    @classmethod
     def empty(
         cls,
         layout: Layout,
@@ -300,6 +317,34 @@ class ShardedTensor(torch.Tensor):
 
     def is_pinned(self, device: Any = None) -> bool:  # type: ignore[override]
         return bool(self._shards) and all(s.is_pinned() for s in self._shards)
+
+    # -- collectives (shardwise.dist) ---------------------------------------
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole tensor on every rank. Collective; differentiable."""
+        from .dist import full_tensor
+
+        return full_tensor(self)
+
+    def gather(self, dst: int = 0) -> torch.Tensor | None:
+        """The whole tensor on rank `dst`, None on the others. Collective."""
+        from .dist import gather
+
+        return gather(self, dst)
+
+    def redistribute(
+        self, layout: Layout, *, stats: dict[str, int] | None = None
+    ) -> ShardedTensor:
+        """The same values in `layout`. Collective; differentiable."""
+        from .dist import redistribute
+
+        return redistribute(self, layout, stats=stats)
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's single shard; differentiable (see `shardwise.from_local`)."""
+        from .dist import to_local
+
+        return to_local(self)
 
     # -- DCP's _Checkpointable protocol ------------------------------------
 

@@ -257,7 +257,7 @@ class Layout:
         """
         shape = tuple(shape)
         dim = _normalize_dim(dim, len(shape))
-        return cls._along(shape, dim, _chunk_sizes(shape[dim], world_size), None, world_size)
+        return cls.along(shape, dim, _chunk_sizes(shape[dim], world_size), None, world_size)
 
     @classmethod
     def row_wise(
@@ -276,7 +276,7 @@ class Layout:
         shape = tuple(shape)
         if len(shape) < 1:
             raise ValueError("row_wise needs a tensor of at least 1 dimension")
-        return cls._along(shape, 0, _check_sizes(sizes, shape[0], "row_wise"), ranks, world_size)
+        return cls.along(shape, 0, _check_sizes(sizes, shape[0], "row_wise"), ranks, world_size)
 
     @classmethod
     def column_wise(
@@ -291,17 +291,21 @@ class Layout:
         shape = tuple(shape)
         if len(shape) < 2:
             raise ValueError("column_wise needs a tensor of at least 2 dimensions")
-        return cls._along(shape, 1, _check_sizes(sizes, shape[1], "column_wise"), ranks, world_size)
+        return cls.along(shape, 1, _check_sizes(sizes, shape[1], "column_wise"), ranks, world_size)
 
     @classmethod
-    def _along(
+    def along(
         cls,
-        shape: tuple[int, ...],
+        shape: Sequence[int],
         dim: int,
-        sizes: list[int],
-        ranks: Sequence[int] | None,
-        world_size: int | None,
+        sizes: Sequence[int],
+        ranks: Sequence[int] | None = None,
+        world_size: int | None = None,
     ) -> Layout:
+        """Consecutive blocks along `dim` of the given sizes; block `i` on `ranks[i]` (default `i`)."""
+        shape = tuple(shape)
+        dim = _normalize_dim(dim, len(shape))
+        sizes = _check_sizes(sizes, shape[dim], f"dimension {dim}")
         if ranks is None:
             ranks = range(len(sizes))
         elif len(ranks) != len(sizes):

@@ -1,0 +1,22 @@
+"""The only code that talks to a process group: build, gather, scatter, redistribute.
+
+Every function here is collective over the tensor's group (every rank calls
+it, in the same order) and raises the same error on every rank on bad input.
+"""
+
+from __future__ import annotations
+
+from .build import from_local_shards
+from .collectives import distribute, equal, full_tensor, gather, redistribute
+from .local import from_local, to_local
+
+__all__ = [
+    "distribute",
+    "equal",
+    "from_local",
+    "from_local_shards",
+    "full_tensor",
+    "gather",
+    "redistribute",
+    "to_local",
+]

@@ -1,0 +1,44 @@
+"""Make every rank raise the same error, or none: the rule for collective entry points.
+
+A collective that fails on one rank and proceeds on the others hangs the job.
+So each entry point checks its local input first, then exchanges the verdict
+(and whatever metadata it needs) in one `all_gather_object`; if any rank
+found a problem, every rank raises the same exception type with the same
+message, naming the faulty rank, and the process group stays usable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from ..errors import ShardwiseError
+
+__all__ = ["Problem", "exchange", "raise_agreed"]
+
+# (exception type, message) of one rank's problem, or None: picklable by design.
+Problem = tuple[type, str] | None
+
+
+def exchange(problem: BaseException | None, payload: Any, group: Any) -> list[Any]:
+    """All-gather `payload` from every rank; raise on all ranks if any had a problem."""
+    mine: Problem = None if problem is None else (type(problem), str(problem))
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (mine, payload), group=group)
+    raise_agreed([p for p, _ in gathered])
+    return [payload for _, payload in gathered]
+
+
+def raise_agreed(problems: list[Problem]) -> None:
+    """Raise the first rank's problem, listing every faulty rank, on every rank."""
+    faulty = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+    if not faulty:
+        return
+    kind, _ = faulty[0][1]
+    message = "; ".join(f"rank {rank}: {msg}" for rank, (_, msg) in faulty)
+    try:
+        error = kind(message)
+    except Exception:  # an exception type that wants other arguments
+        error = ShardwiseError(message)
+    raise error

@@ -1,0 +1,124 @@
+"""Build a ShardedTensor from what each rank holds: validated collectively.
+
+`from_local_shards` learns the layout by all-gathering every rank's block
+offsets and sizes (metadata only, one `all_gather_object`), so ranks need
+not agree on anything beforehand; a problem on any rank is raised on all.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import LayoutError, ShardMismatchError
+from ..layout import Block, Layout
+from ..tensor import ShardedTensor
+from .agreement import exchange, raise_agreed
+
+__all__ = ["from_local_shards"]
+
+
+def _check_local(
+    shards: Sequence[torch.Tensor], offsets: Sequence[Sequence[int]]
+) -> tuple[BaseException | None, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """This rank's blocks, or the first problem with its input."""
+    if len(shards) != len(offsets):
+        return ShardMismatchError(f"{len(shards)} shards but {len(offsets)} offsets"), []
+    blocks = []
+    for i, (shard, offset) in enumerate(zip(shards, offsets)):
+        if not isinstance(shard, torch.Tensor) or isinstance(shard, ShardedTensor):
+            return TypeError(f"shard {i} is a {type(shard).__name__}, not a plain tensor"), []
+        offset = tuple(int(o) for o in offset)
+        if len(offset) != shard.dim():
+            return ShardMismatchError(
+                f"shard {i} is {shard.dim()}-d but its offsets {offset} have {len(offset)} entries"
+            ), []
+        if min(offset, default=0) < 0:
+            return LayoutError(f"shard {i} has negative offsets {offset}"), []
+        if not shard.is_contiguous():
+            return ShardMismatchError(
+                f"shard {i} at offsets {offset} is not contiguous; call .contiguous() on it"
+            ), []
+        if shard.dtype != shards[0].dtype:
+            return TypeError(
+                f"shard {i} is {shard.dtype} but shard 0 is {shards[0].dtype}; use one dtype"
+            ), []
+        if shard.device != shards[0].device:
+            return ShardMismatchError(
+                f"shard {i} is on {shard.device} but shard 0 is on {shards[0].device}"
+            ), []
+        blocks.append((offset, tuple(shard.shape)))
+    return None, blocks
+
+
+def from_local_shards(
+    shards: Sequence[torch.Tensor],
+    offsets: Sequence[Sequence[int]],
+    global_shape: Sequence[int] | None = None,
+    group: Any = None,
+) -> ShardedTensor:
+    """Collective: every rank passes its shards and their global offsets.
+
+    The global shape is inferred as the bounding box of all blocks when not
+    given. Overlaps, holes, bounds, dtype/device mismatches and non-contiguous
+    shards raise the same exception on every rank, naming the faulty rank.
+    """
+    shards = list(shards)
+    offsets = list(offsets)
+    problem, blocks = _check_local(shards, offsets)
+    meta = {
+        "blocks": blocks,
+        "dtype": shards[0].dtype if shards and problem is None else None,
+        "device_type": shards[0].device.type if shards and problem is None else None,
+        "requires_grad": any(getattr(s, "requires_grad", False) for s in shards),
+        "shape": None if global_shape is None else tuple(int(s) for s in global_shape),
+    }
+    everyone = exchange(problem, meta, group)
+    # From here on every rank reasons over identical data, so raises identically.
+    problems: list[Any] = [None] * len(everyone)
+    holders = [(r, m) for r, m in enumerate(everyone) if m["dtype"] is not None]
+    if holders:
+        ref_rank, ref = holders[0]
+        for r, m in holders[1:]:
+            if m["dtype"] != ref["dtype"] and problems[r] is None:
+                problems[r] = (TypeError, f"its shards are {m['dtype']} but rank {ref_rank}'s are {ref['dtype']}")
+            elif m["device_type"] != ref["device_type"] and problems[r] is None:
+                problems[r] = (
+                    ShardMismatchError,
+                    f"its shards are on {m['device_type']} but rank {ref_rank}'s on {ref['device_type']}",
+                )
+    shapes = {m["shape"] for m in everyone}
+    if len(shapes) > 1:
+        raise ShardMismatchError(f"ranks passed different global shapes: {sorted(map(str, shapes))}")
+    raise_agreed(problems)
+    all_blocks = {r: [Block(o, s) for o, s in m["blocks"]] for r, m in enumerate(everyone)}
+    shape = everyone[0]["shape"]
+    if shape is None:
+        shape = _bounding_shape(all_blocks)
+    layout = Layout(shape, all_blocks, len(everyone))
+    rank = dist.get_rank(group)
+    dtype = holders[0][1]["dtype"] if holders else torch.get_default_dtype()
+    device = shards[0].device if shards else _default_device(holders[0][1]["device_type"] if holders else "cpu")
+    return ShardedTensor(
+        layout, shards, rank, dtype=dtype, device=device, group=group,
+        requires_grad=any(m["requires_grad"] for m in everyone),
+    )
+
+
+def _bounding_shape(blocks: dict[int, list[Block]]) -> tuple[int, ...]:
+    every = [b for bs in blocks.values() for b in bs]
+    if not every:
+        raise LayoutError("no rank holds a shard, so the global shape cannot be inferred; pass global_shape")
+    ndims = {b.ndim for b in every}
+    if len(ndims) > 1:
+        raise LayoutError(f"ranks hold shards of different ndim {sorted(ndims)} (ndim)")
+    return tuple(max(b.ends[d] for b in every) for d in range(every[0].ndim))
+
+
+def _default_device(device_type: str) -> torch.device:
+    """The device this rank would use for `device_type` (its current CUDA device)."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)

@@ -1,0 +1,142 @@
+"""Collectives on ShardedTensors: redistribute, full_tensor, gather, distribute, equal.
+
+All of them are one plan-driven `move` (see `transfer.py`) to a target layout:
+`full_tensor` moves to the replicated layout, `gather` to the table-wise one,
+`distribute` from a table-wise one. Autograd follows DTensor: the backward of
+a move is the move back, and the gradient of a replicated result is taken as
+identical on every rank (each shard takes its own slice, nothing is summed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import LayoutError
+from ..layout import Layout
+from ..tensor import ShardedTensor
+from .agreement import exchange
+from .transfer import move
+
+__all__ = ["distribute", "equal", "full_tensor", "gather", "redistribute"]
+
+
+def _wrap(layout: Layout, shards: list[torch.Tensor], like: ShardedTensor) -> ShardedTensor:
+    return ShardedTensor(
+        layout, shards, like.rank, dtype=like.dtype, device=like.device, group=like.group
+    )
+
+
+def _slice_into(full: torch.Tensor, layout: Layout, rank: int, group: Any) -> ShardedTensor:
+    """A full tensor, identical on every rank, as this rank's blocks of `layout`."""
+    return ShardedTensor(
+        layout, [full[b.slices()].contiguous() for b in layout.blocks_of(rank)], rank,
+        dtype=full.dtype, device=full.device, group=group,
+    )
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, st: ShardedTensor, layout: Layout, stats: dict | None) -> ShardedTensor:
+        ctx.src_layout, ctx.dst_layout = st.layout_spec, layout
+        ctx.rank, ctx.group = st.rank, st.group
+        return _wrap(layout, move(st, layout, stats), st)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[ShardedTensor, None, None]:
+        if not isinstance(grad, ShardedTensor):
+            grad = _slice_into(grad, ctx.dst_layout, ctx.rank, ctx.group)
+        return _wrap(ctx.src_layout, move(grad, ctx.src_layout), grad), None, None
+
+
+def redistribute(
+    st: ShardedTensor, layout: Layout, *, stats: dict[str, int] | None = None
+) -> ShardedTensor:
+    """A new ShardedTensor with `layout`'s blocks. Collective: every rank calls it.
+
+    Each remote element is sent once, in one `all_to_all`; elements already on
+    the rank are copied locally. Differentiable.
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"redistribute needs a shardwise.Layout, got {type(layout).__name__}")
+    return _Redistribute.apply(st, layout, stats)
+
+
+class _FullTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, st: ShardedTensor) -> torch.Tensor:
+        ctx.layout = st.layout_spec
+        ctx.rank, ctx.group = st.rank, st.group
+        whole = Layout.replicated(st.shape, st.layout_spec.world_size)
+        (full,) = move(st, whole)
+        return full
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> ShardedTensor:
+        return _slice_into(grad, ctx.layout, ctx.rank, ctx.group)
+
+
+def full_tensor(st: ShardedTensor) -> torch.Tensor:
+    """The whole tensor on every rank. Collective; differentiable."""
+    return _FullTensor.apply(st)
+
+
+def gather(st: ShardedTensor, dst: int = 0) -> torch.Tensor | None:
+    """The whole tensor on rank `dst`, None elsewhere. Collective.
+
+    Empty ranks and zero-size shards take part like any other (no deadlock).
+    """
+    world = st.layout_spec.world_size
+    if not 0 <= dst < world:
+        raise ValueError(f"gather destination rank {dst} is outside world size {world}")
+    shards = move(st, Layout.table_wise(st.shape, dst, world))
+    return shards[0] if st.rank == dst else None
+
+
+def distribute(
+    tensor: torch.Tensor | None, layout: Layout, src: int = 0, group: Any = None
+) -> ShardedTensor:
+    """Scatter `tensor` from rank `src` into `layout`. Collective; others pass None.
+
+    Only rank `src` needs the data; dtype and device type travel with the
+    first collective, and each rank receives only its own blocks.
+    """
+    rank = dist.get_rank(group)
+    problem: BaseException | None = None
+    meta = None
+    if rank == src:
+        if not isinstance(tensor, torch.Tensor):
+            problem = TypeError(f"the source rank {src} must pass a tensor, got {type(tensor).__name__}")
+        elif tuple(tensor.shape) != layout.global_shape:
+            problem = LayoutError(
+                f"the source tensor has shape {tuple(tensor.shape)} but the layout's global "
+                f"shape is {layout.global_shape}"
+            )
+        else:
+            meta = (tensor.dtype, tensor.device.type)
+    everyone = exchange(problem, meta, group)
+    dtype, device_type = everyone[src]
+    world = layout.world_size
+    whole = Layout.table_wise(layout.global_shape, src, world)
+    if rank == src:
+        device = tensor.device
+        shards = [tensor.contiguous()]
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+        shards = []
+    source = ShardedTensor(whole, shards, rank, dtype=dtype, device=device, group=group)
+    return _wrap(layout, move(source, layout), source)
+
+
+def equal(a: ShardedTensor, b: ShardedTensor) -> bool:
+    """True when both hold the same global values (layouts may differ). Collective."""
+    if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+        return False
+    if b.layout_spec != a.layout_spec:
+        b = _wrap(a.layout_spec, move(b, a.layout_spec), b)
+    same = all(torch.equal(x, y) for x, y in zip(a.local_shards(), b.local_shards()))
+    flag = torch.tensor([1 if same else 0], device=a.device if a.device.type != "meta" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=a.group)
+    return bool(flag.item())
