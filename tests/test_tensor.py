@@ -127,8 +127,8 @@ def test_public_surface_is_pinned():
     assert set(sw.__all__) == {
         "Block", "CorruptCheckpointError", "IncompleteCheckpointError", "Layout",
         "LayoutError", "ShardMismatchError", "ShardedTensor", "ShardwiseError",
-        "Transfer", "__version__", "distribute", "equal", "from_local", "plan_transfers",
-        "register_op",
+        "Transfer", "__version__", "distribute", "equal", "from_dtensor", "from_local",
+        "from_torch_sharded_tensor", "plan_transfers", "register_op", "to_dtensor",
     }
     assert issubclass(sw.LayoutError, ValueError) and issubclass(sw.LayoutError, sw.ShardwiseError)
     assert Block is sw.layout.Block

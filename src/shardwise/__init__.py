@@ -14,6 +14,7 @@ from .errors import (
     ShardwiseError,
 )
 from .layout import Block, Layout, Transfer, plan_transfers
+from .interop import from_dtensor, from_torch_sharded_tensor, to_dtensor
 from .ops import register_op
 from .tensor import ShardedTensor
 
@@ -32,7 +33,10 @@ __all__ = [
     "__version__",
     "distribute",
     "equal",
+    "from_dtensor",
     "from_local",
+    "from_torch_sharded_tensor",
     "plan_transfers",
     "register_op",
+    "to_dtensor",
 ]

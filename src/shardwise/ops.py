@@ -270,3 +270,27 @@ def _equal(func: Any, args: tuple, kwargs: dict) -> bool:
 @_handles(aten.is_same_size.default)
 def _is_same_size(func: Any, args: tuple, kwargs: dict) -> bool:
     return tuple(args[0].shape) == tuple(args[1].shape)
+
+
+# -- functional collectives, as LocalShardsWrapper handles them -------------------
+
+_c10d = torch.ops._c10d_functional
+
+
+@_handles(_c10d.all_gather_into_tensor.default)
+def _all_gather_into_tensor(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """Gather this rank's shards, concatenated flat and viewed as rows of the
+    first shard's trailing shape (LocalShardsWrapper's convention, in N-d)."""
+    shards = args[0].local_shards()
+    if shards:
+        rows = torch.cat([s.reshape(-1) for s in shards]).view(-1, *shards[0].shape[1:])
+    else:
+        rows = torch.empty(0, dtype=args[0].dtype, device=args[0].device)
+    return func(rows, *args[1:], **kwargs)
+
+
+@_handles(_c10d.wait_tensor.default)
+def _wait_tensor(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
+    for shard in args[0].local_shards():
+        func(shard)
+    return args[0]

@@ -340,6 +340,12 @@ class ShardedTensor(torch.Tensor):
 
         return redistribute(self, layout, stats=stats)
 
+    def to_dtensor(self, mesh: Any, placements: Sequence[Any]) -> Any:
+        """A DTensor sharing this rank's shard, when the layout is expressible."""
+        from .interop import to_dtensor
+
+        return to_dtensor(self, mesh, placements)
+
     def to_local(self) -> torch.Tensor:
         """This rank's single shard; differentiable (see `shardwise.from_local`)."""
         from .dist import to_local
