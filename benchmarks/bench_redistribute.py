@@ -1,0 +1,101 @@
+"""Redistribute and full_tensor against DTensor and raw collectives, same payload, one run.
+
+Run: `shardwise bench redistribute [--mib 512] [--repeat 3]`. Two local ranks
+(gloo on CPU) move a float32 tensor of `--mib` MiB from Shard(0) to Shard(1),
+a layout all three can express:
+
+* raw all_to_all_single: each rank's half already packed contiguously, the floor;
+* DTensor.redistribute(Shard(0) -> Shard(1));
+* ShardedTensor.redistribute(chunked dim 0 -> chunked dim 1);
+
+and gathers the whole tensor on every rank:
+
+* raw all_gather_into_tensor, DTensor.full_tensor(), ShardedTensor.full_tensor().
+
+Each figure is the median over `--repeat` timed runs after one warm-up, the
+slowest rank's time; ratios are to the raw collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _timed(fn, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed))
+    return statistics.median(times)
+
+
+def _rank(rank: int, world: int, mib: int, repeat: int) -> dict[str, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import shardwise as sw
+
+    torch.set_num_threads(1)
+    cols = 4096
+    rows = mib * 2**20 // 4 // cols
+    shape = (rows, cols)
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(rank)
+    row_layout = sw.Layout.chunked(shape, 0, world)
+    col_layout = sw.Layout.chunked(shape, 1, world)
+    (block,) = row_layout.blocks_of(rank)
+    local = torch.randn(block.sizes, generator=g)
+    st = sw.ShardedTensor.from_layout(row_layout, [local])
+    dt = distribute_tensor(torch.empty(shape), mesh, (Shard(0),))
+    dt._local_tensor.copy_(local)
+
+    packed = local.reshape(-1).clone()
+    received = torch.empty_like(packed)
+    gathered = torch.empty(shape)
+    results = {
+        "raw all_to_all_single": _timed(lambda: dist.all_to_all_single(received, packed), repeat),
+        "DTensor.redistribute": _timed(lambda: dt.redistribute(mesh, (Shard(1),)), repeat),
+        "shardwise redistribute": _timed(lambda: st.redistribute(col_layout), repeat),
+        "raw all_gather_into_tensor": _timed(
+            lambda: dist.all_gather_into_tensor(gathered, local), repeat
+        ),
+        "DTensor.full_tensor": _timed(lambda: dt.full_tensor(), repeat),
+        "shardwise full_tensor": _timed(lambda: st.full_tensor(), repeat),
+    }
+    # correctness of what was timed
+    assert torch.equal(st.redistribute(col_layout).full_tensor(), dt.full_tensor())
+    return results
+
+
+def main() -> None:
+    from shardwise.testing import run_ranks
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--mib", type=int, default=512, help="global tensor size in MiB")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--world-size", type=int, default=2)
+    args = parser.parse_args()
+    results = run_ranks(_rank, args.world_size, args.mib, args.repeat, timeout=1800)[0]
+    print(f"{args.mib} MiB float32, {args.world_size} ranks (gloo, CPU), median of {args.repeat}")
+    for base, names in (
+        ("raw all_to_all_single", ["DTensor.redistribute", "shardwise redistribute"]),
+        ("raw all_gather_into_tensor", ["DTensor.full_tensor", "shardwise full_tensor"]),
+    ):
+        floor = results[base]
+        print(f"  {base:<28} {floor:8.3f} s   1.00x")
+        for name in names:
+            print(f"  {name:<28} {results[name]:8.3f} s   {results[name] / floor:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
