@@ -5,6 +5,7 @@ Hierarchy::
     ShardwiseError                      base of everything below
     ├── LayoutError (ValueError)        a block or layout breaks a geometric rule
     ├── ShardMismatchError (ValueError) local shards disagree with their layout
+    ├── CheckpointMismatchError (ValueError) state dict and checkpoint disagree (keys, shapes, dtypes)
     ├── CorruptCheckpointError          stored bytes fail their checksum
     └── IncompleteCheckpointError       a checkpoint whose commit never finished
 
@@ -15,6 +16,7 @@ bad geometry) keeps ``except ValueError`` working for code that predates us.
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointMismatchError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "LayoutError",
@@ -33,6 +35,10 @@ class LayoutError(ShardwiseError, ValueError):
 
 class ShardMismatchError(ShardwiseError, ValueError):
     """Local shards do not match the layout they claim (count, sizes, device)."""
+
+
+class CheckpointMismatchError(ShardwiseError, ValueError):
+    """A state dict and a checkpoint disagree: missing or unexpected keys, shapes, dtypes."""
 
 
 class CorruptCheckpointError(ShardwiseError, OSError):

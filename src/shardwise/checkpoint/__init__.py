@@ -1,11 +1,34 @@
-"""Checkpointing ShardedTensors through `torch.distributed.checkpoint` (DCP).
+"""Checkpointing sharded state through `torch.distributed.checkpoint` (DCP).
 
-`protocol` implements DCP's `_Checkpointable` hooks, so stock `dcp.save` and
-`dcp.load` accept a `ShardedTensor` with no other help.
+    import shardwise.checkpoint as swc
+    swc.save(state_dict, "ckpt/step_100")        # collective
+    swc.load(state_dict, "ckpt/step_100")        # collective, in place, any layout
+    t = swc.read_tensor("ckpt/step_100", "emb.weight", region=Block((0, 0), (10, 256)))
+
+The format is a DCP checkpoint (stock `dcp.load` reads it) plus `shardwise.json`;
+`Writer` / `Reader` plug into `dcp.save` / `dcp.load` directly.
 """
 
 from __future__ import annotations
 
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, LayoutError
+from ..errors import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    LayoutError,
+)
+from .api import SaveInfo, load, read_tensor, save
+from .storage import Reader, Writer
 
-__all__ = ["CorruptCheckpointError", "IncompleteCheckpointError", "LayoutError"]
+__all__ = [
+    "CheckpointMismatchError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "LayoutError",
+    "Reader",
+    "SaveInfo",
+    "Writer",
+    "load",
+    "read_tensor",
+    "save",
+]

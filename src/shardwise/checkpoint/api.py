@@ -1,0 +1,213 @@
+"""`save`, `load`, `read_tensor`: checkpoints of sharded state over DCP.
+
+`save` and `load` are collective (every rank calls them with its own state
+dict) and check everything they can before touching disk or targets: a
+problem on any rank is raised, listing every offending key, on every rank.
+`read_tensor` works offline, in one process, with no process group.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+from ..dist.agreement import exchange
+from ..errors import CheckpointMismatchError, ShardwiseError
+from ..layout import Block
+from .storage import Reader, Writer, recover
+
+__all__ = ["SaveInfo", "load", "read_tensor", "save"]
+
+
+@dataclass(frozen=True)
+class SaveInfo:
+    path: Path
+    seconds: float
+
+
+def _distributed(group: Any) -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _agree(problem: BaseException | None, group: Any) -> None:
+    """Raise `problem` (from any rank) on every rank; locally when not distributed."""
+    if _distributed(group):
+        exchange(problem, None, group)
+    elif problem is not None:
+        raise problem
+
+
+def _unwrap(e: CheckpointException) -> BaseException:
+    """DCP wraps per-rank failures; surface the first real one, same type on every rank."""
+    for failure in e.failures.values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, (ShardwiseError, OSError, ValueError)):
+            return inner
+    return e
+
+
+def save(
+    state_dict: dict[str, Any],
+    path: str | Path,
+    *,
+    overwrite: bool = False,
+    process_group: Any = None,
+    thread_count: int = 1,
+) -> SaveInfo:
+    """Save `state_dict` to `path`. Collective.
+
+    The checkpoint appears at `path` only once every rank's data is durable;
+    an existing one is refused unless `overwrite=True`, which replaces it
+    atomically.
+    """
+    path = Path(path)
+    problem = None
+    if not _distributed(process_group) or dist.get_rank(process_group) == 0:
+        recover(path)
+        if path.exists() and not overwrite:
+            problem = FileExistsError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
+    _agree(problem, process_group)
+    start = time.perf_counter()
+    try:
+        dcp.save(
+            state_dict,
+            storage_writer=Writer(path, overwrite=overwrite, thread_count=thread_count),
+            planner=DefaultSavePlanner(dedup_save_to_lowest_rank=False),
+            process_group=process_group,
+        )
+    except CheckpointException as e:
+        raise _unwrap(e) from e
+    return SaveInfo(path, time.perf_counter() - start)
+
+
+def _mismatches(state_dict: dict[str, Any], metadata: Any, strict: bool) -> list[str]:
+    flat, _ = flatten_state_dict(state_dict)
+    stored = metadata.state_dict_metadata
+    problems = []
+    for key, value in flat.items():
+        md = stored.get(key)
+        if md is None:
+            if strict:
+                problems.append(f"'{key}' is missing from the checkpoint")
+            continue
+        if isinstance(value, torch.Tensor):
+            if not isinstance(md, TensorStorageMetadata):
+                problems.append(f"'{key}' is a tensor here but a Python object in the checkpoint")
+                continue
+            if tuple(value.shape) != tuple(md.size):
+                problems.append(f"'{key}' shape {tuple(value.shape)} here, {tuple(md.size)} in the checkpoint")
+            if value.dtype != md.properties.dtype:
+                problems.append(f"'{key}' dtype {value.dtype} here, {md.properties.dtype} in the checkpoint")
+    if strict:
+        problems += [f"'{k}' is in the checkpoint but not in the state dict (unexpected)" for k in stored if k not in flat]
+    return problems
+
+
+def load(
+    state_dict: dict[str, Any],
+    path: str | Path,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+    process_group: Any = None,
+) -> Reader:
+    """Fill `state_dict`'s tensors and objects in place from `path`. Collective.
+
+    Targets may use any layout and world size: each rank reads only the byte
+    ranges its targets need. Key, shape and dtype problems are all listed at
+    once, on every rank, before any target is modified. Returns the reader
+    (its `bytes_read` says what this rank read).
+    """
+    path = Path(path)
+    reader = Reader(path, verify=verify)
+    problem: BaseException | None = None
+    try:
+        if not _distributed(process_group) or dist.get_rank(process_group) == 0:
+            recover(path)
+        if _distributed(process_group):
+            dist.barrier(group=process_group)
+        metadata = reader.read_metadata()
+        found = _mismatches(state_dict, metadata, strict)
+        if found:
+            problem = CheckpointMismatchError(f"{path}: " + "; ".join(found))
+    except (ShardwiseError, OSError, ValueError) as e:
+        problem = e
+    _agree(problem, process_group)
+    try:
+        dcp.load(
+            state_dict,
+            storage_reader=reader,
+            planner=DefaultLoadPlanner(allow_partial_load=not strict),
+            process_group=process_group,
+        )
+    except CheckpointException as e:
+        raise _unwrap(e) from e
+    return reader
+
+
+def read_tensor(path: str | Path, fqn: str, region: Block | None = None) -> torch.Tensor:
+    """Read tensor `fqn` (or only `region` of it, in global coordinates) offline.
+
+    One process, no process group; reads only the bytes of the region.
+    """
+    reader = Reader(Path(path))
+    metadata = reader.read_metadata()
+    md = metadata.state_dict_metadata.get(fqn)
+    if md is None:
+        raise KeyError(f"no tensor '{fqn}' in {path}")
+    if not isinstance(md, TensorStorageMetadata):
+        raise KeyError(f"'{fqn}' in {path} is a Python object, not a tensor")
+    shape = tuple(md.size)
+    if region is None:
+        region = Block((0,) * len(shape), shape)
+    if region.ndim != len(shape) or any(e > s for e, s in zip(region.ends, shape)):
+        raise ValueError(f"region {region} is out of bounds of '{fqn}' with shape {shape}")
+    out = torch.empty(region.sizes, dtype=md.properties.dtype)
+    reader.set_up_storage_reader(metadata, True)
+    items = []
+    for chunk in md.chunks:
+        stored = Block(tuple(chunk.offsets), tuple(chunk.sizes))
+        overlap = stored.intersect(region)
+        if overlap is None:
+            continue
+        items.append(
+            ReadItem(
+                type=LoadItemType.TENSOR,
+                dest_index=MetadataIndex(fqn, region.offsets),
+                dest_offsets=torch.Size(overlap.relative_to(region).offsets),
+                storage_index=MetadataIndex(fqn, chunk.offsets),
+                storage_offsets=torch.Size(overlap.relative_to(stored).offsets),
+                lengths=torch.Size(overlap.sizes),
+            )
+        )
+    reader.read_data(_Plan(items), _IntoTensor(out)).wait()
+    return out
+
+
+class _Plan:
+    def __init__(self, items: list[ReadItem]) -> None:
+        self.items = items
+
+
+class _IntoTensor:
+    """The two LoadPlanner calls `Reader.read_data` makes, aimed at one tensor."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out = out
+
+    def resolve_tensor(self, req: ReadItem) -> torch.Tensor:
+        return self.out[tuple(slice(o, o + n) for o, n in zip(req.dest_offsets, req.lengths))]
+
+    def commit_tensor(self, req: ReadItem, tensor: torch.Tensor) -> None:
+        pass

@@ -1,0 +1,155 @@
+"""Where a tensor's bytes sit inside a `torch.save` record, without loading it.
+
+Stock DCP stores every chunk as one `torch.save` record (a zip archive, entries
+stored uncompressed) inside a `.distcp` file. To read a sub-box of a chunk we
+need the offset of the storage payload and the tensor's dtype, shape, strides
+and storage offset. Both come from the record itself: the zip central
+directory (read by `zipfile` through a window on the file) and the tiny
+`data.pkl`, parsed by an unpickler that admits only the globals a plain
+tensor record uses and never rebuilds anything.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RecordLayout", "read_record_layout"]
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """A tensor record: payload bytes at `payload_offset` (absolute, in the file)."""
+
+    payload_offset: int
+    payload_length: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    c_contiguous: bool  # payload holds the elements in C order from byte 0
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of `[start, start + length)` of an open file."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        self._fd, self._start, self._length, self._pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        n = max(0, min(len(buffer), self._length - self._pos))
+        data = os.pread(self._fd, n, self._start + self._pos) if n else b""
+        buffer[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+class _StorageRef:
+    def __init__(self, dtype: torch.dtype, key: str, numel: int) -> None:
+        self.dtype, self.key, self.numel = dtype, key, numel
+
+
+class _TensorArgs:
+    def __init__(self, storage: _StorageRef, offset: int, size: tuple, stride: tuple, *rest: object) -> None:
+        self.storage, self.offset, self.size, self.stride = storage, offset, tuple(size), tuple(stride)
+
+
+# "FloatStorage" -> torch.float32, without touching the deprecated TypedStorage classes.
+_STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+
+
+def _storage_dtype(name: str) -> torch.dtype:
+    if name not in _STORAGE_DTYPES:
+        raise pickle.UnpicklingError(f"unknown storage type torch.{name}")
+    return _STORAGE_DTYPES[name]
+
+
+class _TensorRecordUnpickler(pickle.Unpickler):
+    """Reads `data.pkl` of a single-tensor record into `_TensorArgs`; refuses anything else."""
+
+    def find_class(self, module: str, name: str) -> object:
+        if (module, name) in (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor")):
+            return _TensorArgs
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if module == "torch" and name.endswith("Storage"):
+            return _storage_dtype(name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refused global {module}.{name} in a tensor record")
+
+    def persistent_load(self, pid: object) -> _StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r} in a tensor record")
+        _, dtype, key, _location, numel = pid
+        if not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError("storage of unknown dtype in a tensor record")
+        return _StorageRef(dtype, str(key), int(numel))
+
+
+def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+def read_record_layout(fd: int, offset: int, length: int) -> RecordLayout:
+    """Parse the `torch.save` record at `[offset, offset + length)` of `fd`.
+
+    Reads only the zip directory, one local header and `data.pkl` (a few KiB).
+    Raises `ValueError` when the record is not a single plain tensor.
+    """
+    window = _Window(fd, offset, length)
+    try:
+        with zipfile.ZipFile(io.BufferedReader(window)) as archive:
+            infos = {i.filename.split("/", 1)[-1]: i for i in archive.infolist()}
+            pkl = infos.get("data.pkl")
+            if pkl is None:
+                raise ValueError("no data.pkl in the record")
+            args = _TensorRecordUnpickler(io.BytesIO(archive.read(pkl))).load()
+    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, struct.error) as e:
+        raise ValueError(f"not a readable tensor record: {e}") from e
+    if not isinstance(args, _TensorArgs):
+        raise ValueError("the record holds something other than a single tensor")
+    entry = infos.get(f"data/{args.storage.key}")
+    if entry is None or entry.compress_type != zipfile.ZIP_STORED:
+        raise ValueError("tensor payload missing or compressed")
+    header = os.pread(fd, 30, offset + entry.header_offset)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise ValueError("bad zip local header in the record")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    data_start = entry.header_offset + 30 + name_len + extra_len
+    if data_start + entry.file_size > length:
+        raise ValueError("tensor payload runs past the end of the record")
+    shape = args.size
+    contiguous = args.offset == 0 and (
+        math.prod(shape) <= 1 or all(
+            st == c for st, c, s in zip(args.stride, _c_strides(shape), shape) if s > 1
+        )
+    )
+    return RecordLayout(offset + data_start, entry.file_size, args.storage.dtype, shape, contiguous)

@@ -1,0 +1,454 @@
+"""`Writer` / `Reader`: DCP storage for shardwise checkpoints.
+
+Writer (a stock `FileSystemWriter` underneath, so stock `dcp.load` reads the
+result): every rank writes its `.distcp` files into a hidden staging folder
+beside the target, checksumming each chunk while its bytes are in cache and
+fsyncing the files; the coordinator then writes `.metadata`, then
+`shardwise.json` (fsynced), and only then renames the staging folder onto the
+target. A crash at any point leaves earlier checkpoints intact and no folder
+at the target that loads as complete.
+
+Reader: reads `shardwise.json` (never unpickling `.metadata`), or a stock
+`.metadata` through an unpickler that admits only DCP's classes. It reads
+only the byte ranges of each stored chunk that the load targets need, and
+verifies the checksum pages it reads.
+
+Call order (DCP's): reset -> set_up_storage_writer/reader -> prepare plans
+(collective) -> write_data/read_data on every rank -> finish on the coordinator.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import math
+import os
+import shutil
+from torch.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import numpy as np
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from .manifest import (
+    MANIFEST,
+    MARKER,
+    PAGE_SIZE,
+    ChunkEntry,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    dtype_from_name,
+    dtype_name,
+)
+from .records import RecordLayout, read_record_layout
+from .safe_pickle import load_metadata
+
+__all__ = ["Reader", "Writer", "partial_dirs", "recover"]
+
+
+# -- folder protocol ------------------------------------------------------------------
+
+
+def _staging_dir(final: Path) -> Path:
+    return final.parent / f".{final.name}.shardwise-partial"
+
+
+def _backup_dir(final: Path) -> Path:
+    return final.parent / f".{final.name}.shardwise-old"
+
+
+def partial_dirs(final: Path) -> list[Path]:
+    """Staging folders of saves to `final` that never committed."""
+    return [p for p in (_staging_dir(final),) if p.exists()]
+
+
+def recover(final: Path) -> None:
+    """Finish an interrupted overwrite: if only the backup of `final` exists, put it back."""
+    backup = _backup_dir(final)
+    if not final.exists() and (backup / MANIFEST).exists():
+        os.rename(backup, final)
+        _fsync_dir(final.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+
+
+def _pages(payload: memoryview, page_size: int) -> list[int]:
+    if len(payload) == 0:
+        return [crc32c.crc32c(b"")]
+    return [crc32c.crc32c(payload[i : i + page_size]) for i in range(0, len(payload), page_size)]
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The C-order bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+# -- writer -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Written:
+    """A stock `_StorageInfo` plus what the manifest needs; unwrapped in `finish`."""
+
+    stock: _StorageInfo
+    pages: list[int]
+    payload: tuple[int, int] | None = None
+
+
+class _ChecksummingPlanner:
+    """Wraps the save planner: hands the writer contiguous CPU tensors and
+    checksums each item's bytes right as the writer asks for them."""
+
+    def __init__(self, planner: SavePlanner, page_size: int) -> None:
+        self._planner = planner
+        self._page_size = page_size
+        self.pages: dict[MetadataIndex, list[int]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def resolve_data(self, item: Any) -> Any:
+        data = self._planner.resolve_data(item)
+        if isinstance(data, torch.Tensor):
+            data = data.detach().cpu().contiguous()
+            if data.untyped_storage().nbytes() != data.nbytes:
+                data = data.clone()  # a view: store only its own bytes, from offset 0
+            self.pages[item.index] = _pages(_bytes_of(data), self._page_size)
+        else:
+            self.pages[item.index] = [crc32c.crc32c(data.getbuffer())]
+        return data
+
+
+class Writer(FileSystemWriter):
+    """A DCP `StorageWriter` producing a shardwise checkpoint at `path`.
+
+    Usable directly with `torch.distributed.checkpoint.save(..., storage_writer=Writer(path))`.
+    `overwrite=False` refuses an existing checkpoint at `path`; `True` replaces it.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, *, overwrite: bool = False, thread_count: int = 1
+    ) -> None:
+        self.final_path = Path(path)
+        self.replace = overwrite
+        super().__init__(_staging_dir(self.final_path), thread_count=thread_count, overwrite=True)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.final_path = Path(checkpoint_id)
+        super().reset(_staging_dir(self.final_path))
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        if is_coordinator:
+            recover(self.final_path)
+            if self.final_path.exists() and not self.replace:
+                raise FileExistsError(
+                    f"checkpoint {self.final_path} already exists; pass overwrite=True to replace it"
+                )
+            # A stale staging folder from a crashed save: no rank writes before the
+            # global plan, which follows this call, so removing it here is safe.
+            shutil.rmtree(_staging_dir(self.final_path), ignore_errors=True)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan  # the folder is made in write_data, after the coordinator's cleanup
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self.fs.mkdir(self.path)
+        (Path(self.path) / MARKER).touch()
+        wrapped = _ChecksummingPlanner(planner, PAGE_SIZE)
+        results = super().write_data(plan, wrapped).wait()  # type: ignore[arg-type]
+        objects = {i.index for i in plan.items if i.type == WriteItemType.BYTE_IO}
+        out = []
+        handles: dict[str, int] = {}
+        try:
+            for r in results:
+                info = r.storage_data
+                payload = None
+                if r.index not in objects:
+                    fd = handles.get(info.relative_path)
+                    if fd is None:
+                        fd = handles[info.relative_path] = os.open(Path(self.path) / info.relative_path, os.O_RDONLY)
+                    layout = read_record_layout(fd, info.offset, info.length)
+                    payload = (layout.payload_offset, layout.payload_length)
+                out.append(WriteResult(r.index, r.size_in_bytes, _Written(info, wrapped.pages[r.index], payload)))
+        finally:
+            for fd in handles.values():
+                os.close(fd)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(out)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        manifest = Manifest(world_size=len(results))
+        stock = []
+        written: dict[MetadataIndex, _Written] = {}
+        for rank_results in results:
+            stock.append([WriteResult(r.index, r.size_in_bytes, r.storage_data.stock) for r in rank_results])
+            written.update({r.index: r.storage_data for r in rank_results})
+        super().finish(metadata, stock)  # .metadata for stock readers, fsynced
+        for fqn, md in metadata.state_dict_metadata.items():
+            if hasattr(md, "chunks"):
+                entry = manifest.tensors[fqn] = TensorEntry(dtype_name(md.properties.dtype), tuple(md.size))
+                for chunk in md.chunks:
+                    w = written[MetadataIndex(fqn, chunk.offsets)]
+                    entry.chunks.append(
+                        ChunkEntry(
+                            tuple(chunk.offsets), tuple(chunk.sizes), w.stock.relative_path,
+                            (w.stock.offset, w.stock.length), w.payload, w.pages,
+                        )
+                    )
+            else:
+                w = written[MetadataIndex(fqn)]
+                manifest.objects[fqn] = ObjectEntry(w.stock.relative_path, w.stock.offset, w.stock.length, w.pages[0])
+        staging = Path(self.path)
+        _write_durably(staging / MANIFEST, manifest.to_json().encode())
+        _fsync_dir(staging)
+        self._publish(staging)
+
+    def _publish(self, staging: Path) -> None:
+        final, backup = self.final_path, _backup_dir(self.final_path)
+        if final.exists():
+            if not self.replace:
+                raise FileExistsError(f"checkpoint {final} appeared during the save")
+            shutil.rmtree(backup, ignore_errors=True)
+            os.rename(final, backup)  # recover() undoes this if we die before the next rename
+        os.rename(staging, final)
+        _fsync_dir(final.parent)
+        shutil.rmtree(backup, ignore_errors=True)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=str(self.final_path), save_id=self.save_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return FileSystemWriter.validate_checkpoint_id(checkpoint_id)
+
+
+# -- reader -----------------------------------------------------------------------------
+
+
+class Reader(FileSystemReader):
+    """A DCP `StorageReader` for shardwise and stock checkpoints with ranged reads.
+
+    `bytes_read` counts every byte this reader read from data files.
+    `verify=False` skips checksum verification (and the page-widening it needs).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, verify: bool = True) -> None:
+        super().__init__(path)
+        self.verify = verify
+        self.bytes_read = 0
+        self.manifest: Manifest | None = None
+        self._chunks: dict[MetadataIndex, ChunkEntry] = {}
+        self._objects: dict[str, ObjectEntry] = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        folder = Path(self.path)
+        if (folder / MANIFEST).exists():
+            self.manifest = Manifest.read(folder)
+            self._index_manifest()
+            return self.manifest.to_metadata()
+        if (folder / MARKER).exists():
+            raise IncompleteCheckpointError(
+                f"{folder} is a shardwise checkpoint without its {MANIFEST}: the save did not commit"
+            )
+        if not (folder / ".metadata").exists():
+            if partial_dirs(folder):
+                raise IncompleteCheckpointError(
+                    f"a save to {folder} started but never committed ({partial_dirs(folder)[0].name} is left)"
+                )
+            raise FileNotFoundError(f"no checkpoint at {folder}")
+        with open(folder / ".metadata", "rb") as f:
+            return load_metadata(f)
+
+    def _index_manifest(self) -> None:
+        assert self.manifest is not None
+        for fqn, t in self.manifest.tensors.items():
+            for c in t.chunks:
+                self._chunks[MetadataIndex(fqn, c.offsets)] = c
+        self._objects = dict(self.manifest.objects)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        if self.manifest is None and (Path(self.path) / MANIFEST).exists():
+            self.manifest = Manifest.read(Path(self.path))  # non-coordinators got metadata by broadcast
+            self._index_manifest()
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_file: dict[str, list[Any]] = {}
+        for req in plan.items:
+            by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        for name, reqs in by_file.items():
+            path = Path(self.path) / name
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError as e:
+                raise CorruptCheckpointError(f"data file {path} is missing") from e
+            try:
+                size = os.fstat(fd).st_size
+                for req in reqs:
+                    info = self.storage_data[req.storage_index]
+                    if info.offset + info.length > size:
+                        raise CorruptCheckpointError(
+                            f"'{req.storage_index.fqn}': bytes {info.offset}..{info.offset + info.length} of "
+                            f"{path} lie past its end ({size} bytes): the file is truncated"
+                        )
+                    if req.type == LoadItemType.BYTE_IO:
+                        self._read_object(fd, path, req, info, planner)
+                    else:
+                        self._read_tensor(fd, path, req, info, planner)
+            finally:
+                os.close(fd)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _pread(self, fd: int, n: int, offset: int, path: Path) -> bytes:
+        data = os.pread(fd, n, offset)
+        self.bytes_read += len(data)
+        if len(data) != n:
+            raise CorruptCheckpointError(f"{path}: short read of {n} bytes at {offset}: truncated")
+        return data
+
+    def _read_object(self, fd: int, path: Path, req: Any, info: _StorageInfo, planner: LoadPlanner) -> None:
+        data = self._pread(fd, info.length, info.offset, path)
+        entry = self._objects.get(req.storage_index.fqn)
+        if entry is not None and self.verify and crc32c.crc32c(data) != entry.crc32c:
+            raise CorruptCheckpointError(
+                f"object '{req.storage_index.fqn}' in {path} bytes {info.offset}..{info.offset + info.length} "
+                f"fails its checksum"
+            )
+        planner.load_bytes(req, io.BytesIO(data))
+
+    def _read_tensor(self, fd: int, path: Path, req: Any, info: _StorageInfo, planner: LoadPlanner) -> None:
+        entry = self._chunks.get(req.storage_index)
+        if entry is not None:
+            layout = RecordLayout(entry.payload[0], entry.payload[1], _dtype(self, req), entry.sizes, True)
+            pages = entry.pages if self.verify else None
+        else:
+            try:
+                layout = read_record_layout(fd, info.offset, info.length)
+            except ValueError as e:
+                raise CorruptCheckpointError(f"'{req.storage_index.fqn}' in {path}: {e}") from e
+            pages = None  # stock checkpoints carry no checksums
+        target = planner.resolve_tensor(req).detach()
+        if layout.c_contiguous:
+            piece = self._read_box(fd, path, req, layout, pages)
+        else:  # a strided record: load it whole, as stock DCP does
+            record = self._pread(fd, info.length, info.offset, path)
+            whole = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
+            piece = whole[tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))]
+        if tuple(piece.shape) != tuple(target.shape):
+            raise CorruptCheckpointError(f"'{req.storage_index.fqn}' in {path}: stored chunk has the wrong size")
+        target.copy_(piece)
+        planner.commit_tensor(req, target)
+
+    def _read_box(self, fd: int, path: Path, req: Any, layout: RecordLayout, pages: list[int] | None) -> torch.Tensor:
+        """Read the sub-box `req.storage_offsets/lengths` of a C-order payload: only its byte runs."""
+        itemsize = torch.empty((), dtype=layout.dtype).element_size()
+        runs = _runs(layout.shape, tuple(req.storage_offsets), tuple(req.lengths), itemsize)
+        total = sum(n for _, n in runs)
+        out = np.empty(total, dtype=np.uint8)
+        if pages is None:
+            pos = 0
+            for start, n in _coalesce(runs):
+                got = os.preadv(fd, [memoryview(out)[pos : pos + n]], layout.payload_offset + start)
+                self.bytes_read += got
+                if got != n:
+                    raise CorruptCheckpointError(f"{path}: short read in '{req.storage_index.fqn}': truncated")
+                pos += n
+        else:
+            page = self.manifest.page_size if self.manifest else PAGE_SIZE
+            spans = _coalesce([(s // page * page, min(layout.payload_length, -(-(s + n) // page) * page) - s // page * page) for s, n in runs])
+            buffers = {}
+            for start, n in spans:
+                data = self._pread(fd, n, layout.payload_offset + start, path)
+                for k in range(0, n, page):
+                    index = (start + k) // page
+                    if crc32c.crc32c(data[k : k + page]) != pages[index]:
+                        lo = layout.payload_offset + start + k
+                        raise CorruptCheckpointError(
+                            f"'{req.storage_index.fqn}' chunk at offsets {tuple(req.storage_index.offset)}: "
+                            f"bytes {lo}..{lo + min(page, n - k)} of {path} fail their checksum"
+                        )
+                buffers[start] = data
+            starts = sorted(buffers)
+            pos = 0
+            for s, n in runs:
+                base = starts[np.searchsorted(starts, s, side="right") - 1]
+                out[pos : pos + n] = np.frombuffer(buffers[base], dtype=np.uint8, count=n, offset=s - base)
+                pos += n
+        return torch.from_numpy(out).view(layout.dtype).view(tuple(req.lengths))
+
+
+def _dtype(reader: Reader, req: Any) -> torch.dtype:
+    assert reader.manifest is not None
+    return dtype_from_name(reader.manifest.tensors[req.storage_index.fqn].dtype)
+
+
+def _runs(
+    shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...], itemsize: int
+) -> list[tuple[int, int]]:
+    """Byte runs `(start, length)` of a sub-box of a C-order array, in C order."""
+    ndim = len(shape)
+    if ndim == 0:
+        return [(0, itemsize)]
+    if math.prod(lengths) == 0:
+        return []
+    # the trailing dimensions the box spans whole fold into one run
+    k = ndim - 1
+    while k > 0 and lengths[k] == shape[k] and offsets[k] == 0:
+        k -= 1
+    strides = [math.prod(shape[d + 1 :]) for d in range(ndim)]
+    run = lengths[k] * strides[k] * itemsize
+    base = offsets[k] * strides[k]
+    runs = []
+    for index in itertools.product(*(range(o, o + n) for o, n in zip(offsets[:k], lengths[:k]))):
+        start = base + sum(i * s for i, s in zip(index, strides))
+        runs.append((start * itemsize, run))
+    return runs
+
+
+def _coalesce(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merge runs that touch or overlap (input in increasing order)."""
+    out: list[tuple[int, int]] = []
+    for s, n in runs:
+        if out and s <= out[-1][0] + out[-1][1]:
+            ps, pn = out[-1]
+            out[-1] = (ps, max(pn, s + n - ps))
+        else:
+            out.append((s, n))
+    return out
