@@ -1,0 +1,315 @@
+"""swc.save / swc.load on real ranks: resharding, stock compatibility, ranged reads, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import shardwise as sw
+import shardwise.checkpoint as swc
+from shardwise import Block, Layout, ShardedTensor
+from shardwise.testing import run_ranks, shard_of
+
+SHAPE = (64, 32)
+
+
+def reference() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {
+        "emb": torch.randn(SHAPE, generator=g),
+        "grid": torch.randn(12, 10, 3, generator=g),
+        "bias": torch.randn(32, generator=g),
+        "half": torch.randn(6, 4, generator=g).bfloat16(),
+    }
+
+
+def save_state(rank: int, world: int) -> dict:
+    full = reference()
+    layouts = {
+        "emb": Layout.row_wise(SHAPE, [40, 24]),
+        "grid": Layout.grid((12, 10, 3), (1, 2, 1)),
+        "half": Layout.table_wise((6, 4), 1, 2),  # rank 0 holds nothing
+    }
+    state = {k: ShardedTensor.from_layout(l, shard_of(full[k], l, rank), dtype=full[k].dtype) for k, l in layouts.items()}
+    state["bias"] = full["bias"].clone()  # plain tensor: replicated, written once
+    state["extra"] = {"step": 100, "names": ["a", "b"]}
+    return state
+
+
+def load_state(rank: int, world: int) -> dict:
+    full = reference()
+    layouts = {
+        "emb": Layout.chunked(SHAPE, 1, world),  # row-wise -> column-wise
+        "grid": Layout.chunked((12, 10, 3), 0, world),
+        "half": Layout.replicated((6, 4), world),
+    }
+    state = {k: ShardedTensor.full(l, 0, dtype=full[k].dtype) for k, l in layouts.items()}
+    state["bias"] = torch.zeros(32)
+    state["extra"] = {"step": 0, "names": []}
+    return state
+
+
+def _check(state: dict) -> list[str]:
+    full, bad = reference(), []
+    for k, v in state.items():
+        if k == "extra":
+            if v != {"step": 100, "names": ["a", "b"]}:
+                bad.append(f"extra {v}")
+        elif isinstance(v, ShardedTensor):
+            for shard, block in zip(v.local_shards(), v.local_blocks):
+                if not torch.equal(shard, full[k][block.slices()]):
+                    bad.append(f"rank {v.rank} {k} {block}")
+        elif not torch.equal(v, full[k]):
+            bad.append(k)
+    return bad
+
+
+def _save(rank: int, world: int, path: str) -> None:
+    swc.save(save_state(rank, world), path)
+
+
+def _load(rank: int, world: int, path: str, verify: bool) -> tuple[list[str], int, int]:
+    state = load_state(rank, world)
+    reader = swc.load(state, path, verify=verify)
+    needed = sum(
+        sum(s.numel() * s.element_size() for s in v.local_shards())
+        for k, v in state.items() if isinstance(v, ShardedTensor)
+    ) + 32 * 4
+    needed += sum(o.length for o in reader.manifest.objects.values())  # pickled objects, read whole
+    return _check(state), reader.bytes_read, needed
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("swc") / "step_100")
+    run_ranks(_save, 2, path, timeout=90)
+    return path
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_save_on_2_load_on_other_world_sizes(saved, world):
+    results = run_ranks(_load, world, saved, True, timeout=90)
+    assert [bad for bad, _, _ in results] == [[]] * world
+
+
+def test_ranged_reads_row_wise_to_column_wise(saved):
+    """verify=False: a rank reads only the byte runs its column band needs."""
+    for bad, read, needed in run_ranks(_load, 4, saved, False, timeout=90):
+        assert bad == [] and read <= 1.1 * needed, (read, needed)
+
+
+def test_manifest_and_stock_reader(saved):
+    manifest = json.loads((Path(saved) / "shardwise.json").read_text())
+    assert manifest["format"] == "shardwise.checkpoint" and manifest["world_size"] == 2
+    assert manifest["tensors"]["emb"]["shape"] == [64, 32]
+    assert len(manifest["tensors"]["bias"]["chunks"]) == 1  # replicated: written once
+    assert "extra.step" in manifest["objects"]
+    full = reference()
+    plain = {k: torch.zeros_like(v) for k, v in full.items()}
+    plain["extra"] = {"step": 0, "names": []}
+    dcp.load(plain, storage_reader=dcp.FileSystemReader(saved))  # stock, no shardwise code
+    assert all(torch.equal(plain[k], full[k]) for k in full) and plain["extra"]["step"] == 100
+
+
+def test_read_tensor_offline(saved):
+    full = reference()
+    region = Block((10, 5), (40, 7))  # crosses the row-wise boundary at 40
+    assert torch.equal(swc.read_tensor(saved, "emb", region), full["emb"][10:50, 5:12])
+    assert torch.equal(swc.read_tensor(saved, "half"), full["half"])
+    with pytest.raises(ValueError, match="out of bounds"):
+        swc.read_tensor(saved, "emb", Block((60, 0), (5, 32)))
+    with pytest.raises(KeyError):
+        swc.read_tensor(saved, "nope")
+
+
+def _stock_save(rank: int, world: int, path: str) -> None:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    full = reference()
+    mesh = init_device_mesh("cpu", (world,))
+    layout = Layout.column_wise(SHAPE, [8, 8, 8, 8], ranks=[0, 1, 0, 1])
+    blocks = layout.blocks_of(rank)
+    lsw = LocalShardsWrapper([full["emb"][b.slices()].clone() for b in blocks], [b.offsets for b in blocks])
+    state = {
+        "emb": DTensor.from_local(lsw, mesh, (Shard(1),), run_check=False, shape=torch.Size(SHAPE), stride=(32, 1)),
+        "grid": distribute_tensor(full["grid"], mesh, (Shard(0),)),
+        "bias": full["bias"].clone(),
+        "half": full["half"].clone(),
+    }
+    dcp.save(state, checkpoint_id=path)
+
+
+def _load_stock(rank: int, world: int, path: str) -> tuple[list[str], int, int]:
+    state = load_state(rank, world)
+    del state["extra"]
+    reader = swc.load(state, path)
+    needed = sum(sum(s.nbytes for s in v.local_shards()) for v in state.values() if isinstance(v, ShardedTensor))
+    return _check(state), reader.bytes_read, needed
+
+
+def test_load_a_stock_checkpoint_with_ranged_reads(tmp_path):
+    path = str(tmp_path / "stock")
+    run_ranks(_stock_save, 2, path, timeout=90)
+    for bad, read, needed in run_ranks(_load_stock, 3, path, timeout=90):
+        # stock chunks are torch.save records: we read a few KiB of zip header per chunk
+        assert bad == [] and read <= 1.1 * (needed + 32 * 4) + 8 * 4096, (read, needed)
+
+
+def _mismatch(rank: int, world: int, path: str) -> tuple[str, str, bool]:
+    state = load_state(rank, world)
+    if rank == 1:
+        state["emb"] = ShardedTensor.zeros(Layout.chunked((64, 31), 1, world))  # shape, one rank only
+    state["half"] = ShardedTensor.zeros(Layout.replicated((6, 4), world), dtype=torch.float32)
+    state["missing"] = torch.zeros(2)
+    try:
+        swc.load(state, path)
+    except Exception as e:
+        untouched = all(bool((s == 0).all()) for s in state["grid"].local_shards())
+        return type(e).__name__, str(e), untouched
+    return "no error", "", False
+
+
+def test_mismatches_listed_on_every_rank_before_any_write(saved):
+    results = run_ranks(_mismatch, 2, saved, timeout=60)
+    for name, message, untouched in results:
+        assert name == "CheckpointMismatchError" and untouched
+        for word in ("rank 1", "'emb' shape", "'half' dtype", "'missing' is missing"):
+            assert word in message, (word, message)
+    assert results[0][:2] == results[1][:2]
+
+
+def _exists(rank: int, world: int, path: str) -> str:
+    try:
+        swc.save(save_state(rank, world), path)
+    except FileExistsError as e:
+        return str(e)
+    return "saved"
+
+
+def test_existing_checkpoint_refused_then_replaced(saved, tmp_path):
+    assert all("overwrite=True" in r for r in run_ranks(_exists, 2, saved, timeout=60))
+    copy = tmp_path / "copy"
+    run_ranks(_save, 2, str(copy), timeout=60)
+    before = (copy / "shardwise.json").stat().st_mtime_ns
+    run_ranks(_overwrite, 2, str(copy), timeout=60)
+    assert (copy / "shardwise.json").stat().st_mtime_ns != before
+    assert not list(tmp_path.glob(".copy.shardwise-*"))
+
+
+def _overwrite(rank: int, world: int, path: str) -> None:
+    swc.save(save_state(rank, world), path, overwrite=True)
+
+
+# -- damage: corruption, truncation, incomplete saves, malicious metadata ----------------
+
+
+def _copy(src: str, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _full_targets() -> dict:
+    state = {k: torch.zeros_like(v) for k, v in reference().items()}
+    state["extra"] = {"step": 0, "names": []}
+    return state
+
+
+def test_flipped_byte_is_caught_naming_tensor_file_and_range(saved, tmp_path):
+    bad = _copy(saved, tmp_path / "bad")
+    manifest = json.loads((bad / "shardwise.json").read_text())
+    chunk = manifest["tensors"]["emb"]["chunks"][0]
+    with open(bad / chunk["file"], "r+b") as f:
+        f.seek(chunk["payload"][0] + 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(swc.CorruptCheckpointError) as info:
+        swc.load(_full_targets(), bad)
+    assert "'emb'" in str(info.value) and chunk["file"] in str(info.value) and "bytes" in str(info.value)
+    state = _full_targets()
+    swc.load(state, bad, verify=False)  # the caller can opt out
+
+
+def test_truncated_file_is_caught(saved, tmp_path):
+    bad = _copy(saved, tmp_path / "trunc")
+    data = sorted(bad.glob("*.distcp"))[0]
+    os.truncate(data, data.stat().st_size // 2)
+    with pytest.raises(swc.CorruptCheckpointError, match="truncated"):
+        swc.load(_full_targets(), bad)
+
+
+def test_incomplete_checkpoints(saved, tmp_path):
+    no_manifest = _copy(saved, tmp_path / "nomanifest")
+    (no_manifest / "shardwise.json").unlink()
+    with pytest.raises(swc.IncompleteCheckpointError):
+        swc.load(_full_targets(), no_manifest)
+    (tmp_path / ".ghost.shardwise-partial").mkdir()
+    with pytest.raises(swc.IncompleteCheckpointError, match="never committed"):
+        swc.load(_full_targets(), tmp_path / "ghost")
+    with pytest.raises(FileNotFoundError):
+        swc.load(_full_targets(), tmp_path / "nothing")
+
+
+class _Touch:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def test_malicious_stock_metadata_runs_nothing(tmp_path):
+    folder = tmp_path / "evil"
+    folder.mkdir()
+    victim = tmp_path / "pwned"
+    (folder / ".metadata").write_bytes(pickle.dumps(_Touch(str(victim))))
+    with pytest.raises(pickle.UnpicklingError, match="refused global"):
+        swc.load({"x": torch.zeros(1)}, folder)
+    assert not victim.exists()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("file", "../../etc/passwd"), ("payload", [-1, 4]), ("sizes", [10**12, 32])],
+    ids=["path-traversal", "negative-offset", "absurd-size"],
+)
+def test_hostile_manifest_fields(saved, tmp_path, field, value):
+    bad = _copy(saved, tmp_path / field)
+    manifest = json.loads((bad / "shardwise.json").read_text())
+    manifest["tensors"]["emb"]["chunks"][0][field] = value
+    (bad / "shardwise.json").write_text(json.dumps(manifest))
+    with pytest.raises(swc.CorruptCheckpointError):
+        swc.load(_full_targets(), bad)
+
+
+def _load_corrupt(rank: int, world: int, path: str) -> str:
+    try:
+        swc.load(load_state(rank, world), path)
+    except Exception as e:
+        return type(e).__name__
+    return "no error"
+
+
+def test_corruption_found_by_one_rank_raises_on_every_rank(saved, tmp_path):
+    bad = _copy(saved, tmp_path / "bad2")
+    manifest = json.loads((bad / "shardwise.json").read_text())
+    # grid's second chunk (columns 5..10) is read by every rank of a row split;
+    # emb rows 40..64 only by the ranks holding them: corrupt that one
+    chunk = next(c for c in manifest["tensors"]["emb"]["chunks"] if c["offsets"] == [40, 0])
+    with open(bad / chunk["file"], "r+b") as f:
+        f.seek(chunk["payload"][0] + 8)
+        f.write(b"\x00\x01\x02\x03")
+    # 2 ranks, column-wise targets: both read rows 40..64, so make one rank not read it:
+    assert run_ranks(_load_corrupt, 2, str(bad), timeout=60) == ["CorruptCheckpointError"] * 2
