@@ -313,3 +313,32 @@ def test_corruption_found_by_one_rank_raises_on_every_rank(saved, tmp_path):
         f.write(b"\x00\x01\x02\x03")
     # 2 ranks, column-wise targets: both read rows 40..64, so make one rank not read it:
     assert run_ranks(_load_corrupt, 2, str(bad), timeout=60) == ["CorruptCheckpointError"] * 2
+
+
+def _async(rank: int, world: int, folder: str) -> list[str]:
+    from shardwise.checkpoint.api import _ASYNC
+
+    bad = []
+    state = save_state(rank, world)
+    fut = swc.async_save(state, f"{folder}/a")
+    for v in state.values():  # modifying right away must not change what is saved
+        if isinstance(v, torch.Tensor):
+            for s in (v.local_shards() if isinstance(v, ShardedTensor) else [v]):
+                s.fill_(-1)
+    state["extra"]["step"] = -1
+    fut.result()
+    buffers = {k: b.data_ptr() for k, b in _ASYNC.stager._buffers.items()}
+    second = swc.async_save(save_state(rank, world), f"{folder}/b")
+    second.result()
+    if {k: b.data_ptr() for k, b in _ASYNC.stager._buffers.items()} != buffers:
+        bad.append("staging buffers were reallocated on the second save")
+    for name in ("a", "b"):
+        target = load_state(rank, world)
+        swc.load(target, f"{folder}/{name}")
+        bad += [f"{name}: {b}" for b in _check(target)]
+    dist.barrier()
+    return bad
+
+
+def test_async_save_stages_then_commits_in_background(tmp_path):
+    assert run_ranks(_async, 2, str(tmp_path), timeout=90) == [[], []]

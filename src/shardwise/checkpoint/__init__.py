@@ -2,6 +2,7 @@
 
     import shardwise.checkpoint as swc
     swc.save(state_dict, "ckpt/step_100")        # collective
+    fut = swc.async_save(state_dict, "ckpt/step_200")  # returns after staging
     swc.load(state_dict, "ckpt/step_100")        # collective, in place, any layout
     t = swc.read_tensor("ckpt/step_100", "emb.weight", region=Block((0, 0), (10, 256)))
 
@@ -17,7 +18,7 @@ from ..errors import (
     IncompleteCheckpointError,
     LayoutError,
 )
-from .api import SaveInfo, load, read_tensor, save
+from .api import SaveInfo, async_save, load, read_tensor, save
 from .storage import Reader, Writer
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "Reader",
     "SaveInfo",
     "Writer",
+    "async_save",
     "load",
     "read_tensor",
     "save",

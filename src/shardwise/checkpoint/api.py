@@ -9,6 +9,7 @@ problem on any rank is raised, listing every offending key, on every rank.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,9 +26,10 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from ..dist.agreement import exchange
 from ..errors import CheckpointMismatchError, ShardwiseError
 from ..layout import Block
+from .staging import Stager
 from .storage import Reader, Writer, recover
 
-__all__ = ["SaveInfo", "load", "read_tensor", "save"]
+__all__ = ["SaveInfo", "async_save", "load", "read_tensor", "save"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,15 @@ def _unwrap(e: CheckpointException) -> BaseException:
     return e
 
 
+def _check_target(path: Path, overwrite: bool, process_group: Any) -> None:
+    problem = None
+    if not _distributed(process_group) or dist.get_rank(process_group) == 0:
+        recover(path)
+        if path.exists() and not overwrite:
+            problem = FileExistsError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
+    _agree(problem, process_group)
+
+
 def save(
     state_dict: dict[str, Any],
     path: str | Path,
@@ -72,12 +83,13 @@ def save(
     atomically.
     """
     path = Path(path)
-    problem = None
-    if not _distributed(process_group) or dist.get_rank(process_group) == 0:
-        recover(path)
-        if path.exists() and not overwrite:
-            problem = FileExistsError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
-    _agree(problem, process_group)
+    _check_target(path, overwrite, process_group)
+    return _save_checked(state_dict, path, overwrite, process_group, thread_count)
+
+
+def _save_checked(
+    state_dict: dict[str, Any], path: Path, overwrite: bool, process_group: Any, thread_count: int
+) -> SaveInfo:
     start = time.perf_counter()
     try:
         dcp.save(
@@ -89,6 +101,54 @@ def save(
     except CheckpointException as e:
         raise _unwrap(e) from e
     return SaveInfo(path, time.perf_counter() - start)
+
+
+class _AsyncSaver:
+    """One background thread and one gloo group of its own, so the save's
+    collectives never interleave with the training loop's on the default group."""
+
+    def __init__(self) -> None:
+        self.stager = Stager()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="shardwise-async-save")
+        self.groups: dict[Any, Any] = {}
+        self.pending: Future | None = None
+
+    def group_for(self, process_group: Any) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if process_group not in self.groups:  # collective: every rank gets here together
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            self.groups[process_group] = dist.new_group(ranks=ranks, backend="gloo")
+        return self.groups[process_group]
+
+
+_ASYNC = _AsyncSaver()
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    path: str | Path,
+    *,
+    overwrite: bool = False,
+    process_group: Any = None,
+    thread_count: int = 1,
+) -> Future:
+    """Stage `state_dict` and save it in the background. Collective.
+
+    Returns once the state is copied into staging buffers (kept between calls),
+    so the caller may modify it right away; `.result()` on the returned future
+    waits for the commit and returns `SaveInfo` (or raises the save's error).
+    A previous pending save is waited for first: its buffers are reused.
+    """
+    path = Path(path)
+    if _ASYNC.pending is not None:
+        _ASYNC.pending.result()
+    _check_target(path, overwrite, process_group)
+    group = _ASYNC.group_for(process_group)
+    staged = _ASYNC.stager.stage(state_dict)
+    _ASYNC.stager.synchronize()
+    _ASYNC.pending = _ASYNC.executor.submit(_save_checked, staged, path, overwrite, group, thread_count)
+    return _ASYNC.pending
 
 
 def _mismatches(state_dict: dict[str, Any], metadata: Any, strict: bool) -> list[str]:
