@@ -121,9 +121,59 @@ def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 def read_record_layout(fd: int, offset: int, length: int) -> RecordLayout:
     """Parse the `torch.save` record at `[offset, offset + length)` of `fd`.
 
-    Reads only the zip directory, one local header and `data.pkl` (a few KiB).
-    Raises `ValueError` when the record is not a single plain tensor.
+    Reads the record's first few KiB (its small entries come before the
+    payload) or, failing that, its zip directory. Raises `ValueError` when
+    the record is not a single plain tensor.
     """
+    head = os.pread(fd, min(length, _HEAD), offset)
+    try:
+        fast = _scan_head(head)
+    except (pickle.UnpicklingError, EOFError, struct.error, ValueError):
+        fast = None
+    if fast is not None:
+        args, data_start = fast
+        size = args.storage.numel * torch.empty((), dtype=args.storage.dtype).element_size()
+        return _layout(args, offset, data_start, size, length)
+    return _read_via_directory(fd, offset, length)
+
+
+_HEAD = 4096
+_LOCAL = struct.Struct("<4s5H3I2H")  # signature, version, flags, method, time, date, crc, sizes, name/extra lengths
+_SIGNATURE = b"PK\x03\x04"
+
+
+def _local_header(head: bytes, pos: int) -> tuple[str, int]:
+    """(entry name without the archive folder, data start) of the local header at `pos`."""
+    sig, _, _, method, _, _, _, _, _, nlen, xlen = _LOCAL.unpack_from(head, pos)
+    if sig != _SIGNATURE or method != 0:
+        raise ValueError("not a stored zip entry")
+    name = head[pos + _LOCAL.size : pos + _LOCAL.size + nlen].decode("utf-8", "replace")
+    return name.split("/", 1)[-1], pos + _LOCAL.size + nlen + xlen
+
+
+def _scan_head(head: bytes) -> tuple[_TensorArgs, int] | None:
+    """Walk torch.save's leading entries: data.pkl (unpickled in place, which
+    tells where it ends, since local headers carry no sizes), then the small
+    entries up to the payload's header. None when anything is unusual."""
+    name, start = _local_header(head, 0)
+    if name != "data.pkl":
+        return None
+    stream = io.BytesIO(head[start:])
+    args = _TensorRecordUnpickler(stream).load()
+    if not isinstance(args, _TensorArgs):
+        return None
+    pos = start + stream.tell()
+    while True:
+        pos = head.find(_SIGNATURE, pos)
+        if pos < 0 or pos + _LOCAL.size > len(head):
+            return None
+        name, data_start = _local_header(head, pos)
+        if name == f"data/{args.storage.key}":
+            return args, data_start
+        pos = data_start
+
+
+def _read_via_directory(fd: int, offset: int, length: int) -> RecordLayout:
     window = _Window(fd, offset, length)
     try:
         with zipfile.ZipFile(io.BufferedReader(window)) as archive:
@@ -144,7 +194,13 @@ def read_record_layout(fd: int, offset: int, length: int) -> RecordLayout:
         raise ValueError("bad zip local header in the record")
     name_len, extra_len = struct.unpack("<HH", header[26:30])
     data_start = entry.header_offset + 30 + name_len + extra_len
-    if data_start + entry.file_size > length:
+    return _layout(args, offset, data_start, entry.file_size, length)
+
+
+def _layout(args: object, offset: int, data_start: int, data_size: int, length: int) -> RecordLayout:
+    if not isinstance(args, _TensorArgs):
+        raise ValueError("the record holds something other than a single tensor")
+    if data_start + data_size > length:
         raise ValueError("tensor payload runs past the end of the record")
     shape = args.size
     contiguous = args.offset == 0 and (
@@ -152,4 +208,4 @@ def read_record_layout(fd: int, offset: int, length: int) -> RecordLayout:
             st == c for st, c, s in zip(args.stride, _c_strides(shape), shape) if s > 1
         )
     )
-    return RecordLayout(offset + data_start, entry.file_size, args.storage.dtype, shape, contiguous)
+    return RecordLayout(offset + data_start, data_size, args.storage.dtype, shape, contiguous)
