@@ -258,7 +258,7 @@ def main() -> None:
         print(f"  {'async blocking: stock / shardwise':42}{r['stock async blocking']:9.3f} / {r['shardwise async blocking']:.3f}"
               f"{_ratio(r['stock async blocking'], r['shardwise async blocking']):>10}")
         print(f"  {'peak RSS growth during sync save':42}{r['rss growth MiB']:9.0f} MiB per rank")
-        print(f"  reshard load row-wise -> column-wise, 4 ranks:")
+        print("  reshard load row-wise -> column-wise, 4 ranks:")
         print(f"    stock {rs['stock reshard load']:.3f}s, shardwise {rs['shardwise reshard load']:.3f}s "
               f"({_ratio(rs['stock reshard load'], rs['shardwise reshard load'])}), verify=False "
               f"{rs['shardwise reshard load (verify=False)']:.3f}s "

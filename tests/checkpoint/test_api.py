@@ -14,7 +14,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-import shardwise as sw
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
 from shardwise.testing import run_ranks, shard_of

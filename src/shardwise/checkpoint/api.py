@@ -74,7 +74,6 @@ def save(
     *,
     overwrite: bool = False,
     process_group: Any = None,
-    thread_count: int = 1,
 ) -> SaveInfo:
     """Save `state_dict` to `path`. Collective.
 
@@ -84,17 +83,17 @@ def save(
     """
     path = Path(path)
     _check_target(path, overwrite, process_group)
-    return _save_checked(state_dict, path, overwrite, process_group, thread_count)
+    return _save_checked(state_dict, path, overwrite, process_group)
 
 
 def _save_checked(
-    state_dict: dict[str, Any], path: Path, overwrite: bool, process_group: Any, thread_count: int
+    state_dict: dict[str, Any], path: Path, overwrite: bool, process_group: Any
 ) -> SaveInfo:
     start = time.perf_counter()
     try:
         dcp.save(
             state_dict,
-            storage_writer=Writer(path, overwrite=overwrite, thread_count=thread_count),
+            storage_writer=Writer(path, overwrite=overwrite),
             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=False),
             process_group=process_group,
         )
@@ -131,7 +130,6 @@ def async_save(
     *,
     overwrite: bool = False,
     process_group: Any = None,
-    thread_count: int = 1,
 ) -> Future:
     """Stage `state_dict` and save it in the background. Collective.
 
@@ -147,7 +145,7 @@ def async_save(
     group = _ASYNC.group_for(process_group)
     staged = _ASYNC.stager.stage(state_dict)
     _ASYNC.stager.synchronize()
-    _ASYNC.pending = _ASYNC.executor.submit(_save_checked, staged, path, overwrite, group, thread_count)
+    _ASYNC.pending = _ASYNC.executor.submit(_save_checked, staged, path, overwrite, group)
     return _ASYNC.pending
 
 

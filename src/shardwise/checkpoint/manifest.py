@@ -111,7 +111,7 @@ class Manifest:
                     for k, o in self.objects.items()
                 },
             },
-            indent=1,
+            separators=(",", ":"),  # no indent: keeps json's C encoder (10x faster)
         )
 
     @classmethod

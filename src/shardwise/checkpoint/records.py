@@ -209,3 +209,105 @@ def _layout(args: object, offset: int, data_start: int, data_size: int, length: 
         )
     )
     return RecordLayout(offset + data_start, data_size, args.storage.dtype, shape, contiguous)
+
+
+# -- writing ----------------------------------------------------------------------------
+#
+# The same archive torch.save(tensor) writes (entries stored, data aligned to
+# 64 bytes, CRCs 0 as with torch.serialization.set_crc32_options(False)),
+# produced directly so the payload goes from tensor memory to the file with
+# no copy and no pickling machinery per tensor.
+
+_STORAGE_NAMES = {dtype: name for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+_ALIGN = 64
+_ZIP64_LIMIT = 0xFFFFFFFF
+
+
+def _pickle_int(n: int) -> bytes:
+    if 0 <= n < 256:
+        return b"K" + bytes([n])
+    if -(2**31) <= n < 2**31:
+        return b"J" + struct.pack("<i", n)
+    raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw
+
+
+def _pickle_str(s: str) -> bytes:
+    raw = s.encode()
+    return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+def _pickle_tuple(values: tuple[int, ...]) -> bytes:
+    return b"(" + b"".join(_pickle_int(v) for v in values) + b"t" if values else b")"
+
+
+def _data_pkl(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    """Protocol-2 pickle of `_rebuild_tensor_v2(storage '0', 0, shape, C strides, False, {})`."""
+    numel = math.prod(shape)
+    return b"".join(
+        [
+            b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n((",
+            _pickle_str("storage"), b"ctorch\n", _STORAGE_NAMES[dtype].encode(), b"\n",
+            _pickle_str("0"), _pickle_str("cpu"), _pickle_int(numel), b"tQ",
+            _pickle_int(0), _pickle_tuple(shape), _pickle_tuple(_c_strides(shape)),
+            b"\x89ccollections\nOrderedDict\n)Rt",
+            b"R.",
+        ]
+    )
+
+
+def _stored_entry(name: bytes, size: int, pos: int) -> bytes:
+    """A stored entry's local header, padded so its data starts 64-byte aligned."""
+    zip64 = size >= _ZIP64_LIMIT
+    extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
+    fixed = 30 + len(name) + len(extra) + 4
+    pad = (-(pos + fixed)) % _ALIGN
+    extra += b"FB" + struct.pack("<H", pad) + b"Z" * pad
+    small = _ZIP64_LIMIT if zip64 else size
+    return struct.pack(
+        "<4sHHHHHIIIHH", b"PK\x03\x04", 45 if zip64 else 20, 0x0800, 0, 0, 0, 0, small, small, len(name), len(extra)
+    ) + name + extra
+
+
+def _central_entry(name: bytes, size: int, offset: int) -> bytes:
+    fields = [v for v, big in ((size, size >= _ZIP64_LIMIT), (size, size >= _ZIP64_LIMIT), (offset, offset >= _ZIP64_LIMIT)) if big]
+    extra = struct.pack("<HH", 1, 8 * len(fields)) + struct.pack(f"<{len(fields)}Q", *fields) if fields else b""
+    return struct.pack(
+        "<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 45, 45 if fields else 20, 0x0800, 0, 0, 0, 0,
+        min(size, _ZIP64_LIMIT), min(size, _ZIP64_LIMIT), len(name), len(extra), 0, 0, 0, 0,
+        min(offset, _ZIP64_LIMIT),
+    ) + name + extra
+
+
+def tensor_record(t: torch.Tensor, serialization_id: str = "0" * 40) -> tuple[bytes, memoryview, bytes]:
+    """`(head, payload, tail)` of the record `torch.save(t)` would write; `t` must be a
+    contiguous CPU tensor. The payload is `t`'s own memory; it starts at `len(head)`."""
+    payload = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    central: list[tuple[bytes, int, int]] = []
+    head = bytearray()
+    for name, data in (
+        (b"archive/data.pkl", _data_pkl(t.dtype, tuple(t.shape))),
+        (b"archive/.format_version", b"1"),
+        (b"archive/.storage_alignment", b"64"),
+        (b"archive/byteorder", b"little"),
+    ):
+        central.append((name, len(data), len(head)))
+        head += _stored_entry(name, len(data), len(head)) + data
+    central.append((b"archive/data/0", len(payload), len(head)))
+    head += _stored_entry(b"archive/data/0", len(payload), len(head))
+    pos = len(head) + len(payload)
+    tail = bytearray()
+    for name, data in ((b"archive/version", b"3"), (b"archive/.data/serialization_id", serialization_id.encode())):
+        central.append((name, len(data), pos + len(tail)))
+        tail += _stored_entry(name, len(data), pos + len(tail)) + data
+    cd_start = pos + len(tail)
+    directory = b"".join(_central_entry(*entry) for entry in central)
+    tail += directory
+    eocd64_at = cd_start + len(directory)
+    n = len(central)
+    tail += struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, len(directory), cd_start)
+    tail += struct.pack("<4sIQI", b"PK\x06\x07", 0, eocd64_at, 1)
+    tail += struct.pack(
+        "<4sHHHHIIH", b"PK\x05\x06", 0, 0, n, n, min(len(directory), _ZIP64_LIMIT), min(cd_start, _ZIP64_LIMIT), 0
+    )
+    return bytes(head), payload, bytes(tail)

@@ -1,9 +1,10 @@
 """`Writer` / `Reader`: DCP storage for shardwise checkpoints.
 
-Writer (a stock `FileSystemWriter` underneath, so stock `dcp.load` reads the
-result): every rank writes its `.distcp` files into a hidden staging folder
-beside the target, checksumming each chunk while its bytes are in cache and
-fsyncing the files; the coordinator then writes `.metadata`, then
+Writer (stock `FileSystemWriter` planning and `.metadata`, and data files in
+its format, so stock `dcp.load` reads the result): every rank writes one
+`.distcp` file into a hidden staging folder beside the target, each tensor a
+torch.save-format record written straight from the tensor's memory and
+checksummed while its bytes are in cache, then fsyncs it; the coordinator then writes `.metadata`, then
 `shardwise.json` (fsynced), and only then renames the staging folder onto the
 target. A crash at any point leaves earlier checkpoints intact and no folder
 at the target that loads as complete.
@@ -33,7 +34,7 @@ import crc32c
 import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -57,7 +58,7 @@ from .manifest import (
     dtype_from_name,
     dtype_name,
 )
-from .records import RecordLayout, read_record_layout
+from .records import RecordLayout, read_record_layout, tensor_record
 from .safe_pickle import load_metadata
 
 __all__ = ["Reader", "Writer", "partial_dirs", "recover"]
@@ -110,9 +111,17 @@ def _pages(payload: memoryview, page_size: int) -> list[int]:
     return [crc32c.crc32c(payload[i : i + page_size]) for i in range(0, len(payload), page_size)]
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The C-order bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+def _write_all(fd: int, buffers: list[Any]) -> None:
+    """`writev` until every byte is written (one call may write less)."""
+    pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while pending:
+        n = os.writev(fd, pending[:1024])
+        while n:
+            if n >= len(pending[0]):
+                n -= len(pending.pop(0))
+            else:
+                pending[0] = pending[0][n:]
+                n = 0
 
 
 # -- writer -----------------------------------------------------------------------------
@@ -127,30 +136,6 @@ class _Written:
     payload: tuple[int, int] | None = None
 
 
-class _ChecksummingPlanner:
-    """Wraps the save planner: hands the writer contiguous CPU tensors and
-    checksums each item's bytes right as the writer asks for them."""
-
-    def __init__(self, planner: SavePlanner, page_size: int) -> None:
-        self._planner = planner
-        self._page_size = page_size
-        self.pages: dict[MetadataIndex, list[int]] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._planner, name)
-
-    def resolve_data(self, item: Any) -> Any:
-        data = self._planner.resolve_data(item)
-        if isinstance(data, torch.Tensor):
-            data = data.detach().cpu().contiguous()
-            if data.untyped_storage().nbytes() != data.nbytes:
-                data = data.clone()  # a view: store only its own bytes, from offset 0
-            self.pages[item.index] = _pages(_bytes_of(data), self._page_size)
-        else:
-            self.pages[item.index] = [crc32c.crc32c(data.getbuffer())]
-        return data
-
-
 class Writer(FileSystemWriter):
     """A DCP `StorageWriter` producing a shardwise checkpoint at `path`.
 
@@ -158,12 +143,10 @@ class Writer(FileSystemWriter):
     `overwrite=False` refuses an existing checkpoint at `path`; `True` replaces it.
     """
 
-    def __init__(
-        self, path: str | os.PathLike, *, overwrite: bool = False, thread_count: int = 1
-    ) -> None:
+    def __init__(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:
         self.final_path = Path(path)
         self.replace = overwrite
-        super().__init__(_staging_dir(self.final_path), thread_count=thread_count, overwrite=True)
+        super().__init__(_staging_dir(self.final_path), overwrite=True)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -186,36 +169,40 @@ class Writer(FileSystemWriter):
         return plan  # the folder is made in write_data, after the coordinator's cleanup
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        self.fs.mkdir(self.path)
-        (Path(self.path) / MARKER).touch()
-        wrapped = _ChecksummingPlanner(planner, PAGE_SIZE)
-        # torch.save's zip CRC32 costs ~40% of its time and duplicates our crc32c
-        # pages; records without it still load with torch.load.
-        crc32 = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)
+        """Write this rank's items into one file: objects as pickled bytes, tensors
+        as torch.save-format records whose payload is written straight from the
+        tensor's memory (`writev`, no copy), checksummed while in cache; fsync."""
+        folder = Path(self.path)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / MARKER).touch()
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        results = []
+        fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            results = super().write_data(plan, wrapped).wait()  # type: ignore[arg-type]
+            pos = 0
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    buf = data.getbuffer()
+                    _write_all(fd, [buf])
+                    written = _Written(_StorageInfo(name, pos, len(buf)), [crc32c.crc32c(buf)])
+                    pos += len(buf)
+                else:
+                    tensor = data.detach().cpu().contiguous()
+                    head, payload, tail = tensor_record(tensor, self.save_id.replace("-", "")[:40].ljust(40, "0"))
+                    _write_all(fd, [head, payload, tail])
+                    length = len(head) + len(payload) + len(tail)
+                    written = _Written(
+                        _StorageInfo(name, pos, length), _pages(payload, PAGE_SIZE),
+                        (pos + len(head), len(payload)),
+                    )
+                    pos += length
+                results.append(WriteResult(item.index, written.stock.length, written))
+            os.fsync(fd)
         finally:
-            torch.serialization.set_crc32_options(crc32)
-        objects = {i.index for i in plan.items if i.type == WriteItemType.BYTE_IO}
-        out = []
-        handles: dict[str, int] = {}
-        try:
-            for r in results:
-                info = r.storage_data
-                payload = None
-                if r.index not in objects:
-                    fd = handles.get(info.relative_path)
-                    if fd is None:
-                        fd = handles[info.relative_path] = os.open(Path(self.path) / info.relative_path, os.O_RDONLY)
-                    layout = read_record_layout(fd, info.offset, info.length)
-                    payload = (layout.payload_offset, layout.payload_length)
-                out.append(WriteResult(r.index, r.size_in_bytes, _Written(info, wrapped.pages[r.index], payload)))
-        finally:
-            for fd in handles.values():
-                os.close(fd)
+            os.close(fd)
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(out)
+        fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
