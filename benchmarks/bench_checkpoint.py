@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import tempfile
 import time
@@ -51,6 +50,22 @@ def _best(fn, repeat: int, before=None) -> float:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         best = min(best, float(elapsed))
     return best
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _reset_peak_rss() -> int:
+    """Reset the kernel's peak-RSS mark for this process; return the current RSS in bytes."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    return _status_kib("VmRSS") * 1024
 
 
 def _state(rank: int, world: int, nbytes: int, n_tensors: int = 8) -> dict:
@@ -115,11 +130,11 @@ def _main_rank(rank: int, world: int, folder: str, nbytes: int, repeat: int) -> 
     out["stock save best threads"] = min(out["stock save"], *best_threads.values())
     out["shardwise save"] = _best(lambda: swc.save(state, ours), repeat, lambda: _clean(ours))
 
-    # RSS during a sync save
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # peak RSS during a sync save, over the RSS just before it (Linux: reset the peak first)
     _clean(ours)
+    rss_before = _reset_peak_rss()
     swc.save(state, ours)
-    out["rss growth MiB"] = max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before) / 2**20
+    out["rss growth MiB"] = (_status_kib("VmHWM") * 1024 - rss_before) / 2**20
 
     targets = {k: torch.zeros_like(v) for k, v in state.items()}
     out["stock load"] = _best(lambda: dcp.load(targets, checkpoint_id=stock), repeat)

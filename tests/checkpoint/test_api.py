@@ -341,3 +341,63 @@ def _async(rank: int, world: int, folder: str) -> list[str]:
 
 def test_async_save_stages_then_commits_in_background(tmp_path):
     assert run_ranks(_async, 2, str(tmp_path), timeout=90) == [[], []]
+
+
+def _kinds(rank: int, world: int, folder: str) -> list[str]:
+    """DTensor, legacy ShardedTensor and an optimizer state dict through swc.save/load."""
+    import warnings
+
+    from torch.distributed._shard.sharded_tensor import Shard as LegacyShard
+    from torch.distributed._shard.sharded_tensor import init_from_local_shards
+
+    full = reference()["emb"]
+    mesh = init_device_mesh("cpu", (world,))
+    layout = Layout.row_wise(SHAPE, [40, 24])
+    (block,) = layout.blocks_of(rank)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        legacy = init_from_local_shards(
+            [LegacyShard.from_tensor_and_offsets(full[block.slices()].clone(), list(block.offsets), rank)], *SHAPE
+        )
+    param = torch.nn.Parameter(ShardedTensor.from_layout(layout, shard_of(full, layout, rank)))
+    opt = torch.optim.Adam([param], lr=0.1, foreach=False)
+    param.grad = ShardedTensor.from_layout(layout, shard_of(full * 0.5, layout, rank))
+    opt.step()
+    state = {
+        "dt": distribute_tensor(full, mesh, (Shard(1),)),
+        "legacy": legacy,
+        "model": {"w": param},
+        "optim": opt.state_dict(),
+    }
+    swc.save(state, f"{folder}/kinds")
+    cols = Layout.chunked(SHAPE, 1, world)
+    target_param = torch.nn.Parameter(ShardedTensor.zeros(cols))
+    target_opt = torch.optim.Adam([target_param], lr=0.1, foreach=False)
+    target_param.grad = ShardedTensor.zeros(cols)
+    target_opt.step()  # creates the state entries to load into
+    target = {
+        "dt": ShardedTensor.zeros(cols),
+        "legacy": ShardedTensor.zeros(cols),
+        "model": {"w": target_param},
+        "optim": target_opt.state_dict(),
+    }
+    swc.load(target, f"{folder}/kinds")
+    bad = []
+    for key in ("dt", "legacy"):
+        if not all(torch.equal(s, full[b.slices()]) for s, b in zip(target[key].local_shards(), target[key].local_blocks)):
+            bad.append(key)
+    expected = param.detach().full_tensor()
+    got = target_param.detach()
+    if not all(torch.equal(s, expected[b.slices()]) for s, b in zip(got.local_shards(), got.local_blocks)):
+        bad.append("param")
+    moments = opt.state[param]["exp_avg"].full_tensor()
+    loaded = target_opt.state_dict()["state"][0]["exp_avg"]
+    if not all(torch.equal(s, moments[b.slices()]) for s, b in zip(loaded.local_shards(), loaded.local_blocks)):
+        bad.append("exp_avg")
+    if float(target_opt.state_dict()["state"][0]["step"]) != 1.0:
+        bad.append("step")
+    return bad
+
+
+def test_dtensor_legacy_and_optimizer_state(tmp_path):
+    assert run_ranks(_kinds, 2, str(tmp_path), timeout=90) == [[], []]
