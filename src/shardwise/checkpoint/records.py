@@ -11,6 +11,7 @@ tensor record uses and never rebuilds anything.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
@@ -283,19 +284,27 @@ def tensor_record(t: torch.Tensor, serialization_id: str = "0" * 40) -> tuple[by
     """`(head, payload, tail)` of the record `torch.save(t)` would write; `t` must be a
     contiguous CPU tensor. The payload is `t`'s own memory; it starts at `len(head)`."""
     payload = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    head, tail = _frame(t.dtype, tuple(t.shape), len(payload), serialization_id)
+    return head, payload, tail
+
+
+@functools.lru_cache(maxsize=4096)
+def _frame(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, serialization_id: str) -> tuple[bytes, bytes]:
+    """The bytes around a payload: the same for every tensor of one dtype and shape,
+    so a state of many like-shaped tensors builds each frame once."""
     central: list[tuple[bytes, int, int]] = []
     head = bytearray()
     for name, data in (
-        (b"archive/data.pkl", _data_pkl(t.dtype, tuple(t.shape))),
+        (b"archive/data.pkl", _data_pkl(dtype, shape)),
         (b"archive/.format_version", b"1"),
         (b"archive/.storage_alignment", b"64"),
         (b"archive/byteorder", b"little"),
     ):
         central.append((name, len(data), len(head)))
         head += _stored_entry(name, len(data), len(head)) + data
-    central.append((b"archive/data/0", len(payload), len(head)))
-    head += _stored_entry(b"archive/data/0", len(payload), len(head))
-    pos = len(head) + len(payload)
+    central.append((b"archive/data/0", nbytes, len(head)))
+    head += _stored_entry(b"archive/data/0", nbytes, len(head))
+    pos = len(head) + nbytes
     tail = bytearray()
     for name, data in ((b"archive/version", b"3"), (b"archive/.data/serialization_id", serialization_id.encode())):
         central.append((name, len(data), pos + len(tail)))
@@ -310,4 +319,4 @@ def tensor_record(t: torch.Tensor, serialization_id: str = "0" * 40) -> tuple[by
     tail += struct.pack(
         "<4sHHHHIIH", b"PK\x05\x06", 0, 0, n, n, min(len(directory), _ZIP64_LIMIT), min(cd_start, _ZIP64_LIMIT), 0
     )
-    return bytes(head), payload, bytes(tail)
+    return bytes(head), bytes(tail)
