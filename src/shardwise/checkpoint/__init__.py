@@ -19,9 +19,11 @@ from ..errors import (
     LayoutError,
 )
 from .api import SaveInfo, async_save, load, read_tensor, save
+from .offline import CheckpointInfo, convert, inspect, open_checkpoint, reshard, verify
 from .storage import Reader, Writer
 
 __all__ = [
+    "CheckpointInfo",
     "CheckpointMismatchError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
@@ -30,7 +32,12 @@ __all__ = [
     "SaveInfo",
     "Writer",
     "async_save",
+    "convert",
+    "inspect",
     "load",
+    "open_checkpoint",
     "read_tensor",
+    "reshard",
     "save",
+    "verify",
 ]

@@ -19,8 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from ..dist.agreement import exchange
@@ -219,53 +218,6 @@ def read_tensor(path: str | Path, fqn: str, region: Block | None = None) -> torc
 
     One process, no process group; reads only the bytes of the region.
     """
-    reader = Reader(Path(path))
-    metadata = reader.read_metadata()
-    md = metadata.state_dict_metadata.get(fqn)
-    if md is None:
-        raise KeyError(f"no tensor '{fqn}' in {path}")
-    if not isinstance(md, TensorStorageMetadata):
-        raise KeyError(f"'{fqn}' in {path} is a Python object, not a tensor")
-    shape = tuple(md.size)
-    if region is None:
-        region = Block((0,) * len(shape), shape)
-    if region.ndim != len(shape) or any(e > s for e, s in zip(region.ends, shape)):
-        raise ValueError(f"region {region} is out of bounds of '{fqn}' with shape {shape}")
-    out = torch.empty(region.sizes, dtype=md.properties.dtype)
-    reader.set_up_storage_reader(metadata, True)
-    items = []
-    for chunk in md.chunks:
-        stored = Block(tuple(chunk.offsets), tuple(chunk.sizes))
-        overlap = stored.intersect(region)
-        if overlap is None:
-            continue
-        items.append(
-            ReadItem(
-                type=LoadItemType.TENSOR,
-                dest_index=MetadataIndex(fqn, region.offsets),
-                dest_offsets=torch.Size(overlap.relative_to(region).offsets),
-                storage_index=MetadataIndex(fqn, chunk.offsets),
-                storage_offsets=torch.Size(overlap.relative_to(stored).offsets),
-                lengths=torch.Size(overlap.sizes),
-            )
-        )
-    reader.read_data(_Plan(items), _IntoTensor(out)).wait()
-    return out
+    from .offline import open_checkpoint
 
-
-class _Plan:
-    def __init__(self, items: list[ReadItem]) -> None:
-        self.items = items
-
-
-class _IntoTensor:
-    """The two LoadPlanner calls `Reader.read_data` makes, aimed at one tensor."""
-
-    def __init__(self, out: torch.Tensor) -> None:
-        self.out = out
-
-    def resolve_tensor(self, req: ReadItem) -> torch.Tensor:
-        return self.out[tuple(slice(o, o + n) for o, n in zip(req.dest_offsets, req.lengths))]
-
-    def commit_tensor(self, req: ReadItem, tensor: torch.Tensor) -> None:
-        pass
+    return open_checkpoint(path).read(fqn, region)

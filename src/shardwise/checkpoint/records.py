@@ -19,6 +19,7 @@ import pickle
 import struct
 import zipfile
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -242,19 +243,61 @@ def _pickle_tuple(values: tuple[int, ...]) -> bytes:
     return b"(" + b"".join(_pickle_int(v) for v in values) + b"t" if values else b")"
 
 
-def _data_pkl(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
-    """Protocol-2 pickle of `_rebuild_tensor_v2(storage '0', 0, shape, C strides, False, {})`."""
-    numel = math.prod(shape)
+def _rebuild_expr(dtype: torch.dtype, shape: tuple[int, ...], key: str) -> bytes:
+    """Pickle opcodes that rebuild a tensor from storage `key`: `_rebuild_tensor_v2(...)`."""
     return b"".join(
         [
-            b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n((",
+            b"ctorch._utils\n_rebuild_tensor_v2\n((",
             _pickle_str("storage"), b"ctorch\n", _STORAGE_NAMES[dtype].encode(), b"\n",
-            _pickle_str("0"), _pickle_str("cpu"), _pickle_int(numel), b"tQ",
+            _pickle_str(key), _pickle_str("cpu"), _pickle_int(math.prod(shape)), b"tQ",
             _pickle_int(0), _pickle_tuple(shape), _pickle_tuple(_c_strides(shape)),
             b"\x89ccollections\nOrderedDict\n)Rt",
-            b"R.",
+            b"R",
         ]
     )
+
+
+def _data_pkl(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    """Protocol-2 pickle of one tensor in storage '0'."""
+    return b"\x80\x02" + _rebuild_expr(dtype, shape, "0") + b"."
+
+
+def write_torch_archive(fd: int, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], load: Any) -> None:
+    """Write what `torch.save(dict_of_tensors)` writes, streaming: `load(i)` is called
+    for each tensor in turn, so memory holds one tensor at a time."""
+    from .storage import write_all
+
+    pkl = b"\x80\x02}(" + b"".join(
+        _pickle_str(key) + _rebuild_expr(dtype, shape, str(i)) for i, (key, dtype, shape) in enumerate(tensors)
+    ) + b"u."
+    central: list[tuple[bytes, int, int]] = []
+    pos = 0
+
+    def entry(name: bytes, data: Any) -> None:
+        nonlocal pos
+        header = _stored_entry(name, len(data), pos)
+        central.append((name, len(data), pos))
+        write_all(fd, [header, data])
+        pos += len(header) + len(data)
+
+    entry(b"archive/data.pkl", pkl)
+    entry(b"archive/.format_version", b"1")
+    entry(b"archive/.storage_alignment", b"64")
+    entry(b"archive/byteorder", b"little")
+    for i in range(len(tensors)):
+        t = load(i).detach().cpu().contiguous()
+        entry(f"archive/data/{i}".encode(), memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
+    entry(b"archive/version", b"3")
+    entry(b"archive/.data/serialization_id", b"0" * 40)
+    directory = b"".join(_central_entry(*e) for e in central)
+    n = len(central)
+    trailer = directory + struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, len(directory), pos)
+    trailer += struct.pack("<4sIQI", b"PK\x06\x07", 0, pos + len(directory), 1)
+    trailer += struct.pack(
+        "<4sHHHHIIH", b"PK\x05\x06", 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
+        min(len(directory), _ZIP64_LIMIT), min(pos, _ZIP64_LIMIT), 0,
+    )
+    write_all(fd, [trailer])
 
 
 def _stored_entry(name: bytes, size: int, pos: int) -> bytes:

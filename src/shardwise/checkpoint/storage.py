@@ -61,7 +61,7 @@ from .manifest import (
 from .records import RecordLayout, read_record_layout, tensor_record
 from .safe_pickle import load_metadata
 
-__all__ = ["Reader", "Writer", "partial_dirs", "recover"]
+__all__ = ["Reader", "Writer", "fresh_staging_dir", "fsync_dir", "pages_of", "partial_dirs", "publish", "recover", "write_all", "write_durably"]
 
 
 # -- folder protocol ------------------------------------------------------------------
@@ -85,10 +85,32 @@ def recover(final: Path) -> None:
     backup = _backup_dir(final)
     if not final.exists() and (backup / MANIFEST).exists():
         os.rename(backup, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
 
 
-def _fsync_dir(path: Path) -> None:
+def publish(staging: Path, final: Path, overwrite: bool) -> None:
+    """Rename a complete staging folder onto `final` (replacing it when `overwrite`)."""
+    backup = _backup_dir(final)
+    if final.exists():
+        if not overwrite:
+            raise FileExistsError(f"checkpoint {final} already exists; pass overwrite=True to replace it")
+        shutil.rmtree(backup, ignore_errors=True)
+        os.rename(final, backup)  # recover() undoes this if we die before the next rename
+    os.rename(staging, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def fresh_staging_dir(final: Path) -> Path:
+    """Where a save to `final` writes before it commits (cleared of leftovers)."""
+    staging = _staging_dir(final)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    (staging / MARKER).touch()
+    return staging
+
+
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -96,7 +118,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_durably(path: Path, data: bytes) -> None:
+def write_durably(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -105,13 +127,13 @@ def _write_durably(path: Path, data: bytes) -> None:
     os.rename(tmp, path)
 
 
-def _pages(payload: memoryview, page_size: int) -> list[int]:
+def pages_of(payload: memoryview, page_size: int = PAGE_SIZE) -> list[int]:
     if len(payload) == 0:
         return [crc32c.crc32c(b"")]
     return [crc32c.crc32c(payload[i : i + page_size]) for i in range(0, len(payload), page_size)]
 
 
-def _write_all(fd: int, buffers: list[Any]) -> None:
+def write_all(fd: int, buffers: list[Any]) -> None:
     """`writev` until every byte is written (one call may write less)."""
     pending = [memoryview(b).cast("B") for b in buffers if len(b)]
     while pending:
@@ -184,16 +206,16 @@ class Writer(FileSystemWriter):
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     buf = data.getbuffer()
-                    _write_all(fd, [buf])
+                    write_all(fd, [buf])
                     written = _Written(_StorageInfo(name, pos, len(buf)), [crc32c.crc32c(buf)])
                     pos += len(buf)
                 else:
                     tensor = data.detach().cpu().contiguous()
                     head, payload, tail = tensor_record(tensor, self.save_id.replace("-", "")[:40].ljust(40, "0"))
-                    _write_all(fd, [head, payload, tail])
+                    write_all(fd, [head, payload, tail])
                     length = len(head) + len(payload) + len(tail)
                     written = _Written(
-                        _StorageInfo(name, pos, length), _pages(payload, PAGE_SIZE),
+                        _StorageInfo(name, pos, length), pages_of(payload),
                         (pos + len(head), len(payload)),
                     )
                     pos += length
@@ -228,20 +250,12 @@ class Writer(FileSystemWriter):
                 w = written[MetadataIndex(fqn)]
                 manifest.objects[fqn] = ObjectEntry(w.stock.relative_path, w.stock.offset, w.stock.length, w.pages[0])
         staging = Path(self.path)
-        _write_durably(staging / MANIFEST, manifest.to_json().encode())
-        _fsync_dir(staging)
+        write_durably(staging / MANIFEST, manifest.to_json().encode())
+        fsync_dir(staging)
         self._publish(staging)
 
     def _publish(self, staging: Path) -> None:
-        final, backup = self.final_path, _backup_dir(self.final_path)
-        if final.exists():
-            if not self.replace:
-                raise FileExistsError(f"checkpoint {final} appeared during the save")
-            shutil.rmtree(backup, ignore_errors=True)
-            os.rename(final, backup)  # recover() undoes this if we die before the next rename
-        os.rename(staging, final)
-        _fsync_dir(final.parent)
-        shutil.rmtree(backup, ignore_errors=True)
+        publish(staging, self.final_path, self.replace)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.final_path), save_id=self.save_id)

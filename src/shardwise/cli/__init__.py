@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 from typing import Sequence
 
-from . import bench, demo
+from ..errors import ShardwiseError
+from . import bench, convert, demo, inspect, reshard, verify
 
 __all__ = ["main", "run"]
 
-_SUBCOMMANDS = {"demo": demo, "bench": bench}
+_SUBCOMMANDS = {
+    "demo": demo,
+    "inspect": inspect,
+    "verify": verify,
+    "convert": convert,
+    "reshard": reshard,
+    "bench": bench,
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,8 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (OSError, ValueError, KeyError) as e:
-        print(f"shardwise {args.command}: error: {e}", file=sys.stderr)
+    except (OSError, ValueError, KeyError, ShardwiseError, pickle.UnpicklingError) as e:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"shardwise {args.command}: error: {message}", file=sys.stderr)
         return 1
 
 

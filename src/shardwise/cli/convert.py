@@ -1,0 +1,43 @@
+"""`shardwise convert PATH OUT --format ...`: one consolidated file, or back to a checkpoint.
+
+Checkpoint -> `safetensors` (split by `--max-file-size`, with an index, as
+Hugging Face does) or `torch`; a `.safetensors` file -> `shardwise` or `torch`.
+Streams tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_parser", "main"]
+
+
+def _size(text: str) -> int:
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert", help="to one safetensors/torch file, or a safetensors file to a checkpoint",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  shardwise convert ckpt/step_100 model.safetensors --format safetensors --max-file-size 5GiB\n"
+        "  shardwise convert model.safetensors ckpt/imported --format shardwise",
+    )
+    p.add_argument("path", help="checkpoint folder or .safetensors file")
+    p.add_argument("out", help="output file (or checkpoint folder for --format shardwise)")
+    p.add_argument("--format", required=True, choices=["safetensors", "torch", "shardwise"])
+    p.add_argument("--max-file-size", type=_size, default=None, help="split safetensors output, e.g. 5GiB")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..checkpoint import convert
+
+    for f in convert(args.path, args.out, args.format, max_file_size=args.max_file_size, overwrite=args.overwrite):
+        print(f"wrote {f}")
+    return 0

@@ -1,0 +1,42 @@
+"""`shardwise reshard PATH OUT --world-size M`: rewrite a checkpoint offline for M ranks.
+
+Each tensor is chunked along `--dim` (default 0) over M ranks, or split as a
+layout given in `--layout FILE.json` (`{"key": <Layout.to_json()>, ...}`);
+rank r's blocks go to one file, so a job at M ranks reads one contiguous file
+per rank. No process group; memory bounded by the largest block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+__all__ = ["add_parser", "main"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "reshard", help="rewrite a checkpoint into the per-rank files of another layout",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: shardwise reshard ckpt/step_100 ckpt/step_100_m8 --world-size 8 --dim 1",
+    )
+    p.add_argument("path", help="checkpoint folder (shardwise or stock DCP)")
+    p.add_argument("out", help="new checkpoint folder")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--dim", type=int, default=0, help="dimension to chunk along (default 0)")
+    p.add_argument("--layout", type=Path, default=None, help="JSON file: key -> layout JSON")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..checkpoint import reshard
+    from ..layout import Layout
+
+    layouts = None
+    if args.layout is not None:
+        layouts = {k: Layout.from_json(json.dumps(v)) for k, v in json.loads(args.layout.read_text()).items()}
+    out = reshard(args.path, args.out, args.world_size, dim=args.dim, layouts=layouts, overwrite=args.overwrite)
+    print(f"wrote {out} for {args.world_size} ranks")
+    return 0
