@@ -100,10 +100,38 @@ def test_save_on_2_load_on_other_world_sizes(saved, world):
     assert [bad for bad, _, _ in results] == [[]] * world
 
 
-def test_ranged_reads_row_wise_to_column_wise(saved):
+WIDE = (64, 4096)  # rows of 16 KiB: a quarter of a row is a whole OS page
+
+
+def _wide_save(rank: int, world: int, path: str) -> None:
+    full = torch.arange(WIDE[0] * WIDE[1], dtype=torch.float32).reshape(WIDE)
+    layout = Layout.row_wise(WIDE, [40, 24])
+    swc.save({"w": ShardedTensor.from_layout(layout, shard_of(full, layout, rank))}, path)
+
+
+def _wide_load(rank: int, world: int, path: str, verify: bool) -> tuple[bool, int, int]:
+    full = torch.arange(WIDE[0] * WIDE[1], dtype=torch.float32).reshape(WIDE)
+    target = ShardedTensor.zeros(Layout.chunked(WIDE, 1, world))
+    reader = swc.load({"w": target}, path, verify=verify)
+    (shard,) = target.local_shards()
+    return torch.equal(shard, full[target.local_blocks[0].slices()]), reader.bytes_read, shard.nbytes
+
+
+def test_ranged_reads_row_wise_to_column_wise(tmp_path):
     """verify=False: a rank reads only the byte runs its column band needs."""
+    path = str(tmp_path / "wide")
+    run_ranks(_wide_save, 2, path, timeout=90)
+    for ok, read, needed in run_ranks(_wide_load, 4, path, False, timeout=90):
+        assert ok and read <= 1.1 * needed, (read, needed)
+    for ok, read, needed in run_ranks(_wide_load, 4, path, True, timeout=90):
+        assert ok and read <= 4 * needed  # verified: whole checksum pages, never more than the chunks
+
+
+def test_narrow_rows_are_read_in_whole_pages(saved):
+    """Runs closer than an OS page are read together: never more than the stored chunks."""
     for bad, read, needed in run_ranks(_load, 4, saved, False, timeout=90):
-        assert bad == [] and read <= 1.1 * needed, (read, needed)
+        stored = sum(t.nbytes for t in reference().values()) + 32 * 4
+        assert bad == [] and read <= stored + 4096, (read, needed)
 
 
 def test_manifest_and_stock_reader(saved):

@@ -21,7 +21,6 @@ Call order (DCP's): reset -> set_up_storage_writer/reader -> prepare plans
 from __future__ import annotations
 
 import io
-import itertools
 import math
 import os
 import shutil
@@ -31,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import crc32c
-import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
@@ -389,44 +387,44 @@ class Reader(FileSystemReader):
         self, fd: int, path: Path, req: Any, layout: RecordLayout, pages: list[int] | None,
         target: torch.Tensor,
     ) -> torch.Tensor:
-        """Read the sub-box `req.storage_offsets/lengths` of a C-order payload: only its
-        byte runs, straight into `target` when it is a contiguous CPU tensor."""
+        """Read the sub-box `req.storage_offsets/lengths` of a C-order payload.
+
+        The box is a set of equal runs along its last partial dimension. Runs
+        closer than one OS page are read as one span (a smaller gap saves no
+        I/O); with verification each span is widened to whole checksum pages.
+        One span that is exactly the box is read straight into `target`;
+        otherwise each span is read once and the box gathered from it.
+        """
         itemsize = torch.empty((), dtype=layout.dtype).element_size()
-        runs = _coalesce(_runs(layout.shape, tuple(req.storage_offsets), tuple(req.lengths), itemsize))
+        starts, run = _runs(layout.shape, tuple(req.storage_offsets), tuple(req.lengths), itemsize)
         direct = target.is_contiguous() and target.device.type == "cpu" and target.dtype == layout.dtype
         dest = target if direct else torch.empty(tuple(req.lengths), dtype=layout.dtype)
-        out = memoryview(dest.reshape(-1).view(torch.uint8).numpy()) if dest.numel() else memoryview(b"")
-        name = req.storage_index.fqn
-        page = self.manifest.page_size if self.manifest else PAGE_SIZE
-        spans = runs
-        if pages is not None:
-            spans = _coalesce([
-                (s // page * page, min(layout.payload_length, -(-(s + n) // page) * page) - s // page * page)
-                for s, n in runs
-            ])
-        if spans == runs:  # read exactly the runs (page-aligned when verifying)
-            pos = 0
-            for start, n in runs:
-                got = os.preadv(fd, [out[pos : pos + n]], layout.payload_offset + start)
-                self.bytes_read += got
-                if got != n:
-                    raise CorruptCheckpointError(f"{path}: short read in '{name}': truncated")
-                if pages is not None:
-                    self._check_pages(out[pos : pos + n], start, page, pages, layout, name, path)
-                pos += n
+        if not len(starts):
             return dest
-        # widened to whole pages: read, verify, then keep the runs' bytes
-        buffers: dict[int, bytes] = {}
-        for start, n in spans:
-            data = self._pread(fd, n, layout.payload_offset + start, path)
-            self._check_pages(memoryview(data), start, page, pages, layout, name, path)
-            buffers[start] = data
-        starts = sorted(buffers)
-        pos = 0
-        for s, n in runs:
-            base = starts[int(np.searchsorted(starts, s, side="right")) - 1]
-            out[pos : pos + n] = buffers[base][s - base : s - base + n]
-            pos += n
+        page = self.manifest.page_size if self.manifest else PAGE_SIZE
+        spans = _spans(starts, run, _MERGE_GAP, page if pages is not None else None, layout.payload_length)
+        name = req.storage_index.fqn
+        whole = len(spans) == 1 and spans[0][1] == len(starts) * run and int(starts[0]) == spans[0][0]
+        if whole and (len(starts) == 1 or bool((starts[1:] - starts[:-1] == run).all())):
+            out = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
+            got = os.preadv(fd, [out], layout.payload_offset + spans[0][0])
+            self.bytes_read += got
+            if got != len(out):
+                raise CorruptCheckpointError(f"{path}: short read in '{name}': truncated")
+            if pages is not None:
+                self._check_pages(out, spans[0][0], page, pages, layout, name, path)
+            return dest
+        rows = dest.reshape(-1).view(torch.uint8).view(len(starts), run)
+        first = 0
+        for span_start, span_len in spans:
+            data = self._pread(fd, span_len, layout.payload_offset + span_start, path)
+            if pages is not None:
+                self._check_pages(memoryview(data), span_start, page, pages, layout, name, path)
+            last = first + int(torch.searchsorted(starts[first:], span_start + span_len, side="left"))
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            offsets = starts[first:last] - span_start
+            rows[first:last] = buf.unfold(0, run, 1)[offsets]
+            first = last
         return dest
 
     @staticmethod
@@ -447,36 +445,40 @@ def _dtype(reader: Reader, req: Any) -> torch.dtype:
     return dtype_from_name(reader.manifest.tensors[req.storage_index.fqn].dtype)
 
 
+_MERGE_GAP = 4096  # runs closer than one OS page are read together
+
+
 def _runs(
     shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...], itemsize: int
-) -> list[tuple[int, int]]:
-    """Byte runs `(start, length)` of a sub-box of a C-order array, in C order."""
+) -> tuple[torch.Tensor, int]:
+    """`(starts, run_bytes)`: the byte offsets, in C order, of the equal runs that make
+    up a sub-box of a C-order array."""
     ndim = len(shape)
     if ndim == 0:
-        return [(0, itemsize)]
+        return torch.zeros(1, dtype=torch.int64), itemsize
     if math.prod(lengths) == 0:
-        return []
-    # the trailing dimensions the box spans whole fold into one run
-    k = ndim - 1
+        return torch.zeros(0, dtype=torch.int64), 0
+    k = ndim - 1  # the trailing dimensions the box spans whole fold into one run
     while k > 0 and lengths[k] == shape[k] and offsets[k] == 0:
         k -= 1
     strides = [math.prod(shape[d + 1 :]) for d in range(ndim)]
-    run = lengths[k] * strides[k] * itemsize
-    base = offsets[k] * strides[k]
-    runs = []
-    for index in itertools.product(*(range(o, o + n) for o, n in zip(offsets[:k], lengths[:k]))):
-        start = base + sum(i * s for i, s in zip(index, strides))
-        runs.append((start * itemsize, run))
-    return runs
+    starts = torch.tensor([offsets[k] * strides[k]], dtype=torch.int64)
+    for d in reversed(range(k)):  # outer dimensions vary slowest
+        steps = torch.arange(offsets[d], offsets[d] + lengths[d], dtype=torch.int64) * strides[d]
+        starts = (steps.view(-1, 1) + starts.view(1, -1)).reshape(-1)
+    return starts * itemsize, lengths[k] * strides[k] * itemsize
 
 
-def _coalesce(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Merge runs that touch or overlap (input in increasing order)."""
-    out: list[tuple[int, int]] = []
-    for s, n in runs:
-        if out and s <= out[-1][0] + out[-1][1]:
-            ps, pn = out[-1]
-            out[-1] = (ps, max(pn, s + n - ps))
-        else:
-            out.append((s, n))
-    return out
+def _spans(
+    starts: torch.Tensor, run: int, gap: int, page: int | None, limit: int
+) -> list[tuple[int, int]]:
+    """Byte spans `(start, length)` to read: runs merged across gaps under `gap`,
+    widened to whole `page`s (not past `limit`) when verifying."""
+    lo = starts
+    hi = starts + run
+    if page is not None:
+        lo = lo // page * page
+        hi = torch.clamp((hi + page - 1) // page * page, max=limit)
+    breaks = (lo[1:] - hi[:-1] >= gap).nonzero().flatten() + 1
+    bounds = [0, *breaks.tolist(), len(starts)]
+    return [(int(lo[a]), int(hi[b - 1]) - int(lo[a])) for a, b in zip(bounds, bounds[1:])]

@@ -1,134 +1,295 @@
-"""`shardwise demo`: save a sharded state on N ranks, load it on M ranks in other layouts.
+"""`shardwise demo`: save a sharded training state on N ranks, load it on M ranks
+in other layouts, check every element bit for bit.
 
-This first version exercises the foundation with stock DCP: two kinds of
-uneven layouts saved by `torch.distributed.checkpoint.save` on
-`--world-size` ranks, loaded by `torch.distributed.checkpoint.load` on
-`--load-world-size` ranks into different layouts, checked bit for bit.
+The state is what a recommendation model's trainer holds: embedding tables
+sharded table-wise (most ranks hold none), row-wise with uneven sizes and an
+empty rank, column-wise with two blocks per rank; a grid-sharded dense weight;
+a replicated bias; Adam's moments after a real optimizer step, in the same
+layouts; a step counter. Every value is a function of (tensor, global index),
+so each loading rank recomputes what it should have received for its own
+blocks — including the optimizer step — without the full tensors.
+
+Under `torchrun` (RANK/WORLD_SIZE set) the same command runs one rank per
+process across machines; the load then uses the job's world size.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 __all__ = ["add_parser", "main"]
 
-SHAPE = (1000, 64)
+ADAM = {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "demo",
-        help="save a sharded state on N ranks and load it on M ranks in other layouts",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example: shardwise demo --world-size 2 --load-world-size 3",
+        "demo", help="save a sharded training state on N ranks, load it on M in other layouts",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: shardwise demo --world-size 4 --load-world-size 3 --size 256MiB",
     )
-    p.add_argument("--world-size", type=int, default=2, help="ranks that save (default 2)")
+    p.add_argument("--world-size", type=int, default=4, help="ranks that save (default 4)")
     p.add_argument("--load-world-size", type=int, default=3, help="ranks that load (default 3)")
-    p.add_argument("--dir", type=Path, default=None, help="checkpoint folder (default: a temp dir)")
+    p.add_argument("--size", default="128MiB", help="parameter bytes, e.g. 256MiB, 2GiB (default 128MiB)")
+    p.add_argument("--dir", type=Path, default=None, help="folder for the checkpoint (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
     p.set_defaults(func=main)
 
 
-def reference_state() -> dict[str, torch.Tensor]:
-    """The full tensors every rank can rebuild without communication."""
-    g = torch.Generator().manual_seed(0)
+def _parse_size(text: str) -> int:
+    units = {"k": 2**10, "m": 2**20, "g": 2**30}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+
+
+# -- the state: shapes, layouts, values ---------------------------------------------------
+
+
+def shapes(size: int) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes whose float32 bytes add up to about `size`."""
+    floats = max(size // 4, 4096)
+    dim = 64
     return {
-        "emb.row_wise": torch.randn(SHAPE, generator=g),
-        "emb.column_wise": torch.randn(SHAPE, generator=g),
+        "emb.user": (max(1, floats * 15 // 100 // dim), dim),
+        "emb.item": (max(1, floats * 15 // 100 // dim), dim),
+        "emb.query": (max(1, floats * 30 // 100 // dim), dim),
+        "emb.ads": (max(1, floats * 25 // 100 // (2 * dim)), 2 * dim),
+        "dense.weight": (max(2, int(math.sqrt(floats * 15 // 100))),) * 2,
+        "dense.bias": (max(2, int(math.sqrt(floats * 15 // 100))),),
     }
 
 
-def save_layouts(world_size: int) -> dict:
+def _grid(world: int) -> tuple[int, int]:
+    a = max(d for d in range(1, int(math.isqrt(world)) + 1) if world % d == 0)
+    return a, world // a
+
+
+def save_layouts(world: int, size: int) -> dict[str, Any]:
     from shardwise import Layout
 
-    rows = [0] * world_size
-    rows[0], rows[-1] = 600, 400  # uneven, middle ranks empty
-    if world_size == 1:
-        rows = [1000]
-    cols = [16, 16, 16, 16]
+    s = shapes(size)
+    rows = s["emb.query"][0]
+    if world == 1:
+        query = [rows]
+    else:
+        weights = [5] + [0] + [3 + (r % 3) for r in range(world - 2)] if world > 2 else [5, 3]
+        query = [rows * w // sum(weights) for w in weights]
+        query[-1] += rows - sum(query)
+    cols = s["emb.ads"][1]
+    blocks = 2 * world
+    ads = [cols // blocks + (1 if i < cols % blocks else 0) for i in range(blocks)]
     return {
-        "emb.row_wise": Layout.row_wise(SHAPE, rows),
-        "emb.column_wise": Layout.column_wise(
-            SHAPE, cols, ranks=[i % world_size for i in range(4)], world_size=world_size
-        ),
+        "emb.user": Layout.table_wise(s["emb.user"], 1 % world, world),
+        "emb.item": Layout.table_wise(s["emb.item"], world - 1, world),
+        "emb.query": Layout.row_wise(s["emb.query"], query),
+        "emb.ads": Layout.column_wise(s["emb.ads"], ads, ranks=[i % world for i in range(blocks)], world_size=world),
+        "dense.weight": Layout.grid(s["dense.weight"], _grid(world)),
+        "dense.bias": Layout.replicated(s["dense.bias"], world),
     }
 
 
-def load_layouts(world_size: int) -> dict:
+def load_layouts(world: int, size: int) -> dict[str, Any]:
     from shardwise import Layout
 
+    s = shapes(size)
     return {
-        "emb.row_wise": Layout.column_wise(
-            SHAPE, [64 // world_size] * (world_size - 1) + [64 - 64 // world_size * (world_size - 1)]
-        ),
-        "emb.column_wise": Layout.chunked(SHAPE, 0, world_size),
+        "emb.user": Layout.chunked(s["emb.user"], 0, world),
+        "emb.item": Layout.chunked(s["emb.item"], 1, world),
+        "emb.query": Layout.chunked(s["emb.query"], 1, world),
+        "emb.ads": Layout.chunked(s["emb.ads"], 0, world),
+        "dense.weight": Layout.chunked(s["dense.weight"], 1, world),
+        "dense.bias": Layout.table_wise(s["dense.bias"], 0, world),
     }
 
 
-def _save_rank(rank: int, world_size: int, path: str) -> float:
-    import torch.distributed.checkpoint as dcp
+def _values(name: str, block: Any, shape: tuple[int, ...], salt: int) -> torch.Tensor:
+    """Deterministic float32 values of `block` of tensor `name`, from global indices."""
+    index = torch.zeros(block.sizes, dtype=torch.int64)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        view = [1] * len(shape)
+        view[d] = block.sizes[d]
+        index += (torch.arange(block.offsets[d], block.ends[d], dtype=torch.int64) * stride).view(view)
+        stride *= shape[d]
+    seed = (sum(map(ord, name)) * 7919 + salt * 104729) % 2**20
+    mixed = (index * 2654435761 + seed) % 2**31
+    return (mixed.to(torch.float64) / 2**31 - 0.5).to(torch.float32)
 
+
+def expected_block(name: str, block: Any, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """Parameter and Adam moments of `block` after one step: the same elementwise math."""
+    param = torch.nn.Parameter(_values(name, block, shape, 0))
+    param.grad = _values(name, block, shape, 1)
+    opt = torch.optim.Adam([param], foreach=False, **ADAM)
+    opt.step()
+    return {"param": param.detach(), **{k: v for k, v in opt.state[param].items() if k != "step"}}
+
+
+# -- the ranks ------------------------------------------------------------------------------
+
+
+def _timed(fn: Any) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def _progress(rank: int, total: int, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=rank != 0 or None, file=sys.stderr, leave=False)
+
+
+def save_rank(rank: int, world: int, path: str, size: int) -> dict[str, Any]:
+    import shardwise.checkpoint as swc
     from shardwise import ShardedTensor
-    from shardwise.testing import shard_of
 
-    full = reference_state()
-    state = {
-        k: ShardedTensor.from_layout(layout, shard_of(full[k], layout, rank))
-        for k, layout in save_layouts(world_size).items()
-    }
-    t = time.perf_counter()
-    dcp.save(state, checkpoint_id=path)
-    return time.perf_counter() - t
+    layouts = save_layouts(world, size)
+    with _progress(rank, len(layouts) + 2, "save") as bar:
+        params = {}
+        for name, layout in layouts.items():
+            shards = [_values(name, b, layout.global_shape, 0) for b in layout.blocks_of(rank)]
+            params[name] = torch.nn.Parameter(ShardedTensor.from_layout(layout, shards, dtype=torch.float32))
+            bar.update()
+        opt = torch.optim.Adam(list(params.values()), foreach=False, **ADAM)
+        for name, p in params.items():
+            layout = layouts[name]
+            p.grad = ShardedTensor.from_layout(
+                layout, [_values(name, b, layout.global_shape, 1) for b in layout.blocks_of(rank)], dtype=torch.float32
+            )
+        opt.step()  # a real optimizer step, shard by shard
+        bar.update()
+        state = {"model": params, "optim": opt.state_dict(), "trainer": {"step": 1, "note": "shardwise demo"}}
+        seconds = _timed(lambda: swc.save(state, path))
+        bar.update()
+    local = sum(s.nbytes for p in params.values() for s in p.detach().local_shards()) * 3
+    return {"seconds": seconds, "local_bytes": local}
 
 
-def _load_rank(rank: int, world_size: int, path: str) -> tuple[float, int]:
-    import torch.distributed.checkpoint as dcp
-
+def load_rank(rank: int, world: int, path: str, size: int, saved_world: int) -> dict[str, Any]:
+    import shardwise.checkpoint as swc
     from shardwise import ShardedTensor
 
-    full = reference_state()
-    state = {
-        k: ShardedTensor.full(layout, float("nan"), dtype=torch.float32)
-        for k, layout in load_layouts(world_size).items()
-    }
-    t = time.perf_counter()
-    dcp.load(state, checkpoint_id=path)
-    elapsed = time.perf_counter() - t
+    layouts = load_layouts(world, size)
+    params = {n: torch.nn.Parameter(ShardedTensor.zeros(l, dtype=torch.float32)) for n, l in layouts.items()}
+    opt = torch.optim.Adam(list(params.values()), foreach=False, **ADAM)
+    for p in params.values():
+        p.grad = ShardedTensor.zeros(p.layout_spec, dtype=torch.float32)
+    opt.step()  # materialise the optimizer state the checkpoint fills
+    target = {"model": params, "optim": opt.state_dict(), "trainer": {"step": 0, "note": ""}}
+    reader: list[Any] = []
+    seconds = _timed(lambda: reader.append(swc.load(target, path)))
     wrong = 0
-    for k, st in state.items():
-        for shard, block in zip(st.local_shards(), st.local_blocks):
-            wrong += int((shard != full[k][block.slices()]).sum())
-    return elapsed, wrong
+    with _progress(rank, len(layouts), "verify") as bar:
+        state_of = target["optim"]["state"]
+        for i, (name, p) in enumerate(params.items()):
+            moments = state_of[i]
+            shape = layouts[name].global_shape
+            for j, block in enumerate(p.layout_spec.blocks_of(rank)):
+                want = expected_block(name, block, shape)
+                got = {"param": p.detach().local_shards()[j], **{k: moments[k].local_shards()[j] for k in ("exp_avg", "exp_avg_sq")}}
+                wrong += sum(int((got[k] != want[k]).sum()) for k in want)
+            if float(moments["step"]) != 1.0:
+                wrong += 1
+            bar.update()
+    if target["trainer"] != {"step": 1, "note": "shardwise demo"}:
+        wrong += 1
+    local = sum(s.nbytes for p in params.values() for s in p.detach().local_shards()) * 3
+    return {"seconds": seconds, "wrong": wrong, "local_bytes": local, "bytes_read": reader[0].bytes_read}
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def _describe(layout: Any) -> str:
+    counts = [len(b) for b in layout.blocks]
+    empty = sum(1 for c in counts if c == 0)
+    from shardwise.checkpoint.offline import describe_sharding
+
+    blocks = list(dict.fromkeys(b for bs in layout.blocks for b in bs))
+    what = describe_sharding(layout.global_shape, blocks)
+    if len(blocks) == 1 and any(c == 0 for c in counts):
+        what = f"table-wise on rank {next(r for r, c in enumerate(counts) if c)}"
+    elif layout.replica_groups:
+        what = f"replicated on {len(layout.replica_groups[blocks[0]])} ranks"
+    extra = f", {max(counts)} blocks on one rank" if max(counts) > 1 else ""
+    return f"{what}{extra}" + (f", {empty} empty ranks" if empty and "table-wise" not in what else "")
+
+
+def _report_layouts(title: str, layouts: dict[str, Any]) -> None:
+    print(title)
+    for name, layout in layouts.items():
+        shape = "x".join(map(str, layout.global_shape))
+        print(f"  {name:<13} {shape:>12}  {_describe(layout)}")
+
+
+def _gbps(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:.2f} GB/s" if seconds > 0 else "-"
 
 
 def main(args: argparse.Namespace) -> int:
+    size = _parse_size(args.size)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _main_torchrun(args, size)
     from shardwise.testing import run_ranks
 
-    tmp = None
-    path = args.dir
-    if path is None:
-        tmp = tempfile.mkdtemp(prefix="shardwise-demo-")
-        path = Path(tmp) / "ckpt"
+    base = args.dir or Path(tempfile.mkdtemp(prefix="shardwise-demo-"))
+    path = base / "step_1"
     try:
-        total = sum(t.numel() * t.element_size() for t in reference_state().values())
-        print(f"state: {len(reference_state())} tensors of {SHAPE}, {total / 2**20:.1f} MiB")
-        for k, layout in save_layouts(args.world_size).items():
-            print(f"  save {k}: {layout}")
-        times = run_ranks(_save_rank, args.world_size, str(path), timeout=300)
-        print(f"saved on {args.world_size} ranks with stock DCP in {max(times):.3f}s -> {path}")
-        for k, layout in load_layouts(args.load_world_size).items():
-            print(f"  load {k}: {layout}")
-        results = run_ranks(_load_rank, args.load_world_size, str(path), timeout=300)
-        wrong = sum(w for _, w in results)
-        print(f"loaded on {args.load_world_size} ranks in {max(t for t, _ in results):.3f}s")
-        print("PASS: every element bit for bit" if wrong == 0 else f"FAIL: {wrong} wrong elements")
+        total = sum(math.prod(s) for s in shapes(size).values()) * 4 * 3
+        print(f"shardwise demo: training state of {total / 2**20:.1f} MiB "
+              f"(parameters + Adam moments), saved on {args.world_size} ranks, loaded on {args.load_world_size}")
+        _report_layouts(f"saved layouts ({args.world_size} ranks):", save_layouts(args.world_size, size))
+        saved = run_ranks(save_rank, args.world_size, str(path), size, timeout=1800)
+        save_s = saved[0]["seconds"]
+        print(f"saved   {total / 2**20:8.1f} MiB in {save_s:.3f}s ({_gbps(total, save_s)}) -> {path}")
+        _report_layouts(f"loaded layouts ({args.load_world_size} ranks):", load_layouts(args.load_world_size, size))
+        loaded = run_ranks(load_rank, args.load_world_size, str(path), size, args.world_size, timeout=1800)
+        load_s = loaded[0]["seconds"]
+        read = sum(r["bytes_read"] for r in loaded)
+        print(f"loaded  {total / 2**20:8.1f} MiB in {load_s:.3f}s ({_gbps(total, load_s)}), "
+              f"{read / 2**20:.1f} MiB read from disk by all ranks")
+        wrong = sum(r["wrong"] for r in loaded)
+        print("PASS: every element of every parameter and optimizer moment matches, bit for bit"
+              if wrong == 0 else f"FAIL: {wrong} elements differ")
         return 0 if wrong == 0 else 1
     finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if args.keep:
+            print(f"kept {path}")
+        elif args.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _main_torchrun(args: argparse.Namespace, size: int) -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = args.dir or Path(tempfile.gettempdir()) / "shardwise-demo"
+    path = str(base / "step_1")
+    saved = save_rank(rank, world, path, size)
+    loaded = load_rank(rank, world, path, size, world)
+    wrong = torch.tensor([loaded["wrong"]])
+    dist.all_reduce(wrong)
+    if rank == 0:
+        print(f"saved in {saved['seconds']:.3f}s, loaded in other layouts in {loaded['seconds']:.3f}s on {world} ranks")
+        print("PASS" if int(wrong) == 0 else f"FAIL: {int(wrong)} elements differ")
+    dist.destroy_process_group()
+    return 0 if int(wrong) == 0 else 1
