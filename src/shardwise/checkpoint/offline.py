@@ -204,7 +204,8 @@ def inspect(path: str | os.PathLike) -> CheckpointInfo:
             TensorInfo(key, dtype_name(md.properties.dtype), shape, len(blocks), math.prod(shape) * itemsize,
                        describe_sharding(shape, blocks))
         )
-    info.objects = ckpt.object_keys()
+    info.tensors.sort(key=lambda t: t.key)
+    info.objects = sorted(ckpt.object_keys())
     return info
 
 
