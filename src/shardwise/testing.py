@@ -73,6 +73,7 @@ def _rank_main(
     import torch.distributed as dist
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["SHARDWISE_RANK"] = str(rank)  # lets failpoints target one rank
     torch.set_num_threads(1)  # N ranks share this machine's cores
     try:
         dist.init_process_group(

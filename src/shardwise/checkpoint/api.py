@@ -8,6 +8,7 @@ problem on any rank is raised, listing every offending key, on every rank.
 
 from __future__ import annotations
 
+import pickle
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,10 +42,17 @@ def _distributed(group: Any) -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _agree(problem: BaseException | None, group: Any) -> None:
-    """Raise `problem` (from any rank) on every rank; locally when not distributed."""
+def _agree(problem: BaseException | None, group: Any, arguments: Any = None, what: str = "") -> None:
+    """Raise `problem` (from any rank) on every rank; locally when not distributed.
+    Ranks must also have passed the same `arguments` (path, flags)."""
     if _distributed(group):
-        exchange(problem, None, group)
+        everyone = exchange(problem, arguments, group)
+        if len({repr(a) for a in everyone}) > 1:
+            odd = [r for r, a in enumerate(everyone) if repr(a) != repr(everyone[0])]
+            raise ValueError(
+                f"ranks disagree on {what}: ranks {odd} passed {everyone[odd[0]]!r}, rank 0 "
+                f"passed {everyone[0]!r}; every rank must pass the same"
+            )
     elif problem is not None:
         raise problem
 
@@ -64,7 +72,7 @@ def _check_target(path: Path, overwrite: bool, process_group: Any) -> None:
         recover(path)
         if path.exists() and not overwrite:
             problem = FileExistsError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
-    _agree(problem, process_group)
+    _agree(problem, process_group, (str(path.resolve()), overwrite), "save path and overwrite")
 
 
 def save(
@@ -198,9 +206,9 @@ def load(
         found = _mismatches(state_dict, metadata, strict)
         if found:
             problem = CheckpointMismatchError(f"{path}: " + "; ".join(found))
-    except (ShardwiseError, OSError, ValueError) as e:
+    except (ShardwiseError, OSError, ValueError, pickle.UnpicklingError) as e:
         problem = e
-    _agree(problem, process_group)
+    _agree(problem, process_group, (str(path.resolve()), strict), "load path and strict")
     try:
         dcp.load(
             state_dict,

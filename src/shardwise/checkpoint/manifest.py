@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -56,6 +57,7 @@ class ChunkEntry:
     record: tuple[int, int]  # the torch.save record: offset, length (what stock reads)
     payload: tuple[int, int]  # the raw C-order bytes inside it: offset, length
     pages: list[int]  # crc32c of each PAGE_SIZE slice of the payload
+    frame: int = 0  # crc32c of the record's bytes before and after the payload
 
 
 @dataclass
@@ -79,15 +81,22 @@ class Manifest:
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
     objects: dict[str, ObjectEntry] = field(default_factory=dict)
     page_size: int = PAGE_SIZE
+    metadata_crc32c: int = 0  # of DCP's .metadata, for `verify`
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
+        """Canonical JSON whose "crc32c" field checksums the document itself."""
+        doc = self._to_dict()
+        doc["crc32c"] = crc32c.crc32c(json.dumps(doc, separators=(",", ":")).encode())
+        return json.dumps(doc, separators=(",", ":"))
+
+    def _to_dict(self) -> dict[str, Any]:
+        return {
                 "format": FORMAT,
                 "version": VERSION,
                 "world_size": self.world_size,
                 "checksum": "crc32c",
                 "page_size": self.page_size,
+                "metadata_crc32c": self.metadata_crc32c,
                 "tensors": {
                     k: {
                         "dtype": t.dtype,
@@ -100,6 +109,7 @@ class Manifest:
                                 "record": list(c.record),
                                 "payload": list(c.payload),
                                 "pages": c.pages,
+                                "frame": c.frame,
                             }
                             for c in t.chunks
                         ],
@@ -110,20 +120,31 @@ class Manifest:
                     k: {"file": o.file, "offset": o.offset, "length": o.length, "crc32c": o.crc32c}
                     for k, o in self.objects.items()
                 },
-            },
-            separators=(",", ":"),  # no indent: keeps json's C encoder (10x faster)
-        )
+                "crc32c": 0,
+        }
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:
         path = folder / MANIFEST
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_bytes())
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            stored = data.get("crc32c")
+            data["crc32c"] = 0
+            # no indent: keeps json's C encoder (10x faster); canonical, so re-encoding is exact
+            if crc32c.crc32c(json.dumps(data, separators=(",", ":")).encode()) != stored:
+                raise ValueError("its checksum does not match its contents (damaged)")
             if data.get("format") != FORMAT:
                 raise ValueError(f"format is {data.get('format')!r}, not {FORMAT!r}")
             if data.get("version") != VERSION:
                 raise ValueError(f"version {data.get('version')!r} is not supported (reads {VERSION})")
-            out = cls(world_size=int(data["world_size"]), page_size=int(data["page_size"]))
+            out = cls(
+                world_size=int(data["world_size"]), page_size=int(data["page_size"]),
+                metadata_crc32c=int(data["metadata_crc32c"]),
+            )
+            if out.page_size <= 0:
+                raise ValueError(f"page size {out.page_size}")
             for k, t in data["tensors"].items():
                 entry = TensorEntry(t["dtype"], tuple(int(s) for s in t["shape"]))
                 dtype_from_name(entry.dtype)
@@ -136,6 +157,7 @@ class Manifest:
                             _pair(c["record"]),
                             _pair(c["payload"]),
                             [int(p) for p in c["pages"]],
+                            int(c["frame"]),
                         )
                     )
                 out.tensors[k] = entry
@@ -143,10 +165,29 @@ class Manifest:
                 out.objects[k] = ObjectEntry(
                     _safe_name(o["file"]), _nonneg(o["offset"]), _nonneg(o["length"]), int(o["crc32c"])
                 )
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise CorruptCheckpointError(f"{path}: unreadable manifest: {e}") from e
         out._check_geometry(path)
+        out._check_files(folder)
         return out
+
+    def _check_files(self, folder: Path) -> None:
+        """Every byte range lies inside its file: nothing past the end is read, and
+        no size taken from the manifest is trusted beyond what is on disk."""
+        sizes: dict[str, int] = {}
+        ranges = [(k, c.file, c.record) for k, t in self.tensors.items() for c in t.chunks]
+        ranges += [(k, o.file, (o.offset, o.length)) for k, o in self.objects.items()]
+        for key, name, (offset, length) in ranges:
+            if name not in sizes:
+                try:
+                    sizes[name] = (folder / name).stat().st_size
+                except OSError as e:
+                    raise CorruptCheckpointError(f"'{key}': data file {folder / name} is missing") from e
+            if offset + length > sizes[name]:
+                raise CorruptCheckpointError(
+                    f"'{key}': bytes {offset}..{offset + length} lie past the end of {folder / name} "
+                    f"({sizes[name]} bytes): truncated or damaged"
+                )
 
     def _check_geometry(self, path: Path) -> None:
         for k, t in self.tensors.items():

@@ -244,6 +244,12 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
             if progress:
                 progress(ckpt.tensor_metadata(key).size.numel())
         return problems
+    metadata = ckpt.path / ".metadata"
+    try:
+        if crc32c.crc32c(metadata.read_bytes()) != ckpt.manifest.metadata_crc32c:
+            problems.append(f"{metadata} fails its checksum: stock DCP readers would misread it")
+    except OSError as e:
+        problems.append(f"{metadata}: {e}")
     page = ckpt.manifest.page_size
     for key, entry in ckpt.manifest.tensors.items():
         for chunk in entry.chunks:
@@ -261,6 +267,13 @@ def _verify_chunk(folder: Path, key: str, chunk: ChunkEntry, page: int, progress
     start, length = chunk.payload
     try:
         with open(path, "rb") as f:
+            f.seek(chunk.record[0])
+            head = f.read(start - chunk.record[0])
+            f.seek(start + length)
+            tail = f.read(sum(chunk.record) - start - length)
+            if crc32c.crc32c(tail, crc32c.crc32c(head)) != chunk.frame:
+                return [f"'{key}' chunk at {chunk.offsets}: the torch.save record framing in {path} "
+                        f"(bytes {chunk.record[0]}..{sum(chunk.record)}) fails its checksum"]
             for i, expected in enumerate(chunk.pages):
                 f.seek(start + i * page)
                 data = f.read(min(page, length - i * page))
@@ -458,16 +471,18 @@ def reshard(
                     write_all(fd, [head, payload, tail])
                     length = len(head) + len(payload) + len(tail)
                     entry.chunks.append(
-                        ChunkEntry(block.offsets, block.sizes, name, (pos, length), (pos + len(head), len(payload)), pages_of(payload))
+                        ChunkEntry(
+                            block.offsets, block.sizes, name, (pos, length), (pos + len(head), len(payload)),
+                            pages_of(payload), crc32c.crc32c(tail, crc32c.crc32c(head)),
+                        )
                     )
                     pos += length
             os.fsync(fd)
         finally:
             os.close(fd)
-    with open(staging / ".metadata", "wb") as f:
-        pickle.dump(manifest.to_metadata(), f)
-        f.flush()
-        os.fsync(f.fileno())
+    metadata = pickle.dumps(manifest.to_metadata())
+    write_durably(staging / ".metadata", metadata)
+    manifest.metadata_crc32c = crc32c.crc32c(metadata)
     write_durably(staging / MANIFEST, manifest.to_json().encode())
     publish(staging, out, overwrite)
     return out

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from .faults import failpoint
 from .manifest import (
     MANIFEST,
     MARKER,
@@ -94,6 +95,7 @@ def publish(staging: Path, final: Path, overwrite: bool) -> None:
             raise FileExistsError(f"checkpoint {final} already exists; pass overwrite=True to replace it")
         shutil.rmtree(backup, ignore_errors=True)
         os.rename(final, backup)  # recover() undoes this if we die before the next rename
+        failpoint("mid-overwrite")
     os.rename(staging, final)
     fsync_dir(final.parent)
     shutil.rmtree(backup, ignore_errors=True)
@@ -154,6 +156,7 @@ class _Written:
     stock: _StorageInfo
     pages: list[int]
     payload: tuple[int, int] | None = None
+    frame: int = 0
 
 
 class Writer(FileSystemWriter):
@@ -192,6 +195,7 @@ class Writer(FileSystemWriter):
         """Write this rank's items into one file: objects as pickled bytes, tensors
         as torch.save-format records whose payload is written straight from the
         tensor's memory (`writev`, no copy), checksummed while in cache; fsync."""
+        failpoint("before-write")
         folder = Path(self.path)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / MARKER).touch()
@@ -214,11 +218,13 @@ class Writer(FileSystemWriter):
                     length = len(head) + len(payload) + len(tail)
                     written = _Written(
                         _StorageInfo(name, pos, length), pages_of(payload),
-                        (pos + len(head), len(payload)),
+                        (pos + len(head), len(payload)), crc32c.crc32c(tail, crc32c.crc32c(head)),
                     )
                     pos += length
                 results.append(WriteResult(item.index, written.stock.length, written))
+                failpoint("mid-data")
             os.fsync(fd)
+            failpoint("after-data")
         finally:
             os.close(fd)
         fut: Future[list[WriteResult]] = Future()
@@ -241,14 +247,17 @@ class Writer(FileSystemWriter):
                     entry.chunks.append(
                         ChunkEntry(
                             tuple(chunk.offsets), tuple(chunk.sizes), w.stock.relative_path,
-                            (w.stock.offset, w.stock.length), w.payload, w.pages,
+                            (w.stock.offset, w.stock.length), w.payload, w.pages, w.frame,
                         )
                     )
             else:
                 w = written[MetadataIndex(fqn)]
                 manifest.objects[fqn] = ObjectEntry(w.stock.relative_path, w.stock.offset, w.stock.length, w.pages[0])
         staging = Path(self.path)
+        manifest.metadata_crc32c = crc32c.crc32c((staging / ".metadata").read_bytes())
+        failpoint("before-manifest")
         write_durably(staging / MANIFEST, manifest.to_json().encode())
+        failpoint("before-publish")
         fsync_dir(staging)
         self._publish(staging)
 

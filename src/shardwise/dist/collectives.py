@@ -18,7 +18,7 @@ from ..errors import LayoutError
 from ..layout import Layout
 from ..tensor import ShardedTensor
 from .agreement import exchange
-from .transfer import move
+from .transfer import agree, move
 
 __all__ = ["distribute", "equal", "full_tensor", "gather", "redistribute"]
 
@@ -42,7 +42,7 @@ class _Redistribute(torch.autograd.Function):
     def forward(ctx: Any, st: ShardedTensor, layout: Layout, stats: dict | None) -> ShardedTensor:
         ctx.src_layout, ctx.dst_layout = st.layout_spec, layout
         ctx.rank, ctx.group = st.rank, st.group
-        return _wrap(layout, move(st, layout, stats), st)
+        return _wrap(layout, move(st, layout, stats, checked=True), st)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[ShardedTensor, None, None]:
@@ -59,8 +59,7 @@ def redistribute(
     Each remote element is sent once, in one `all_to_all`; elements already on
     the rank are copied locally. Differentiable.
     """
-    if not isinstance(layout, Layout):
-        raise TypeError(f"redistribute needs a shardwise.Layout, got {type(layout).__name__}")
+    agree(st, layout, "redistribute")
     return _Redistribute.apply(st, layout, stats)
 
 
@@ -89,9 +88,11 @@ def gather(st: ShardedTensor, dst: int = 0) -> torch.Tensor | None:
     Empty ranks and zero-size shards take part like any other (no deadlock).
     """
     world = st.layout_spec.world_size
-    if not 0 <= dst < world:
-        raise ValueError(f"gather destination rank {dst} is outside world size {world}")
-    shards = move(st, Layout.table_wise(st.shape, dst, world))
+    if not isinstance(dst, int) or not 0 <= dst < world:
+        exchange(ValueError(f"gather destination rank {dst} is outside world size {world}"), None, st.group)
+    target = Layout.table_wise(st.shape, dst, world)
+    agree(st, target, "gather", extra=dst)
+    shards = move(st, target, checked=True)
     return shards[0] if st.rank == dst else None
 
 
@@ -116,8 +117,14 @@ def distribute(
             )
         else:
             meta = (tensor.dtype, tensor.device.type)
-    everyone = exchange(problem, meta, group)
-    dtype, device_type = everyone[src]
+    agreed = (hash(layout) if isinstance(layout, Layout) else None, src)
+    everyone = exchange(problem, (meta, agreed), group)
+    if len({a for _, a in everyone}) > 1:
+        odd = [r for r, (_, a) in enumerate(everyone) if a != everyone[0][1]]
+        raise LayoutError(f"ranks disagree on distribute: ranks {odd} passed another layout or source rank than rank 0")
+    if everyone[src][0] is None:
+        raise ValueError(f"source rank {src} passed no tensor to distribute")
+    dtype, device_type = everyone[src][0]
     world = layout.world_size
     whole = Layout.table_wise(layout.global_shape, src, world)
     if rank == src:
@@ -132,10 +139,14 @@ def distribute(
 
 def equal(a: ShardedTensor, b: ShardedTensor) -> bool:
     """True when both hold the same global values (layouts may differ). Collective."""
-    if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
-        return False
+    comparable = tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+    everyone = exchange(None, (comparable, hash(a.layout_spec), hash(b.layout_spec)), a.group)
+    if not all(c for c, _, _ in everyone):
+        return False  # decided together: no rank goes on to a collective alone
+    if len({x[1:] for x in everyone}) > 1:
+        raise LayoutError("ranks disagree on equal: some passed tensors of other layouts than rank 0")
     if b.layout_spec != a.layout_spec:
-        b = _wrap(a.layout_spec, move(b, a.layout_spec), b)
+        b = _wrap(a.layout_spec, move(b, a.layout_spec, checked=True), b)
     same = all(torch.equal(x, y) for x, y in zip(a.local_shards(), b.local_shards()))
     flag = torch.tensor([1 if same else 0], device=a.device if a.device.type != "meta" else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=a.group)

@@ -28,8 +28,9 @@ import torch.distributed as dist
 from ..errors import LayoutError
 from ..layout import Block, Layout, Transfer, plan_transfers
 from ..tensor import ShardedTensor
+from .agreement import exchange
 
-__all__ = ["cached_plan", "clear_staging_buffers", "move"]
+__all__ = ["agree", "cached_plan", "clear_staging_buffers", "move"]
 
 _STAGING: dict[torch.device, torch.Tensor] = {}
 
@@ -66,24 +67,51 @@ def _empty_bytes(device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device)
 
 
+def _check(st: ShardedTensor, dst: Any, what: str) -> BaseException | None:
+    """This rank's problem with moving `st` to `dst`, if any (no communication)."""
+    src = st.layout_spec
+    if not isinstance(dst, Layout):
+        return TypeError(f"{what} needs a shardwise.Layout, got {type(dst).__name__}")
+    if src.global_shape != dst.global_shape:
+        return LayoutError(f"cannot {what} global shape {src.global_shape} to {dst.global_shape}")
+    group_size = dist.get_world_size(st.group)
+    if dst.world_size != group_size or src.world_size != group_size:
+        return LayoutError(
+            f"layouts span {src.world_size} and {dst.world_size} ranks but the group has {group_size}"
+        )
+    return None
+
+
+def agree(st: ShardedTensor, dst: Any, what: str, extra: Any = None) -> None:
+    """Collective: every rank checks its arguments, then all compare fingerprints of
+    (source layout, target layout, `extra`); any problem raises on every rank.
+
+    Without this, one rank passing another layout would post mismatched
+    messages and hang the others.
+    """
+    problem = _check(st, dst, what)
+    fingerprint = None if problem else (hash(st.layout_spec), hash(dst), st.dtype, extra)
+    everyone = exchange(problem, fingerprint, st.group)
+    if len(set(everyone)) > 1:
+        odd = [r for r, f in enumerate(everyone) if f != everyone[0]]
+        raise LayoutError(
+            f"ranks disagree on {what}: ranks {odd} passed a different source layout, target "
+            f"layout, dtype or argument than rank 0; every rank must pass the same"
+        )
+
+
 def move(
-    st: ShardedTensor, dst: Layout, stats: dict[str, int] | None = None
+    st: ShardedTensor, dst: Layout, stats: dict[str, int] | None = None, *, checked: bool = False
 ) -> list[torch.Tensor]:
     """This rank's shards of `dst`, filled from `st`. Collective over `st.group`.
 
-    `stats`, when given, receives `bytes_sent` and `bytes_received`: what this
-    rank actually handed to the network.
+    Unless `checked` (the caller already ran `agree`), the ranks first agree on
+    the layouts. `stats`, when given, receives `bytes_sent` and
+    `bytes_received`: what this rank actually handed to the network.
     """
+    if not checked:
+        agree(st, dst, "redistribute")
     src = st.layout_spec
-    if src.global_shape != dst.global_shape:
-        raise LayoutError(
-            f"cannot redistribute global shape {src.global_shape} to {dst.global_shape}"
-        )
-    if dst.world_size != src.world_size:
-        raise LayoutError(
-            f"the new layout spans {dst.world_size} ranks but the tensor's group has "
-            f"{src.world_size}"
-        )
     me = st.rank
     src_blocks, dst_blocks = src.blocks_of(me), dst.blocks_of(me)
     shards = st.local_shards()
