@@ -105,14 +105,17 @@ def run_ranks(
     timeout: float = 60.0,
     backend: str = "gloo",
     return_exceptions: bool = False,
+    allow_dead: bool = False,
 ) -> list[Any]:
     """Call `fn(rank, world_size, *args)` on `world_size` processes; return the results by rank.
 
     `fn` must be picklable (a module-level function). With
     `return_exceptions=True` a rank's exception is returned in its slot
-    instead of raising `RanksFailed`. The process group's own timeout is set
-    a little below `timeout`, so a stuck collective raises inside the ranks
-    first; anything still alive at `timeout` is killed.
+    instead of raising `RanksFailed`. With `allow_dead=True` a rank that dies
+    without reporting (killed, `os._exit`) gets a `RankFailure` in its slot
+    while the others are still waited for. The process group's own timeout is
+    set a little below `timeout`, so a stuck collective raises inside the
+    ranks first; anything still alive at `timeout` is killed.
     """
     ctx = _context()
     results = ctx.Queue()
@@ -150,10 +153,14 @@ def run_ranks(
                 if dead:
                     time.sleep(0.2)  # a result may still be in flight
                     if results.empty():
-                        raise RuntimeError(
-                            f"ranks {dead} exited (codes "
-                            f"{[procs[r].exitcode for r in dead]}) without reporting a result"
-                        ) from None
+                        if not allow_dead:
+                            raise RuntimeError(
+                                f"ranks {dead} exited (codes "
+                                f"{[procs[r].exitcode for r in dead]}) without reporting a result"
+                            ) from None
+                        for r in dead:
+                            failure = RankFailure(f"rank {r} died (exit code {procs[r].exitcode})")
+                            outcomes[r] = ("error", failure, "")
     finally:
         grace = time.monotonic() + (5.0 if len(outcomes) == world_size else 0.0)
         for p in procs:
@@ -162,7 +169,7 @@ def run_ranks(
                 p.kill()
                 p.join()
     errors = {r: o[1] for r, o in outcomes.items() if o[0] == "error"}
-    if errors and not return_exceptions:
+    if errors and not (return_exceptions or allow_dead):
         raise RanksFailed(errors, {r: outcomes[r][2] for r in errors})
     return [outcomes[r][1] for r in range(world_size)]
 

@@ -66,11 +66,21 @@ def _unwrap(e: CheckpointException) -> BaseException:
     return e
 
 
-def _check_target(path: Path, overwrite: bool, process_group: Any) -> None:
-    problem = None
+def _check_target(path: Path, overwrite: bool, process_group: Any, state_dict: dict[str, Any] | None = None) -> None:
+    """Collective pre-save check: same path and flags everywhere, target free, objects picklable."""
+    problem: BaseException | None = None
+    if state_dict is not None:
+        flat, _ = flatten_state_dict(state_dict)
+        for key, value in flat.items():
+            if not isinstance(value, torch.Tensor):
+                try:
+                    pickle.dumps(value)
+                except Exception as e:  # noqa: BLE001 - any pickling failure
+                    problem = TypeError(f"object '{key}' cannot be pickled ({type(e).__name__}: {e})")
+                    break
     if not _distributed(process_group) or dist.get_rank(process_group) == 0:
         recover(path)
-        if path.exists() and not overwrite:
+        if path.exists() and not overwrite and problem is None:
             problem = FileExistsError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
     _agree(problem, process_group, (str(path.resolve()), overwrite), "save path and overwrite")
 
@@ -89,7 +99,7 @@ def save(
     atomically.
     """
     path = Path(path)
-    _check_target(path, overwrite, process_group)
+    _check_target(path, overwrite, process_group, state_dict)
     return _save_checked(state_dict, path, overwrite, process_group)
 
 
@@ -148,7 +158,7 @@ def async_save(
     path = Path(path)
     if _ASYNC.pending is not None:
         _ASYNC.pending.result()
-    _check_target(path, overwrite, process_group)
+    _check_target(path, overwrite, process_group, state_dict)
     group = _ASYNC.group_for(process_group)
     staged = _ASYNC.stager.stage(state_dict)
     _ASYNC.stager.synchronize()

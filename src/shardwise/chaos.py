@@ -1,0 +1,233 @@
+"""Crash, corruption and bad-input scenarios, shared by `tests/reliability/` and
+`shardwise bench reliability` (which runs them many times and prints figures).
+
+Each scenario runs real ranks (`shardwise.testing.run_ranks`), does damage,
+then checks from a fresh process what a user would see: nothing committed is
+lost, nothing damaged loads silently, no rank hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "COORDINATOR_POINTS",
+    "CORRUPTIONS",
+    "CRASH_POINTS",
+    "CrashOutcome",
+    "CorruptionOutcome",
+    "corrupt_and_load",
+    "crash_save",
+    "make_state",
+    "reference_tensors",
+]
+
+CRASH_POINTS = ("before-write", "mid-data", "after-data", "before-manifest", "before-publish", "mid-overwrite")
+# reached only by the coordinator (rank 0): killing another rank there does nothing
+COORDINATOR_POINTS = ("before-manifest", "before-publish", "mid-overwrite")
+SHAPES = {"emb": (48, 16), "dense": (12, 10), "bias": (10,)}
+
+
+def reference_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=g) for k, s in SHAPES.items()}
+
+
+def make_state(rank: int, world: int, seed: int) -> dict[str, Any]:
+    """A small sharded state: row-wise uneven, column-wise, replicated, an object."""
+    from . import Layout, ShardedTensor
+    from .testing import shard_of
+
+    full = reference_tensors(seed)
+    layouts = {
+        "emb": Layout.row_wise(SHAPES["emb"], [30, 18] if world == 2 else [48 // world] * world),
+        "dense": Layout.chunked(SHAPES["dense"], 1, world),
+    }
+    state: dict[str, Any] = {k: ShardedTensor.from_layout(l, shard_of(full[k], l, rank)) for k, l in layouts.items()}
+    state["bias"] = full["bias"].clone()
+    state["meta"] = {"seed": seed}
+    return state
+
+
+def load_plain(path: Path) -> dict[str, Any]:
+    """Load a checkpoint in this process into full tensors (no process group)."""
+    from .checkpoint import load
+
+    state: dict[str, Any] = {k: torch.zeros(s) for k, s in SHAPES.items()}
+    state["meta"] = {"seed": -1}
+    load(state, path)
+    return state
+
+
+def holds(path: Path, seed: int) -> bool:
+    state = load_plain(path)
+    full = reference_tensors(seed)
+    return state["meta"]["seed"] == seed and all(torch.equal(state[k], full[k]) for k in SHAPES)
+
+
+# -- crashes ---------------------------------------------------------------------------------
+
+
+def _save_rank(rank: int, world: int, path: str, seed: int, failpoint: str | None, overwrite: bool, use_async: bool) -> None:
+    from .checkpoint import async_save, save
+
+    if failpoint:
+        os.environ["SHARDWISE_FAILPOINT"] = failpoint  # this process only
+    state = make_state(rank, world, seed)
+    if use_async:
+        future = async_save(state, path, overwrite=overwrite)
+        make_state(rank, world, seed + 100)  # the trainer goes on meanwhile
+        future.result()
+    else:
+        save(state, path, overwrite=overwrite)
+
+
+@dataclass
+class CrashOutcome:
+    point: str
+    target: str  # "new path" or "overwrite"
+    lost_previous: bool  # the earlier checkpoint no longer loads bit for bit
+    new_state: str  # "absent", "incomplete", "complete", or what went wrong
+    resave_ok: bool  # a later save to the same path succeeded and loads
+    stray: list[str]  # leftover temporary folders after that later save
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.lost_previous and self.new_state in ("absent", "incomplete", "complete") and self.resave_ok and not self.stray
+
+
+def crash_save(
+    folder: Path, point: str, *, kill_rank: int | None = None, overwrite: bool = False,
+    use_async: bool = False, world: int = 2,
+) -> CrashOutcome:
+    """SIGKILL a save (all ranks, or `kill_rank`) at `point`; report what survived."""
+    from .checkpoint import IncompleteCheckpointError
+    from .testing import run_ranks
+
+    start = time.monotonic()
+    folder.mkdir(parents=True, exist_ok=True)
+    previous = folder / "previous"
+    if not previous.exists():
+        run_ranks(_save_rank, world, str(previous), 0, None, False, False, timeout=60)
+    target = previous if overwrite else folder / "new"
+    spec = point if kill_rank is None else f"{point}@{kill_rank}"
+    run_ranks(_save_rank, world, str(target), 1, spec, overwrite, use_async, timeout=60, allow_dead=True)
+    # what a fresh process sees now
+    lost = False
+    try:
+        if not holds(previous, 0) and not (overwrite and holds(previous, 1)):
+            lost = True
+    except Exception:
+        lost = True
+    if overwrite:
+        new_state = "complete"  # the only path involved is `previous`, checked above
+    else:
+        try:
+            new_state = "complete" if holds(target, 1) else "wrong data"
+        except IncompleteCheckpointError:
+            new_state = "incomplete"
+        except FileNotFoundError:
+            new_state = "absent"
+        except Exception as e:  # noqa: BLE001 - any other type is itself the finding
+            new_state = f"{type(e).__name__}: {e}"
+    try:
+        run_ranks(_save_rank, world, str(target), 2, None, True, False, timeout=60)
+        resave = holds(target, 2)
+    except Exception:
+        resave = False
+    stray = sorted(p.name for p in folder.glob(".*shardwise-*"))
+    outcome = CrashOutcome(point, "overwrite" if overwrite else "new path", lost, new_state, resave, stray,
+                           time.monotonic() - start)
+    shutil.rmtree(target, ignore_errors=True)
+    if overwrite:  # restore the reference checkpoint for the next scenario
+        run_ranks(_save_rank, world, str(previous), 0, None, True, False, timeout=60)
+    return outcome
+
+
+# -- corruption -------------------------------------------------------------------------------
+
+
+@dataclass
+class CorruptionOutcome:
+    kind: str
+    file: str
+    offset: int
+    load: str  # "detected: <Type>", "loaded correct", "loaded WRONG", "other error: <Type>"
+    verify_found: bool
+
+    @property
+    def ok(self) -> bool:
+        if self.load.startswith("loaded WRONG") or self.load.startswith("other error"):
+            return False
+        return self.load.startswith("detected") or self.verify_found
+
+
+def _damage(folder: Path, rng: random.Random, kind: str) -> tuple[str, int]:
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != ".shardwise")
+    if kind in ("flip manifest", "truncate manifest", "delete manifest"):
+        victim = folder / "shardwise.json"
+    elif kind == "flip .metadata":
+        victim = folder / ".metadata"
+    else:
+        victim = rng.choice([p for p in files if p.suffix == ".distcp"])
+    size = victim.stat().st_size
+    if kind.startswith("truncate"):
+        cut = rng.randrange(0, size)
+        os.truncate(victim, cut)
+        return victim.name, cut
+    if kind.startswith("delete"):
+        victim.unlink()
+        return victim.name, 0
+    offset = rng.randrange(0, size)
+    with open(victim, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ (1 << rng.randrange(8))]))
+    return victim.name, offset
+
+
+CORRUPTIONS = (
+    "flip data", "truncate data", "delete data",
+    "flip manifest", "truncate manifest", "delete manifest", "flip .metadata",
+)
+
+
+def corrupt_and_load(source: Path, scratch: Path, rng: random.Random, kind: str, seed: int = 0) -> CorruptionOutcome:
+    """Copy `source`, damage the copy (`kind`), load it and verify it."""
+    from .checkpoint import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError, verify
+
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(source, scratch)
+    name, offset = _damage(scratch, rng, kind)
+    try:
+        ok = holds(scratch, seed)
+        load = "loaded correct" if ok else "loaded WRONG"
+    except (CorruptCheckpointError, IncompleteCheckpointError, CheckpointMismatchError) as e:
+        load = f"detected: {type(e).__name__}"
+    except Exception as e:  # noqa: BLE001 - an unexpected type is the finding
+        load = f"other error: {type(e).__name__}: {e}"
+    found = bool(verify(scratch))
+    return CorruptionOutcome(kind, name, offset, load, found)
+
+
+def save_reference(path: Path, world: int = 2, seed: int = 0) -> None:
+    from .testing import run_ranks
+
+    shutil.rmtree(path, ignore_errors=True)
+    run_ranks(_save_rank, world, str(path), seed, None, False, False, timeout=60)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
