@@ -7,10 +7,13 @@ process.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Sequence
+
+import torch
 
 from ..errors import LayoutError
 from .block import Block
@@ -41,36 +44,61 @@ class Transfer:
 class BlockIndex:
     """Find the blocks of a disjoint set that intersect a query box.
 
-    Blocks are sorted by their start along the dimension that separates them
-    best (the most distinct starts); a query then scans only the blocks whose
-    extent along that dimension meets its own. For the layouts training jobs
-    use this touches few more blocks than it returns, never all pairs.
+    When the blocks' boundaries form a modest grid of cells (every layout the
+    builders make), each cell records the block covering it and a query reads
+    only the cells inside the box: cost proportional to what it returns.
+    Otherwise blocks are sorted by their start along the dimension that
+    separates them best, and a query scans those whose extent along it meets
+    its own.
     """
+
+    _MAX_CELLS = 1 << 22
 
     def __init__(self, blocks: Sequence[Block]) -> None:
         blocks = [b for b in blocks if not b.is_empty()]
+        self._blocks = blocks
+        self._cells: torch.Tensor | None = None
         ndim = blocks[0].ndim if blocks else 0
-        self._dim = max(
-            range(ndim), key=lambda d: len({b.offsets[d] for b in blocks}), default=0
-        )
         if ndim == 0:
-            self._blocks = blocks
             return
-        d = self._dim
+        cuts = [sorted({b.offsets[d] for b in blocks} | {b.ends[d] for b in blocks}) for d in range(ndim)]
+        if math.prod(len(c) - 1 for c in cuts) <= self._MAX_CELLS:
+            self._cuts = cuts
+            cells = torch.full([len(c) - 1 for c in cuts], -1, dtype=torch.int32)
+            for i, b in enumerate(blocks):
+                cells[self._cell_slices(b)] = i
+            self._cells = cells
+            return
+        d = max(range(ndim), key=lambda d: len({b.offsets[d] for b in blocks}))
+        self._dim = d
         self._blocks = sorted(blocks, key=lambda b: b.offsets[d])
         self._starts = [b.offsets[d] for b in self._blocks]
         # prefix maximum of ends: the first block that can reach past a point
         self._reach = list(accumulate((b.ends[d] for b in self._blocks), max))
 
+    def _cell_slices(self, box: Block) -> tuple[slice, ...]:
+        """The cells a box overlaps (cells are cut at every block boundary)."""
+        return tuple(
+            slice(max(bisect_right(c, o) - 1, 0), bisect_left(c, e))
+            for c, o, e in zip(self._cuts, box.offsets, box.ends)
+        )
+
     def query(self, box: Block) -> list[tuple[Block, Block]]:
         """`(block, overlap)` for every indexed block sharing elements with `box`."""
         if box.ndim == 0:
             return [(b, b) for b in self._blocks]
-        d = self._dim
-        lo = bisect_right(self._reach, box.offsets[d])
-        hi = bisect_left(self._starts, box.ends[d])
+        if self._cells is not None:
+            window = self._cells[self._cell_slices(box)]
+            # small windows (the common case) dedupe faster in Python than in torch.unique
+            ids = dict.fromkeys(window.flatten().tolist()) if window.numel() <= 256 else torch.unique(window).tolist()
+            candidates = [self._blocks[i] for i in ids if i >= 0]
+        else:
+            d = self._dim
+            lo = bisect_right(self._reach, box.offsets[d])
+            hi = bisect_left(self._starts, box.ends[d])
+            candidates = self._blocks[lo:hi]
         out = []
-        for block in self._blocks[lo:hi]:
+        for block in candidates:
             overlap = block.intersect(box)
             if overlap is not None:
                 out.append((block, overlap))
