@@ -29,13 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-
-def _parse_size(text: str) -> int:
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30}
-    for unit, factor in units.items():
-        if text.lower().endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+from shardwise.cli.sizes import parse_size
 
 
 def _best(fn, repeat: int, before=None) -> float:
@@ -245,7 +239,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--small", type=int, default=10_000, help="count of 4 KiB tensors")
     args = parser.parse_args()
-    nbytes = _parse_size(args.size)
+    nbytes = parse_size(args.size)
     for target in args.dirs:
         folder = tempfile.mkdtemp(prefix="shardwise-bench-", dir=target)
         try:

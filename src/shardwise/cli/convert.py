@@ -9,15 +9,9 @@ from __future__ import annotations
 
 import argparse
 
+from .sizes import parse_size
+
 __all__ = ["add_parser", "main"]
-
-
-def _size(text: str) -> int:
-    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("path", help="checkpoint folder or .safetensors file")
     p.add_argument("out", help="output file (or checkpoint folder for --format shardwise)")
     p.add_argument("--format", required=True, choices=["safetensors", "torch", "shardwise"])
-    p.add_argument("--max-file-size", type=_size, default=None, help="split safetensors output, e.g. 5GiB")
+    p.add_argument("--max-file-size", type=parse_size, default=None, help="split safetensors output, e.g. 5GiB")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=main)
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from .sizes import parse_size
+
 __all__ = ["add_parser", "main"]
 
 ADAM = {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
@@ -44,12 +46,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dir", type=Path, default=None, help="folder for the checkpoint (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
     p.set_defaults(func=main)
-
-
-def _parse_size(text: str) -> int:
-    units = {"k": 2**10, "m": 2**20, "g": 2**30}
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
-    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
 
 
 # -- the state: shapes, layouts, values ---------------------------------------------------
@@ -243,7 +239,7 @@ def _gbps(nbytes: int, seconds: float) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    size = _parse_size(args.size)
+    size = parse_size(args.size)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _main_torchrun(args, size)
     from shardwise.testing import run_ranks

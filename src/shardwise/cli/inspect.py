@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from .sizes import format_size
+
 __all__ = ["add_parser", "main"]
 
 
@@ -18,14 +20,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 def main(args: argparse.Namespace) -> int:
     from ..checkpoint import inspect
 
@@ -36,11 +30,11 @@ def main(args: argparse.Namespace) -> int:
     version = f", format version {info.format_version}" if info.format_version else ""
     saved = f", saved by {info.world_size} ranks" if info.world_size else ""
     print(f"{info.path}: {info.kind} checkpoint{version}{saved}")
-    rows = [(t.key, t.dtype, "x".join(map(str, t.shape)) or "scalar", str(t.chunks), _size(t.nbytes), t.sharding) for t in info.tensors]
+    rows = [(t.key, t.dtype, "x".join(map(str, t.shape)) or "scalar", str(t.chunks), format_size(t.nbytes), t.sharding) for t in info.tensors]
     head = ("key", "dtype", "shape", "chunks", "bytes", "sharding")
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for row in [head, *rows]:
         print("  " + "  ".join(c.ljust(w) if i in (0, 1, 5) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
-    print(f"  {len(info.tensors)} tensors, {_size(info.nbytes)}; {len(info.objects)} Python objects"
+    print(f"  {len(info.tensors)} tensors, {format_size(info.nbytes)}; {len(info.objects)} Python objects"
           + (f": {', '.join(info.objects)}" if info.objects else ""))
     return 0
