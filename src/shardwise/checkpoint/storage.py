@@ -200,6 +200,7 @@ class Writer(FileSystemWriter):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / MARKER).touch()
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        serialization_id = self.save_id.replace("-", "")[:40].ljust(40, "0")  # torch.save's field
         results = []
         fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -213,7 +214,7 @@ class Writer(FileSystemWriter):
                     pos += len(buf)
                 else:
                     tensor = data.detach().cpu().contiguous()
-                    head, payload, tail = tensor_record(tensor, self.save_id.replace("-", "")[:40].ljust(40, "0"))
+                    head, payload, tail = tensor_record(tensor, serialization_id)
                     write_all(fd, [head, payload, tail])
                     length = len(head) + len(payload) + len(tail)
                     written = _Written(
