@@ -425,16 +425,19 @@ class Reader(FileSystemReader):
                 self._check_pages(out, spans[0][0], page, pages, layout, name, path)
             return dest
         rows = dest.reshape(-1).view(torch.uint8).view(len(starts), run)
-        first = 0
-        for span_start, span_len in spans:
-            data = self._pread(fd, span_len, layout.payload_offset + span_start, path)
+        out = memoryview(rows.numpy()).cast("B")
+        for span_start, span_len, first, last in spans:
+            direct = last - first == 1 and span_len == run  # one run: straight into its place
+            buf = None if direct else torch.empty(span_len, dtype=torch.uint8)
+            view = out[first * run : last * run] if direct else memoryview(buf.numpy())
+            got = os.preadv(fd, [view], layout.payload_offset + span_start)
+            self.bytes_read += got
+            if got != span_len:
+                raise CorruptCheckpointError(f"{path}: short read in '{name}': truncated")
             if pages is not None:
-                self._check_pages(memoryview(data), span_start, page, pages, layout, name, path)
-            last = first + int(torch.searchsorted(starts[first:], span_start + span_len, side="left"))
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            offsets = starts[first:last] - span_start
-            rows[first:last] = buf.unfold(0, run, 1)[offsets]
-            first = last
+                self._check_pages(view, span_start, page, pages, layout, name, path)
+            if buf is not None:  # several runs read as one span: gather them with one copy
+                torch.index_select(buf.unfold(0, run, 1), 0, starts[first:last] - span_start, out=rows[first:last])
         return dest
 
     @staticmethod
@@ -481,9 +484,9 @@ def _runs(
 
 def _spans(
     starts: torch.Tensor, run: int, gap: int, page: int | None, limit: int
-) -> list[tuple[int, int]]:
-    """Byte spans `(start, length)` to read: runs merged across gaps under `gap`,
-    widened to whole `page`s (not past `limit`) when verifying."""
+) -> list[tuple[int, int, int, int]]:
+    """Byte spans `(start, length, first run, end run)` to read: runs merged across
+    gaps under `gap`, widened to whole `page`s (not past `limit`) when verifying."""
     lo = starts
     hi = starts + run
     if page is not None:
@@ -491,4 +494,5 @@ def _spans(
         hi = torch.clamp((hi + page - 1) // page * page, max=limit)
     breaks = (lo[1:] - hi[:-1] >= gap).nonzero().flatten() + 1
     bounds = [0, *breaks.tolist(), len(starts)]
-    return [(int(lo[a]), int(hi[b - 1]) - int(lo[a])) for a, b in zip(bounds, bounds[1:])]
+    lo_list, hi_list = lo.tolist(), hi.tolist()
+    return [(lo_list[a], hi_list[b - 1] - lo_list[a], a, b) for a, b in zip(bounds, bounds[1:])]
