@@ -402,34 +402,35 @@ class Reader(FileSystemReader):
         The box is a set of equal runs along its last partial dimension. Runs
         closer than one OS page are read as one span (a smaller gap saves no
         I/O); with verification each span is widened to whole checksum pages.
-        One span that is exactly the box is read straight into `target`;
-        otherwise each span is read once and the box gathered from it.
+        A whole chunk, or a span that is exactly one run, is read straight into
+        `target`; a span of several runs is read once and the runs gathered
+        from it with one copy.
         """
-        itemsize = torch.empty((), dtype=layout.dtype).element_size()
-        starts, run = _runs(layout.shape, tuple(req.storage_offsets), tuple(req.lengths), itemsize)
         direct = target.is_contiguous() and target.device.type == "cpu" and target.dtype == layout.dtype
         dest = target if direct else torch.empty(tuple(req.lengths), dtype=layout.dtype)
+        page = self.manifest.page_size if self.manifest else PAGE_SIZE
+        name = req.storage_index.fqn
+        if tuple(req.lengths) == layout.shape:  # the whole chunk, the common case: one read
+            if dest.numel():
+                out = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
+                got = os.preadv(fd, [out], layout.payload_offset)
+                self.bytes_read += got
+                if got != len(out):
+                    raise CorruptCheckpointError(f"{path}: short read in '{name}': truncated")
+                if pages is not None:
+                    self._check_pages(out, 0, page, pages, layout, name, path)
+            return dest
+        itemsize = torch.empty((), dtype=layout.dtype).element_size()
+        starts, run = _runs(layout.shape, tuple(req.storage_offsets), tuple(req.lengths), itemsize)
         if not len(starts):
             return dest
-        page = self.manifest.page_size if self.manifest else PAGE_SIZE
         spans = _spans(starts, run, _MERGE_GAP, page if pages is not None else None, layout.payload_length)
-        name = req.storage_index.fqn
-        whole = len(spans) == 1 and spans[0][1] == len(starts) * run and int(starts[0]) == spans[0][0]
-        if whole and (len(starts) == 1 or bool((starts[1:] - starts[:-1] == run).all())):
-            out = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
-            got = os.preadv(fd, [out], layout.payload_offset + spans[0][0])
-            self.bytes_read += got
-            if got != len(out):
-                raise CorruptCheckpointError(f"{path}: short read in '{name}': truncated")
-            if pages is not None:
-                self._check_pages(out, spans[0][0], page, pages, layout, name, path)
-            return dest
         rows = dest.reshape(-1).view(torch.uint8).view(len(starts), run)
         out = memoryview(rows.numpy()).cast("B")
         for span_start, span_len, first, last in spans:
-            direct = last - first == 1 and span_len == run  # one run: straight into its place
-            buf = None if direct else torch.empty(span_len, dtype=torch.uint8)
-            view = out[first * run : last * run] if direct else memoryview(buf.numpy())
+            in_place = last - first == 1 and span_len == run  # one run: straight into its place
+            buf = None if in_place else torch.empty(span_len, dtype=torch.uint8)
+            view = out[first * run : last * run] if in_place else memoryview(buf.numpy())
             got = os.preadv(fd, [view], layout.payload_offset + span_start)
             self.bytes_read += got
             if got != span_len:
