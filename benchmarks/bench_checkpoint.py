@@ -135,27 +135,21 @@ def _main_rank(rank: int, world: int, folder: str, nbytes: int, repeat: int) -> 
     out["shardwise load"] = _best(lambda: swc.load(targets, ours), repeat)
 
     # async: the blocking part of the second call
-    def stock_async() -> None:
-        _clean(stock)
+    def blocking_part(path: Path, start_save) -> float:
+        _clean(path)
         dist.barrier()
         t = time.perf_counter()
-        fut = dcp.async_save(state, checkpoint_id=stock)
+        future = start_save()
         blocking = time.perf_counter() - t
-        fut.result()
+        future.result()
         return blocking
 
-    def ours_async() -> None:
-        _clean(ours)
-        dist.barrier()
-        t = time.perf_counter()
-        fut = swc.async_save(state, ours)
-        blocking = time.perf_counter() - t
-        fut.result()
-        return blocking
-
-    for name, fn in (("stock async blocking", stock_async), ("shardwise async blocking", ours_async)):
-        fn()  # first call warms caches and staging buffers
-        samples = [fn() for _ in range(repeat)]
+    for name, path, start_save in (
+        ("stock async blocking", stock, lambda: dcp.async_save(state, checkpoint_id=stock)),
+        ("shardwise async blocking", ours, lambda: swc.async_save(state, ours)),
+    ):
+        blocking_part(path, start_save)  # the first call warms caches and staging buffers
+        samples = [blocking_part(path, start_save) for _ in range(repeat)]
         worst = torch.tensor([min(samples)], dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         out[name] = float(worst)
