@@ -14,7 +14,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -225,9 +225,3 @@ def save_reference(path: Path, world: int = 2, seed: int = 0) -> None:
 
     shutil.rmtree(path, ignore_errors=True)
     run_ranks(_save_rank, world, str(path), seed, None, False, False, timeout=60)
-
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
