@@ -40,7 +40,7 @@ def crashes(folder: Path, rounds: int) -> None:
                     states[o.new_state] += 1
                     if not o.ok:
                         bad.append(o)
-        o = chaos.crash_save(folder, rng.choice(["mid-data", "after-data", "before-publish"]), use_async=True)
+        o = chaos.crash_save(folder, rng.choice(["mid-data", "after-data", "before-commit"]), use_async=True)
         tried += 1
         lost += o.lost_previous
         states[f"async: {o.new_state}"] += 1

@@ -30,9 +30,13 @@ __all__ = [
     "reference_tensors",
 ]
 
-CRASH_POINTS = ("before-write", "mid-data", "after-data", "before-manifest", "before-publish", "mid-overwrite")
+CRASH_POINTS = (
+    "before-write", "mid-data", "after-data", "before-commit", "between-records", "before-collect", "mid-collect",
+)
 # reached only by the coordinator (rank 0): killing another rank there does nothing
-COORDINATOR_POINTS = ("before-manifest", "before-publish", "mid-overwrite")
+COORDINATOR_POINTS = ("before-commit", "between-records", "before-collect", "mid-collect")
+# files a user keeps beside (or inside) a checkpoint folder: no save may touch them
+FOREIGN_FILES = {"notes.txt": b"do not delete\n", "model.pt": bytes(range(256)) * 4, "__9_9.distcp": b"not ours"}
 SHAPES = {"emb": (48, 16), "dense": (12, 10), "bias": (10,)}
 
 
@@ -97,28 +101,54 @@ class CrashOutcome:
     lost_previous: bool  # the earlier checkpoint no longer loads bit for bit
     new_state: str  # "absent", "incomplete", "complete", or what went wrong
     resave_ok: bool  # a later save to the same path succeeded and loads
-    stray: list[str]  # leftover temporary folders after that later save
+    stray: list[str]  # files left in the folder after that later save that it does not name
+    foreign_lost: list[str]  # files that no checkpoint wrote and that were changed or removed
     seconds: float
 
     @property
     def ok(self) -> bool:
-        return not self.lost_previous and self.new_state in ("absent", "incomplete", "complete") and self.resave_ok and not self.stray
+        return (
+            not self.lost_previous and self.new_state in ("absent", "incomplete", "complete")
+            and self.resave_ok and not self.stray and not self.foreign_lost
+        )
+
+
+def _plant_foreign(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in FOREIGN_FILES.items():
+        (folder / name).write_bytes(data)
+
+
+def _foreign_lost(folder: Path) -> list[str]:
+    return sorted(n for n, data in FOREIGN_FILES.items() if not (folder / n).is_file() or (folder / n).read_bytes() != data)
+
+
+def _stray(folder: Path) -> list[str]:
+    """Files in a committed folder that neither its records nor the user put there."""
+    from .checkpoint.commit import referenced_files
+
+    expected = referenced_files(folder) | set(FOREIGN_FILES) | {".metadata", "shardwise.json", ".shardwise"}
+    return sorted(n for n in os.listdir(folder) if n not in expected)
 
 
 def crash_save(
     folder: Path, point: str, *, kill_rank: int | None = None, overwrite: bool = False,
     use_async: bool = False, world: int = 2,
 ) -> CrashOutcome:
-    """SIGKILL a save (all ranks, or `kill_rank`) at `point`; report what survived."""
+    """SIGKILL a save (all ranks, or `kill_rank`) at `point` into a folder that
+    also holds files of the user's (`FOREIGN_FILES`); report what survived."""
     from .checkpoint import IncompleteCheckpointError
     from .testing import run_ranks
 
     start = time.monotonic()
     folder.mkdir(parents=True, exist_ok=True)
     previous = folder / "previous"
-    if not previous.exists():
+    if not (previous / "shardwise.json").exists():
+        _plant_foreign(previous)
         run_ranks(_save_rank, world, str(previous), 0, None, False, False, timeout=60)
     target = previous if overwrite else folder / "new"
+    if not overwrite:
+        _plant_foreign(target)
     spec = point if kill_rank is None else f"{point}@{kill_rank}"
     run_ranks(_save_rank, world, str(target), 1, spec, overwrite, use_async, timeout=60, allow_dead=True)
     # what a fresh process sees now
@@ -139,17 +169,20 @@ def crash_save(
             new_state = "absent"
         except Exception as e:  # noqa: BLE001 - any other type is itself the finding
             new_state = f"{type(e).__name__}: {e}"
+    foreign = _foreign_lost(target)
     try:
         run_ranks(_save_rank, world, str(target), 2, None, True, False, timeout=60)
         resave = holds(target, 2)
     except Exception:
         resave = False
-    stray = sorted(p.name for p in folder.glob(".*shardwise-*"))
+    stray = _stray(target)
+    foreign = sorted(set(foreign) | set(_foreign_lost(target)))
     outcome = CrashOutcome(point, "overwrite" if overwrite else "new path", lost, new_state, resave, stray,
-                           time.monotonic() - start)
-    shutil.rmtree(target, ignore_errors=True)
+                           foreign, time.monotonic() - start)
     if overwrite:  # restore the reference checkpoint for the next scenario
         run_ranks(_save_rank, world, str(previous), 0, None, True, False, timeout=60)
+    else:
+        shutil.rmtree(target, ignore_errors=True)
     return outcome
 
 

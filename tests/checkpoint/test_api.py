@@ -282,7 +282,8 @@ def test_incomplete_checkpoints(saved, tmp_path):
     (no_manifest / "shardwise.json").unlink()
     with pytest.raises(swc.IncompleteCheckpointError):
         swc.load(_full_targets(), no_manifest)
-    (tmp_path / ".ghost.shardwise-partial").mkdir()
+    (tmp_path / "ghost").mkdir()  # a first save that died before its commit leaves only data
+    (tmp_path / "ghost" / "__0_0.sw0123456789ab.distcp").write_bytes(b"partial")
     with pytest.raises(swc.IncompleteCheckpointError, match="never committed"):
         swc.load(_full_targets(), tmp_path / "ghost")
     with pytest.raises(FileNotFoundError):

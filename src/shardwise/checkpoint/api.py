@@ -22,12 +22,14 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from ..dist.agreement import exchange
 from ..errors import CheckpointMismatchError, ShardwiseError
 from ..layout import Block
+from .commit import already_exists, holds_checkpoint
 from .staging import Stager
-from .storage import Reader, Writer, recover
+from .storage import Reader, Writer
 
 __all__ = ["SaveInfo", "async_save", "load", "read_tensor", "save"]
 
@@ -66,8 +68,15 @@ def _unwrap(e: CheckpointException) -> BaseException:
     return e
 
 
+def _state_dicts_of(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Top-level `Stateful` values (a model, an optimizer wrapper) replaced by
+    their `state_dict()`, as `dcp.save` does, before anything looks inside."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+
+
 def _check_target(path: Path, overwrite: bool, process_group: Any, state_dict: dict[str, Any] | None = None) -> None:
-    """Collective pre-save check: same path and flags everywhere, target free, objects picklable."""
+    """Collective pre-save check: same path and flags everywhere, no checkpoint in
+    the way (other files are fine), objects picklable."""
     problem: BaseException | None = None
     if state_dict is not None:
         flat, _ = flatten_state_dict(state_dict)
@@ -79,9 +88,10 @@ def _check_target(path: Path, overwrite: bool, process_group: Any, state_dict: d
                     problem = TypeError(f"object '{key}' cannot be pickled ({type(e).__name__}: {e})")
                     break
     if not _distributed(process_group) or dist.get_rank(process_group) == 0:
-        recover(path)
-        if path.exists() and not overwrite and problem is None:
-            problem = FileExistsError(f"checkpoint {path} already exists; pass overwrite=True to replace it")
+        if path.is_dir() and holds_checkpoint(path) and not overwrite and problem is None:
+            problem = FileExistsError(already_exists(path))
+        elif path.exists() and not path.is_dir() and problem is None:
+            problem = NotADirectoryError(f"{path} is a file, not a checkpoint folder")
     _agree(problem, process_group, (str(path.resolve()), overwrite), "save path and overwrite")
 
 
@@ -96,9 +106,11 @@ def save(
 
     The checkpoint appears at `path` only once every rank's data is durable;
     an existing one is refused unless `overwrite=True`, which replaces it
-    atomically.
+    atomically. The folder may exist and hold other files: they are kept.
+    Values may be `Stateful` (their `state_dict()` is saved), as with `dcp.save`.
     """
     path = Path(path)
+    state_dict = _state_dicts_of(state_dict)
     _check_target(path, overwrite, process_group, state_dict)
     return _save_checked(state_dict, path, overwrite, process_group)
 
@@ -110,7 +122,7 @@ def _save_checked(
     try:
         dcp.save(
             state_dict,
-            storage_writer=Writer(path, overwrite=overwrite),
+            storage_writer=Writer(path, overwrite=True),  # _check_target refused what overwrite forbids
             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=False),
             process_group=process_group,
         )
@@ -158,6 +170,7 @@ def async_save(
     path = Path(path)
     if _ASYNC.pending is not None:
         _ASYNC.pending.result()
+    state_dict = _state_dicts_of(state_dict)
     _check_target(path, overwrite, process_group, state_dict)
     group = _ASYNC.group_for(process_group)
     staged = _ASYNC.stager.stage(state_dict)
@@ -166,8 +179,8 @@ def async_save(
     return _ASYNC.pending
 
 
-def _mismatches(state_dict: dict[str, Any], metadata: Any, strict: bool) -> list[str]:
-    flat, _ = flatten_state_dict(state_dict)
+def _mismatches(state_dict: dict[str, Any], metadata: Any, strict: bool, cast: bool) -> list[str]:
+    flat, _ = flatten_state_dict(_state_dicts_of(state_dict))
     stored = metadata.state_dict_metadata
     problems = []
     for key, value in flat.items():
@@ -182,7 +195,7 @@ def _mismatches(state_dict: dict[str, Any], metadata: Any, strict: bool) -> list
                 continue
             if tuple(value.shape) != tuple(md.size):
                 problems.append(f"'{key}' shape {tuple(value.shape)} here, {tuple(md.size)} in the checkpoint")
-            if value.dtype != md.properties.dtype:
+            if value.dtype != md.properties.dtype and not cast:
                 problems.append(f"'{key}' dtype {value.dtype} here, {md.properties.dtype} in the checkpoint")
     if strict:
         problems += [f"'{k}' is in the checkpoint but not in the state dict (unexpected)" for k in stored if k not in flat]
@@ -195,30 +208,30 @@ def load(
     *,
     strict: bool = True,
     verify: bool = True,
+    cast_dtype: bool = False,
     process_group: Any = None,
 ) -> Reader:
     """Fill `state_dict`'s tensors and objects in place from `path`. Collective.
 
     Targets may use any layout and world size: each rank reads only the byte
     ranges its targets need. Key, shape and dtype problems are all listed at
-    once, on every rank, before any target is modified. Returns the reader
-    (its `bytes_read` says what this rank read).
+    once, on every rank, before any target is modified. `cast_dtype=True`
+    casts stored values to each target's dtype instead (as `dcp.load` does,
+    e.g. an fp32 checkpoint into a bf16 model). `Stateful` values are filled
+    through their `state_dict()` / `load_state_dict()`, as with `dcp.load`.
+    Returns the reader (its `bytes_read` says what this rank read).
     """
     path = Path(path)
     reader = Reader(path, verify=verify)
     problem: BaseException | None = None
     try:
-        if not _distributed(process_group) or dist.get_rank(process_group) == 0:
-            recover(path)
-        if _distributed(process_group):
-            dist.barrier(group=process_group)
         metadata = reader.read_metadata()
-        found = _mismatches(state_dict, metadata, strict)
+        found = _mismatches(state_dict, metadata, strict, cast_dtype)
         if found:
             problem = CheckpointMismatchError(f"{path}: " + "; ".join(found))
     except (ShardwiseError, OSError, ValueError, pickle.UnpicklingError) as e:
         problem = e
-    _agree(problem, process_group, (str(path.resolve()), strict), "load path and strict")
+    _agree(problem, process_group, (str(path.resolve()), strict, cast_dtype), "load path, strict and cast_dtype")
     try:
         dcp.load(
             state_dict,

@@ -23,18 +23,20 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
 
 from ..errors import CorruptCheckpointError
 
-__all__ = ["MANIFEST", "MARKER", "ChunkEntry", "Manifest", "ObjectEntry", "PAGE_SIZE"]
+__all__ = ["MANIFEST", "MARKER", "ChunkEntry", "Manifest", "ObjectEntry", "PAGE_SIZE", "StoredChunk", "StoredObject"]
 
 MANIFEST = "shardwise.json"
 MARKER = ".shardwise"  # written first: a folder with it but no manifest is incomplete
 FORMAT = "shardwise.checkpoint"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # version 2 added transforms, planner_data and storage_meta
 PAGE_SIZE = 1 << 20  # payload bytes per checksum page
 
 
@@ -55,9 +57,10 @@ class ChunkEntry:
     sizes: tuple[int, ...]
     file: str
     record: tuple[int, int]  # the torch.save record: offset, length (what stock reads)
-    payload: tuple[int, int]  # the raw C-order bytes inside it: offset, length
-    pages: list[int]  # crc32c of each PAGE_SIZE slice of the payload
+    payload: tuple[int, int] | None  # the raw C-order bytes inside it; None when transformed
+    pages: list[int]  # crc32c of each PAGE_SIZE slice of the payload (of the record, when transformed)
     frame: int = 0  # crc32c of the record's bytes before and after the payload
+    transform: list[str] | None = None  # DCP stream-transform descriptors (e.g. zstd)
 
 
 @dataclass
@@ -66,6 +69,28 @@ class ObjectEntry:
     offset: int
     length: int
     crc32c: int
+    transform: list[str] | None = None
+
+
+@dataclass
+class StoredChunk(_StorageInfo):
+    """DCP's per-chunk storage info plus what ranged, verified reads need.
+
+    It is what `Manifest.to_metadata` puts in `Metadata.storage_data`, so a
+    reader's byte ranges always come from the metadata it was set up with."""
+
+    dtype: str = ""
+    sizes: tuple[int, ...] = ()
+    payload: tuple[int, int] | None = None
+    pages: list[int] | None = None
+    page_size: int = PAGE_SIZE
+
+
+@dataclass
+class StoredObject(_StorageInfo):
+    """DCP's storage info of a pickled object plus its checksum."""
+
+    crc32c: int | None = None
 
 
 @dataclass
@@ -82,6 +107,10 @@ class Manifest:
     objects: dict[str, ObjectEntry] = field(default_factory=dict)
     page_size: int = PAGE_SIZE
     metadata_crc32c: int = 0  # of DCP's .metadata, for `verify`
+    planner_data: Any = None  # DCP's, when plain JSON (see encode_planner_data)
+    planner_data_in_metadata: bool = False  # not plain JSON: read it from .metadata
+    storage_meta: dict[str, Any] = field(default_factory=dict)  # checkpoint_id, save_id, modules
+    dcp_version: str | None = None
 
     def to_json(self) -> str:
         """Canonical JSON whose "crc32c" field checksums the document itself."""
@@ -97,6 +126,10 @@ class Manifest:
                 "checksum": "crc32c",
                 "page_size": self.page_size,
                 "metadata_crc32c": self.metadata_crc32c,
+                "dcp_version": self.dcp_version,
+                "storage_meta": self.storage_meta,
+                "planner_data": self.planner_data,
+                "planner_data_in_metadata": self.planner_data_in_metadata,
                 "tensors": {
                     k: {
                         "dtype": t.dtype,
@@ -110,6 +143,7 @@ class Manifest:
                                 "payload": list(c.payload),
                                 "pages": c.pages,
                                 "frame": c.frame,
+                                **({"transform": c.transform} if c.transform else {}),
                             }
                             for c in t.chunks
                         ],
@@ -117,15 +151,18 @@ class Manifest:
                     for k, t in self.tensors.items()
                 },
                 "objects": {
-                    k: {"file": o.file, "offset": o.offset, "length": o.length, "crc32c": o.crc32c}
+                    k: {
+                        "file": o.file, "offset": o.offset, "length": o.length, "crc32c": o.crc32c,
+                        **({"transform": o.transform} if o.transform else {}),
+                    }
                     for k, o in self.objects.items()
                 },
                 "crc32c": 0,
         }
 
     @classmethod
-    def read(cls, folder: Path) -> Manifest:
-        path = folder / MANIFEST
+    def read(cls, folder: Path, name: str = MANIFEST) -> Manifest:
+        path = folder / name
         try:
             data = json.loads(path.read_bytes())
             if not isinstance(data, dict):
@@ -137,11 +174,15 @@ class Manifest:
                 raise ValueError("its checksum does not match its contents (damaged)")
             if data.get("format") != FORMAT:
                 raise ValueError(f"format is {data.get('format')!r}, not {FORMAT!r}")
-            if data.get("version") != VERSION:
-                raise ValueError(f"version {data.get('version')!r} is not supported (reads {VERSION})")
+            if data.get("version") not in READS:
+                raise ValueError(f"version {data.get('version')!r} is not supported (reads {READS})")
             out = cls(
                 world_size=int(data["world_size"]), page_size=int(data["page_size"]),
                 metadata_crc32c=int(data["metadata_crc32c"]),
+                planner_data=data.get("planner_data"),
+                planner_data_in_metadata=bool(data.get("planner_data_in_metadata", False)),
+                storage_meta=dict(data.get("storage_meta") or {}),
+                dcp_version=data.get("dcp_version"),
             )
             if out.page_size <= 0:
                 raise ValueError(f"page size {out.page_size}")
@@ -155,15 +196,17 @@ class Manifest:
                             tuple(int(s) for s in c["sizes"]),
                             _safe_name(c["file"]),
                             _pair(c["record"]),
-                            _pair(c["payload"]),
+                            None if c["payload"] is None else _pair(c["payload"]),
                             [int(p) for p in c["pages"]],
                             int(c["frame"]),
+                            _transform(c.get("transform")),
                         )
                     )
                 out.tensors[k] = entry
             for k, o in data["objects"].items():
                 out.objects[k] = ObjectEntry(
-                    _safe_name(o["file"]), _nonneg(o["offset"]), _nonneg(o["length"]), int(o["crc32c"])
+                    _safe_name(o["file"]), _nonneg(o["offset"]), _nonneg(o["length"]), int(o["crc32c"]),
+                    _transform(o.get("transform")),
                 )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise CorruptCheckpointError(f"{path}: unreadable manifest: {e}") from e
@@ -198,9 +241,7 @@ class Manifest:
                     len(c.offsets) != len(t.shape)
                     or len(c.sizes) != len(t.shape)
                     or any(o + s > n for o, s, n in zip(c.offsets, c.sizes, t.shape))
-                    or c.payload[1] != nbytes
-                    or not c.record[0] <= c.payload[0] <= c.payload[0] + c.payload[1] <= sum(c.record)
-                    or len(c.pages) != max(1, -(-nbytes // self.page_size))
+                    or not _consistent(c, nbytes, self.page_size)
                 ):
                     raise CorruptCheckpointError(
                         f"{path}: chunk at offsets {c.offsets} of '{k}' has inconsistent sizes or "
@@ -218,11 +259,68 @@ class Manifest:
                 chunks=[ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks],
             )
             for c in t.chunks:
-                storage[MetadataIndex(k, c.offsets)] = _StorageInfo(c.file, c.record[0], c.record[1])
+                storage[MetadataIndex(k, c.offsets)] = StoredChunk(
+                    c.file, c.record[0], c.record[1], c.transform, t.dtype, c.sizes, c.payload, c.pages,
+                    self.page_size,
+                )
         for k, o in self.objects.items():
             state[k] = BytesStorageMetadata()
-            storage[MetadataIndex(k)] = _StorageInfo(o.file, o.offset, o.length)
-        return Metadata(state_dict_metadata=state, storage_data=storage)
+            storage[MetadataIndex(k)] = StoredObject(o.file, o.offset, o.length, o.transform, o.crc32c)
+        meta = self.storage_meta
+        return Metadata(
+            state_dict_metadata=state,
+            planner_data=decode_planner_data(self.planner_data),
+            storage_data=storage,
+            storage_meta=StorageMeta(
+                checkpoint_id=meta.get("checkpoint_id"), save_id=meta.get("save_id"),
+                modules=list(meta.get("modules") or []),
+            ),
+            version=self.dcp_version,
+        )
+
+
+def encode_planner_data(value: Any) -> Any:
+    """DCP's `planner_data` as JSON, tuples tagged so they come back as tuples
+    (the default planner maps keys to tuple paths); `ValueError` when it holds
+    anything else than plain containers, strings and numbers."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode_planner_data(v) for v in value]}
+    if isinstance(value, list):
+        return [encode_planner_data(v) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value) and "__tuple__" not in value:
+        return {k: encode_planner_data(v) for k, v in value.items()}
+    raise ValueError(f"planner data of type {type(value).__name__} is not plain JSON")
+
+
+def decode_planner_data(value: Any) -> Any:
+    if isinstance(value, list):
+        return [decode_planner_data(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"__tuple__"}:
+            return tuple(decode_planner_data(v) for v in value["__tuple__"])
+        return {k: decode_planner_data(v) for k, v in value.items()}
+    return value
+
+
+def _consistent(c: ChunkEntry, nbytes: int, page_size: int) -> bool:
+    """The byte ranges of a chunk fit each other and its size."""
+    if c.payload is None:  # transformed: one checksum over the stored record
+        return bool(c.transform) and len(c.pages) == 1
+    return (
+        c.payload[1] == nbytes
+        and c.record[0] <= c.payload[0] <= c.payload[0] + c.payload[1] <= sum(c.record)
+        and len(c.pages) == max(1, -(-nbytes // page_size))
+    )
+
+
+def _transform(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"transform descriptors {value!r} are not a list of strings")
+    return value or None
 
 
 def _safe_name(name: Any) -> str:

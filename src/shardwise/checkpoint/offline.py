@@ -28,7 +28,8 @@ from ..layout import Block, Layout
 from ..layout.coverage import analyze
 from .manifest import MANIFEST, ChunkEntry, Manifest, ObjectEntry, TensorEntry, dtype_name
 from .records import tensor_record, write_torch_archive
-from .storage import Reader, fresh_staging_dir, pages_of, publish, write_all, write_durably
+from .commit import already_exists, commit, data_file_name, holds_checkpoint, new_token, referenced_files, write_durably
+from .storage import Reader, pages_of, write_all
 
 __all__ = [
     "CheckpointInfo",
@@ -345,8 +346,8 @@ def convert(
     Streams tensor by tensor: memory holds one tensor at a time.
     """
     path, out = Path(path), Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; pass overwrite=True to replace it")
+    if (out.is_file() or (out.is_dir() and holds_checkpoint(out))) and not overwrite:
+        raise FileExistsError(already_exists(out) if out.is_dir() else f"{out} already exists; pass overwrite=True")
     if path.is_file():
         return _convert_safetensors(path, out, format, overwrite)
     ckpt = open_checkpoint(path)
@@ -435,8 +436,8 @@ def reshard(
     """
     ckpt = open_checkpoint(path)
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; pass overwrite=True to replace it")
+    if out.is_dir() and holds_checkpoint(out) and not overwrite:
+        raise FileExistsError(already_exists(out))
     plan = {}
     for key in ckpt.tensor_keys():
         shape = tuple(ckpt.tensor_metadata(key).size)
@@ -446,12 +447,13 @@ def reshard(
         if layout.global_shape != shape or layout.world_size != world_size:
             raise ValueError(f"layout for '{key}' is {layout}, not {world_size} ranks over shape {shape}")
         plan[key] = layout
-    staging = fresh_staging_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    token = new_token()
     manifest = Manifest(world_size=world_size)
     written: set[tuple[str, Block]] = set()
     for rank in range(world_size):
-        name = f"__{rank}_0.distcp"
-        fd = os.open(staging / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        name = data_file_name(f"__{rank}_", 0, token)
+        fd = os.open(out / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         pos = 0
         try:
             if rank == 0:  # objects are copied verbatim, never unpickled
@@ -480,9 +482,19 @@ def reshard(
             os.fsync(fd)
         finally:
             os.close(fd)
-    metadata = pickle.dumps(manifest.to_metadata())
-    write_durably(staging / ".metadata", metadata)
+    metadata = pickle.dumps(_stock(manifest.to_metadata()))
     manifest.metadata_crc32c = crc32c.crc32c(metadata)
-    write_durably(staging / MANIFEST, manifest.to_json().encode())
-    publish(staging, out, overwrite)
+    keep = {data_file_name(f"__{rank}_", 0, token) for rank in range(world_size)}
+    commit(out, metadata, manifest.to_json().encode(), keep, referenced_files(out))
     return out
+
+
+def _stock(metadata: Any) -> Any:
+    """`Metadata` whose storage infos are DCP's own class, for the pickled `.metadata`."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    metadata.storage_data = {
+        k: _StorageInfo(v.relative_path, v.offset, v.length, v.transform_descriptors)
+        for k, v in metadata.storage_data.items()
+    }
+    return metadata

@@ -1,18 +1,20 @@
 """`Writer` / `Reader`: DCP storage for shardwise checkpoints.
 
-Writer (stock `FileSystemWriter` planning and `.metadata`, and data files in
-its format, so stock `dcp.load` reads the result): every rank writes one
-`.distcp` file into a hidden staging folder beside the target, each tensor a
-torch.save-format record written straight from the tensor's memory and
-checksummed while its bytes are in cache, then fsyncs it; the coordinator then writes `.metadata`, then
-`shardwise.json` (fsynced), and only then renames the staging folder onto the
-target. A crash at any point leaves earlier checkpoints intact and no folder
-at the target that loads as complete.
+Writer: stock `FileSystemWriter` planning, constructor and `.metadata`, and
+data files in its format, so stock `dcp.load` reads the result. Every rank
+writes its items under fresh token-named files (`__0_0.sw<token>.distcp`),
+each tensor a torch.save-format record written straight from the tensor's
+memory and checksummed while its bytes are in cache, then fsyncs them; the
+coordinator then commits (`commit.py`): marker, `.metadata`, `shardwise.json`,
+each renamed into place, and collects the files of the checkpoint it replaced.
+Other files in the folder are never touched.
 
 Reader: reads `shardwise.json` (never unpickling `.metadata`), or a stock
-`.metadata` through an unpickler that admits only DCP's classes. It reads
-only the byte ranges of each stored chunk that the load targets need, and
-verifies the checksum pages it reads.
+`.metadata` through an unpickler that admits only DCP's classes. Every byte
+range it reads comes from the `Metadata` it was set up with
+(`set_up_storage_reader`): a reset reader keeps nothing of the previous
+checkpoint. It reads only the byte ranges of each stored chunk that the load
+targets need, and verifies the checksum pages it reads.
 
 Call order (DCP's): reset -> set_up_storage_writer/reader -> prepare plans
 (collective) -> write_data/read_data on every rank -> finish on the coordinator.
@@ -20,19 +22,27 @@ Call order (DCP's): reset -> set_up_storage_writer/reader -> prepare plans
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
-import shutil
-from torch.futures import Future
+import pickle
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import crc32c
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
+    SerializationFormat,
+    _split_by_size_and_type,
+    _StorageInfo,
+    _StoragePrefix,
+    _write_item,
+)
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -40,91 +50,41 @@ from torch.distributed.checkpoint.planner import (
     LoadPlanner,
     SavePlan,
     SavePlanner,
+    WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from .commit import (
+    RecordNames,
+    already_exists,
+    commit,
+    data_file_name,
+    holds_checkpoint,
+    leftover_data,
+    referenced_files,
+    token_of,
+)
 from .faults import failpoint
 from .manifest import (
-    MANIFEST,
     MARKER,
     PAGE_SIZE,
     ChunkEntry,
     Manifest,
     ObjectEntry,
+    StoredChunk,
+    StoredObject,
     TensorEntry,
     dtype_from_name,
     dtype_name,
+    encode_planner_data,
 )
 from .records import RecordLayout, read_record_layout, tensor_record
 from .safe_pickle import load_metadata
 
-__all__ = ["Reader", "Writer", "fresh_staging_dir", "fsync_dir", "pages_of", "partial_dirs", "publish", "recover", "write_all", "write_durably"]
-
-
-# -- folder protocol ------------------------------------------------------------------
-
-
-def _staging_dir(final: Path) -> Path:
-    return final.parent / f".{final.name}.shardwise-partial"
-
-
-def _backup_dir(final: Path) -> Path:
-    return final.parent / f".{final.name}.shardwise-old"
-
-
-def partial_dirs(final: Path) -> list[Path]:
-    """Staging folders of saves to `final` that never committed."""
-    return [p for p in (_staging_dir(final),) if p.exists()]
-
-
-def recover(final: Path) -> None:
-    """Finish an interrupted overwrite: if only the backup of `final` exists, put it back."""
-    backup = _backup_dir(final)
-    if not final.exists() and (backup / MANIFEST).exists():
-        os.rename(backup, final)
-        fsync_dir(final.parent)
-
-
-def publish(staging: Path, final: Path, overwrite: bool) -> None:
-    """Rename a complete staging folder onto `final` (replacing it when `overwrite`)."""
-    backup = _backup_dir(final)
-    if final.exists():
-        if not overwrite:
-            raise FileExistsError(f"checkpoint {final} already exists; pass overwrite=True to replace it")
-        shutil.rmtree(backup, ignore_errors=True)
-        os.rename(final, backup)  # recover() undoes this if we die before the next rename
-        failpoint("mid-overwrite")
-    os.rename(staging, final)
-    fsync_dir(final.parent)
-    shutil.rmtree(backup, ignore_errors=True)
-
-
-def fresh_staging_dir(final: Path) -> Path:
-    """Where a save to `final` writes before it commits (cleared of leftovers)."""
-    staging = _staging_dir(final)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    (staging / MARKER).touch()
-    return staging
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_durably(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, path)
+__all__ = ["Reader", "SaveTarget", "Writer", "pages_of", "write_all"]
 
 
 def pages_of(payload: memoryview, page_size: int = PAGE_SIZE) -> list[int]:
@@ -150,6 +110,14 @@ def write_all(fd: int, buffers: list[Any]) -> None:
 
 
 @dataclass
+class SaveTarget(_StoragePrefix):
+    """DCP's per-rank file prefix plus the save's token, chosen once by the
+    coordinator so that every rank's files carry the same one."""
+
+    token: str = ""
+
+
+@dataclass
 class _Written:
     """A stock `_StorageInfo` plus what the manifest needs; unwrapped in `finish`."""
 
@@ -160,52 +128,102 @@ class _Written:
 
 
 class Writer(FileSystemWriter):
-    """A DCP `StorageWriter` producing a shardwise checkpoint at `path`.
+    """A DCP `StorageWriter` producing a shardwise checkpoint in the folder `path`.
 
-    Usable directly with `torch.distributed.checkpoint.save(..., storage_writer=Writer(path))`.
-    `overwrite=False` refuses an existing checkpoint at `path`; `True` replaces it.
+    A drop-in for `FileSystemWriter`, with its constructor: `overwrite=True`
+    (the default, as stock) replaces a checkpoint already in the folder;
+    `False` raises `RuntimeError("Checkpoint already exists ...")` when the
+    folder holds one. Either way, files in the folder that no checkpoint wrote
+    are left alone. `thread_count` writes that many files per rank in
+    parallel; `single_file_per_rank=False` writes a file per item;
+    `sync_files=False` skips fsync (then a crash may lose the new checkpoint,
+    as with stock); `_extensions` (e.g. ZStandard) transform each item's
+    stream as stock does, and such items are read back whole.
+    `serialization_format` must be `TORCH_SAVE` (what stock's own reader reads).
     """
 
-    def __init__(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:
-        self.final_path = Path(path)
-        self.replace = overwrite
-        super().__init__(_staging_dir(self.final_path), overwrite=True)
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Sequence[Any] | None = None,
+        serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
+    ) -> None:
+        if serialization_format != SerializationFormat.TORCH_SAVE:
+            raise ValueError(
+                f"serialization_format={serialization_format} is not supported by shardwise.checkpoint.Writer: "
+                "stock FileSystemReader reads only TORCH_SAVE records; for safetensors files use "
+                "torch.distributed.checkpoint.HuggingFaceStorageWriter or shardwise.checkpoint.convert"
+            )
+        super().__init__(
+            path,
+            single_file_per_rank=single_file_per_rank,
+            sync_files=sync_files,
+            thread_count=thread_count,
+            per_thread_copy_ahead=per_thread_copy_ahead,
+            cache_staged_state_dict=cache_staged_state_dict,
+            overwrite=overwrite,
+            _extensions=_extensions,
+            serialization_format=serialization_format,
+        )
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id:
-            self.final_path = Path(checkpoint_id)
-        super().reset(_staging_dir(self.final_path))
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-        if is_coordinator:
-            recover(self.final_path)
-            if self.final_path.exists() and not self.replace:
-                raise FileExistsError(
-                    f"checkpoint {self.final_path} already exists; pass overwrite=True to replace it"
-                )
-            # A stale staging folder from a crashed save: no rank writes before the
-            # global plan, which follows this call, so removing it here is safe.
-            shutil.rmtree(_staging_dir(self.final_path), ignore_errors=True)
+    def _records(self) -> RecordNames:
+        return RecordNames(self.rank if not self.use_collectives and self.rank is not None else None)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan  # the folder is made in write_data, after the coordinator's cleanup
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's items into one file: objects as pickled bytes, tensors
-        as torch.save-format records whose payload is written straight from the
-        tensor's memory (`writev`, no copy), checksummed while in cache; fsync."""
-        failpoint("before-write")
         folder = Path(self.path)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / MARKER).touch()
-        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        if not self.overwrite and holds_checkpoint(folder, self._records()):
+            raise RuntimeError(f"Checkpoint already exists and self.overwrite=False: {already_exists(folder)}")
+        if self.rank is not None and not self.use_collectives:
+            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        token = token_of(self.save_id)
+        return [
+            dataclasses.replace(
+                plan, storage_data=SaveTarget(plan.storage_data.prefix if plan.storage_data else f"__{i}_", token)
+            )
+            for i, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items into fresh token-named files (one per bucket of
+        `thread_count`, or one per item), in parallel threads when there are several."""
+        failpoint("before-write")
+        target = plan.storage_data
+        token = getattr(target, "token", "") or token_of(self.save_id)
+        if self.single_file_per_rank:
+            buckets = _split_by_size_and_type(max(1, self.thread_count), list(plan.items))
+        else:
+            buckets = [[item] for item in plan.items]
+        jobs = [(data_file_name(target.prefix, k, token), items) for k, items in enumerate(buckets)]
+        write = self._write_transformed if self.transforms.extensions else self._write_file
+        if self.thread_count > 1 and len(jobs) > 1:
+            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="shardwise-write") as pool:
+                parts = list(pool.map(lambda job: write(job[0], job[1], planner), jobs))
+        else:
+            parts = [write(name, items, planner) for name, items in jobs]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result([r for part in parts for r in part])
+        return fut
+
+    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        """Objects as pickled bytes, tensors as torch.save-format records whose
+        payload is written straight from the tensor's memory (`writev`, no copy),
+        checksummed while in cache; then fsync."""
         serialization_id = self.save_id.replace("-", "")[:40].ljust(40, "0")  # torch.save's field
         results = []
-        fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(Path(self.path) / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             pos = 0
-            for item in plan.items:
+            for item in items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     buf = data.getbuffer()
@@ -224,53 +242,95 @@ class Writer(FileSystemWriter):
                     pos += length
                 results.append(WriteResult(item.index, written.stock.length, written))
                 failpoint("mid-data")
-            os.fsync(fd)
+            if self.sync_files:
+                os.fsync(fd)
             failpoint("after-data")
         finally:
             os.close(fd)
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        return results
+
+    def _write_transformed(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        """Items through the writer's stream transforms (stock's own item writer);
+        each stored range gets one checksum, computed from the written bytes."""
+        path = Path(self.path) / name
+        stock = []
+        with open(path, "wb") as stream:
+            for item in items:
+                data = planner.resolve_data(item)
+                if item.type != WriteItemType.BYTE_IO:
+                    data = data.detach().cpu()
+                stock.append(_write_item(self.transforms, stream, data, item, name, SerializationFormat.TORCH_SAVE))
+                failpoint("mid-data")
+            stream.flush()
+            if self.sync_files:
+                os.fsync(stream.fileno())
+        failpoint("after-data")
+        results = []
+        with open(path, "rb") as f:
+            for r in stock:
+                info: _StorageInfo = r.storage_data
+                crc = crc32c.crc32c(os.pread(f.fileno(), info.length, info.offset))
+                results.append(WriteResult(r.index, r.size_in_bytes, _Written(info, [crc])))
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        manifest = Manifest(world_size=len(results))
-        stock = []
+        """Build `.metadata` and the manifest, then commit them (coordinator, or
+        every rank on its own without collectives)."""
         written: dict[MetadataIndex, _Written] = {}
         for rank_results in results:
-            stock.append([WriteResult(r.index, r.size_in_bytes, r.storage_data.stock) for r in rank_results])
             written.update({r.index: r.storage_data for r in rank_results})
-        super().finish(metadata, stock)  # .metadata for stock readers, fsynced
-        for fqn, md in metadata.state_dict_metadata.items():
-            if hasattr(md, "chunks"):
-                entry = manifest.tensors[fqn] = TensorEntry(dtype_name(md.properties.dtype), tuple(md.size))
-                for chunk in md.chunks:
-                    w = written[MetadataIndex(fqn, chunk.offsets)]
-                    entry.chunks.append(
-                        ChunkEntry(
-                            tuple(chunk.offsets), tuple(chunk.sizes), w.stock.relative_path,
-                            (w.stock.offset, w.stock.length), w.payload, w.pages, w.frame,
-                        )
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {index: w.stock for index, w in written.items()}
+        metadata.storage_meta = self.storage_meta()
+        metadata_bytes = pickle.dumps(metadata)
+        manifest = _manifest(metadata, written, len(results))
+        manifest.metadata_crc32c = crc32c.crc32c(metadata_bytes)
+        folder = Path(self.path)
+        names = self._records()
+        keep = {w.stock.relative_path for w in written.values()}
+        previous = referenced_files(folder, names)
+        if names.rank is not None:  # a per-rank save never collects a global checkpoint's files
+            keep |= referenced_files(folder, RecordNames())
+        commit(folder, metadata_bytes, manifest.to_json().encode(), keep, previous, names, sync=self.sync_files)
+
+
+def _manifest(metadata: Metadata, written: dict[MetadataIndex, _Written], world_size: int) -> Manifest:
+    meta = metadata.storage_meta or StorageMeta()
+    manifest = Manifest(
+        world_size=world_size,
+        storage_meta={
+            "checkpoint_id": None if meta.checkpoint_id is None else str(meta.checkpoint_id),
+            "save_id": meta.save_id,
+            "modules": list(meta.modules),
+        },
+        dcp_version=metadata.version,
+    )
+    try:
+        manifest.planner_data = encode_planner_data(metadata.planner_data)
+    except ValueError:
+        manifest.planner_data_in_metadata = True
+    for fqn, md in metadata.state_dict_metadata.items():
+        if hasattr(md, "chunks"):
+            entry = manifest.tensors[fqn] = TensorEntry(dtype_name(md.properties.dtype), tuple(md.size))
+            for chunk in md.chunks:
+                w = written[MetadataIndex(fqn, chunk.offsets)]
+                entry.chunks.append(
+                    ChunkEntry(
+                        tuple(chunk.offsets), tuple(chunk.sizes), w.stock.relative_path,
+                        (w.stock.offset, w.stock.length), w.payload, w.pages, w.frame,
+                        _descriptors(w.stock),
                     )
-            else:
-                w = written[MetadataIndex(fqn)]
-                manifest.objects[fqn] = ObjectEntry(w.stock.relative_path, w.stock.offset, w.stock.length, w.pages[0])
-        staging = Path(self.path)
-        manifest.metadata_crc32c = crc32c.crc32c((staging / ".metadata").read_bytes())
-        failpoint("before-manifest")
-        write_durably(staging / MANIFEST, manifest.to_json().encode())
-        failpoint("before-publish")
-        fsync_dir(staging)
-        self._publish(staging)
+                )
+        else:
+            w = written[MetadataIndex(fqn)]
+            manifest.objects[fqn] = ObjectEntry(
+                w.stock.relative_path, w.stock.offset, w.stock.length, w.pages[0], _descriptors(w.stock)
+            )
+    return manifest
 
-    def _publish(self, staging: Path) -> None:
-        publish(staging, self.final_path, self.replace)
 
-    def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=str(self.final_path), save_id=self.save_id)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return FileSystemWriter.validate_checkpoint_id(checkpoint_id)
+def _descriptors(info: _StorageInfo) -> list[str] | None:
+    return list(info.transform_descriptors) if info.transform_descriptors else None
 
 
 # -- reader -----------------------------------------------------------------------------
@@ -279,51 +339,71 @@ class Writer(FileSystemWriter):
 class Reader(FileSystemReader):
     """A DCP `StorageReader` for shardwise and stock checkpoints with ranged reads.
 
-    `bytes_read` counts every byte this reader read from data files.
-    `verify=False` skips checksum verification (and the page-widening it needs).
+    A drop-in for `FileSystemReader` (same constructor, `_extension_registry`
+    included). `bytes_read` counts every byte this reader read from data
+    files. `verify=False` skips checksum verification (and the page-widening
+    it needs). Per-rank checkpoints (saved with `use_collectives=False`) are
+    read through `read_metadata(rank=...)`, as stock.
     """
 
-    def __init__(self, path: str | os.PathLike, *, verify: bool = True) -> None:
-        super().__init__(path)
+    def __init__(
+        self, path: str | os.PathLike, _extension_registry: Any = None, *, verify: bool = True
+    ) -> None:
+        super().__init__(path, _extension_registry)
         self.verify = verify
         self.bytes_read = 0
         self.manifest: Manifest | None = None
-        self._chunks: dict[MetadataIndex, ChunkEntry] = {}
-        self._objects: dict[str, ObjectEntry] = {}
+        self._set_up_for: str | os.PathLike | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        super().reset(checkpoint_id)
+        self.manifest = None
+        self._set_up_for = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        names = RecordNames(kwargs.get("rank"))
         folder = Path(self.path)
-        if (folder / MANIFEST).exists():
-            self.manifest = Manifest.read(folder)
-            self._index_manifest()
-            return self.manifest.to_metadata()
-        if (folder / MARKER).exists():
+        self.manifest = None
+        if (folder / names.manifest).exists():
+            manifest = Manifest.read(folder, names.manifest)
+            metadata = manifest.to_metadata()
+            if manifest.planner_data_in_metadata:
+                metadata.planner_data = self._stock_metadata(folder, names, manifest.metadata_crc32c).planner_data
+            self.manifest = manifest
+        elif names.rank is None and (folder / MARKER).exists():
             raise IncompleteCheckpointError(
-                f"{folder} is a shardwise checkpoint without its {MANIFEST}: the save did not commit"
+                f"{folder} is a shardwise checkpoint without its {names.manifest}: the save did not commit"
             )
-        if not (folder / ".metadata").exists():
-            if partial_dirs(folder):
-                raise IncompleteCheckpointError(
-                    f"a save to {folder} started but never committed ({partial_dirs(folder)[0].name} is left)"
-                )
+        elif (folder / names.metadata).exists():
+            metadata = self._stock_metadata(folder, names, None)
+        elif names.rank is None and leftover_data(folder):
+            raise IncompleteCheckpointError(
+                f"a save to {folder} started but never committed ({leftover_data(folder)[0]} is left)"
+            )
+        else:
             raise FileNotFoundError(f"no checkpoint at {folder}")
-        with open(folder / ".metadata", "rb") as f:
-            return load_metadata(f)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
-    def _index_manifest(self) -> None:
-        assert self.manifest is not None
-        for fqn, t in self.manifest.tensors.items():
-            for c in t.chunks:
-                self._chunks[MetadataIndex(fqn, c.offsets)] = c
-        self._objects = dict(self.manifest.objects)
+    @staticmethod
+    def _stock_metadata(folder: Path, names: RecordNames, crc: int | None) -> Metadata:
+        data = (folder / names.metadata).read_bytes()
+        if crc is not None and crc32c.crc32c(data) != crc:
+            raise CorruptCheckpointError(f"{folder / names.metadata} fails its checksum in the manifest")
+        return load_metadata(io.BytesIO(data))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        if self.manifest is None and (Path(self.path) / MANIFEST).exists():
-            self.manifest = Manifest.read(Path(self.path))  # non-coordinators got metadata by broadcast
-            self._index_manifest()
+        self._set_up_for = self.path
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._set_up_for is None or self._set_up_for != self.path:
+            raise RuntimeError(
+                f"Reader for {self.path}: read_data before set_up_storage_reader with this checkpoint's "
+                f"metadata (DCP calls reset -> read_metadata -> set_up_storage_reader first)"
+            )
         by_file: dict[str, list[Any]] = {}
         for req in plan.items:
             by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
@@ -344,6 +424,8 @@ class Reader(FileSystemReader):
                         )
                     if req.type == LoadItemType.BYTE_IO:
                         self._read_object(fd, path, req, info, planner)
+                    elif info.transform_descriptors:
+                        self._read_transformed(fd, path, req, info, planner)
                     else:
                         self._read_tensor(fd, path, req, info, planner)
             finally:
@@ -361,40 +443,72 @@ class Reader(FileSystemReader):
 
     def _read_object(self, fd: int, path: Path, req: Any, info: _StorageInfo, planner: LoadPlanner) -> None:
         data = self._pread(fd, info.length, info.offset, path)
-        entry = self._objects.get(req.storage_index.fqn)
-        if entry is not None and self.verify and crc32c.crc32c(data) != entry.crc32c:
+        crc = info.crc32c if isinstance(info, StoredObject) else None
+        if crc is not None and self.verify and crc32c.crc32c(data) != crc:
             raise CorruptCheckpointError(
                 f"object '{req.storage_index.fqn}' in {path} bytes {info.offset}..{info.offset + info.length} "
                 f"fails its checksum"
             )
+        if info.transform_descriptors:
+            data = self._untransform(req, info, data)
         planner.load_bytes(req, io.BytesIO(data))
 
+    def _untransform(self, req: Any, info: _StorageInfo, data: bytes) -> bytes:
+        stream = self.transforms.transform_load_stream(req, info.transform_descriptors, io.BytesIO(data))
+        return stream.read(-1)
+
+    def _read_transformed(self, fd: int, path: Path, req: Any, info: _StorageInfo, planner: LoadPlanner) -> None:
+        """A chunk stored through stream transforms (e.g. zstd): byte ranges inside
+        it mean nothing, so read it whole, check it, undo the transforms, load."""
+        data = self._pread(fd, info.length, info.offset, path)
+        pages = info.pages if isinstance(info, StoredChunk) else None
+        if pages and self.verify and crc32c.crc32c(data) != pages[0]:
+            raise CorruptCheckpointError(
+                f"'{req.storage_index.fqn}': bytes {info.offset}..{info.offset + info.length} of {path} "
+                f"fail their checksum"
+            )
+        try:
+            whole = torch.load(io.BytesIO(self._untransform(req, info, data)), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any decoding failure means damaged bytes
+            raise CorruptCheckpointError(f"'{req.storage_index.fqn}' in {path}: cannot decode ({e})") from e
+        self._commit(req, planner, path, whole)
+
     def _read_tensor(self, fd: int, path: Path, req: Any, info: _StorageInfo, planner: LoadPlanner) -> None:
-        entry = self._chunks.get(req.storage_index)
-        if entry is not None:
-            layout = RecordLayout(entry.payload[0], entry.payload[1], _dtype(self, req), entry.sizes, True)
-            pages = entry.pages if self.verify else None
+        if isinstance(info, StoredChunk) and info.payload is not None:
+            dtype = dtype_from_name(info.dtype)
+            layout = RecordLayout(info.payload[0], info.payload[1], dtype, tuple(info.sizes), True)
+            pages = info.pages if self.verify else None
+            page = info.page_size
         else:
             try:
                 layout = read_record_layout(fd, info.offset, info.length)
             except ValueError as e:
                 raise CorruptCheckpointError(f"'{req.storage_index.fqn}' in {path}: {e}") from e
-            pages = None  # stock checkpoints carry no checksums
+            pages, page = None, PAGE_SIZE  # stock checkpoints carry no checksums
+        if not layout.c_contiguous:  # a strided record: load it whole, as stock DCP does
+            record = self._pread(fd, info.length, info.offset, path)
+            self._commit(req, planner, path, torch.load(io.BytesIO(record), map_location="cpu", weights_only=True))
+            return
         target = planner.resolve_tensor(req).detach()
         if tuple(target.shape) != tuple(req.lengths):
             raise CorruptCheckpointError(f"'{req.storage_index.fqn}' in {path}: stored chunk has the wrong size")
-        if layout.c_contiguous:
-            piece = self._read_box(fd, path, req, layout, pages, target)
-        else:  # a strided record: load it whole, as stock DCP does
-            record = self._pread(fd, info.length, info.offset, path)
-            whole = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
-            piece = whole[tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))]
+        piece = self._read_box(fd, path, req, layout, pages, page, target)
         if piece is not target:
             target.copy_(piece)
         planner.commit_tensor(req, target)
 
+    @staticmethod
+    def _commit(req: Any, planner: LoadPlanner, path: Path, whole: torch.Tensor) -> None:
+        """Copy the requested box of a wholly loaded chunk into its target."""
+        piece = whole[tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))]
+        target = planner.resolve_tensor(req).detach()
+        if tuple(target.shape) != tuple(piece.shape):
+            raise CorruptCheckpointError(f"'{req.storage_index.fqn}' in {path}: stored chunk has the wrong size")
+        target.copy_(piece)
+        planner.commit_tensor(req, target)
+
     def _read_box(
-        self, fd: int, path: Path, req: Any, layout: RecordLayout, pages: list[int] | None,
+        self, fd: int, path: Path, req: Any, layout: RecordLayout, pages: list[int] | None, page: int,
         target: torch.Tensor,
     ) -> torch.Tensor:
         """Read the sub-box `req.storage_offsets/lengths` of a C-order payload.
@@ -408,7 +522,6 @@ class Reader(FileSystemReader):
         """
         direct = target.is_contiguous() and target.device.type == "cpu" and target.dtype == layout.dtype
         dest = target if direct else torch.empty(tuple(req.lengths), dtype=layout.dtype)
-        page = self.manifest.page_size if self.manifest else PAGE_SIZE
         name = req.storage_index.fqn
         if tuple(req.lengths) == layout.shape:  # the whole chunk, the common case: one read
             if dest.numel():
@@ -452,11 +565,6 @@ class Reader(FileSystemReader):
                 raise CorruptCheckpointError(
                     f"'{name}': bytes {lo}..{lo + min(page, len(data) - k)} of {path} fail their checksum"
                 )
-
-
-def _dtype(reader: Reader, req: Any) -> torch.dtype:
-    assert reader.manifest is not None
-    return dtype_from_name(reader.manifest.tensors[req.storage_index.fqn].dtype)
 
 
 _MERGE_GAP = 4096  # runs closer than one OS page are read together
