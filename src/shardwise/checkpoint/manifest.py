@@ -140,7 +140,7 @@ class Manifest:
                                 "sizes": list(c.sizes),
                                 "file": c.file,
                                 "record": list(c.record),
-                                "payload": list(c.payload),
+                                "payload": None if c.payload is None else list(c.payload),
                                 "pages": c.pages,
                                 "frame": c.frame,
                                 **({"transform": c.transform} if c.transform else {}),
