@@ -272,7 +272,9 @@ class Manifest:
             planner_data=decode_planner_data(self.planner_data),
             storage_data=storage,
             storage_meta=StorageMeta(
-                checkpoint_id=meta.get("checkpoint_id"), save_id=meta.get("save_id"),
+                # a Path, as FileSystemWriter pickles it (its init_path makes one)
+                checkpoint_id=None if meta.get("checkpoint_id") is None else Path(meta["checkpoint_id"]),
+                save_id=meta.get("save_id"),
                 modules=list(meta.get("modules") or []),
             ),
             version=self.dcp_version,
