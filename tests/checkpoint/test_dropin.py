@@ -239,7 +239,7 @@ def test_safetensors_serialization_is_refused_clearly(tmp_path):
 
 def test_read_metadata_is_complete_like_stock(tmp_path):
     ours, stock = tmp_path / "ours", tmp_path / "stock"
-    state = {"model": {"layer": {"w": torch.ones(3, 2)}}, "extra": [1, 2]}
+    state = {"model": {"layer": {"w": torch.nn.Parameter(torch.ones(3, 2))}}, "extra": [1, 2]}
     writer = swc.Writer(ours)
     dcp.save(state, storage_writer=writer)
     assert Path(writer.checkpoint_id) == ours  # the final folder, never a staging one
@@ -248,7 +248,7 @@ def test_read_metadata_is_complete_like_stock(tmp_path):
     theirs = FileSystemReader(stock).read_metadata()
     assert mine.planner_data == theirs.planner_data
     assert mine.planner_data["model.layer.w"] == ("model", "layer", "w")
-    assert set(mine.state_dict_metadata) == set(theirs.state_dict_metadata)
+    assert mine.state_dict_metadata == theirs.state_dict_metadata
     assert mine.version == theirs.version
     assert Path(mine.storage_meta.checkpoint_id) == ours and mine.storage_meta.save_id == writer.save_id
     assert mine.storage_meta.load_id is not None

@@ -98,6 +98,7 @@ class TensorEntry:
     dtype: str
     shape: tuple[int, ...]
     chunks: list[ChunkEntry] = field(default_factory=list)
+    requires_grad: bool = False  # DCP's TensorProperties field, kept for stock parity
 
 
 @dataclass
@@ -134,6 +135,7 @@ class Manifest:
                     k: {
                         "dtype": t.dtype,
                         "shape": list(t.shape),
+                        **({"requires_grad": True} if t.requires_grad else {}),
                         "chunks": [
                             {
                                 "offsets": list(c.offsets),
@@ -187,7 +189,9 @@ class Manifest:
             if out.page_size <= 0:
                 raise ValueError(f"page size {out.page_size}")
             for k, t in data["tensors"].items():
-                entry = TensorEntry(t["dtype"], tuple(int(s) for s in t["shape"]))
+                entry = TensorEntry(
+                    t["dtype"], tuple(int(s) for s in t["shape"]), requires_grad=bool(t.get("requires_grad", False))
+                )
                 dtype_from_name(entry.dtype)
                 for c in t["chunks"]:
                     entry.chunks.append(
@@ -254,7 +258,7 @@ class Manifest:
         storage: dict[MetadataIndex, _StorageInfo] = {}
         for k, t in self.tensors.items():
             state[k] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=dtype_from_name(t.dtype)),
+                properties=TensorProperties(dtype=dtype_from_name(t.dtype), requires_grad=t.requires_grad),
                 size=torch.Size(t.shape),
                 chunks=[ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks],
             )

@@ -311,7 +311,9 @@ def _manifest(metadata: Metadata, written: dict[MetadataIndex, _Written], world_
         manifest.planner_data_in_metadata = True
     for fqn, md in metadata.state_dict_metadata.items():
         if hasattr(md, "chunks"):
-            entry = manifest.tensors[fqn] = TensorEntry(dtype_name(md.properties.dtype), tuple(md.size))
+            entry = manifest.tensors[fqn] = TensorEntry(
+                dtype_name(md.properties.dtype), tuple(md.size), requires_grad=bool(md.properties.requires_grad)
+            )
             for chunk in md.chunks:
                 w = written[MetadataIndex(fqn, chunk.offsets)]
                 entry.chunks.append(
