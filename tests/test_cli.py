@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -56,22 +57,27 @@ def test_inspect_table_and_json(ckpt, stock, capsys):
         assert data["tensors"]["dense.bias"]["dtype"] == "bfloat16"
 
 
-def test_verify_passes_then_catches_a_flipped_byte(ckpt, tmp_path, capsys):
+def test_verify_passes_then_prints_each_flipped_byte(ckpt, tmp_path, capsys):
     assert main(["verify", str(ckpt), "--quiet"]) == 0
     import shutil
 
     bad = tmp_path / "bad"
     shutil.copytree(ckpt, bad)
-    chunk = json.loads((bad / "shardwise.json").read_text())["tensors"]["emb.weight"]["chunks"][1]
-    with open(bad / chunk["file"], "r+b") as f:
-        f.seek(chunk["payload"][0] + 17)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 1]))
+    tensors = json.loads((bad / "shardwise.json").read_text())["tensors"]
+    chunks = [tensors["emb.weight"]["chunks"][1], tensors["dense.bias"]["chunks"][0]]
+    for chunk in chunks:
+        with open(bad / chunk["file"], "r+b") as f:
+            f.seek(chunk["payload"][0] + 3)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 1]))
     capsys.readouterr()
     assert main(["verify", str(bad), "--quiet"]) == 1
-    err = capsys.readouterr().err
-    assert "'emb.weight'" in err and "checksum" in err and chunk["file"] in err
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("shardwise verify: ") for line in lines)
+    emb, bias = sorted(lines, key=lambda line: "'dense.bias'" in line)
+    assert "'emb.weight'" in emb and "checksum" in emb and chunks[0]["file"] in emb
+    assert "'dense.bias'" in bias and "checksum" in bias
 
 
 def test_verify_a_stock_checkpoint(stock):
@@ -136,7 +142,9 @@ def test_reshard_offline_then_load_on_m_ranks(source, ckpt, stock, tmp_path):
     out = tmp_path / "m3"
     assert main(["reshard", str(path), str(out), "--world-size", "3", "--dim", "1"]) == 0
     files = sorted(p.name for p in out.glob("*.distcp"))
-    assert files == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]  # one file per rank
+    token = files[0].split(".")[1]  # the save's token: sw + 12 hex digits
+    assert re.fullmatch(r"sw[0-9a-f]{12}", token)
+    assert files == [f"__{r}_0.{token}.distcp" for r in range(3)]  # one file per rank
     manifest = json.loads((out / "shardwise.json").read_text())
     emb = manifest["tensors"]["emb.weight"]["chunks"]
     assert sorted(c["file"] for c in emb) == files

@@ -249,7 +249,11 @@ def corrupt_and_load(source: Path, scratch: Path, rng: random.Random, kind: str,
         load = f"detected: {type(e).__name__}"
     except Exception as e:  # noqa: BLE001 - an unexpected type is the finding
         load = f"other error: {type(e).__name__}: {e}"
-    found = bool(verify(scratch))
+    try:
+        verify(scratch)
+        found = False
+    except (CorruptCheckpointError, IncompleteCheckpointError, FileNotFoundError):
+        found = True  # FileNotFoundError: damaged past being recognized as a checkpoint
     return CorruptionOutcome(kind, name, offset, load, found)
 
 

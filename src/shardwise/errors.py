@@ -11,9 +11,14 @@ Hierarchy::
 
 Subclassing the builtin that a caller would naturally catch (``ValueError`` for
 bad geometry) keeps ``except ValueError`` working for code that predates us.
+
+The two checkpoint-damage errors carry ``problems``: every problem found, one
+line each (``verify`` lists them all; elsewhere it is the message alone).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 __all__ = [
     "CheckpointMismatchError",
@@ -41,9 +46,19 @@ class CheckpointMismatchError(ShardwiseError, ValueError):
     """A state dict and a checkpoint disagree: missing or unexpected keys, shapes, dtypes."""
 
 
-class CorruptCheckpointError(ShardwiseError, OSError):
+class _ListsProblems(Exception):
+    """An error that can report several problems at once, in `problems`."""
+
+    problems: list[str]
+
+    def __init__(self, *args: object, problems: Sequence[str] | None = None) -> None:
+        super().__init__(*args)
+        self.problems = list(problems) if problems is not None else [str(a) for a in args[:1]]
+
+
+class CorruptCheckpointError(_ListsProblems, ShardwiseError, OSError):
     """Bytes read from a checkpoint do not match the checksum recorded for them."""
 
 
-class IncompleteCheckpointError(ShardwiseError, OSError):
+class IncompleteCheckpointError(_ListsProblems, ShardwiseError, OSError):
     """A checkpoint directory whose save never committed (no manifest)."""

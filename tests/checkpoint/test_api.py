@@ -290,6 +290,40 @@ def test_incomplete_checkpoints(saved, tmp_path):
         swc.load(_full_targets(), tmp_path / "nothing")
 
 
+def _flip(folder: Path, chunk: dict, at: int) -> None:
+    with open(folder / chunk["file"], "r+b") as f:
+        f.seek(chunk["payload"][0] + at)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_verify_raises_listing_every_problem(saved, tmp_path):
+    assert swc.verify(saved) == [] and swc.verify(saved, raise_on_error=False) == []
+    bad = _copy(saved, tmp_path / "two")
+    tensors = json.loads((bad / "shardwise.json").read_text())["tensors"]
+    damaged = [("emb", tensors["emb"]["chunks"][0]), ("grid", tensors["grid"]["chunks"][1])]
+    for _, chunk in damaged:
+        _flip(bad, chunk, 4)
+    with pytest.raises(swc.CorruptCheckpointError) as info:
+        swc.verify(bad)
+    problems = info.value.problems
+    assert sorted(p.split(":")[0] for p in problems) == [f"'{k}' chunk at {tuple(c['offsets'])}" for k, c in damaged]
+    assert all(p in str(info.value) for p in problems) and "2 problems" in str(info.value)
+    assert swc.verify(bad, raise_on_error=False) == problems  # the reporting form returns the same list
+
+
+def test_verify_names_incomplete_and_absent_checkpoints(saved, tmp_path):
+    no_manifest = _copy(saved, tmp_path / "nomanifest")
+    (no_manifest / "shardwise.json").unlink()
+    with pytest.raises(swc.IncompleteCheckpointError, match="did not commit") as info:
+        swc.verify(no_manifest)
+    assert len(info.value.problems) == 1 and swc.verify(no_manifest, raise_on_error=False) == info.value.problems
+    for raise_on_error in (True, False):
+        with pytest.raises(FileNotFoundError):
+            swc.verify(tmp_path / "nothing", raise_on_error=raise_on_error)
+
+
 class _Touch:
     def __init__(self, path: str) -> None:
         self.path = path

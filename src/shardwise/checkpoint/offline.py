@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..layout import Block, Layout
 from ..layout.coverage import analyze
 from .manifest import MANIFEST, ChunkEntry, Manifest, ObjectEntry, TensorEntry, dtype_name
@@ -213,17 +213,48 @@ def inspect(path: str | os.PathLike) -> CheckpointInfo:
 # -- verify -----------------------------------------------------------------------------
 
 
-def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = None) -> list[str]:
-    """Every problem found, one line each (empty: the checkpoint is sound).
+def verify(
+    path: str | os.PathLike,
+    progress: Callable[[int], None] | None = None,
+    *,
+    raise_on_error: bool = True,
+) -> list[str]:
+    """Check a whole checkpoint; raise, listing every problem found, unless it is sound.
 
     Recomputes every checksum page (shardwise checkpoints), checks that every
     tensor's chunks cover it exactly once, and that every record is readable.
     `progress(n)` is called with the bytes checked so far, as they are.
+
+    Raises `IncompleteCheckpointError` when the save never committed, else
+    `CorruptCheckpointError`; the message lists every problem and the
+    exception's `problems` holds them, one line each. A path that holds no
+    checkpoint at all raises `FileNotFoundError`.
+
+    `raise_on_error=False` is the reporting form: the same problems are
+    returned instead of raised (empty: the checkpoint is sound), for callers
+    that show or count them. A sound checkpoint returns `[]` either way.
     """
+    kind, problems = _find_problems(path, progress)
+    if problems and raise_on_error:
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        raise kind(f"{path} fails verification, {count}: " + "; ".join(problems), problems=problems)
+    return problems
+
+
+def _find_problems(
+    path: str | os.PathLike, progress: Callable[[int], None] | None
+) -> tuple[type[CorruptCheckpointError | IncompleteCheckpointError], list[str]]:
+    """(the error that fits, every problem found) for `verify`."""
     try:
         ckpt = open_checkpoint(path)
-    except (OSError, ValueError, pickle.UnpicklingError) as e:
-        return [f"{path}: {e}"]
+    except IncompleteCheckpointError as e:
+        return IncompleteCheckpointError, [str(e)]
+    except FileNotFoundError as e:
+        if e.filename is None:
+            raise  # the reader found no checkpoint there: nothing is damaged, nothing to verify
+        return CorruptCheckpointError, [f"{path}: {e}"]  # a file the checkpoint needs is gone
+    except (OSError, ValueError, pickle.UnpicklingError) as e:  # unreadable metadata or manifest
+        return CorruptCheckpointError, [f"{path}: {e}"]
     problems = []
     for key in ckpt.tensor_keys():
         md = ckpt.tensor_metadata(key)
@@ -243,8 +274,9 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
             except (OSError, ValueError) as e:
                 problems.append(f"'{key}': {e}")
             if progress:
-                progress(ckpt.tensor_metadata(key).size.numel())
-        return problems
+                md = ckpt.tensor_metadata(key)
+                progress(md.size.numel() * md.properties.dtype.itemsize)
+        return CorruptCheckpointError, problems
     metadata = ckpt.path / ".metadata"
     try:
         if crc32c.crc32c(metadata.read_bytes()) != ckpt.manifest.metadata_crc32c:
@@ -260,7 +292,7 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
             ckpt.object_bytes(key)
         except (OSError, CorruptCheckpointError) as e:
             problems.append(str(e))
-    return problems
+    return CorruptCheckpointError, problems
 
 
 def _verify_chunk(folder: Path, key: str, chunk: ChunkEntry, page: int, progress: Callable[[int], None] | None) -> list[str]:
@@ -430,7 +462,7 @@ def reshard(
 
     Each tensor is split as `layouts[key]` when given, else chunked along `dim`
     (or replicated when it has no such dimension) over `world_size` ranks;
-    rank r's blocks all go to one file `__r_0.distcp`, so a job of
+    rank r's blocks all go to one file `__r_0.sw<token>.distcp`, so a job of
     `world_size` ranks reads one contiguous file per rank. Memory holds one
     block at a time. The result is a shardwise checkpoint (stock-readable).
     """

@@ -7,6 +7,12 @@ and storage offset. Both come from the record itself: the zip central
 directory (read by `zipfile` through a window on the file) and the tiny
 `data.pkl`, parsed by an unpickler that admits only the globals a plain
 tensor record uses and never rebuilds anything.
+
+torch.save writes two kinds of record: `_rebuild_tensor_v2` over a typed
+storage (`torch.FloatStorage`, ...) for the dtypes that have one, and
+`_rebuild_tensor_v3` over an `UntypedStorage` (sized in bytes) plus the dtype
+for the newer ones (`torch.storage._new_dtypes()`: float8, uint16/32/64, ...).
+Both are read and written here.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import functools
 import io
 import math
+import operator
 import os
 import pickle
 import struct
@@ -38,7 +45,7 @@ class RecordLayout:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class _Window(io.RawIOBase):
@@ -70,35 +77,73 @@ class _Window(io.RawIOBase):
 
 
 class _StorageRef:
+    """A storage's persistent id: `numel` elements of `dtype` (bytes for an untyped storage)."""
+
     def __init__(self, dtype: torch.dtype, key: str, numel: int) -> None:
         self.dtype, self.key, self.numel = dtype, key, numel
 
 
 class _TensorArgs:
-    def __init__(self, storage: _StorageRef, offset: int, size: tuple, stride: tuple, *rest: object) -> None:
-        self.storage, self.offset, self.size, self.stride = storage, offset, tuple(size), tuple(stride)
+    """The arguments of a tensor rebuild call, kept as data.
 
+    `plain` is false when the record asks for more than its bytes say (a
+    conjugate or negative bit in `metadata`, `requires_grad`, hooks): such a
+    record is then loaded whole by `torch.load`, never read raw."""
+
+    def __init__(
+        self, storage: object, offset: int, size: tuple, stride: tuple, dtype: torch.dtype, plain: bool
+    ) -> None:
+        try:
+            if not isinstance(storage, _StorageRef) or not isinstance(dtype, torch.dtype):
+                raise TypeError("no storage or no dtype")
+            self.offset = operator.index(offset)
+            self.size, self.stride = tuple(map(operator.index, size)), tuple(map(operator.index, stride))
+        except TypeError as e:
+            raise pickle.UnpicklingError(f"malformed tensor rebuild call in a tensor record: {e}") from e
+        self.storage, self.dtype, self.plain = storage, dtype, plain
+
+
+def _rebuild_v1(storage: _StorageRef, offset: int, size: tuple, stride: tuple) -> _TensorArgs:
+    return _TensorArgs(storage, offset, size, stride, getattr(storage, "dtype", None), True)
+
+
+def _rebuild_v2(
+    storage: _StorageRef, offset: int, size: tuple, stride: tuple,
+    requires_grad: bool = False, hooks: object = None, metadata: object = None,
+) -> _TensorArgs:
+    plain = not (requires_grad or hooks or metadata)
+    return _TensorArgs(storage, offset, size, stride, getattr(storage, "dtype", None), plain)
+
+
+def _rebuild_v3(
+    storage: _StorageRef, offset: int, size: tuple, stride: tuple,
+    requires_grad: bool, hooks: object, dtype: torch.dtype, metadata: object = None,
+) -> _TensorArgs:
+    if getattr(storage, "dtype", None) != torch.uint8:
+        raise pickle.UnpicklingError("_rebuild_tensor_v3 over a typed storage in a tensor record")
+    return _TensorArgs(storage, offset, size, stride, dtype, not (requires_grad or hooks or metadata))
+
+
+_REBUILDS = {"_rebuild_tensor": _rebuild_v1, "_rebuild_tensor_v2": _rebuild_v2, "_rebuild_tensor_v3": _rebuild_v3}
 
 # "FloatStorage" -> torch.float32, without touching the deprecated TypedStorage classes.
+# An UntypedStorage holds bytes: its persistent id counts them.
 _STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
-
-
-def _storage_dtype(name: str) -> torch.dtype:
-    if name not in _STORAGE_DTYPES:
-        raise pickle.UnpicklingError(f"unknown storage type torch.{name}")
-    return _STORAGE_DTYPES[name]
+_UNTYPED = (("torch.storage", "UntypedStorage"), ("torch", "UntypedStorage"))
 
 
 class _TensorRecordUnpickler(pickle.Unpickler):
     """Reads `data.pkl` of a single-tensor record into `_TensorArgs`; refuses anything else."""
 
     def find_class(self, module: str, name: str) -> object:
-        if (module, name) in (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor")):
-            return _TensorArgs
+        if module == "torch._utils" and name in _REBUILDS:
+            return _REBUILDS[name]
         if (module, name) == ("collections", "OrderedDict"):
             return dict
-        if module == "torch" and name.endswith("Storage"):
-            return _storage_dtype(name)
+        if (module, name) in _UNTYPED:
+            return torch.uint8
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refused global {module}.{name} in a tensor record")
@@ -130,12 +175,11 @@ def read_record_layout(fd: int, offset: int, length: int) -> RecordLayout:
     head = os.pread(fd, min(length, _HEAD), offset)
     try:
         fast = _scan_head(head)
-    except (pickle.UnpicklingError, EOFError, struct.error, ValueError):
+    except (pickle.UnpicklingError, EOFError, struct.error, ValueError, TypeError):
         fast = None
     if fast is not None:
         args, data_start = fast
-        size = args.storage.numel * torch.empty((), dtype=args.storage.dtype).element_size()
-        return _layout(args, offset, data_start, size, length)
+        return _layout(args, offset, data_start, args.storage.numel * args.storage.dtype.itemsize, length)
     return _read_via_directory(fd, offset, length)
 
 
@@ -184,7 +228,7 @@ def _read_via_directory(fd: int, offset: int, length: int) -> RecordLayout:
             if pkl is None:
                 raise ValueError("no data.pkl in the record")
             args = _TensorRecordUnpickler(io.BytesIO(archive.read(pkl))).load()
-    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, struct.error) as e:
+    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, struct.error, TypeError) as e:
         raise ValueError(f"not a readable tensor record: {e}") from e
     if not isinstance(args, _TensorArgs):
         raise ValueError("the record holds something other than a single tensor")
@@ -205,12 +249,12 @@ def _layout(args: object, offset: int, data_start: int, data_size: int, length: 
     if data_start + data_size > length:
         raise ValueError("tensor payload runs past the end of the record")
     shape = args.size
-    contiguous = args.offset == 0 and (
+    contiguous = args.plain and args.offset == 0 and (
         math.prod(shape) <= 1 or all(
             st == c for st, c, s in zip(args.stride, _c_strides(shape), shape) if s > 1
         )
     )
-    return RecordLayout(offset + data_start, data_size, args.storage.dtype, shape, contiguous)
+    return RecordLayout(offset + data_start, data_size, args.dtype, shape, contiguous)
 
 
 # -- writing ----------------------------------------------------------------------------
@@ -220,7 +264,11 @@ def _layout(args: object, offset: int, data_start: int, data_size: int, length: 
 # produced directly so the payload goes from tensor memory to the file with
 # no copy and no pickling machinery per tensor.
 
-_STORAGE_NAMES = {dtype: name for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+_QUANTIZED = {torch.qint8, torch.qint32, torch.quint8, torch.quint4x2, torch.quint2x4}  # need scales: not plain
+_STORAGE_NAMES = {
+    dtype: name for dtype, name in torch.storage._dtype_to_storage_type_map().items() if dtype not in _QUANTIZED
+}
+_SAVABLE = set(_STORAGE_NAMES) | torch.storage._new_dtypes()  # plain tensors torch.save writes
 _ALIGN = 64
 _ZIP64_LIMIT = 0xFFFFFFFF
 
@@ -244,14 +292,23 @@ def _pickle_tuple(values: tuple[int, ...]) -> bytes:
 
 
 def _rebuild_expr(dtype: torch.dtype, shape: tuple[int, ...], key: str) -> bytes:
-    """Pickle opcodes that rebuild a tensor from storage `key`: `_rebuild_tensor_v2(...)`."""
+    """Pickle opcodes that rebuild a tensor from storage `key`, as torch.save writes them:
+    `_rebuild_tensor_v2` over a typed storage where the dtype has one, else
+    `_rebuild_tensor_v3` over an untyped storage counted in bytes, then the dtype."""
+    if dtype not in _SAVABLE:
+        raise TypeError(f"a plain torch.save record cannot hold dtype {dtype}")
+    if dtype in _STORAGE_NAMES:
+        rebuild, storage, numel, tail = b"_rebuild_tensor_v2", b"torch\n" + _STORAGE_NAMES[dtype].encode(), 1, b""
+    else:
+        rebuild, storage, numel = b"_rebuild_tensor_v3", b"torch.storage\nUntypedStorage", dtype.itemsize
+        tail = b"ctorch\n" + str(dtype).removeprefix("torch.").encode() + b"\n"
     return b"".join(
         [
-            b"ctorch._utils\n_rebuild_tensor_v2\n((",
-            _pickle_str("storage"), b"ctorch\n", _STORAGE_NAMES[dtype].encode(), b"\n",
-            _pickle_str(key), _pickle_str("cpu"), _pickle_int(math.prod(shape)), b"tQ",
+            b"ctorch._utils\n", rebuild, b"\n((",
+            _pickle_str("storage"), b"c", storage, b"\n",
+            _pickle_str(key), _pickle_str("cpu"), _pickle_int(math.prod(shape) * numel), b"tQ",
             _pickle_int(0), _pickle_tuple(shape), _pickle_tuple(_c_strides(shape)),
-            b"\x89ccollections\nOrderedDict\n)Rt",
+            b"\x89ccollections\nOrderedDict\n)R", tail, b"t",
             b"R",
         ]
     )
@@ -285,7 +342,7 @@ def write_torch_archive(fd: int, tensors: list[tuple[str, torch.dtype, tuple[int
     entry(b"archive/.storage_alignment", b"64")
     entry(b"archive/byteorder", b"little")
     for i in range(len(tensors)):
-        t = load(i).detach().cpu().contiguous()
+        t = _plain(load(i).detach().cpu())
         entry(f"archive/data/{i}".encode(), memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
     entry(b"archive/version", b"3")
     entry(b"archive/.data/serialization_id", b"0" * 40)
@@ -323,9 +380,17 @@ def _central_entry(name: bytes, size: int, offset: int) -> bytes:
     ) + name + extra
 
 
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """`t` in C order with a pending conjugation or negation applied (copied only then):
+    the record we write carries no such flag, so its bytes must be the values."""
+    return t.resolve_conj().resolve_neg().contiguous()
+
+
 def tensor_record(t: torch.Tensor, serialization_id: str = "0" * 40) -> tuple[bytes, memoryview, bytes]:
     """`(head, payload, tail)` of the record `torch.save(t)` would write; `t` must be a
-    contiguous CPU tensor. The payload is `t`'s own memory; it starts at `len(head)`."""
+    contiguous CPU tensor. The payload is `t`'s own memory (a copy only when `t` has a
+    conjugate or negative bit); it starts at `len(head)`."""
+    t = _plain(t)
     payload = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
     head, tail = _frame(t.dtype, tuple(t.shape), len(payload), serialization_id)
     return head, payload, tail

@@ -29,7 +29,7 @@ def main(args: argparse.Namespace) -> int:
         total = None  # verify() reports why the checkpoint cannot be opened
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet or None,
               file=sys.stderr) as bar:
-        problems = verify(args.path, progress=bar.update)
+        problems = verify(args.path, progress=bar.update, raise_on_error=False)  # to print each one
     for line in problems:
         print(f"shardwise verify: {line}", file=sys.stderr)
     if not problems:
