@@ -52,6 +52,12 @@ def _good_rows(rank: int) -> tuple[list, list]:
     return [_full()[4 * rank : 4 * rank + 4].clone()], [(4 * rank, 0)]
 
 
+def _fl(tensor: Any, layout: Any, *args: Any) -> Any:
+    from . import from_local
+
+    return from_local(tensor, layout, *args)
+
+
 def _flsc(rank: int, bad: Callable[[], tuple[list, list]], **kw: Any) -> Any:
     shards, offsets = bad() if rank == 1 else _good_rows(rank)
     return _fls(rank, shards, offsets, **kw)
@@ -111,6 +117,18 @@ CASES: dict[str, tuple[str, str, Callable[[int, Path], Any]]] = {
     "fls-global-shape": ("from_local_shards", "rank 1 passes another global_shape", lambda r, f: _fls(r, *_good_rows(r), global_shape=(8, 6) if r == 0 else (9, 6))),
     "fls-not-a-tensor": ("from_local_shards", "rank 1 passes a list as a shard", lambda r, f: _flsc(r, lambda: ([[1.0, 2.0]], [(4, 0)]))),
     "fls-negative-offset": ("from_local_shards", "rank 1's offsets are negative", lambda r, f: _flsc(r, lambda: ([_full()[4:].clone()], [(-4, 0)]))),
+    "fls-offsets-not-ints": ("from_local_shards", "rank 1's offsets are strings", lambda r, f: _flsc(r, lambda: ([_full()[4:].clone()], [("4", "0")]))),
+    "fls-shards-not-a-list": ("from_local_shards", "rank 1 passes None for its shards", lambda r, f: _flsc(r, lambda: (None, None))),
+    "fls-global-shape-garbage": ("from_local_shards", "rank 1's global_shape is a string", lambda r, f: _fls(r, *_good_rows(r), global_shape=_ranked(r, SHAPE, "8x6"))),
+    "from-local-shape": ("from_local", "rank 1's tensor does not fit its block", lambda r, f: _fl(_ranked(r, _full()[4 * r : 4 * r + 4].clone(), torch.zeros(3, 6)), _rows())),
+    "from-local-dtype": ("from_local", "rank 1's tensor is float64", lambda r, f: _fl(_ranked(r, _full()[:4].clone(), _full()[4:].double()), _rows())),
+    "from-local-not-a-tensor": ("from_local", "rank 1 passes a list", lambda r, f: _fl(_ranked(r, _full()[:4].clone(), [[0.0] * 6] * 4), _rows())),
+    "from-local-layout-differs": ("from_local", "rank 1 passes another layout", lambda r, f: _fl(_full()[:, 3 * r : 3 * r + 3].clone() if r else _full()[:4].clone(), _ranked(r, _rows(), _cols()))),
+    "from-local-dim-out-of-range": ("from_local", "rank 1 splits along dimension 2 of a 2-d tensor", lambda r, f: _fl(_full()[4 * r : 4 * r + 4].clone(), _ranked(r, 0, 2), "infer")),
+    "from-local-infer-other-dims": ("from_local", "rank 1's piece has 5 columns, rank 0's 6", lambda r, f: _fl(_ranked(r, _full()[:4].clone(), torch.zeros(4, 5)), 0, "infer")),
+    "from-local-ndim": ("from_local", "rank 1's piece is 3-d", lambda r, f: _fl(_ranked(r, _full()[:4].clone(), torch.zeros(4, 6, 1)), 0, "chunk")),
+    "from-local-sizes-sum": ("from_local", "rank 1's sizes list adds up to 9, rank 0's to 8", lambda r, f: _fl(_full()[4 * r : 4 * r + 4].clone(), 0, _ranked(r, [4, 4], [5, 4]))),
+    "from-local-sizes-wrong": ("from_local", "rank 1's size in the list is not its tensor's", lambda r, f: _fl(_full()[4 * r : 4 * r + 4].clone(), 0, _ranked(r, [4, 4], [4, 3]))),
     "redistribute-other-layout": ("redistribute", "rank 1 asks for another target layout", lambda r, f: _st(_rows(), r).redistribute(_ranked(r, _cols(), _rows()))),
     "redistribute-world-size": ("redistribute", "rank 1's target spans 3 ranks", lambda r, f: _st(_rows(), r).redistribute(_ranked(r, _cols(), _cols(3)))),
     "redistribute-shape": ("redistribute", "rank 1's target has another global shape", lambda r, f: _st(_rows(), r).redistribute(_ranked(r, _cols(), __import__("shardwise").Layout.chunked((8, 7), 1, 2)))),
@@ -124,8 +142,11 @@ CASES: dict[str, tuple[str, str, Callable[[int, Path], Any]]] = {
     "distribute-no-tensor": ("distribute", "the source passes None", lambda r, f: __import__("shardwise").distribute(None, _rows(), src=0)),
     "distribute-layout-differs": ("distribute", "rank 1 passes another layout", lambda r, f: __import__("shardwise").distribute(_full() if r == 0 else None, _ranked(r, _rows(), _cols()), src=0)),
     "distribute-src-differs": ("distribute", "rank 1 names itself the source", lambda r, f: __import__("shardwise").distribute(_full(), _rows(), src=r)),
+    "distribute-source-not-a-layout": ("distribute", "the source passes a string as the layout", lambda r, f: __import__("shardwise").distribute(_full() if r == 0 else None, _ranked(r, "rows", _rows()), src=0)),
+    "distribute-src-out-of-range": ("distribute", "rank 1 names rank 5 the source", lambda r, f: __import__("shardwise").distribute(_full() if r == 0 else None, _rows(), src=_ranked(r, 0, 5))),
     "equal-layouts-differ": ("equal", "rank 1's first tensor has another layout", lambda r, f: __import__("shardwise").equal(_st(_ranked(r, _rows(), _cols()), r), _st(_rows(), r))),
     "equal-second-differs": ("equal", "rank 1's second tensor has another layout", lambda r, f: __import__("shardwise").equal(_st(_rows(), r), _st(_ranked(r, _cols(), _rows()), r))),
+    "equal-plain-tensor": ("equal", "rank 1's second operand is a plain tensor", lambda r, f: __import__("shardwise").equal(_st(_rows(), r), _ranked(r, _st(_rows(), r), _full()))),
     "save-path-differs": ("save", "rank 1 saves to another path", lambda r, f: _save(r, f, path=f / ("new" if r == 0 else "other"))),
     "save-overwrite-differs": ("save", "rank 1 passes overwrite=True", lambda r, f: _save(r, f, overwrite=r == 1)),
     "save-exists": ("save", "the checkpoint exists and overwrite=False", lambda r, f: _save(r, f, path=f / "ref")),

@@ -43,7 +43,7 @@ class ShardMismatchError(ShardwiseError, ValueError):
 
 
 class CheckpointMismatchError(ShardwiseError, ValueError):
-    """A state dict and a checkpoint disagree: missing or unexpected keys, shapes, dtypes."""
+    """A state dict and a checkpoint disagree: keys missing from the checkpoint, shapes, dtypes."""
 
 
 class _ListsProblems(Exception):

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .dist import from_local_shards
+from .dist.build import _from_local_shards
 from .errors import LayoutError
 from .layout import Block, Layout
 from .tensor import ShardedTensor
@@ -37,12 +37,17 @@ def _mesh_position(mesh: Any) -> int:
 def from_dtensor(dt: DTensor) -> ShardedTensor:
     """The same data as a ShardedTensor. Local unless the local tensor is a
     LocalShardsWrapper, whose blocks only it knows: then collective."""
-    position = _mesh_position(dt.device_mesh)
     local = dt._local_tensor
     if isinstance(local, LocalShardsWrapper):
+        problem = None
+        try:
+            _mesh_position(dt.device_mesh)
+        except LayoutError as e:  # raised after the exchange, on every rank, not here alone
+            problem = e
         shards = local.local_shards()
         offsets = local.local_offsets() if shards else []  # an empty wrapper reports one fake chunk
-        return from_local_shards(shards, [tuple(o) for o in offsets], global_shape=tuple(dt.shape))
+        return _from_local_shards(shards, [tuple(o) for o in offsets], tuple(dt.shape), None, problem)
+    position = _mesh_position(dt.device_mesh)
     layout = Layout.from_dtensor_spec(dt.device_mesh.shape, dt.placements, tuple(dt.shape))
     blocks = layout.blocks_of(position)
     if blocks and tuple(local.shape) != blocks[0].sizes:

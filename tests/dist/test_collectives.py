@@ -172,3 +172,59 @@ def _redistribute_bad(rank: int, world: int) -> str:
 
 def test_redistribute_to_another_shape_is_refused():
     assert all("(9, 9)" in r for r in run_ranks(_redistribute_bad, 2, timeout=30))
+
+
+def _rows3(rank: int) -> ShardedTensor:
+    layout = Layout.chunked(SHAPE, 0, 3)
+    return ShardedTensor.from_layout(layout, shard_of(full_tensor(), layout, rank))
+
+
+def _on(rank: int, good, bad):
+    return bad if rank == 1 else good
+
+
+# Entry points whose argument checks used to raise on the faulty rank before the
+# first exchange, leaving the others waiting there: rank 1 is the faulty rank.
+REFUSE_TOGETHER = {
+    "from_local_shards-offsets-not-ints": (
+        lambda r: ShardedTensor.from_local_shards([torch.zeros(3, 8)], [_on(r, (3 * r, 0), ("3", "0"))]), TypeError),
+    "from_local_shards-shards-not-a-list": (
+        lambda r: ShardedTensor.from_local_shards(_on(r, [torch.zeros(3, 8)], None), [(3 * r, 0)]), TypeError),
+    "from_local_shards-global-shape-garbage": (
+        lambda r: ShardedTensor.from_local_shards([torch.zeros(3, 8)], [(3 * r, 0)], global_shape=_on(r, SHAPE, "9x8")),
+        TypeError),
+    "from_local_shards-global-shape-differs": (
+        lambda r: ShardedTensor.from_local_shards([torch.zeros(3, 8)], [(3 * r, 0)], global_shape=_on(r, SHAPE, (10, 8))),
+        sw.ShardMismatchError),
+    "from_local_shards-ndim": (
+        lambda r: ShardedTensor.from_local_shards([_on(r, torch.zeros(3, 8), torch.zeros(3, 8, 1))], [_on(r, (3 * r, 0), (3, 0, 0))]),
+        sw.LayoutError),
+    "distribute-source-not-a-layout": (
+        lambda r: sw.distribute(full_tensor() if r == 1 else None, _on(r, Layout.chunked(SHAPE, 0, 3), "rows"), src=1), TypeError),
+    "distribute-src-out-of-range": (
+        lambda r: sw.distribute(full_tensor() if r == 0 else None, Layout.chunked(SHAPE, 0, 3), src=_on(r, 0, 7)), ValueError),
+    "distribute-source-wrong-shape": (
+        lambda r: sw.distribute(torch.zeros(8, 8) if r == 1 else None, Layout.chunked(SHAPE, 0, 3), src=1), sw.LayoutError),
+    "equal-plain-tensor": (lambda r: sw.equal(_rows3(r), _on(r, _rows3(r), full_tensor())), TypeError),
+    "gather-dst-out-of-range": (lambda r: _rows3(r).gather(_on(r, 0, 3)), ValueError),
+    "redistribute-not-a-layout": (lambda r: _rows3(r).redistribute(_on(r, Layout.chunked(SHAPE, 1, 3), None)), TypeError),
+}
+
+
+def _refuse_together(rank: int, world: int, case: str) -> tuple[str, str, float]:
+    try:
+        REFUSE_TOGETHER[case][0](rank)
+    except Exception as e:
+        t = torch.ones(1)
+        dist.all_reduce(t)  # the group still works afterwards
+        return type(e).__name__, str(e), t.item()
+    return "no error", "", 0.0
+
+
+@pytest.mark.parametrize("case", list(REFUSE_TOGETHER))
+def test_every_entry_point_refuses_together_naming_the_rank(case):
+    results = run_ranks(_refuse_together, 3, case, timeout=30)  # a hang fails in 30 s
+    assert len(set(results)) == 1, results
+    name, message, total = results[0]
+    assert name == REFUSE_TOGETHER[case][1].__name__, results[0]
+    assert message.startswith("rank 1: ") and total == 3, results[0]

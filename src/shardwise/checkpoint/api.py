@@ -197,8 +197,8 @@ def _mismatches(state_dict: dict[str, Any], metadata: Any, strict: bool, cast: b
                 problems.append(f"'{key}' shape {tuple(value.shape)} here, {tuple(md.size)} in the checkpoint")
             if value.dtype != md.properties.dtype and not cast:
                 problems.append(f"'{key}' dtype {value.dtype} here, {md.properties.dtype} in the checkpoint")
-    if strict:
-        problems += [f"'{k}' is in the checkpoint but not in the state dict (unexpected)" for k in stored if k not in flat]
+    # Keys stored but not asked for are fine, as with `dcp.load`: loading only the
+    # model from a model + optimizer checkpoint is a partial state dict, not an error.
     return problems
 
 
@@ -214,7 +214,9 @@ def load(
     """Fill `state_dict`'s tensors and objects in place from `path`. Collective.
 
     Targets may use any layout and world size: each rank reads only the byte
-    ranges its targets need. Key, shape and dtype problems are all listed at
+    ranges its targets need. `strict=True` requires every key of `state_dict`
+    in the checkpoint (stored keys not asked for are fine, as with `dcp.load`).
+    Key, shape and dtype problems are all listed at
     once, on every rank, before any target is modified. `cast_dtype=True`
     casts stored values to each target's dtype instead (as `dcp.load` does,
     e.g. an fp32 checkpoint into a bf16 model). `Stateful` values are filled

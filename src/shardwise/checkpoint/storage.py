@@ -176,8 +176,7 @@ class Writer(FileSystemWriter):
         return RecordNames(self.rank if not self.use_collectives and self.rank is not None else None)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        folder = Path(self.path)
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = Path(self.path)  # created in write_data: a save refused in planning leaves no folder
         if not self.overwrite and holds_checkpoint(folder, self._records()):
             raise RuntimeError(f"Checkpoint already exists and self.overwrite=False: {already_exists(folder)}")
         if self.rank is not None and not self.use_collectives:
@@ -197,6 +196,7 @@ class Writer(FileSystemWriter):
         """Write this rank's items into fresh token-named files (one per bucket of
         `thread_count`, or one per item), in parallel threads when there are several."""
         failpoint("before-write")
+        Path(self.path).mkdir(parents=True, exist_ok=True)
         target = plan.storage_data
         token = getattr(target, "token", "") or token_of(self.save_id)
         if self.single_file_per_rank:

@@ -9,13 +9,14 @@ message, naming the faulty rank, and the process group stays usable.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch.distributed as dist
 
 from ..errors import ShardwiseError
 
-__all__ = ["Problem", "exchange", "raise_agreed"]
+__all__ = ["Problem", "exchange", "odd_ranks", "raise_agreed"]
 
 # (exception type, message) of one rank's problem, or None: picklable by design.
 Problem = tuple[type, str] | None
@@ -42,3 +43,14 @@ def raise_agreed(problems: list[Problem]) -> None:
     except Exception:  # an exception type that wants other arguments
         error = ShardwiseError(message)
     raise error
+
+
+def odd_ranks(values: list[Any]) -> tuple[int, list[int]]:
+    """(a rank holding the most common value, the ranks whose value differs from it).
+
+    The majority is taken as right so that the message names the rank that
+    stands out; a tie goes to the lowest rank's value. `values` must be hashable.
+    """
+    counts = Counter(values)
+    ref = min(range(len(values)), key=lambda r: (-counts[values[r]], r))
+    return ref, [r for r, v in enumerate(values) if v != values[ref]]

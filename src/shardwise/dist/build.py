@@ -7,6 +7,7 @@ not agree on anything beforehand; a problem on any rank is raised on all.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from ..errors import LayoutError, ShardMismatchError
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
-from .agreement import exchange, raise_agreed
+from .agreement import exchange, odd_ranks, raise_agreed
 
 __all__ = ["from_local_shards"]
 
@@ -30,7 +31,10 @@ def _check_local(
     for i, (shard, offset) in enumerate(zip(shards, offsets)):
         if not isinstance(shard, torch.Tensor) or isinstance(shard, ShardedTensor):
             return TypeError(f"shard {i} is a {type(shard).__name__}, not a plain tensor"), []
-        offset = tuple(int(o) for o in offset)
+        try:
+            offset = tuple(operator.index(o) for o in offset)
+        except TypeError:
+            return TypeError(f"the offsets of shard {i} must be a sequence of ints, got {offset!r}"), []
         if len(offset) != shard.dim():
             return ShardMismatchError(
                 f"shard {i} is {shard.dim()}-d but its offsets {offset} have {len(offset)} entries"
@@ -41,6 +45,8 @@ def _check_local(
             return ShardMismatchError(
                 f"shard {i} at offsets {offset} is not contiguous; call .contiguous() on it"
             ), []
+        if shard.dim() != shards[0].dim():
+            return LayoutError(f"shard {i} is {shard.dim()}-d but shard 0 is {shards[0].dim()}-d (ndim)"), []
         if shard.dtype != shards[0].dtype:
             return TypeError(
                 f"shard {i} is {shard.dtype} but shard 0 is {shards[0].dtype}; use one dtype"
@@ -65,15 +71,35 @@ def from_local_shards(
     given. Overlaps, holes, bounds, dtype/device mismatches and non-contiguous
     shards raise the same exception on every rank, naming the faulty rank.
     """
-    shards = list(shards)
-    offsets = list(offsets)
-    problem, blocks = _check_local(shards, offsets)
+    return _from_local_shards(shards, offsets, global_shape, group)
+
+
+def _from_local_shards(
+    shards: Any, offsets: Any, global_shape: Any, group: Any, problem: BaseException | None = None
+) -> ShardedTensor:
+    """`from_local_shards`, taking a problem the caller found first (`from_dtensor`'s)
+    into the same exchange, so that it too raises on every rank."""
+    blocks: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    shape = None
+    try:
+        shards, offsets = list(shards), list(offsets)
+    except TypeError:
+        shards, offsets = [], []
+        problem = problem or TypeError("shards and offsets must be sequences (one entry per shard)")
+    if problem is None:
+        problem, blocks = _check_local(shards, offsets)
+    if problem is None and global_shape is not None:
+        try:
+            shape = tuple(operator.index(s) for s in global_shape)
+        except TypeError:
+            problem = TypeError(f"global_shape must be a sequence of ints, got {global_shape!r}")
+    ok = problem is None
     meta = {
         "blocks": blocks,
-        "dtype": shards[0].dtype if shards and problem is None else None,
-        "device_type": shards[0].device.type if shards and problem is None else None,
-        "requires_grad": any(getattr(s, "requires_grad", False) for s in shards),
-        "shape": None if global_shape is None else tuple(int(s) for s in global_shape),
+        "dtype": shards[0].dtype if shards and ok else None,
+        "device_type": shards[0].device.type if shards and ok else None,
+        "requires_grad": ok and any(s.requires_grad for s in shards),
+        "shape": shape,
     }
     everyone = exchange(problem, meta, group)
     # From here on every rank reasons over identical data, so raises identically.
@@ -89,9 +115,25 @@ def from_local_shards(
                     ShardMismatchError,
                     f"its shards are on {m['device_type']} but rank {ref_rank}'s on {ref['device_type']}",
                 )
-    shapes = {m["shape"] for m in everyone}
-    if len(shapes) > 1:
-        raise ShardMismatchError(f"ranks passed different global shapes: {sorted(map(str, shapes))}")
+    ndims = {r: len(m["blocks"][0][0]) for r, m in holders}
+    if ndims:
+        ref_rank, odd = odd_ranks(list(ndims.values()))
+        ranks = list(ndims)
+        for r in (ranks[i] for i in odd):
+            if problems[r] is None:
+                problems[r] = (
+                    LayoutError,
+                    f"its shards are {ndims[r]}-d but rank {ranks[ref_rank]}'s are "
+                    f"{ndims[ranks[ref_rank]]}-d (ndim)",
+                )
+    ref_rank, odd = odd_ranks([m["shape"] for m in everyone])
+    for r in odd:
+        if problems[r] is None:
+            problems[r] = (
+                ShardMismatchError,
+                f"it passed global_shape {everyone[r]['shape']} but rank {ref_rank} passed "
+                f"{everyone[ref_rank]['shape']}; every rank must pass the same (or None everywhere)",
+            )
     raise_agreed(problems)
     all_blocks = {r: [Block(o, s) for o, s in m["blocks"]] for r, m in enumerate(everyone)}
     shape = everyone[0]["shape"]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..errors import LayoutError
 from ..layout import Layout
 from ..tensor import ShardedTensor
-from .agreement import exchange
+from .agreement import exchange, odd_ranks
 from .transfer import agree, move
 
 __all__ = ["distribute", "equal", "full_tensor", "gather", "redistribute"]
@@ -105,11 +105,21 @@ def distribute(
     first collective, and each rank receives only its own blocks.
     """
     rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
     problem: BaseException | None = None
     meta = None
-    if rank == src:
-        if not isinstance(tensor, torch.Tensor):
-            problem = TypeError(f"the source rank {src} must pass a tensor, got {type(tensor).__name__}")
+    # Every check is local and ends in the one exchange below: a rank that
+    # raised here alone would leave the others waiting in it.
+    if not isinstance(layout, Layout):
+        problem = TypeError(f"distribute needs a shardwise.Layout, got a {type(layout).__name__}")
+    elif isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
+        problem = ValueError(f"source rank {src!r} is outside the group of {world} ranks")
+    elif layout.world_size != world:
+        problem = LayoutError(f"the layout spans {layout.world_size} ranks but the group has {world}")
+    elif rank == src:
+        if not isinstance(tensor, torch.Tensor) or isinstance(tensor, ShardedTensor):
+            got = "None" if tensor is None else f"a {type(tensor).__name__}"
+            problem = TypeError(f"the source rank {src} must pass a plain tensor, got {got}")
         elif tuple(tensor.shape) != layout.global_shape:
             problem = LayoutError(
                 f"the source tensor has shape {tuple(tensor.shape)} but the layout's global "
@@ -117,15 +127,17 @@ def distribute(
             )
         else:
             meta = (tensor.dtype, tensor.device.type)
-    agreed = (hash(layout) if isinstance(layout, Layout) else None, src)
+    agreed = (hash(layout) if isinstance(layout, Layout) else None, src if isinstance(src, int) else None)
     everyone = exchange(problem, (meta, agreed), group)
-    if len({a for _, a in everyone}) > 1:
-        odd = [r for r, (_, a) in enumerate(everyone) if a != everyone[0][1]]
-        raise LayoutError(f"ranks disagree on distribute: ranks {odd} passed another layout or source rank than rank 0")
+    ref, odd = odd_ranks([a for _, a in everyone])
+    if odd:
+        raise LayoutError(
+            f"ranks disagree on distribute: ranks {odd} passed another layout or source rank "
+            f"than rank {ref}; every rank must pass the same"
+        )
     if everyone[src][0] is None:
         raise ValueError(f"source rank {src} passed no tensor to distribute")
     dtype, device_type = everyone[src][0]
-    world = layout.world_size
     whole = Layout.table_wise(layout.global_shape, src, world)
     if rank == src:
         device = tensor.device
@@ -139,12 +151,31 @@ def distribute(
 
 def equal(a: ShardedTensor, b: ShardedTensor) -> bool:
     """True when both hold the same global values (layouts may differ). Collective."""
-    comparable = tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
-    everyone = exchange(None, (comparable, hash(a.layout_spec), hash(b.layout_spec)), a.group)
+    problem: BaseException | None = None
+    fingerprint = None
+    if not (isinstance(a, ShardedTensor) and isinstance(b, ShardedTensor)):
+        problem = TypeError(
+            f"sw.equal compares two ShardedTensors, got {type(a).__name__} and {type(b).__name__}; "
+            f"torch.equal compares a ShardedTensor with a plain tensor locally"
+        )
+    else:
+        world = dist.get_world_size(a.group)
+        spans = {a.layout_spec.world_size, b.layout_spec.world_size}
+        if spans != {world}:
+            problem = LayoutError(f"the layouts span {sorted(spans)} ranks but the group has {world}")
+        else:
+            comparable = tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+            fingerprint = (comparable, hash(a.layout_spec), hash(b.layout_spec))
+    group = next((x.group for x in (a, b) if isinstance(x, ShardedTensor)), None)
+    everyone = exchange(problem, fingerprint, group)
     if not all(c for c, _, _ in everyone):
         return False  # decided together: no rank goes on to a collective alone
-    if len({x[1:] for x in everyone}) > 1:
-        raise LayoutError("ranks disagree on equal: some passed tensors of other layouts than rank 0")
+    ref, odd = odd_ranks([x[1:] for x in everyone])
+    if odd:
+        raise LayoutError(
+            f"ranks disagree on equal: ranks {odd} passed tensors of other layouts than rank {ref}; "
+            f"every rank must pass the same two tensors"
+        )
     if b.layout_spec != a.layout_spec:
         b = _wrap(a.layout_spec, move(b, a.layout_spec, checked=True), b)
     same = all(torch.equal(x, y) for x, y in zip(a.local_shards(), b.local_shards()))
