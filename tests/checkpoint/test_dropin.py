@@ -389,3 +389,28 @@ def test_dtype_difference_is_an_error_unless_cast_is_asked_for(tmp_path):
     stock = {"w": torch.zeros(6, dtype=torch.bfloat16)}
     dcp.load(stock, checkpoint_id=tmp_path / "c")  # what stock does: the same cast
     assert torch.equal(stock["w"], target["w"])
+
+
+def _sharded_optimizer(rank: int, world: int, folder: str) -> bool:
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+
+    momentum = torch.arange(12.0).reshape(6, 2)
+    state = {
+        "model": {"w": torch.ones(6, 2)},
+        "optim": {"state": {"w": {"momentum": momentum, "step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1}]},
+    }
+    dcp.save(state, storage_writer=swc.Writer(folder))
+    loaded = load_sharded_optimizer_state_dict({"w": torch.zeros(6, 2)}, "optim", swc.Reader(folder))
+    shard = loaded["optim"]["state"]["w"]["momentum"]  # a legacy ShardedTensor, rows chunked over ranks
+    local = shard.local_shards()[0]
+    rows = local.metadata.shard_offsets[0]
+    return (
+        torch.equal(local.tensor, momentum[rows : rows + local.tensor.shape[0]])
+        and float(loaded["optim"]["state"]["w"]["step"]) == 3.0
+        and loaded["optim"]["param_groups"] == [{"lr": 0.1}]
+    )
+
+
+def test_load_sharded_optimizer_state_dict_through_reader(tmp_path):
+    """DCP's FSDP-era helper reads `planner_data` from `read_metadata()`."""
+    assert run_ranks(_sharded_optimizer, 2, str(tmp_path / "ckpt"), timeout=60) == [True, True]
