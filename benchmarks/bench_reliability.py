@@ -20,7 +20,7 @@ from pathlib import Path
 def crashes(folder: Path, rounds: int) -> None:
     from shardwise import chaos
 
-    tried = lost = hung = 0
+    tried = lost = hung = foreign = 0
     states: Counter[str] = Counter()
     bad = []
     rng = random.Random(0)
@@ -29,7 +29,8 @@ def crashes(folder: Path, rounds: int) -> None:
         for point in chaos.CRASH_POINTS:
             ranks = (None, 0) if point in chaos.COORDINATOR_POINTS else (None, 0, 1)
             for kill in ranks:
-                for overwrite in ((True,) if point == "mid-overwrite" else (False, rng.random() < 0.3)):
+                # the commit-phase points matter most while the previous checkpoint is replaced
+                for overwrite in ((False, True) if point in chaos.COORDINATOR_POINTS else (False, rng.random() < 0.3)):
                     try:
                         o = chaos.crash_save(folder, point, kill_rank=kill, overwrite=overwrite)
                     except TimeoutError:
@@ -37,6 +38,7 @@ def crashes(folder: Path, rounds: int) -> None:
                         continue
                     tried += 1
                     lost += o.lost_previous
+                    foreign += len(o.foreign_lost)
                     states[o.new_state] += 1
                     if not o.ok:
                         bad.append(o)
@@ -45,7 +47,8 @@ def crashes(folder: Path, rounds: int) -> None:
         lost += o.lost_previous
         states[f"async: {o.new_state}"] += 1
     print(f"crashes: {tried} kills tried (SIGKILL of one or all ranks at {len(chaos.CRASH_POINTS)} points, "
-          f"overwrites, async saves), {lost} checkpoints lost, {hung} hung, {len(bad)} other failures "
+          f"overwrites, async saves; every folder also holds 3 user files), {lost} checkpoints lost, "
+          f"{foreign} user files lost, {hung} hung, {len(bad)} other failures "
           f"({time.monotonic() - start:.0f}s)")
     print("  state of the interrupted save's path: " + ", ".join(f"{k} {v}" for k, v in sorted(states.items())))
     for o in bad:
