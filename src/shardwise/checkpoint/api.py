@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pickle
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..dist.agreement import exchange
 from ..errors import CheckpointMismatchError, ShardwiseError
 from ..layout import Block
-from .commit import already_exists, holds_checkpoint
+from .commit import already_exists, holds_checkpoint, per_rank_records
 from .staging import Stager
 from .storage import Reader, Writer
 
@@ -110,6 +110,8 @@ def save(
     Values may be `Stateful` (their `state_dict()` is saved), as with `dcp.save`.
     """
     path = Path(path)
+    if _ASYNC.pending is not None:  # one save at a time: the next commit collects unnamed files
+        wait([_ASYNC.pending])
     state_dict = _state_dicts_of(state_dict)
     _check_target(path, overwrite, process_group, state_dict)
     return _save_checked(state_dict, path, overwrite, process_group)
@@ -227,7 +229,13 @@ def load(
     reader = Reader(path, verify=verify)
     problem: BaseException | None = None
     try:
-        metadata = reader.read_metadata()
+        try:
+            metadata = reader.read_metadata()
+        except FileNotFoundError:
+            if not per_rank_records(path):
+                raise
+            # saved with use_collectives=False: each rank reads its own records, as dcp.load does
+            metadata = reader.read_metadata(rank=dist.get_rank(process_group) if _distributed(process_group) else 0)
         found = _mismatches(state_dict, metadata, strict, cast_dtype)
         if found:
             problem = CheckpointMismatchError(f"{path}: " + "; ".join(found))

@@ -4,17 +4,20 @@ A checkpoint folder can hold files that are not ours (a `model.pt`, notes, a
 previous checkpoint). So a save never renames or deletes the folder; it works
 file by file:
 
-1. every rank writes its data under fresh names that carry the save's token
-   (`__0_0.sw1a2b3c4d5e6f.distcp`), so nothing committed is overwritten;
-2. the coordinator writes the marker `.shardwise` (once: it makes the folder
-   recognisable as ours even if the manifest is later lost), then DCP's
-   `.metadata`, then `shardwise.json` — each to a temporary name, fsynced,
-   renamed into place, the folder fsynced. The manifest's rename is the
-   commit point for shardwise readers; `.metadata`'s for stock readers. Both
-   only ever name data that is already durable;
+1. every rank writes its data under fresh names that carry its save's token
+   (`__0_0.sw1a2b3c4d5e6f.distcp`), so nothing committed is overwritten, and
+   fsyncs it;
+2. the coordinator fsyncs the folder, then writes DCP's `.metadata`, then
+   `shardwise.json`, then (first save only) the marker `.shardwise` that
+   makes the folder recognisable as ours even if the manifest is later lost
+   — each to a temporary name, fsynced, renamed into place, the folder
+   fsynced. The manifest's rename is the commit point for shardwise readers;
+   `.metadata`'s for stock readers. Both only ever name durable data;
 3. after the commit, files of the previous checkpoint (those its manifest or
    `.metadata` named) and leftovers of interrupted saves (our token-named
-   data and temporary files) are removed. Nothing else is ever deleted.
+   data and temporary files) are removed — unless records of another scope
+   (a global checkpoint beside per-rank ones) still name them. Nothing else
+   is ever deleted.
 
 A crash before step 2 leaves the previous checkpoint as it was (plus
 token-named leftovers that the next save collects); a crash between the two
@@ -28,6 +31,7 @@ import json
 import os
 import re
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,24 +51,20 @@ __all__ = [
     "holds_checkpoint",
     "leftover_data",
     "new_token",
+    "per_rank_records",
     "referenced_files",
-    "token_of",
     "write_durably",
 ]
 
 METADATA = ".metadata"
-_DATA = re.compile(r"^__(\d+)_(\d+)\.sw([0-9a-f]{12})" + re.escape(DEFAULT_SUFFIX) + "$")
-_TEMP = re.compile(r"^(.+)\.sw([0-9a-f]{12})\.tmp$")
+# matched with fullmatch: a trailing newline in a name is not ours
+_DATA = re.compile(r"__(\d+)_(\d+)\.sw([0-9a-f]{12})" + re.escape(DEFAULT_SUFFIX))
+_TEMP = re.compile(r"(.+)\.sw([0-9a-f]{12})\.tmp")
+_PER_RANK = re.compile(r"__(\d+)\.(?:metadata|shardwise\.json)")
 
 
 def new_token() -> str:
     return uuid.uuid4().hex[:12]
-
-
-def token_of(save_id: str) -> str:
-    """The file-name token of a save, from DCP's `save_id` (a uuid)."""
-    digits = re.sub(r"[^0-9a-f]", "", save_id.lower())
-    return (digits + new_token())[:12]
 
 
 def data_file_name(prefix: str, index: int, token: str) -> str:
@@ -89,7 +89,7 @@ class RecordNames:
 
     def owns(self, data_name: str) -> bool:
         """Whether a token-named data file is in this record's scope (all ranks, or its rank)."""
-        m = _DATA.match(data_name)
+        m = _DATA.fullmatch(data_name)
         return m is not None and (self.rank is None or int(m.group(1)) == self.rank)
 
 
@@ -101,6 +101,15 @@ def holds_checkpoint(folder: Path, names: RecordNames = RecordNames()) -> bool:
     return any((folder / c).exists() for c in candidates)
 
 
+def per_rank_records(folder: Path) -> list[RecordNames]:
+    """The per-rank records (`__{rank}.metadata`, saved without collectives) in `folder`."""
+    try:
+        found = {int(m.group(1)) for n in os.listdir(folder) if (m := _PER_RANK.fullmatch(n))}
+    except OSError:
+        return []
+    return [RecordNames(r) for r in sorted(found)]
+
+
 def already_exists(folder: Path) -> str:
     return f"Checkpoint already exists at {folder}; pass overwrite=True to replace it"
 
@@ -108,7 +117,7 @@ def already_exists(folder: Path) -> str:
 def leftover_data(folder: Path) -> list[str]:
     """Token-named data files: what an interrupted save leaves behind."""
     try:
-        return sorted(n for n in os.listdir(folder) if _DATA.match(n))
+        return sorted(n for n in os.listdir(folder) if _DATA.fullmatch(n))
     except OSError:
         return []
 
@@ -133,60 +142,86 @@ def write_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
 
 
 def commit(
-    folder: Path, metadata: bytes, manifest: bytes, referenced: set[str], previous: set[str],
+    folder: Path, metadata: bytes, manifest: bytes, referenced: set[str],
     names: RecordNames = RecordNames(), *, sync: bool = True,
 ) -> list[str]:
     """Make a checkpoint whose data is durable visible; collect what it replaces.
 
-    `referenced`: the data files the new records name; `previous`: those the
-    records being replaced named (see `referenced_files`, read before the
-    commit). Returns the names removed.
+    `referenced`: the data files the new records name. Returns the names removed.
+    With `sync=False` nothing is fsynced (as stock's `sync_files=False`): a
+    power loss may then lose the new checkpoint and the one it replaced.
     """
     failpoint("before-commit")
-    if names.rank is None and not (folder / MARKER).exists():
-        write_durably(folder / MARKER, b"shardwise checkpoint folder\n", sync=sync)
+    if sync:  # the data files' names, before any record names them
+        fsync_dir(folder)
+    previous = referenced_files(folder, names)
     write_durably(folder / names.metadata, metadata, sync=sync)
+    if sync:
+        fsync_dir(folder)
     failpoint("between-records")
     write_durably(folder / names.manifest, manifest, sync=sync)
+    # The marker comes last: before the manifest exists it would make a folder
+    # whose `.metadata` is complete (stock's, or this save's) read as incomplete.
+    if names.rank is None and not (folder / MARKER).exists():
+        write_durably(folder / MARKER, b"shardwise checkpoint folder\n", sync=sync)
     if sync:
         fsync_dir(folder)
     failpoint("before-collect")
-    return collect(folder, referenced, previous, names)
+    return collect(folder, referenced | _named_elsewhere(folder, names), previous, names)
+
+
+def _named_elsewhere(folder: Path, names: RecordNames) -> set[str]:
+    """Files that records of another scope still name (a global checkpoint beside
+    per-rank ones, or the other way round): never collected by this one."""
+    others = [RecordNames()] if names.rank is not None else []
+    others += [r for r in per_rank_records(folder) if r != names]
+    found: set[str] = set()
+    for other in others:
+        found |= referenced_files(folder, other, both=True)
+    return found
 
 
 def collect(folder: Path, keep: set[str], previous: set[str], names: RecordNames = RecordNames()) -> list[str]:
     """Remove, after a commit, the files the committed records replaced: those
     the previous records named, token-named data no record names, and our
-    temporary files. Never anything else."""
+    temporary files. Never anything else, and never a file in `keep`. A file
+    that cannot be removed is left for the next save: the commit stands."""
     removed = []
     for name in sorted(os.listdir(folder)):
         if name in keep:
             continue
-        temp = _TEMP.match(name)
+        temp = _TEMP.fullmatch(name)
         ours = (
             name in previous
             or names.owns(name)
             or (temp is not None and temp.group(1) in (names.metadata, names.manifest, MARKER))
         )
-        if ours and (folder / name).is_file():
-            os.unlink(folder / name)
+        if ours and (folder / name).is_file() and not (folder / name).is_symlink():
+            try:
+                os.unlink(folder / name)
+            except OSError as e:
+                warnings.warn(f"could not remove {folder / name} after the commit ({e}); the next save retries", stacklevel=2)
+                continue
             removed.append(name)
             failpoint("mid-collect")
     return removed
 
 
-def referenced_files(folder: Path, names: RecordNames = RecordNames()) -> set[str]:
+def referenced_files(folder: Path, names: RecordNames = RecordNames(), *, both: bool = False) -> set[str]:
     """The data files the committed records in `folder` name: those of its
-    manifest and of its `.metadata` (a stock one read with the safe unpickler).
-    Unreadable records name nothing, so their files are never collected."""
+    manifest, else (or also, with `both`) of its `.metadata` (read with the safe
+    unpickler). Unreadable records name nothing, so their files are never collected."""
     found: set[str] = set()
     try:
         doc = json.loads((folder / names.manifest).read_bytes())
         found |= {c["file"] for t in doc["tensors"].values() for c in t["chunks"]}
         found |= {o["file"] for o in doc["objects"].values()}
+        manifest = True
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        # No manifest: a stock checkpoint (or ours without its manifest, whose
-        # token-named files are collected by name anyway).
+        manifest = False
+    # Without a manifest this is a stock checkpoint (or ours without its manifest,
+    # whose token-named files are collected by name anyway).
+    if both or not manifest:
         try:
             with open(folder / names.metadata, "rb") as f:
                 storage = load_metadata(f).storage_data or {}

@@ -8,9 +8,12 @@ JSON parser. It is written last: its presence marks a committed checkpoint.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import math
 import os
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import CorruptCheckpointError
+from .safe_pickle import load_metadata
 
 __all__ = ["MANIFEST", "MARKER", "ChunkEntry", "Manifest", "ObjectEntry", "PAGE_SIZE", "StoredChunk", "StoredObject"]
 
@@ -109,9 +113,10 @@ class Manifest:
     page_size: int = PAGE_SIZE
     metadata_crc32c: int = 0  # of DCP's .metadata, for `verify`
     planner_data: Any = None  # DCP's, when plain JSON (see encode_planner_data)
-    planner_data_in_metadata: bool = False  # not plain JSON: read it from .metadata
+    planner_data_pickle: str | None = None  # otherwise: base64 pickle, read with the safe unpickler
     storage_meta: dict[str, Any] = field(default_factory=dict)  # checkpoint_id, save_id, modules
     dcp_version: str | None = None
+    version: int = VERSION  # of the file read; writing always writes VERSION
 
     def to_json(self) -> str:
         """Canonical JSON whose "crc32c" field checksums the document itself."""
@@ -130,7 +135,7 @@ class Manifest:
                 "dcp_version": self.dcp_version,
                 "storage_meta": self.storage_meta,
                 "planner_data": self.planner_data,
-                "planner_data_in_metadata": self.planner_data_in_metadata,
+                **({"planner_data_pickle": self.planner_data_pickle} if self.planner_data_pickle else {}),
                 "tensors": {
                     k: {
                         "dtype": t.dtype,
@@ -182,9 +187,10 @@ class Manifest:
                 world_size=int(data["world_size"]), page_size=int(data["page_size"]),
                 metadata_crc32c=int(data["metadata_crc32c"]),
                 planner_data=data.get("planner_data"),
-                planner_data_in_metadata=bool(data.get("planner_data_in_metadata", False)),
+                planner_data_pickle=data.get("planner_data_pickle"),
                 storage_meta=dict(data.get("storage_meta") or {}),
                 dcp_version=data.get("dcp_version"),
+                version=int(data["version"]),
             )
             if out.page_size <= 0:
                 raise ValueError(f"page size {out.page_size}")
@@ -252,6 +258,24 @@ class Manifest:
                         f"byte ranges (file {c.file}, payload {c.payload})"
                     )
 
+    def set_planner_data(self, value: Any) -> None:
+        """Keep DCP's `planner_data`: as JSON when it is plain, else pickled (in
+        this manifest, not in `.metadata`, so the two records never depend on
+        each other)."""
+        try:
+            self.planner_data, self.planner_data_pickle = encode_planner_data(value), None
+        except ValueError:
+            self.planner_data = None
+            self.planner_data_pickle = base64.b64encode(pickle.dumps(value)).decode()
+
+    def decoded_planner_data(self) -> Any:
+        if self.planner_data_pickle is None:
+            return decode_planner_data(self.planner_data)
+        try:
+            return load_metadata(io.BytesIO(base64.b64decode(self.planner_data_pickle)))
+        except (ValueError, pickle.UnpicklingError) as e:
+            raise CorruptCheckpointError(f"{MANIFEST}: unreadable planner data: {e}") from e
+
     def to_metadata(self) -> Metadata:
         """The DCP `Metadata` this manifest describes, built without unpickling."""
         state: dict[str, Any] = {}
@@ -273,7 +297,7 @@ class Manifest:
         meta = self.storage_meta
         return Metadata(
             state_dict_metadata=state,
-            planner_data=decode_planner_data(self.planner_data),
+            planner_data=self.decoded_planner_data(),
             storage_data=storage,
             storage_meta=StorageMeta(
                 # a Path, as FileSystemWriter pickles it (its init_path makes one)
@@ -289,13 +313,14 @@ def encode_planner_data(value: Any) -> Any:
     """DCP's `planner_data` as JSON, tuples tagged so they come back as tuples
     (the default planner maps keys to tuple paths); `ValueError` when it holds
     anything else than plain containers, strings and numbers."""
-    if value is None or isinstance(value, (bool, int, float, str)):
+    kind = type(value)  # exact types: an Enum, namedtuple or OrderedDict would come back as its base
+    if value is None or kind in (bool, int, float, str):
         return value
-    if isinstance(value, tuple):
+    if kind is tuple:
         return {"__tuple__": [encode_planner_data(v) for v in value]}
-    if isinstance(value, list):
+    if kind is list:
         return [encode_planner_data(v) for v in value]
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value) and "__tuple__" not in value:
+    if kind is dict and all(type(k) is str for k in value) and "__tuple__" not in value:
         return {k: encode_planner_data(v) for k, v in value.items()}
     raise ValueError(f"planner data of type {type(value).__name__} is not plain JSON")
 

@@ -28,7 +28,7 @@ from ..layout import Block, Layout
 from ..layout.coverage import analyze
 from .manifest import MANIFEST, ChunkEntry, Manifest, ObjectEntry, TensorEntry, dtype_name
 from .records import tensor_record, write_torch_archive
-from .commit import already_exists, commit, data_file_name, holds_checkpoint, new_token, referenced_files, write_durably
+from .commit import already_exists, commit, data_file_name, holds_checkpoint, new_token, write_durably
 from .storage import Reader, pages_of, write_all
 
 __all__ = [
@@ -194,7 +194,7 @@ def inspect(path: str | os.PathLike) -> CheckpointInfo:
     ckpt = open_checkpoint(path)
     m = ckpt.manifest
     info = CheckpointInfo(
-        ckpt.path, "shardwise" if m else "stock DCP", 1 if m else None, m.world_size if m else None,
+        ckpt.path, "shardwise" if m else "stock DCP", m.version if m else None, m.world_size if m else None,
     )
     for key in ckpt.tensor_keys():
         md = ckpt.tensor_metadata(key)
@@ -280,7 +280,10 @@ def _find_problems(
     metadata = ckpt.path / ".metadata"
     try:
         if crc32c.crc32c(metadata.read_bytes()) != ckpt.manifest.metadata_crc32c:
-            problems.append(f"{metadata} fails its checksum: stock DCP readers would misread it")
+            problems.append(
+                f"{metadata} does not match the manifest's checksum: damaged, or a save was interrupted "
+                f"between its two records; stock DCP readers see something else than shardwise readers"
+            )
     except OSError as e:
         problems.append(f"{metadata}: {e}")
     page = ckpt.manifest.page_size
@@ -297,6 +300,18 @@ def _find_problems(
 
 def _verify_chunk(folder: Path, key: str, chunk: ChunkEntry, page: int, progress: Callable[[int], None] | None) -> list[str]:
     path = folder / chunk.file
+    if chunk.payload is None:  # stored through a transform (e.g. zstd): one checksum over the record
+        try:
+            with open(path, "rb") as f:
+                data = os.pread(f.fileno(), chunk.record[1], chunk.record[0])
+        except OSError as e:
+            return [f"'{key}' chunk at {chunk.offsets}: {e}"]
+        if progress:
+            progress(len(data))
+        if len(data) != chunk.record[1] or crc32c.crc32c(data) != chunk.pages[0]:
+            return [f"'{key}' chunk at {chunk.offsets}: bytes {chunk.record[0]}..{sum(chunk.record)} of {path} "
+                    f"fail their checksum"]
+        return []
     start, length = chunk.payload
     try:
         with open(path, "rb") as f:
@@ -517,7 +532,7 @@ def reshard(
     metadata = pickle.dumps(_stock(manifest.to_metadata()))
     manifest.metadata_crc32c = crc32c.crc32c(metadata)
     keep = {data_file_name(f"__{rank}_", 0, token) for rank in range(world_size)}
-    commit(out, metadata, manifest.to_json().encode(), keep, referenced_files(out))
+    commit(out, metadata, manifest.to_json().encode(), keep)
     return out
 
 

@@ -64,8 +64,8 @@ from .commit import (
     data_file_name,
     holds_checkpoint,
     leftover_data,
-    referenced_files,
-    token_of,
+    new_token,
+    per_rank_records,
 )
 from .faults import failpoint
 from .manifest import (
@@ -79,12 +79,11 @@ from .manifest import (
     TensorEntry,
     dtype_from_name,
     dtype_name,
-    encode_planner_data,
 )
 from .records import RecordLayout, read_record_layout, tensor_record
 from .safe_pickle import load_metadata
 
-__all__ = ["Reader", "SaveTarget", "Writer", "pages_of", "write_all"]
+__all__ = ["Reader", "Writer", "pages_of", "write_all"]
 
 
 def pages_of(payload: memoryview, page_size: int = PAGE_SIZE) -> list[int]:
@@ -107,14 +106,6 @@ def write_all(fd: int, buffers: list[Any]) -> None:
 
 
 # -- writer -----------------------------------------------------------------------------
-
-
-@dataclass
-class SaveTarget(_StoragePrefix):
-    """DCP's per-rank file prefix plus the save's token, chosen once by the
-    coordinator so that every rank's files carry the same one."""
-
-    token: str = ""
 
 
 @dataclass
@@ -172,6 +163,12 @@ class Writer(FileSystemWriter):
             serialization_format=serialization_format,
         )
 
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        # A fresh token on every rank for every save, whatever DCP resets or caches:
+        # data files never reuse a name, so no committed file is ever reopened.
+        self._token = new_token()
+
     def _records(self) -> RecordNames:
         return RecordNames(self.rank if not self.use_collectives and self.rank is not None else None)
 
@@ -183,27 +180,17 @@ class Writer(FileSystemWriter):
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
 
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        token = token_of(self.save_id)
-        return [
-            dataclasses.replace(
-                plan, storage_data=SaveTarget(plan.storage_data.prefix if plan.storage_data else f"__{i}_", token)
-            )
-            for i, plan in enumerate(plans)
-        ]
-
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items into fresh token-named files (one per bucket of
         `thread_count`, or one per item), in parallel threads when there are several."""
         failpoint("before-write")
         Path(self.path).mkdir(parents=True, exist_ok=True)
-        target = plan.storage_data
-        token = getattr(target, "token", "") or token_of(self.save_id)
+        token = self._token
         if self.single_file_per_rank:
             buckets = _split_by_size_and_type(max(1, self.thread_count), list(plan.items))
         else:
             buckets = [[item] for item in plan.items]
-        jobs = [(data_file_name(target.prefix, k, token), items) for k, items in enumerate(buckets)]
+        jobs = [(data_file_name(plan.storage_data.prefix, k, token), items) for k, items in enumerate(buckets)]
         write = self._write_transformed if self.transforms.extensions else self._write_file
         if self.thread_count > 1 and len(jobs) > 1:
             with ThreadPoolExecutor(self.thread_count, thread_name_prefix="shardwise-write") as pool:
@@ -220,7 +207,7 @@ class Writer(FileSystemWriter):
         checksummed while in cache; then fsync."""
         serialization_id = self.save_id.replace("-", "")[:40].ljust(40, "0")  # torch.save's field
         results = []
-        fd = os.open(Path(self.path) / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(Path(self.path) / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # never an existing file
         try:
             pos = 0
             for item in items:
@@ -254,7 +241,7 @@ class Writer(FileSystemWriter):
         each stored range gets one checksum, computed from the written bytes."""
         path = Path(self.path) / name
         stock = []
-        with open(path, "wb") as stream:
+        with open(path, "xb") as stream:  # never an existing file
             for item in items:
                 data = planner.resolve_data(item)
                 if item.type != WriteItemType.BYTE_IO:
@@ -285,13 +272,8 @@ class Writer(FileSystemWriter):
         metadata_bytes = pickle.dumps(metadata)
         manifest = _manifest(metadata, written, len(results))
         manifest.metadata_crc32c = crc32c.crc32c(metadata_bytes)
-        folder = Path(self.path)
-        names = self._records()
         keep = {w.stock.relative_path for w in written.values()}
-        previous = referenced_files(folder, names)
-        if names.rank is not None:  # a per-rank save never collects a global checkpoint's files
-            keep |= referenced_files(folder, RecordNames())
-        commit(folder, metadata_bytes, manifest.to_json().encode(), keep, previous, names, sync=self.sync_files)
+        commit(Path(self.path), metadata_bytes, manifest.to_json().encode(), keep, self._records(), sync=self.sync_files)
 
 
 def _manifest(metadata: Metadata, written: dict[MetadataIndex, _Written], world_size: int) -> Manifest:
@@ -305,10 +287,7 @@ def _manifest(metadata: Metadata, written: dict[MetadataIndex, _Written], world_
         },
         dcp_version=metadata.version,
     )
-    try:
-        manifest.planner_data = encode_planner_data(metadata.planner_data)
-    except ValueError:
-        manifest.planner_data_in_metadata = True
+    manifest.set_planner_data(metadata.planner_data)
     for fqn, md in metadata.state_dict_metadata.items():
         if hasattr(md, "chunks"):
             entry = manifest.tensors[fqn] = TensorEntry(
@@ -365,19 +344,23 @@ class Reader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         names = RecordNames(kwargs.get("rank"))
         folder = Path(self.path)
-        self.manifest = None
+        self.manifest, self.storage_data, self._set_up_for = None, {}, None
         if (folder / names.manifest).exists():
             manifest = Manifest.read(folder, names.manifest)
             metadata = manifest.to_metadata()
-            if manifest.planner_data_in_metadata:
-                metadata.planner_data = self._stock_metadata(folder, names, manifest.metadata_crc32c).planner_data
             self.manifest = manifest
         elif names.rank is None and (folder / MARKER).exists():
             raise IncompleteCheckpointError(
                 f"{folder} is a shardwise checkpoint without its {names.manifest}: the save did not commit"
             )
         elif (folder / names.metadata).exists():
-            metadata = self._stock_metadata(folder, names, None)
+            metadata = self._stock_metadata(folder, names)
+        elif names.rank is None and per_rank_records(folder):
+            # what dcp.load expects before it retries with read_metadata(rank=...)
+            raise FileNotFoundError(
+                f"{folder} holds per-rank checkpoint records only (saved with use_collectives=False): "
+                f"read them with read_metadata(rank=...)"
+            )
         elif names.rank is None and leftover_data(folder):
             raise IncompleteCheckpointError(
                 f"a save to {folder} started but never committed ({leftover_data(folder)[0]} is left)"
@@ -390,11 +373,9 @@ class Reader(FileSystemReader):
         return metadata
 
     @staticmethod
-    def _stock_metadata(folder: Path, names: RecordNames, crc: int | None) -> Metadata:
-        data = (folder / names.metadata).read_bytes()
-        if crc is not None and crc32c.crc32c(data) != crc:
-            raise CorruptCheckpointError(f"{folder / names.metadata} fails its checksum in the manifest")
-        return load_metadata(io.BytesIO(data))
+    def _stock_metadata(folder: Path, names: RecordNames) -> Metadata:
+        with open(folder / names.metadata, "rb") as f:
+            return load_metadata(f)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
