@@ -37,18 +37,8 @@ from torch.testing._internal.distributed.checkpoint_utils import (
     get_test_extension_registry,
 )
 
-from shardwise.testing import run_ranks
-
-from .test_dtensor_checkpoint import (
-    Check,
-    Reader,
-    Writer,
-    bind,
-    run_scenarios,
-    sw_load,
-    sw_save,
-    verdict,
-)
+from .harness import FORMS, Reader, Writer, load_as, save_as  # the storage under test
+from .harness import Check, bind, by_form, scenario_results, verdict
 
 WORLD_SIZE = 4
 
@@ -67,47 +57,48 @@ def _global() -> torch.Tensor:
     return torch.arange(16, dtype=torch.float).view(4, 4)
 
 
+def _mesh(ndim: int):
+    """The 1-d mesh of all ranks, or the 2-d one of 2 x (world / 2)."""
+    world = dist.get_world_size()
+    return init_device_mesh("cpu", (world,) if ndim == 1 else (2, world // 2))
+
+
 # -- TestDTensorReshardPlacementChange ----------------------------------------------
 
+EXTENSIONS: dict[str | None, Callable[[], Any]] = {
+    None: lambda: None,
+    "Rot13Example": lambda: [Rot13Example()],
+    "ZStandard": lambda: [ZStandard()],
+}
 
-def reshard_1d_to_1d(
-    path: Path, check: Check, extensions: str | None, form: str = "storage"
+
+def _placement_change(
+    path: Path,
+    check: Check,
+    ndim: int,
+    placement_pairs: list[tuple[list, list]],
+    form: str = "storage",
+    writer_kwargs: Callable[[], dict[str, Any]] = dict,
+    reader_kwargs: Callable[[], dict[str, Any]] = dict,
 ) -> None:
-    # upstream: test_dtensor_resharding.py :: test_1d_to_1d_reshard_placement_change
-    world = dist.get_world_size()
-    for original_placement, new_placement in ONE_D_TO_ONE_D_PLACEMENTS:
+    """Upstream's two placement-change tests: saved in one placement, loaded into another on
+    the same `ndim`-d mesh, compared whole and back in the original placement."""
+    for original_placement, new_placement in placement_pairs:
         global_tensor = _global()
-        device_mesh = init_device_mesh("cpu", (world,))
+        device_mesh = _mesh(ndim)
         dtensor = distribute_tensor(global_tensor, device_mesh, placements=original_placement)
         state_dict_to_save = {"dtensor": dtensor}
-        if form == "storage":
-            ext = {None: None, "Rot13Example": [Rot13Example()], "ZStandard": [ZStandard()]}[
-                extensions
-            ]
-            dcp.save(
-                state_dict=state_dict_to_save,
-                storage_writer=Writer(path=path, _extensions=ext),
-                planner=DefaultSavePlanner(),
-            )
-        else:
-            sw_save(state_dict_to_save, path)
+        save_as(form, state_dict_to_save, path, writer_kwargs(), planner=DefaultSavePlanner())
 
         state_dict_to_load = {
             "dtensor": dtensor_zeros([4, 4], device_mesh=device_mesh, placements=new_placement)
         }
-        if form == "storage":
-            dcp.load(
-                state_dict=state_dict_to_load,
-                storage_reader=Reader(path, _extension_registry=get_test_extension_registry()),
-                planner=DefaultLoadPlanner(),
-            )
-        else:
-            sw_load(state_dict_to_load, path)
+        load_as(form, state_dict_to_load, path, reader_kwargs(), planner=DefaultLoadPlanner())
 
         what = f"{original_placement}->{new_placement}"
         # materialise the whole tensor to compare with the original global tensor
         state_dict_to_load["dtensor"] = state_dict_to_load["dtensor"].redistribute(
-            device_mesh, placements=[Replicate()]
+            device_mesh, placements=[Replicate()] * ndim
         )
         check.equal(global_tensor, state_dict_to_load["dtensor"].to_local(), f"{what} full tensor")
         # back to the original placement for comparison
@@ -121,107 +112,64 @@ def reshard_1d_to_1d(
         )
 
 
+def reshard_1d_to_1d(
+    path: Path, check: Check, extensions: str | None, form: str = "storage"
+) -> None:
+    # upstream: test_dtensor_resharding.py :: test_1d_to_1d_reshard_placement_change
+    _placement_change(
+        path,
+        check,
+        1,
+        ONE_D_TO_ONE_D_PLACEMENTS,
+        form,
+        writer_kwargs=lambda: {"_extensions": EXTENSIONS[extensions]()},
+        reader_kwargs=lambda: {"_extension_registry": get_test_extension_registry()},
+    )
+
+
 def reshard_2d_to_2d(path: Path, check: Check) -> None:
     # upstream: test_dtensor_resharding.py :: test_2d_to_2d_reshard_placement_change
-    world = dist.get_world_size()
-    for original_placement, new_placement in TWO_D_TO_TWO_D_PLACEMENTS:
-        global_tensor = _global()
-        mesh_2d = init_device_mesh("cpu", (2, world // 2))
-        dtensor = distribute_tensor(global_tensor, mesh_2d, placements=original_placement)
-        state_dict_to_save = {"dtensor": dtensor}
-        dcp.save(
-            state_dict=state_dict_to_save,
-            storage_writer=Writer(path=path),
-            planner=DefaultSavePlanner(),
-        )
-
-        state_dict_to_load = {
-            "dtensor": dtensor_zeros([4, 4], device_mesh=mesh_2d, placements=new_placement)
-        }
-        dcp.load(
-            state_dict=state_dict_to_load, storage_reader=Reader(path), planner=DefaultLoadPlanner()
-        )
-
-        what = f"{original_placement}->{new_placement}"
-        state_dict_to_load["dtensor"] = state_dict_to_load["dtensor"].redistribute(
-            mesh_2d, placements=[Replicate(), Replicate()]
-        )
-        check.equal(global_tensor, state_dict_to_load["dtensor"].to_local(), f"{what} full tensor")
-        state_dict_to_load["dtensor"] = state_dict_to_load["dtensor"].redistribute(
-            mesh_2d, placements=original_placement
-        )
-        check.equal(
-            state_dict_to_save["dtensor"].to_local(),
-            state_dict_to_load["dtensor"].to_local(),
-            f"{what} local shard",
-        )
+    _placement_change(path, check, 2, TWO_D_TO_TWO_D_PLACEMENTS)
 
 
 # -- TestDTensorReshardMeshChange --------------------------------------------------
 
 
-def reshard_1d_to_2d_mesh(path: Path, check: Check) -> None:
-    # upstream: test_dtensor_resharding.py :: test_1d_to_2d_reshard_mesh_change
-    world = dist.get_world_size()
-    for placements_1d in ONE_D_PLACEMENTS:
+def _mesh_change(
+    path: Path, check: Check, save: tuple[int, list], load: tuple[int, list]
+) -> None:
+    """Upstream's two mesh-change tests: saved on the `save` mesh (ndim, placements) in each of
+    its placements, loaded on the `load` mesh in each of its placements, compared whole."""
+    (save_ndim, save_placements), (load_ndim, load_placements) = save, load
+    for save_placement in save_placements:
         global_tensor = _global()
-        mesh_1d = init_device_mesh("cpu", (world,))
-        dtensor = distribute_tensor(global_tensor, mesh_1d, placements=placements_1d)
-        dcp.save(
-            state_dict={"dtensor": dtensor},
-            storage_writer=Writer(path=path),
-            planner=DefaultSavePlanner(),
-        )
-        for placements_2d in TWO_D_PLACEMENTS:
-            mesh_2d = init_device_mesh("cpu", (2, world // 2))
+        save_mesh = _mesh(save_ndim)
+        dtensor = distribute_tensor(global_tensor, save_mesh, placements=save_placement)
+        save_as("storage", {"dtensor": dtensor}, path, planner=DefaultSavePlanner())
+        for load_placement in load_placements:
+            load_mesh = _mesh(load_ndim)
             state_dict_to_load = {
-                "dtensor": dtensor_zeros([4, 4], device_mesh=mesh_2d, placements=placements_2d)
+                "dtensor": dtensor_zeros([4, 4], device_mesh=load_mesh, placements=load_placement)
             }
-            dcp.load(
-                state_dict=state_dict_to_load,
-                storage_reader=Reader(path),
-                planner=DefaultLoadPlanner(),
-            )
+            load_as("storage", state_dict_to_load, path, planner=DefaultLoadPlanner())
             state_dict_to_load["dtensor"] = state_dict_to_load["dtensor"].redistribute(
-                mesh_2d, placements=[Replicate(), Replicate()]
+                load_mesh, placements=[Replicate()] * load_ndim
             )
             check.equal(
                 global_tensor,
                 state_dict_to_load["dtensor"].to_local(),
-                f"{placements_1d}->{placements_2d}",
+                f"{save_placement}->{load_placement}",
             )
+
+
+def reshard_1d_to_2d_mesh(path: Path, check: Check) -> None:
+    # upstream: test_dtensor_resharding.py :: test_1d_to_2d_reshard_mesh_change
+    _mesh_change(path, check, (1, ONE_D_PLACEMENTS), (2, TWO_D_PLACEMENTS))
 
 
 def reshard_2d_to_1d_mesh(path: Path, check: Check) -> None:
     # upstream: test_dtensor_resharding.py :: test_2d_to_1d_reshard_mesh_change
-    world = dist.get_world_size()
-    for placements_2d in TWO_D_PLACEMENTS:
-        global_tensor = _global()
-        mesh_2d = init_device_mesh("cpu", (2, world // 2))
-        dtensor = distribute_tensor(global_tensor, mesh_2d, placements=placements_2d)
-        dcp.save(
-            state_dict={"dtensor": dtensor},
-            storage_writer=Writer(path=path),
-            planner=DefaultSavePlanner(),
-        )
-        for placements_1d in ONE_D_PLACEMENTS:
-            mesh_1d = init_device_mesh("cpu", (world,))
-            state_dict_to_load = {
-                "dtensor": dtensor_zeros([4, 4], device_mesh=mesh_1d, placements=placements_1d)
-            }
-            dcp.load(
-                state_dict=state_dict_to_load,
-                storage_reader=Reader(path),
-                planner=DefaultLoadPlanner(),
-            )
-            state_dict_to_load["dtensor"] = state_dict_to_load["dtensor"].redistribute(
-                mesh_1d, placements=[Replicate()]
-            )
-            check.equal(
-                global_tensor,
-                state_dict_to_load["dtensor"].to_local(),
-                f"{placements_2d}->{placements_1d}",
-            )
+    _mesh_change(path, check, (2, TWO_D_PLACEMENTS), (1, ONE_D_PLACEMENTS))
 
 
 def resharding_with_empty_shard(path: Path, check: Check) -> None:
@@ -344,91 +292,61 @@ class CheckpointableDistTensor(torch.Tensor):
 SAVING_1D_SHARD_PLAN = [(0, 4), (4, 3), (7, 4), (11, 5)]  # (offset, length) by rank: uneven
 
 
-def uneven_reshard_checkpointable(path: Path, check: Check, form: str) -> None:
-    # upstream: test_dtensor_resharding.py :: test_uneven_reshard_with_checkpointable_api
-    loading_1d_shard_plan = [(0, 2), (2, 4), (6, 6), (12, 4)]
+def _uneven_reshard(
+    path: Path,
+    check: Check,
+    form: str,
+    loading_1d_shard_plan: list[tuple[int, int]],
+    shard: Callable[[torch.Tensor, int], torch.Tensor],
+) -> None:
+    """Upstream's two uneven-reshard tests: each rank saves rows SAVING_1D_SHARD_PLAN[rank] of a
+    [16, 1] tensor and loads rows `loading_1d_shard_plan[rank]`, each block made a checkpointable
+    tensor by `shard(local_tensor, row_offset)`."""
     my_rank = dist.get_rank()
     offset, length = SAVING_1D_SHARD_PLAN[my_rank]
-    saving = CheckpointableDistTensor(
-        fqn="checkpointable_tensor",
-        local_tensor=torch.arange(offset, offset + length, dtype=torch.float).view(length, 1),
-        shard_offsets=[offset, 0],
-        overall_size=[16, 1],
-    )
-    if form == "storage":
-        dcp.save(
-            state_dict={"checkpointable_tensor": saving},
-            storage_writer=Writer(path=path),
-            planner=DefaultSavePlanner(),
-        )
-    else:
-        sw_save({"checkpointable_tensor": saving}, path)
+    saving = shard(torch.arange(offset, offset + length, dtype=torch.float).view(length, 1), offset)
+    save_as(form, {"checkpointable_tensor": saving}, path, planner=DefaultSavePlanner())
 
     offset, length = loading_1d_shard_plan[my_rank]
     loading_local_tensor = torch.rand([length, 1], dtype=torch.float)
     expected = torch.arange(offset, offset + length, dtype=torch.float).view(length, 1)
-    loading = CheckpointableDistTensor(
-        fqn="checkpointable_tensor",
-        local_tensor=loading_local_tensor,
-        shard_offsets=[offset, 0],
-        overall_size=[16, 1],
-    )
-    if form == "storage":
-        dcp.load(state_dict={"checkpointable_tensor": loading}, storage_reader=Reader(path))
-    else:
-        sw_load({"checkpointable_tensor": loading}, path)
+    loading = shard(loading_local_tensor, offset)
+    load_as(form, {"checkpointable_tensor": loading}, path)
     check.true(
         torch.equal(loading_local_tensor, expected),
         "loading_local_tensor equals the expected values",
     )
+
+
+def uneven_reshard_checkpointable(path: Path, check: Check, form: str) -> None:
+    # upstream: test_dtensor_resharding.py :: test_uneven_reshard_with_checkpointable_api
+    def shard(local_tensor: torch.Tensor, offset: int) -> torch.Tensor:
+        return CheckpointableDistTensor(
+            fqn="checkpointable_tensor",
+            local_tensor=local_tensor,
+            shard_offsets=[offset, 0],
+            overall_size=[16, 1],
+        )
+
+    _uneven_reshard(path, check, form, [(0, 2), (2, 4), (6, 6), (12, 4)], shard)
 
 
 def uneven_reshard_shards_wrapper(path: Path, check: Check, form: str) -> None:
     # upstream: test_dtensor_resharding.py :: test_uneven_reshard_with_dtensor_shards_wrapper_api
-    loading_1d_shard_plan = [(0, 6), (6, 2), (8, 1), (9, 7)]
-    my_rank = dist.get_rank()
     device_mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    offset, length = SAVING_1D_SHARD_PLAN[my_rank]
-    saving_local = torch.arange(offset, offset + length, dtype=torch.float).view(length, 1)
-    # uneven shards have to be wrapped in LocalShardsWrapper
-    saving_wrapper = LocalShardsWrapper(local_shards=[saving_local], local_offsets=[(offset, 0)])
-    saving = DTensor.from_local(
-        local_tensor=saving_wrapper,
-        device_mesh=device_mesh,
-        placements=[Shard(0)],
-        shape=torch.Size([16, 1]),
-        stride=torch.Size([1, 1]),
-    )
-    if form == "storage":
-        dcp.save(
-            state_dict={"checkpointable_tensor": saving},
-            storage_writer=Writer(path=path),
-            planner=DefaultSavePlanner(),
-        )
-    else:
-        sw_save({"checkpointable_tensor": saving}, path)
 
-    offset, length = loading_1d_shard_plan[my_rank]
-    loading_local_tensor = torch.rand([length, 1], dtype=torch.float)
-    loading_wrapper = LocalShardsWrapper(
-        local_shards=[loading_local_tensor], local_offsets=[(offset, 0)]
-    )
-    expected = torch.arange(offset, offset + length, dtype=torch.float).view(length, 1)
-    loading = DTensor.from_local(
-        local_tensor=loading_wrapper,
-        device_mesh=device_mesh,
-        placements=[Shard(0)],
-        shape=torch.Size([16, 1]),
-        stride=torch.Size([1, 1]),
-    )
-    if form == "storage":
-        dcp.load(state_dict={"checkpointable_tensor": loading}, storage_reader=Reader(path=path))
-    else:
-        sw_load({"checkpointable_tensor": loading}, path)
-    check.true(
-        torch.equal(loading_local_tensor, expected),
-        "loading_local_tensor equals the expected values",
-    )
+    def shard(local_tensor: torch.Tensor, offset: int) -> torch.Tensor:
+        # uneven shards have to be wrapped in LocalShardsWrapper
+        wrapper = LocalShardsWrapper(local_shards=[local_tensor], local_offsets=[(offset, 0)])
+        return DTensor.from_local(
+            local_tensor=wrapper,
+            device_mesh=device_mesh,
+            placements=[Shard(0)],
+            shape=torch.Size([16, 1]),
+            stride=torch.Size([1, 1]),
+        )
+
+    _uneven_reshard(path, check, form, [(0, 6), (6, 2), (8, 1), (9, 7)], shard)
     dist.barrier()
 
 
@@ -448,17 +366,12 @@ SCENARIOS: dict[str, Callable[[Path, Check], None]] = {
     "2d_to_1d_mesh": reshard_2d_to_1d_mesh,
     "empty_shard": resharding_with_empty_shard,
     "uneven_shards": checkpoint_with_uneven_shards,
-    "checkpointable[Writer/Reader]": bind(uneven_reshard_checkpointable, "storage"),
-    "checkpointable[swc.save/load]": bind(uneven_reshard_checkpointable, "swc"),
-    "shards_wrapper[Writer/Reader]": bind(uneven_reshard_shards_wrapper, "storage"),
-    "shards_wrapper[swc.save/load]": bind(uneven_reshard_shards_wrapper, "swc"),
+    **{f"checkpointable[{form}]": bind(uneven_reshard_checkpointable, form) for form in FORMS},
+    **{f"shards_wrapper[{form}]": bind(uneven_reshard_shards_wrapper, form) for form in FORMS},
 }
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list[str]]]:
-    root = tmp_path_factory.mktemp("dtensor_resharding")
-    return run_ranks(run_scenarios, WORLD_SIZE, __name__, str(root), list(SCENARIOS), timeout=180)
+results = scenario_results("dtensor_resharding", __name__, WORLD_SIZE, timeout=180)
 
 
 @pytest.mark.parametrize("extensions", [None, "Rot13Example", "ZStandard"])
@@ -501,13 +414,13 @@ def test_dtensor_checkpoint_with_uneven_shards(results) -> None:
     verdict(results, "uneven_shards")
 
 
-@pytest.mark.parametrize("form", ["Writer/Reader", "swc.save/load"])
+@by_form
 def test_uneven_reshard_with_checkpointable_api(results, form) -> None:
     # upstream: test_dtensor_resharding.py :: test_uneven_reshard_with_checkpointable_api
     verdict(results, f"checkpointable[{form}]")
 
 
-@pytest.mark.parametrize("form", ["Writer/Reader", "swc.save/load"])
+@by_form
 def test_uneven_reshard_with_dtensor_shards_wrapper_api(results, form) -> None:
     # upstream: test_dtensor_resharding.py :: test_uneven_reshard_with_dtensor_shards_wrapper_api
     verdict(results, f"shards_wrapper[{form}]")

@@ -33,7 +33,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict_saver as saver
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._state_dict_utils import _gather_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
@@ -52,53 +51,20 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import shardwise.checkpoint as swc
-from shardwise.testing import run_ranks
 
-from .test_dtensor_checkpoint import (
-    STOCK,
-    Check,
-    Reader,
-    Writer,
-    assert_equal,
-    bind,
-    run_scenarios,
-    sw_load,
-    sw_save,
-    verdict,
-)
+from .harness import FORMS, STOCK, Reader, Writer, load_as, save_as  # the storage under test
+from .harness import Check, assert_equal, bind, by_form, scenario_results, verdict
+from .harness import TestDummyModel, cuda_devices, ignore_user_warnings, run_cuda_scenarios
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore::UserWarning"
-)  # DCP's "assuming single process" notes
+pytestmark = ignore_user_warnings
 
 WORLD_SIZE = 4
-CUDA4 = torch.cuda.is_available() and torch.cuda.device_count() >= 4
+CUDA4 = cuda_devices(4)
 NO_PIN = (
     "cache_staged_state_dict=True stages into pinned memory, which stock DCP cannot allocate "
     "without an accelerator"
 )
 NEEDS_CUDA4 = "FSDP1/HSDP need an accelerator; upstream runs these on 4 CUDA devices"
-
-
-class TestDummyModel(nn.Module):
-    __test__ = False  # a model, not a pytest class
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net1 = nn.Linear(8, 16)
-        self.net2 = nn.Linear(16, 32)
-        self.net3 = nn.Linear(32, 64)
-        self.net4 = nn.Linear(64, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.net1(x))
-        x = F.relu(self.net2(x))
-        x = F.relu(self.net3(x))
-        return F.relu(self.net4(x))
-
-    def get_input(self) -> torch.Tensor:
-        return torch.rand(8, 8, device=next(self.parameters()).device)
 
 
 class TestStatefulObj:
@@ -284,10 +250,8 @@ def run_e2e(
             dcp.async_save(sd, checkpoint_id=path).result()
         else:
             swc.async_save(sd, path, overwrite=True).result()
-    elif form == "Writer/Reader":
-        dcp.save(sd, storage_writer=Writer(path))  # upstream: DCP.save(sd, checkpoint_id=...)
-    else:
-        sw_save(sd, path)
+    else:  # upstream: DCP.save(sd, checkpoint_id=...)
+        save_as(form, sd, path)
 
     loaded_stateful_obj = TestStatefulObj(device)
     loaded_train_state = TestTrainState()
@@ -298,10 +262,9 @@ def run_e2e(
         "s": loaded_stateful_obj,
         "train_state": loaded_train_state,
     }
-    if form == "swc.save/load":
-        sw_load(to_load, path)
-    else:
-        dcp.load(state_dict=to_load, storage_reader=Reader(path))  # upstream: checkpoint_id=...
+    # upstream: checkpoint_id=...; every form but swc.save/load (the async ones too) loads
+    # through dcp.load with Reader
+    load_as(form if form == "swc.save/load" else "Writer/Reader", to_load, path)
 
     check.true(original_stateful_obj == loaded_stateful_obj, "stateful object restored")
     check.true(original_train_state == loaded_train_state, "train state restored")
@@ -341,12 +304,8 @@ def different_ordered_state_dict_keys(path: Path, check: Check, form: str) -> No
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
     sd = {"A": Foo(), "B": Bar()} if dist.get_rank() == 0 else {"B": Bar(), "A": Foo()}
-    if form == "Writer/Reader":
-        dcp.save(sd, storage_writer=Writer(path))
-        dcp.load(sd, storage_reader=Reader(path))
-    else:
-        sw_save(sd, path)
-        sw_load(sd, path)
+    save_as(form, sd, path)
+    load_as(form, sd, path)
 
 
 def partial_load(path: Path, check: Check, model_type: ModelType, form: str) -> None:
@@ -358,16 +317,10 @@ def partial_load(path: Path, check: Check, model_type: ModelType, form: str) -> 
 
     dist_model, dist_optim = _create_model(model_type, device)
     _train(dist_model, dist_optim, train_steps=2)
-    if form == "Writer/Reader":
-        dcp.save({"model": dist_model, "optimizer": dist_optim}, storage_writer=Writer(path))
-    else:
-        sw_save({"model": dist_model, "optimizer": dist_optim}, path)
+    save_as(form, {"model": dist_model, "optimizer": dist_optim}, path)
 
     dist_model, _ = _create_model(model_type, device)
-    if form == "Writer/Reader":
-        dcp.load({"model": dist_model}, storage_reader=Reader(path))
-    else:
-        sw_load({"model": dist_model}, path)
+    load_as(form, {"model": dist_model}, path)
 
     dist_msd = get_model_state_dict(dist_model)
     model_sd = get_model_state_dict(model)
@@ -433,8 +386,7 @@ def overwrite(path: Path, check: Check, form: str) -> None:
 
 
 SCENARIOS: dict[str, Callable[[Path, Check], None]] = {
-    "e2e[DDP,Writer/Reader]": bind(run_e2e, ModelType.DDP, "Writer/Reader"),
-    "e2e[DDP,swc.save/load]": bind(run_e2e, ModelType.DDP, "swc.save/load"),
+    **{f"e2e[DDP,{form}]": bind(run_e2e, ModelType.DDP, form) for form in FORMS},
     "e2e_async_cached[False]": bind(run_e2e, ModelType.DDP, "async Writer", False),
     **(
         {"e2e_async_cached[True]": bind(run_e2e, ModelType.DDP, "async Writer", True)}
@@ -442,19 +394,16 @@ SCENARIOS: dict[str, Callable[[Path, Check], None]] = {
         else {}
     ),
     "e2e_async[swc.async_save]": bind(run_e2e, ModelType.DDP, "swc.async_save"),
-    "ordered_keys[Writer/Reader]": bind(different_ordered_state_dict_keys, "Writer/Reader"),
-    "ordered_keys[swc.save/load]": bind(different_ordered_state_dict_keys, "swc.save/load"),
-    "partial_load[DDP,Writer/Reader]": bind(partial_load, ModelType.DDP, "Writer/Reader"),
-    "partial_load[DDP,swc.save/load]": bind(partial_load, ModelType.DDP, "swc.save/load"),
-    "overwrite[Writer/Reader]": bind(overwrite, "Writer/Reader"),
-    "overwrite[swc.save/load]": bind(overwrite, "swc.save/load"),
+    **{f"ordered_keys[{form}]": bind(different_ordered_state_dict_keys, form) for form in FORMS},
+    **{f"partial_load[DDP,{form}]": bind(partial_load, ModelType.DDP, form) for form in FORMS},
+    **{f"overwrite[{form}]": bind(overwrite, form) for form in FORMS},
 }
 
 CUDA_SCENARIOS: dict[str, Callable[[Path, Check], None]] = {
     **{
         f"e2e[{mt.name},{form}]": bind(run_e2e, mt, form)
         for mt in (ModelType.FSDP, ModelType.HSDP)
-        for form in ("Writer/Reader", "swc.save/load")
+        for form in FORMS
     },
     **{
         f"e2e_async_cached[FSDP,{cache}]": bind(run_e2e, ModelType.FSDP, "async Writer", cache)
@@ -462,39 +411,24 @@ CUDA_SCENARIOS: dict[str, Callable[[Path, Check], None]] = {
     },
     **{
         f"partial_load[FSDP,{form}]": bind(partial_load, ModelType.FSDP, form)
-        for form in ("Writer/Reader", "swc.save/load")
+        for form in FORMS
     },
 }
 
 
-def run_cuda_scenarios(
-    rank: int, world: int, module: str, root: str, names: list[str]
-) -> dict[str, list[str]]:
-    torch.cuda.set_device(rank)
-    return run_scenarios(rank, world, module, root, names)
+results = scenario_results("e2e", __name__, WORLD_SIZE, timeout=240)
+cuda_results = scenario_results(
+    "e2e_cuda",
+    f"{__name__}:CUDA_SCENARIOS",
+    WORLD_SIZE,
+    timeout=300,
+    body=run_cuda_scenarios,
+    name="cuda_results",
+    backend="cpu:gloo,cuda:nccl",
+)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list[str]]]:
-    root = tmp_path_factory.mktemp("e2e")
-    return run_ranks(run_scenarios, WORLD_SIZE, __name__, str(root), list(SCENARIOS), timeout=240)
-
-
-@pytest.fixture(scope="module")
-def cuda_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list[str]]]:
-    root = tmp_path_factory.mktemp("e2e_cuda")
-    return run_ranks(
-        run_cuda_scenarios,
-        WORLD_SIZE,
-        f"{__name__}:CUDA_SCENARIOS",
-        str(root),
-        list(CUDA_SCENARIOS),
-        timeout=300,
-        backend="cpu:gloo,cuda:nccl",
-    )
-
-
-@pytest.mark.parametrize("form", ["Writer/Reader", "swc.save/load"])
+@by_form
 def test_e2e_ddp(results, form) -> None:
     # upstream: e2e/test_e2e_save_and_load.py :: test_e2e[compile=False, model_type=DDP]
     verdict(results, f"e2e[DDP,{form}]")
@@ -511,7 +445,7 @@ def test_e2e_compiled() -> None:
 
 @pytest.mark.skipif(not CUDA4, reason=NEEDS_CUDA4)
 @pytest.mark.parametrize("model_type", ["FSDP", "HSDP"])
-@pytest.mark.parametrize("form", ["Writer/Reader", "swc.save/load"])
+@by_form
 def test_e2e_fsdp(cuda_results, model_type, form) -> None:
     # upstream: e2e/test_e2e_save_and_load.py :: test_e2e[compile=False, model_type=FSDP|HSDP]
     verdict(cuda_results, f"e2e[{model_type},{form}]")
@@ -538,26 +472,26 @@ def test_e2e_async_cached_fsdp(cuda_results, cache_staged_state_dict) -> None:
     verdict(cuda_results, f"e2e_async_cached[FSDP,{cache_staged_state_dict}]")
 
 
-@pytest.mark.parametrize("form", ["Writer/Reader", "swc.save/load"])
+@by_form
 def test_different_ordered_state_dict_keys(results, form) -> None:
     # upstream: e2e/test_e2e_save_and_load.py :: test_different_ordered_state_dict_keys
     verdict(results, f"ordered_keys[{form}]")
 
 
-@pytest.mark.parametrize("form", ["Writer/Reader", "swc.save/load"])
+@by_form
 def test_partial_load(results, form) -> None:
     # upstream: e2e/test_e2e_save_and_load.py :: test_partial_load (DDP on CPU)
     verdict(results, f"partial_load[DDP,{form}]")
 
 
 @pytest.mark.skipif(not CUDA4, reason=NEEDS_CUDA4)
-@pytest.mark.parametrize("form", ["Writer/Reader", "swc.save/load"])
+@by_form
 def test_partial_load_fsdp(cuda_results, form) -> None:
     # upstream: e2e/test_e2e_save_and_load.py :: test_partial_load (FSDP, as upstream)
     verdict(cuda_results, f"partial_load[FSDP,{form}]")
 
 
-@pytest.mark.parametrize("form", ["Writer/Reader", "swc.save/load"])
+@by_form
 def test_overwrite(results, form) -> None:
     # upstream: e2e/test_e2e_save_and_load.py :: test_overwrite
     verdict(results, f"overwrite[{form}]")
@@ -565,24 +499,8 @@ def test_overwrite(results, form) -> None:
 
 # -- one-process tests (no process group, as upstream) -----------------------------------
 
-FORMS = ["Writer/Reader", "swc.save/load"]
 
-
-def _save(form: str, state_dict: Any, path: Path) -> None:
-    if form == "Writer/Reader":
-        dcp.save(state_dict, storage_writer=Writer(path))  # upstream: checkpoint_id=path
-    else:
-        sw_save(state_dict, path)
-
-
-def _load(form: str, state_dict: Any, path: Path) -> None:
-    if form == "Writer/Reader":
-        dcp.load(state_dict, storage_reader=Reader(path))  # upstream: checkpoint_id=path
-    else:
-        sw_load(state_dict, path)
-
-
-@pytest.mark.parametrize("form", FORMS)
+@by_form
 def test_stateful_and_non_stateful_loads(tmp_path: Path, form: str) -> None:
     # upstream: e2e/test_e2e_save_and_load.py :: test_stateful_and_non_stateful_loads
     class StateDict(dict):
@@ -608,8 +526,8 @@ def test_stateful_and_non_stateful_loads(tmp_path: Path, form: str) -> None:
     sd["foo"] = stateful_foo
     sd.set_sd_item_called = False
 
-    _save(form, sd, tmp_path)
-    _load(form, sd, tmp_path)
+    save_as(form, sd, tmp_path)
+    load_as(form, sd, tmp_path)
 
     # the stateful object was loaded in place ...
     assert stateful_foo.load_state_dict_called
@@ -620,19 +538,19 @@ def test_stateful_and_non_stateful_loads(tmp_path: Path, form: str) -> None:
     sd["foo"] = {"replicated": torch.rand(10, 10), "bytes": [1, 2, 3, 4]}
     sd.set_sd_item_called = False
 
-    _save(form, sd, tmp_path)
-    _load(form, sd, tmp_path)
+    save_as(form, sd, tmp_path)
+    load_as(form, sd, tmp_path)
 
     # the non-stateful state dict was replaced with the loaded one
     assert sd.set_sd_item_called
 
 
-@pytest.mark.parametrize("form", FORMS)
+@by_form
 def test_no_dist(tmp_path: Path, form: str) -> None:
     # upstream: e2e/test_e2e_save_and_load.py :: test_no_dist
     # no process group in this process: DCP assumes a single process
-    _save(form, {}, tmp_path)
-    _load(form, {}, tmp_path)
+    save_as(form, {}, tmp_path)
+    load_as(form, {}, tmp_path)
 
 
 @pytest.mark.skip(
@@ -644,7 +562,7 @@ def test_no_cpu() -> None:
     pass
 
 
-@pytest.mark.parametrize("form", FORMS)
+@by_form
 def test_init_state_dict(tmp_path: Path, form: str) -> None:
     # upstream: e2e/test_e2e_save_and_load.py :: test_init_state_dict
     model = TestDummyModel()
@@ -653,7 +571,7 @@ def test_init_state_dict(tmp_path: Path, form: str) -> None:
         "model": get_model_state_dict(model),
         "optimizer": get_optimizer_state_dict(model, optim),
     }
-    _save(form, state_dict_to_save, tmp_path)
+    save_as(form, state_dict_to_save, tmp_path)
 
     torch.manual_seed(0)
     model_2 = TestDummyModel()
@@ -662,7 +580,7 @@ def test_init_state_dict(tmp_path: Path, form: str) -> None:
     msd = get_model_state_dict(model_2)
     osd = get_optimizer_state_dict(model_2, optim_2)
     state_dict_to_load = {"model": msd, "optimizer": osd}
-    _load(form, state_dict_to_load, tmp_path)
+    load_as(form, state_dict_to_load, tmp_path)
 
     # DCP loads in place: the very same objects
     assert msd is state_dict_to_load["model"]

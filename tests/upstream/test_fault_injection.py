@@ -33,7 +33,6 @@ from torch.distributed._shard.sharding_spec import ChunkShardingSpec
 from torch.distributed.checkpoint import (
     CheckpointException,
     FileSystemReader,
-    FileSystemWriter,
     load_state_dict,
     save_state_dict,
 )
@@ -41,49 +40,34 @@ from torch.distributed.checkpoint.default_planner import _create_default_local_m
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.futures import Future
 
-from shardwise.checkpoint import Reader, Writer
-from shardwise.testing import run_ranks
+from .harness import IMPL, STORAGE, devices, run_on, setup_rank
 
 UPSTREAM = "test/distributed/checkpoint/test_checkpoint.py"
 TIMEOUT = 50.0
 
-_IMPLS: dict[str, tuple[type, type]] = {
-    "shardwise": (Writer, Reader),
-    "stock": (FileSystemWriter, FileSystemReader),
-}
-IMPL = "stock" if os.environ.get("SHARDWISE_UPSTREAM_BASELINE") == "1" else "shardwise"
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(
-            not torch.cuda.is_available() or torch.cuda.device_count() < 4,
-            reason="the upstream (accelerator) variant: needs 4 CUDA devices",
-        ),
-    ),
-]
-DEVICES_2 = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(
-            not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-            reason="the upstream (accelerator) variant: needs 2 CUDA devices",
-        ),
-    ),
-]
+DEVICES = devices(4, "the upstream (accelerator) variant: needs 4 CUDA devices")
+DEVICES_2 = devices(2, "the upstream (accelerator) variant: needs 2 CUDA devices")
 
 
 # -- faulty storage: shardwise's Writer/Reader with injected failures --------------------
 
 
 class _Faults:
-    """Upstream's TestStorageBase: `fail_conf` maps a step name to the ranks that fail it."""
+    """Upstream's TestStorageBase: `fail_conf` maps a step name to the ranks that fail it.
+    Mixed in before a storage class: the steps a writer and a reader share are here."""
 
-    def _init_faults(self, fail_conf: dict[str, Any]) -> None:
+    def __init__(self, path: str, fail_conf: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)  # the storage class's own constructor
         self.fail_conf = fail_conf
         self._fault_rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def prepare_local_plan(self, plan):
+        self._fail_rank("fail_prepare_local_plan")
+        return super().prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans):
+        self._fail_rank("fail_prepare_global_plan")
+        return super().prepare_global_plan(plans)
 
     def _get_ranks(self, name: str) -> list[int] | None:
         return self.fail_conf.get(name, None)
@@ -105,21 +89,9 @@ class _Faults:
 
 def faulty_writer_class(base: type) -> type:
     class FaultyWriter(_Faults, base):  # type: ignore[misc, valid-type]
-        def __init__(self, path: str, fail_conf: dict[str, Any], **kwargs: Any) -> None:
-            base.__init__(self, path, **kwargs)
-            self._init_faults(fail_conf)
-
         def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
             self._fail_rank("fail_set_up_storage_writer")
             super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-
-        def prepare_local_plan(self, plan):
-            self._fail_rank("fail_prepare_local_plan")
-            return super().prepare_local_plan(plan)
-
-        def prepare_global_plan(self, plans):
-            self._fail_rank("fail_prepare_global_plan")
-            return super().prepare_global_plan(plans)
 
         def write_data(self, plan, planner):
             self._fail_rank("fail_write_data")
@@ -134,21 +106,9 @@ def faulty_writer_class(base: type) -> type:
 
 def faulty_reader_class(base: type) -> type:
     class FaultyReader(_Faults, base):  # type: ignore[misc, valid-type]
-        def __init__(self, path: str, fail_conf: dict[str, Any], **kwargs: Any) -> None:
-            base.__init__(self, path, **kwargs)
-            self._init_faults(fail_conf)
-
         def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
             self._fail_rank("fail_set_up_storage_reader")
             super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-
-        def prepare_local_plan(self, plan):
-            self._fail_rank("fail_prepare_local_plan")
-            return super().prepare_local_plan(plan)
-
-        def prepare_global_plan(self, plans):
-            self._fail_rank("fail_prepare_global_plan")
-            return super().prepare_global_plan(plans)
 
         def read_data(self, plan, planner):
             self._fail_rank("fail_read_data")
@@ -191,12 +151,6 @@ def _spec(device: str) -> ChunkShardingSpec:
     )
 
 
-def _setup_rank(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.set_device(dist.get_rank())
-    torch.manual_seed(0)
-
-
 def _full_state_dict(device: str) -> dict[str, Any]:
     return {
         "sharded": sharded_tensor.rand(_spec(device), 20, 20),
@@ -205,13 +159,24 @@ def _full_state_dict(device: str) -> dict[str, Any]:
     }
 
 
+def _on_ranks(device: str, body: Callable[..., None], world: int, tmp_path: Path) -> None:
+    """`body(rank, world, base, IMPL, device)` on `world` ranks: gloo, or NCCL on cuda."""
+    run_on(device, body, world, str(tmp_path), IMPL, device, timeout=TIMEOUT)
+
+
 class _Harness:
     """Upstream's `_test_save` / `_test_load`, each save into a fresh folder under `base`."""
+
+    @classmethod
+    def on_rank(cls, base: str, impl: str, device: str) -> tuple[_Harness, dict[str, Any]]:
+        """A rank's start of upstream's TestDistributedFailure tests: seeded, and the state dict."""
+        setup_rank(device)
+        return cls(base, impl), _full_state_dict(device)
 
     def __init__(self, base: str, impl: str) -> None:
         self.base = base
         self.impl = impl
-        self.writer_cls, self.reader_cls = _IMPLS[impl]
+        self.writer_cls, self.reader_cls = STORAGE[impl]
         self.FaultyWriter = faulty_writer_class(self.writer_cls)
         self.FaultyReader = faulty_reader_class(self.reader_cls)
         self._n = itertools.count()
@@ -259,6 +224,53 @@ class _Harness:
         check_dist_failure(_load, kwargs)
 
 
+# upstream's faults, in upstream's order: (coordinator rank, failing step, failing ranks); a
+# failing read_metadata may raise another error than the injected ValueError
+SAVE_FAULTS = [
+    (0, "fail_set_up_storage_writer", [0]),
+    (0, "fail_finish", [0]),
+    (0, "fail_prepare_global_plan", [0]),
+    (0, "fail_prepare_local_plan", [0]),
+    (0, "fail_write_data", [2]),
+    (0, "fail_write_data_async", [3]),
+    (1, "fail_set_up_storage_writer", [1]),
+    (1, "fail_finish", [1]),
+]
+LOAD_FAULTS = [
+    (0, None, []),  # no fault: the load works
+    (0, "fail_set_up_storage_reader", [0]),
+    (0, "fail_prepare_global_plan", [0]),
+    (0, "fail_read_metadata", [0]),
+    (0, "fail_prepare_local_plan", [1]),
+    (0, "fail_read_data", [3]),
+    (0, "fail_read_data_async", [1]),
+    (3, "fail_set_up_storage_reader", [0]),
+    (1, "fail_read_metadata", [3]),
+    (2, "fail_read_data", [0]),
+    (3, "fail_read_data_async", [2]),
+    (1, "fail_prepare_global_plan", [1]),
+]
+# test_load_error_handling_no_dist's order, each step failing on the one rank
+NO_DIST_LOAD_STEPS = [
+    None,
+    "fail_set_up_storage_reader",
+    "fail_read_metadata",
+    "fail_prepare_local_plan",
+    "fail_prepare_global_plan",
+    "fail_read_data",
+    "fail_read_data_async",
+]
+
+
+def _fault(step: str | None, ranks: list[int]) -> dict[str, Any]:
+    """The fail_conf keywords of one upstream `_test_save` / `_test_load` call."""
+    if step is None:
+        return {}
+    if step == "fail_read_metadata":
+        return {step: ranks, "ignore_exception_type": True}
+    return {step: ranks}
+
+
 # -- TestDistributedCheckpointing (2 ranks): metadata of what the Writer stored ---------------
 
 
@@ -282,8 +294,8 @@ def _check_default_metadata(metadata: Metadata, state_dict: dict[str, Any]) -> N
 
 
 def _metadata_body(rank: int, ws: int, base: str, impl: str, device: str) -> None:
-    _setup_rank(device)
-    writer_cls, reader_cls = _IMPLS[impl]
+    setup_rank(device)
+    writer_cls, reader_cls = STORAGE[impl]
 
     # test_tensor_metadata_with_missing_rank_spec: only rank 1 holds the tensor
     spec = ChunkShardingSpec(dim=0, placements=["rank:1/cpu" if device == "cpu" else "rank:1/cuda:1"])
@@ -317,18 +329,15 @@ def test_tensor_metadata_and_default_metadata(tmp_path: Path, device: str) -> No
     #         test_checkpoint.py :: TestDistributedCheckpointing.test_default_metadata
     # (upstream checks the planner's local metadata; kept, and the same checks
     # are made on the metadata the Writer stored, read by Reader and stock reader)
-    run_ranks(_metadata_body, 2, str(tmp_path), IMPL, device, timeout=TIMEOUT,
-              backend="nccl" if device == "cuda" else "gloo")
+    _on_ranks(device, _metadata_body, 2, tmp_path)
 
 
 # -- TestDistributedFailure (4 ranks, upstream's world size) ----------------------------------
 
 
 def _dummy_body(rank: int, ws: int, base: str, impl: str, device: str) -> None:
-    _setup_rank(device)
-    h = _Harness(base, impl)
+    h, state_dict = _Harness.on_rank(base, impl, device)
     # test_dummy_writer_works
-    state_dict = _full_state_dict(device)
     path = h.fresh_path()
     save_state_dict(state_dict, h.FaultyWriter(path, {}))
     # test_dummy_reader_works (upstream feeds planner metadata to a dummy reader;
@@ -340,32 +349,19 @@ def _dummy_body(rank: int, ws: int, base: str, impl: str, device: str) -> None:
 def test_dummy_writer_and_reader_work(tmp_path: Path, device: str) -> None:
     # origin: test_checkpoint.py :: TestDistributedFailure.test_dummy_writer_works
     #         test_checkpoint.py :: TestDistributedFailure.test_dummy_reader_works
-    run_ranks(_dummy_body, 4, str(tmp_path), IMPL, device, timeout=TIMEOUT,
-              backend="nccl" if device == "cuda" else "gloo")
+    _on_ranks(device, _dummy_body, 4, tmp_path)
 
 
 def _save_errors_body(rank: int, ws: int, base: str, impl: str, device: str) -> None:
-    _setup_rank(device)
-    h = _Harness(base, impl)
-    state_dict = _full_state_dict(device)
-
-    h.test_save(state_dict, fail_set_up_storage_writer=[0])
-    h.test_save(state_dict, fail_finish=[0])
-    h.test_save(state_dict, fail_prepare_global_plan=[0])
-
-    h.test_save(state_dict, fail_prepare_local_plan=[0])
-    h.test_save(state_dict, fail_write_data=[2])
-    h.test_save(state_dict, fail_write_data_async=[3])
-
-    h.test_save(state_dict, coordinator=1, fail_set_up_storage_writer=[1])
-    h.test_save(state_dict, coordinator=1, fail_finish=[1])
+    h, state_dict = _Harness.on_rank(base, impl, device)
+    for coordinator, step, ranks in SAVE_FAULTS:
+        h.test_save(state_dict, coordinator, **_fault(step, ranks))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_save_error_handling(tmp_path: Path, device: str) -> None:
     # origin: test_checkpoint.py :: TestDistributedFailure.test_save_error_handling
-    run_ranks(_save_errors_body, 4, str(tmp_path), IMPL, device, timeout=TIMEOUT,
-              backend="nccl" if device == "cuda" else "gloo")
+    _on_ranks(device, _save_errors_body, 4, tmp_path)
 
 
 def test_save_error_handling_no_dist(tmp_path: Path) -> None:
@@ -373,42 +369,22 @@ def test_save_error_handling_no_dist(tmp_path: Path) -> None:
     state_dict = {"replicated": torch.rand(10, 10), "bytes": [1, 2, 3, 4]}
     assert not dist.is_initialized()
     h = _Harness(str(tmp_path), IMPL)
-
-    h.test_save(state_dict, fail_set_up_storage_writer=[0])
-    h.test_save(state_dict, fail_finish=[0])
-    h.test_save(state_dict, fail_prepare_global_plan=[0])
-
-    h.test_save(state_dict, fail_prepare_local_plan=[0])
-    h.test_save(state_dict, fail_write_data=[0])
-    h.test_save(state_dict, fail_write_data_async=[0])
+    # the first six steps of SAVE_FAULTS, each failing on the one rank
+    for _, step, _ in SAVE_FAULTS[:6]:
+        h.test_save(state_dict, **_fault(step, [0]))
 
 
 def _load_errors_body(rank: int, ws: int, base: str, impl: str, device: str) -> None:
-    _setup_rank(device)
-    h = _Harness(base, impl)
-    state_dict = _full_state_dict(device)
+    h, state_dict = _Harness.on_rank(base, impl, device)
     path = h.save_good(state_dict)
-
-    h.test_load(state_dict, path)
-    h.test_load(state_dict, path, fail_set_up_storage_reader=[0])
-    h.test_load(state_dict, path, fail_prepare_global_plan=[0])
-    h.test_load(state_dict, path, fail_read_metadata=[0], ignore_exception_type=True)
-    h.test_load(state_dict, path, fail_prepare_local_plan=[1])
-    h.test_load(state_dict, path, fail_read_data=[3])
-    h.test_load(state_dict, path, fail_read_data_async=[1])
-
-    h.test_load(state_dict, path, coordinator=3, fail_set_up_storage_reader=[0])
-    h.test_load(state_dict, path, coordinator=1, fail_read_metadata=[3], ignore_exception_type=True)
-    h.test_load(state_dict, path, coordinator=2, fail_read_data=[0])
-    h.test_load(state_dict, path, coordinator=3, fail_read_data_async=[2])
-    h.test_load(state_dict, path, coordinator=1, fail_prepare_global_plan=[1])
+    for coordinator, step, ranks in LOAD_FAULTS:
+        h.test_load(state_dict, path, coordinator, **_fault(step, ranks))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_load_error_handling(tmp_path: Path, device: str) -> None:
     # origin: test_checkpoint.py :: TestDistributedFailure.test_load_error_handling
-    run_ranks(_load_errors_body, 4, str(tmp_path), IMPL, device, timeout=TIMEOUT,
-              backend="nccl" if device == "cuda" else "gloo")
+    _on_ranks(device, _load_errors_body, 4, tmp_path)
 
 
 def test_load_error_handling_no_dist(tmp_path: Path) -> None:
@@ -416,14 +392,8 @@ def test_load_error_handling_no_dist(tmp_path: Path) -> None:
     state_dict = {"replicated": torch.rand(10, 10), "bytes": [1, 2, 3, 4]}
     h = _Harness(str(tmp_path), IMPL)
     path = h.save_good(state_dict)
-
-    h.test_load(state_dict, path)
-    h.test_load(state_dict, path, fail_set_up_storage_reader=[0])
-    h.test_load(state_dict, path, fail_read_metadata=[0], ignore_exception_type=True)
-    h.test_load(state_dict, path, fail_prepare_local_plan=[0])
-    h.test_load(state_dict, path, fail_prepare_global_plan=[0])
-    h.test_load(state_dict, path, fail_read_data=[0])
-    h.test_load(state_dict, path, fail_read_data_async=[0])
+    for step in NO_DIST_LOAD_STEPS:
+        h.test_load(state_dict, path, **_fault(step, [0]))
 
 
 # -- shardwise extra (SPEC 3): a failed overwrite keeps the previous checkpoint ----------------
@@ -434,7 +404,7 @@ def _local(st: ShardedTensor) -> list[torch.Tensor]:
 
 
 def _failed_overwrite_body(rank: int, ws: int, base: str, impl: str) -> None:
-    _setup_rank("cpu")
+    setup_rank("cpu")
     h = _Harness(base, impl)
     path = os.path.join(base, "ckpt")
     v1 = _full_state_dict("cpu")
@@ -456,4 +426,4 @@ def _failed_overwrite_body(rank: int, ws: int, base: str, impl: str) -> None:
 @pytest.mark.skipif(IMPL == "stock", reason="shardwise-only guarantee (stock FileSystemWriter is not atomic)")
 def test_failed_overwrite_keeps_previous_checkpoint(tmp_path: Path) -> None:
     # origin: shardwise extra (SPEC 3), built on test_checkpoint.py's faulty-writer scenario
-    run_ranks(_failed_overwrite_body, 2, str(tmp_path), IMPL, timeout=TIMEOUT)
+    run_on("cpu", _failed_overwrite_body, 2, str(tmp_path), IMPL, timeout=TIMEOUT)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,6 @@ from torch.distributed._shard.sharding_spec import (
 )
 from torch.distributed.checkpoint import (
     FileSystemReader,
-    FileSystemWriter,
     load,
     load_state_dict,
     save,
@@ -49,8 +49,9 @@ from torch.testing._internal.distributed.checkpoint_utils import (
     get_test_extension_registry,
 )
 
-from shardwise.checkpoint import Reader, Writer
-from shardwise.testing import run_ranks
+from shardwise.checkpoint import Writer
+
+from .harness import IMPL, STORAGE, devices, run_on, setup_rank
 
 CPU_FILE = "test/distributed/checkpoint/test_file_system_checkpoint_cpu.py"
 GPU_FILE = "test/distributed/checkpoint/test_file_system_checkpoint.py"
@@ -58,14 +59,16 @@ GPU_FILE = "test/distributed/checkpoint/test_file_system_checkpoint.py"
 THREAD_COUNTS = [1, 2]  # upstream: _THREAD_COUNTS = {1, 2}
 TIMEOUT = 50.0
 
-_IMPLS: dict[str, tuple[type, type]] = {
-    "shardwise": (Writer, Reader),
-    "stock": (FileSystemWriter, FileSystemReader),
-}
-IMPL = "stock" if os.environ.get("SHARDWISE_UPSTREAM_BASELINE") == "1" else "shardwise"
+_IMPLS: dict[str, tuple[type, type]] = dict(STORAGE)
 if IMPL == "stock":  # baseline: the cross tests run stock -> stock too
     _IMPLS["shardwise"] = _IMPLS["stock"]
 CROSS = [("stock", "shardwise"), ("shardwise", "stock")]  # (writer, reader)
+by_cross = pytest.mark.parametrize(
+    "wimpl,rimpl", CROSS, ids=["stock_to_shardwise", "shardwise_to_stock"]
+)
+# the CPU test (gloo) of test_file_system_checkpoint_cpu.py and its NCCL twin of
+# test_file_system_checkpoint.py
+DEVICES = devices(2, "NCCL variant of the upstream test: needs 2 CUDA devices")
 
 
 def _writer(impl: str, **kwargs: Any):
@@ -82,12 +85,6 @@ def _zstd_available() -> bool:
     except Exception:
         return False
     return True
-
-
-needs_two_gpus = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-    reason="NCCL variant of the upstream test: needs 2 CUDA devices",
-)
 
 
 # -- helpers (same semantics as upstream's) --------------------------------------------
@@ -123,16 +120,20 @@ class MyTestModule(torch.nn.Module):
         self.emb = torch.nn.EmbeddingBag(5, 10)
 
 
+def _sharded_rand(spec: ShardingSpec | None, group: Any, init_rrefs: bool) -> ShardedTensor | None:
+    """A random [10, 20] legacy ShardedTensor laid out by `spec` (None without a spec)."""
+    if spec is None:
+        return None
+    return sharded_tensor.rand(spec, 10, 20, process_group=group, init_rrefs=init_rrefs)
+
+
 class MyShardedModel2(torch.nn.Module):
     """Upstream's helper model (torch/testing/_internal/.../_test_st_common.py), rebuilt
     here: importing that package needs `expecttest`, a torch test-only dependency."""
 
     def __init__(self, spec: ShardingSpec | None = None, group: Any = None, init_rrefs: bool = True) -> None:
         super().__init__()
-        self.sharded_tensor2 = (
-            None if spec is None
-            else sharded_tensor.rand(spec, 10, 20, process_group=group, init_rrefs=init_rrefs)
-        )
+        self.sharded_tensor2 = _sharded_rand(spec, group, init_rrefs)
         self.random_tensor2 = torch.nn.Parameter(torch.rand(2, 2))
 
 
@@ -141,10 +142,7 @@ class MyShardedModel1(torch.nn.Module):
 
     def __init__(self, spec: ShardingSpec | None = None, group: Any = None, init_rrefs: bool = True) -> None:
         super().__init__()
-        self.sharded_tensor1 = (
-            None if spec is None
-            else sharded_tensor.rand(spec, 10, 20, process_group=group, init_rrefs=init_rrefs)
-        )
+        self.sharded_tensor1 = _sharded_rand(spec, group, init_rrefs)
         self.random_tensor1 = torch.nn.Parameter(torch.rand(2, 2))
         self.submodule = MyShardedModel2(spec, group, init_rrefs)
 
@@ -178,12 +176,20 @@ def _placement(rank: int, device: str) -> str:
     return f"rank:{rank}" if device == "cpu" else f"rank:{rank}/cuda:{rank}"
 
 
-def _reshard_specs(device: str) -> list[ShardingSpec]:
-    """The four [10, 20] layouts of upstream's test_load_with_different_shard_plan."""
+def _chunk_specs(device: str) -> list[ShardingSpec]:
+    """The two row-wise chunkings that open both lists of layouts below."""
     p = lambda r: _placement(r, device)  # noqa: E731
     return [
         ChunkShardingSpec(dim=0, placements=[p(0), p(1)]),
         ChunkShardingSpec(dim=0, placements=[p(0), p(1), p(1), p(0)]),
+    ]
+
+
+def _reshard_specs(device: str) -> list[ShardingSpec]:
+    """The four [10, 20] layouts of upstream's test_load_with_different_shard_plan."""
+    p = lambda r: _placement(r, device)  # noqa: E731
+    return [
+        *_chunk_specs(device),
         EnumerableShardingSpec(
             shards=[
                 ShardMetadata(shard_offsets=[0, 0], shard_sizes=[2, 20], placement=p(0)),
@@ -206,8 +212,7 @@ def _switch_specs(device: str, tensor_size: int) -> list[ShardingSpec]:
     """The four 1-d layouts of upstream's test_switch_between_sharded_tensor_to_tensor."""
     p = lambda r: _placement(r, device)  # noqa: E731
     return [
-        ChunkShardingSpec(dim=0, placements=[p(0), p(1)]),
-        ChunkShardingSpec(dim=0, placements=[p(0), p(1), p(1), p(0)]),
+        *_chunk_specs(device),
         EnumerableShardingSpec(
             shards=[
                 ShardMetadata(shard_offsets=[0], shard_sizes=[8], placement=p(1)),
@@ -231,15 +236,8 @@ def _gather_to_rank0(tensor: ShardedTensor, device: str) -> torch.Tensor | None:
     return res
 
 
-def _setup_rank(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.set_device(dist.get_rank())
-    torch.manual_seed(0)  # same stream on every rank, as upstream's fresh processes have
-
-
-def _run(body, *args: Any, device: str = "cpu") -> list[Any]:
-    backend = "nccl" if device == "cuda" else "gloo"
-    return run_ranks(body, 2, *args, timeout=TIMEOUT, backend=backend)
+def _run(device: str, body: Callable[..., None], *args: Any) -> list[Any]:
+    return run_on(device, body, 2, *args, timeout=TIMEOUT)
 
 
 def _fresh_dir(tmp_path: Path, name: str = "ckpt") -> str:
@@ -289,46 +287,44 @@ def test_read_write_tensor_and_blob_rot13(tmp_path: Path, thread_count: int) -> 
     _read_write_tensor_and_blob_rot13(_fresh_dir(tmp_path), IMPL, IMPL, thread_count)
 
 
-def _read_write_tensor_and_blob_rot13(path: str, wimpl: str, rimpl: str, thread_count: int) -> None:
+def _read_write_tensor_and_blob(
+    path: str, wimpl: str, rimpl: str, thread_count: int, extension: Callable[[], Any], **reader_kwargs: Any
+) -> None:
+    """Tensors and a BlobState through the stream extension `extension()`."""
     state_dict_to_save = MyTestModule().state_dict()
     state_dict_to_save["test_blob"] = BlobState(b"SomeBlobForTesting")
-    fs_writer = _writer(wimpl, path=path, thread_count=thread_count, _extensions=[Rot13Example()])
+    fs_writer = _writer(wimpl, path=path, thread_count=thread_count, _extensions=[extension()])
     save(state_dict=state_dict_to_save, storage_writer=fs_writer)
 
     state_dict_to_load_to = MyTestModule().state_dict()
     state_dict_to_load_to["test_blob"] = BlobState(b"")
     assert_state_dict_differs(state_dict_to_load_to, state_dict_to_save)
 
-    # No extension named here: the reader finds it from the metadata, in the registry.
-    fs_reader = _reader(rimpl, path=path, _extension_registry=get_test_extension_registry())
+    fs_reader = _reader(rimpl, path=path, **reader_kwargs)
     load(state_dict=state_dict_to_load_to, storage_reader=fs_reader)
     assert_state_dict_equal(state_dict_to_load_to, state_dict_to_save)
+
+
+def _read_write_tensor_and_blob_rot13(path: str, wimpl: str, rimpl: str, thread_count: int) -> None:
+    # No extension named for the reader: it finds it from the metadata, in the registry.
+    _read_write_tensor_and_blob(
+        path, wimpl, rimpl, thread_count, Rot13Example, _extension_registry=get_test_extension_registry()
+    )
 
 
 @pytest.mark.skipif(not _zstd_available(), reason="ZStandard extension needs the zstandard or pyzstd module")
 @pytest.mark.parametrize("thread_count", THREAD_COUNTS)
 def test_read_write_only_tensor_zstandard(tmp_path: Path, thread_count: int) -> None:
     # origin: test_file_system_checkpoint_cpu.py :: TestDistributedStateDictSaveLoadZStandard.test_read_write_only_tensor
-    path = _fresh_dir(tmp_path)
-    state_dict_to_save = MyTestModule().state_dict()
-    state_dict_to_save["test_blob"] = BlobState(b"SomeBlobForTesting")
-    fs_writer = _writer(IMPL, path=path, thread_count=thread_count, _extensions=[ZStandard()])
-    save(state_dict=state_dict_to_save, storage_writer=fs_writer)
-
-    state_dict_to_load_to = MyTestModule().state_dict()
-    state_dict_to_load_to["test_blob"] = BlobState(b"")
-    assert_state_dict_differs(state_dict_to_load_to, state_dict_to_save)
-
-    fs_reader = _reader(IMPL, path=path)  # default registry knows ZStandard
-    load(state_dict=state_dict_to_load_to, storage_reader=fs_reader)
-    assert_state_dict_equal(state_dict_to_load_to, state_dict_to_save)
+    # (the reader's default registry knows ZStandard)
+    _read_write_tensor_and_blob(_fresh_dir(tmp_path), IMPL, IMPL, thread_count, ZStandard)
 
 
-# -- 2 ranks: legacy torch ShardedTensor ---------------------------------------------------
+# -- 2 ranks: legacy torch ShardedTensor, on CPU (gloo) and on 2 GPUs (NCCL) ------------------
 
 
 def _read_write_shard_tensor_body(rank: int, ws: int, path: str, impl: str, thread_count: int, device: str) -> None:
-    _setup_rank(device)
+    setup_rank(device)
     spec = ChunkShardingSpec(dim=0, placements=[_placement(0, device), _placement(1, device)])
 
     model_to_save = MyShardedModel1(spec, init_rrefs=False)
@@ -351,16 +347,11 @@ def _read_write_shard_tensor_body(rank: int, ws: int, path: str, impl: str, thre
 
 
 @pytest.mark.parametrize("thread_count", THREAD_COUNTS)
-def test_read_write_shard_tensor(tmp_path: Path, thread_count: int) -> None:
-    # origin: test_file_system_checkpoint_cpu.py :: TestDistributedStateDictSaveLoadWithSharedTensor.test_read_write_shard_tensor
-    _run(_read_write_shard_tensor_body, _fresh_dir(tmp_path), IMPL, thread_count, "cpu")
-
-
-@needs_two_gpus
-@pytest.mark.parametrize("thread_count", THREAD_COUNTS)
-def test_read_write_shard_tensor_cuda(tmp_path: Path, thread_count: int) -> None:
-    # origin: test_file_system_checkpoint.py :: TestDistributedStateDictSaveLoadWithSharedTensor.test_read_write_shard_tensor
-    _run(_read_write_shard_tensor_body, _fresh_dir(tmp_path), IMPL, thread_count, "cuda", device="cuda")
+@pytest.mark.parametrize("device", DEVICES)
+def test_read_write_shard_tensor(tmp_path: Path, device: str, thread_count: int) -> None:
+    # origin: test_file_system_checkpoint_cpu.py :: TestDistributedStateDictSaveLoadWithSharedTensor.test_read_write_shard_tensor (cpu)
+    #         test_file_system_checkpoint.py :: TestDistributedStateDictSaveLoadWithSharedTensor.test_read_write_shard_tensor (cuda)
+    _run(device, _read_write_shard_tensor_body, _fresh_dir(tmp_path), IMPL, thread_count, device)
 
 
 def _save_then_load_sharded(
@@ -387,43 +378,48 @@ def _save_then_load_sharded(
     return store_tensor, load_tensor
 
 
-def _different_shard_plan_body(
-    rank: int, ws: int, path: str, impl: str, thread_count: int, device: str, fresh_each_time: bool
+def _each_shard_plan_pair(
+    next_path: Callable[[], str], wimpl: str, rimpl: str, thread_count: int, device: str, what: str = ""
 ) -> None:
-    _setup_rank(device)
-    # We hardcode the assumption of how many shards are around
-    assert ws == dist.get_world_size() == 2
+    """test_load_with_different_shard_plan's loop: every pair of different layouts, saved to and
+    loaded from `next_path()`, must gather to the same whole tensor."""
     specs = _reshard_specs(device)
     for i, s0 in enumerate(specs):
         for j, s1 in enumerate(specs):
             if s0 == s1:
                 continue
-            if fresh_each_time and rank == 0:  # the NCCL file wipes the folder each time
-                shutil.rmtree(path, ignore_errors=True)
-                os.makedirs(path)
-            dist.barrier()
-            store, loaded = _save_then_load_sharded(path, impl, impl, thread_count, s0, s1, device)
-            if rank == 0:
-                assert torch.allclose(store, loaded), f"spec {i} vs spec {j}"
+            store, loaded = _save_then_load_sharded(next_path(), wimpl, rimpl, thread_count, s0, s1, device)
+            if dist.get_rank() == 0:
+                assert torch.allclose(store, loaded), f"{what}spec {i} vs spec {j}"
+
+
+def _different_shard_plan_body(rank: int, ws: int, path: str, impl: str, thread_count: int, device: str) -> None:
+    setup_rank(device)
+    # We hardcode the assumption of how many shards are around
+    assert ws == dist.get_world_size() == 2
+
+    def next_path() -> str:
+        if device == "cuda" and rank == 0:  # the NCCL file wipes the folder each time
+            shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(path)
+        dist.barrier()
+        return path
+
+    _each_shard_plan_pair(next_path, impl, impl, thread_count, device)
 
 
 @pytest.mark.parametrize("thread_count", THREAD_COUNTS)
-def test_load_with_different_shard_plan(tmp_path: Path, thread_count: int) -> None:
-    # origin: test_file_system_checkpoint_cpu.py :: TestDistributedReshardOnLoad.test_load_with_different_shard_plan
-    # (12 save/load pairs into the same folder, one after the other: each save
+@pytest.mark.parametrize("device", DEVICES)
+def test_load_with_different_shard_plan(tmp_path: Path, device: str, thread_count: int) -> None:
+    # origin: test_file_system_checkpoint_cpu.py :: TestDistributedReshardOnLoad.test_load_with_different_shard_plan (cpu)
+    #         test_file_system_checkpoint.py :: TestDistributedReshardOnLoad.test_load_with_different_shard_plan (cuda)
+    # (12 save/load pairs into the same folder, one after the other: on CPU each save
     # replaces the previous checkpoint with the writer's default arguments)
-    _run(_different_shard_plan_body, _fresh_dir(tmp_path), IMPL, thread_count, "cpu", False)
-
-
-@needs_two_gpus
-@pytest.mark.parametrize("thread_count", THREAD_COUNTS)
-def test_load_with_different_shard_plan_cuda(tmp_path: Path, thread_count: int) -> None:
-    # origin: test_file_system_checkpoint.py :: TestDistributedReshardOnLoad.test_load_with_different_shard_plan
-    _run(_different_shard_plan_body, _fresh_dir(tmp_path), IMPL, thread_count, "cuda", True, device="cuda")
+    _run(device, _different_shard_plan_body, _fresh_dir(tmp_path), IMPL, thread_count, device)
 
 
 def _rowwise_to_colwise_body(rank: int, ws: int, path: str, impl: str, thread_count: int, device: str) -> None:
-    _setup_rank(device)
+    setup_rank(device)
     assert ws == dist.get_world_size() == 2
     src_spec = ChunkShardingSpec(dim=0, placements=[_placement(0, device), _placement(1, device)])
     dst_spec = ChunkShardingSpec(dim=1, placements=[_placement(0, device), _placement(1, device)])
@@ -455,42 +451,36 @@ def _rowwise_to_colwise_body(rank: int, ws: int, path: str, impl: str, thread_co
 
 
 @pytest.mark.parametrize("thread_count", THREAD_COUNTS)
-def test_load_rowwise_to_colwise(tmp_path: Path, thread_count: int) -> None:
-    # origin: test_file_system_checkpoint_cpu.py :: TestDistributedReshardOnLoad.test_load_rowwise_to_colwise
-    _run(_rowwise_to_colwise_body, _fresh_dir(tmp_path), IMPL, thread_count, "cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_load_rowwise_to_colwise(tmp_path: Path, device: str, thread_count: int) -> None:
+    # origin: test_file_system_checkpoint_cpu.py :: TestDistributedReshardOnLoad.test_load_rowwise_to_colwise (cpu)
+    #         test_file_system_checkpoint.py :: TestDistributedReshardOnLoad.test_load_rowwise_to_colwise (cuda)
+    _run(device, _rowwise_to_colwise_body, _fresh_dir(tmp_path), IMPL, thread_count, device)
 
 
-@needs_two_gpus
-@pytest.mark.parametrize("thread_count", THREAD_COUNTS)
-def test_load_rowwise_to_colwise_cuda(tmp_path: Path, thread_count: int) -> None:
-    # origin: test_file_system_checkpoint.py :: TestDistributedReshardOnLoad.test_load_rowwise_to_colwise
-    _run(_rowwise_to_colwise_body, _fresh_dir(tmp_path), IMPL, thread_count, "cuda", device="cuda")
-
-
-def _save_load_bytes_body(rank: int, ws: int, path: str, impl: str, thread_count: int, device: str) -> None:
-    _setup_rank(device)
+def _save_load_bytes(path: str, wimpl: str, rimpl: str, **writer_kwargs: Any) -> None:
     state_dict_to_save = {"bytes0": [1], "bytes1": "string"}
-    fs_writer = _writer(impl, path=path, thread_count=thread_count)
+    fs_writer = _writer(wimpl, path=path, **writer_kwargs)
     save_state_dict(state_dict=state_dict_to_save, storage_writer=fs_writer)
 
     state_dict_to_load = {"bytes0": [2], "bytes1": "other"}
-    fs_reader = _reader(impl, path=path)
+    fs_reader = _reader(rimpl, path=path)
     load_state_dict(state_dict=state_dict_to_load, storage_reader=fs_reader)
     assert state_dict_to_load["bytes0"] == [1]
     assert state_dict_to_load["bytes1"] == "string"
 
 
-@pytest.mark.parametrize("thread_count", THREAD_COUNTS)
-def test_save_load_bytes(tmp_path: Path, thread_count: int) -> None:
-    # origin: test_file_system_checkpoint_cpu.py :: TestDistributedReshardOnLoad.test_save_load_bytes
-    _run(_save_load_bytes_body, _fresh_dir(tmp_path), IMPL, thread_count, "cpu")
+def _save_load_bytes_body(rank: int, ws: int, path: str, impl: str, thread_count: int, device: str) -> None:
+    setup_rank(device)
+    _save_load_bytes(path, impl, impl, thread_count=thread_count)
 
 
-@needs_two_gpus
 @pytest.mark.parametrize("thread_count", THREAD_COUNTS)
-def test_save_load_bytes_cuda(tmp_path: Path, thread_count: int) -> None:
-    # origin: test_file_system_checkpoint.py :: TestDistributedReshardOnLoad.test_save_load_bytes
-    _run(_save_load_bytes_body, _fresh_dir(tmp_path), IMPL, thread_count, "cuda", device="cuda")
+@pytest.mark.parametrize("device", DEVICES)
+def test_save_load_bytes(tmp_path: Path, device: str, thread_count: int) -> None:
+    # origin: test_file_system_checkpoint_cpu.py :: TestDistributedReshardOnLoad.test_save_load_bytes (cpu)
+    #         test_file_system_checkpoint.py :: TestDistributedReshardOnLoad.test_save_load_bytes (cuda)
+    _run(device, _save_load_bytes_body, _fresh_dir(tmp_path), IMPL, thread_count, device)
 
 
 def _switch_once(
@@ -523,33 +513,33 @@ def _switch_once(
         )
 
 
-def _switch_body(rank: int, ws: int, path: str, impl: str, thread_count: int, device: str) -> None:
-    _setup_rank(device)
+def _each_switch_pair(next_path: Callable[[], str], wimpl: str, rimpl: str, thread_count: int, device: str) -> None:
+    """test_switch_between_sharded_tensor_to_tensor's loop: every pair of 1-d layouts."""
     tensor_size = 32
     specs = _switch_specs(device, tensor_size)
     for save_spec in specs:
         for load_spec in specs:
-            _switch_once(path, impl, impl, thread_count, save_spec, load_spec, device, tensor_size)
+            _switch_once(next_path(), wimpl, rimpl, thread_count, save_spec, load_spec, device, tensor_size)
+
+
+def _switch_body(rank: int, ws: int, path: str, impl: str, thread_count: int, device: str) -> None:
+    setup_rank(device)
+    _each_switch_pair(lambda: path, impl, impl, thread_count, device)
 
 
 @pytest.mark.parametrize("thread_count", THREAD_COUNTS)
-def test_switch_between_sharded_tensor_to_tensor(tmp_path: Path, thread_count: int) -> None:
-    # origin: test_file_system_checkpoint_cpu.py :: TestDistributedReshardOnLoad.test_switch_between_sharded_tensor_to_tensor
+@pytest.mark.parametrize("device", DEVICES)
+def test_switch_between_sharded_tensor_to_tensor(tmp_path: Path, device: str, thread_count: int) -> None:
+    # origin: test_file_system_checkpoint_cpu.py :: TestDistributedReshardOnLoad.test_switch_between_sharded_tensor_to_tensor (cpu)
+    #         test_file_system_checkpoint.py :: TestDistributedReshardOnLoad.test_switch_between_sharded_tensor_to_tensor (cuda)
     # (16 saves into the same folder with the writer's default arguments)
-    _run(_switch_body, _fresh_dir(tmp_path), IMPL, thread_count, "cpu")
-
-
-@needs_two_gpus
-@pytest.mark.parametrize("thread_count", THREAD_COUNTS)
-def test_switch_between_sharded_tensor_to_tensor_cuda(tmp_path: Path, thread_count: int) -> None:
-    # origin: test_file_system_checkpoint.py :: TestDistributedReshardOnLoad.test_switch_between_sharded_tensor_to_tensor
-    _run(_switch_body, _fresh_dir(tmp_path), IMPL, thread_count, "cuda", device="cuda")
+    _run(device, _switch_body, _fresh_dir(tmp_path), IMPL, thread_count, device)
 
 
 # -- cross directions: stock writer -> shardwise reader, shardwise writer -> stock reader ----
 
 
-@pytest.mark.parametrize("wimpl,rimpl", CROSS, ids=["stock_to_shardwise", "shardwise_to_stock"])
+@by_cross
 def test_cross_read_write_only_tensor(tmp_path: Path, wimpl: str, rimpl: str) -> None:
     # origin: test_file_system_checkpoint_cpu.py :: TestDistributedStateDictSaveLoad.test_read_write_only_tensor, cross-implementation
     path = _fresh_dir(tmp_path, "a")
@@ -571,14 +561,14 @@ def test_cross_read_write_only_tensor(tmp_path: Path, wimpl: str, rimpl: str) ->
     )
 
 
-@pytest.mark.parametrize("wimpl,rimpl", CROSS, ids=["stock_to_shardwise", "shardwise_to_stock"])
+@by_cross
 def test_cross_read_write_tensor_and_blob_rot13(tmp_path: Path, wimpl: str, rimpl: str) -> None:
     # origin: test_file_system_checkpoint_cpu.py :: TestDistributedStateDictSaveLoadRot13.test_read_write_tensor_and_blob, cross-implementation
     _read_write_tensor_and_blob_rot13(_fresh_dir(tmp_path), wimpl, rimpl, 1)
 
 
 def _cross_body(rank: int, ws: int, base: str, wimpl: str, rimpl: str) -> None:
-    _setup_rank("cpu")
+    setup_rank("cpu")
     # a fresh folder for every save: this checks the format, not overwrite rules
     counter = iter(range(1000))
 
@@ -590,34 +580,15 @@ def _cross_body(rank: int, ws: int, base: str, wimpl: str, rimpl: str) -> None:
         return path
 
     # TestDistributedReshardOnLoad.test_load_with_different_shard_plan: every pair
-    specs = _reshard_specs("cpu")
-    for i, s0 in enumerate(specs):
-        for j, s1 in enumerate(specs):
-            if s0 == s1:
-                continue
-            store, loaded = _save_then_load_sharded(fresh(), wimpl, rimpl, 2, s0, s1, "cpu")
-            if rank == 0:
-                assert torch.allclose(store, loaded), f"{wimpl}->{rimpl}: spec {i} vs spec {j}"
-
+    _each_shard_plan_pair(fresh, wimpl, rimpl, 2, "cpu", what=f"{wimpl}->{rimpl}: ")
     # TestDistributedReshardOnLoad.test_switch_between_sharded_tensor_to_tensor: every pair
-    tensor_size = 32
-    switch = _switch_specs("cpu", tensor_size)
-    for save_spec in switch:
-        for load_spec in switch:
-            _switch_once(fresh(), wimpl, rimpl, 1, save_spec, load_spec, "cpu", tensor_size)
-
+    _each_switch_pair(fresh, wimpl, rimpl, 1, "cpu")
     # TestDistributedReshardOnLoad.test_save_load_bytes
-    path = fresh()
-    _writer_obj = _writer(wimpl, path=path)
-    save_state_dict(state_dict={"bytes0": [1], "bytes1": "string"}, storage_writer=_writer_obj)
-    state_dict_to_load = {"bytes0": [2], "bytes1": "other"}
-    load_state_dict(state_dict=state_dict_to_load, storage_reader=_reader(rimpl, path=path))
-    assert state_dict_to_load["bytes0"] == [1]
-    assert state_dict_to_load["bytes1"] == "string"
+    _save_load_bytes(fresh(), wimpl, rimpl)
 
 
-@pytest.mark.parametrize("wimpl,rimpl", CROSS, ids=["stock_to_shardwise", "shardwise_to_stock"])
+@by_cross
 def test_cross_reshard_legacy_sharded_tensor(tmp_path: Path, wimpl: str, rimpl: str) -> None:
     # origin: test_file_system_checkpoint_cpu.py :: TestDistributedReshardOnLoad.{test_load_with_different_shard_plan,
     #         test_switch_between_sharded_tensor_to_tensor, test_save_load_bytes}, cross-implementation
-    _run(_cross_body, str(tmp_path), wimpl, rimpl)
+    _run("cpu", _cross_body, str(tmp_path), wimpl, rimpl)

@@ -52,23 +52,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.futures import Future
 
-from shardwise.testing import run_ranks
+from .harness import FORMS, Reader, Writer, load_as, save_as, sw_load, sw_save  # the storage under test
+from .harness import Check, assert_equal, bind, by_form, scenario_results, verdict
+from .harness import TestDummyModel, ignore_user_warnings
 
-from .test_dtensor_checkpoint import (
-    Check,
-    Reader,
-    Writer,
-    assert_equal,
-    bind,
-    run_scenarios,
-    sw_load,
-    sw_save,
-    verdict,
-)
+pytestmark = ignore_user_warnings
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore::UserWarning"
-)  # DCP's "assuming single process" notes
+SAVES = ["Writer", "swc.save"]  # the save-only forms: dcp.save with Writer, or swc.save
+by_save = pytest.mark.parametrize("form", SAVES)
 
 
 class SimpleModelUneven(nn.Module):
@@ -104,17 +95,14 @@ def convert_torch_save_to_dcp_with(torch_save_path: Path, writer: Any) -> None:
 # -- test_format_utils.py :: TestFormatUtils.test_dcp_to_torch_save (one process) ----------
 
 
-@pytest.mark.parametrize("save", ["Writer", "swc.save"])
+@pytest.mark.parametrize("save", SAVES)
 @pytest.mark.parametrize("convert", ["stock dcp_to_torch_save", "dcp_to_torch_save with Reader"])
 def test_dcp_to_torch_save(tmp_path: Path, save: str, convert: str) -> None:
     # upstream: test_format_utils.py :: test_dcp_to_torch_save
     # (dcp.save(checkpoint_id=...) -> dcp.save(storage_writer=Writer(...)) or swc.save; the
     # conversion as is, and with its FileSystemReader swapped for Reader)
     model = SimpleModelUneven()
-    if save == "Writer":
-        dcp.save({"model": model}, storage_writer=Writer(tmp_path))
-    else:
-        sw_save({"model": model}, tmp_path)
+    save_as(save, {"model": model}, tmp_path)
 
     torch_path = tmp_path / "model.pt"
     if convert == "stock dcp_to_torch_save":
@@ -149,10 +137,7 @@ def test_torch_save_to_dcp(tmp_path: Path, convert: str) -> None:
         sw_save(torch.load(torch_path, weights_only=False), tmp_path)
 
     model = SimpleModelUneven()
-    if convert == "swc.save":
-        sw_load({"model": model}, tmp_path)
-    else:
-        dcp.load({"model": model}, storage_reader=Reader(tmp_path))
+    load_as(convert, {"model": model}, tmp_path)
     assert_equal(sd, {"model": model.state_dict()})
     # (added, SPEC 3: a save never deletes a file the checkpoint did not write)
     assert torch_path.exists(), "model.pt, written before the save into its folder, is gone"
@@ -227,10 +212,7 @@ def dcp_to_torch_save_transformer(path: Path, check: Check, form: str) -> None:
     # Saved on 2 ranks (every tensor replicated), converted on each rank. Each rank writes its own
     # .pt file (upstream's ranks all write the same one).
     model = NestedModel()
-    if form == "Writer":
-        dcp.save({"model": model}, storage_writer=Writer(path))
-    else:
-        sw_save({"model": model}, path)
+    save_as(form, {"model": model}, path)
     torch_fn = Path(f"{path}.{dist.get_rank()}.pt")
     dcp_to_torch_save(path, torch_fn)
     check.equal({"model": model.state_dict()}, torch.load(torch_fn), "stock dcp_to_torch_save")
@@ -239,18 +221,6 @@ def dcp_to_torch_save_transformer(path: Path, check: Check, form: str) -> None:
     check.equal(
         {"model": model.state_dict()}, torch.load(torch_fn2), "dcp_to_torch_save with Reader"
     )
-
-
-class TestDummyModel(nn.Module):
-    __test__ = False  # not a pytest class
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net1 = nn.Linear(8, 16)
-        self.net2 = nn.Linear(16, 32)
-        self.net3 = nn.Linear(32, 64)
-        self.net4 = nn.Linear(64, 8)
 
 
 def _torch_save_on_rank0(folder: Path, model: nn.Module) -> Path:
@@ -275,24 +245,15 @@ def offline_conversion(path: Path, check: Check, form: str) -> None:
         state_dict[key] = DTensor.from_local(
             value, device_mesh, [Replicate()], run_check=False
         ).redistribute(placements=[Shard(0)])
-    if form == "Writer/Reader":
-        dcp.save(state_dict, storage_writer=Writer(path))
-    else:
-        sw_save(state_dict, path)
+    save_as(form, state_dict, path)
 
     state_dict = copy.deepcopy(model.state_dict())
-    if form == "Writer/Reader":
-        dcp.load(state_dict, storage_reader=Reader(path))
-    else:
-        sw_load(state_dict, path)
+    load_as(form, state_dict, path)
     check.equal(state_dict, model.state_dict(), "converted checkpoint loads back")
 
     # (added) the same load into zeroed targets, so that the values must come from the checkpoint
     zeroed = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
-    if form == "Writer/Reader":
-        dcp.load(zeroed, storage_reader=Reader(path))
-    else:
-        sw_load(zeroed, path)
+    load_as(form, zeroed, path)
     check.equal(model.state_dict(), zeroed, "(added) load into zeroed targets")
 
 
@@ -398,10 +359,7 @@ def online_conversion(path: Path, check: Check, form: str) -> None:
     check.equal(copy_state_dict, model.state_dict(), "loaded from the torch.save file")
 
     # ... or a DCP checkpoint (read here by the Reader under test)
-    if form == "Writer":
-        dcp.save(state_dict, storage_writer=Writer(path))
-    else:
-        sw_save(state_dict, path)
+    save_as(form, state_dict, path)
     dcp.load(state_dict, storage_reader=ConversionReader(path))
     model.load_state_dict(state_dict)
     check.equal(copy_state_dict, model.state_dict(), "loaded from the DCP checkpoint")
@@ -409,19 +367,16 @@ def online_conversion(path: Path, check: Check, form: str) -> None:
 
 SCENARIOS: dict[str, Callable[[Path, Check], None]] = {
     "online_torch_save_to_dcp": online_torch_save_to_dcp,
-    "dcp_to_torch_save_transformer[Writer]": bind(dcp_to_torch_save_transformer, "Writer"),
-    "dcp_to_torch_save_transformer[swc.save]": bind(dcp_to_torch_save_transformer, "swc.save"),
-    "offline_conversion[Writer/Reader]": bind(offline_conversion, "Writer/Reader"),
-    "offline_conversion[swc.save/load]": bind(offline_conversion, "swc.save/load"),
-    "online_conversion[Writer]": bind(online_conversion, "Writer"),
-    "online_conversion[swc.save]": bind(online_conversion, "swc.save"),
+    **{
+        f"dcp_to_torch_save_transformer[{save}]": bind(dcp_to_torch_save_transformer, save)
+        for save in SAVES
+    },
+    **{f"offline_conversion[{form}]": bind(offline_conversion, form) for form in FORMS},
+    **{f"online_conversion[{save}]": bind(online_conversion, save) for save in SAVES},
 }
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list[str]]]:
-    root = tmp_path_factory.mktemp("format_utils")
-    return run_ranks(run_scenarios, 2, __name__, str(root), list(SCENARIOS), timeout=120)
+results = scenario_results("format_utils", __name__, 2, timeout=120)
 
 
 def test_online_torch_save_to_dcp(results) -> None:
@@ -429,19 +384,19 @@ def test_online_torch_save_to_dcp(results) -> None:
     verdict(results, "online_torch_save_to_dcp")
 
 
-@pytest.mark.parametrize("form", ["Writer", "swc.save"])
+@by_save
 def test_dcp_to_torch_save_distributed(results, form) -> None:
     # upstream: test_dcp_to_torch_save.py :: test_dcp_to_torch_save
     verdict(results, f"dcp_to_torch_save_transformer[{form}]")
 
 
-@pytest.mark.parametrize("form", ["Writer/Reader", "swc.save/load"])
+@by_form
 def test_offline_conversion(results, form) -> None:
     # upstream: test_torch_save_to_dcp.py :: test_offline_conversion
     verdict(results, f"offline_conversion[{form}]")
 
 
-@pytest.mark.parametrize("form", ["Writer", "swc.save"])
+@by_save
 def test_online_conversion(results, form) -> None:
     # upstream: test_torch_save_to_dcp.py :: test_online_conversion
     verdict(results, f"online_conversion[{form}]")

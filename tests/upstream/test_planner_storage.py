@@ -33,20 +33,9 @@ from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 import shardwise.checkpoint as swc
 from shardwise.errors import CheckpointMismatchError
 
-from .test_dtensor_checkpoint import STOCK, Reader, Writer, sw_save
+from .harness import STOCK, Reader, by_form, ignore_user_warnings, save_as
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore::UserWarning"
-)  # DCP's "assuming single process" notes
-
-FORMS = ["Writer/Reader", "swc.save/load"]
-
-
-def _save(form: str, state_dict: dict, path: Path) -> None:
-    if form == "Writer/Reader":
-        dcp.save(state_dict=state_dict, storage_writer=Writer(path))
-    else:
-        sw_save(state_dict, path)
+pytestmark = ignore_user_warnings
 
 
 def _load(form: str, state_dict: dict, path: Path, allow_partial_load: bool = False) -> None:
@@ -60,11 +49,11 @@ def _load(form: str, state_dict: dict, path: Path, allow_partial_load: bool = Fa
         swc.load(state_dict, path, strict=not allow_partial_load)
 
 
-@pytest.mark.parametrize("form", FORMS)
+@by_form
 def test_strict(tmp_path: Path, form: str) -> None:
     # upstream: test_planner.py :: test_strict
     original_module = nn.Linear(2, 2)
-    _save(form, {"module": original_module}, tmp_path)
+    save_as(form, {"module": original_module}, tmp_path)
 
     new_module = nn.Linear(2, 2)
     new_module.extra_param = nn.Parameter(torch.randn(2, 2))
@@ -80,11 +69,11 @@ def test_strict(tmp_path: Path, form: str) -> None:
             _load(form, {"module": new_module}, tmp_path, allow_partial_load=False)
 
 
-@pytest.mark.parametrize("form", FORMS)
+@by_form
 def test_load_different_sizes_throws(tmp_path: Path, form: str) -> None:
     # upstream: test_planner.py :: test_load_different_sizes_throws
     original_module = nn.Linear(2, 2)
-    _save(form, {"module": original_module}, tmp_path)
+    save_as(form, {"module": original_module}, tmp_path)
 
     new_module = nn.Linear(3, 2)
     if form == "Writer/Reader":
@@ -95,12 +84,12 @@ def test_load_different_sizes_throws(tmp_path: Path, form: str) -> None:
             _load(form, {"module": new_module}, tmp_path)
 
 
-@pytest.mark.parametrize("form", FORMS)
+@by_form
 def test_version_key_in_planner_data(tmp_path: Path, form: str) -> None:
     # upstream: test_planner.py :: test_version_key_in_planner_data
     # (the swc form saves with swc.save and reads with dcp.load + Reader, to see the planner)
     original_module = nn.Linear(2, 2)
-    _save(form, {"module": original_module}, tmp_path)
+    save_as(form, {"module": original_module}, tmp_path)
 
     new_module = nn.Linear(2, 2)
     planner = DefaultLoadPlanner()

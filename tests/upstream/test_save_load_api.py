@@ -25,14 +25,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from shardwise.checkpoint import Reader, Writer
 from shardwise.testing import run_ranks
+
+from .harness import IMPL, STORAGE, needs_cuda, run_on
 
 UPSTREAM = "test/distributed/checkpoint/test_save_load_api.py"
 TIMEOUT = 50.0
-IMPL = "stock" if os.environ.get("SHARDWISE_UPSTREAM_BASELINE") == "1" else "shardwise"
 MANIFEST = "shardwise.json"  # SPEC section 3: the plain-JSON manifest beside `.metadata`
 
 
@@ -71,7 +70,7 @@ def _auto_detect_body(rank: int, ws: int, base: str, impl: str, device: str) -> 
 
     if device == "cuda":
         torch.cuda.set_device(rank)
-    writer_cls, reader_cls = (Writer, Reader) if impl == "shardwise" else (FileSystemWriter, FileSystemReader)
+    writer_cls, reader_cls = STORAGE[impl]
     model = _sharded_model(device, ws)
     first = os.path.join(base, "first")
     second = os.path.join(base, "second")
@@ -98,16 +97,13 @@ def _auto_detect_body(rank: int, ws: int, base: str, impl: str, device: str) -> 
 
 def test_auto_detect(tmp_path: Path) -> None:
     # origin: test_save_load_api.py :: TestSaveAndLoadAPI.test_auto_detect (FSDP2 on CPU, see module doc)
-    run_ranks(_auto_detect_body, 2, str(tmp_path), IMPL, "cpu", timeout=TIMEOUT)
+    run_on("cpu", _auto_detect_body, 2, str(tmp_path), IMPL, "cpu", timeout=TIMEOUT)
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-    reason="FSDP1 variant of the upstream test: needs 2 CUDA devices",
-)
+@needs_cuda(2, "FSDP1 variant of the upstream test: needs 2 CUDA devices")
 def test_auto_detect_cuda(tmp_path: Path) -> None:
     # origin: test_save_load_api.py :: TestSaveAndLoadAPI.test_auto_detect (FSDP1, NCCL, as upstream)
-    run_ranks(_auto_detect_body, 2, str(tmp_path), IMPL, "cuda", timeout=TIMEOUT, backend="nccl")
+    run_on("cuda", _auto_detect_body, 2, str(tmp_path), IMPL, "cuda", timeout=TIMEOUT)
 
 
 def _assert_same_keys_body(rank: int, ws: int) -> None:
