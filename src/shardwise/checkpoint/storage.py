@@ -162,6 +162,7 @@ class Writer(FileSystemWriter):
             _extensions=_extensions,
             serialization_format=serialization_format,
         )
+        self._token = new_token()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
