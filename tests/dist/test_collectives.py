@@ -9,6 +9,7 @@ import torch.distributed as dist
 import shardwise as sw
 from shardwise import Block, Layout, ShardedTensor
 from shardwise.testing import run_ranks, shard_of
+from tests.dist.refusal import refuse
 
 SHAPE = (9, 8)
 
@@ -212,13 +213,7 @@ REFUSE_TOGETHER = {
 
 
 def _refuse_together(rank: int, world: int, case: str) -> tuple[str, str, float]:
-    try:
-        REFUSE_TOGETHER[case][0](rank)
-    except Exception as e:
-        t = torch.ones(1)
-        dist.all_reduce(t)  # the group still works afterwards
-        return type(e).__name__, str(e), t.item()
-    return "no error", "", 0.0
+    return refuse(REFUSE_TOGETHER[case][0], rank)
 
 
 @pytest.mark.parametrize("case", list(REFUSE_TOGETHER))

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..layout import Block, Layout
 from ..layout.coverage import analyze
-from .manifest import MANIFEST, ChunkEntry, Manifest, ObjectEntry, TensorEntry, dtype_name
+from .manifest import ChunkEntry, Manifest, ObjectEntry, TensorEntry, dtype_name
 from .records import tensor_record, write_torch_archive
 from .commit import already_exists, commit, data_file_name, holds_checkpoint, new_token, write_durably
 from .storage import Reader, pages_of, write_all
