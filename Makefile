@@ -10,16 +10,26 @@ STAMP  := $(VENV)/.shardwise-installed
 
 .PHONY: demo test bench clean
 
+CLIENTS := $(VENV)/.shardwise-clients-installed
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -c requirements/constraints.txt -e '.[test]'
 	touch $(STAMP)
+
+# The real Megatron-Core, PhysicsNeMo and TorchRec the client tests run against.
+$(CLIENTS): $(STAMP) requirements/constraints.txt requirements/clients.txt requirements/clients-nodeps.txt
+	$(PY) -m pip install --quiet -c requirements/constraints.txt -r requirements/clients.txt
+	$(PY) -m pip install --quiet -c requirements/constraints.txt --no-deps --ignore-requires-python \
+		-r requirements/clients-nodeps.txt
+	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(CLIENTS)
 
 demo: $(STAMP)
 	$(PY) -m shardwise demo
 
-test: $(STAMP)
+test: $(CLIENTS)
 	$(PY) -m pytest tests
 
 bench: $(STAMP)

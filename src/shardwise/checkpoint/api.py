@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ..dist.agreement import exchange
 from ..errors import CheckpointMismatchError, ShardwiseError
 from ..layout import Block
+from .adapters import adapted_for_load, adapted_for_save
 from .commit import already_exists, holds_checkpoint, per_rank_records
 from .staging import Stager
 from .storage import Reader, Writer
@@ -112,7 +113,7 @@ def save(
     path = Path(path)
     if _ASYNC.pending is not None:  # one save at a time: the next commit collects unnamed files
         wait([_ASYNC.pending])
-    state_dict = _state_dicts_of(state_dict)
+    state_dict = adapted_for_save(_state_dicts_of(state_dict))
     _check_target(path, overwrite, process_group, state_dict)
     return _save_checked(state_dict, path, overwrite, process_group)
 
@@ -172,7 +173,7 @@ def async_save(
     path = Path(path)
     if _ASYNC.pending is not None:
         _ASYNC.pending.result()
-    state_dict = _state_dicts_of(state_dict)
+    state_dict = adapted_for_save(_state_dicts_of(state_dict))
     _check_target(path, overwrite, process_group, state_dict)
     group = _ASYNC.group_for(process_group)
     staged = _ASYNC.stager.stage(state_dict)
@@ -226,6 +227,15 @@ def load(
     Returns the reader (its `bytes_read` says what this rank read).
     """
     path = Path(path)
+    with adapted_for_load(state_dict) as adapted:  # other libraries' values as ShardedTensors
+        reader = _load_adapted(state_dict, path, strict, verify, cast_dtype, process_group)
+        adapted.finish()
+    return reader
+
+
+def _load_adapted(
+    state_dict: dict[str, Any], path: Path, strict: bool, verify: bool, cast_dtype: bool, process_group: Any
+) -> Reader:
     reader = Reader(path, verify=verify)
     problem: BaseException | None = None
     try:

@@ -15,10 +15,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .dist.build import _from_local_shards
-from .errors import LayoutError
-from .layout import Block, Layout
-from .tensor import ShardedTensor
+from ..dist.build import _from_local_shards
+from ..errors import LayoutError
+from ..layout import Block, Layout
+from ..tensor import ShardedTensor
 
 __all__ = ["from_dtensor", "from_torch_sharded_tensor", "to_dtensor"]
 

@@ -1,0 +1,136 @@
+"""Other libraries' sharded values in `swc.save` / `swc.load` state dicts.
+
+A client library's sharded type (PhysicsNeMo's `ShardTensor`, Megatron-Core's
+wrappers) is swapped for a ShardedTensor before DCP sees the state dict, and
+loaded data is written back after. Adapters for the known clients are found
+lazily: their module is imported only when a value of that library's type
+appears, and the library itself is never imported by shardwise first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, MutableMapping
+
+__all__ = [
+    "ValueAdapter",
+    "adapted_for_load",
+    "adapted_for_save",
+    "register_value_adapter",
+    "unregister_value_adapter",
+]
+
+Finish = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class ValueAdapter:
+    """How one foreign type goes through a checkpoint.
+
+    `for_save(value)` gives what DCP saves (usually a ShardedTensor sharing the
+    value's storage). `for_load(value)` gives the target DCP fills and a
+    `finish()` that copies the loaded data into `value` (None when the target
+    shares `value`'s storage, so nothing is left to do). Both are collective when
+    the conversion needs the global layout: every rank holds the same keys.
+    """
+
+    name: str
+    matches: Callable[[Any], bool]
+    for_save: Callable[[Any], Any]
+    for_load: Callable[[Any], tuple[Any, Finish | None]]
+
+
+_REGISTERED: list[ValueAdapter] = []
+
+# (module a value's type comes from, shardwise module that registers its adapter)
+_KNOWN_CLIENTS = (
+    ("physicsnemo.", "shardwise.interop.physicsnemo"),
+    ("megatron.core.", "shardwise.interop.megatron"),
+)
+
+
+def register_value_adapter(adapter: ValueAdapter) -> None:
+    """Make `swc.save`/`swc.load` convert values `adapter.matches` (first match wins)."""
+    if any(a.name == adapter.name for a in _REGISTERED):
+        raise ValueError(f"a value adapter named {adapter.name!r} is already registered")
+    _REGISTERED.append(adapter)
+
+
+def unregister_value_adapter(name: str) -> None:
+    """Remove the adapter registered under `name`."""
+    for i, a in enumerate(_REGISTERED):
+        if a.name == name:
+            del _REGISTERED[i]
+            return
+    raise KeyError(f"no value adapter named {name!r}")
+
+
+def _adapter_for(value: Any) -> ValueAdapter | None:
+    module = type(value).__module__ + "."
+    for prefix, adapter_module in _KNOWN_CLIENTS:
+        if module.startswith(prefix) and adapter_module not in sys.modules:
+            importlib.import_module(adapter_module)  # registers its adapters
+    for adapter in _REGISTERED:
+        if adapter.matches(value):
+            return adapter
+    return None
+
+
+def _children(container: Any) -> list[tuple[Any, Any]]:
+    if isinstance(container, MutableMapping):
+        return list(container.items())
+    if isinstance(container, list):
+        return list(enumerate(container))
+    return []
+
+
+def adapted_for_save(state_dict: Any) -> Any:
+    """A copy of the containers of `state_dict` (dicts and lists, as DCP walks
+    them) with adapted leaves; the caller's containers are left as they are."""
+    if isinstance(state_dict, MutableMapping):
+        return {k: adapted_for_save(v) for k, v in state_dict.items()}
+    if isinstance(state_dict, list):
+        return [adapted_for_save(v) for v in state_dict]
+    adapter = _adapter_for(state_dict)
+    return state_dict if adapter is None else adapter.for_save(state_dict)
+
+
+class adapted_for_load:
+    """Context manager: inside, `state_dict`'s adapted leaves are replaced in place
+    by load targets (DCP writes loaded objects into the caller's own containers);
+    `finish()` copies loaded data into the original values; leaving restores them."""
+
+    def __init__(self, state_dict: Any) -> None:
+        self.state_dict = state_dict
+        self._swapped: list[tuple[Any, Any, Any, Any]] = []  # container, key, original, target
+        self._finishers: list[Finish] = []
+
+    def __enter__(self) -> "adapted_for_load":
+        self._swap(self.state_dict)
+        return self
+
+    def _swap(self, container: Any) -> None:
+        for key, value in _children(container):
+            if isinstance(value, (MutableMapping, list)):
+                self._swap(value)
+                continue
+            adapter = _adapter_for(value)
+            if adapter is None:
+                continue
+            target, finish = adapter.for_load(value)
+            container[key] = target
+            self._swapped.append((container, key, value, target))
+            if finish is not None:
+                self._finishers.append(finish)
+
+    def finish(self) -> None:
+        """After a successful load: copy loaded data into the original values."""
+        for finish in self._finishers:
+            finish()
+
+    def __exit__(self, *exc: Any) -> None:
+        for container, key, original, target in reversed(self._swapped):
+            if container[key] is target:  # DCP may have replaced it (a stored object)
+                container[key] = original
