@@ -1,0 +1,101 @@
+"""Value adapters: foreign values swapped for load/save targets, in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise.checkpoint as swc
+from shardwise.checkpoint.adapters import (
+    ValueAdapter,
+    adapted_for_load,
+    adapted_for_save,
+    register_value_adapter,
+    unregister_value_adapter,
+)
+
+
+class Holder:
+    """A wrapper that, like Megatron's, reports a placeholder dtype and keeps its data apart."""
+
+    dtype = torch.float64  # placeholder: the data is float32
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+
+    def __reduce__(self):  # pickled only if an adapter fails to swap it
+        raise TypeError("a Holder must never reach DCP")
+
+
+@pytest.fixture
+def holder_adapter():
+    calls = {"save": 0, "load": 0, "finish": 0}
+
+    def for_save(h: Holder) -> torch.Tensor:
+        calls["save"] += 1
+        return h.data
+
+    def for_load(h: Holder):
+        calls["load"] += 1
+        target = torch.empty_like(h.data)  # not shared: finish must copy
+
+        def finish() -> None:
+            calls["finish"] += 1
+            h.data.copy_(target)
+
+        return target, finish
+
+    register_value_adapter(ValueAdapter("holder", lambda v: isinstance(v, Holder), for_save, for_load))
+    yield calls
+    unregister_value_adapter("holder")
+
+
+def test_save_swaps_leaves_without_touching_callers_containers(holder_adapter):
+    h = Holder(torch.arange(6.0))
+    sd = {"a": {"h": h, "n": 3}, "l": [h, torch.ones(2)]}
+    out = adapted_for_save(sd)
+    assert out["a"]["h"] is h.data and out["l"][0] is h.data and out["a"]["n"] == 3
+    assert sd["a"]["h"] is h and sd["l"][0] is h  # the caller's dict is unchanged
+    assert holder_adapter["save"] == 2
+
+
+def test_round_trip_through_swc_fills_holders_and_restores_containers(tmp_path, holder_adapter):
+    saved = {"h": Holder(torch.arange(12.0).reshape(3, 4)), "nested": {"step": 7, "h": Holder(torch.ones(5))}}
+    swc.save(saved, tmp_path / "ck")
+    assert torch.equal(swc.read_tensor(tmp_path / "ck", "h"), torch.arange(12.0).reshape(3, 4))
+
+    target = {"h": Holder(torch.zeros(3, 4)), "nested": {"step": 0, "h": Holder(torch.zeros(5))}}
+    h, inner = target["h"], target["nested"]["h"]
+    swc.load(target, tmp_path / "ck")
+    assert target["h"] is h and target["nested"]["h"] is inner  # originals back in place
+    assert torch.equal(h.data, torch.arange(12.0).reshape(3, 4))
+    assert torch.equal(inner.data, torch.ones(5))
+    assert target["nested"]["step"] == 7  # objects DCP replaced stay replaced
+    assert holder_adapter == {"save": 2, "load": 2, "finish": 2}
+
+
+def test_failed_load_restores_originals_and_finishes_nothing(tmp_path, holder_adapter):
+    swc.save({"h": Holder(torch.ones(4))}, tmp_path / "ck")
+    h = Holder(torch.zeros(5))  # wrong shape: refused before any target is modified
+    target = {"h": h}
+    with pytest.raises(swc.CheckpointMismatchError, match="'h' shape"):
+        swc.load(target, tmp_path / "ck")
+    assert target["h"] is h and holder_adapter["finish"] == 0
+    assert torch.equal(h.data, torch.zeros(5))
+
+
+def test_context_restores_on_exception(holder_adapter):
+    h = Holder(torch.ones(2))
+    sd = {"x": [h]}
+    with pytest.raises(RuntimeError):
+        with adapted_for_load(sd):
+            assert isinstance(sd["x"][0], torch.Tensor)
+            raise RuntimeError("load failed")
+    assert sd["x"][0] is h
+
+
+def test_names_are_unique(holder_adapter):
+    with pytest.raises(ValueError, match="already registered"):
+        register_value_adapter(ValueAdapter("holder", bool, id, id))
+    with pytest.raises(KeyError, match="no value adapter named 'nope'"):
+        unregister_value_adapter("nope")
