@@ -1,7 +1,9 @@
 # The two commands a new user runs: `make demo` (the main job) and `make test`.
 # Both create .venv when missing and install torch 2.13.0 (the CPU wheel that
 # pip finds on this machine's disk) before the package, so pip never reaches
-# for a CUDA build.
+# for a CUDA build. `make test` also installs the real client packages
+# (requirements/clients*.txt) under requirements/constraints.txt, which pins
+# torch==2.13.0 for the same reason.
 
 PYTHON ?= python3
 VENV   := .venv
