@@ -75,9 +75,13 @@ def _state_dicts_of(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
-def _check_target(path: Path, overwrite: bool, process_group: Any, state_dict: dict[str, Any] | None = None) -> None:
+def _check_target(
+    path: Path, overwrite: bool, process_group: Any, state_dict: dict[str, Any] | None = None,
+    megatron: bool = False,
+) -> None:
     """Collective pre-save check: same path and flags everywhere, no checkpoint in
-    the way (other files are fine), objects picklable."""
+    the way (other files are fine), objects picklable, no foreign `metadata.json`
+    in the way of a Megatron-readable save."""
     problem: BaseException | None = None
     if state_dict is not None:
         flat, _ = flatten_state_dict(state_dict)
@@ -93,7 +97,11 @@ def _check_target(path: Path, overwrite: bool, process_group: Any, state_dict: d
             problem = FileExistsError(already_exists(path))
         elif path.exists() and not path.is_dir() and problem is None:
             problem = NotADirectoryError(f"{path} is a file, not a checkpoint folder")
-    _agree(problem, process_group, (str(path.resolve()), overwrite), "save path and overwrite")
+        elif megatron and problem is None:
+            from ..interop.megatron import metadata_json_problem
+
+            problem = metadata_json_problem(path)
+    _agree(problem, process_group, (str(path.resolve()), overwrite, megatron), "save path, overwrite and megatron")
 
 
 def save(
@@ -102,6 +110,7 @@ def save(
     *,
     overwrite: bool = False,
     process_group: Any = None,
+    megatron: bool = False,
 ) -> SaveInfo:
     """Save `state_dict` to `path`. Collective.
 
@@ -109,24 +118,53 @@ def save(
     an existing one is refused unless `overwrite=True`, which replaces it
     atomically. The folder may exist and hold other files: they are kept.
     Values may be `Stateful` (their `state_dict()` is saved), as with `dcp.save`.
+
+    `megatron=True` also makes it a checkpoint Megatron-Core's
+    `dist_checkpointing.load` opens: sharded tensors (shardwise, or Megatron's
+    own ShardedTensors, stored under their Megatron key) as DCP tensors, every
+    other value in Megatron's common state object, and Megatron's
+    `metadata.json` written after the commit (see `shardwise.interop.megatron`).
     """
     path = Path(path)
     if _ASYNC.pending is not None:  # one save at a time: the next commit collects unnamed files
         wait([_ASYNC.pending])
-    state_dict = adapted_for_save(_state_dicts_of(state_dict))
-    _check_target(path, overwrite, process_group, state_dict)
-    return _save_checked(state_dict, path, overwrite, process_group)
+    planner = None
+    if megatron:
+        from ..interop.megatron import prepare_save, save_planner
+
+        state_dict, planner = prepare_save(_state_dicts_of(state_dict), process_group), save_planner()
+    else:
+        state_dict = adapted_for_save(_state_dicts_of(state_dict))
+    _check_target(path, overwrite, process_group, state_dict, megatron)
+    info = _save_checked(state_dict, path, overwrite, process_group, planner)
+    if megatron:
+        _finish_megatron(path, process_group)
+    return info
+
+
+def _finish_megatron(path: Path, process_group: Any) -> None:
+    """After the commit: Megatron's `metadata.json` (its completeness marker), written by
+    rank 0; every rank returns once it is there."""
+    from ..interop.megatron import write_metadata_json
+
+    problem: BaseException | None = None
+    if not _distributed(process_group) or dist.get_rank(process_group) == 0:
+        try:
+            write_metadata_json(path)
+        except OSError as e:
+            problem = e
+    _agree(problem, process_group)
 
 
 def _save_checked(
-    state_dict: dict[str, Any], path: Path, overwrite: bool, process_group: Any
+    state_dict: dict[str, Any], path: Path, overwrite: bool, process_group: Any, planner: Any = None
 ) -> SaveInfo:
     start = time.perf_counter()
     try:
         dcp.save(
             state_dict,
             storage_writer=Writer(path, overwrite=True),  # _check_target refused what overwrite forbids
-            planner=DefaultSavePlanner(dedup_save_to_lowest_rank=False),
+            planner=planner or DefaultSavePlanner(dedup_save_to_lowest_rank=False),
             process_group=process_group,
         )
     except CheckpointException as e:

@@ -1,0 +1,253 @@
+"""Megatron-Core 0.19.2 (the real package) <-> shardwise: checkpoints and state dicts.
+
+Megatron's own `dist_checkpointing.save/load` (torch_dist) run on gloo ranks
+with the CPU stand-ins of `megatron_harness`. Every value is compared bit for
+bit against one global tensor per key.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.clients.conftest import require
+
+require("megatron.core.dist_checkpointing")
+
+import pytest  # noqa: E402
+
+import shardwise as sw  # noqa: E402
+import shardwise.checkpoint as swc  # noqa: E402
+from shardwise import Block, Layout  # noqa: E402
+from shardwise.testing import run_ranks  # noqa: E402
+
+SHAPES = {"tp.weight": (8, 6), "layers.weight": (4, 3, 5), "uneven.weight": (10, 3), "multi": (12, 2), "bias": (4,)}
+COMMON = {"iteration": 7, "args": {"lr": 0.5, "name": "gpt"}}
+
+
+def full(key: str) -> torch.Tensor:
+    """The global value of `key`, the same in every process."""
+    g = torch.Generator().manual_seed(sum(map(ord, key)))
+    t = torch.randn(SHAPES[key], generator=g)
+    return t.to(torch.bfloat16) if key == "bias" else t
+
+
+def _megatron() -> object:
+    from tests.clients.megatron_harness import patch_for_cpu
+
+    patch_for_cpu()
+    import megatron.core.dist_checkpointing as mdc
+
+    return mdc
+
+
+def _mcore_sd(rank: int, layout: str, empty: bool = False) -> dict:
+    """A Megatron sharded state dict on 2 ranks, `layout` "a" (the save) or "b" (a reload):
+    TP splits, stacked layers (prepend_axis_num, several pieces per rank), uneven rows
+    (axis_fragmentations=None), a key rank 1 does not hold, a replicated bf16 bias."""
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    def data(key: str, sl: tuple) -> torch.Tensor:
+        t = full(key)[sl].clone()
+        return torch.full_like(t, -1) if empty else t
+
+    def uneven(key: str, lo: int, n: int) -> ShardedTensor:
+        shape = SHAPES[key]
+        return ShardedTensor(key, data(key, (slice(lo, lo + n),)), full(key).dtype, (n, *shape[1:]), shape,
+                             (lo,) + (0,) * (len(shape) - 1), None)
+
+    axis = 1 if layout == "a" else 0
+    half = SHAPES["tp.weight"][axis] // 2
+    tp_slice = (slice(None), slice(rank * half, (rank + 1) * half)) if axis else (slice(rank * half, (rank + 1) * half),)
+    sd = {"tp": {"weight": ShardedTensor.from_rank_offsets("tp.weight", data("tp.weight", tp_slice), (axis, rank, 2))}}
+    layers = [2 * rank, 2 * rank + 1] if layout == "a" else [rank, rank + 2]
+    sd["decoder"] = {
+        f"layers.{i}.weight": ShardedTensor.from_rank_offsets(
+            "layers.weight", data("layers.weight", (i,)), (0, i, 4), prepend_axis_num=1
+        )
+        for i in layers
+    }
+    rows = [(0, 7), (7, 3)] if layout == "a" else [(0, 4), (4, 6)]
+    sd["uneven"] = uneven("uneven.weight", *rows[rank])
+    multi = {"a": [[(0, 3), (3, 2), (5, 7)], []], "b": [[(0, 5)], [(5, 4), (9, 3)]]}[layout][rank]
+    if multi:
+        sd["multi"] = [uneven("multi", lo, n) for lo, n in multi]
+    sd["bias"] = ShardedTensor.from_rank_offsets("bias", data("bias", (slice(None),)), replica_id=rank)
+    if layout == "a":
+        sd["extra"] = ShardedObject("extra", {"rank": rank}, (2,), (rank,))
+        sd.update(COMMON)
+    return sd
+
+
+def _check_mcore(sd: dict) -> list[str]:
+    """Keys whose loaded Megatron pieces differ from the global values."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    wrong = []
+    stack = [sd]
+    while stack:
+        node = stack.pop()
+        items = node.values() if isinstance(node, dict) else node
+        for v in items:
+            if isinstance(v, (dict, list)):
+                stack.append(v)
+            elif isinstance(v, ShardedTensor):
+                want = full(v.key)[v.global_slice()]
+                data = v.data
+                if tuple(data.shape) == (1,) * v.prepend_axis_num + tuple(v.local_shape):
+                    data = data.view(v.local_shape)  # Megatron's load leaves its prepended-axes view
+                if not torch.equal(data, want):
+                    wrong.append(v.key)
+    return wrong
+
+
+def _targets(rank: int, ws: int) -> dict[str, sw.ShardedTensor]:
+    """shardwise targets of other layouts: uneven rows with an empty rank, columns, chunks."""
+    layouts = {
+        "tp.weight": Layout.row_wise(SHAPES["tp.weight"], [5, 0, 3][:ws] if ws == 3 else [8]),
+        "layers.weight": Layout.chunked(SHAPES["layers.weight"], 2, ws),
+        "uneven.weight": Layout.column_wise(SHAPES["uneven.weight"], [1, 2, 0][:ws] if ws == 3 else [3]),
+        "multi": Layout.chunked(SHAPES["multi"], 0, ws),
+        "bias": Layout.replicated(SHAPES["bias"], ws),
+    }
+    return {k: sw.ShardedTensor.full(lay, -7.0, dtype=full(k).dtype) for k, lay in layouts.items()}
+
+
+def _wrong(targets: dict[str, sw.ShardedTensor]) -> list[str]:
+    return [
+        k for k, st in targets.items()
+        if not all(torch.equal(s, full(k)[b.slices()]) for s, b in zip(st.local_shards(), st.local_blocks))
+    ]
+
+
+# -- rank bodies ---------------------------------------------------------------------------
+
+
+def _megatron_save(rank: int, ws: int, path: str) -> None:
+    mdc = _megatron()
+    mdc.save(_mcore_sd(rank, "a"), path)
+
+
+def _megatron_load(rank: int, ws: int, path: str) -> tuple[list[str], object]:
+    mdc = _megatron()
+    sd = _mcore_sd(rank, "b", empty=True)
+    loaded = mdc.load(sd, path)
+    return _check_mcore(sd), {k: loaded.get(k) for k in COMMON}
+
+
+def _swc_load_then_save_for_megatron(rank: int, ws: int, path: str, out: str) -> list[str]:
+    targets = _targets(rank, ws)
+    swc.load(targets, path, strict=True)  # Megatron's common_state / extra objects do not count
+    wrong = _wrong(targets)
+    from shardwise.interop.megatron import save_for_megatron
+
+    save_for_megatron({**targets, **COMMON}, out)
+    return wrong
+
+
+def _adapters(rank: int, ws: int, path: str, out: str) -> dict:
+    """Megatron objects straight through swc.load / swc.save, and both conversions."""
+    _megatron()
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.checkpointable import (
+        CheckpointableShardedTensor,
+        LocalShardsContainer,
+    )
+
+    from shardwise.interop.megatron import to_megatron, to_shardwise
+
+    result: dict = {}
+    # 1. Megatron pieces (the reload layout, garbage data; one piece's data left None), keyed by Megatron key
+    sd = _mcore_sd(rank, "b", empty=True)
+    flat = {"tp.weight": sd["tp"]["weight"], "uneven.weight": sd["uneven"], "bias": sd["bias"]}
+    flat["bias"].data = None  # Megatron's placeholder for "allocate on load"
+    swc.load(flat, path)
+    result["pieces"] = _check_mcore(flat)
+    # 2. DCP wrappers, as Megatron's torch_dist strategy builds them: placeholder dtype float32
+    layer_pieces = list(sd["decoder"].values())
+    wrappers = {
+        "layers.weight": LocalShardsContainer([CheckpointableShardedTensor.from_sh_ten(p) for p in layer_pieces]),
+        "bias": CheckpointableShardedTensor.from_sh_ten(
+            ShardedTensor.from_rank_offsets("bias", torch.zeros(4, dtype=torch.bfloat16), replica_id=rank)
+        ),
+    }
+    assert wrappers["bias"].dtype == torch.float32  # the placeholder swc.load must not trust
+    swc.load(wrappers, path)
+    result["wrappers"] = _check_mcore(layer_pieces) + _check_mcore([wrappers["bias"]._sh_ten])
+    # 3. to_shardwise shares storage; to_megatron gives it back over the same storage
+    st = to_shardwise(layer_pieces)
+    result["shared"] = [s.data_ptr() for s in st.local_shards()] == [p.data.data_ptr() for p in layer_pieces]
+    back = to_megatron({"layers.weight": st}, prepend_axis_num=1)["layers.weight"]
+    result["back"] = [(tuple(p.global_offset), p.prepend_axis_num, p.data.data_ptr(), p.axis_fragmentations)
+                      for p in back] == [(tuple(p.global_offset), 1, p.data.data_ptr(), (4, 1, 1))
+                                         for p in layer_pieces]
+    replicated = to_megatron({"bias": to_shardwise(wrappers["bias"])})["bias"]
+    result["replica_id"] = replicated.replica_id
+    # 4. swc.save of Megatron's pieces (main replicas only written), Megatron-readable, read offline
+    save_sd = _mcore_sd(rank, "a")
+    swc.save(save_sd, out, megatron=True)
+    # 5. overlapping pieces: the same error on every rank
+    bad = ShardedTensor("bad", torch.zeros(3, 2), torch.float32, (3, 2), (5, 2), (rank * 2, 0), None)
+    try:
+        to_shardwise(bad)
+    except sw.LayoutError as e:
+        result["error"] = type(e).__name__
+    return result
+
+
+# -- tests ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def megatron_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("megatron") / "ckpt"
+    path.mkdir()
+    run_ranks(_megatron_save, 2, str(path), timeout=90)
+    return str(path)
+
+
+def test_megatron_checkpoint_offline(megatron_ckpt: str) -> None:
+    info = swc.inspect(megatron_ckpt)
+    assert {t.key: t.shape for t in info.tensors} == SHAPES
+    assert {t.key: t.chunks for t in info.tensors} == {
+        "tp.weight": 2, "layers.weight": 4, "uneven.weight": 2, "multi": 3, "bias": 1
+    }
+    assert sorted(info.objects) == ["common_state/shard_0_1", "extra/shard_0_2", "extra/shard_1_2"]
+    assert swc.verify(megatron_ckpt) == []
+    for key in SHAPES:
+        assert torch.equal(swc.read_tensor(megatron_ckpt, key), full(key)), key
+    region = Block((1, 2, 1), (2, 1, 3))
+    assert torch.equal(swc.read_tensor(megatron_ckpt, "layers.weight", region), full("layers.weight")[region.slices()])
+    from shardwise.interop.megatron import read_common_state
+
+    assert read_common_state(megatron_ckpt) == COMMON
+
+
+def _swc_load_one_rank(rank: int, ws: int, path: str) -> list[str]:
+    targets = _targets(rank, ws)
+    swc.load(targets, path, strict=True)
+    return _wrong(targets)
+
+
+def test_swc_load_megatron_checkpoint_on_one_rank(megatron_ckpt: str) -> None:
+    assert run_ranks(_swc_load_one_rank, 1, megatron_ckpt, timeout=60) == [[]]
+
+
+def test_megatron_2_to_shardwise_3_to_megatron_2(megatron_ckpt: str, tmp_path) -> None:
+    out = str(tmp_path / "sw")
+    assert run_ranks(_swc_load_then_save_for_megatron, 3, megatron_ckpt, out, timeout=90) == [[], [], []]
+    assert (tmp_path / "sw" / "metadata.json").exists() and swc.verify(out) == []
+    results = run_ranks(_megatron_load, 2, out, timeout=90)
+    assert results == [([], COMMON), ([], COMMON)]
+
+
+def test_megatron_objects_through_swc_load_and_save(megatron_ckpt: str, tmp_path) -> None:
+    out = str(tmp_path / "from_pieces")
+    results = run_ranks(_adapters, 2, megatron_ckpt, out, timeout=90)
+    for rank, r in enumerate(results):
+        assert r == {"pieces": [], "wrappers": [], "shared": True, "back": True, "replica_id": rank,
+                     "error": "LayoutError"}, rank
+    for key in SHAPES:  # Megatron's pieces saved by swc: main replicas only, every key whole
+        assert torch.equal(swc.read_tensor(out, key), full(key)), key
+    from shardwise.interop.megatron import read_common_state
+
+    assert read_common_state(out)["iteration"] == 7
