@@ -7,6 +7,8 @@ bit against one global tensor per key.
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from tests.clients.conftest import require
@@ -251,3 +253,24 @@ def test_megatron_objects_through_swc_load_and_save(megatron_ckpt: str, tmp_path
     from shardwise.interop.megatron import read_common_state
 
     assert read_common_state(out)["iteration"] == 7
+
+
+def test_megatron_save_keeps_a_foreign_metadata_json_and_writes_its_own(tmp_path) -> None:
+    st = sw.ShardedTensor.from_layout(Layout.row_wise((4, 2), [4]), [torch.arange(8.0).reshape(4, 2)])
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "metadata.json").write_text('{"mine": 1}')
+    with pytest.raises(FileExistsError, match="metadata.json exists and is not Megatron's"):
+        swc.save({"w": st}, foreign, megatron=True)
+    assert (foreign / "metadata.json").read_text() == '{"mine": 1}'
+    assert sorted(p.name for p in foreign.iterdir()) == ["metadata.json"]
+
+    fresh = tmp_path / "fresh"
+    swc.save({"w": st, "step": 3}, fresh, megatron=True)
+    assert json.loads((fresh / "metadata.json").read_text()) == {
+        "sharded_backend": "torch_dist", "sharded_backend_version": 1,
+    }
+    assert torch.equal(swc.read_tensor(fresh, "w"), torch.arange(8.0).reshape(4, 2))
+    from shardwise.interop.megatron import read_common_state
+
+    assert read_common_state(fresh) == {"step": 3}

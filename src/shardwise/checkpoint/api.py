@@ -123,7 +123,7 @@ def save(
     `dist_checkpointing.load` opens: sharded tensors (shardwise, or Megatron's
     own ShardedTensors, stored under their Megatron key) as DCP tensors, every
     other value in Megatron's common state object, and Megatron's
-    `metadata.json` written after the commit (see `shardwise.interop.megatron`).
+    `metadata.json` (see `shardwise.interop.megatron`).
     """
     path = Path(path)
     if _ASYNC.pending is not None:  # one save at a time: the next commit collects unnamed files
@@ -136,15 +136,16 @@ def save(
     else:
         state_dict = adapted_for_save(_state_dicts_of(state_dict))
     _check_target(path, overwrite, process_group, state_dict, megatron)
-    info = _save_checked(state_dict, path, overwrite, process_group, planner)
     if megatron:
-        _finish_megatron(path, process_group)
-    return info
+        _write_megatron_metadata(path, process_group)
+    return _save_checked(state_dict, path, overwrite, process_group, planner)
 
 
-def _finish_megatron(path: Path, process_group: Any) -> None:
-    """After the commit: Megatron's `metadata.json` (its completeness marker), written by
-    rank 0; every rank returns once it is there."""
+def _write_megatron_metadata(path: Path, process_group: Any) -> None:
+    """Megatron's `metadata.json`, written by rank 0 before the data: its content
+    never changes, so a crash at any later point leaves either the old checkpoint
+    (loadable by both) or no `.metadata` (refused by both), never a checkpoint
+    only one of them opens."""
     from ..interop.megatron import write_metadata_json
 
     problem: BaseException | None = None

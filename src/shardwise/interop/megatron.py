@@ -376,6 +376,7 @@ def write_metadata_json(path: Path) -> None:
 
     if (path / METADATA_JSON).exists():
         return  # checked identical before the save
+    path.mkdir(parents=True, exist_ok=True)
     write_durably(path / METADATA_JSON, json.dumps(_BACKEND).encode())
 
 
