@@ -130,3 +130,41 @@ def _functional(rank: int, world: int) -> list:
 
 def test_functional_all_gather():
     assert run_ranks(_functional, 2, timeout=60) == [[True], [True]]
+
+
+def _refusal(rank: int, world: int, case: str) -> tuple[str, str]:
+    """What `from_dtensor` raised on this rank for `case`; the group must still work after."""
+    mesh = init_device_mesh("cpu", (world,))
+    good = distribute_tensor(full(), mesh, (Shard(0),))  # rows 3, 3, 1
+    value: object = good
+    if case == "uneven" and rank == 2:  # built unevenly: 2 rows where torch.chunk gives 1
+        value = DTensor.from_local(full()[5:].clone(), mesh, (Shard(0),), run_check=False, shape=SHAPE, stride=(6, 1))
+    elif case == "not a dtensor" and rank == 1:
+        value = full()
+    elif case == "other placements" and rank == 0:  # built locally: distribute_tensor is collective
+        value = DTensor.from_local(full()[:, :2].clone(), mesh, (Shard(1),), run_check=False, shape=SHAPE, stride=(6, 1))
+    elif case == "other dtype" and rank == 1:
+        value = DTensor.from_local(good.to_local().double(), mesh, (Shard(0),), run_check=False, shape=SHAPE, stride=(6, 1))
+    try:
+        sw.from_dtensor(value)
+        outcome = ("returned", "")
+    except Exception as e:  # noqa: BLE001 - compared across ranks below
+        outcome = (type(e).__name__, str(e))
+    ok = torch.ones(1)
+    dist.all_reduce(ok)  # no rank was left behind in a collective
+    return outcome if ok.item() == world else ("group broken", "")
+
+
+@pytest.mark.parametrize(
+    "case, kind, start",
+    [
+        ("uneven", "LayoutError", "rank 2: its DTensor's local tensor has shape (2, 6) but its placements"),
+        ("not a dtensor", "TypeError", "rank 1: from_dtensor takes a DTensor"),
+        ("other placements", "LayoutError", "rank 0: it passed placements (Shard(dim=1),)"),
+        ("other dtype", "TypeError", "rank 1: it passed a torch.float64 value but rank 0 passed a torch.float32"),
+    ],
+)
+def test_from_dtensor_one_bad_rank_raises_everywhere(case, kind, start):
+    results = run_ranks(_refusal, 3, case, timeout=60)
+    assert results[0][0] == kind and results[0][1].startswith(start), results[0]
+    assert results == [results[0]] * 3  # the same error on every rank, no hang

@@ -128,6 +128,7 @@ def test_public_surface_is_pinned():
         "Block", "CorruptCheckpointError", "IncompleteCheckpointError", "Layout",
         "LayoutError", "ShardMismatchError", "ShardedTensor", "ShardwiseError",
         "Transfer", "__version__", "distribute", "equal", "from_dtensor", "from_local",
+        "from_shard_tensor",
         "from_torch_sharded_tensor", "plan_transfers", "register_op", "to_dtensor",
     }
     assert issubclass(sw.LayoutError, ValueError) and issubclass(sw.LayoutError, sw.ShardwiseError)

@@ -14,7 +14,7 @@ from .errors import (
     ShardwiseError,
 )
 from .layout import Block, Layout, Transfer, plan_transfers
-from .interop import from_dtensor, from_torch_sharded_tensor, to_dtensor
+from .interop import from_dtensor, from_shard_tensor, from_torch_sharded_tensor, to_dtensor
 from .ops import register_op
 from .tensor import ShardedTensor
 
@@ -35,6 +35,7 @@ __all__ = [
     "equal",
     "from_dtensor",
     "from_local",
+    "from_shard_tensor",
     "from_torch_sharded_tensor",
     "plan_transfers",
     "register_op",

@@ -346,6 +346,13 @@ class ShardedTensor(torch.Tensor):
 
         return to_dtensor(self, mesh, placements)
 
+    def to_shard_tensor(self, mesh: Any, placements: Sequence[Any]) -> Any:
+        """A PhysicsNeMo ShardTensor wrapping this rank's shard (uneven sizes kept),
+        when the layout is a grid `placements` express; see `shardwise.interop.physicsnemo`."""
+        from .interop.physicsnemo import to_shard_tensor
+
+        return to_shard_tensor(self, mesh, placements)
+
     def to_local(self) -> torch.Tensor:
         """This rank's single shard; differentiable (see `shardwise.from_local`)."""
         from .dist import to_local
