@@ -19,28 +19,15 @@ bit for bit, before anything is printed.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import warnings
 
 import torch
-import torch.distributed as dist
+
+from shardwise.testing import median_seconds_across_ranks as timed
 
 PHYSICSNEMO = "PhysicsNeMo redistribute"
 NAMES = (PHYSICSNEMO, "shardwise redistribute", "shardwise from+redistribute+to")
 
-
-def _timed(fn, repeat: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        dist.barrier()
-        t = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed))
-    return statistics.median(times)
 
 
 def _rank(rank: int, world: int, mib: float, repeat: int) -> dict[str, float]:
@@ -75,9 +62,9 @@ def _rank(rank: int, world: int, mib: float, repeat: int) -> dict[str, float]:
     return {
         "shape": shape,
         "sizes": sizes,
-        PHYSICSNEMO: _timed(lambda: st.redistribute(mesh, (Shard(1),)), repeat),
-        NAMES[1]: _timed(lambda: ours.redistribute(target), repeat),
-        NAMES[2]: _timed(
+        PHYSICSNEMO: timed(lambda: st.redistribute(mesh, (Shard(1),)), repeat),
+        NAMES[1]: timed(lambda: ours.redistribute(target), repeat),
+        NAMES[2]: timed(
             lambda: sw.from_shard_tensor(st).redistribute(target).to_shard_tensor(mesh, (Shard(1),)), repeat
         ),
     }

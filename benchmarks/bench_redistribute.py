@@ -19,24 +19,12 @@ slowest rank's time; ratios are to the raw collective.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
+from shardwise.testing import median_seconds_across_ranks as timed
 
-def _timed(fn, repeat: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        dist.barrier()
-        t = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed))
-    return statistics.median(times)
 
 
 def _rank(rank: int, world: int, mib: int, repeat: int) -> dict[str, float]:
@@ -63,14 +51,14 @@ def _rank(rank: int, world: int, mib: int, repeat: int) -> dict[str, float]:
     received = torch.empty_like(packed)
     gathered = torch.empty(shape)
     results = {
-        "raw all_to_all_single": _timed(lambda: dist.all_to_all_single(received, packed), repeat),
-        "DTensor.redistribute": _timed(lambda: dt.redistribute(mesh, (Shard(1),)), repeat),
-        "shardwise redistribute": _timed(lambda: st.redistribute(col_layout), repeat),
-        "raw all_gather_into_tensor": _timed(
+        "raw all_to_all_single": timed(lambda: dist.all_to_all_single(received, packed), repeat),
+        "DTensor.redistribute": timed(lambda: dt.redistribute(mesh, (Shard(1),)), repeat),
+        "shardwise redistribute": timed(lambda: st.redistribute(col_layout), repeat),
+        "raw all_gather_into_tensor": timed(
             lambda: dist.all_gather_into_tensor(gathered, local), repeat
         ),
-        "DTensor.full_tensor": _timed(lambda: dt.full_tensor(), repeat),
-        "shardwise full_tensor": _timed(lambda: st.full_tensor(), repeat),
+        "DTensor.full_tensor": timed(lambda: dt.full_tensor(), repeat),
+        "shardwise full_tensor": timed(lambda: st.full_tensor(), repeat),
     }
     # correctness of what was timed
     assert torch.equal(st.redistribute(col_layout).full_tensor(), dt.full_tensor())

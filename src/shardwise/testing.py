@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["RankFailure", "RanksFailed", "free_port", "run_ranks", "shard_of"]
+__all__ = ["RankFailure", "RanksFailed", "free_port", "median_seconds_across_ranks", "run_ranks", "shard_of"]
 
 
 def free_port() -> int:
@@ -177,3 +177,25 @@ def run_ranks(
 def shard_of(full: torch.Tensor, layout: Any, rank: int) -> list[torch.Tensor]:
     """This rank's shards of `full` under `layout`: contiguous copies, block order."""
     return [full[b.slices()].clone() for b in layout.blocks_of(rank)]
+
+
+def median_seconds_across_ranks(fn: Callable[[], Any], repeat: int) -> float:
+    """Median over `repeat` runs of the slowest rank's time for `fn()`. Collective.
+
+    One warm-up run first; ranks start each run together (a barrier), so a
+    collective operation is timed as the job sees it, not as one rank does.
+    """
+    import statistics
+
+    import torch.distributed as dist
+
+    fn()
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed))
+    return statistics.median(times)

@@ -33,6 +33,7 @@ from ..checkpoint.adapters import ValueAdapter, register_value_adapter
 from ..dist.agreement import Problem
 from ..errors import LayoutError, ShardMismatchError
 from ..layout import Block, Layout
+from ..layout.layout import mesh_coordinates
 from ..tensor import ShardedTensor
 from .dtensor import SHARD_TENSOR, Inspection, _base_meta, _mesh_position, convert_agreed, is_shard_tensor
 
@@ -49,13 +50,6 @@ def from_shard_tensor(st: Any) -> ShardedTensor:
     """
     return convert_agreed(st, (SHARD_TENSOR,), "from_shard_tensor", SHARD_TENSOR)
 
-
-def _unravel(index: int, extents: Sequence[int]) -> tuple[int, ...]:
-    coords = []
-    for extent in reversed(extents):
-        index, c = divmod(index, extent)
-        coords.append(c)
-    return tuple(reversed(coords))
 
 
 def _rank_at(coords: Sequence[int], extents: Sequence[int]) -> int:
@@ -100,7 +94,7 @@ def inspect_shard_tensor(st: Any) -> Inspection:
     held = tuple(local.shape)
     if len(held) != len(shape):
         raise LayoutError(f"its local tensor is {len(held)}-d but the ShardTensor is {len(shape)}-d (ndim)")
-    coords = _unravel(rank, mesh_shape)
+    coords = mesh_coordinates(rank, mesh_shape)
     offsets, seen = [0] * len(shape), {}
     for m, d in sharded.items():
         sizes = [int(s[d]) for s in recorded.get(m, ())]
@@ -164,7 +158,7 @@ def _grid_sizes(layout: Layout, mesh_shape: tuple[int, ...], sharded: dict[int, 
     for rank in range(layout.world_size):
         blocks = layout.blocks_of(rank)
         if blocks:
-            coords = _unravel(rank, mesh_shape)
+            coords = mesh_coordinates(rank, mesh_shape)
             for m, d in sharded.items():
                 sizes[m][coords[m]] = blocks[0].sizes[d]
     return sizes
@@ -185,7 +179,7 @@ def _grid_layout(
 ) -> Layout:
     blocks = {}
     for rank in range(math.prod(mesh_shape)):
-        block = _cell(shape, sharded, sizes, _unravel(rank, mesh_shape))
+        block = _cell(shape, sharded, sizes, mesh_coordinates(rank, mesh_shape))
         if not block.is_empty():
             blocks[rank] = [block]
     return Layout(shape, blocks, math.prod(mesh_shape))
@@ -229,7 +223,7 @@ def to_shard_tensor(st: ShardedTensor, mesh: Any, placements: Sequence[Any]) -> 
             f"{st.layout_spec} cannot be expressed as placements {placements} on a mesh of shape "
             f"{mesh_shape} with any per-rank sizes; redistribute first"
         )
-    coords = _unravel(rank, mesh_shape)
+    coords = mesh_coordinates(rank, mesh_shape)
     shards = st.local_shards()
     local = shards[0] if shards else torch.empty(
         _cell(shape, sharded, sizes, coords).sizes, dtype=st.dtype, device=st.device

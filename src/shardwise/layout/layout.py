@@ -17,7 +17,7 @@ from ..errors import LayoutError
 from .block import Block
 from .coverage import analyze
 
-__all__ = ["Layout"]
+__all__ = ["Layout", "mesh_coordinates"]
 
 JSON_FORMAT = "shardwise.layout"
 JSON_VERSION = 1
@@ -403,7 +403,7 @@ class Layout:
                 )
         blocks: dict[int, list[Block]] = {}
         for rank in range(math.prod(mesh_shape)):
-            coords = _unravel(rank, mesh_shape)
+            coords = mesh_coordinates(rank, mesh_shape)
             offsets = [0] * len(shape)
             sizes = list(shape)
             for mesh_dim, dim in enumerate(shard_dims):
@@ -425,7 +425,8 @@ def _normalize_dim(dim: int, ndim: int) -> int:
     return dim % ndim
 
 
-def _unravel(index: int, extents: Sequence[int]) -> tuple[int, ...]:
+def mesh_coordinates(index: int, extents: Sequence[int]) -> tuple[int, ...]:
+    """The row-major coordinates of rank `index` in a mesh of shape `extents` (as DeviceMesh)."""
     coords = []
     for extent in reversed(extents):
         index, c = divmod(index, extent)
