@@ -99,3 +99,20 @@ def test_names_are_unique(holder_adapter):
         register_value_adapter(ValueAdapter("holder", bool, id, id))
     with pytest.raises(KeyError, match="no value adapter named 'nope'"):
         unregister_value_adapter("nope")
+
+
+def test_a_failing_swap_restores_what_it_swapped(holder_adapter):
+    first = Holder(torch.ones(2))
+    sd = {"a": first, "b": Holder(torch.ones(3))}
+
+    def refuse_b(h: Holder):
+        if h is sd["b"]:
+            raise ValueError("b cannot be loaded")
+        return torch.empty_like(h.data), None
+
+    unregister_value_adapter("holder")
+    register_value_adapter(ValueAdapter("holder", lambda v: isinstance(v, Holder), id, refuse_b))
+    with pytest.raises(ValueError, match="b cannot be loaded"):
+        with adapted_for_load(sd):
+            pass
+    assert sd["a"] is first  # swapped before b failed: put back

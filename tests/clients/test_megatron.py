@@ -196,6 +196,21 @@ def _adapters(rank: int, ws: int, path: str, out: str) -> dict:
     return result
 
 
+def _swc_load_nested(rank: int, ws: int, path: str) -> tuple[list[str], str, list[str]]:
+    """Megatron's own nesting (dict paths that are not the Megatron keys): refused as
+    missing keys without `megatron=True`, loaded by Megatron key with it."""
+    _megatron()
+    sd = _mcore_sd(rank, "b", empty=True)
+    try:
+        swc.load(sd, path)
+        refusal = "loaded"
+    except sw.LayoutError as e:
+        refusal = str(e)
+    untouched = _check_mcore(sd)  # nothing filled by the refused load
+    swc.load(sd, path, megatron=True)
+    return sorted(set(untouched)), refusal, _check_mcore(sd)
+
+
 # -- tests ---------------------------------------------------------------------------------
 
 
@@ -274,3 +289,13 @@ def test_megatron_save_keeps_a_foreign_metadata_json_and_writes_its_own(tmp_path
     from shardwise.interop.megatron import read_common_state
 
     assert read_common_state(fresh) == {"step": 3}
+
+
+def test_swc_load_megatron_nesting_by_megatron_key(megatron_ckpt: str) -> None:
+    results = run_ranks(_swc_load_nested, 2, megatron_ckpt, timeout=90)
+    for rank, (untouched, refusal, wrong) in enumerate(results):
+        assert untouched == sorted(SHAPES), rank  # every piece still holds its -1 fill
+        assert refusal.startswith("Megatron key 'layers.weight': ") and refusal.endswith(
+            "pass megatron=True to load by Megatron key"
+        ), refusal
+        assert wrong == [], (rank, wrong)

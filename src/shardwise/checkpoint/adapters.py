@@ -108,7 +108,11 @@ class adapted_for_load:
         self._finishers: list[Finish] = []
 
     def __enter__(self) -> "adapted_for_load":
-        self._swap(self.state_dict)
+        try:
+            self._swap(self.state_dict)
+        except BaseException:  # __exit__ does not run when __enter__ raises: restore here
+            self._restore()
+            raise
         return self
 
     def _swap(self, container: Any) -> None:
@@ -131,6 +135,9 @@ class adapted_for_load:
             finish()
 
     def __exit__(self, *exc: Any) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
         for container, key, original, target in reversed(self._swapped):
             if container[key] is target:  # DCP may have replaced it (a stored object)
                 container[key] = original

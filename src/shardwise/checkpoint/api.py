@@ -252,6 +252,7 @@ def load(
     verify: bool = True,
     cast_dtype: bool = False,
     process_group: Any = None,
+    megatron: bool = False,
 ) -> Reader:
     """Fill `state_dict`'s tensors and objects in place from `path`. Collective.
 
@@ -263,9 +264,21 @@ def load(
     casts stored values to each target's dtype instead (as `dcp.load` does,
     e.g. an fp32 checkpoint into a bf16 model). `Stateful` values are filled
     through their `state_dict()` / `load_state_dict()`, as with `dcp.load`.
+    `megatron=True` takes Megatron-Core's `sharded_state_dict()` as it nests it:
+    its pieces are found anywhere and loaded by their Megatron key, the way
+    Megatron (and `swc.save(..., megatron=True)`) stores them; non-tensor values
+    are left as they are (`shardwise.interop.megatron.read_common_state` reads them).
     Returns the reader (its `bytes_read` says what this rank read).
     """
     path = Path(path)
+    if megatron:
+        from ..interop.megatron import prepare_load
+
+        targets, finishers = prepare_load(state_dict, process_group)
+        reader = _load_adapted(targets, path, strict, verify, cast_dtype, process_group)
+        for finish in finishers:
+            finish()
+        return reader
     with adapted_for_load(state_dict) as adapted:  # other libraries' values as ShardedTensors
         reader = _load_adapted(state_dict, path, strict, verify, cast_dtype, process_group)
         adapted.finish()

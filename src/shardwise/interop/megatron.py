@@ -36,7 +36,7 @@ import torch
 
 from ..checkpoint.adapters import ValueAdapter, register_value_adapter
 from ..dist.build import _from_local_shards
-from ..errors import ShardMismatchError
+from ..errors import LayoutError, ShardMismatchError
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 
@@ -235,15 +235,20 @@ def _for_save(value: Any) -> ShardedTensor:
     return to_shardwise(value, replicas=False)
 
 
-def _for_load(value: Any) -> tuple[ShardedTensor, Any]:
+def _for_load(
+    value: Any, global_shape: Sequence[int] | None = None, group: Any = None
+) -> tuple[ShardedTensor, Any]:
     """A target over the pieces' own data (allocated where Megatron left it None);
-    a strided piece is loaded into a contiguous copy and copied back by `finish`."""
+    a strided piece is loaded into a contiguous copy and copied back by `finish`.
+    `global_shape` is needed on a rank holding no piece of the key."""
     pieces = _pieces(value)
     for p in pieces:
         if p.data is None and _piece_problem([p]) is None:
             p.init_data("cpu", init_fn=torch.zeros if p.allow_shape_mismatch else torch.empty)
     strided = [p for p in pieces if p.data is not None and not p.data.is_contiguous()]
-    target = to_shardwise(pieces, replicas=True, global_shape=pieces[0].global_shape if pieces else None)
+    if global_shape is None and pieces:
+        global_shape = pieces[0].global_shape
+    target = to_shardwise(pieces, replicas=True, global_shape=global_shape, group=group)
     if not strided:
         return target, None
     copies = {id(p): shard for p, shard in zip(pieces, target.local_shards())}
@@ -255,7 +260,22 @@ def _for_load(value: Any) -> tuple[ShardedTensor, Any]:
     return target, finish
 
 
-register_value_adapter(ValueAdapter("megatron-core", _matches, _for_save, _for_load))
+def _adapter_for_load(value: Any) -> tuple[ShardedTensor, Any]:
+    """`_for_load` of one state-dict value; a layout with holes usually means the
+    pieces of one Megatron key sit in several entries (Megatron's own nesting)."""
+    try:
+        return _for_load(value)
+    except LayoutError as e:  # raised alike on every rank, so re-raised alike
+        if "hole" not in str(e):
+            raise
+        key = _pieces(value)[0].key if _pieces(value) else "?"
+        raise LayoutError(
+            f"Megatron key '{key}': {e}. If its pieces sit in several state-dict entries (as in "
+            f"Megatron's sharded_state_dict()), pass megatron=True to load by Megatron key"
+        ) from e
+
+
+register_value_adapter(ValueAdapter("megatron-core", _matches, _for_save, _adapter_for_load))
 
 
 # -- checkpoints Megatron's dist_checkpointing.load opens --------------------------------
@@ -323,30 +343,64 @@ def prepare_save(state_dict: Mapping[str, Any], group: Any = None) -> dict[str, 
     ShardedObjects under their unique key, everything else in Megatron's
     common state object, each as `dist_checkpointing.save` writes it.
     """
-    import torch.distributed as dist
-
-    from ..dist.agreement import exchange
-
     sharded, common = _split(state_dict)
     entries = _sharded_entries(sharded)
-    mcore = {key[1]: pieces for key, pieces in entries.items() if isinstance(key, tuple) and key[0] == "mcore"}
-    local = {k: (tuple(p[0].global_shape)) for k, p in mcore.items()}
-    distributed = dist.is_available() and dist.is_initialized()
-    everyone = exchange(None, local, group) if distributed else [local]
-    shapes: dict[str, tuple[int, ...]] = {}
-    for theirs in everyone:
-        for k, shape in theirs.items():
-            shapes.setdefault(k, shape)
+    mcore, shapes = _mcore_keys(entries, group)
     flat: dict[str, Any] = {k: v for k, v in entries.items() if not isinstance(k, tuple)}
     for key in sorted(shapes):  # the same order on every rank: one collective per key
-        if key in flat:
-            raise ValueError(f"key '{key}' is both a shardwise tensor and a Megatron ShardedTensor key")
+        _refuse_clash(key, flat)
         flat[key] = to_shardwise(mcore.get(key, []), replicas=False, global_shape=shapes[key], group=group)
     for key, values in entries.items():  # ShardedObjects: this rank's, as Megatron stores them
         if isinstance(key, tuple) and key[0] == "object":
             flat[key[1]] = _serialized(values)
     flat[COMMON_STATE_KEY] = _serialized([common])  # the same on every rank: DCP writes it once
     return flat
+
+
+def _mcore_keys(entries: dict[Any, Any], group: Any) -> tuple[dict[str, list[Any]], dict[str, tuple[int, ...]]]:
+    """This rank's Megatron pieces by key, and every rank's keys with their global
+    shapes (one exchange), so a rank holding nothing of a key still takes part."""
+    import torch.distributed as dist
+
+    from ..dist.agreement import exchange
+
+    mcore = {key[1]: pieces for key, pieces in entries.items() if isinstance(key, tuple) and key[0] == "mcore"}
+    local = {k: tuple(p[0].global_shape) for k, p in mcore.items()}
+    distributed = dist.is_available() and dist.is_initialized()
+    everyone = exchange(None, local, group) if distributed else [local]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for theirs in everyone:
+        for k, shape in theirs.items():
+            shapes.setdefault(k, shape)
+    return mcore, shapes
+
+
+def _refuse_clash(key: str, flat: Mapping[str, Any]) -> None:
+    if key in flat:
+        raise ValueError(f"key '{key}' is both a shardwise tensor and a Megatron ShardedTensor key")
+
+
+def prepare_load(state_dict: Mapping[str, Any], group: Any = None) -> tuple[dict[str, Any], list[Any]]:
+    """The flat targets `swc.load(..., megatron=True)` hands to DCP, and the
+    finishers to run after it. Collective.
+
+    Megatron pieces anywhere in `state_dict` (nested as Megatron's
+    `sharded_state_dict()` nests them) are grouped by their Megatron key, one
+    target per key over the pieces' own storage; shardwise ShardedTensors stay
+    under their dotted path. Other values (Megatron's common state, its
+    ShardedObjects) are not filled: `read_common_state(path)` reads the former.
+    """
+    sharded, _ = _split(state_dict)
+    entries = _sharded_entries(sharded)
+    mcore, shapes = _mcore_keys(entries, group)
+    flat: dict[str, Any] = {k: v for k, v in entries.items() if not isinstance(k, tuple)}
+    finishers = []
+    for key in sorted(shapes):  # the same order on every rank: one collective per key
+        _refuse_clash(key, flat)
+        flat[key], finish = _for_load(mcore.get(key, []), shapes[key], group)
+        if finish is not None:
+            finishers.append(finish)
+    return flat, finishers
 
 
 def _serialized(values: list[Any]) -> _RawBytes:
