@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 
@@ -116,3 +118,28 @@ def test_a_failing_swap_restores_what_it_swapped(holder_adapter):
         with adapted_for_load(sd):
             pass
     assert sd["a"] is first  # swapped before b failed: put back
+
+
+def _rank_missing_a_value(rank: int, world: int, path: str) -> tuple[str, bool]:
+    register_value_adapter(
+        ValueAdapter("holder", lambda v: isinstance(v, Holder), lambda h: h.data, lambda h: (h.data, None))
+    )
+    sd = {"b": Holder(torch.ones(2))} if rank else {"a": Holder(torch.ones(2)), "b": Holder(torch.ones(2))}
+    try:
+        swc.save(sd, path)
+        return "saved", False
+    except ValueError as e:
+        return str(e), (pathlib.Path(path) / ".metadata").exists()
+
+
+def test_ranks_holding_other_adapted_values_refuse_together(tmp_path):
+    """Adapters may be collective per value: a rank lacking one would pair its next
+    value with another rank's; every rank refuses instead, before anything is written."""
+    from shardwise.testing import run_ranks
+
+    results = run_ranks(_rank_missing_a_value, 2, str(tmp_path / "ck"), timeout=60)
+    message = (
+        "ranks [1] hold other holder values than rank 0 (first difference: 'a'); every rank must hold "
+        "every such value, under the same key (a rank holding nothing of it passes an empty one)"
+    )
+    assert results == [(message, False), (message, False)]

@@ -186,6 +186,7 @@ def _adapters(rank: int, ws: int, path: str, out: str) -> dict:
     result["replica_id"] = replicated.replica_id
     # 4. swc.save of Megatron's pieces (main replicas only written), Megatron-readable, read offline
     save_sd = _mcore_sd(rank, "a")
+    save_sd["iteration"] += rank  # ranks disagree: rank 0's common state is the one kept, as Megatron's
     swc.save(save_sd, out, megatron=True)
     # 5. overlapping pieces: the same error on every rank
     bad = ShardedTensor("bad", torch.zeros(3, 2), torch.float32, (3, 2), (5, 2), (rank * 2, 0), None)
@@ -204,7 +205,7 @@ def _swc_load_nested(rank: int, ws: int, path: str) -> tuple[list[str], str, lis
     try:
         swc.load(sd, path)
         refusal = "loaded"
-    except sw.LayoutError as e:
+    except ValueError as e:  # ranks hold other layer entries: refused before any collective
         refusal = str(e)
     untouched = _check_mcore(sd)  # nothing filled by the refused load
     swc.load(sd, path, megatron=True)
@@ -268,6 +269,8 @@ def test_megatron_objects_through_swc_load_and_save(megatron_ckpt: str, tmp_path
     from shardwise.interop.megatron import read_common_state
 
     assert read_common_state(out)["iteration"] == 7
+    # and Megatron's own load opens it, into another layout, common state included
+    assert run_ranks(_megatron_load, 2, out, timeout=90) == [([], COMMON), ([], COMMON)]
 
 
 def test_megatron_save_keeps_a_foreign_metadata_json_and_writes_its_own(tmp_path) -> None:
@@ -280,8 +283,22 @@ def test_megatron_save_keeps_a_foreign_metadata_json_and_writes_its_own(tmp_path
     assert (foreign / "metadata.json").read_text() == '{"mine": 1}'
     assert sorted(p.name for p in foreign.iterdir()) == ["metadata.json"]
 
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+
+    piece = ShardedTensor.from_rank_offsets("p", torch.ones(2))
+    with pytest.raises(TypeError, match="a list holding Megatron sharded values"):
+        swc.save({"w": st, "l": [1, piece]}, tmp_path / "mixed", megatron=True)
+    assert not (tmp_path / "mixed").exists()
+
+    legacy = tmp_path / "legacy"  # a legacy common.pt would shadow the new common state
+    legacy.mkdir()
+    torch.save({"step": 1}, legacy / "common.pt")
+    with pytest.raises(FileExistsError, match="common.pt exists .a legacy Megatron common state."):
+        swc.save({"w": st, "step": 3}, legacy, megatron=True)
+    assert sorted(p.name for p in legacy.iterdir()) == ["common.pt"]
+
     fresh = tmp_path / "fresh"
-    swc.save({"w": st, "step": 3}, fresh, megatron=True)
+    swc.save({"w": st, "step": 3, "cache": LocalNonpersistentObject([9])}, fresh, megatron=True)
     assert json.loads((fresh / "metadata.json").read_text()) == {
         "sharded_backend": "torch_dist", "sharded_backend_version": 1,
     }
@@ -295,7 +312,8 @@ def test_swc_load_megatron_nesting_by_megatron_key(megatron_ckpt: str) -> None:
     results = run_ranks(_swc_load_nested, 2, megatron_ckpt, timeout=90)
     for rank, (untouched, refusal, wrong) in enumerate(results):
         assert untouched == sorted(SHAPES), rank  # every piece still holds its -1 fill
-        assert refusal.startswith("Megatron key 'layers.weight': ") and refusal.endswith(
-            "pass megatron=True to load by Megatron key"
+        assert refusal.startswith("ranks [1] hold other megatron-core values than rank 0 (first difference: "
+                                  "'decoder.layers.0.weight')") and refusal.endswith(
+            "for Megatron's own nesting (pieces of one key in several entries), pass megatron=True"
         ), refusal
         assert wrong == [], (rank, wrong)

@@ -40,6 +40,7 @@ class ValueAdapter:
     matches: Callable[[Any], bool]
     for_save: Callable[[Any], Any]
     for_load: Callable[[Any], tuple[Any, Finish | None]]
+    hint: str = ""  # added to the error when ranks hold different values of this kind
 
 
 _REGISTERED: list[ValueAdapter] = []
@@ -86,24 +87,85 @@ def _children(container: Any) -> list[tuple[Any, Any]]:
     return []
 
 
-def adapted_for_save(state_dict: Any) -> Any:
+@dataclass(frozen=True)
+class _Leaf:
+    path: tuple[Any, ...]
+    container: Any
+    key: Any
+    value: Any
+    adapter: ValueAdapter
+
+
+def _leaves(container: Any, path: tuple[Any, ...] = ()) -> list[_Leaf]:
+    """Adapted values (dicts and lists walked, as DCP walks them), in an order every
+    rank shares: adapters may be collective, one collective per value."""
+    found = []
+    for key, value in _children(container):
+        if isinstance(value, (MutableMapping, list)):
+            found.extend(_leaves(value, path + (key,)))
+        elif (adapter := _adapter_for(value)) is not None:
+            found.append(_Leaf(path + (key,), container, key, value, adapter))
+    return sorted(found, key=lambda leaf: tuple(map(str, leaf.path)))
+
+
+def _agree_on(leaves: list[_Leaf], group: Any) -> None:
+    """Every rank must hold the same adapted values, or the per-value collectives
+    would pair one rank's value with another's: refuse together, naming ranks."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from ..dist.agreement import exchange, odd_ranks
+
+    mine = tuple((".".join(map(str, leaf.path)), leaf.adapter.name) for leaf in leaves)
+    everyone = exchange(None, mine, group)
+    ref, odd = odd_ranks(everyone)
+    if odd:
+        theirs = everyone[odd[0]]
+        differ = sorted(set(theirs) ^ set(everyone[ref]))
+        kinds = sorted({a for _, a in differ})
+        hints = {a.name: a.hint for a in _REGISTERED}
+        hint = "".join(f"; {hints[k]}" for k in kinds if hints.get(k))
+        raise ValueError(
+            f"ranks {odd} hold other {', '.join(kinds)} values than rank {ref} "
+            f"(first difference: '{differ[0][0]}'); every rank must hold every such value, under the "
+            f"same key (a rank holding nothing of it passes an empty one){hint}"
+        )
+
+
+def adapted_for_save(state_dict: Any, group: Any = None) -> Any:
     """A copy of the containers of `state_dict` (dicts and lists, as DCP walks
-    them) with adapted leaves; the caller's containers are left as they are."""
-    if isinstance(state_dict, MutableMapping):
-        return {k: adapted_for_save(v) for k, v in state_dict.items()}
-    if isinstance(state_dict, list):
-        return [adapted_for_save(v) for v in state_dict]
-    adapter = _adapter_for(state_dict)
-    return state_dict if adapter is None else adapter.for_save(state_dict)
+    them) with adapted leaves; the caller's containers are left as they are.
+    Collective when distributed (one small exchange)."""
+    leaves = _leaves(state_dict)
+    _agree_on(leaves, group)
+    copies: dict[int, Any] = {}
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, MutableMapping):
+            out: Any = {k: copy(v) for k, v in value.items()}
+        elif isinstance(value, list):
+            out = [copy(v) for v in value]
+        else:
+            return value
+        copies[id(value)] = out
+        return out
+
+    root = copy(state_dict)
+    for leaf in leaves:
+        copies[id(leaf.container)][leaf.key] = leaf.adapter.for_save(leaf.value)
+    return root
 
 
 class adapted_for_load:
     """Context manager: inside, `state_dict`'s adapted leaves are replaced in place
     by load targets (DCP writes loaded objects into the caller's own containers);
-    `finish()` copies loaded data into the original values; leaving restores them."""
+    `finish()` copies loaded data into the original values; leaving restores them.
+    Collective when distributed (one small exchange)."""
 
-    def __init__(self, state_dict: Any) -> None:
+    def __init__(self, state_dict: Any, group: Any = None) -> None:
         self.state_dict = state_dict
+        self.group = group
         self._swapped: list[tuple[Any, Any, Any, Any]] = []  # container, key, original, target
         self._finishers: list[Finish] = []
 
@@ -116,16 +178,12 @@ class adapted_for_load:
         return self
 
     def _swap(self, container: Any) -> None:
-        for key, value in _children(container):
-            if isinstance(value, (MutableMapping, list)):
-                self._swap(value)
-                continue
-            adapter = _adapter_for(value)
-            if adapter is None:
-                continue
-            target, finish = adapter.for_load(value)
-            container[key] = target
-            self._swapped.append((container, key, value, target))
+        leaves = _leaves(container)
+        _agree_on(leaves, self.group)
+        for leaf in leaves:
+            target, finish = leaf.adapter.for_load(leaf.value)
+            leaf.container[leaf.key] = target
+            self._swapped.append((leaf.container, leaf.key, leaf.value, target))
             if finish is not None:
                 self._finishers.append(finish)
 

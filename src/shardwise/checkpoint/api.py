@@ -134,7 +134,7 @@ def save(
 
         state_dict, planner = prepare_save(_state_dicts_of(state_dict), process_group), save_planner()
     else:
-        state_dict = adapted_for_save(_state_dicts_of(state_dict))
+        state_dict = adapted_for_save(_state_dicts_of(state_dict), process_group)
     _check_target(path, overwrite, process_group, state_dict, megatron)
     if megatron:
         _write_megatron_metadata(path, process_group)
@@ -143,9 +143,9 @@ def save(
 
 def _write_megatron_metadata(path: Path, process_group: Any) -> None:
     """Megatron's `metadata.json`, written by rank 0 before the data: its content
-    never changes, so a crash at any later point leaves either the old checkpoint
-    (loadable by both) or no `.metadata` (refused by both), never a checkpoint
-    only one of them opens."""
+    never changes, so a crash at any later point leaves the old checkpoint as it
+    was (only marked Megatron's, which Megatron refuses cleanly if it was not) or
+    no `.metadata` (refused by both); never new data that only one of them opens."""
     from ..interop.megatron import write_metadata_json
 
     problem: BaseException | None = None
@@ -212,7 +212,7 @@ def async_save(
     path = Path(path)
     if _ASYNC.pending is not None:
         _ASYNC.pending.result()
-    state_dict = adapted_for_save(_state_dicts_of(state_dict))
+    state_dict = adapted_for_save(_state_dicts_of(state_dict), process_group)
     _check_target(path, overwrite, process_group, state_dict)
     group = _ASYNC.group_for(process_group)
     staged = _ASYNC.stager.stage(state_dict)
@@ -279,9 +279,17 @@ def load(
         for finish in finishers:
             finish()
         return reader
-    with adapted_for_load(state_dict) as adapted:  # other libraries' values as ShardedTensors
-        reader = _load_adapted(state_dict, path, strict, verify, cast_dtype, process_group)
+    # Stateful values as their state dicts first (as dcp.load does), so that what they
+    # hold is adapted too; filled back through load_state_dict after.
+    statefuls = {k: v for k, v in state_dict.items() if isinstance(v, Stateful)}
+    plain = _state_dicts_of(state_dict) if statefuls else state_dict
+    with adapted_for_load(plain, process_group) as adapted:  # other libraries' values as ShardedTensors
+        reader = _load_adapted(plain, path, strict, verify, cast_dtype, process_group)
         adapted.finish()
+    for key, value in statefuls.items():
+        value.load_state_dict(plain[key])
+    if plain is not state_dict:  # objects DCP replaced at the top level of our copy
+        state_dict.update({k: v for k, v in plain.items() if k not in statefuls})
     return reader
 
 

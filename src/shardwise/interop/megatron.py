@@ -275,7 +275,12 @@ def _adapter_for_load(value: Any) -> tuple[ShardedTensor, Any]:
         ) from e
 
 
-register_value_adapter(ValueAdapter("megatron-core", _matches, _for_save, _adapter_for_load))
+register_value_adapter(
+    ValueAdapter(
+        "megatron-core", _matches, _for_save, _adapter_for_load,
+        hint="for Megatron's own nesting (pieces of one key in several entries), pass megatron=True",
+    )
+)
 
 
 # -- checkpoints Megatron's dist_checkpointing.load opens --------------------------------
@@ -299,6 +304,9 @@ def save_planner() -> Any:
     return _MegatronSavePlanner(dedup_save_to_lowest_rank=False)
 
 
+_NONE = object()  # "no part here" in _split's pairs
+
+
 def _split(value: Any) -> tuple[Any, Any]:
     """(sharded part, common part) of a nested state dict, as Megatron splits it:
     tensors that are sharded (shardwise or Megatron) vs everything else."""
@@ -310,10 +318,31 @@ def _split(value: Any) -> tuple[Any, Any]:
         return value, _NONE
     if isinstance(value, list) and value and all(_is_mcore_piece(v) for v in value):
         return value, _NONE
+    if _is_mapping_class(value, "LocalNonpersistentObject"):
+        return _NONE, _NONE  # Megatron does not persist these either
+    if _is_mapping_class(value, "ShardedTensorFactory") or _holds_sharded(value):
+        raise TypeError(
+            f"a {type(value).__name__} holding Megatron sharded values: shardwise takes Megatron "
+            f"ShardedTensors in dicts (or lists of pieces of one key); apply Megatron's "
+            f"factories first (dist_checkpointing.mapping.apply_factories) and key other lists by name"
+        )
     return _NONE, value
 
 
-_NONE = object()
+def _is_mapping_class(value: Any, name: str) -> bool:
+    return type(value).__module__ == _MAPPING and type(value).__name__ == name
+
+
+def _holds_sharded(value: Any) -> bool:
+    """A list or tuple with a sharded value somewhere inside (Megatron's own walk sees it)."""
+    if not isinstance(value, (list, tuple)):
+        return False
+    return any(
+        isinstance(v, ShardedTensor) or _matches(v) or _is_mcore_object(v) or _holds_sharded(v)
+        or (isinstance(v, Mapping) and _split(v)[0])
+        for v in value
+    )
+
 
 
 def _sharded_entries(sharded: Any, prefix: str = "") -> dict[str, Any]:
@@ -353,7 +382,8 @@ def prepare_save(state_dict: Mapping[str, Any], group: Any = None) -> dict[str, 
     for key, values in entries.items():  # ShardedObjects: this rank's, as Megatron stores them
         if isinstance(key, tuple) and key[0] == "object":
             flat[key[1]] = _serialized(values)
-    flat[COMMON_STATE_KEY] = _serialized([common])  # the same on every rank: DCP writes it once
+    if _rank(group) == 0:  # rank 0's, as Megatron keeps (its replica_id is the rank)
+        flat[COMMON_STATE_KEY] = _serialized([common])
     return flat
 
 
@@ -373,6 +403,12 @@ def _mcore_keys(entries: dict[Any, Any], group: Any) -> tuple[dict[str, list[Any
         for k, shape in theirs.items():
             shapes.setdefault(k, shape)
     return mcore, shapes
+
+
+def _rank(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
 def _refuse_clash(key: str, flat: Mapping[str, Any]) -> None:
@@ -411,7 +447,13 @@ def _serialized(values: list[Any]) -> _RawBytes:
 
 
 def metadata_json_problem(path: Path) -> BaseException | None:
-    """A `metadata.json` already in the folder that is not Megatron's torch_dist one."""
+    """A `metadata.json` already in the folder that is not Megatron's torch_dist one,
+    or a legacy `common.pt`, which both readers prefer to the new common state."""
+    if (path / "common.pt").exists():
+        return FileExistsError(
+            f"{path / 'common.pt'} exists (a legacy Megatron common state): Megatron and "
+            f"read_common_state would read it instead of this save's; move it away first"
+        )
     existing = path / METADATA_JSON
     if not existing.exists():
         return None
