@@ -286,8 +286,8 @@ def load(
     with adapted_for_load(plain, process_group) as adapted:  # other libraries' values as ShardedTensors
         reader = _load_adapted(plain, path, strict, verify, cast_dtype, process_group)
         adapted.finish()
-    for key, value in statefuls.items():
-        value.load_state_dict(plain[key])
+    for key in sorted(statefuls):  # sorted, as dcp.load: load_state_dict may be collective
+        statefuls[key].load_state_dict(plain[key])
     if plain is not state_dict:  # objects DCP replaced at the top level of our copy
         state_dict.update({k: v for k, v in plain.items() if k not in statefuls})
     return reader
