@@ -16,30 +16,21 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from shardwise.cli.sizes import parse_size
+from shardwise.testing import median_seconds_across_ranks
+
 
 
 def _median(fn, repeat: int, before=None) -> float:
-    samples = []
-    for _ in range(repeat):
-        if before is not None:
-            before()
-        dist.barrier()
-        t = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        samples.append(float(elapsed))
-    return statistics.median(samples)
+    """No warm-up: each save writes a fresh checkpoint, as a training job's would."""
+    return median_seconds_across_ranks(fn, repeat, before=before, warmup=False)
 
 
 def _clean(path: Path) -> None:
@@ -91,7 +82,7 @@ def _bench_rank(rank: int, world: int, folder: str, nbytes: int, repeat: int) ->
     theirs, ours, ours_mg = base / "megatron", base / "shardwise", base / "shardwise_megatron"
     out: dict[str, float] = {"local MiB": sum(t.nbytes for t in values.values()) / 2**20}
 
-    out["megatron save"] = _median(lambda: mdc.save(source, str(theirs)), repeat, lambda: _clean(theirs))
+    out["megatron save"] = _median(lambda: mdc.save(source, str(theirs)), repeat, before=lambda: _clean(theirs))
     out["shardwise save"] = _median(lambda: swc.save(source, ours, overwrite=True), repeat)
     out["shardwise save megatron=True"] = _median(
         lambda: swc.save(source, ours_mg, overwrite=True, megatron=True), repeat

@@ -179,19 +179,29 @@ def shard_of(full: torch.Tensor, layout: Any, rank: int) -> list[torch.Tensor]:
     return [full[b.slices()].clone() for b in layout.blocks_of(rank)]
 
 
-def median_seconds_across_ranks(fn: Callable[[], Any], repeat: int) -> float:
+def median_seconds_across_ranks(
+    fn: Callable[[], Any],
+    repeat: int,
+    *,
+    before: Callable[[], Any] | None = None,
+    warmup: bool = True,
+) -> float:
     """Median over `repeat` runs of the slowest rank's time for `fn()`. Collective.
 
-    One warm-up run first; ranks start each run together (a barrier), so a
-    collective operation is timed as the job sees it, not as one rank does.
+    One warm-up run first (unless `warmup=False`); `before()` runs untimed ahead
+    of each run (e.g. clearing a folder); ranks start each run together (a
+    barrier), so a collective operation is timed as the job sees it.
     """
     import statistics
 
     import torch.distributed as dist
 
-    fn()
+    if warmup:
+        fn()
     times = []
     for _ in range(repeat):
+        if before is not None:
+            before()
         dist.barrier()
         start = time.perf_counter()
         fn()
