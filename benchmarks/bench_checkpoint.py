@@ -30,20 +30,12 @@ import torch
 import torch.distributed as dist
 
 from shardwise.cli.sizes import parse_size
+from shardwise.testing import seconds_across_ranks
 
 
 def _best(fn, repeat: int, before=None) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        if before is not None:
-            before()
-        dist.barrier()
-        t = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        best = min(best, float(elapsed))
-    return best
+    """Best of `repeat` (no warm-up: each save writes a fresh checkpoint)."""
+    return seconds_across_ranks(fn, repeat, before=before, warmup=False, pick=min)
 
 
 def _status_kib(field: str) -> int:

@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 
 from shardwise.cli.sizes import parse_size
-from shardwise.testing import median_seconds_across_ranks
+from shardwise.testing import seconds_across_ranks
 
 
 
 def _median(fn, repeat: int, before=None) -> float:
     """No warm-up: each save writes a fresh checkpoint, as a training job's would."""
-    return median_seconds_across_ranks(fn, repeat, before=before, warmup=False)
+    return seconds_across_ranks(fn, repeat, before=before, warmup=False)
 
 
 def _clean(path: Path) -> None:

@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from shardwise.testing import median_seconds_across_ranks as timed
+from shardwise.testing import seconds_across_ranks as timed
 
 PHYSICSNEMO = "PhysicsNeMo redistribute"
 NAMES = (PHYSICSNEMO, "shardwise redistribute", "shardwise from+redistribute+to")

@@ -23,7 +23,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from shardwise.testing import median_seconds_across_ranks as timed
+from shardwise.testing import seconds_across_ranks as timed
 
 
 

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["RankFailure", "RanksFailed", "free_port", "median_seconds_across_ranks", "run_ranks", "shard_of"]
+__all__ = ["RankFailure", "RanksFailed", "free_port", "seconds_across_ranks", "run_ranks", "shard_of"]
 
 
 def free_port() -> int:
@@ -179,14 +179,16 @@ def shard_of(full: torch.Tensor, layout: Any, rank: int) -> list[torch.Tensor]:
     return [full[b.slices()].clone() for b in layout.blocks_of(rank)]
 
 
-def median_seconds_across_ranks(
+def seconds_across_ranks(
     fn: Callable[[], Any],
     repeat: int,
     *,
     before: Callable[[], Any] | None = None,
     warmup: bool = True,
+    pick: Callable[[list[float]], float] | None = None,
 ) -> float:
-    """Median over `repeat` runs of the slowest rank's time for `fn()`. Collective.
+    """`pick` (default: the median) of `repeat` runs of the slowest rank's time for
+    `fn()`. Collective.
 
     One warm-up run first (unless `warmup=False`); `before()` runs untimed ahead
     of each run (e.g. clearing a folder); ranks start each run together (a
@@ -208,4 +210,4 @@ def median_seconds_across_ranks(
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed))
-    return statistics.median(times)
+    return (pick or statistics.median)(times)

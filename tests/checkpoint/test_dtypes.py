@@ -9,7 +9,6 @@ are covered. Values are compared as bytes, so NaNs and odd bit patterns count.
 from __future__ import annotations
 
 import io
-import os
 import re
 import tempfile
 
@@ -19,7 +18,8 @@ import torch.distributed.checkpoint as dcp
 
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
-from shardwise.checkpoint.records import _read_via_directory, read_record_layout, tensor_record
+from shardwise.checkpoint.records import read_record_layout, tensor_record
+from tests.checkpoint.test_records import saved_record
 
 V3 = torch.storage._new_dtypes()
 DTYPES = [
@@ -93,17 +93,9 @@ def test_our_record_parses_back(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=NAMES)
 def test_stock_record_payload_is_found(dtype):
     t = sample(dtype)
-    with tempfile.TemporaryFile() as f:
-        f.write(b"prefix" * 7)
-        start = f.tell()
-        torch.save(t, f)
-        length = f.tell() - start
-        f.flush()
-        layout = read_record_layout(f.fileno(), start, length)
-        assert layout == _read_via_directory(f.fileno(), start, length)
-        assert (layout.dtype, layout.shape, layout.c_contiguous) == (dtype, SHAPE, True)
-        assert layout.payload_length == layout.nbytes == t.numel() * dtype.itemsize
-        raw = bytearray(os.pread(f.fileno(), layout.nbytes, layout.payload_offset))
+    layout, raw = saved_record(t, prefix=b"prefix" * 7)
+    assert (layout.dtype, layout.shape, layout.c_contiguous) == (dtype, SHAPE, True)
+    assert layout.payload_length == layout.nbytes == t.numel() * dtype.itemsize
     assert same_bits(torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(SHAPE), t)
 
 

@@ -27,22 +27,30 @@ TENSORS = {
 }
 
 
-@pytest.mark.parametrize("name", TENSORS)
-def test_record_layout_finds_the_payload(name):
-    t = TENSORS[name]
+def saved_record(t: torch.Tensor, prefix: bytes):
+    """(layout, payload bytes or None) that `read_record_layout` finds in
+    `torch.save(t)` written after `prefix`, checked against the zip central
+    directory's answer; the payload is read only where it is C-contiguous."""
     with tempfile.TemporaryFile() as f:
-        f.write(b"prefix" * 10)
+        f.write(prefix)
         start = f.tell()
         torch.save(t, f)
         length = f.tell() - start
         f.flush()
         layout = read_record_layout(f.fileno(), start, length)
         assert layout == _read_via_directory(f.fileno(), start, length)
-        assert layout.dtype == t.dtype and layout.shape == tuple(t.shape)
-        assert layout.c_contiguous == (t.is_contiguous() and t.storage_offset() == 0)
-        if layout.c_contiguous:
-            raw = bytearray(os.pread(f.fileno(), layout.nbytes, layout.payload_offset))
-            assert torch.equal(torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape), t)
+        raw = bytearray(os.pread(f.fileno(), layout.nbytes, layout.payload_offset)) if layout.c_contiguous else None
+    return layout, raw
+
+
+@pytest.mark.parametrize("name", TENSORS)
+def test_record_layout_finds_the_payload(name):
+    t = TENSORS[name]
+    layout, raw = saved_record(t, prefix=b"prefix" * 10)
+    assert layout.dtype == t.dtype and layout.shape == tuple(t.shape)
+    assert layout.c_contiguous == (t.is_contiguous() and t.storage_offset() == 0)
+    if layout.c_contiguous:
+        assert torch.equal(torch.frombuffer(raw, dtype=torch.uint8).view(t.dtype).view(t.shape), t)
 
 
 class _Boom:
