@@ -18,7 +18,7 @@ from pathlib import Path
 
 
 def crashes(folder: Path, rounds: int) -> None:
-    from shardwise import chaos
+    from tests.reliability import chaos
 
     tried = lost = hung = foreign = 0
     states: Counter[str] = Counter()
@@ -56,7 +56,7 @@ def crashes(folder: Path, rounds: int) -> None:
 
 
 def corruption(folder: Path, rounds: int) -> None:
-    from shardwise import chaos
+    from tests.reliability import chaos
 
     ref = folder / "ref"
     chaos.save_reference(ref)
@@ -83,7 +83,7 @@ def corruption(folder: Path, rounds: int) -> None:
 
 
 def bad_input(folder: Path) -> None:
-    from shardwise.chaos_cases import CASES, prepare, run_case
+    from tests.reliability.bad_input_cases import CASES, prepare, run_case
     from shardwise.testing import run_ranks
 
     prepare(folder)
@@ -148,7 +148,7 @@ def _many(rank: int, world: int, path: str, count: int) -> tuple[float, float]:
 
 def scale(folder: Path, small: int) -> None:
     from shardwise import Layout, plan_transfers
-    from shardwise.reliability_scale import simulate_load_planning
+    from tests.reliability.scale_sim import simulate_load_planning
     from shardwise.testing import run_ranks
 
     layout = Layout.grid((4000, 400), (1000, 100))

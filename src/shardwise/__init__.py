@@ -5,7 +5,7 @@ The public surface is what `__all__` lists; everything else is internal.
 
 from __future__ import annotations
 
-from .dist import distribute, equal, from_local
+from .comm import distribute, equal, from_local
 from .errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,

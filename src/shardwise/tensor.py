@@ -4,7 +4,7 @@ this rank's blocks of a `Layout`.
 The wrapper holds no storage of its own; `__torch_dispatch__` sends each op to
 `shardwise.ops`, which applies it shard by shard. Nothing in this module
 communicates: building from a layout is local, and collectives live in
-`shardwise.dist`.
+`shardwise.comm`.
 """
 
 from __future__ import annotations
@@ -163,10 +163,10 @@ class ShardedTensor(torch.Tensor):
     ) -> ShardedTensor:
         """Collective: learn the layout from every rank's shards and offsets.
 
-        See `shardwise.dist.from_local_shards`; a problem on any rank raises the
+        See `shardwise.comm.from_local_shards`; a problem on any rank raises the
         same error on every rank.
         """
-        from .dist import from_local_shards
+        from .comm import from_local_shards
 
         return from_local_shards(shards, offsets, global_shape, group)
 
@@ -318,17 +318,17 @@ class ShardedTensor(torch.Tensor):
     def is_pinned(self, device: Any = None) -> bool:  # type: ignore[override]
         return bool(self._shards) and all(s.is_pinned() for s in self._shards)
 
-    # -- collectives (shardwise.dist) ---------------------------------------
+    # -- collectives (shardwise.comm) ---------------------------------------
 
     def full_tensor(self) -> torch.Tensor:
         """The whole tensor on every rank. Collective; differentiable."""
-        from .dist import full_tensor
+        from .comm import full_tensor
 
         return full_tensor(self)
 
     def gather(self, dst: int = 0) -> torch.Tensor | None:
         """The whole tensor on rank `dst`, None on the others. Collective."""
-        from .dist import gather
+        from .comm import gather
 
         return gather(self, dst)
 
@@ -336,7 +336,7 @@ class ShardedTensor(torch.Tensor):
         self, layout: Layout, *, stats: dict[str, int] | None = None
     ) -> ShardedTensor:
         """The same values in `layout`. Collective; differentiable."""
-        from .dist import redistribute
+        from .comm import redistribute
 
         return redistribute(self, layout, stats=stats)
 
@@ -355,7 +355,7 @@ class ShardedTensor(torch.Tensor):
 
     def to_local(self) -> torch.Tensor:
         """This rank's single shard; differentiable (see `shardwise.from_local`)."""
-        from .dist import to_local
+        from .comm import to_local
 
         return to_local(self)
 

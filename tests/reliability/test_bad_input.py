@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.chaos_cases import CASES, prepare, run_case
+from .bad_input_cases import CASES, prepare, run_case
 from shardwise.testing import run_ranks
 
 

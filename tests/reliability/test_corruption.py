@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from shardwise import chaos
+from . import chaos
 
 
 @pytest.fixture(scope="module")

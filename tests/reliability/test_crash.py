@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise import chaos
+from . import chaos
 
 # Data-phase points on a new path (one or all ranks killed); commit-phase points
 # (the coordinator's) while overwriting, where the previous checkpoint is at stake.

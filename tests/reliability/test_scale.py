@@ -6,7 +6,7 @@ import torch
 
 import shardwise.checkpoint as swc
 from shardwise import Layout, ShardedTensor, plan_transfers
-from shardwise.reliability_scale import simulate_load_planning
+from .scale_sim import simulate_load_planning
 from shardwise.testing import run_ranks
 
 

@@ -115,7 +115,7 @@ def _agree_on(leaves: list[_Leaf], group: Any) -> None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return
-    from ..dist.agreement import exchange, odd_ranks
+    from ..comm.agreement import exchange, odd_ranks
 
     mine = tuple((".".join(map(str, leaf.path)), leaf.adapter.name) for leaf in leaves)
     everyone = exchange(None, mine, group)

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..dist.agreement import exchange
+from ..comm.agreement import exchange
 from ..errors import CheckpointMismatchError, ShardwiseError
 from ..layout import Block
 from .adapters import adapted_for_load, adapted_for_save

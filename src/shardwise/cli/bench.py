@@ -37,6 +37,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    folder = benchmarks_dir()
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"shardwise bench needs a source checkout: no benchmarks/ folder at {folder} "
+            "(install with `pip install -e .` from a clone of the repository)"
+        )
+    # Benchmarks import the soak helpers under tests/ of the same checkout.
+    sys.path.insert(0, str(folder.parent))
     script = benchmarks_dir() / f"bench_{args.name}.py"
     if not script.is_file():
         names = ", ".join(_available()) or "none found"

@@ -5,7 +5,7 @@ Shard data is never copied: the ShardedTensor holds the very local tensors
 of its source, and `to_dtensor` hands its shard to `DTensor.from_local`.
 
 `from_dtensor` (and `from_shard_tensor`, which shares its machinery) is
-collective, as every entry point of `shardwise.dist`: each rank inspects its
+collective, as every entry point of `shardwise.comm`: each rank inspects its
 own value, then one `all_gather_object` of metadata lets every rank check the
 global layout and raise the same error, naming the faulty rank, or none. A
 rank that raised alone (an unevenly built DTensor, a value of another kind)
@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..dist.agreement import Problem, exchange, odd_ranks, raise_agreed
-from ..dist.build import _from_local_shards
+from ..comm.agreement import Problem, exchange, odd_ranks, raise_agreed
+from ..comm.build import _from_local_shards
 from ..errors import LayoutError
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor

@@ -8,7 +8,7 @@ hands them to DCP wrapped as `CheckpointableShardedTensor` (one piece) or
 
 - `to_shardwise(value)`: any of those (or a list of pieces of one key) as one
   shardwise `ShardedTensor` over the same storage. Collective: the global
-  layout needs every rank's pieces (`shardwise.dist.from_local_shards`, which
+  layout needs every rank's pieces (`shardwise.comm.from_local_shards`, which
   raises the same error on every rank).
 - `to_megatron(state_dict)`: shardwise ShardedTensors as Megatron
   ShardedTensors over the same storage (one per local block, replicas numbered
@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ..checkpoint.adapters import ValueAdapter, register_value_adapter
-from ..dist.build import _from_local_shards
+from ..comm.build import _from_local_shards
 from ..errors import LayoutError, ShardMismatchError
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
@@ -392,7 +392,7 @@ def _mcore_keys(entries: dict[Any, Any], group: Any) -> tuple[dict[str, list[Any
     shapes (one exchange), so a rank holding nothing of a key still takes part."""
     import torch.distributed as dist
 
-    from ..dist.agreement import exchange
+    from ..comm.agreement import exchange
 
     mcore = {key[1]: pieces for key, pieces in entries.items() if isinstance(key, tuple) and key[0] == "mcore"}
     local = {k: tuple(p[0].global_shape) for k, p in mcore.items()}

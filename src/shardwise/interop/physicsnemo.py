@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from ..checkpoint.adapters import ValueAdapter, register_value_adapter
-from ..dist.agreement import Problem
+from ..comm.agreement import Problem
 from ..errors import LayoutError, ShardMismatchError
 from ..layout import Block, Layout
 from ..layout.layout import mesh_coordinates

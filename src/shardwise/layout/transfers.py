@@ -1,6 +1,6 @@
 """`plan_transfers`: which source block feeds which destination block, and where.
 
-Pure planning over two layouts, no process group: `dist/` executes the plan,
+Pure planning over two layouts, no process group: `comm/` executes the plan,
 checkpoint loading reuses `BlockIndex`, and tests run it for 1,024 ranks in one
 process.
 """

@@ -5,7 +5,7 @@ builds the layout from each rank's piece along one dimension: "chunk" checks
 the pieces are `torch.chunk` sizes, "infer" accepts any sizes, and an explicit
 list names them.
 
-`from_local` is collective, as every entry point of `shardwise.dist`: each rank
+`from_local` is collective, as every entry point of `shardwise.comm`: each rank
 checks its own input, then one `all_gather_object` of metadata (the sizes,
 and what the ranks must agree on) lets every rank raise the same error, or
 none. A rank that raised alone would leave the others waiting in their next

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import shardwise as sw
 from shardwise import Block, Layout
 from shardwise.testing import run_ranks
-from tests.dist.refusal import refuse
+from tests.comm.refusal import refuse
 
 WORLD = 3
 SHAPE = (9, 4)

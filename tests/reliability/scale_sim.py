@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .layout import Layout
-from .tensor import ShardedTensor
+from shardwise.layout import Layout
+from shardwise.tensor import ShardedTensor
 
 __all__ = ["PlanningStats", "simulate_load_planning"]
 

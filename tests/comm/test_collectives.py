@@ -9,7 +9,7 @@ import torch.distributed as dist
 import shardwise as sw
 from shardwise import Block, Layout, ShardedTensor
 from shardwise.testing import run_ranks, shard_of
-from tests.dist.refusal import refuse
+from tests.comm.refusal import refuse
 
 SHAPE = (9, 8)
 

@@ -47,8 +47,8 @@ def reference_tensors(seed: int) -> dict[str, torch.Tensor]:
 
 def make_state(rank: int, world: int, seed: int) -> dict[str, Any]:
     """A small sharded state: row-wise uneven, column-wise, replicated, an object."""
-    from . import Layout, ShardedTensor
-    from .testing import shard_of
+    from shardwise import Layout, ShardedTensor
+    from shardwise.testing import shard_of
 
     full = reference_tensors(seed)
     layouts = {
@@ -63,7 +63,7 @@ def make_state(rank: int, world: int, seed: int) -> dict[str, Any]:
 
 def load_plain(path: Path) -> dict[str, Any]:
     """Load a checkpoint in this process into full tensors (no process group)."""
-    from .checkpoint import load
+    from shardwise.checkpoint import load
 
     state: dict[str, Any] = {k: torch.zeros(s) for k, s in SHAPES.items()}
     state["meta"] = {"seed": -1}
@@ -81,7 +81,7 @@ def holds(path: Path, seed: int) -> bool:
 
 
 def _save_rank(rank: int, world: int, path: str, seed: int, failpoint: str | None, overwrite: bool, use_async: bool) -> None:
-    from .checkpoint import async_save, save
+    from shardwise.checkpoint import async_save, save
 
     if failpoint:
         os.environ["SHARDWISE_FAILPOINT"] = failpoint  # this process only
@@ -125,7 +125,7 @@ def _foreign_lost(folder: Path) -> list[str]:
 
 def _stray(folder: Path) -> list[str]:
     """Files in a committed folder that neither its records nor the user put there."""
-    from .checkpoint.commit import referenced_files
+    from shardwise.checkpoint.commit import referenced_files
 
     expected = referenced_files(folder) | set(FOREIGN_FILES) | {".metadata", "shardwise.json", ".shardwise"}
     return sorted(n for n in os.listdir(folder) if n not in expected)
@@ -137,8 +137,8 @@ def crash_save(
 ) -> CrashOutcome:
     """SIGKILL a save (all ranks, or `kill_rank`) at `point` into a folder that
     also holds files of the user's (`FOREIGN_FILES`); report what survived."""
-    from .checkpoint import IncompleteCheckpointError
-    from .testing import run_ranks
+    from shardwise.checkpoint import IncompleteCheckpointError
+    from shardwise.testing import run_ranks
 
     start = time.monotonic()
     folder.mkdir(parents=True, exist_ok=True)
@@ -237,7 +237,7 @@ CORRUPTIONS = (
 
 def corrupt_and_load(source: Path, scratch: Path, rng: random.Random, kind: str, seed: int = 0) -> CorruptionOutcome:
     """Copy `source`, damage the copy (`kind`), load it and verify it."""
-    from .checkpoint import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError, verify
+    from shardwise.checkpoint import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError, verify
 
     shutil.rmtree(scratch, ignore_errors=True)
     shutil.copytree(source, scratch)
@@ -258,7 +258,7 @@ def corrupt_and_load(source: Path, scratch: Path, rng: random.Random, kind: str,
 
 
 def save_reference(path: Path, world: int = 2, seed: int = 0) -> None:
-    from .testing import run_ranks
+    from shardwise.testing import run_ranks
 
     shutil.rmtree(path, ignore_errors=True)
     run_ranks(_save_rank, world, str(path), seed, None, False, False, timeout=60)

@@ -24,26 +24,26 @@ def _full() -> torch.Tensor:
 
 
 def _st(layout: Any, rank: int) -> Any:
-    from . import ShardedTensor
-    from .testing import shard_of
+    from shardwise import ShardedTensor
+    from shardwise.testing import shard_of
 
     return ShardedTensor.from_layout(layout, shard_of(_full(), layout, rank))
 
 
 def _rows(world: int = 2) -> Any:
-    from . import Layout
+    from shardwise import Layout
 
     return Layout.chunked(SHAPE, 0, world)
 
 
 def _cols(world: int = 2) -> Any:
-    from . import Layout
+    from shardwise import Layout
 
     return Layout.chunked(SHAPE, 1, world)
 
 
 def _fls(rank: int, shards: list, offsets: list, **kw: Any) -> Any:
-    from . import ShardedTensor
+    from shardwise import ShardedTensor
 
     return ShardedTensor.from_local_shards(shards, offsets, **kw)
 
@@ -53,7 +53,7 @@ def _good_rows(rank: int) -> tuple[list, list]:
 
 
 def _fl(tensor: Any, layout: Any, *args: Any) -> Any:
-    from . import from_local
+    from shardwise import from_local
 
     return from_local(tensor, layout, *args)
 
@@ -68,7 +68,7 @@ def _state(rank: int, world: int = 2, layout: Any = None) -> dict:
 
 
 def _target(rank: int, **override: Any) -> dict:
-    from . import ShardedTensor
+    from shardwise import ShardedTensor
 
     t = {"w": ShardedTensor.zeros(_cols()), "b": torch.zeros(3), "meta": {"n": 0}}
     t.update(override)
@@ -76,13 +76,13 @@ def _target(rank: int, **override: Any) -> dict:
 
 
 def _save(rank: int, folder: Path, path: Any = None, **kw: Any) -> Any:
-    from .checkpoint import save
+    from shardwise.checkpoint import save
 
     return save(_state(rank), path if path is not None else folder / "new", **kw)
 
 
 def _load(rank: int, folder: Path, target: dict | None = None, path: Any = None, **kw: Any) -> Any:
-    from .checkpoint import load
+    from shardwise.checkpoint import load
 
     return load(target if target is not None else _target(rank), path if path is not None else folder / "ref", **kw)
 
@@ -167,7 +167,7 @@ def prepare(folder: Path) -> None:
     """The checkpoints the load cases read: a reference, an incomplete one, a damaged one."""
     import shutil
 
-    from .testing import run_ranks
+    from shardwise.testing import run_ranks
 
     if not (folder / "ref").exists():
         run_ranks(_save_ref, 2, str(folder), timeout=60)
@@ -177,7 +177,7 @@ def prepare(folder: Path) -> None:
 
 
 def _save_ref(rank: int, world: int, folder: str) -> None:
-    from .checkpoint import save
+    from shardwise.checkpoint import save
 
     save(_state(rank), Path(folder) / "ref")
 
