@@ -106,12 +106,17 @@ def _main_rank(rank: int, world: int, folder: str, nbytes: int, repeat: int) -> 
     probe.unlink()
 
     stock, ours = base / "stock", base / "ours"
-    out["stock save"] = _best(lambda: dcp.save(state, checkpoint_id=stock), repeat, lambda: _clean(stock))
+    out["stock save"] = _best(
+        lambda: dcp.save(state, checkpoint_id=stock), repeat, lambda: _clean(stock)
+    )
     best_threads = {}
     for threads in (2, 4):
         best_threads[threads] = _best(
-            lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(stock, thread_count=threads)),
-            repeat, lambda: _clean(stock),
+            lambda: dcp.save(
+                state, storage_writer=dcp.FileSystemWriter(stock, thread_count=threads)
+            ),
+            repeat,
+            lambda: _clean(stock),
         )
     out["stock save best threads"] = min(out["stock save"], *best_threads.values())
     out["shardwise save"] = _best(lambda: swc.save(state, ours), repeat, lambda: _clean(ours))
@@ -174,7 +179,9 @@ def _reshard_rank(rank: int, world: int, folder: str, nbytes: int, repeat: int) 
         "shardwise reshard load": _best(lambda: swc.load(targets, ours), repeat),
     }
     reader = swc.load(targets, ours, verify=False)
-    out["shardwise reshard load (verify=False)"] = _best(lambda: swc.load(targets, ours, verify=False), repeat)
+    out["shardwise reshard load (verify=False)"] = _best(
+        lambda: swc.load(targets, ours, verify=False), repeat
+    )
     read = torch.tensor([reader.bytes_read / needed], dtype=torch.float64)
     dist.all_reduce(read, op=dist.ReduceOp.MAX)
     out["bytes read / needed (verify=False)"] = float(read)
@@ -197,12 +204,16 @@ def _small_rank(rank: int, world: int, folder: str, count: int, repeat: int) -> 
     base = Path(folder)
     layout = sw.Layout.chunked((8, 128), 0, world)  # 4 KiB per tensor
     state = {
-        f"t{i}": sw.ShardedTensor.from_layout(layout, [torch.full(b.sizes, float(i)) for b in layout.blocks_of(rank)])
+        f"t{i}": sw.ShardedTensor.from_layout(
+            layout, [torch.full(b.sizes, float(i)) for b in layout.blocks_of(rank)]
+        )
         for i in range(count)
     }
     stock, ours = base / "small_stock", base / "small_ours"
     out = {
-        "stock save small": _best(lambda: dcp.save(state, checkpoint_id=stock), repeat, lambda: _clean(stock)),
+        "stock save small": _best(
+            lambda: dcp.save(state, checkpoint_id=stock), repeat, lambda: _clean(stock)
+        ),
         "shardwise save small": _best(lambda: swc.save(state, ours), repeat, lambda: _clean(ours)),
     }
     out["stock load small"] = _best(lambda: dcp.load(state, checkpoint_id=stock), repeat)
@@ -219,7 +230,9 @@ def _ratio(stock: float, ours: float) -> str:
 def main() -> None:
     from shardwise.testing import run_ranks
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size", default="2GiB", help="global state size (default 2GiB)")
     parser.add_argument("--dirs", nargs="+", default=["/dev/shm", tempfile.gettempdir()])
     parser.add_argument("--repeat", type=int, default=2)
@@ -235,7 +248,9 @@ def main() -> None:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         gib = r["local GiB"]
-        print(f"\n== {target}: {args.size} state, 2 ranks ({gib:.2f} GiB per rank), best of {args.repeat}")
+        print(
+            f"\n== {target}: {args.size} state, 2 ranks ({gib:.2f} GiB per rank), best of {args.repeat}"
+        )
         print(f"{'':44}{'seconds':>9}{'GiB/s/rank':>12}{'shardwise gain':>16}")
         rows = [
             ("raw write probe (fsync)", r["raw write"], None),
@@ -247,23 +262,37 @@ def main() -> None:
             ("shardwise load", r["shardwise load"], r["stock load"] / r["shardwise load"]),
         ]
         for name, seconds, gain in rows:
-            print(f"  {name:42}{seconds:9.3f}{gib / seconds:12.2f}{(f'{gain:.2f}x' if gain else ''):>16}")
-        print(f"  {'shardwise save vs raw write probe':42}{'':21}{r['raw write'] / r['shardwise save']:15.2f}x")
-        print(f"  {'shardwise save vs stock best threads':42}{'':21}{r['stock save best threads'] / r['shardwise save']:15.2f}x")
-        print(f"  {'async blocking: stock / shardwise':42}{r['stock async blocking']:9.3f} / {r['shardwise async blocking']:.3f}"
-              f"{_ratio(r['stock async blocking'], r['shardwise async blocking']):>10}")
+            print(
+                f"  {name:42}{seconds:9.3f}{gib / seconds:12.2f}{(f'{gain:.2f}x' if gain else ''):>16}"
+            )
+        print(
+            f"  {'shardwise save vs raw write probe':42}{'':21}{r['raw write'] / r['shardwise save']:15.2f}x"
+        )
+        print(
+            f"  {'shardwise save vs stock best threads':42}{'':21}{r['stock save best threads'] / r['shardwise save']:15.2f}x"
+        )
+        print(
+            f"  {'async blocking: stock / shardwise':42}{r['stock async blocking']:9.3f} / {r['shardwise async blocking']:.3f}"
+            f"{_ratio(r['stock async blocking'], r['shardwise async blocking']):>10}"
+        )
         print(f"  {'peak RSS growth during sync save':42}{r['rss growth MiB']:9.0f} MiB per rank")
         print("  reshard load row-wise -> column-wise, 4 ranks:")
-        print(f"    stock {rs['stock reshard load']:.3f}s, shardwise {rs['shardwise reshard load']:.3f}s "
-              f"({_ratio(rs['stock reshard load'], rs['shardwise reshard load'])}), verify=False "
-              f"{rs['shardwise reshard load (verify=False)']:.3f}s "
-              f"({_ratio(rs['stock reshard load'], rs['shardwise reshard load (verify=False)'])})")
-        print(f"    bytes read / needed: {rs['bytes read / needed (verify=False)']:.2f} (verify=False), "
-              f"{rs['bytes read / needed (verify=True)']:.2f} (verify=True)")
-        print(f"  {args.small} tensors of 4 KiB: save stock {sm['stock save small']:.2f}s / shardwise "
-              f"{sm['shardwise save small']:.2f}s ({_ratio(sm['stock save small'], sm['shardwise save small'])}); "
-              f"load stock {sm['stock load small']:.2f}s / shardwise {sm['shardwise load small']:.2f}s "
-              f"({_ratio(sm['stock load small'], sm['shardwise load small'])})")
+        print(
+            f"    stock {rs['stock reshard load']:.3f}s, shardwise {rs['shardwise reshard load']:.3f}s "
+            f"({_ratio(rs['stock reshard load'], rs['shardwise reshard load'])}), verify=False "
+            f"{rs['shardwise reshard load (verify=False)']:.3f}s "
+            f"({_ratio(rs['stock reshard load'], rs['shardwise reshard load (verify=False)'])})"
+        )
+        print(
+            f"    bytes read / needed: {rs['bytes read / needed (verify=False)']:.2f} (verify=False), "
+            f"{rs['bytes read / needed (verify=True)']:.2f} (verify=True)"
+        )
+        print(
+            f"  {args.small} tensors of 4 KiB: save stock {sm['stock save small']:.2f}s / shardwise "
+            f"{sm['shardwise save small']:.2f}s ({_ratio(sm['stock save small'], sm['shardwise save small'])}); "
+            f"load stock {sm['stock load small']:.2f}s / shardwise {sm['shardwise load small']:.2f}s "
+            f"({_ratio(sm['stock load small'], sm['shardwise load small'])})"
+        )
 
 
 if __name__ == "__main__":

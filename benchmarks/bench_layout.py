@@ -50,7 +50,9 @@ def _dcp_validate(layout: Layout) -> None:
 
 def bench_validation(sizes: list[int]) -> None:
     print("validation of n blocks (2-D grid, n/100 x 100), best of 3")
-    print(f"{'blocks':>9} {'shardwise s':>12} {'us/block':>9} {'json rt s':>10} {'DCP check s':>12} {'ratio':>6}")
+    print(
+        f"{'blocks':>9} {'shardwise s':>12} {'us/block':>9} {'json rt s':>10} {'DCP check s':>12} {'ratio':>6}"
+    )
     for n in sizes:
         rows = n // 100
         layout = Layout.grid((rows * 4, 400), (rows, 100))
@@ -71,7 +73,10 @@ def bench_planning(world_sizes: list[int]) -> None:
         shape = (ws * 8, ws * 8)
         cases = {
             "row-wise -> column-wise": (Layout.chunked(shape, 0, ws), Layout.chunked(shape, 1, ws)),
-            "row-wise -> grid": (Layout.chunked(shape, 0, ws), Layout.grid(shape, (side, ws // side))),
+            "row-wise -> grid": (
+                Layout.chunked(shape, 0, ws),
+                Layout.grid(shape, (side, ws // side)),
+            ),
             "grid -> grid (transposed)": (
                 Layout.grid(shape, (side, ws // side)),
                 Layout.grid(shape, (ws // side, side)),

@@ -27,7 +27,6 @@ from shardwise.cli.sizes import parse_size
 from shardwise.testing import seconds_across_ranks
 
 
-
 def _median(fn, repeat: int, before=None) -> float:
     """No warm-up: each save writes a fresh checkpoint, as a training job's would."""
     return seconds_across_ranks(fn, repeat, before=before, warmup=False)
@@ -82,7 +81,9 @@ def _bench_rank(rank: int, world: int, folder: str, nbytes: int, repeat: int) ->
     theirs, ours, ours_mg = base / "megatron", base / "shardwise", base / "shardwise_megatron"
     out: dict[str, float] = {"local MiB": sum(t.nbytes for t in values.values()) / 2**20}
 
-    out["megatron save"] = _median(lambda: mdc.save(source, str(theirs)), repeat, before=lambda: _clean(theirs))
+    out["megatron save"] = _median(
+        lambda: mdc.save(source, str(theirs)), repeat, before=lambda: _clean(theirs)
+    )
     out["shardwise save"] = _median(lambda: swc.save(source, ours, overwrite=True), repeat)
     out["shardwise save megatron=True"] = _median(
         lambda: swc.save(source, ours_mg, overwrite=True, megatron=True), repeat
@@ -103,9 +104,13 @@ def _bench_rank(rank: int, world: int, folder: str, nbytes: int, repeat: int) ->
     checks["megatron load"] = exact()
     out["shardwise load"] = _median(lambda: swc.load(targets, ours), repeat)
     checks["shardwise load"] = exact()
-    out["shardwise load of megatron's checkpoint"] = _median(lambda: swc.load(targets, theirs), repeat)
+    out["shardwise load of megatron's checkpoint"] = _median(
+        lambda: swc.load(targets, theirs), repeat
+    )
     checks["shardwise load of megatron's checkpoint"] = exact()
-    out["megatron load of shardwise megatron=True"] = _median(lambda: mdc.load(targets, str(ours_mg)), repeat)
+    out["megatron load of shardwise megatron=True"] = _median(
+        lambda: mdc.load(targets, str(ours_mg)), repeat
+    )
     checks["megatron load of shardwise megatron=True"] = exact()
     out["checks"] = checks
     return out
@@ -118,21 +123,27 @@ def _ratio(theirs: float, ours: float) -> str:
 def main() -> None:
     from shardwise.testing import run_ranks
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size", default="256MiB", help="global state size (default 256MiB)")
     parser.add_argument("--repeat", type=int, default=3, help="repeats; the median is reported")
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--quick", action="store_true", help="16MiB, 1 repeat: a smoke run")
     args = parser.parse_args()
-    nbytes, repeat = (parse_size("16MiB"), 1) if args.quick else (parse_size(args.size), args.repeat)
+    nbytes, repeat = (
+        (parse_size("16MiB"), 1) if args.quick else (parse_size(args.size), args.repeat)
+    )
     folder = tempfile.mkdtemp(prefix="shardwise-bench-megatron-", dir=args.dir)
     try:
         r = run_ranks(_bench_rank, 2, folder, nbytes, repeat, timeout=3600)[0]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     mib = r["local MiB"]
-    print(f"\n== {args.dir}: {nbytes / 2**20:.0f} MiB Megatron sharded state dict, 2 ranks "
-          f"({mib:.0f} MiB per rank), median of {repeat}")
+    print(
+        f"\n== {args.dir}: {nbytes / 2**20:.0f} MiB Megatron sharded state dict, 2 ranks "
+        f"({mib:.0f} MiB per rank), median of {repeat}"
+    )
     print(f"{'':46}{'seconds':>9}{'MiB/s/rank':>12}{'vs Megatron':>13}{'bit exact':>11}")
     rows = [
         ("megatron dist_checkpointing.save", "megatron save", None),
@@ -140,13 +151,23 @@ def main() -> None:
         ("swc.save(megatron=True)", "shardwise save megatron=True", "megatron save"),
         ("megatron dist_checkpointing.load", "megatron load", None),
         ("swc.load (value adapter)", "shardwise load", "megatron load"),
-        ("swc.load of Megatron's checkpoint", "shardwise load of megatron's checkpoint", "megatron load"),
-        ("megatron load of swc.save(megatron=True)", "megatron load of shardwise megatron=True", "megatron load"),
+        (
+            "swc.load of Megatron's checkpoint",
+            "shardwise load of megatron's checkpoint",
+            "megatron load",
+        ),
+        (
+            "megatron load of swc.save(megatron=True)",
+            "megatron load of shardwise megatron=True",
+            "megatron load",
+        ),
     ]
     for label, key, ref in rows:
         exact = r["checks"].get(key)
-        print(f"  {label:44}{r[key]:9.3f}{mib / r[key]:12.0f}{(_ratio(r[ref], r[key]) if ref else ''):>13}"
-              f"{('' if exact is None else 'yes' if exact else 'NO'):>11}")
+        print(
+            f"  {label:44}{r[key]:9.3f}{mib / r[key]:12.0f}{(_ratio(r[ref], r[key]) if ref else ''):>13}"
+            f"{('' if exact is None else 'yes' if exact else 'NO'):>11}"
+        )
     if not all(r["checks"].values()):
         raise SystemExit("a load was not bit exact")
 

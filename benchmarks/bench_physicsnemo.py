@@ -29,7 +29,6 @@ PHYSICSNEMO = "PhysicsNeMo redistribute"
 NAMES = (PHYSICSNEMO, "shardwise redistribute", "shardwise from+redistribute+to")
 
 
-
 def _rank(rank: int, world: int, mib: float, repeat: int) -> dict[str, float]:
     from physicsnemo.domain_parallel import ShardTensor
     from torch.distributed.device_mesh import init_device_mesh
@@ -48,7 +47,9 @@ def _rank(rank: int, world: int, mib: float, repeat: int) -> dict[str, float]:
         sizes[r] = rest // (world - 1) + (1 if r - 1 < rest % (world - 1) else 0)
     mesh = init_device_mesh("cpu", (world,))
     local = torch.randn((sizes[rank], cols), generator=torch.Generator().manual_seed(rank))
-    st = ShardTensor.from_local(local, mesh, (Shard(0),), sharding_shapes={0: [(s, cols) for s in sizes]})
+    st = ShardTensor.from_local(
+        local, mesh, (Shard(0),), sharding_shapes={0: [(s, cols) for s in sizes]}
+    )
     ours = sw.from_shard_tensor(st)
     theirs = st.redistribute(mesh, (Shard(1),))
     target = sw.from_shard_tensor(theirs).layout_spec  # PhysicsNeMo's target layout
@@ -65,7 +66,10 @@ def _rank(rank: int, world: int, mib: float, repeat: int) -> dict[str, float]:
         PHYSICSNEMO: timed(lambda: st.redistribute(mesh, (Shard(1),)), repeat),
         NAMES[1]: timed(lambda: ours.redistribute(target), repeat),
         NAMES[2]: timed(
-            lambda: sw.from_shard_tensor(st).redistribute(target).to_shard_tensor(mesh, (Shard(1),)), repeat
+            lambda: (
+                sw.from_shard_tensor(st).redistribute(target).to_shard_tensor(mesh, (Shard(1),))
+            ),
+            repeat,
         ),
     }
 

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from shardwise.testing import seconds_across_ranks as timed
 
 
-
 def _rank(rank: int, world: int, mib: int, repeat: int) -> dict[str, float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

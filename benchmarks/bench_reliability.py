@@ -30,7 +30,11 @@ def crashes(folder: Path, rounds: int) -> None:
             ranks = (None, 0) if point in chaos.COORDINATOR_POINTS else (None, 0, 1)
             for kill in ranks:
                 # the commit-phase points matter most while the previous checkpoint is replaced
-                for overwrite in ((False, True) if point in chaos.COORDINATOR_POINTS else (False, rng.random() < 0.3)):
+                for overwrite in (
+                    (False, True)
+                    if point in chaos.COORDINATOR_POINTS
+                    else (False, rng.random() < 0.3)
+                ):
                     try:
                         o = chaos.crash_save(folder, point, kill_rank=kill, overwrite=overwrite)
                     except TimeoutError:
@@ -42,15 +46,22 @@ def crashes(folder: Path, rounds: int) -> None:
                     states[o.new_state] += 1
                     if not o.ok:
                         bad.append(o)
-        o = chaos.crash_save(folder, rng.choice(["mid-data", "after-data", "before-commit"]), use_async=True)
+        o = chaos.crash_save(
+            folder, rng.choice(["mid-data", "after-data", "before-commit"]), use_async=True
+        )
         tried += 1
         lost += o.lost_previous
         states[f"async: {o.new_state}"] += 1
-    print(f"crashes: {tried} kills tried (SIGKILL of one or all ranks at {len(chaos.CRASH_POINTS)} points, "
-          f"overwrites, async saves; every folder also holds 3 user files), {lost} checkpoints lost, "
-          f"{foreign} user files lost, {hung} hung, {len(bad)} other failures "
-          f"({time.monotonic() - start:.0f}s)")
-    print("  state of the interrupted save's path: " + ", ".join(f"{k} {v}" for k, v in sorted(states.items())))
+    print(
+        f"crashes: {tried} kills tried (SIGKILL of one or all ranks at {len(chaos.CRASH_POINTS)} points, "
+        f"overwrites, async saves; every folder also holds 3 user files), {lost} checkpoints lost, "
+        f"{foreign} user files lost, {hung} hung, {len(bad)} other failures "
+        f"({time.monotonic() - start:.0f}s)"
+    )
+    print(
+        "  state of the interrupted save's path: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(states.items()))
+    )
     for o in bad:
         print(f"  FAILED: {o}")
 
@@ -66,24 +77,31 @@ def corruption(folder: Path, rounds: int) -> None:
         for kind in chaos.CORRUPTIONS:
             o = chaos.corrupt_and_load(ref, folder / "scratch", rng, kind)
             result = (
-                "silent WRONG" if o.load.startswith("loaded WRONG")
-                else "other error" if o.load.startswith("other error")
-                else "detected by load" if o.load.startswith("detected")
-                else "detected by verify" if o.verify_found
+                "silent WRONG"
+                if o.load.startswith("loaded WRONG")
+                else "other error"
+                if o.load.startswith("other error")
+                else "detected by load"
+                if o.load.startswith("detected")
+                else "detected by verify"
+                if o.verify_found
                 else "undetected"
             )
             by_kind.setdefault(kind, Counter())[result] += 1
     total = sum(sum(c.values()) for c in by_kind.values())
     detected = sum(c["detected by load"] + c["detected by verify"] for c in by_kind.values())
-    print(f"corruption: {total} cases tried, {detected} detected, "
-          f"{sum(c['silent WRONG'] for c in by_kind.values())} loaded wrong silently, "
-          f"{sum(c['other error'] + c['undetected'] for c in by_kind.values())} other")
+    print(
+        f"corruption: {total} cases tried, {detected} detected, "
+        f"{sum(c['silent WRONG'] for c in by_kind.values())} loaded wrong silently, "
+        f"{sum(c['other error'] + c['undetected'] for c in by_kind.values())} other"
+    )
     for kind, c in by_kind.items():
         print(f"  {kind:<18} " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
 
 
 def bad_input(folder: Path) -> None:
     from tests.reliability.bad_input_cases import CASES, prepare, run_case
+
     from shardwise.testing import run_ranks
 
     prepare(folder)
@@ -101,8 +119,11 @@ def bad_input(folder: Path) -> None:
         seconds = time.monotonic() - start
         ok += error not in ("no error", "HUNG") and not error.startswith("MIXED")
         print(f"  {entry:<18} {what:<52} {error:<28} {seconds:5.1f}")
-    print(f"  {ok} of {len(CASES)} raised the same error on every rank; none hung" if ok == len(CASES)
-          else f"  {len(CASES) - ok} cases FAILED")
+    print(
+        f"  {ok} of {len(CASES)} raised the same error on every rank; none hung"
+        if ok == len(CASES)
+        else f"  {len(CASES) - ok} cases FAILED"
+    )
 
 
 def _die(rank: int, world: int, op: str) -> tuple[str, float]:
@@ -115,7 +136,9 @@ def _die(rank: int, world: int, op: str) -> tuple[str, float]:
         os._exit(3)
     start = time.monotonic()
     try:
-        st.redistribute(Layout.chunked((64, 8), 1, world)) if op == "redistribute" else st.full_tensor()
+        st.redistribute(
+            Layout.chunked((64, 8), 1, world)
+        ) if op == "redistribute" else st.full_tensor()
     except Exception as e:  # noqa: BLE001
         return type(e).__name__, time.monotonic() - start
     return "no error", time.monotonic() - start
@@ -126,8 +149,10 @@ def dead_ranks() -> None:
 
     for op in ("redistribute", "full_tensor"):
         kind, seconds = run_ranks(_die, 2, op, timeout=60, allow_dead=True)[0]
-        print(f"dead rank during {op}: the survivor raised {kind} after {seconds:.2f}s "
-              f"(bounded by the process group's timeout)")
+        print(
+            f"dead rank during {op}: the survivor raised {kind} after {seconds:.2f}s "
+            f"(bounded by the process group's timeout)"
+        )
 
 
 def _many(rank: int, world: int, path: str, count: int) -> tuple[float, float]:
@@ -137,7 +162,9 @@ def _many(rank: int, world: int, path: str, count: int) -> tuple[float, float]:
     from shardwise import Layout, ShardedTensor
 
     layout = Layout.chunked((4, 16), 0, world)
-    state = {f"t{i}": ShardedTensor.full(layout, float(i), dtype=torch.float32) for i in range(count)}
+    state = {
+        f"t{i}": ShardedTensor.full(layout, float(i), dtype=torch.float32) for i in range(count)
+    }
     start = time.perf_counter()
     swc.save(state, path)
     saved = time.perf_counter() - start
@@ -147,8 +174,9 @@ def _many(rank: int, world: int, path: str, count: int) -> tuple[float, float]:
 
 
 def scale(folder: Path, small: int) -> None:
-    from shardwise import Layout, plan_transfers
     from tests.reliability.scale_sim import simulate_load_planning
+
+    from shardwise import Layout, plan_transfers
     from shardwise.testing import run_ranks
 
     layout = Layout.grid((4000, 400), (1000, 100))
@@ -161,8 +189,10 @@ def scale(folder: Path, small: int) -> None:
     start = time.perf_counter()
     plan_transfers(layout, Layout.grid((4000, 400), (100, 1000)))
     plan = time.perf_counter() - start
-    print(f"scale: 100,000 blocks: validate {validate:.2f}s, JSON round trip {json_rt:.2f}s, "
-          f"plan_transfers to a transposed grid {plan:.2f}s")
+    print(
+        f"scale: 100,000 blocks: validate {validate:.2f}s, JSON round trip {json_rt:.2f}s, "
+        f"plan_transfers to a transposed grid {plan:.2f}s"
+    )
     saved, loaded = run_ranks(_many, 2, str(folder / "many"), small, timeout=3600)[0]
     print(f"  {small:,} small tensors on 2 ranks: save {saved:.1f}s, load {loaded:.1f}s")
     print("  load planning, simulated in one process (1,000 saved chunks -> R ranks):")
@@ -171,14 +201,20 @@ def scale(folder: Path, small: int) -> None:
         s = simulate_load_planning(ranks, 1000)
         per = s.seconds / s.read_items * 1e6
         base = base or per
-        print(f"    {ranks:>5} ranks: {s.read_items:>9,} read items in {s.seconds:6.2f}s "
-              f"({per:.1f} us/item, {per / base:.2f}x the 256-rank cost per item)")
+        print(
+            f"    {ranks:>5} ranks: {s.read_items:>9,} read items in {s.seconds:6.2f}s "
+            f"({per:.1f} us/item, {per / base:.2f}x the 256-rank cost per item)"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--small", type=int, default=50_000, help="count of small tensors for the scale run")
+    parser.add_argument(
+        "--small", type=int, default=50_000, help="count of small tensors for the scale run"
+    )
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="shardwise-reliability-"))
     crashes(folder / "crash", args.rounds)

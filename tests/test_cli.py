@@ -28,7 +28,9 @@ def ckpt(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("cli") / "ckpt"
     layout = Layout.row_wise((60, 10), [25, 35], ranks=[0, 0])
     state = {
-        "emb.weight": ShardedTensor.from_layout(layout, [FULL["emb.weight"][:25].clone(), FULL["emb.weight"][25:].clone()]),
+        "emb.weight": ShardedTensor.from_layout(
+            layout, [FULL["emb.weight"][:25].clone(), FULL["emb.weight"][25:].clone()]
+        ),
         "dense.bias": FULL["dense.bias"].clone(),
         "step_t": FULL["step_t"].clone(),
         "trainer": {"step": 11},
@@ -99,7 +101,10 @@ def test_convert_to_safetensors_and_torch(source, ckpt, stock, tmp_path, capsys)
 
 def test_convert_splits_large_outputs_with_an_index(ckpt, tmp_path):
     out = tmp_path / "model.safetensors"
-    assert main(["convert", str(ckpt), str(out), "--format", "safetensors", "--max-file-size", "1KiB"]) == 0
+    assert (
+        main(["convert", str(ckpt), str(out), "--format", "safetensors", "--max-file-size", "1KiB"])
+        == 0
+    )
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) >= 2 and files[0].startswith("model-00001-of-")
@@ -131,8 +136,12 @@ def _load_resharded(rank: int, world: int, path: str) -> bool:
     swc.load(target, path)
     st = target["emb.weight"]
     return (
-        all(torch.equal(s, FULL["emb.weight"][b.slices()]) for s, b in zip(st.local_shards(), st.local_blocks))
-        and target["trainer"]["step"] == 11 and torch.equal(target["dense.bias"], FULL["dense.bias"])
+        all(
+            torch.equal(s, FULL["emb.weight"][b.slices()])
+            for s, b in zip(st.local_shards(), st.local_blocks)
+        )
+        and target["trainer"]["step"] == 11
+        and torch.equal(target["dense.bias"], FULL["dense.bias"])
     )
 
 
@@ -181,7 +190,17 @@ def test_bad_input_is_one_line_and_non_zero(case, ckpt, tmp_path, capsys):
 
 
 def test_demo_passes(capsys, tmp_path):
-    argv = ["demo", "--world-size", "2", "--load-world-size", "3", "--size", "2MiB", "--dir", str(tmp_path)]
+    argv = [
+        "demo",
+        "--world-size",
+        "2",
+        "--load-world-size",
+        "3",
+        "--size",
+        "2MiB",
+        "--dir",
+        str(tmp_path),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "PASS" in out and "saved on 2 ranks" in out and "table-wise on rank 1" in out

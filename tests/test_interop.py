@@ -72,14 +72,18 @@ def _torchrec_state(rank: int, world: int) -> list[str]:
     mesh = init_device_mesh("cpu", (world,))
     bad = []
     cases = {
-        "column-wise": Layout.column_wise(SHAPE, [1, 2, 1, 2], ranks=[0, 1, 0, 1], world_size=world),
+        "column-wise": Layout.column_wise(
+            SHAPE, [1, 2, 1, 2], ranks=[0, 1, 0, 1], world_size=world
+        ),
         "table-wise": Layout.table_wise(SHAPE, world - 1, world),
     }
     for name, layout in cases.items():
         blocks = layout.blocks_of(rank)
         shards = [full()[b.slices()].clone() for b in blocks]
         lsw = LocalShardsWrapper(shards, [b.offsets for b in blocks])
-        dt = DTensor.from_local(lsw, mesh, (Shard(1),), run_check=False, shape=torch.Size(SHAPE), stride=(6, 1))
+        dt = DTensor.from_local(
+            lsw, mesh, (Shard(1),), run_check=False, shape=torch.Size(SHAPE), stride=(6, 1)
+        )
         st = sw.from_dtensor(dt)
         if st.layout_spec != layout:
             bad.append(f"rank {rank} {name}: {st.layout_spec!r}")
@@ -123,7 +127,9 @@ def _functional(rank: int, world: int) -> list:
     # all_gather needs equal sizes per rank: two row blocks of 2 rows each
     whole = torch.arange(48.0).reshape(8, 6)
     layout = Layout.row_wise((8, 6), [2, 2, 2, 2], ranks=[0, 0, 1, 1])
-    st = sw.ShardedTensor.from_layout(layout, [whole[b.slices()].clone() for b in layout.blocks_of(rank)])
+    st = sw.ShardedTensor.from_layout(
+        layout, [whole[b.slices()].clone() for b in layout.blocks_of(rank)]
+    )
     out = funcol.wait_tensor(funcol.all_gather_tensor(st, 0, dist.group.WORLD))
     return [torch.equal(out, whole)]
 
@@ -138,13 +144,19 @@ def _refusal(rank: int, world: int, case: str) -> tuple[str, str]:
     good = distribute_tensor(full(), mesh, (Shard(0),))  # rows 3, 3, 1
     value: object = good
     if case == "uneven" and rank == 2:  # built unevenly: 2 rows where torch.chunk gives 1
-        value = DTensor.from_local(full()[5:].clone(), mesh, (Shard(0),), run_check=False, shape=SHAPE, stride=(6, 1))
+        value = DTensor.from_local(
+            full()[5:].clone(), mesh, (Shard(0),), run_check=False, shape=SHAPE, stride=(6, 1)
+        )
     elif case == "not a dtensor" and rank == 1:
         value = full()
     elif case == "other placements" and rank == 0:  # built locally: distribute_tensor is collective
-        value = DTensor.from_local(full()[:, :2].clone(), mesh, (Shard(1),), run_check=False, shape=SHAPE, stride=(6, 1))
+        value = DTensor.from_local(
+            full()[:, :2].clone(), mesh, (Shard(1),), run_check=False, shape=SHAPE, stride=(6, 1)
+        )
     elif case == "other dtype" and rank == 1:
-        value = DTensor.from_local(good.to_local().double(), mesh, (Shard(0),), run_check=False, shape=SHAPE, stride=(6, 1))
+        value = DTensor.from_local(
+            good.to_local().double(), mesh, (Shard(0),), run_check=False, shape=SHAPE, stride=(6, 1)
+        )
     try:
         sw.from_dtensor(value)
         outcome = ("returned", "")
@@ -158,10 +170,18 @@ def _refusal(rank: int, world: int, case: str) -> tuple[str, str]:
 @pytest.mark.parametrize(
     "case, kind, start",
     [
-        ("uneven", "LayoutError", "rank 2: its DTensor's local tensor has shape (2, 6) but its placements"),
+        (
+            "uneven",
+            "LayoutError",
+            "rank 2: its DTensor's local tensor has shape (2, 6) but its placements",
+        ),
         ("not a dtensor", "TypeError", "rank 1: from_dtensor takes a DTensor"),
         ("other placements", "LayoutError", "rank 0: it passed placements (Shard(dim=1),)"),
-        ("other dtype", "TypeError", "rank 1: it passed a torch.float64 value but rank 0 passed a torch.float32"),
+        (
+            "other dtype",
+            "TypeError",
+            "rank 1: it passed a torch.float64 value but rank 0 passed a torch.float32",
+        ),
     ],
 )
 def test_from_dtensor_one_bad_rank_raises_everywhere(case, kind, start):

@@ -39,7 +39,7 @@ OPS = {
     "unary": lambda x, y: torch.sqrt(x.abs()).neg(),
     "compare": lambda x, y: x > y,
     "where": lambda x, y: torch.where(x > 0, x, y),
-    "pow": lambda x, y: x ** 2,
+    "pow": lambda x, y: x**2,
     "lerp": lambda x, y: torch.lerp(x, y, 0.3),
     "addcdiv": lambda x, y: torch.addcdiv(x, y, y.abs() + 1, value=-0.5),
     "clamp": lambda x, y: x.clamp(-0.5, 0.5),
@@ -59,7 +59,10 @@ OPS = {
 def test_out_of_place_matches_full(op, name):
     layout = LAYOUTS[name]
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(layout.global_shape, generator=g), torch.randn(layout.global_shape, generator=g)
+    x, y = (
+        torch.randn(layout.global_shape, generator=g),
+        torch.randn(layout.global_shape, generator=g),
+    )
     expected = OPS[op](x, y)
     got = [OPS[op](a, b) for a, b in zip(each_rank(layout, x), each_rank(layout, y))]
     assert_matches(got, expected)
@@ -82,7 +85,10 @@ INPLACE = {
 def test_in_place_matches_full(op, name):
     layout = LAYOUTS[name]
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(layout.global_shape, generator=g), torch.randn(layout.global_shape, generator=g)
+    x, y = (
+        torch.randn(layout.global_shape, generator=g),
+        torch.randn(layout.global_shape, generator=g),
+    )
     xs, ys = each_rank(layout, x), each_rank(layout, y)
     for a, b in zip(xs, ys):
         assert INPLACE[op](a, b) is a
@@ -106,8 +112,12 @@ def test_plain_operands_broadcast_and_copy_from_full():
 
 def test_mixing_layouts_is_an_error():
     x = torch.randn(7, 6)
-    rows = ShardedTensor.from_layout(Layout.chunked((7, 6), 0, 2), shard_of(x, Layout.chunked((7, 6), 0, 2), 0), rank=0)
-    cols = ShardedTensor.from_layout(Layout.chunked((7, 6), 1, 2), shard_of(x, Layout.chunked((7, 6), 1, 2), 0), rank=0)
+    rows = ShardedTensor.from_layout(
+        Layout.chunked((7, 6), 0, 2), shard_of(x, Layout.chunked((7, 6), 0, 2), 0), rank=0
+    )
+    cols = ShardedTensor.from_layout(
+        Layout.chunked((7, 6), 1, 2), shard_of(x, Layout.chunked((7, 6), 1, 2), 0), rank=0
+    )
     with pytest.raises(LayoutError, match="different layouts"):
         rows + cols
     with pytest.raises(LayoutError, match="redistribute"):
@@ -131,7 +141,13 @@ def test_equal_is_local_and_layout_aware():
 
 @pytest.mark.parametrize(
     "op",
-    [lambda x: x.sum(), lambda x: x.t(), lambda x: x.view(-1), lambda x: x @ x.T, lambda x: x.new_empty((2,))],
+    [
+        lambda x: x.sum(),
+        lambda x: x.t(),
+        lambda x: x.view(-1),
+        lambda x: x @ x.T,
+        lambda x: x.new_empty((2,)),
+    ],
     ids=["sum", "t", "view-flat", "matmul", "new_empty-other-size"],
 )
 def test_unsupported_ops_name_the_op(op):
@@ -199,7 +215,9 @@ def test_optimizers_step_exactly_as_on_full_tensors(make_opt, name):
         )
         opt = OPTIMIZERS[make_opt]([param])
         for grad in grads:
-            param.grad = ShardedTensor.from_layout(layout, shard_of(grad, layout, rank), rank=rank, dtype=w.dtype)
+            param.grad = ShardedTensor.from_layout(
+                layout, shard_of(grad, layout, rank), rank=rank, dtype=w.dtype
+            )
             opt.step()
         assert_matches([param.detach()], full_param.detach())
         for key, value in opt.state[param].items():

@@ -56,17 +56,42 @@ def test_factories(factory):
         st = getattr(ShardedTensor, factory)(COLUMNS, rank=1)
         assert st.dtype == torch.get_default_dtype()
     assert [tuple(s.shape) for s in st.local_shards()] == [(6, 2), (6, 2)]
-    assert ShardedTensor.zeros(COLUMNS, dtype=torch.bfloat16, rank=0).local_shards()[0].dtype == torch.bfloat16
+    assert (
+        ShardedTensor.zeros(COLUMNS, dtype=torch.bfloat16, rank=0).local_shards()[0].dtype
+        == torch.bfloat16
+    )
 
 
 @pytest.mark.parametrize(
     "shards, kwargs, error, words",
     [
-        pytest.param([torch.zeros(6, 2)], {}, ShardMismatchError, ["2 blocks", "1 shards"], id="count"),
-        pytest.param([torch.zeros(6, 2), torch.zeros(6, 3)], {}, ShardMismatchError, ["shard 1", "(6, 3)"], id="size"),
-        pytest.param([torch.zeros(6, 2), torch.zeros(6, 2, dtype=torch.float64)], {}, TypeError, ["mixed dtypes"], id="dtype"),
-        pytest.param([torch.zeros(6, 2), torch.zeros(6, 2, device="meta")], {}, ShardMismatchError, ["devices"], id="device"),
-        pytest.param([torch.zeros(6, 2)] * 2, {"rank": 5}, ShardMismatchError, ["rank 5"], id="rank"),
+        pytest.param(
+            [torch.zeros(6, 2)], {}, ShardMismatchError, ["2 blocks", "1 shards"], id="count"
+        ),
+        pytest.param(
+            [torch.zeros(6, 2), torch.zeros(6, 3)],
+            {},
+            ShardMismatchError,
+            ["shard 1", "(6, 3)"],
+            id="size",
+        ),
+        pytest.param(
+            [torch.zeros(6, 2), torch.zeros(6, 2, dtype=torch.float64)],
+            {},
+            TypeError,
+            ["mixed dtypes"],
+            id="dtype",
+        ),
+        pytest.param(
+            [torch.zeros(6, 2), torch.zeros(6, 2, device="meta")],
+            {},
+            ShardMismatchError,
+            ["devices"],
+            id="device",
+        ),
+        pytest.param(
+            [torch.zeros(6, 2)] * 2, {"rank": 5}, ShardMismatchError, ["rank 5"], id="rank"
+        ),
         pytest.param(["x", torch.zeros(6, 2)], {}, TypeError, ["shard 0"], id="not-a-tensor"),
     ],
 )
@@ -125,11 +150,25 @@ def test_repr_names_layout():
 def test_public_surface_is_pinned():
     assert sw.__all__ == sorted(sw.__all__)
     assert set(sw.__all__) == {
-        "Block", "CorruptCheckpointError", "IncompleteCheckpointError", "Layout",
-        "LayoutError", "ShardMismatchError", "ShardedTensor", "ShardwiseError",
-        "Transfer", "__version__", "distribute", "equal", "from_dtensor", "from_local",
+        "Block",
+        "CorruptCheckpointError",
+        "IncompleteCheckpointError",
+        "Layout",
+        "LayoutError",
+        "ShardMismatchError",
+        "ShardedTensor",
+        "ShardwiseError",
+        "Transfer",
+        "__version__",
+        "distribute",
+        "equal",
+        "from_dtensor",
+        "from_local",
         "from_shard_tensor",
-        "from_torch_sharded_tensor", "plan_transfers", "register_op", "to_dtensor",
+        "from_torch_sharded_tensor",
+        "plan_transfers",
+        "register_op",
+        "to_dtensor",
     }
     assert issubclass(sw.LayoutError, ValueError) and issubclass(sw.LayoutError, sw.ShardwiseError)
     assert Block is sw.layout.Block

@@ -13,8 +13,8 @@ from .errors import (
     ShardMismatchError,
     ShardwiseError,
 )
-from .layout import Block, Layout, Transfer, plan_transfers
 from .interop import from_dtensor, from_shard_tensor, from_torch_sharded_tensor, to_dtensor
+from .layout import Block, Layout, Transfer, plan_transfers
 from .ops import register_op
 from .tensor import ShardedTensor
 

@@ -9,7 +9,8 @@ Anything else raises `NotImplementedError` naming the op.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -131,8 +132,7 @@ def _wrap(func: Any, ref: ShardedTensor, results: list[Any], args: tuple, kwargs
     """Turn per-shard results into ShardedTensor(s) of `ref`'s layout."""
     if results and isinstance(results[0], (tuple, list)):
         return type(results[0])(
-            _wrap(func, ref, [r[j] for r in results], args, kwargs)
-            for j in range(len(results[0]))
+            _wrap(func, ref, [r[j] for r in results], args, kwargs) for j in range(len(results[0]))
         )
     if results:
         return ref._with_shards(results)
@@ -209,7 +209,9 @@ def _shardwise(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
     )
 
 
-@_handles(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default)
+@_handles(
+    aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default
+)
 def _new_factory(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
     ref, size = args[0], tuple(args[1])
     if size != tuple(ref.shape):
@@ -228,7 +230,9 @@ def _new_factory(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
 # -- views ---------------------------------------------------------------------
 
 
-@_handles(aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default, aten.reshape.default)
+@_handles(
+    aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default, aten.reshape.default
+)
 def _view(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
     ref = args[0]
     shape = tuple(ref.shape)

@@ -9,7 +9,8 @@ communicates: building from a layout is local, and collectives live in
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -120,7 +121,9 @@ class ShardedTensor(torch.Tensor):
             )
         for i, (shard, block) in enumerate(zip(shards, blocks)):
             if not isinstance(shard, torch.Tensor) or isinstance(shard, ShardedTensor):
-                raise TypeError(f"rank {rank}, shard {i}: expected a plain tensor, got {type(shard).__name__}")
+                raise TypeError(
+                    f"rank {rank}, shard {i}: expected a plain tensor, got {type(shard).__name__}"
+                )
             if tuple(shard.shape) != block.sizes:
                 raise ShardMismatchError(
                     f"rank {rank}, shard {i} has shape {tuple(shard.shape)} but its block "
@@ -233,11 +236,15 @@ class ShardedTensor(torch.Tensor):
         dtype = dtype or torch.get_default_dtype()
         device = torch.device(device) if device is not None else torch.device("cpu")
         shards = [
-            factory(b.sizes, *extra, dtype=dtype, device=device)
-            for b in layout.blocks_of(rank)
+            factory(b.sizes, *extra, dtype=dtype, device=device) for b in layout.blocks_of(rank)
         ]
         return cls.from_layout(
-            layout, shards, dtype=dtype, device=device, group=group, rank=rank,
+            layout,
+            shards,
+            dtype=dtype,
+            device=device,
+            group=group,
+            rank=rank,
             requires_grad=requires_grad,
         )
 
@@ -332,9 +339,7 @@ class ShardedTensor(torch.Tensor):
 
         return gather(self, dst)
 
-    def redistribute(
-        self, layout: Layout, *, stats: dict[str, int] | None = None
-    ) -> ShardedTensor:
+    def redistribute(self, layout: Layout, *, stats: dict[str, int] | None = None) -> ShardedTensor:
         """The same values in `layout`. Collective; differentiable."""
         from .comm import redistribute
 
@@ -395,7 +400,14 @@ class ShardedTensor(torch.Tensor):
         # The group is process-local and is not pickled: a loaded tensor has none.
         return (
             _rebuild,
-            (self._layout, self._shards, self._rank, self.dtype, str(self.device), self.requires_grad),
+            (
+                self._layout,
+                self._shards,
+                self._rank,
+                self.dtype,
+                str(self.device),
+                self.requires_grad,
+            ),
         )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardedTensor:
@@ -415,6 +427,10 @@ def _rebuild(
     requires_grad: bool,
 ) -> ShardedTensor:
     return ShardedTensor(
-        layout, shards, rank, dtype=dtype, device=torch.device(device),
+        layout,
+        shards,
+        rank,
+        dtype=dtype,
+        device=torch.device(device),
         requires_grad=requires_grad,
     )

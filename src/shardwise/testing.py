@@ -24,12 +24,20 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-__all__ = ["RankFailure", "RanksFailed", "free_port", "seconds_across_ranks", "run_ranks", "shard_of"]
+__all__ = [
+    "RankFailure",
+    "RanksFailed",
+    "free_port",
+    "seconds_across_ranks",
+    "run_ranks",
+    "shard_of",
+]
 
 
 def free_port() -> int:
@@ -147,7 +155,8 @@ def run_ranks(
                 outcomes[rank] = pickle.loads(payload)
             except queue.Empty:
                 dead = [
-                    r for r, p in enumerate(procs)
+                    r
+                    for r, p in enumerate(procs)
                     if r not in outcomes and p.exitcode is not None and results.empty()
                 ]
                 if dead:

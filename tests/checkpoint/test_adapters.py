@@ -47,7 +47,9 @@ def holder_adapter():
 
         return target, finish
 
-    register_value_adapter(ValueAdapter("holder", lambda v: isinstance(v, Holder), for_save, for_load))
+    register_value_adapter(
+        ValueAdapter("holder", lambda v: isinstance(v, Holder), for_save, for_load)
+    )
     yield calls
     unregister_value_adapter("holder")
 
@@ -62,7 +64,10 @@ def test_save_swaps_leaves_without_touching_callers_containers(holder_adapter):
 
 
 def test_round_trip_through_swc_fills_holders_and_restores_containers(tmp_path, holder_adapter):
-    saved = {"h": Holder(torch.arange(12.0).reshape(3, 4)), "nested": {"step": 7, "h": Holder(torch.ones(5))}}
+    saved = {
+        "h": Holder(torch.arange(12.0).reshape(3, 4)),
+        "nested": {"step": 7, "h": Holder(torch.ones(5))},
+    }
     swc.save(saved, tmp_path / "ck")
     assert torch.equal(swc.read_tensor(tmp_path / "ck", "h"), torch.arange(12.0).reshape(3, 4))
 
@@ -122,9 +127,15 @@ def test_a_failing_swap_restores_what_it_swapped(holder_adapter):
 
 def _rank_missing_a_value(rank: int, world: int, path: str) -> tuple[str, bool]:
     register_value_adapter(
-        ValueAdapter("holder", lambda v: isinstance(v, Holder), lambda h: h.data, lambda h: (h.data, None))
+        ValueAdapter(
+            "holder", lambda v: isinstance(v, Holder), lambda h: h.data, lambda h: (h.data, None)
+        )
     )
-    sd = {"b": Holder(torch.ones(2))} if rank else {"a": Holder(torch.ones(2)), "b": Holder(torch.ones(2))}
+    sd = (
+        {"b": Holder(torch.ones(2))}
+        if rank
+        else {"a": Holder(torch.ones(2)), "b": Holder(torch.ones(2))}
+    )
     try:
         swc.save(sd, path)
         return "saved", False

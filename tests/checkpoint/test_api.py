@@ -38,7 +38,10 @@ def save_state(rank: int, world: int) -> dict:
         "grid": Layout.grid((12, 10, 3), (1, 2, 1)),
         "half": Layout.table_wise((6, 4), 1, 2),  # rank 0 holds nothing
     }
-    state = {k: ShardedTensor.from_layout(l, shard_of(full[k], l, rank), dtype=full[k].dtype) for k, l in layouts.items()}
+    state = {
+        k: ShardedTensor.from_layout(l, shard_of(full[k], l, rank), dtype=full[k].dtype)
+        for k, l in layouts.items()
+    }
     state["bias"] = full["bias"].clone()  # plain tensor: replicated, written once
     state["extra"] = {"step": 100, "names": ["a", "b"]}
     return state
@@ -79,10 +82,14 @@ def _save(rank: int, world: int, path: str) -> None:
 def _load(rank: int, world: int, path: str, verify: bool) -> tuple[list[str], int, int]:
     state = load_state(rank, world)
     reader = swc.load(state, path, verify=verify)
-    needed = sum(
-        sum(s.numel() * s.element_size() for s in v.local_shards())
-        for k, v in state.items() if isinstance(v, ShardedTensor)
-    ) + 32 * 4
+    needed = (
+        sum(
+            sum(s.numel() * s.element_size() for s in v.local_shards())
+            for k, v in state.items()
+            if isinstance(v, ShardedTensor)
+        )
+        + 32 * 4
+    )
     needed += sum(o.length for o in reader.manifest.objects.values())  # pickled objects, read whole
     return _check(state), reader.bytes_read, needed
 
@@ -114,7 +121,11 @@ def _wide_load(rank: int, world: int, path: str, verify: bool) -> tuple[bool, in
     target = ShardedTensor.zeros(Layout.chunked(WIDE, 1, world))
     reader = swc.load({"w": target}, path, verify=verify)
     (shard,) = target.local_shards()
-    return torch.equal(shard, full[target.local_blocks[0].slices()]), reader.bytes_read, shard.nbytes
+    return (
+        torch.equal(shard, full[target.local_blocks[0].slices()]),
+        reader.bytes_read,
+        shard.nbytes,
+    )
 
 
 def test_ranged_reads_row_wise_to_column_wise(tmp_path):
@@ -124,7 +135,9 @@ def test_ranged_reads_row_wise_to_column_wise(tmp_path):
     for ok, read, needed in run_ranks(_wide_load, 4, path, False, timeout=90):
         assert ok and read <= 1.1 * needed, (read, needed)
     for ok, read, needed in run_ranks(_wide_load, 4, path, True, timeout=90):
-        assert ok and read <= 4 * needed  # verified: whole checksum pages, never more than the chunks
+        assert (
+            ok and read <= 4 * needed
+        )  # verified: whole checksum pages, never more than the chunks
 
 
 def test_narrow_rows_are_read_in_whole_pages(saved):
@@ -166,9 +179,13 @@ def _stock_save(rank: int, world: int, path: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
     layout = Layout.column_wise(SHAPE, [8, 8, 8, 8], ranks=[0, 1, 0, 1])
     blocks = layout.blocks_of(rank)
-    lsw = LocalShardsWrapper([full["emb"][b.slices()].clone() for b in blocks], [b.offsets for b in blocks])
+    lsw = LocalShardsWrapper(
+        [full["emb"][b.slices()].clone() for b in blocks], [b.offsets for b in blocks]
+    )
     state = {
-        "emb": DTensor.from_local(lsw, mesh, (Shard(1),), run_check=False, shape=torch.Size(SHAPE), stride=(32, 1)),
+        "emb": DTensor.from_local(
+            lsw, mesh, (Shard(1),), run_check=False, shape=torch.Size(SHAPE), stride=(32, 1)
+        ),
         "grid": distribute_tensor(full["grid"], mesh, (Shard(0),)),
         "bias": full["bias"].clone(),
         "half": full["half"].clone(),
@@ -180,7 +197,11 @@ def _load_stock(rank: int, world: int, path: str) -> tuple[list[str], int, int]:
     state = load_state(rank, world)
     del state["extra"]
     reader = swc.load(state, path)
-    needed = sum(sum(s.nbytes for s in v.local_shards()) for v in state.values() if isinstance(v, ShardedTensor))
+    needed = sum(
+        sum(s.nbytes for s in v.local_shards())
+        for v in state.values()
+        if isinstance(v, ShardedTensor)
+    )
     return _check(state), reader.bytes_read, needed
 
 
@@ -195,7 +216,9 @@ def test_load_a_stock_checkpoint_with_ranged_reads(tmp_path):
 def _mismatch(rank: int, world: int, path: str) -> tuple[str, str, bool]:
     state = load_state(rank, world)
     if rank == 1:
-        state["emb"] = ShardedTensor.zeros(Layout.chunked((64, 31), 1, world))  # shape, one rank only
+        state["emb"] = ShardedTensor.zeros(
+            Layout.chunked((64, 31), 1, world)
+        )  # shape, one rank only
     state["half"] = ShardedTensor.zeros(Layout.replicated((6, 4), world), dtype=torch.float32)
     state["missing"] = torch.zeros(2)
     try:
@@ -264,7 +287,11 @@ def test_flipped_byte_is_caught_naming_tensor_file_and_range(saved, tmp_path):
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(swc.CorruptCheckpointError) as info:
         swc.load(_full_targets(), bad)
-    assert "'emb'" in str(info.value) and chunk["file"] in str(info.value) and "bytes" in str(info.value)
+    assert (
+        "'emb'" in str(info.value)
+        and chunk["file"] in str(info.value)
+        and "bytes" in str(info.value)
+    )
     state = _full_targets()
     swc.load(state, bad, verify=False)  # the caller can opt out
 
@@ -308,9 +335,13 @@ def test_verify_raises_listing_every_problem(saved, tmp_path):
     with pytest.raises(swc.CorruptCheckpointError) as info:
         swc.verify(bad)
     problems = info.value.problems
-    assert sorted(p.split(":")[0] for p in problems) == [f"'{k}' chunk at {tuple(c['offsets'])}" for k, c in damaged]
+    assert sorted(p.split(":")[0] for p in problems) == [
+        f"'{k}' chunk at {tuple(c['offsets'])}" for k, c in damaged
+    ]
     assert all(p in str(info.value) for p in problems) and "2 problems" in str(info.value)
-    assert swc.verify(bad, raise_on_error=False) == problems  # the reporting form returns the same list
+    assert (
+        swc.verify(bad, raise_on_error=False) == problems
+    )  # the reporting form returns the same list
 
 
 def test_verify_names_incomplete_and_absent_checkpoints(saved, tmp_path):
@@ -318,7 +349,10 @@ def test_verify_names_incomplete_and_absent_checkpoints(saved, tmp_path):
     (no_manifest / "shardwise.json").unlink()
     with pytest.raises(swc.IncompleteCheckpointError, match="did not commit") as info:
         swc.verify(no_manifest)
-    assert len(info.value.problems) == 1 and swc.verify(no_manifest, raise_on_error=False) == info.value.problems
+    assert (
+        len(info.value.problems) == 1
+        and swc.verify(no_manifest, raise_on_error=False) == info.value.problems
+    )
     for raise_on_error in (True, False):
         with pytest.raises(FileNotFoundError):
             swc.verify(tmp_path / "nothing", raise_on_error=raise_on_error)
@@ -385,7 +419,7 @@ def _async(rank: int, world: int, folder: str) -> list[str]:
     fut = swc.async_save(state, f"{folder}/a")
     for v in state.values():  # modifying right away must not change what is saved
         if isinstance(v, torch.Tensor):
-            for s in (v.local_shards() if isinstance(v, ShardedTensor) else [v]):
+            for s in v.local_shards() if isinstance(v, ShardedTensor) else [v]:
                 s.fill_(-1)
     state["extra"]["step"] = -1
     fut.result()
@@ -420,7 +454,12 @@ def _kinds(rank: int, world: int, folder: str) -> list[str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         legacy = init_from_local_shards(
-            [LegacyShard.from_tensor_and_offsets(full[block.slices()].clone(), list(block.offsets), rank)], *SHAPE
+            [
+                LegacyShard.from_tensor_and_offsets(
+                    full[block.slices()].clone(), list(block.offsets), rank
+                )
+            ],
+            *SHAPE,
         )
     param = torch.nn.Parameter(ShardedTensor.from_layout(layout, shard_of(full, layout, rank)))
     opt = torch.optim.Adam([param], lr=0.1, foreach=False)
@@ -447,15 +486,23 @@ def _kinds(rank: int, world: int, folder: str) -> list[str]:
     swc.load(target, f"{folder}/kinds")
     bad = []
     for key in ("dt", "legacy"):
-        if not all(torch.equal(s, full[b.slices()]) for s, b in zip(target[key].local_shards(), target[key].local_blocks)):
+        if not all(
+            torch.equal(s, full[b.slices()])
+            for s, b in zip(target[key].local_shards(), target[key].local_blocks)
+        ):
             bad.append(key)
     expected = param.detach().full_tensor()
     got = target_param.detach()
-    if not all(torch.equal(s, expected[b.slices()]) for s, b in zip(got.local_shards(), got.local_blocks)):
+    if not all(
+        torch.equal(s, expected[b.slices()]) for s, b in zip(got.local_shards(), got.local_blocks)
+    ):
         bad.append("param")
     moments = opt.state[param]["exp_avg"].full_tensor()
     loaded = target_opt.state_dict()["state"][0]["exp_avg"]
-    if not all(torch.equal(s, moments[b.slices()]) for s, b in zip(loaded.local_shards(), loaded.local_blocks)):
+    if not all(
+        torch.equal(s, moments[b.slices()])
+        for s, b in zip(loaded.local_shards(), loaded.local_blocks)
+    ):
         bad.append("exp_avg")
     if float(target_opt.state_dict()["state"][0]["step"]) != 1.0:
         bad.append("step")

@@ -61,7 +61,11 @@ def test_a_crash_while_replacing_a_stock_checkpoint_leaves_one_that_loads(tmp_pa
 
 
 def _per_rank_then_global(rank: int, world: int, folder: str) -> bool:
-    dcp.save({"own": torch.full((2,), float(rank))}, storage_writer=swc.Writer(folder), use_collectives=False)
+    dcp.save(
+        {"own": torch.full((2,), float(rank))},
+        storage_writer=swc.Writer(folder),
+        use_collectives=False,
+    )
     swc.save({"g": torch.ones(3)}, folder, overwrite=True)  # a global checkpoint in the same folder
     reader = swc.Reader(folder)
     metadata = reader.read_metadata(rank=rank)  # the per-rank records still name files that exist
@@ -74,7 +78,11 @@ def test_a_global_save_keeps_files_that_per_rank_records_name(tmp_path):
 
 
 def _per_rank_load(rank: int, world: int, folder: str) -> bool:
-    dcp.save({"own": torch.full((2,), float(rank))}, storage_writer=swc.Writer(folder), use_collectives=False)
+    dcp.save(
+        {"own": torch.full((2,), float(rank))},
+        storage_writer=swc.Writer(folder),
+        use_collectives=False,
+    )
     out = {"own": torch.zeros(2)}
     swc.load(out, folder)  # no global records: each rank reads its own, as dcp.load does
     return torch.equal(out["own"], torch.full((2,), float(rank)))
@@ -101,10 +109,17 @@ def test_planner_data_that_is_not_json_does_not_depend_on_metadata(tmp_path):
 
 
 def test_collect_removes_only_its_own_files(tmp_path):
-    ours = ["__0_0.sw0123456789ab.distcp", "__1_3.swfedcba987654.distcp", "shardwise.json.sw0123456789ab.tmp"]
+    ours = [
+        "__0_0.sw0123456789ab.distcp",
+        "__1_3.swfedcba987654.distcp",
+        "shardwise.json.sw0123456789ab.tmp",
+    ]
     theirs = [
         "__0_0.sw0123456789ab.distcp\n",  # a trailing newline: not our name
-        "__0_0.distcp", "__0_0.sw0123456789AB.distcp", "notes.sw0123456789ab.tmp", "x.distcp",
+        "__0_0.distcp",
+        "__0_0.sw0123456789AB.distcp",
+        "notes.sw0123456789ab.tmp",
+        "x.distcp",
     ]
     for name in ours + theirs:
         (tmp_path / name).write_bytes(b"x")
@@ -121,7 +136,9 @@ def test_verify_checks_compressed_chunks(tmp_path):
     if not ZStandard.is_available():
         pytest.skip("zstandard is not installed")
     folder = tmp_path / "zstd"
-    dcp.save({"x": torch.arange(10000.0)}, storage_writer=swc.Writer(folder, _extensions=[ZStandard()]))
+    dcp.save(
+        {"x": torch.arange(10000.0)}, storage_writer=swc.Writer(folder, _extensions=[ZStandard()])
+    )
     assert swc.verify(folder, raise_on_error=False) == []
     data = next(folder.glob("*.distcp"))
     raw = bytearray(data.read_bytes())

@@ -7,7 +7,6 @@ Single-process DCP (no process group) unless a test needs ranks.
 from __future__ import annotations
 
 import os
-import pickle
 import tempfile
 import warnings
 from pathlib import Path
@@ -74,7 +73,9 @@ def test_overwrite_keeps_foreign_files_and_collects_the_old_checkpoint(tmp_path,
     assert len(first) == 1 and _foreign_intact(folder)
     save(_state(2))
     second = referenced_files(folder)
-    assert len(second) == 1 and not (first & second)  # fresh names: nothing committed was overwritten
+    assert len(second) == 1 and not (
+        first & second
+    )  # fresh names: nothing committed was overwritten
     assert _files(folder) == set(FOREIGN) | second | {".metadata", "shardwise.json", ".shardwise"}
     assert _foreign_intact(folder)
     loaded = _targets()
@@ -106,7 +107,11 @@ def test_leftovers_of_a_dead_save_are_collected_by_the_next(tmp_path):
     (folder / "__1_0.sw0123456789ab.distcp").write_bytes(b"half written")
     (folder / "shardwise.json.swba9876543210.tmp").write_bytes(b"{")
     swc.save(_state(2), folder, overwrite=True)
-    assert _files(folder) == set(FOREIGN) | referenced_files(folder) | {".metadata", "shardwise.json", ".shardwise"}
+    assert _files(folder) == set(FOREIGN) | referenced_files(folder) | {
+        ".metadata",
+        "shardwise.json",
+        ".shardwise",
+    }
 
 
 # -- (2) a reader never reads with stale state -----------------------------------------------
@@ -143,7 +148,10 @@ def test_a_reset_reader_refuses_to_read_before_it_is_set_up_again(tmp_path):
 
     planner = DefaultLoadPlanner()
     with pytest.raises(RuntimeError, match="before set_up_storage_reader"):
-        reader.read_data(__import__("torch.distributed.checkpoint.planner", fromlist=["LoadPlan"]).LoadPlan([]), planner)
+        reader.read_data(
+            __import__("torch.distributed.checkpoint.planner", fromlist=["LoadPlan"]).LoadPlan([]),
+            planner,
+        )
 
 
 # -- (4) overwrite semantics of FileSystemWriter ---------------------------------------------
@@ -160,7 +168,9 @@ def test_writer_defaults_to_overwrite_like_stock(tmp_path):
 
 def test_writer_without_overwrite_refuses_only_a_folder_holding_a_checkpoint(tmp_path):
     empty = Path(tempfile.mkdtemp(dir=tmp_path))
-    dcp.save(_state(1), storage_writer=swc.Writer(empty, overwrite=False))  # an existing empty folder is fine
+    dcp.save(
+        _state(1), storage_writer=swc.Writer(empty, overwrite=False)
+    )  # an existing empty folder is fine
     with pytest.raises(CheckpointException, match="Checkpoint already exists"):
         dcp.save(_state(2), storage_writer=swc.Writer(empty, overwrite=False))
     stock = tmp_path / "stock"
@@ -169,7 +179,9 @@ def test_writer_without_overwrite_refuses_only_a_folder_holding_a_checkpoint(tmp
         dcp.save(_state(2), storage_writer=swc.Writer(stock, overwrite=False))
     other = tmp_path / "other"
     _plant(other)
-    dcp.save(_state(3), storage_writer=swc.Writer(other, overwrite=False))  # unrelated files are no checkpoint
+    dcp.save(
+        _state(3), storage_writer=swc.Writer(other, overwrite=False)
+    )  # unrelated files are no checkpoint
     loaded = _targets()
     swc.load(loaded, empty)
     assert _same(loaded, _state(1))
@@ -250,7 +262,10 @@ def test_read_metadata_is_complete_like_stock(tmp_path):
     assert mine.planner_data["model.layer.w"] == ("model", "layer", "w")
     assert mine.state_dict_metadata == theirs.state_dict_metadata
     assert mine.version == theirs.version
-    assert Path(mine.storage_meta.checkpoint_id) == ours and mine.storage_meta.save_id == writer.save_id
+    assert (
+        Path(mine.storage_meta.checkpoint_id) == ours
+        and mine.storage_meta.save_id == writer.save_id
+    )
     assert mine.storage_meta.load_id is not None
 
 
@@ -297,12 +312,19 @@ def _per_rank(rank: int, world: int, folder: str, writer: str, reader: str) -> b
     metadata = r.read_metadata(rank=rank)
     assert set(metadata.state_dict_metadata) == {"st", "own"}
     dcp.load(out, storage_reader=r)
-    return torch.equal(out["st"].local_shards()[0], st.local_shards()[0]) and torch.equal(out["own"], state["own"])
+    return torch.equal(out["st"].local_shards()[0], st.local_shards()[0]) and torch.equal(
+        out["own"], state["own"]
+    )
 
 
-@pytest.mark.parametrize("writer, reader", [("shardwise", "shardwise"), ("shardwise", "stock"), ("stock", "shardwise")])
+@pytest.mark.parametrize(
+    "writer, reader", [("shardwise", "shardwise"), ("shardwise", "stock"), ("stock", "shardwise")]
+)
 def test_use_collectives_false_both_directions(tmp_path, writer, reader):
-    assert run_ranks(_per_rank, 2, str(tmp_path / "ckpt"), writer, reader, timeout=60) == [True, True]
+    assert run_ranks(_per_rank, 2, str(tmp_path / "ckpt"), writer, reader, timeout=60) == [
+        True,
+        True,
+    ]
     if writer == "shardwise":
         names = _files(tmp_path / "ckpt")
         assert {"__0.metadata", "__1.metadata", "__0.shardwise.json", "__1.shardwise.json"} <= names
@@ -328,7 +350,10 @@ def test_stock_writer_arguments(tmp_path, kwargs, files):
     assert len(list(folder.glob("*.distcp"))) == files
     loaded = {f"t{i}": torch.zeros(100 * (i + 1)) for i in range(4)} | {"obj": None}
     swc.load(loaded, folder)
-    assert all(torch.equal(loaded[k], state[k]) for k in state if k != "obj") and loaded["obj"] == "hello"
+    assert (
+        all(torch.equal(loaded[k], state[k]) for k in state if k != "obj")
+        and loaded["obj"] == "hello"
+    )
     stock = {f"t{i}": torch.zeros(100 * (i + 1)) for i in range(4)} | {"obj": None}
     dcp.load(stock, storage_reader=FileSystemReader(folder))
     assert all(torch.equal(stock[k], state[k]) for k in state if k != "obj")
@@ -339,7 +364,9 @@ def test_reader_takes_an_extension_registry(tmp_path):
 
     swc.save(_state(5), tmp_path / "c")
     loaded = _targets()
-    dcp.load(loaded, storage_reader=swc.Reader(tmp_path / "c", _extension_registry=ExtensionRegistry()))
+    dcp.load(
+        loaded, storage_reader=swc.Reader(tmp_path / "c", _extension_registry=ExtensionRegistry())
+    )
     assert _same(loaded, _state(5))
 
 
@@ -364,18 +391,29 @@ def test_stateful_values_and_nested_containers(tmp_path):
         def load_state_dict(self, sd):
             self.m.load_state_dict(sd)
 
-    state = {"model": Wrapper(model), "optim": optim, "nested": {"list": [1, torch.ones(2)], "t": (3, "x")}}
+    state = {
+        "model": Wrapper(model),
+        "optim": optim,
+        "nested": {"list": [1, torch.ones(2)], "t": (3, "x")},
+    }
     swc.save(state, tmp_path / "c")
     fresh = torch.nn.Linear(4, 3)
     fresh_optim = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
     fresh(torch.randn(2, 4)).sum().backward()
     fresh_optim.step()
-    target = {"model": Wrapper(fresh), "optim": fresh_optim, "nested": {"list": [0, torch.zeros(2)], "t": None}}
+    target = {
+        "model": Wrapper(fresh),
+        "optim": fresh_optim,
+        "nested": {"list": [0, torch.zeros(2)], "t": None},
+    }
     swc.load(target, tmp_path / "c")
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
     buf = fresh_optim.state_dict()["state"][0]["momentum_buffer"]
     assert torch.equal(buf, optim.state_dict()["state"][0]["momentum_buffer"])
-    assert torch.equal(target["nested"]["list"][1], torch.ones(2)) and target["nested"]["t"] == (3, "x")
+    assert torch.equal(target["nested"]["list"][1], torch.ones(2)) and target["nested"]["t"] == (
+        3,
+        "x",
+    )
 
 
 def test_dtype_difference_is_an_error_unless_cast_is_asked_for(tmp_path):
@@ -397,11 +435,18 @@ def _sharded_optimizer(rank: int, world: int, folder: str) -> bool:
     momentum = torch.arange(12.0).reshape(6, 2)
     state = {
         "model": {"w": torch.ones(6, 2)},
-        "optim": {"state": {"w": {"momentum": momentum, "step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1}]},
+        "optim": {
+            "state": {"w": {"momentum": momentum, "step": torch.tensor(3.0)}},
+            "param_groups": [{"lr": 0.1}],
+        },
     }
     dcp.save(state, storage_writer=swc.Writer(folder))
-    loaded = load_sharded_optimizer_state_dict({"w": torch.zeros(6, 2)}, "optim", swc.Reader(folder))
-    shard = loaded["optim"]["state"]["w"]["momentum"]  # a legacy ShardedTensor, rows chunked over ranks
+    loaded = load_sharded_optimizer_state_dict(
+        {"w": torch.zeros(6, 2)}, "optim", swc.Reader(folder)
+    )
+    shard = loaded["optim"]["state"]["w"][
+        "momentum"
+    ]  # a legacy ShardedTensor, rows chunked over ranks
     local = shard.local_shards()[0]
     rows = local.metadata.shard_offsets[0]
     return (

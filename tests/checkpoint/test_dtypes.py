@@ -23,13 +23,33 @@ from tests.checkpoint.test_records import saved_record
 
 V3 = torch.storage._new_dtypes()
 DTYPES = [
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.uint16, torch.uint32, torch.uint64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    torch.complex32, torch.complex64, torch.complex128,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex32,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
     torch.float4_e2m1fn_x2,
-    torch.bits8, torch.bits16, torch.bits1x8, torch.bits2x4, torch.bits4x2,
+    torch.bits8,
+    torch.bits16,
+    torch.bits1x8,
+    torch.bits2x4,
+    torch.bits4x2,
 ]
 NAMES = [str(d).removeprefix("torch.") for d in DTYPES]
 # Stock DCP's planner cannot size the bits* dtypes (`torch._utils._element_size`
@@ -39,7 +59,9 @@ SHAPE = (6, 10)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental"),  # complex32 is meant
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),  # DCP in one process, by design
+    pytest.mark.filterwarnings(
+        "ignore:torch.distributed is disabled"
+    ),  # DCP in one process, by design
 ]
 
 
@@ -52,14 +74,22 @@ def sample(dtype: torch.dtype, shape: tuple[int, ...] = SHAPE, seed: int = 0) ->
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     )
 
 
 def test_the_list_is_every_dtype_torch_save_writes():
     every = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
-    quantized = {torch.qint8, torch.qint32, torch.quint8, torch.quint4x2, torch.quint2x4}  # no plain tensors
+    quantized = {
+        torch.qint8,
+        torch.qint32,
+        torch.quint8,
+        torch.quint4x2,
+        torch.quint2x4,
+    }  # no plain tensors
     sub_byte = {d for d in every if re.fullmatch(r"u?int[1-7]", str(d).removeprefix("torch."))}
     with pytest.raises(KeyError):  # which torch.save refuses
         torch.save(torch.empty(2, dtype=torch.uint4), io.BytesIO())
@@ -156,7 +186,8 @@ def test_a_region_reads_bit_exact(written, writer):
     state, root = written
     region = Block((1, 3), (4, 5))
     wrong = [
-        k for k, v in state.items()
+        k
+        for k, v in state.items()
         if not same_bits(swc.read_tensor(root / writer, k, region=region), v[1:5, 3:8])
     ]
     assert wrong == []
@@ -177,13 +208,21 @@ def test_a_resharded_load_is_bit_exact(tmp_path):
     state = _state(seed=2)
     src = Layout.column_wise(SHAPE, [3, 7], ranks=[0, 0])
     dst = Layout.row_wise(SHAPE, [2, 4], ranks=[0, 0])
-    swc.save({k: ShardedTensor.from_layout(src, [v[b.slices()].clone() for b in src.blocks_of(0)])
-              for k, v in state.items()}, tmp_path / "ckpt")
+    swc.save(
+        {
+            k: ShardedTensor.from_layout(src, [v[b.slices()].clone() for b in src.blocks_of(0)])
+            for k, v in state.items()
+        },
+        tmp_path / "ckpt",
+    )
     target = {k: ShardedTensor.zeros(dst, dtype=v.dtype) for k, v in state.items()}
     swc.load(target, tmp_path / "ckpt")
     wrong = [
-        k for k, st in target.items()
-        if not all(same_bits(s, state[k][b.slices()]) for s, b in zip(st.local_shards(), st.local_blocks))
+        k
+        for k, st in target.items()
+        if not all(
+            same_bits(s, state[k][b.slices()]) for s, b in zip(st.local_shards(), st.local_blocks)
+        )
     ]
     assert wrong == []
 

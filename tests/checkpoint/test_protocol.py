@@ -65,7 +65,9 @@ def _sharded(layouts: dict[str, Layout], rank: int, fill: torch.Tensor | None = 
         if fill is None:
             shards = shard_of(full[k], layout, rank)
         else:
-            shards = [torch.full(b.sizes, float("nan")).to(full[k].dtype) for b in layout.blocks_of(rank)]
+            shards = [
+                torch.full(b.sizes, float("nan")).to(full[k].dtype) for b in layout.blocks_of(rank)
+            ]
         out[k] = ShardedTensor.from_layout(layout, shards, dtype=full[k].dtype)
     return out
 

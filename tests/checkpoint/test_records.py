@@ -39,7 +39,11 @@ def saved_record(t: torch.Tensor, prefix: bytes):
         f.flush()
         layout = read_record_layout(f.fileno(), start, length)
         assert layout == _read_via_directory(f.fileno(), start, length)
-        raw = bytearray(os.pread(f.fileno(), layout.nbytes, layout.payload_offset)) if layout.c_contiguous else None
+        raw = (
+            bytearray(os.pread(f.fileno(), layout.nbytes, layout.payload_offset))
+            if layout.c_contiguous
+            else None
+        )
     return layout, raw
 
 
@@ -81,7 +85,9 @@ def test_records_that_are_not_plain_tensors_are_refused():
 
 
 def test_stock_metadata_is_admitted(tmp_path):
-    dcp.save({"a": torch.randn(3, 4), "b": {"n": 7}, "h": torch.zeros(2).half()}, checkpoint_id=tmp_path)
+    dcp.save(
+        {"a": torch.randn(3, 4), "b": {"n": 7}, "h": torch.zeros(2).half()}, checkpoint_id=tmp_path
+    )
     with open(tmp_path / ".metadata", "rb") as f:
         md = load_metadata(f)
     assert md.state_dict_metadata["a"].size == torch.Size([3, 4])

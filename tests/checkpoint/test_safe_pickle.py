@@ -36,11 +36,14 @@ from shardwise.checkpoint.safe_pickle import UnsafeMetadataError, load_metadata
 PROTOCOLS = [2, 4, 5]
 
 
-def _tensor_item(fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], kind: WriteItemType) -> WriteItem:
+def _tensor_item(
+    fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], kind: WriteItemType
+) -> WriteItem:
     props = TensorProperties(dtype=torch.float8_e4m3fn, memory_format=torch.channels_last)
     chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
     return WriteItem(
-        index=MetadataIndex(fqn, torch.Size(offsets), index=0), type=kind,
+        index=MetadataIndex(fqn, torch.Size(offsets), index=0),
+        type=kind,
         tensor_data=TensorWriteData(chunk=chunk, properties=props, size=torch.Size([8, 4])),
     )
 
@@ -52,7 +55,11 @@ def megatron_metadata() -> Metadata:
             items=[
                 _tensor_item("decoder.weight", (4 * rank, 0), (4, 4), WriteItemType.SHARD),
                 _tensor_item("embedding", (0, 0), (8, 4), WriteItemType.TENSOR),
-                WriteItem(MetadataIndex("rng_state"), WriteItemType.BYTE_IO, bytes_io_data=BytesIOWriteData(12)),
+                WriteItem(
+                    MetadataIndex("rng_state"),
+                    WriteItemType.BYTE_IO,
+                    bytes_io_data=BytesIOWriteData(12),
+                ),
             ],
             storage_data=_StoragePrefix(f"__{rank}_"),
             planner_data={"decoder.weight": ("decoder", "weight")},
@@ -63,30 +70,50 @@ def megatron_metadata() -> Metadata:
     md = Metadata(
         state_dict_metadata={
             "decoder.weight": TensorStorageMetadata(
-                TensorProperties(dtype=torch.bfloat16, layout=torch.strided), torch.Size([8, 4]),
-                [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 4])),
-                 ChunkStorageMetadata(torch.Size([4, 0]), torch.Size([4, 4]))],
+                TensorProperties(dtype=torch.bfloat16, layout=torch.strided),
+                torch.Size([8, 4]),
+                [
+                    ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 4])),
+                    ChunkStorageMetadata(torch.Size([4, 0]), torch.Size([4, 4])),
+                ],
             ),
             "rng_state": BytesStorageMetadata(),
         },
         planner_data={
             "decoder.weight": ("decoder", "weight"),
             "values": OrderedDict(
-                s={1, 2}, f=frozenset({"a"}), sl=slice(1, 9, 2), c=1 + 2j, b=b"\x00\xff", p=PurePosixPath("/x")
+                s={1, 2},
+                f=frozenset({"a"}),
+                sl=slice(1, 9, 2),
+                c=1 + 2j,
+                b=b"\x00\xff",
+                p=PurePosixPath("/x"),
             ),
         },
         storage_data={
-            MetadataIndex("decoder.weight", torch.Size([0, 0])): _StorageInfo("__0_0.distcp", 0, 96),
+            MetadataIndex("decoder.weight", torch.Size([0, 0])): _StorageInfo(
+                "__0_0.distcp", 0, 96
+            ),
             MetadataIndex("rng_state"): _StorageInfo("__1_0.distcp", 96, 12, ["zstd"]),
         },
-        storage_meta=StorageMeta(checkpoint_id=Path("/ckpt/iter_0000030"), save_id="s1", modules=["torch"]),
+        storage_meta=StorageMeta(
+            checkpoint_id=Path("/ckpt/iter_0000030"), save_id="s1", modules=["torch"]
+        ),
         version="1.0.0",
     )
     md.all_local_plans = plans
     md.mcore_data = {"decoder.weight": {"nd_reformulated_orig_global_shape": (2, 4, 4)}}
     md.planner_data["load"] = LoadPlan(
-        [ReadItem(LoadItemType.TENSOR, MetadataIndex("embedding"), torch.Size([0, 0]),
-                  MetadataIndex("embedding", torch.Size([0, 0])), torch.Size([0, 0]), torch.Size([8, 4]))]
+        [
+            ReadItem(
+                LoadItemType.TENSOR,
+                MetadataIndex("embedding"),
+                torch.Size([0, 0]),
+                MetadataIndex("embedding", torch.Size([0, 0])),
+                torch.Size([0, 0]),
+                torch.Size([8, 4]),
+            )
+        ]
     )
     return md
 
@@ -98,7 +125,10 @@ def test_megatron_metadata_with_save_plans_loads(protocol):
     assert loaded == md
     assert loaded.all_local_plans == md.all_local_plans and loaded.mcore_data == md.mcore_data
     item = loaded.all_local_plans[1].items[0]
-    assert item.type is WriteItemType.SHARD and item.tensor_data.properties.memory_format == torch.channels_last
+    assert (
+        item.type is WriteItemType.SHARD
+        and item.tensor_data.properties.memory_format == torch.channels_last
+    )
     assert item.tensor_data.properties.dtype == torch.float8_e4m3fn
     assert type(loaded.storage_meta.checkpoint_id) is type(Path("/"))
 
@@ -118,7 +148,9 @@ class _Reduce:
 
 def _nested_in_planner_data(victim: Path) -> bytes:
     md = megatron_metadata()
-    md.all_local_plans[0] = SavePlan(items=[], planner_data={"x": [_Reduce(os.system, f"touch {victim}")]})
+    md.all_local_plans[0] = SavePlan(
+        items=[], planner_data={"x": [_Reduce(os.system, f"touch {victim}")]}
+    )
     return pickle.dumps(md)
 
 
@@ -152,7 +184,9 @@ _ALTER_MEMBER = (
 )
 
 
-@pytest.mark.parametrize("payload", [_ALTER_CLASS, _ALTER_MEMBER], ids=["class attribute", "enum member"])
+@pytest.mark.parametrize(
+    "payload", [_ALTER_CLASS, _ALTER_MEMBER], ids=["class attribute", "enum member"]
+)
 def test_altering_a_shared_class_is_refused_and_undone(payload):
     with pytest.raises(UnsafeMetadataError, match="alters"):
         load_metadata(io.BytesIO(payload))
@@ -160,5 +194,7 @@ def test_altering_a_shared_class_is_refused_and_undone(payload):
 
 
 def test_the_refusal_says_what_and_where():
-    with pytest.raises(pickle.UnpicklingError, match="refused global posix.system in the checkpoint metadata"):
+    with pytest.raises(
+        pickle.UnpicklingError, match="refused global posix.system in the checkpoint metadata"
+    ):
         load_metadata(io.BytesIO(pickle.dumps(_Reduce(os.system, "true"))))

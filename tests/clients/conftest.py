@@ -15,8 +15,10 @@ from types import ModuleType
 
 import pytest
 
-INSTALL = "make test (or: pip install -c requirements/constraints.txt -r requirements/clients.txt; " \
+INSTALL = (
+    "make test (or: pip install -c requirements/constraints.txt -r requirements/clients.txt; "
     "pip install -c requirements/constraints.txt --no-deps --ignore-requires-python -r requirements/clients-nodeps.txt)"
+)
 
 
 def require(module: str) -> ModuleType:
@@ -26,10 +28,16 @@ def require(module: str) -> ModuleType:
     except ImportError as e:
         if os.environ.get("CI") or _installed(module):
             raise
-        pytest.skip(f"{module} is not installed ({e}); install it with {INSTALL}", allow_module_level=True)
+        pytest.skip(
+            f"{module} is not installed ({e}); install it with {INSTALL}", allow_module_level=True
+        )
 
 
-_DISTRIBUTIONS = {"megatron": "megatron-core", "physicsnemo": "nvidia-physicsnemo", "torchrec": "torchrec"}
+_DISTRIBUTIONS = {
+    "megatron": "megatron-core",
+    "physicsnemo": "nvidia-physicsnemo",
+    "torchrec": "torchrec",
+}
 
 
 def _installed(module: str) -> bool:

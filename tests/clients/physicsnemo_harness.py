@@ -9,7 +9,8 @@ dimension `m`, the piece shape of the rank at this rank's coordinates with the
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -19,7 +20,12 @@ def full(shape: Sequence[int] = (7, 6), seed: int = 0) -> torch.Tensor:
     return torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed))
 
 
-def _piece(shape: tuple[int, ...], placements: Sequence[Any], sizes: dict[int, list[int]], coords: Sequence[int]):
+def _piece(
+    shape: tuple[int, ...],
+    placements: Sequence[Any],
+    sizes: dict[int, list[int]],
+    coords: Sequence[int],
+):
     """(slices, piece shape) of the rank at `coords`."""
     slices, extent = [slice(None)] * len(shape), list(shape)
     for m, p in enumerate(placements):

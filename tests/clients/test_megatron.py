@@ -22,7 +22,13 @@ import shardwise.checkpoint as swc  # noqa: E402
 from shardwise import Block, Layout  # noqa: E402
 from shardwise.testing import run_ranks  # noqa: E402
 
-SHAPES = {"tp.weight": (8, 6), "layers.weight": (4, 3, 5), "uneven.weight": (10, 3), "multi": (12, 2), "bias": (4,)}
+SHAPES = {
+    "tp.weight": (8, 6),
+    "layers.weight": (4, 3, 5),
+    "uneven.weight": (10, 3),
+    "multi": (12, 2),
+    "bias": (4,),
+}
 COMMON = {"iteration": 7, "args": {"lr": 0.5, "name": "gpt"}}
 
 
@@ -54,13 +60,30 @@ def _mcore_sd(rank: int, layout: str, empty: bool = False) -> dict:
 
     def uneven(key: str, lo: int, n: int) -> ShardedTensor:
         shape = SHAPES[key]
-        return ShardedTensor(key, data(key, (slice(lo, lo + n),)), full(key).dtype, (n, *shape[1:]), shape,
-                             (lo,) + (0,) * (len(shape) - 1), None)
+        return ShardedTensor(
+            key,
+            data(key, (slice(lo, lo + n),)),
+            full(key).dtype,
+            (n, *shape[1:]),
+            shape,
+            (lo,) + (0,) * (len(shape) - 1),
+            None,
+        )
 
     axis = 1 if layout == "a" else 0
     half = SHAPES["tp.weight"][axis] // 2
-    tp_slice = (slice(None), slice(rank * half, (rank + 1) * half)) if axis else (slice(rank * half, (rank + 1) * half),)
-    sd = {"tp": {"weight": ShardedTensor.from_rank_offsets("tp.weight", data("tp.weight", tp_slice), (axis, rank, 2))}}
+    tp_slice = (
+        (slice(None), slice(rank * half, (rank + 1) * half))
+        if axis
+        else (slice(rank * half, (rank + 1) * half),)
+    )
+    sd = {
+        "tp": {
+            "weight": ShardedTensor.from_rank_offsets(
+                "tp.weight", data("tp.weight", tp_slice), (axis, rank, 2)
+            )
+        }
+    }
     layers = [2 * rank, 2 * rank + 1] if layout == "a" else [rank, rank + 2]
     sd["decoder"] = {
         f"layers.{i}.weight": ShardedTensor.from_rank_offsets(
@@ -73,7 +96,9 @@ def _mcore_sd(rank: int, layout: str, empty: bool = False) -> dict:
     multi = {"a": [[(0, 3), (3, 2), (5, 7)], []], "b": [[(0, 5)], [(5, 4), (9, 3)]]}[layout][rank]
     if multi:
         sd["multi"] = [uneven("multi", lo, n) for lo, n in multi]
-    sd["bias"] = ShardedTensor.from_rank_offsets("bias", data("bias", (slice(None),)), replica_id=rank)
+    sd["bias"] = ShardedTensor.from_rank_offsets(
+        "bias", data("bias", (slice(None),)), replica_id=rank
+    )
     if layout == "a":
         sd["extra"] = ShardedObject("extra", {"rank": rank}, (2,), (rank,))
         sd.update(COMMON)
@@ -96,7 +121,9 @@ def _check_mcore(sd: dict) -> list[str]:
                 want = full(v.key)[v.global_slice()]
                 data = v.data
                 if tuple(data.shape) == (1,) * v.prepend_axis_num + tuple(v.local_shape):
-                    data = data.view(v.local_shape)  # Megatron's load leaves its prepended-axes view
+                    data = data.view(
+                        v.local_shape
+                    )  # Megatron's load leaves its prepended-axes view
                 if not torch.equal(data, want):
                     wrong.append(v.key)
     return wrong
@@ -107,7 +134,9 @@ def _targets(rank: int, ws: int) -> dict[str, sw.ShardedTensor]:
     layouts = {
         "tp.weight": Layout.row_wise(SHAPES["tp.weight"], [5, 0, 3][:ws] if ws == 3 else [8]),
         "layers.weight": Layout.chunked(SHAPES["layers.weight"], 2, ws),
-        "uneven.weight": Layout.column_wise(SHAPES["uneven.weight"], [1, 2, 0][:ws] if ws == 3 else [3]),
+        "uneven.weight": Layout.column_wise(
+            SHAPES["uneven.weight"], [1, 2, 0][:ws] if ws == 3 else [3]
+        ),
         "multi": Layout.chunked(SHAPES["multi"], 0, ws),
         "bias": Layout.replicated(SHAPES["bias"], ws),
     }
@@ -116,8 +145,11 @@ def _targets(rank: int, ws: int) -> dict[str, sw.ShardedTensor]:
 
 def _wrong(targets: dict[str, sw.ShardedTensor]) -> list[str]:
     return [
-        k for k, st in targets.items()
-        if not all(torch.equal(s, full(k)[b.slices()]) for s, b in zip(st.local_shards(), st.local_blocks))
+        k
+        for k, st in targets.items()
+        if not all(
+            torch.equal(s, full(k)[b.slices()]) for s, b in zip(st.local_shards(), st.local_blocks)
+        )
     ]
 
 
@@ -167,9 +199,13 @@ def _adapters(rank: int, ws: int, path: str, out: str) -> dict:
     # 2. DCP wrappers, as Megatron's torch_dist strategy builds them: placeholder dtype float32
     layer_pieces = list(sd["decoder"].values())
     wrappers = {
-        "layers.weight": LocalShardsContainer([CheckpointableShardedTensor.from_sh_ten(p) for p in layer_pieces]),
+        "layers.weight": LocalShardsContainer(
+            [CheckpointableShardedTensor.from_sh_ten(p) for p in layer_pieces]
+        ),
         "bias": CheckpointableShardedTensor.from_sh_ten(
-            ShardedTensor.from_rank_offsets("bias", torch.zeros(4, dtype=torch.bfloat16), replica_id=rank)
+            ShardedTensor.from_rank_offsets(
+                "bias", torch.zeros(4, dtype=torch.bfloat16), replica_id=rank
+            )
         ),
     }
     assert wrappers["bias"].dtype == torch.float32  # the placeholder swc.load must not trust
@@ -177,19 +213,26 @@ def _adapters(rank: int, ws: int, path: str, out: str) -> dict:
     result["wrappers"] = _check_mcore(layer_pieces) + _check_mcore([wrappers["bias"]._sh_ten])
     # 3. to_shardwise shares storage; to_megatron gives it back over the same storage
     st = to_shardwise(layer_pieces)
-    result["shared"] = [s.data_ptr() for s in st.local_shards()] == [p.data.data_ptr() for p in layer_pieces]
+    result["shared"] = [s.data_ptr() for s in st.local_shards()] == [
+        p.data.data_ptr() for p in layer_pieces
+    ]
     back = to_megatron({"layers.weight": st}, prepend_axis_num=1)["layers.weight"]
-    result["back"] = [(tuple(p.global_offset), p.prepend_axis_num, p.data.data_ptr(), p.axis_fragmentations)
-                      for p in back] == [(tuple(p.global_offset), 1, p.data.data_ptr(), (4, 1, 1))
-                                         for p in layer_pieces]
+    result["back"] = [
+        (tuple(p.global_offset), p.prepend_axis_num, p.data.data_ptr(), p.axis_fragmentations)
+        for p in back
+    ] == [(tuple(p.global_offset), 1, p.data.data_ptr(), (4, 1, 1)) for p in layer_pieces]
     replicated = to_megatron({"bias": to_shardwise(wrappers["bias"])})["bias"]
     result["replica_id"] = replicated.replica_id
     # 4. swc.save of Megatron's pieces (main replicas only written), Megatron-readable, read offline
     save_sd = _mcore_sd(rank, "a")
-    save_sd["iteration"] += rank  # ranks disagree: rank 0's common state is the one kept, as Megatron's
+    save_sd["iteration"] += (
+        rank  # ranks disagree: rank 0's common state is the one kept, as Megatron's
+    )
     swc.save(save_sd, out, megatron=True)
     # 5. overlapping pieces: the same error on every rank
-    bad = ShardedTensor("bad", torch.zeros(3, 2), torch.float32, (3, 2), (5, 2), (rank * 2, 0), None)
+    bad = ShardedTensor(
+        "bad", torch.zeros(3, 2), torch.float32, (3, 2), (5, 2), (rank * 2, 0), None
+    )
     try:
         to_shardwise(bad)
     except sw.LayoutError as e:
@@ -227,14 +270,21 @@ def test_megatron_checkpoint_offline(megatron_ckpt: str) -> None:
     info = swc.inspect(megatron_ckpt)
     assert {t.key: t.shape for t in info.tensors} == SHAPES
     assert {t.key: t.chunks for t in info.tensors} == {
-        "tp.weight": 2, "layers.weight": 4, "uneven.weight": 2, "multi": 3, "bias": 1
+        "tp.weight": 2,
+        "layers.weight": 4,
+        "uneven.weight": 2,
+        "multi": 3,
+        "bias": 1,
     }
     assert sorted(info.objects) == ["common_state/shard_0_1", "extra/shard_0_2", "extra/shard_1_2"]
     assert swc.verify(megatron_ckpt) == []
     for key in SHAPES:
         assert torch.equal(swc.read_tensor(megatron_ckpt, key), full(key)), key
     region = Block((1, 2, 1), (2, 1, 3))
-    assert torch.equal(swc.read_tensor(megatron_ckpt, "layers.weight", region), full("layers.weight")[region.slices()])
+    assert torch.equal(
+        swc.read_tensor(megatron_ckpt, "layers.weight", region),
+        full("layers.weight")[region.slices()],
+    )
     from shardwise.interop.megatron import read_common_state
 
     assert read_common_state(megatron_ckpt) == COMMON
@@ -252,7 +302,11 @@ def test_swc_load_megatron_checkpoint_on_one_rank(megatron_ckpt: str) -> None:
 
 def test_megatron_2_to_shardwise_3_to_megatron_2(megatron_ckpt: str, tmp_path) -> None:
     out = str(tmp_path / "sw")
-    assert run_ranks(_swc_load_then_save_for_megatron, 3, megatron_ckpt, out, timeout=90) == [[], [], []]
+    assert run_ranks(_swc_load_then_save_for_megatron, 3, megatron_ckpt, out, timeout=90) == [
+        [],
+        [],
+        [],
+    ]
     assert (tmp_path / "sw" / "metadata.json").exists() and swc.verify(out) == []
     results = run_ranks(_megatron_load, 2, out, timeout=90)
     assert results == [([], COMMON), ([], COMMON)]
@@ -262,8 +316,14 @@ def test_megatron_objects_through_swc_load_and_save(megatron_ckpt: str, tmp_path
     out = str(tmp_path / "from_pieces")
     results = run_ranks(_adapters, 2, megatron_ckpt, out, timeout=90)
     for rank, r in enumerate(results):
-        assert r == {"pieces": [], "wrappers": [], "shared": True, "back": True, "replica_id": rank,
-                     "error": "LayoutError"}, rank
+        assert r == {
+            "pieces": [],
+            "wrappers": [],
+            "shared": True,
+            "back": True,
+            "replica_id": rank,
+            "error": "LayoutError",
+        }, rank
     for key in SHAPES:  # Megatron's pieces saved by swc: main replicas only, every key whole
         assert torch.equal(swc.read_tensor(out, key), full(key)), key
     from shardwise.interop.megatron import read_common_state
@@ -274,7 +334,9 @@ def test_megatron_objects_through_swc_load_and_save(megatron_ckpt: str, tmp_path
 
 
 def test_megatron_save_keeps_a_foreign_metadata_json_and_writes_its_own(tmp_path) -> None:
-    st = sw.ShardedTensor.from_layout(Layout.row_wise((4, 2), [4]), [torch.arange(8.0).reshape(4, 2)])
+    st = sw.ShardedTensor.from_layout(
+        Layout.row_wise((4, 2), [4]), [torch.arange(8.0).reshape(4, 2)]
+    )
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "metadata.json").write_text('{"mine": 1}')
@@ -300,7 +362,8 @@ def test_megatron_save_keeps_a_foreign_metadata_json_and_writes_its_own(tmp_path
     fresh = tmp_path / "fresh"
     swc.save({"w": st, "step": 3, "cache": LocalNonpersistentObject([9])}, fresh, megatron=True)
     assert json.loads((fresh / "metadata.json").read_text()) == {
-        "sharded_backend": "torch_dist", "sharded_backend_version": 1,
+        "sharded_backend": "torch_dist",
+        "sharded_backend_version": 1,
     }
     assert torch.equal(swc.read_tensor(fresh, "w"), torch.arange(8.0).reshape(4, 2))
     from shardwise.interop.megatron import read_common_state
@@ -312,8 +375,10 @@ def test_swc_load_megatron_nesting_by_megatron_key(megatron_ckpt: str) -> None:
     results = run_ranks(_swc_load_nested, 2, megatron_ckpt, timeout=90)
     for rank, (untouched, refusal, wrong) in enumerate(results):
         assert untouched == sorted(SHAPES), rank  # every piece still holds its -1 fill
-        assert refusal.startswith("ranks [1] hold other megatron-core values than rank 0 (first difference: "
-                                  "'decoder.layers.0.weight')") and refusal.endswith(
+        assert refusal.startswith(
+            "ranks [1] hold other megatron-core values than rank 0 (first difference: "
+            "'decoder.layers.0.weight')"
+        ) and refusal.endswith(
             "for Megatron's own nesting (pieces of one key in several entries), pass megatron=True"
         ), refusal
         assert wrong == [], (rank, wrong)

@@ -70,13 +70,19 @@ def _redistribute_like_physicsnemo(rank: int, world: int, sizes: list[int]) -> l
     mesh, value = _mesh((world,)), full(SHAPE)
     st = shard_tensor(value, mesh, (Shard(0),), {0: sizes})
     ours = sw.from_shard_tensor(st)
-    bad = [] if ours.layout_spec == Layout.row_wise(SHAPE, sizes) else [f"layout {ours.layout_spec!r}"]
+    bad = (
+        []
+        if ours.layout_spec == Layout.row_wise(SHAPE, sizes)
+        else [f"layout {ours.layout_spec!r}"]
+    )
     if ours.local_shards() and ours.local_shards()[0] is not st._local_tensor:
         bad.append("from_shard_tensor copied the local tensor")
     moved = ours.redistribute(Layout.chunked(SHAPE, 1, world)).to_shard_tensor(mesh, (Shard(1),))
     bad += _same_as_physicsnemo(moved, st.redistribute(mesh, (Shard(1),)), "Shard(0)->Shard(1)")
     back = ours.to_shard_tensor(mesh, (Shard(0),))  # the round trip wraps the very tensor
-    if st._local_tensor.numel() and back._local_tensor is not st._local_tensor:  # an empty rank gets a new empty one
+    if (
+        st._local_tensor.numel() and back._local_tensor is not st._local_tensor
+    ):  # an empty rank gets a new empty one
         bad.append("to_shard_tensor copied the shard")
     bad += _same_as_physicsnemo(back, st, "round trip")
     if not torch.equal(ours.full_tensor(), value) or not torch.equal(st.full_tensor(), value):
@@ -92,13 +98,19 @@ def _two_ranks(rank: int, world: int, path: str) -> list:
     mesh = _mesh((world,))
     bad = _redistribute_like_physicsnemo(rank, world, [5, 2])
     rep = shard_tensor(full(SHAPE, 2), mesh, (Replicate(),), {})
-    if sw.from_dtensor(rep).layout_spec != Layout.replicated(SHAPE, world):  # from_dtensor delegates
+    if sw.from_dtensor(rep).layout_spec != Layout.replicated(
+        SHAPE, world
+    ):  # from_dtensor delegates
         bad.append("replicated layout")
     # refusals, each the same on every rank
     st = shard_tensor(full(SHAPE), mesh, (Shard(0),), {0: [5, 2]})
     partial = shard_tensor(full(SHAPE), mesh, (Partial(),), {})
     two_blocks = sw.ShardedTensor.zeros(Layout.column_wise(SHAPE, [1, 2, 1, 2], ranks=[0, 1, 0, 1]))
-    dt = sw.from_shard_tensor(st).redistribute(Layout.chunked(SHAPE, 0, world)).to_dtensor(mesh, (Shard(0),))
+    dt = (
+        sw.from_shard_tensor(st)
+        .redistribute(Layout.chunked(SHAPE, 0, world))
+        .to_dtensor(mesh, (Shard(0),))
+    )
     errors = [
         _refused(lambda: sw.from_shard_tensor(partial)),
         _refused(lambda: two_blocks.to_shard_tensor(mesh, (Shard(1),))),
@@ -126,7 +138,9 @@ def test_two_ranks_convert_redistribute_refuse_and_save(tmp_path):
     assert "Partial" in errors[0][1] and errors[0][1].startswith("rank 0:")
     assert "redistribute first" in errors[1][1]
     assert "from_shard_tensor takes a PhysicsNeMo ShardTensor" in errors[2][1]
-    assert errors[3][1].startswith("rank 1: it passed a DTensor but rank 0 passed a PhysicsNeMo ShardTensor")
+    assert errors[3][1].startswith(
+        "rank 1: it passed a DTensor but rank 0 passed a PhysicsNeMo ShardTensor"
+    )
     # what was written is the global tensor, read offline by shardwise
     from tests.clients.physicsnemo_harness import full
 
@@ -169,7 +183,9 @@ def _three_ranks(rank: int, world: int, path: str) -> list:
     if not (torch.equal(stock["a"], full(SHAPE, 0)) and torch.equal(stock["b"], full(SHAPE, 1))):
         bad.append(f"rank {rank}: stock dcp.load")
     # rank 2's spec records rank 0 and 1 as [2, 3] while they hold [3, 2]: a stale spec
-    stale = shard_tensor(full(SHAPE), mesh, (Shard(0),), {0: [3, 2, 2]}, {0: [2, 3, 2]} if rank == 2 else None)
+    stale = shard_tensor(
+        full(SHAPE), mesh, (Shard(0),), {0: [3, 2, 2]}, {0: [2, 3, 2]} if rank == 2 else None
+    )
     return [bad, _refused(lambda: sw.from_shard_tensor(stale))]
 
 
@@ -179,7 +195,9 @@ def _load_three_ranks_from(path: str) -> None:
     kind, message = results[0][1]
     assert all(r[1] == (kind, message) for r in results)
     assert kind == "LayoutError"
-    assert message.startswith("rank 2: its ShardTensor records rank 0's piece as 2 along dimension 0 but rank 0 holds 3")
+    assert message.startswith(
+        "rank 2: its ShardTensor records rank 0's piece as 2 along dimension 0 but rank 0 holds 3"
+    )
 
 
 def _two_d(rank: int, world: int) -> list[str]:
@@ -204,13 +222,19 @@ def _two_d(rank: int, world: int) -> list[str]:
     # PhysicsNeMo keeps the uneven column sizes and chunks the rows: the same target for both
     theirs = half.redistribute(mesh, (Shard(1), Shard(0)))
     target = Layout.grid(SHAPE, (2, 2), [[4, 3], [4, 2]])
-    target = Layout(SHAPE, {r: target.blocks_of(r % 2 * 2 + r // 2) for r in range(4)})  # mesh dim 0 shards columns
+    target = Layout(
+        SHAPE, {r: target.blocks_of(r % 2 * 2 + r // 2) for r in range(4)}
+    )  # mesh dim 0 shards columns
     if sw.from_shard_tensor(theirs).layout_spec != target:
-        bad.append(f"PhysicsNeMo's 2-D redistribute gave {sw.from_shard_tensor(theirs).layout_spec!r}")
+        bad.append(
+            f"PhysicsNeMo's 2-D redistribute gave {sw.from_shard_tensor(theirs).layout_spec!r}"
+        )
     moved = ours.redistribute(target)
     if not torch.equal(moved.local_shards()[0], theirs._local_tensor):
         bad.append("2-D redistribute differs from PhysicsNeMo's")
-    bad += _same_as_physicsnemo(moved.to_shard_tensor(mesh, (Shard(1), Shard(0))), theirs, "2-D redistribute")
+    bad += _same_as_physicsnemo(
+        moved.to_shard_tensor(mesh, (Shard(1), Shard(0))), theirs, "2-D redistribute"
+    )
     return [f"rank {rank}: {b}" for b in bad]
 
 

@@ -8,11 +8,12 @@ import re
 import subprocess
 import sys
 
-
 from tests.clients.conftest import require
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
-SECTION = re.search(r"## With Megatron-Core, PhysicsNeMo and TorchRec\n(.*?)\n## ", README.read_text(), re.S).group(1)
+SECTION = re.search(
+    r"## With Megatron-Core, PhysicsNeMo and TorchRec\n(.*?)\n## ", README.read_text(), re.S
+).group(1)
 
 
 def snippet(heading: str) -> str:
@@ -24,7 +25,10 @@ def run(code: str, tmp_path: pathlib.Path) -> list[str]:
     script = tmp_path / "snippet.py"
     script.write_text(re.sub(r"/tmp/shardwise-(\w+)", lambda m: str(tmp_path / m.group(1)), code))
     proc = subprocess.run(
-        [sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, timeout=240,
+        [sys.executable, "-W", "ignore", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=240,
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -44,7 +48,9 @@ def test_physicsnemo_snippet(tmp_path):
 def test_torchrec_snippet(tmp_path):
     require("torchrec.distributed")
     assert run(snippet("TorchRec"), tmp_path) == [
-        "0 [([0, 0], True)]", "1 [([14, 0], True)]", "2 [([28, 0], True)]",
+        "0 [([0, 0], True)]",
+        "1 [([14, 0], True)]",
+        "2 [([28, 0], True)]",
     ]
 
 

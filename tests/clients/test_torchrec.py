@@ -58,7 +58,9 @@ def _state(dmp: Any, optimizer: Any) -> dict[str, Any]:
 
 
 def _mismatches(full: dict[str, torch.Tensor]) -> list[str]:
-    return sorted(k for k, v in full.items() if not torch.equal(v, h.pattern(k, tuple(v.shape), v.dtype)))
+    return sorted(
+        k for k, v in full.items() if not torch.equal(v, h.pattern(k, tuple(v.shape), v.dtype))
+    )
 
 
 def _apply(dmp: Any, optimizer: Any, sd: dict[str, Any]) -> None:
@@ -99,7 +101,9 @@ def _loaders(path: str) -> dict[str, Any]:
 
     import shardwise.checkpoint as swc
 
-    def stateful(dmp: Any, optimizer: Any) -> None:  # dcp.load-style: state_dict() / load_state_dict() done for us
+    def stateful(
+        dmp: Any, optimizer: Any
+    ) -> None:  # dcp.load-style: state_dict() / load_state_dict() done for us
         swc.load({"model": dmp, "optim": optimizer}, path)
 
     stateful.stateful = True  # type: ignore[attr-defined]
@@ -215,8 +219,14 @@ def test_save_2_ranks_every_sharding_type(runs: dict[str, Any]) -> None:
     assert Path(runs["path"], ".metadata").is_file()
 
 
-LOAD3 = ["swc.load", "swc.load Stateful", "dcp.load+swc.Reader", "dcp.load+FileSystemReader",
-         "dtensor swc.load", "dtensor dcp.load+FileSystemReader"]
+LOAD3 = [
+    "swc.load",
+    "swc.load Stateful",
+    "dcp.load+swc.Reader",
+    "dcp.load+FileSystemReader",
+    "dtensor swc.load",
+    "dtensor dcp.load+FileSystemReader",
+]
 
 
 @pytest.mark.parametrize("how", LOAD3)
@@ -237,9 +247,11 @@ def test_save_3_ranks_dtensor_state(runs: dict[str, Any]) -> None:
         assert torch.equal(t, h.pattern(key, tuple(t.shape), t.dtype)), key
 
 
-LOAD1 = [f"{tag} {name}" for tag in ("2 ranks", "3 ranks dtensor")
-         for name in ("swc.load", "swc.load Stateful", "dcp.load+FileSystemReader")] + [
-    "stock dcp.save, 2 ranks swc.load"]
+LOAD1 = [
+    f"{tag} {name}"
+    for tag in ("2 ranks", "3 ranks dtensor")
+    for name in ("swc.load", "swc.load Stateful", "dcp.load+FileSystemReader")
+] + ["stock dcp.save, 2 ranks swc.load"]
 
 
 @pytest.mark.parametrize("how", LOAD1)

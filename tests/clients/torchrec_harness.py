@@ -18,7 +18,8 @@ and the tables that are get EXACT_ADAGRAD (momentum shaped like the weight).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,7 +77,9 @@ class Model(nn.Module):
 
         self.ebc = EmbeddingBagCollection(
             tables=[
-                EmbeddingBagConfig(name=name, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f_{name}"])
+                EmbeddingBagConfig(
+                    name=name, embedding_dim=dim, num_embeddings=rows, feature_names=[f"f_{name}"]
+                )
                 for name, (rows, dim, _) in TABLES.items()
             ],
             device=torch.device("meta"),
@@ -90,6 +93,7 @@ class Model(nn.Module):
 def build(plan_name: str, *, output_dtensor: bool = False) -> tuple[Any, Any]:
     """A DMP of `Model` under plan `plan_name` on the default group, and its
     CombinedOptimizer (fused per-table Adagrads + dense Adam). Collective."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan
@@ -97,22 +101,33 @@ def build(plan_name: str, *, output_dtensor: bool = False) -> tuple[Any, Any]:
     from torchrec.optim import RowWiseAdagrad
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
-    from torch.distributed.optim import _apply_optimizer_in_backward
 
     world_size, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cpu")
     model = Model(device)
     for name, (_, _, opt) in TABLES.items():
-        cls, kwargs = (RowWiseAdagrad, {"lr": 0.01}) if opt == "rowwise_adagrad" else (torch.optim.Adagrad, {"lr": 0.01})
+        cls, kwargs = (
+            (RowWiseAdagrad, {"lr": 0.01})
+            if opt == "rowwise_adagrad"
+            else (torch.optim.Adagrad, {"lr": 0.01})
+        )
         _apply_optimizer_in_backward(cls, [model.ebc.embedding_bags[name].weight], kwargs)
     sharder = EmbeddingBagCollectionSharder()
     module_plan = construct_module_sharding_plan(
-        model.ebc, _plans()[plan_name](world_size), sharder=sharder,
-        local_size=world_size, world_size=world_size, device_type="cpu",
+        model.ebc,
+        _plans()[plan_name](world_size),
+        sharder=sharder,
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
     )
     env = ShardingEnv(world_size, rank, dist.group.WORLD, output_dtensor=output_dtensor)
     dmp = DistributedModelParallel(
-        model, env=env, device=device, plan=ShardingPlan({"ebc": module_plan}), sharders=[sharder],
+        model,
+        env=env,
+        device=device,
+        plan=ShardingPlan({"ebc": module_plan}),
+        sharders=[sharder],
     )
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
@@ -134,7 +149,9 @@ def batch(seed: int) -> Any:
             n = int(torch.randint(1, 4, (1,), generator=g))
             lengths.append(n)
             values.append(torch.randint(0, rows, (n,), generator=g))
-    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.tensor(lengths))
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=torch.cat(values), lengths=torch.tensor(lengths)
+    )
 
 
 def train_step(dmp: Any, optimizer: Any, seed: int = 0) -> None:
@@ -154,14 +171,20 @@ def _pieces(value: Any) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], to
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, LegacyST):
-        return tuple(value.size()), [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
+        return tuple(value.size()), [
+            (tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()
+        ]
     if isinstance(value, DTensor):
         local = value._local_tensor
         if hasattr(local, "local_shards"):
-            return tuple(value.shape), [(tuple(o), t) for o, t in zip(local.local_offsets(), local.local_shards())]
+            return tuple(value.shape), [
+                (tuple(o), t) for o, t in zip(local.local_offsets(), local.local_shards())
+            ]
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        _, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        _, offsets = compute_local_shape_and_global_offset(
+            value.shape, value.device_mesh, value.placements
+        )
         return tuple(value.shape), [(tuple(offsets), local)]
     return tuple(value.shape), [((0,) * value.dim(), value)]
 
@@ -205,7 +228,9 @@ def gather_full(tree: Any) -> dict[str, torch.Tensor]:
             for offsets, t in pieces:
                 region = _region(offsets, t)
                 if seen[key][region].any():  # a replica: must agree
-                    assert torch.equal(full[key][region][seen[key][region]], t[seen[key][region]]), key
+                    assert torch.equal(
+                        full[key][region][seen[key][region]], t[seen[key][region]]
+                    ), key
                 full[key][region] = t
                 seen[key][region] = True
     holes = [k for k, s in seen.items() if not bool(s.all())]

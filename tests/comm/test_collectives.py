@@ -24,7 +24,9 @@ def chain(world: int) -> list[Layout]:
     rows[0], rows[-1] = 4, 5  # uneven; middle ranks empty when world > 2
     return [
         Layout.row_wise(SHAPE, rows),
-        Layout.column_wise(SHAPE, [1, 3, 2, 2], ranks=[i % world for i in range(4)], world_size=world),
+        Layout.column_wise(
+            SHAPE, [1, 3, 2, 2], ranks=[i % world for i in range(4)], world_size=world
+        ),
         Layout.grid(SHAPE, (world, 1)) if world != 4 else Layout.grid(SHAPE, (2, 2)),
         Layout.replicated(SHAPE, world),
         Layout.table_wise(SHAPE, world - 1, world),
@@ -51,10 +53,14 @@ def _redistribute_chain(rank: int, world: int) -> list[str]:
         st = st.redistribute(layout, stats=stats)
         bad += _check(st, full, f"step {step}")
         planned = sum(
-            t.region.numel * 4 for t in sw.plan_transfers(prev, layout) if t.src_rank == rank and not t.is_local
+            t.region.numel * 4
+            for t in sw.plan_transfers(prev, layout)
+            if t.src_rank == rank and not t.is_local
         )
         if stats["bytes_sent"] != planned:
-            bad.append(f"rank {rank} step {step}: sent {stats['bytes_sent']} bytes, planned {planned}")
+            bad.append(
+                f"rank {rank} step {step}: sent {stats['bytes_sent']} bytes, planned {planned}"
+            )
     return bad
 
 
@@ -79,7 +85,9 @@ def _gather_family(rank: int, world: int) -> list[str]:
             bad.append(f"rank {rank} equal {i}")
     # zero-element shards and an empty tensor: no deadlock
     zero = Layout((0, 4), {0: [Block((0, 0), (0, 4))]}, world)
-    z = ShardedTensor.from_layout(zero, [torch.empty(0, 4)] if rank == 0 else [], dtype=torch.float32)
+    z = ShardedTensor.from_layout(
+        zero, [torch.empty(0, 4)] if rank == 0 else [], dtype=torch.float32
+    )
     if z.full_tensor().shape != (0, 4) or (rank == 0 and z.gather(0).shape != (0, 4)):
         bad.append(f"rank {rank} zero-size")
     if rank != 0:
@@ -110,7 +118,9 @@ def _from_local_shards_ok(rank: int, world: int) -> list[str]:
         bad.append("copied the shards")
     # global shape given, and a rank with nothing at all
     only = Layout.table_wise(SHAPE, 0, world)
-    st2 = ShardedTensor.from_local_shards([full] if rank == 0 else [], [(0, 0)] if rank == 0 else [], global_shape=SHAPE)
+    st2 = ShardedTensor.from_local_shards(
+        [full] if rank == 0 else [], [(0, 0)] if rank == 0 else [], global_shape=SHAPE
+    )
     if st2.layout_spec != only or st2.dtype != torch.float32:
         bad.append(f"rank {rank} table-wise")
     return bad + _check(st, full, "from_local_shards")
@@ -121,13 +131,34 @@ def test_from_local_shards_learns_the_layout():
 
 
 BAD_INPUT = {
-    "overlap": lambda r: ([torch.zeros(5, 8)], [(0, 0)]) if r == 0 else ([torch.zeros(6, 8)], [(3, 0)]) if r == 1 else ([], []),
-    "out-of-bounds": lambda r: ([torch.zeros(9, 8)], [(0, 0)]) if r == 0 else ([torch.zeros(1, 8)], [(9, 0)]) if r == 1 else ([], []),
+    "overlap": lambda r: (
+        ([torch.zeros(5, 8)], [(0, 0)])
+        if r == 0
+        else ([torch.zeros(6, 8)], [(3, 0)])
+        if r == 1
+        else ([], [])
+    ),
+    "out-of-bounds": lambda r: (
+        ([torch.zeros(9, 8)], [(0, 0)])
+        if r == 0
+        else ([torch.zeros(1, 8)], [(9, 0)])
+        if r == 1
+        else ([], [])
+    ),
     "hole": lambda r: ([torch.zeros(3, 8)], [(3 * r, 0)]) if r != 1 else ([], []),
-    "dtype": lambda r: ([torch.zeros(3, 8, dtype=torch.float64 if r == 1 else torch.float32)], [(3 * r, 0)]),
-    "non-contiguous": lambda r: ([torch.zeros(8, 3).t() if r == 2 else torch.zeros(3, 8)], [(3 * r, 0)]),
+    "dtype": lambda r: (
+        [torch.zeros(3, 8, dtype=torch.float64 if r == 1 else torch.float32)],
+        [(3 * r, 0)],
+    ),
+    "non-contiguous": lambda r: (
+        [torch.zeros(8, 3).t() if r == 2 else torch.zeros(3, 8)],
+        [(3 * r, 0)],
+    ),
     "lengths": lambda r: ([torch.zeros(3, 8)], [(3 * r, 0), (0, 0)] if r == 1 else [(3 * r, 0)]),
-    "ndim": lambda r: ([torch.zeros(3, 8, 1) if r == 2 else torch.zeros(3, 8)], [(3 * r, 0, 0) if r == 2 else (3 * r, 0)]),
+    "ndim": lambda r: (
+        [torch.zeros(3, 8, 1) if r == 2 else torch.zeros(3, 8)],
+        [(3 * r, 0, 0) if r == 2 else (3 * r, 0)],
+    ),
 }
 EXPECTED = {
     "overlap": (sw.LayoutError, "overlap"),
@@ -188,27 +219,60 @@ def _on(rank: int, good, bad):
 # first exchange, leaving the others waiting there: rank 1 is the faulty rank.
 REFUSE_TOGETHER = {
     "from_local_shards-offsets-not-ints": (
-        lambda r: ShardedTensor.from_local_shards([torch.zeros(3, 8)], [_on(r, (3 * r, 0), ("3", "0"))]), TypeError),
+        lambda r: ShardedTensor.from_local_shards(
+            [torch.zeros(3, 8)], [_on(r, (3 * r, 0), ("3", "0"))]
+        ),
+        TypeError,
+    ),
     "from_local_shards-shards-not-a-list": (
-        lambda r: ShardedTensor.from_local_shards(_on(r, [torch.zeros(3, 8)], None), [(3 * r, 0)]), TypeError),
+        lambda r: ShardedTensor.from_local_shards(_on(r, [torch.zeros(3, 8)], None), [(3 * r, 0)]),
+        TypeError,
+    ),
     "from_local_shards-global-shape-garbage": (
-        lambda r: ShardedTensor.from_local_shards([torch.zeros(3, 8)], [(3 * r, 0)], global_shape=_on(r, SHAPE, "9x8")),
-        TypeError),
+        lambda r: ShardedTensor.from_local_shards(
+            [torch.zeros(3, 8)], [(3 * r, 0)], global_shape=_on(r, SHAPE, "9x8")
+        ),
+        TypeError,
+    ),
     "from_local_shards-global-shape-differs": (
-        lambda r: ShardedTensor.from_local_shards([torch.zeros(3, 8)], [(3 * r, 0)], global_shape=_on(r, SHAPE, (10, 8))),
-        sw.ShardMismatchError),
+        lambda r: ShardedTensor.from_local_shards(
+            [torch.zeros(3, 8)], [(3 * r, 0)], global_shape=_on(r, SHAPE, (10, 8))
+        ),
+        sw.ShardMismatchError,
+    ),
     "from_local_shards-ndim": (
-        lambda r: ShardedTensor.from_local_shards([_on(r, torch.zeros(3, 8), torch.zeros(3, 8, 1))], [_on(r, (3 * r, 0), (3, 0, 0))]),
-        sw.LayoutError),
+        lambda r: ShardedTensor.from_local_shards(
+            [_on(r, torch.zeros(3, 8), torch.zeros(3, 8, 1))], [_on(r, (3 * r, 0), (3, 0, 0))]
+        ),
+        sw.LayoutError,
+    ),
     "distribute-source-not-a-layout": (
-        lambda r: sw.distribute(full_tensor() if r == 1 else None, _on(r, Layout.chunked(SHAPE, 0, 3), "rows"), src=1), TypeError),
+        lambda r: sw.distribute(
+            full_tensor() if r == 1 else None, _on(r, Layout.chunked(SHAPE, 0, 3), "rows"), src=1
+        ),
+        TypeError,
+    ),
     "distribute-src-out-of-range": (
-        lambda r: sw.distribute(full_tensor() if r == 0 else None, Layout.chunked(SHAPE, 0, 3), src=_on(r, 0, 7)), ValueError),
+        lambda r: sw.distribute(
+            full_tensor() if r == 0 else None, Layout.chunked(SHAPE, 0, 3), src=_on(r, 0, 7)
+        ),
+        ValueError,
+    ),
     "distribute-source-wrong-shape": (
-        lambda r: sw.distribute(torch.zeros(8, 8) if r == 1 else None, Layout.chunked(SHAPE, 0, 3), src=1), sw.LayoutError),
-    "equal-plain-tensor": (lambda r: sw.equal(_rows3(r), _on(r, _rows3(r), full_tensor())), TypeError),
+        lambda r: sw.distribute(
+            torch.zeros(8, 8) if r == 1 else None, Layout.chunked(SHAPE, 0, 3), src=1
+        ),
+        sw.LayoutError,
+    ),
+    "equal-plain-tensor": (
+        lambda r: sw.equal(_rows3(r), _on(r, _rows3(r), full_tensor())),
+        TypeError,
+    ),
     "gather-dst-out-of-range": (lambda r: _rows3(r).gather(_on(r, 0, 3)), ValueError),
-    "redistribute-not-a-layout": (lambda r: _rows3(r).redistribute(_on(r, Layout.chunked(SHAPE, 1, 3), None)), TypeError),
+    "redistribute-not-a-layout": (
+        lambda r: _rows3(r).redistribute(_on(r, Layout.chunked(SHAPE, 1, 3), None)),
+        TypeError,
+    ),
 }
 
 

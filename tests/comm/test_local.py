@@ -3,7 +3,8 @@ rank raises the same error on every rank, naming that rank, and the group still 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,9 @@ SHAPE = (9, 4)
 ROWS = Layout.row_wise(SHAPE, [3, 3, 3])
 
 
-def _piece(rank: int, rows: int = 3, cols: int = 4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _piece(
+    rank: int, rows: int = 3, cols: int = 4, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     return torch.full((rows, cols), float(rank), dtype=dtype)
 
 
@@ -29,19 +32,42 @@ def _bad(rank: int, good: Any, bad: Any) -> Any:
 
 # case -> (rank -> the call, exception type); rank 1 is the faulty rank in every case
 CASES: dict[str, tuple[Callable[[int], Any], type]] = {
-    "layout-wrong-shape": (lambda r: sw.from_local(_piece(r, rows=_bad(r, 3, 2)), ROWS), sw.ShardMismatchError),
-    "layout-wrong-ndim": (lambda r: sw.from_local(_bad(r, _piece(r), torch.zeros(3, 4, 1)), ROWS), sw.ShardMismatchError),
-    "layout-dtype": (lambda r: sw.from_local(_piece(r, dtype=_bad(r, torch.float32, torch.float64)), ROWS), TypeError),
-    "layout-not-a-tensor": (lambda r: sw.from_local(_bad(r, _piece(r), [[1.0] * 4] * 3), ROWS), TypeError),
-    "layout-sharded-tensor": (lambda r: sw.from_local(_bad(r, _piece(r), sw.ShardedTensor.zeros(ROWS)), ROWS), TypeError),
+    "layout-wrong-shape": (
+        lambda r: sw.from_local(_piece(r, rows=_bad(r, 3, 2)), ROWS),
+        sw.ShardMismatchError,
+    ),
+    "layout-wrong-ndim": (
+        lambda r: sw.from_local(_bad(r, _piece(r), torch.zeros(3, 4, 1)), ROWS),
+        sw.ShardMismatchError,
+    ),
+    "layout-dtype": (
+        lambda r: sw.from_local(_piece(r, dtype=_bad(r, torch.float32, torch.float64)), ROWS),
+        TypeError,
+    ),
+    "layout-not-a-tensor": (
+        lambda r: sw.from_local(_bad(r, _piece(r), [[1.0] * 4] * 3), ROWS),
+        TypeError,
+    ),
+    "layout-sharded-tensor": (
+        lambda r: sw.from_local(_bad(r, _piece(r), sw.ShardedTensor.zeros(ROWS)), ROWS),
+        TypeError,
+    ),
     "layout-differs": (
-        lambda r: sw.from_local(_piece(r, rows=_bad(r, 3, 4)), _bad(r, ROWS, Layout.row_wise((10, 4), [3, 4, 3]))),
+        lambda r: sw.from_local(
+            _piece(r, rows=_bad(r, 3, 4)), _bad(r, ROWS, Layout.row_wise((10, 4), [3, 4, 3]))
+        ),
         sw.LayoutError,
     ),
-    "layout-world-size": (lambda r: sw.from_local(_piece(r), _bad(r, ROWS, Layout.row_wise(SHAPE, [3, 6]))), sw.ShardMismatchError),
+    "layout-world-size": (
+        lambda r: sw.from_local(_piece(r), _bad(r, ROWS, Layout.row_wise(SHAPE, [3, 6]))),
+        sw.ShardMismatchError,
+    ),
     "layout-not-a-layout": (lambda r: sw.from_local(_piece(r), _bad(r, ROWS, "rows")), TypeError),
     "layout-two-blocks": (
-        lambda r: sw.from_local(_piece(r, rows=[3, 3, 0][r]), Layout.row_wise(SHAPE, [3, 3, 3], ranks=[0, 1, 1], world_size=3)),
+        lambda r: sw.from_local(
+            _piece(r, rows=[3, 3, 0][r]),
+            Layout.row_wise(SHAPE, [3, 3, 3], ranks=[0, 1, 1], world_size=3),
+        ),
         sw.ShardMismatchError,
     ),
     "layout-empty-rank-with-data": (
@@ -51,19 +77,55 @@ CASES: dict[str, tuple[Callable[[int], Any], type]] = {
     "mixed-forms": (lambda r: sw.from_local(_piece(r), _bad(r, ROWS, 0)), sw.LayoutError),
     "dim-out-of-range": (lambda r: sw.from_local(_piece(r), _bad(r, 0, 2), "infer"), ValueError),
     "dim-not-an-int": (lambda r: sw.from_local(_piece(r), _bad(r, 0, 0.5), "infer"), TypeError),
-    "dim-zero-d-tensor": (lambda r: sw.from_local(_bad(r, _piece(r), torch.tensor(1.0)), 0, "infer"), ValueError),
-    "infer-other-dims": (lambda r: sw.from_local(_piece(r, cols=_bad(r, 4, 5)), 0, "infer"), sw.ShardMismatchError),
-    "infer-wrong-ndim": (lambda r: sw.from_local(_bad(r, _piece(r), torch.zeros(3, 4, 1)), 0, "infer"), sw.ShardMismatchError),
-    "infer-dtype": (lambda r: sw.from_local(_piece(r, dtype=_bad(r, torch.float32, torch.int64)), 0, "infer"), TypeError),
-    "infer-not-a-tensor": (lambda r: sw.from_local(_bad(r, _piece(r), None), 0, "infer"), TypeError),
-    "chunk-other-dims": (lambda r: sw.from_local(_piece(r, cols=_bad(r, 4, 3)), 0, "chunk"), sw.ShardMismatchError),
+    "dim-zero-d-tensor": (
+        lambda r: sw.from_local(_bad(r, _piece(r), torch.tensor(1.0)), 0, "infer"),
+        ValueError,
+    ),
+    "infer-other-dims": (
+        lambda r: sw.from_local(_piece(r, cols=_bad(r, 4, 5)), 0, "infer"),
+        sw.ShardMismatchError,
+    ),
+    "infer-wrong-ndim": (
+        lambda r: sw.from_local(_bad(r, _piece(r), torch.zeros(3, 4, 1)), 0, "infer"),
+        sw.ShardMismatchError,
+    ),
+    "infer-dtype": (
+        lambda r: sw.from_local(_piece(r, dtype=_bad(r, torch.float32, torch.int64)), 0, "infer"),
+        TypeError,
+    ),
+    "infer-not-a-tensor": (
+        lambda r: sw.from_local(_bad(r, _piece(r), None), 0, "infer"),
+        TypeError,
+    ),
+    "chunk-other-dims": (
+        lambda r: sw.from_local(_piece(r, cols=_bad(r, 4, 3)), 0, "chunk"),
+        sw.ShardMismatchError,
+    ),
     "bad-mode": (lambda r: sw.from_local(_piece(r), 0, _bad(r, "infer", "even")), ValueError),
-    "sizes-sum-wrong": (lambda r: sw.from_local(_piece(r), 0, _bad(r, [3, 3, 3], [3, 3, 4])), sw.LayoutError),
-    "sizes-not-this-tensor": (lambda r: sw.from_local(_piece(r), 0, _bad(r, [3, 3, 3], [3, 4, 2])), sw.ShardMismatchError),
-    "sizes-length": (lambda r: sw.from_local(_piece(r), 0, _bad(r, [3, 3, 3], [3, 6])), sw.ShardMismatchError),
-    "sizes-negative": (lambda r: sw.from_local(_piece(r), 0, _bad(r, [3, 3, 3], [6, 3, -3])), ValueError),
-    "sizes-not-ints": (lambda r: sw.from_local(_piece(r), 0, _bad(r, [3, 3, 3], [3, "3", 3])), TypeError),
-    "sizes-other-dims": (lambda r: sw.from_local(_piece(r, cols=_bad(r, 4, 5)), 0, [3, 3, 3]), sw.ShardMismatchError),
+    "sizes-sum-wrong": (
+        lambda r: sw.from_local(_piece(r), 0, _bad(r, [3, 3, 3], [3, 3, 4])),
+        sw.LayoutError,
+    ),
+    "sizes-not-this-tensor": (
+        lambda r: sw.from_local(_piece(r), 0, _bad(r, [3, 3, 3], [3, 4, 2])),
+        sw.ShardMismatchError,
+    ),
+    "sizes-length": (
+        lambda r: sw.from_local(_piece(r), 0, _bad(r, [3, 3, 3], [3, 6])),
+        sw.ShardMismatchError,
+    ),
+    "sizes-negative": (
+        lambda r: sw.from_local(_piece(r), 0, _bad(r, [3, 3, 3], [6, 3, -3])),
+        ValueError,
+    ),
+    "sizes-not-ints": (
+        lambda r: sw.from_local(_piece(r), 0, _bad(r, [3, 3, 3], [3, "3", 3])),
+        TypeError,
+    ),
+    "sizes-other-dims": (
+        lambda r: sw.from_local(_piece(r, cols=_bad(r, 4, 5)), 0, [3, 3, 3]),
+        sw.ShardMismatchError,
+    ),
 }
 
 
@@ -77,7 +139,9 @@ def test_bad_input_on_one_rank_raises_the_same_error_everywhere(case):
     assert len(set(results)) == 1, results  # same type and message on every rank
     name, message, total = results[0]
     assert name == CASES[case][1].__name__, results[0]
-    assert message.startswith("rank 1: ") and "rank 0:" not in message and "rank 2:" not in message, message
+    assert (
+        message.startswith("rank 1: ") and "rank 0:" not in message and "rank 2:" not in message
+    ), message
     assert total == WORLD
 
 
@@ -103,11 +167,15 @@ def _good(rank: int, world: int) -> list[str]:
     bad = []
     built = {
         "layout": sw.from_local(full[3 * rank : 3 * rank + 3].clone(), ROWS),
-        "layout-unchecked": sw.from_local(full[3 * rank : 3 * rank + 3].clone(), ROWS, run_check=False),
+        "layout-unchecked": sw.from_local(
+            full[3 * rank : 3 * rank + 3].clone(), ROWS, run_check=False
+        ),
         "infer": sw.from_local(full[3 * rank : 3 * rank + 3].clone(), 0, "infer"),
         "chunk": sw.from_local(full[3 * rank : 3 * rank + 3].clone(), -2, "chunk"),
         "sizes": sw.from_local(full[3 * rank : 3 * rank + 3].clone(), 0, [3, 3, 3]),
-        "sizes-unchecked": sw.from_local(full[3 * rank : 3 * rank + 3].clone(), 0, (3, 3, 3), run_check=False),
+        "sizes-unchecked": sw.from_local(
+            full[3 * rank : 3 * rank + 3].clone(), 0, (3, 3, 3), run_check=False
+        ),
     }
     for name, st in built.items():
         if st.layout_spec != ROWS or not torch.equal(st.full_tensor(), full):
@@ -116,7 +184,9 @@ def _good(rank: int, world: int) -> list[str]:
     sizes = [5, 0, 4]
     start = sum(sizes[:rank])
     st = sw.from_local(full[:, :3][start : start + sizes[rank]].clone(), 0, "infer")
-    if st.layout_spec != Layout.row_wise((9, 3), sizes) or not torch.equal(st.full_tensor(), full[:, :3]):
+    if st.layout_spec != Layout.row_wise((9, 3), sizes) or not torch.equal(
+        st.full_tensor(), full[:, :3]
+    ):
         bad.append(f"rank {rank} uneven infer: {st.layout_spec}")
     return bad
 

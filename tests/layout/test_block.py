@@ -22,10 +22,14 @@ def test_value_semantics():
 @pytest.mark.parametrize(
     "a, b, expected",
     [
-        pytest.param(Block((0, 0), (4, 4)), Block((2, 2), (4, 4)), Block((2, 2), (2, 2)), id="corner"),
+        pytest.param(
+            Block((0, 0), (4, 4)), Block((2, 2), (4, 4)), Block((2, 2), (2, 2)), id="corner"
+        ),
         pytest.param(Block((0, 0), (4, 4)), Block((4, 0), (4, 4)), None, id="touching"),
         pytest.param(Block((0, 0), (4, 4)), Block((1, 1), (0, 2)), None, id="zero-size"),
-        pytest.param(Block((0, 0), (8, 8)), Block((2, 2), (1, 1)), Block((2, 2), (1, 1)), id="inside"),
+        pytest.param(
+            Block((0, 0), (8, 8)), Block((2, 2), (1, 1)), Block((2, 2), (1, 1)), id="inside"
+        ),
         pytest.param(Block((), ()), Block((), ()), Block((), ()), id="0-d"),
         pytest.param(Block((3,), (2,)), Block((0,), (10,)), Block((3,), (2,)), id="1-d"),
     ],

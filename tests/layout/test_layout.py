@@ -111,9 +111,7 @@ def test_validation_methods_agree(fallback, data):
         return
     victim = data.draw(st.sampled_from(blocks))
     d = data.draw(st.integers(0, layout.ndim - 1))
-    grown = Block(
-        victim.offsets, tuple(s + 1 if i == d else s for i, s in enumerate(victim.sizes))
-    )
+    grown = Block(victim.offsets, tuple(s + 1 if i == d else s for i, s in enumerate(victim.sizes)))
     shrunk = Block(
         victim.offsets, tuple(s - 1 if i == d else s for i, s in enumerate(victim.sizes))
     )
@@ -145,8 +143,12 @@ def test_json_round_trip(layout):
 
 @pytest.mark.parametrize(
     "text",
-    ["{", '{"format": "other"}', '{"format": "shardwise.layout", "version": 99}',
-     '{"format": "shardwise.layout", "version": 1, "blocks": 3}'],
+    [
+        "{",
+        '{"format": "other"}',
+        '{"format": "shardwise.layout", "version": 99}',
+        '{"format": "shardwise.layout", "version": 1, "blocks": 3}',
+    ],
 )
 def test_bad_json(text):
     with pytest.raises(LayoutError):
@@ -210,7 +212,9 @@ def test_from_dtensor_spec_matches_dtensor(mesh, placements):
     shape = (7, 5)
     layout = Layout.from_dtensor_spec(mesh, placements, shape)
     for rank, coord in enumerate(itertools.product(*map(range, mesh))):
-        sizes, offsets = _compute_local_shape_and_global_offset(shape, mesh, list(coord), placements)
+        sizes, offsets = _compute_local_shape_and_global_offset(
+            shape, mesh, list(coord), placements
+        )
         expected = () if math.prod(sizes) == 0 else (Block(offsets, sizes),)
         assert layout.blocks_of(rank) == expected, (rank, coord)
 

@@ -14,7 +14,9 @@ from .strategies import layouts, shapes
 def apply_plan(full: torch.Tensor, src: Layout, dst: Layout, plan) -> dict:
     """Execute a plan in one process: build every destination shard from source shards."""
     src_shards = {
-        (r, i): full[b.slices()].clone() for r, bs in enumerate(src.blocks) for i, b in enumerate(bs)
+        (r, i): full[b.slices()].clone()
+        for r, bs in enumerate(src.blocks)
+        for i, b in enumerate(bs)
     }
     out = {
         (r, i): torch.full(b.sizes, -1, dtype=full.dtype)

@@ -31,12 +31,22 @@ __all__ = [
 ]
 
 CRASH_POINTS = (
-    "before-write", "mid-data", "after-data", "before-commit", "between-records", "before-collect", "mid-collect",
+    "before-write",
+    "mid-data",
+    "after-data",
+    "before-commit",
+    "between-records",
+    "before-collect",
+    "mid-collect",
 )
 # reached only by the coordinator (rank 0): killing another rank there does nothing
 COORDINATOR_POINTS = ("before-commit", "between-records", "before-collect", "mid-collect")
 # files a user keeps beside (or inside) a checkpoint folder: no save may touch them
-FOREIGN_FILES = {"notes.txt": b"do not delete\n", "model.pt": bytes(range(256)) * 4, "__9_9.distcp": b"not ours"}
+FOREIGN_FILES = {
+    "notes.txt": b"do not delete\n",
+    "model.pt": bytes(range(256)) * 4,
+    "__9_9.distcp": b"not ours",
+}
 SHAPES = {"emb": (48, 16), "dense": (12, 10), "bias": (10,)}
 
 
@@ -55,7 +65,9 @@ def make_state(rank: int, world: int, seed: int) -> dict[str, Any]:
         "emb": Layout.row_wise(SHAPES["emb"], [30, 18] if world == 2 else [48 // world] * world),
         "dense": Layout.chunked(SHAPES["dense"], 1, world),
     }
-    state: dict[str, Any] = {k: ShardedTensor.from_layout(l, shard_of(full[k], l, rank)) for k, l in layouts.items()}
+    state: dict[str, Any] = {
+        k: ShardedTensor.from_layout(l, shard_of(full[k], l, rank)) for k, l in layouts.items()
+    }
     state["bias"] = full["bias"].clone()
     state["meta"] = {"seed": seed}
     return state
@@ -80,7 +92,15 @@ def holds(path: Path, seed: int) -> bool:
 # -- crashes ---------------------------------------------------------------------------------
 
 
-def _save_rank(rank: int, world: int, path: str, seed: int, failpoint: str | None, overwrite: bool, use_async: bool) -> None:
+def _save_rank(
+    rank: int,
+    world: int,
+    path: str,
+    seed: int,
+    failpoint: str | None,
+    overwrite: bool,
+    use_async: bool,
+) -> None:
     from shardwise.checkpoint import async_save, save
 
     if failpoint:
@@ -108,8 +128,11 @@ class CrashOutcome:
     @property
     def ok(self) -> bool:
         return (
-            not self.lost_previous and self.new_state in ("absent", "incomplete", "complete")
-            and self.resave_ok and not self.stray and not self.foreign_lost
+            not self.lost_previous
+            and self.new_state in ("absent", "incomplete", "complete")
+            and self.resave_ok
+            and not self.stray
+            and not self.foreign_lost
         )
 
 
@@ -120,20 +143,33 @@ def _plant_foreign(folder: Path) -> None:
 
 
 def _foreign_lost(folder: Path) -> list[str]:
-    return sorted(n for n, data in FOREIGN_FILES.items() if not (folder / n).is_file() or (folder / n).read_bytes() != data)
+    return sorted(
+        n
+        for n, data in FOREIGN_FILES.items()
+        if not (folder / n).is_file() or (folder / n).read_bytes() != data
+    )
 
 
 def _stray(folder: Path) -> list[str]:
     """Files in a committed folder that neither its records nor the user put there."""
     from shardwise.checkpoint.commit import referenced_files
 
-    expected = referenced_files(folder) | set(FOREIGN_FILES) | {".metadata", "shardwise.json", ".shardwise"}
+    expected = (
+        referenced_files(folder)
+        | set(FOREIGN_FILES)
+        | {".metadata", "shardwise.json", ".shardwise"}
+    )
     return sorted(n for n in os.listdir(folder) if n not in expected)
 
 
 def crash_save(
-    folder: Path, point: str, *, kill_rank: int | None = None, overwrite: bool = False,
-    use_async: bool = False, world: int = 2,
+    folder: Path,
+    point: str,
+    *,
+    kill_rank: int | None = None,
+    overwrite: bool = False,
+    use_async: bool = False,
+    world: int = 2,
 ) -> CrashOutcome:
     """SIGKILL a save (all ranks, or `kill_rank`) at `point` into a folder that
     also holds files of the user's (`FOREIGN_FILES`); report what survived."""
@@ -150,7 +186,9 @@ def crash_save(
     if not overwrite:
         _plant_foreign(target)
     spec = point if kill_rank is None else f"{point}@{kill_rank}"
-    run_ranks(_save_rank, world, str(target), 1, spec, overwrite, use_async, timeout=60, allow_dead=True)
+    run_ranks(
+        _save_rank, world, str(target), 1, spec, overwrite, use_async, timeout=60, allow_dead=True
+    )
     # what a fresh process sees now
     lost = False
     try:
@@ -177,8 +215,16 @@ def crash_save(
         resave = False
     stray = _stray(target)
     foreign = sorted(set(foreign) | set(_foreign_lost(target)))
-    outcome = CrashOutcome(point, "overwrite" if overwrite else "new path", lost, new_state, resave, stray,
-                           foreign, time.monotonic() - start)
+    outcome = CrashOutcome(
+        point,
+        "overwrite" if overwrite else "new path",
+        lost,
+        new_state,
+        resave,
+        stray,
+        foreign,
+        time.monotonic() - start,
+    )
     if overwrite:  # restore the reference checkpoint for the next scenario
         run_ranks(_save_rank, world, str(previous), 0, None, True, False, timeout=60)
     else:
@@ -230,14 +276,26 @@ def _damage(folder: Path, rng: random.Random, kind: str) -> tuple[str, int]:
 
 
 CORRUPTIONS = (
-    "flip data", "truncate data", "delete data",
-    "flip manifest", "truncate manifest", "delete manifest", "flip .metadata",
+    "flip data",
+    "truncate data",
+    "delete data",
+    "flip manifest",
+    "truncate manifest",
+    "delete manifest",
+    "flip .metadata",
 )
 
 
-def corrupt_and_load(source: Path, scratch: Path, rng: random.Random, kind: str, seed: int = 0) -> CorruptionOutcome:
+def corrupt_and_load(
+    source: Path, scratch: Path, rng: random.Random, kind: str, seed: int = 0
+) -> CorruptionOutcome:
     """Copy `source`, damage the copy (`kind`), load it and verify it."""
-    from shardwise.checkpoint import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError, verify
+    from shardwise.checkpoint import (
+        CheckpointMismatchError,
+        CorruptCheckpointError,
+        IncompleteCheckpointError,
+        verify,
+    )
 
     shutil.rmtree(scratch, ignore_errors=True)
     shutil.copytree(source, scratch)

@@ -39,7 +39,11 @@ def simulate_load_planning(ranks: int, chunks: int, cols: int = 1024) -> Plannin
             "w": TensorStorageMetadata(
                 TensorProperties(dtype=torch.float32),
                 torch.Size(shape),
-                [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for bs in saved.blocks for b in bs],
+                [
+                    ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes))
+                    for bs in saved.blocks
+                    for b in bs
+                ],
             )
         }
     )

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from .bad_input_cases import CASES, prepare, run_case
 from shardwise.testing import run_ranks
+
+from .bad_input_cases import CASES, prepare, run_case
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,8 @@ def folder(tmp_path_factory) -> Path:
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     return {
         str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
-        for p in folder.rglob("*") if p.is_file() and ".shardwise-partial" not in str(p)
+        for p in folder.rglob("*")
+        if p.is_file() and ".shardwise-partial" not in str(p)
     }
 
 

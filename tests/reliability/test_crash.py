@@ -23,8 +23,11 @@ def folder(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "point, kill, overwrite", CASES,
-    ids=[f"{p}-{'all' if k is None else f'rank{k}'}{'-overwrite' if o else ''}" for p, k, o in CASES],
+    "point, kill, overwrite",
+    CASES,
+    ids=[
+        f"{p}-{'all' if k is None else f'rank{k}'}{'-overwrite' if o else ''}" for p, k, o in CASES
+    ],
 )
 def test_kill_during_save(folder, point, kill, overwrite):
     outcome = chaos.crash_save(folder, point, kill_rank=kill, overwrite=overwrite)

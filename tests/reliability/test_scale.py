@@ -6,22 +6,31 @@ import torch
 
 import shardwise.checkpoint as swc
 from shardwise import Layout, ShardedTensor, plan_transfers
-from .scale_sim import simulate_load_planning
 from shardwise.testing import run_ranks
+
+from .scale_sim import simulate_load_planning
 
 
 def test_100k_block_layout_round_trips_and_plans():
     layout = Layout.grid((4000, 400), (1000, 100))
     assert Layout.from_json(layout.to_json()) == layout
     rows = Layout.chunked((4000, 400), 0, 100_000 // 100)
-    assert sum(t.region.numel for t in plan_transfers(rows, Layout(rows.global_shape, rows.blocks))) == 4000 * 400
+    assert (
+        sum(t.region.numel for t in plan_transfers(rows, Layout(rows.global_shape, rows.blocks)))
+        == 4000 * 400
+    )
 
 
 def _many(rank: int, world: int, path: str, count: int) -> bool:
     layout = Layout.chunked((4, 16), 0, world)
-    state = {f"t{i}": ShardedTensor.full(layout, float(i), dtype=torch.float32) for i in range(count)}
+    state = {
+        f"t{i}": ShardedTensor.full(layout, float(i), dtype=torch.float32) for i in range(count)
+    }
     swc.save(state, path)
-    target = {k: ShardedTensor.zeros(Layout.chunked((4, 16), 1, world), dtype=torch.float32) for k in state}
+    target = {
+        k: ShardedTensor.zeros(Layout.chunked((4, 16), 1, world), dtype=torch.float32)
+        for k in state
+    }
     swc.load(target, path)
     return all(bool((s == float(k[1:])).all()) for k, v in target.items() for s in v.local_shards())
 

@@ -37,8 +37,18 @@ from torch.testing._internal.distributed.checkpoint_utils import (
     get_test_extension_registry,
 )
 
-from .harness import FORMS, Reader, Writer, load_as, save_as  # the storage under test
-from .harness import Check, bind, by_form, scenario_results, verdict
+from .harness import (  # the storage under test
+    FORMS,
+    Check,
+    Reader,
+    Writer,
+    bind,
+    by_form,
+    load_as,
+    save_as,
+    scenario_results,
+    verdict,
+)
 
 WORLD_SIZE = 4
 
@@ -135,9 +145,7 @@ def reshard_2d_to_2d(path: Path, check: Check) -> None:
 # -- TestDTensorReshardMeshChange --------------------------------------------------
 
 
-def _mesh_change(
-    path: Path, check: Check, save: tuple[int, list], load: tuple[int, list]
-) -> None:
+def _mesh_change(path: Path, check: Check, save: tuple[int, list], load: tuple[int, list]) -> None:
     """Upstream's two mesh-change tests: saved on the `save` mesh (ndim, placements) in each of
     its placements, loaded on the `load` mesh in each of its placements, compared whole."""
     (save_ndim, save_placements), (load_ndim, load_placements) = save, load

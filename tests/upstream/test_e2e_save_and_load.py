@@ -52,9 +52,24 @@ from torch.nn.parallel import DistributedDataParallel
 
 import shardwise.checkpoint as swc
 
-from .harness import FORMS, STOCK, Reader, Writer, load_as, save_as  # the storage under test
-from .harness import Check, assert_equal, bind, by_form, scenario_results, verdict
-from .harness import TestDummyModel, cuda_devices, ignore_user_warnings, run_cuda_scenarios
+from .harness import (  # the storage under test
+    FORMS,
+    STOCK,
+    Check,
+    Reader,
+    TestDummyModel,
+    Writer,
+    assert_equal,
+    bind,
+    by_form,
+    cuda_devices,
+    ignore_user_warnings,
+    load_as,
+    run_cuda_scenarios,
+    save_as,
+    scenario_results,
+    verdict,
+)
 
 pytestmark = ignore_user_warnings
 
@@ -409,10 +424,7 @@ CUDA_SCENARIOS: dict[str, Callable[[Path, Check], None]] = {
         f"e2e_async_cached[FSDP,{cache}]": bind(run_e2e, ModelType.FSDP, "async Writer", cache)
         for cache in (False, True)
     },
-    **{
-        f"partial_load[FSDP,{form}]": bind(partial_load, ModelType.FSDP, form)
-        for form in FORMS
-    },
+    **{f"partial_load[FSDP,{form}]": bind(partial_load, ModelType.FSDP, form) for form in FORMS},
 }
 
 

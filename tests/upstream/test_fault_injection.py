@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -37,7 +38,11 @@ from torch.distributed.checkpoint import (
     save_state_dict,
 )
 from torch.distributed.checkpoint.default_planner import _create_default_local_metadata
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 from torch.futures import Future
 
 from .harness import IMPL, STORAGE, devices, run_on, setup_rank
@@ -106,7 +111,9 @@ def faulty_writer_class(base: type) -> type:
 
 def faulty_reader_class(base: type) -> type:
     class FaultyReader(_Faults, base):  # type: ignore[misc, valid-type]
-        def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        def set_up_storage_reader(
+            self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+        ) -> None:
             self._fail_rank("fail_set_up_storage_reader")
             super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
@@ -147,7 +154,10 @@ def check_dist_failure(callback: Callable[[], None], kwargs: dict[str, Any]) -> 
 def _spec(device: str) -> ChunkShardingSpec:
     ws = dist.get_world_size()
     return ChunkShardingSpec(
-        dim=0, placements=[f"rank:{r}/cpu" if device == "cpu" else f"rank:{r}/cuda:{r}" for r in range(ws)]
+        dim=0,
+        placements=[
+            f"rank:{r}/cpu" if device == "cpu" else f"rank:{r}/cuda:{r}" for r in range(ws)
+        ],
     )
 
 
@@ -202,15 +212,22 @@ class _Harness:
             # that loads as a checkpoint at its target.
             with pytest.raises(CheckpointException):
                 load_state_dict(
-                    state_dict, storage_reader=self.reader_cls(path), coordinator_rank=coordinator, no_dist=no_dist
+                    state_dict,
+                    storage_reader=self.reader_cls(path),
+                    coordinator_rank=coordinator,
+                    no_dist=no_dist,
                 )
 
     def save_good(self, state_dict: dict[str, Any]) -> str:
         path = self.fresh_path()
-        save_state_dict(state_dict, storage_writer=self.writer_cls(path), no_dist=not dist.is_initialized())
+        save_state_dict(
+            state_dict, storage_writer=self.writer_cls(path), no_dist=not dist.is_initialized()
+        )
         return path
 
-    def test_load(self, state_dict: dict[str, Any], path: str, coordinator: int = 0, **kwargs: Any) -> None:
+    def test_load(
+        self, state_dict: dict[str, Any], path: str, coordinator: int = 0, **kwargs: Any
+    ) -> None:
         no_dist = not dist.is_initialized()
 
         def _load() -> None:
@@ -298,13 +315,20 @@ def _metadata_body(rank: int, ws: int, base: str, impl: str, device: str) -> Non
     writer_cls, reader_cls = STORAGE[impl]
 
     # test_tensor_metadata_with_missing_rank_spec: only rank 1 holds the tensor
-    spec = ChunkShardingSpec(dim=0, placements=["rank:1/cpu" if device == "cpu" else "rank:1/cuda:1"])
+    spec = ChunkShardingSpec(
+        dim=0, placements=["rank:1/cpu" if device == "cpu" else "rank:1/cuda:1"]
+    )
     st = sharded_tensor.zeros(spec, 4, 4, dtype=torch.float64)
     md = _create_default_local_metadata({"st": st})
-    assert len(md.state_dict_metadata["st"].chunks) == 1  # upstream's assertion, on the planner's metadata
+    assert (
+        len(md.state_dict_metadata["st"].chunks) == 1
+    )  # upstream's assertion, on the planner's metadata
     path = os.path.join(base, "missing_rank")
     save_state_dict({"st": st}, storage_writer=writer_cls(path))
-    for reader in (reader_cls(path), FileSystemReader(path)):  # what the Writer stored, read both ways
+    for reader in (
+        reader_cls(path),
+        FileSystemReader(path),
+    ):  # what the Writer stored, read both ways
         st_md = reader.read_metadata().state_dict_metadata["st"]
         assert len(st_md.chunks) == 1, type(reader).__name__
         assert st_md.properties.dtype == torch.float64
@@ -419,11 +443,15 @@ def _failed_overwrite_body(rank: int, ws: int, base: str, impl: str) -> None:
         target = _full_state_dict("cpu")
         load_state_dict(target, storage_reader=h.reader_cls(path))
         for got, want in zip(_local(target["sharded"]), expected[0]):
-            assert torch.equal(got, want), f"after a failed overwrite ({conf}) the old shards changed"
+            assert torch.equal(got, want), (
+                f"after a failed overwrite ({conf}) the old shards changed"
+            )
         assert torch.equal(target["replicated"], expected[1]), f"after a failed overwrite ({conf})"
 
 
-@pytest.mark.skipif(IMPL == "stock", reason="shardwise-only guarantee (stock FileSystemWriter is not atomic)")
+@pytest.mark.skipif(
+    IMPL == "stock", reason="shardwise-only guarantee (stock FileSystemWriter is not atomic)"
+)
 def test_failed_overwrite_keeps_previous_checkpoint(tmp_path: Path) -> None:
     # origin: shardwise extra (SPEC 3), built on test_checkpoint.py's faulty-writer scenario
     run_on("cpu", _failed_overwrite_body, 2, str(tmp_path), IMPL, timeout=TIMEOUT)

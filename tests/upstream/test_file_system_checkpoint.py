@@ -131,7 +131,9 @@ class MyShardedModel2(torch.nn.Module):
     """Upstream's helper model (torch/testing/_internal/.../_test_st_common.py), rebuilt
     here: importing that package needs `expecttest`, a torch test-only dependency."""
 
-    def __init__(self, spec: ShardingSpec | None = None, group: Any = None, init_rrefs: bool = True) -> None:
+    def __init__(
+        self, spec: ShardingSpec | None = None, group: Any = None, init_rrefs: bool = True
+    ) -> None:
         super().__init__()
         self.sharded_tensor2 = _sharded_rand(spec, group, init_rrefs)
         self.random_tensor2 = torch.nn.Parameter(torch.rand(2, 2))
@@ -140,7 +142,9 @@ class MyShardedModel2(torch.nn.Module):
 class MyShardedModel1(torch.nn.Module):
     """A legacy ShardedTensor, a plain parameter and a submodule with the same (upstream's helper)."""
 
-    def __init__(self, spec: ShardingSpec | None = None, group: Any = None, init_rrefs: bool = True) -> None:
+    def __init__(
+        self, spec: ShardingSpec | None = None, group: Any = None, init_rrefs: bool = True
+    ) -> None:
         super().__init__()
         self.sharded_tensor1 = _sharded_rand(spec, group, init_rrefs)
         self.random_tensor1 = torch.nn.Parameter(torch.rand(2, 2))
@@ -265,7 +269,9 @@ def test_read_write_only_tensor(tmp_path: Path, thread_count: int, extra_kwargs:
     _read_write_only_tensor(_fresh_dir(tmp_path), IMPL, IMPL, thread_count, extra_kwargs)
 
 
-def _read_write_only_tensor(path: str, wimpl: str, rimpl: str, thread_count: int, extra_kwargs: dict) -> None:
+def _read_write_only_tensor(
+    path: str, wimpl: str, rimpl: str, thread_count: int, extra_kwargs: dict
+) -> None:
     state_dict_to_save = MyTestModule().state_dict()
     fs_writer = _writer(wimpl, path=path, thread_count=thread_count, **extra_kwargs)
     save_state_dict(state_dict=state_dict_to_save, storage_writer=fs_writer, no_dist=True)
@@ -288,7 +294,12 @@ def test_read_write_tensor_and_blob_rot13(tmp_path: Path, thread_count: int) -> 
 
 
 def _read_write_tensor_and_blob(
-    path: str, wimpl: str, rimpl: str, thread_count: int, extension: Callable[[], Any], **reader_kwargs: Any
+    path: str,
+    wimpl: str,
+    rimpl: str,
+    thread_count: int,
+    extension: Callable[[], Any],
+    **reader_kwargs: Any,
 ) -> None:
     """Tensors and a BlobState through the stream extension `extension()`."""
     state_dict_to_save = MyTestModule().state_dict()
@@ -308,11 +319,18 @@ def _read_write_tensor_and_blob(
 def _read_write_tensor_and_blob_rot13(path: str, wimpl: str, rimpl: str, thread_count: int) -> None:
     # No extension named for the reader: it finds it from the metadata, in the registry.
     _read_write_tensor_and_blob(
-        path, wimpl, rimpl, thread_count, Rot13Example, _extension_registry=get_test_extension_registry()
+        path,
+        wimpl,
+        rimpl,
+        thread_count,
+        Rot13Example,
+        _extension_registry=get_test_extension_registry(),
     )
 
 
-@pytest.mark.skipif(not _zstd_available(), reason="ZStandard extension needs the zstandard or pyzstd module")
+@pytest.mark.skipif(
+    not _zstd_available(), reason="ZStandard extension needs the zstandard or pyzstd module"
+)
 @pytest.mark.parametrize("thread_count", THREAD_COUNTS)
 def test_read_write_only_tensor_zstandard(tmp_path: Path, thread_count: int) -> None:
     # origin: test_file_system_checkpoint_cpu.py :: TestDistributedStateDictSaveLoadZStandard.test_read_write_only_tensor
@@ -323,7 +341,9 @@ def test_read_write_only_tensor_zstandard(tmp_path: Path, thread_count: int) -> 
 # -- 2 ranks: legacy torch ShardedTensor, on CPU (gloo) and on 2 GPUs (NCCL) ------------------
 
 
-def _read_write_shard_tensor_body(rank: int, ws: int, path: str, impl: str, thread_count: int, device: str) -> None:
+def _read_write_shard_tensor_body(
+    rank: int, ws: int, path: str, impl: str, thread_count: int, device: str
+) -> None:
     setup_rank(device)
     spec = ChunkShardingSpec(dim=0, placements=[_placement(0, device), _placement(1, device)])
 
@@ -355,7 +375,13 @@ def test_read_write_shard_tensor(tmp_path: Path, device: str, thread_count: int)
 
 
 def _save_then_load_sharded(
-    path: str, wimpl: str, rimpl: str, thread_count: int, s0: ShardingSpec, s1: ShardingSpec, device: str
+    path: str,
+    wimpl: str,
+    rimpl: str,
+    thread_count: int,
+    s0: ShardingSpec,
+    s1: ShardingSpec,
+    device: str,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     model_to_save = MyShardedModel3(s0)
     model_to_save._register_state_dict_hook(state_dict_hook)
@@ -379,7 +405,12 @@ def _save_then_load_sharded(
 
 
 def _each_shard_plan_pair(
-    next_path: Callable[[], str], wimpl: str, rimpl: str, thread_count: int, device: str, what: str = ""
+    next_path: Callable[[], str],
+    wimpl: str,
+    rimpl: str,
+    thread_count: int,
+    device: str,
+    what: str = "",
 ) -> None:
     """test_load_with_different_shard_plan's loop: every pair of different layouts, saved to and
     loaded from `next_path()`, must gather to the same whole tensor."""
@@ -388,12 +419,16 @@ def _each_shard_plan_pair(
         for j, s1 in enumerate(specs):
             if s0 == s1:
                 continue
-            store, loaded = _save_then_load_sharded(next_path(), wimpl, rimpl, thread_count, s0, s1, device)
+            store, loaded = _save_then_load_sharded(
+                next_path(), wimpl, rimpl, thread_count, s0, s1, device
+            )
             if dist.get_rank() == 0:
                 assert torch.allclose(store, loaded), f"{what}spec {i} vs spec {j}"
 
 
-def _different_shard_plan_body(rank: int, ws: int, path: str, impl: str, thread_count: int, device: str) -> None:
+def _different_shard_plan_body(
+    rank: int, ws: int, path: str, impl: str, thread_count: int, device: str
+) -> None:
     setup_rank(device)
     # We hardcode the assumption of how many shards are around
     assert ws == dist.get_world_size() == 2
@@ -418,7 +453,9 @@ def test_load_with_different_shard_plan(tmp_path: Path, device: str, thread_coun
     _run(device, _different_shard_plan_body, _fresh_dir(tmp_path), IMPL, thread_count, device)
 
 
-def _rowwise_to_colwise_body(rank: int, ws: int, path: str, impl: str, thread_count: int, device: str) -> None:
+def _rowwise_to_colwise_body(
+    rank: int, ws: int, path: str, impl: str, thread_count: int, device: str
+) -> None:
     setup_rank(device)
     assert ws == dist.get_world_size() == 2
     src_spec = ChunkShardingSpec(dim=0, placements=[_placement(0, device), _placement(1, device)])
@@ -470,7 +507,9 @@ def _save_load_bytes(path: str, wimpl: str, rimpl: str, **writer_kwargs: Any) ->
     assert state_dict_to_load["bytes1"] == "string"
 
 
-def _save_load_bytes_body(rank: int, ws: int, path: str, impl: str, thread_count: int, device: str) -> None:
+def _save_load_bytes_body(
+    rank: int, ws: int, path: str, impl: str, thread_count: int, device: str
+) -> None:
     setup_rank(device)
     _save_load_bytes(path, impl, impl, thread_count=thread_count)
 
@@ -484,8 +523,14 @@ def test_save_load_bytes(tmp_path: Path, device: str, thread_count: int) -> None
 
 
 def _switch_once(
-    path: str, wimpl: str, rimpl: str, thread_count: int, save_spec: ShardingSpec, load_spec: ShardingSpec,
-    device: str, tensor_size: int,
+    path: str,
+    wimpl: str,
+    rimpl: str,
+    thread_count: int,
+    save_spec: ShardingSpec,
+    load_spec: ShardingSpec,
+    device: str,
+    tensor_size: int,
 ) -> None:
     dev = "cpu" if device == "cpu" else f"cuda:{dist.get_rank()}"
     save_dict = {
@@ -507,19 +552,25 @@ def _switch_once(
     save_dict_sharded = _gather_to_rank0(save_dict["sharded"], device)
     load_dict_replicated = _gather_to_rank0(load_dict["replicated"], device)
     if dist.get_rank() == 0:
-        assert torch.allclose(save_dict_sharded, load_dict["sharded"]), f"save-spec {save_spec} load-spec {load_spec}"
+        assert torch.allclose(save_dict_sharded, load_dict["sharded"]), (
+            f"save-spec {save_spec} load-spec {load_spec}"
+        )
         assert torch.allclose(save_dict["replicated"], load_dict_replicated), (
             f"save-spec {save_spec} load-spec {load_spec}"
         )
 
 
-def _each_switch_pair(next_path: Callable[[], str], wimpl: str, rimpl: str, thread_count: int, device: str) -> None:
+def _each_switch_pair(
+    next_path: Callable[[], str], wimpl: str, rimpl: str, thread_count: int, device: str
+) -> None:
     """test_switch_between_sharded_tensor_to_tensor's loop: every pair of 1-d layouts."""
     tensor_size = 32
     specs = _switch_specs(device, tensor_size)
     for save_spec in specs:
         for load_spec in specs:
-            _switch_once(next_path(), wimpl, rimpl, thread_count, save_spec, load_spec, device, tensor_size)
+            _switch_once(
+                next_path(), wimpl, rimpl, thread_count, save_spec, load_spec, device, tensor_size
+            )
 
 
 def _switch_body(rank: int, ws: int, path: str, impl: str, thread_count: int, device: str) -> None:
@@ -529,7 +580,9 @@ def _switch_body(rank: int, ws: int, path: str, impl: str, thread_count: int, de
 
 @pytest.mark.parametrize("thread_count", THREAD_COUNTS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_switch_between_sharded_tensor_to_tensor(tmp_path: Path, device: str, thread_count: int) -> None:
+def test_switch_between_sharded_tensor_to_tensor(
+    tmp_path: Path, device: str, thread_count: int
+) -> None:
     # origin: test_file_system_checkpoint_cpu.py :: TestDistributedReshardOnLoad.test_switch_between_sharded_tensor_to_tensor (cpu)
     #         test_file_system_checkpoint.py :: TestDistributedReshardOnLoad.test_switch_between_sharded_tensor_to_tensor (cuda)
     # (16 saves into the same folder with the writer's default arguments)
@@ -544,7 +597,9 @@ def test_cross_read_write_only_tensor(tmp_path: Path, wimpl: str, rimpl: str) ->
     # origin: test_file_system_checkpoint_cpu.py :: TestDistributedStateDictSaveLoad.test_read_write_only_tensor, cross-implementation
     path = _fresh_dir(tmp_path, "a")
     _read_write_only_tensor(path, wimpl, rimpl, 2, {})
-    _read_write_only_tensor(_fresh_dir(tmp_path, "b"), wimpl, rimpl, 1, {"single_file_per_rank": False})
+    _read_write_only_tensor(
+        _fresh_dir(tmp_path, "b"), wimpl, rimpl, 1, {"single_file_per_rank": False}
+    )
 
     # shardwise extra (SPEC 7, "complete metadata with planner_data and storage_meta"):
     # both readers report the same metadata for the same checkpoint.

@@ -52,9 +52,23 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.futures import Future
 
-from .harness import FORMS, Reader, Writer, load_as, save_as, sw_load, sw_save  # the storage under test
-from .harness import Check, assert_equal, bind, by_form, scenario_results, verdict
-from .harness import TestDummyModel, ignore_user_warnings
+from .harness import (
+    FORMS,
+    Check,
+    Reader,
+    TestDummyModel,
+    Writer,
+    assert_equal,
+    bind,
+    by_form,
+    ignore_user_warnings,
+    load_as,
+    save_as,
+    scenario_results,
+    sw_load,
+    sw_save,
+    verdict,
+)  # the storage under test
 
 pytestmark = ignore_user_warnings
 

@@ -74,8 +74,9 @@ def _auto_detect_body(rank: int, ws: int, base: str, impl: str, device: str) -> 
     model = _sharded_model(device, ws)
     first = os.path.join(base, "first")
     second = os.path.join(base, "second")
-    with patch.object(storage_utils, "FileSystemWriter", writer_cls), patch.object(
-        storage_utils, "FileSystemReader", reader_cls
+    with (
+        patch.object(storage_utils, "FileSystemWriter", writer_cls),
+        patch.object(storage_utils, "FileSystemReader", reader_cls),
     ):
         dcp.save(model.state_dict(), checkpoint_id=first)
         dcp.load(model.state_dict(), checkpoint_id=first)

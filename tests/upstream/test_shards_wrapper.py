@@ -28,7 +28,8 @@ against the installed torch 2.13 LocalShardsWrapper on the same shards.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -59,7 +60,10 @@ def one_rank(shards: Sequence[torch.Tensor], offsets: Sequence[Sequence[int]]) -
 
 def cw_2d() -> tuple[list[torch.Tensor], list[tuple[int, ...]]]:
     """Two column-wise shards of [[1, 2, 3, 4], [5, 6, 7, 8]]."""
-    return [torch.tensor([[1.0, 2.0], [5.0, 6.0]]), torch.tensor([[3.0, 4.0], [7.0, 8.0]])], [(0, 0), (0, 2)]
+    return [torch.tensor([[1.0, 2.0], [5.0, 6.0]]), torch.tensor([[3.0, 4.0], [7.0, 8.0]])], [
+        (0, 0),
+        (0, 2),
+    ]
 
 
 def rw_1d(n: int) -> tuple[list[torch.Tensor], list[tuple[int, ...]]]:
@@ -98,7 +102,9 @@ def pad_blocks(st: ShardedTensor, pad: Sequence[int], value: float = 0.0) -> Sha
         after = [high[d] if b.offsets[d] + b.sizes[d] == shape[d] else 0 for d in range(ndim)]
         offsets = tuple(b.offsets[d] + low[d] - before[d] for d in range(ndim))
         sizes = tuple(b.sizes[d] + before[d] + after[d] for d in range(ndim))
-        return Block(offsets, sizes), [x for d in reversed(range(ndim)) for x in (before[d], after[d])]
+        return Block(offsets, sizes), [
+            x for d in reversed(range(ndim)) for x in (before[d], after[d])
+        ]
 
     src = st.layout_spec
     layout = Layout(
@@ -123,8 +129,14 @@ def padding() -> Any:
 SCENARIOS: dict[str, tuple[Callable[[], tuple[list, list]], list[tuple[list[int], float]]]] = {
     "test_invalid_1d_rw_padding": (lambda: rw_1d(2), [([1], 5.0)]),
     "test_invalid_2d_cw_padding": (cw_2d, [([1, 2, 3], 5.0), ([1], 5.0)]),
-    "test_single_shard_padding_2d": (lambda: ([torch.tensor([[1.0, 2.0], [3.0, 4.0]])], [(0, 0)]), [([1, 2, 3, 4], 0.0)]),
-    "test_single_shard_padding_1d": (lambda: ([torch.tensor([1.0, 2.0, 3.0])], [(0,)]), [([2, 1], -1.0)]),
+    "test_single_shard_padding_2d": (
+        lambda: ([torch.tensor([[1.0, 2.0], [3.0, 4.0]])], [(0, 0)]),
+        [([1, 2, 3, 4], 0.0)],
+    ),
+    "test_single_shard_padding_1d": (
+        lambda: ([torch.tensor([1.0, 2.0, 3.0])], [(0,)]),
+        [([2, 1], -1.0)],
+    ),
     "test_2d_cw_sharding_top_padding": (cw_2d, [([0, 0, 2, 0], 0.0)]),
     "test_2d_cw_sharding_bottom_padding": (cw_2d, [([0, 0, 0, 1], -1.0)]),
     "test_2d_cw_sharding_left_padding": (cw_2d, [([3, 0, 0, 0], 2.0)]),
@@ -134,7 +146,9 @@ SCENARIOS: dict[str, tuple[Callable[[], tuple[list, list]], list[tuple[list[int]
     "test_1d_rw_sharding_bottom_padding": (lambda: rw_1d(3), [([0, 1], -1.0)]),
     "test_1d_rw_sharding_mixed_padding": (lambda: rw_1d(2), [([1, 2], 5.0)]),
     "test_higher_dimensions_not_implemented": (
-        lambda: ([torch.rand(2, 3, 4), torch.rand(2, 3, 4)], [(0, 0, 0), (2, 0, 0)]), [([1, 1, 1, 1, 1, 1], 0.0)]),
+        lambda: ([torch.rand(2, 3, 4), torch.rand(2, 3, 4)], [(0, 0, 0), (2, 0, 0)]),
+        [([1, 1, 1, 1, 1, 1], 0.0)],
+    ),
     "test_offsets_and_storage_metadata_after_padding_1d_rw": (lambda: rw_1d(2), [([1, 1], 0.0)]),
     "test_offsets_and_storage_metadata_after_padding_2d_cw": (cw_2d, [([1, 1, 0, 0], 0.0)]),
 }
@@ -187,7 +201,9 @@ def test_padded_tensor_is_f_pad_of_the_whole(padding, origin):
         out = PAD(st, pad, value)
         assert isinstance(out, ShardedTensor) and out.layout_spec.is_fully_covered
         assert torch.equal(whole(out), F.pad(whole(st), pad, value=value))
-        assert torch.equal(whole(F.pad(st, pad, value=value)), whole(out))  # F.pad reaches the handler too
+        assert torch.equal(
+            whole(F.pad(st, pad, value=value)), whole(out)
+        )  # F.pad reaches the handler too
 
 
 def test_empty_shards_padding_through_the_registry(padding):
@@ -309,9 +325,30 @@ def test_2d_cw_sharding_mixed_padding(padding):
 @pytest.mark.parametrize(
     "origin, n, pad, value, want_first, want_second",
     [
-        ("test_1d_rw_sharding_top_padding", 3, [2, 0], 0.0, [0.0, 0.0, 1.0, 2.0, 3.0], [4.0, 5.0, 6.0]),
-        ("test_1d_rw_sharding_bottom_padding", 3, [0, 1], -1.0, [1.0, 2.0, 3.0], [4.0, 5.0, 6.0, -1.0]),
-        ("test_1d_rw_sharding_mixed_padding", 2, [1, 2], 5.0, [5.0, 1.0, 2.0], [3.0, 4.0, 5.0, 5.0]),
+        (
+            "test_1d_rw_sharding_top_padding",
+            3,
+            [2, 0],
+            0.0,
+            [0.0, 0.0, 1.0, 2.0, 3.0],
+            [4.0, 5.0, 6.0],
+        ),
+        (
+            "test_1d_rw_sharding_bottom_padding",
+            3,
+            [0, 1],
+            -1.0,
+            [1.0, 2.0, 3.0],
+            [4.0, 5.0, 6.0, -1.0],
+        ),
+        (
+            "test_1d_rw_sharding_mixed_padding",
+            2,
+            [1, 2],
+            5.0,
+            [5.0, 1.0, 2.0],
+            [3.0, 4.0, 5.0, 5.0],
+        ),
     ],
 )
 def test_1d_rw_sharding_padding(padding, origin, n, pad, value, want_first, want_second):
@@ -349,7 +386,10 @@ def test_offsets_and_storage_metadata_after_padding_1d_rw(padding):
     assert (before.chunks[1].offsets, before.chunks[1].sizes) == (torch.Size([2]), torch.Size([2]))
 
     out = PAD(st, [1, 1], 0.0)
-    assert out.local_offsets() == [torch.Size([0]), torch.Size([3])]  # the second shifts by the top pad
+    assert out.local_offsets() == [
+        torch.Size([0]),
+        torch.Size([3]),
+    ]  # the second shifts by the top pad
     after = out.storage_metadata()
     assert after.size == torch.Size([6])  # [0, 1, 2, 3, 4, 0]
     assert len(after.chunks) == 2
@@ -363,8 +403,14 @@ def test_offsets_and_storage_metadata_after_padding_2d_cw(padding):
     assert out.local_offsets() == [torch.Size([0, 0]), torch.Size([0, 3])]
     after = out.storage_metadata()
     assert after.size == torch.Size([2, 6])  # [2, 4 + 1 + 1]
-    assert (after.chunks[0].offsets, after.chunks[0].sizes) == (torch.Size([0, 0]), torch.Size([2, 3]))
-    assert (after.chunks[1].offsets, after.chunks[1].sizes) == (torch.Size([0, 3]), torch.Size([2, 3]))
+    assert (after.chunks[0].offsets, after.chunks[0].sizes) == (
+        torch.Size([0, 0]),
+        torch.Size([2, 3]),
+    )
+    assert (after.chunks[1].offsets, after.chunks[1].sizes) == (
+        torch.Size([0, 3]),
+        torch.Size([2, 3]),
+    )
 
 
 def test_padding_keeps_a_multi_rank_layout_consistent(padding):
@@ -375,8 +421,13 @@ def test_padding_keeps_a_multi_rank_layout_consistent(padding):
     full = torch.arange(24.0).reshape(4, 6)
     layout = Layout.column_wise((4, 6), [1, 2, 2, 1], ranks=[0, 1, 0, 1], world_size=2)
     outs = [
-        PAD(ShardedTensor.from_layout(layout, [full[b.slices()].clone() for b in layout.blocks_of(r)], rank=r),
-            [2, 1, 1, 0], -7.0)
+        PAD(
+            ShardedTensor.from_layout(
+                layout, [full[b.slices()].clone() for b in layout.blocks_of(r)], rank=r
+            ),
+            [2, 1, 1, 0],
+            -7.0,
+        )
         for r in range(2)
     ]
     assert outs[0].layout_spec == outs[1].layout_spec
@@ -421,7 +472,11 @@ def test_accessors_match_the_wrapper():
     assert st.shape == st.storage_metadata().size == torch.Size([6, 8])
     st.requires_grad_()
     lsw.requires_grad_()
-    assert st.storage_metadata().properties.requires_grad is lsw.storage_metadata().properties.requires_grad is True
+    assert (
+        st.storage_metadata().properties.requires_grad
+        is lsw.storage_metadata().properties.requires_grad
+        is True
+    )
 
 
 def test_empty_rank_next_to_the_empty_wrapper():
@@ -482,7 +537,9 @@ def test_equal_matches_the_wrapper():
     twin.local_shards()[1][0, 0] += 1
     twin_lsw.local_shards()[1][0, 0] += 1
     assert not torch.equal(st, twin) and not torch.equal(lsw, twin_lsw)
-    moved = Layout.column_wise((6, 8), [2, 2, 2, 2], ranks=[0, 0, 1, 1], world_size=2)  # same sizes, other offsets
+    moved = Layout.column_wise(
+        (6, 8), [2, 2, 2, 2], ranks=[0, 0, 1, 1], world_size=2
+    )  # same sizes, other offsets
     other = ShardedTensor.from_layout(moved, [s.clone() for s in shards], rank=0)
     other_lsw = LocalShardsWrapper([s.clone() for s in shards], [(0, 0), (0, 2)])
     assert not torch.equal(st, other) and not torch.equal(lsw, other_lsw)  # offsets count in both

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Callable, MutableMapping
+from typing import Any
 
 __all__ = [
     "ValueAdapter",
@@ -169,7 +170,7 @@ class adapted_for_load:
         self._swapped: list[tuple[Any, Any, Any, Any]] = []  # container, key, original, target
         self._finishers: list[Finish] = []
 
-    def __enter__(self) -> "adapted_for_load":
+    def __enter__(self) -> adapted_for_load:
         try:
             self._swap(self.state_dict)
         except BaseException:  # __exit__ does not run when __enter__ raises: restore here

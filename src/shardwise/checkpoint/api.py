@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..comm.agreement import exchange
@@ -45,7 +45,9 @@ def _distributed(group: Any) -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _agree(problem: BaseException | None, group: Any, arguments: Any = None, what: str = "") -> None:
+def _agree(
+    problem: BaseException | None, group: Any, arguments: Any = None, what: str = ""
+) -> None:
     """Raise `problem` (from any rank) on every rank; locally when not distributed.
     Ranks must also have passed the same `arguments` (path, flags)."""
     if _distributed(group):
@@ -76,7 +78,10 @@ def _state_dicts_of(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_target(
-    path: Path, overwrite: bool, process_group: Any, state_dict: dict[str, Any] | None = None,
+    path: Path,
+    overwrite: bool,
+    process_group: Any,
+    state_dict: dict[str, Any] | None = None,
     megatron: bool = False,
 ) -> None:
     """Collective pre-save check: same path and flags everywhere, no checkpoint in
@@ -90,7 +95,9 @@ def _check_target(
                 try:
                     pickle.dumps(value)
                 except Exception as e:  # noqa: BLE001 - any pickling failure
-                    problem = TypeError(f"object '{key}' cannot be pickled ({type(e).__name__}: {e})")
+                    problem = TypeError(
+                        f"object '{key}' cannot be pickled ({type(e).__name__}: {e})"
+                    )
                     break
     if not _distributed(process_group) or dist.get_rank(process_group) == 0:
         if path.is_dir() and holds_checkpoint(path) and not overwrite and problem is None:
@@ -101,7 +108,12 @@ def _check_target(
             from ..interop.megatron import metadata_json_problem
 
             problem = metadata_json_problem(path)
-    _agree(problem, process_group, (str(path.resolve()), overwrite, megatron), "save path, overwrite and megatron")
+    _agree(
+        problem,
+        process_group,
+        (str(path.resolve()), overwrite, megatron),
+        "save path, overwrite and megatron",
+    )
 
 
 def save(
@@ -132,7 +144,10 @@ def save(
     if megatron:
         from ..interop.megatron import prepare_save, save_planner
 
-        state_dict, planner = prepare_save(_state_dicts_of(state_dict), process_group), save_planner()
+        state_dict, planner = (
+            prepare_save(_state_dicts_of(state_dict), process_group),
+            save_planner(),
+        )
     else:
         state_dict = adapted_for_save(_state_dicts_of(state_dict), process_group)
     _check_target(path, overwrite, process_group, state_dict, megatron)
@@ -164,7 +179,9 @@ def _save_checked(
     try:
         dcp.save(
             state_dict,
-            storage_writer=Writer(path, overwrite=True),  # _check_target refused what overwrite forbids
+            storage_writer=Writer(
+                path, overwrite=True
+            ),  # _check_target refused what overwrite forbids
             planner=planner or DefaultSavePlanner(dedup_save_to_lowest_rank=False),
             process_group=process_group,
         )
@@ -236,9 +253,13 @@ def _mismatches(state_dict: dict[str, Any], metadata: Any, strict: bool, cast: b
                 problems.append(f"'{key}' is a tensor here but a Python object in the checkpoint")
                 continue
             if tuple(value.shape) != tuple(md.size):
-                problems.append(f"'{key}' shape {tuple(value.shape)} here, {tuple(md.size)} in the checkpoint")
+                problems.append(
+                    f"'{key}' shape {tuple(value.shape)} here, {tuple(md.size)} in the checkpoint"
+                )
             if value.dtype != md.properties.dtype and not cast:
-                problems.append(f"'{key}' dtype {value.dtype} here, {md.properties.dtype} in the checkpoint")
+                problems.append(
+                    f"'{key}' dtype {value.dtype} here, {md.properties.dtype} in the checkpoint"
+                )
     # Keys stored but not asked for are fine, as with `dcp.load`: loading only the
     # model from a model + optimizer checkpoint is a partial state dict, not an error.
     return problems
@@ -283,7 +304,9 @@ def load(
     # hold is adapted too; filled back through load_state_dict after.
     statefuls = {k: v for k, v in state_dict.items() if isinstance(v, Stateful)}
     plain = _state_dicts_of(state_dict) if statefuls else state_dict
-    with adapted_for_load(plain, process_group) as adapted:  # other libraries' values as ShardedTensors
+    with adapted_for_load(
+        plain, process_group
+    ) as adapted:  # other libraries' values as ShardedTensors
         reader = _load_adapted(plain, path, strict, verify, cast_dtype, process_group)
         adapted.finish()
     for key in sorted(statefuls):  # sorted, as dcp.load: load_state_dict may be collective
@@ -294,7 +317,12 @@ def load(
 
 
 def _load_adapted(
-    state_dict: dict[str, Any], path: Path, strict: bool, verify: bool, cast_dtype: bool, process_group: Any
+    state_dict: dict[str, Any],
+    path: Path,
+    strict: bool,
+    verify: bool,
+    cast_dtype: bool,
+    process_group: Any,
 ) -> Reader:
     reader = Reader(path, verify=verify)
     problem: BaseException | None = None
@@ -305,13 +333,20 @@ def _load_adapted(
             if not per_rank_records(path):
                 raise
             # saved with use_collectives=False: each rank reads its own records, as dcp.load does
-            metadata = reader.read_metadata(rank=dist.get_rank(process_group) if _distributed(process_group) else 0)
+            metadata = reader.read_metadata(
+                rank=dist.get_rank(process_group) if _distributed(process_group) else 0
+            )
         found = _mismatches(state_dict, metadata, strict, cast_dtype)
         if found:
             problem = CheckpointMismatchError(f"{path}: " + "; ".join(found))
     except (ShardwiseError, OSError, ValueError, pickle.UnpicklingError) as e:
         problem = e
-    _agree(problem, process_group, (str(path.resolve()), strict, cast_dtype), "load path, strict and cast_dtype")
+    _agree(
+        problem,
+        process_group,
+        (str(path.resolve()), strict, cast_dtype),
+        "load path, strict and cast_dtype",
+    )
     try:
         dcp.load(
             state_dict,

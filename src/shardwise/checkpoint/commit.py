@@ -142,8 +142,13 @@ def write_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
 
 
 def commit(
-    folder: Path, metadata: bytes, manifest: bytes, referenced: set[str],
-    names: RecordNames = RecordNames(), *, sync: bool = True,
+    folder: Path,
+    metadata: bytes,
+    manifest: bytes,
+    referenced: set[str],
+    names: RecordNames = RecordNames(),
+    *,
+    sync: bool = True,
 ) -> list[str]:
     """Make a checkpoint whose data is durable visible; collect what it replaces.
 
@@ -181,7 +186,9 @@ def _named_elsewhere(folder: Path, names: RecordNames) -> set[str]:
     return found
 
 
-def collect(folder: Path, keep: set[str], previous: set[str], names: RecordNames = RecordNames()) -> list[str]:
+def collect(
+    folder: Path, keep: set[str], previous: set[str], names: RecordNames = RecordNames()
+) -> list[str]:
     """Remove, after a commit, the files the committed records replaced: those
     the previous records named, token-named data no record names, and our
     temporary files. Never anything else, and never a file in `keep`. A file
@@ -200,14 +207,19 @@ def collect(folder: Path, keep: set[str], previous: set[str], names: RecordNames
             try:
                 os.unlink(folder / name)
             except OSError as e:
-                warnings.warn(f"could not remove {folder / name} after the commit ({e}); the next save retries", stacklevel=2)
+                warnings.warn(
+                    f"could not remove {folder / name} after the commit ({e}); the next save retries",
+                    stacklevel=2,
+                )
                 continue
             removed.append(name)
             failpoint("mid-collect")
     return removed
 
 
-def referenced_files(folder: Path, names: RecordNames = RecordNames(), *, both: bool = False) -> set[str]:
+def referenced_files(
+    folder: Path, names: RecordNames = RecordNames(), *, both: bool = False
+) -> set[str]:
     """The data files the committed records in `folder` name: those of its
     manifest, else (or also, with `both`) of its `.metadata` (read with the safe
     unpickler). Unreadable records name nothing, so their files are never collected."""
@@ -228,4 +240,8 @@ def referenced_files(folder: Path, names: RecordNames = RecordNames(), *, both: 
             found |= {info.relative_path for info in storage.values()}
         except Exception:  # noqa: BLE001 - a record we cannot read names nothing we may delete
             pass
-    return {n for n in found if isinstance(n, str) and n and "/" not in n and os.sep not in n and n not in (".", "..")}
+    return {
+        n
+        for n in found
+        if isinstance(n, str) and n and "/" not in n and os.sep not in n and n not in (".", "..")
+    }

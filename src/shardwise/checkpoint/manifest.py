@@ -34,7 +34,16 @@ from torch.distributed.checkpoint.metadata import (
 from ..errors import CorruptCheckpointError
 from .safe_pickle import load_metadata
 
-__all__ = ["MANIFEST", "MARKER", "ChunkEntry", "Manifest", "ObjectEntry", "PAGE_SIZE", "StoredChunk", "StoredObject"]
+__all__ = [
+    "MANIFEST",
+    "MARKER",
+    "ChunkEntry",
+    "Manifest",
+    "ObjectEntry",
+    "PAGE_SIZE",
+    "StoredChunk",
+    "StoredObject",
+]
 
 MANIFEST = "shardwise.json"
 MARKER = ".shardwise"  # written first: a folder with it but no manifest is incomplete
@@ -62,7 +71,9 @@ class ChunkEntry:
     file: str
     record: tuple[int, int]  # the torch.save record: offset, length (what stock reads)
     payload: tuple[int, int] | None  # the raw C-order bytes inside it; None when transformed
-    pages: list[int]  # crc32c of each PAGE_SIZE slice of the payload (of the record, when transformed)
+    pages: list[
+        int
+    ]  # crc32c of each PAGE_SIZE slice of the payload (of the record, when transformed)
     frame: int = 0  # crc32c of the record's bytes before and after the payload
     transform: list[str] | None = None  # DCP stream-transform descriptors (e.g. zstd)
 
@@ -126,45 +137,52 @@ class Manifest:
 
     def _to_dict(self) -> dict[str, Any]:
         return {
-                "format": FORMAT,
-                "version": VERSION,
-                "world_size": self.world_size,
-                "checksum": "crc32c",
-                "page_size": self.page_size,
-                "metadata_crc32c": self.metadata_crc32c,
-                "dcp_version": self.dcp_version,
-                "storage_meta": self.storage_meta,
-                "planner_data": self.planner_data,
-                **({"planner_data_pickle": self.planner_data_pickle} if self.planner_data_pickle else {}),
-                "tensors": {
-                    k: {
-                        "dtype": t.dtype,
-                        "shape": list(t.shape),
-                        **({"requires_grad": True} if t.requires_grad else {}),
-                        "chunks": [
-                            {
-                                "offsets": list(c.offsets),
-                                "sizes": list(c.sizes),
-                                "file": c.file,
-                                "record": list(c.record),
-                                "payload": None if c.payload is None else list(c.payload),
-                                "pages": c.pages,
-                                "frame": c.frame,
-                                **({"transform": c.transform} if c.transform else {}),
-                            }
-                            for c in t.chunks
-                        ],
-                    }
-                    for k, t in self.tensors.items()
-                },
-                "objects": {
-                    k: {
-                        "file": o.file, "offset": o.offset, "length": o.length, "crc32c": o.crc32c,
-                        **({"transform": o.transform} if o.transform else {}),
-                    }
-                    for k, o in self.objects.items()
-                },
-                "crc32c": 0,
+            "format": FORMAT,
+            "version": VERSION,
+            "world_size": self.world_size,
+            "checksum": "crc32c",
+            "page_size": self.page_size,
+            "metadata_crc32c": self.metadata_crc32c,
+            "dcp_version": self.dcp_version,
+            "storage_meta": self.storage_meta,
+            "planner_data": self.planner_data,
+            **(
+                {"planner_data_pickle": self.planner_data_pickle}
+                if self.planner_data_pickle
+                else {}
+            ),
+            "tensors": {
+                k: {
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    **({"requires_grad": True} if t.requires_grad else {}),
+                    "chunks": [
+                        {
+                            "offsets": list(c.offsets),
+                            "sizes": list(c.sizes),
+                            "file": c.file,
+                            "record": list(c.record),
+                            "payload": None if c.payload is None else list(c.payload),
+                            "pages": c.pages,
+                            "frame": c.frame,
+                            **({"transform": c.transform} if c.transform else {}),
+                        }
+                        for c in t.chunks
+                    ],
+                }
+                for k, t in self.tensors.items()
+            },
+            "objects": {
+                k: {
+                    "file": o.file,
+                    "offset": o.offset,
+                    "length": o.length,
+                    "crc32c": o.crc32c,
+                    **({"transform": o.transform} if o.transform else {}),
+                }
+                for k, o in self.objects.items()
+            },
+            "crc32c": 0,
         }
 
     @classmethod
@@ -182,9 +200,12 @@ class Manifest:
             if data.get("format") != FORMAT:
                 raise ValueError(f"format is {data.get('format')!r}, not {FORMAT!r}")
             if data.get("version") not in READS:
-                raise ValueError(f"version {data.get('version')!r} is not supported (reads {READS})")
+                raise ValueError(
+                    f"version {data.get('version')!r} is not supported (reads {READS})"
+                )
             out = cls(
-                world_size=int(data["world_size"]), page_size=int(data["page_size"]),
+                world_size=int(data["world_size"]),
+                page_size=int(data["page_size"]),
                 metadata_crc32c=int(data["metadata_crc32c"]),
                 planner_data=data.get("planner_data"),
                 planner_data_pickle=data.get("planner_data_pickle"),
@@ -196,7 +217,9 @@ class Manifest:
                 raise ValueError(f"page size {out.page_size}")
             for k, t in data["tensors"].items():
                 entry = TensorEntry(
-                    t["dtype"], tuple(int(s) for s in t["shape"]), requires_grad=bool(t.get("requires_grad", False))
+                    t["dtype"],
+                    tuple(int(s) for s in t["shape"]),
+                    requires_grad=bool(t.get("requires_grad", False)),
                 )
                 dtype_from_name(entry.dtype)
                 for c in t["chunks"]:
@@ -215,7 +238,10 @@ class Manifest:
                 out.tensors[k] = entry
             for k, o in data["objects"].items():
                 out.objects[k] = ObjectEntry(
-                    _safe_name(o["file"]), _nonneg(o["offset"]), _nonneg(o["length"]), int(o["crc32c"]),
+                    _safe_name(o["file"]),
+                    _nonneg(o["offset"]),
+                    _nonneg(o["length"]),
+                    int(o["crc32c"]),
                     _transform(o.get("transform")),
                 )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -235,7 +261,9 @@ class Manifest:
                 try:
                     sizes[name] = (folder / name).stat().st_size
                 except OSError as e:
-                    raise CorruptCheckpointError(f"'{key}': data file {folder / name} is missing") from e
+                    raise CorruptCheckpointError(
+                        f"'{key}': data file {folder / name} is missing"
+                    ) from e
             if offset + length > sizes[name]:
                 raise CorruptCheckpointError(
                     f"'{key}': bytes {offset}..{offset + length} lie past the end of {folder / name} "
@@ -282,18 +310,32 @@ class Manifest:
         storage: dict[MetadataIndex, _StorageInfo] = {}
         for k, t in self.tensors.items():
             state[k] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=dtype_from_name(t.dtype), requires_grad=t.requires_grad),
+                properties=TensorProperties(
+                    dtype=dtype_from_name(t.dtype), requires_grad=t.requires_grad
+                ),
                 size=torch.Size(t.shape),
-                chunks=[ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks],
+                chunks=[
+                    ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
+                    for c in t.chunks
+                ],
             )
             for c in t.chunks:
                 storage[MetadataIndex(k, c.offsets)] = StoredChunk(
-                    c.file, c.record[0], c.record[1], c.transform, t.dtype, c.sizes, c.payload, c.pages,
+                    c.file,
+                    c.record[0],
+                    c.record[1],
+                    c.transform,
+                    t.dtype,
+                    c.sizes,
+                    c.payload,
+                    c.pages,
                     self.page_size,
                 )
         for k, o in self.objects.items():
             state[k] = BytesStorageMetadata()
-            storage[MetadataIndex(k)] = StoredObject(o.file, o.offset, o.length, o.transform, o.crc32c)
+            storage[MetadataIndex(k)] = StoredObject(
+                o.file, o.offset, o.length, o.transform, o.crc32c
+            )
         meta = self.storage_meta
         return Metadata(
             state_dict_metadata=state,
@@ -301,7 +343,9 @@ class Manifest:
             storage_data=storage,
             storage_meta=StorageMeta(
                 # a Path, as FileSystemWriter pickles it (its init_path makes one)
-                checkpoint_id=None if meta.get("checkpoint_id") is None else Path(meta["checkpoint_id"]),
+                checkpoint_id=None
+                if meta.get("checkpoint_id") is None
+                else Path(meta["checkpoint_id"]),
                 save_id=meta.get("save_id"),
                 modules=list(meta.get("modules") or []),
             ),
@@ -313,7 +357,9 @@ def encode_planner_data(value: Any) -> Any:
     """DCP's `planner_data` as JSON, tuples tagged so they come back as tuples
     (the default planner maps keys to tuple paths); `ValueError` when it holds
     anything else than plain containers, strings and numbers."""
-    kind = type(value)  # exact types: an Enum, namedtuple or OrderedDict would come back as its base
+    kind = type(
+        value
+    )  # exact types: an Enum, namedtuple or OrderedDict would come back as its base
     if value is None or kind in (bool, int, float, str):
         return value
     if kind is tuple:
@@ -356,7 +402,14 @@ def _transform(value: Any) -> list[str] | None:
 
 def _safe_name(name: Any) -> str:
     """A data file name: a plain name inside the checkpoint folder, never a path out of it."""
-    if not isinstance(name, str) or not name or os.sep in name or "/" in name or name in (".", "..") or "\0" in name:
+    if (
+        not isinstance(name, str)
+        or not name
+        or os.sep in name
+        or "/" in name
+        or name in (".", "..")
+        or "\0" in name
+    ):
         raise ValueError(f"data file name {name!r} is not a plain file name inside the checkpoint")
     return name
 

@@ -14,9 +14,10 @@ import math
 import os
 import pickle
 import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import crc32c
 import torch
@@ -26,9 +27,16 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..layout import Block, Layout
 from ..layout.coverage import analyze
+from .commit import (
+    already_exists,
+    commit,
+    data_file_name,
+    holds_checkpoint,
+    new_token,
+    write_durably,
+)
 from .manifest import ChunkEntry, Manifest, ObjectEntry, TensorEntry, dtype_name
 from .records import tensor_record, write_torch_archive
-from .commit import already_exists, commit, data_file_name, holds_checkpoint, new_token, write_durably
 from .storage import Reader, pages_of, write_all
 
 __all__ = [
@@ -57,10 +65,18 @@ class OpenCheckpoint:
         return self.reader.manifest
 
     def tensor_keys(self) -> list[str]:
-        return [k for k, md in self.metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)]
+        return [
+            k
+            for k, md in self.metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+        ]
 
     def object_keys(self) -> list[str]:
-        return [k for k, md in self.metadata.state_dict_metadata.items() if not isinstance(md, TensorStorageMetadata)]
+        return [
+            k
+            for k, md in self.metadata.state_dict_metadata.items()
+            if not isinstance(md, TensorStorageMetadata)
+        ]
 
     def tensor_metadata(self, fqn: str) -> TensorStorageMetadata:
         md = self.metadata.state_dict_metadata.get(fqn)
@@ -106,7 +122,9 @@ class OpenCheckpoint:
             data = f.read(info.length)
         entry = self.manifest.objects.get(fqn) if self.manifest else None
         if len(data) != info.length or (entry is not None and crc32c.crc32c(data) != entry.crc32c):
-            raise CorruptCheckpointError(f"object '{fqn}' in {self.path / info.relative_path} is damaged")
+            raise CorruptCheckpointError(
+                f"object '{fqn}' in {self.path / info.relative_path} is damaged"
+            )
         return data
 
 
@@ -166,7 +184,13 @@ class CheckpointInfo:
             "world_size": self.world_size,
             "bytes": self.nbytes,
             "tensors": {
-                t.key: {"dtype": t.dtype, "shape": list(t.shape), "chunks": t.chunks, "bytes": t.nbytes, "sharding": t.sharding}
+                t.key: {
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "chunks": t.chunks,
+                    "bytes": t.nbytes,
+                    "sharding": t.sharding,
+                }
                 for t in self.tensors
             },
             "objects": self.objects,
@@ -194,7 +218,10 @@ def inspect(path: str | os.PathLike) -> CheckpointInfo:
     ckpt = open_checkpoint(path)
     m = ckpt.manifest
     info = CheckpointInfo(
-        ckpt.path, "shardwise" if m else "stock DCP", m.version if m else None, m.world_size if m else None,
+        ckpt.path,
+        "shardwise" if m else "stock DCP",
+        m.version if m else None,
+        m.world_size if m else None,
     )
     for key in ckpt.tensor_keys():
         md = ckpt.tensor_metadata(key)
@@ -202,8 +229,14 @@ def inspect(path: str | os.PathLike) -> CheckpointInfo:
         blocks = [Block(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
         itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
         info.tensors.append(
-            TensorInfo(key, dtype_name(md.properties.dtype), shape, len(blocks), math.prod(shape) * itemsize,
-                       describe_sharding(shape, blocks))
+            TensorInfo(
+                key,
+                dtype_name(md.properties.dtype),
+                shape,
+                len(blocks),
+                math.prod(shape) * itemsize,
+                describe_sharding(shape, blocks),
+            )
         )
     info.tensors.sort(key=lambda t: t.key)
     info.objects = sorted(ckpt.object_keys())
@@ -262,8 +295,10 @@ def _find_problems(
         found = analyze(list(dict.fromkeys(b for b in blocks if not b.is_empty())), tuple(md.size))
         if found.out_of_bounds or found.overlap or found.hole is not None:
             what = (
-                f"chunk {found.out_of_bounds} is out of bounds" if found.out_of_bounds
-                else f"chunks {found.overlap[0]} and {found.overlap[1]} overlap" if found.overlap
+                f"chunk {found.out_of_bounds} is out of bounds"
+                if found.out_of_bounds
+                else f"chunks {found.overlap[0]} and {found.overlap[1]} overlap"
+                if found.overlap
                 else f"element {found.hole} is in no chunk"
             )
             problems.append(f"'{key}': {what} (shape {tuple(md.size)})")
@@ -298,9 +333,13 @@ def _find_problems(
     return CorruptCheckpointError, problems
 
 
-def _verify_chunk(folder: Path, key: str, chunk: ChunkEntry, page: int, progress: Callable[[int], None] | None) -> list[str]:
+def _verify_chunk(
+    folder: Path, key: str, chunk: ChunkEntry, page: int, progress: Callable[[int], None] | None
+) -> list[str]:
     path = folder / chunk.file
-    if chunk.payload is None:  # stored through a transform (e.g. zstd): one checksum over the record
+    if (
+        chunk.payload is None
+    ):  # stored through a transform (e.g. zstd): one checksum over the record
         try:
             with open(path, "rb") as f:
                 data = os.pread(f.fileno(), chunk.record[1], chunk.record[0])
@@ -309,8 +348,10 @@ def _verify_chunk(folder: Path, key: str, chunk: ChunkEntry, page: int, progress
         if progress:
             progress(len(data))
         if len(data) != chunk.record[1] or crc32c.crc32c(data) != chunk.pages[0]:
-            return [f"'{key}' chunk at {chunk.offsets}: bytes {chunk.record[0]}..{sum(chunk.record)} of {path} "
-                    f"fail their checksum"]
+            return [
+                f"'{key}' chunk at {chunk.offsets}: bytes {chunk.record[0]}..{sum(chunk.record)} of {path} "
+                f"fail their checksum"
+            ]
         return []
     start, length = chunk.payload
     try:
@@ -320,16 +361,22 @@ def _verify_chunk(folder: Path, key: str, chunk: ChunkEntry, page: int, progress
             f.seek(start + length)
             tail = f.read(sum(chunk.record) - start - length)
             if crc32c.crc32c(tail, crc32c.crc32c(head)) != chunk.frame:
-                return [f"'{key}' chunk at {chunk.offsets}: the torch.save record framing in {path} "
-                        f"(bytes {chunk.record[0]}..{sum(chunk.record)}) fails its checksum"]
+                return [
+                    f"'{key}' chunk at {chunk.offsets}: the torch.save record framing in {path} "
+                    f"(bytes {chunk.record[0]}..{sum(chunk.record)}) fails its checksum"
+                ]
             for i, expected in enumerate(chunk.pages):
                 f.seek(start + i * page)
                 data = f.read(min(page, length - i * page))
                 lo = start + i * page
                 if len(data) != min(page, length - i * page):
-                    return [f"'{key}' chunk at {chunk.offsets}: {path} is truncated at byte {lo + len(data)}"]
+                    return [
+                        f"'{key}' chunk at {chunk.offsets}: {path} is truncated at byte {lo + len(data)}"
+                    ]
                 if crc32c.crc32c(data) != expected:
-                    return [f"'{key}' chunk at {chunk.offsets}: bytes {lo}..{lo + len(data)} of {path} fail their checksum"]
+                    return [
+                        f"'{key}' chunk at {chunk.offsets}: bytes {lo}..{lo + len(data)} of {path} fail their checksum"
+                    ]
                 if progress:
                     progress(len(data))
     except OSError as e:
@@ -340,9 +387,18 @@ def _verify_chunk(folder: Path, key: str, chunk: ChunkEntry, page: int, progress
 # -- convert ----------------------------------------------------------------------------
 
 _SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 _FROM_SAFETENSORS = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 
@@ -351,7 +407,10 @@ def _safetensors_files(out: Path, groups: list[list[str]]) -> list[Path]:
     if len(groups) == 1:
         return [out]
     stem = out.name.removesuffix(".safetensors")
-    return [out.with_name(f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors") for i in range(len(groups))]
+    return [
+        out.with_name(f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors")
+        for i in range(len(groups))
+    ]
 
 
 def _write_safetensors(fd: int, keys: list[str], ckpt: OpenCheckpoint) -> None:
@@ -365,7 +424,11 @@ def _write_safetensors(fd: int, keys: list[str], ckpt: OpenCheckpoint) -> None:
         if dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"'{key}' has dtype {dtype}, which safetensors cannot store")
         n = md.size.numel() * torch.empty((), dtype=dtype).element_size()
-        header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(md.size), "data_offsets": [offset, offset + n]}
+        header[key] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(md.size),
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -394,17 +457,24 @@ def convert(
     """
     path, out = Path(path), Path(out)
     if (out.is_file() or (out.is_dir() and holds_checkpoint(out))) and not overwrite:
-        raise FileExistsError(already_exists(out) if out.is_dir() else f"{out} already exists; pass overwrite=True")
+        raise FileExistsError(
+            already_exists(out) if out.is_dir() else f"{out} already exists; pass overwrite=True"
+        )
     if path.is_file():
         return _convert_safetensors(path, out, format, overwrite)
     ckpt = open_checkpoint(path)
     keys = ckpt.tensor_keys()
     if format == "torch":
-        items = [(k, ckpt.tensor_metadata(k).properties.dtype, tuple(ckpt.tensor_metadata(k).size)) for k in keys]
+        items = [
+            (k, ckpt.tensor_metadata(k).properties.dtype, tuple(ckpt.tensor_metadata(k).size))
+            for k in keys
+        ]
         _atomic_file(out, lambda fd: write_torch_archive(fd, items, lambda i: ckpt.read(keys[i])))
         return [out]
     if format != "safetensors":
-        raise ValueError(f"unknown format {format!r} for a checkpoint; use 'safetensors' or 'torch'")
+        raise ValueError(
+            f"unknown format {format!r} for a checkpoint; use 'safetensors' or 'torch'"
+        )
     groups: list[list[str]] = [[]]
     size = 0
     for key in keys:
@@ -420,10 +490,18 @@ def convert(
         _atomic_file(file, lambda fd, group=group: _write_safetensors(fd, group, ckpt))
     if len(files) > 1:
         index = {
-            "metadata": {"total_size": sum(ckpt.tensor_metadata(k).size.numel() * torch.empty((), dtype=ckpt.tensor_metadata(k).properties.dtype).element_size() for k in keys)},
+            "metadata": {
+                "total_size": sum(
+                    ckpt.tensor_metadata(k).size.numel()
+                    * torch.empty((), dtype=ckpt.tensor_metadata(k).properties.dtype).element_size()
+                    for k in keys
+                )
+            },
             "weight_map": {k: f.name for f, g in zip(files, groups) for k in g},
         }
-        index_path = out.with_name(out.name.removesuffix(".safetensors") + ".safetensors.index.json")
+        index_path = out.with_name(
+            out.name.removesuffix(".safetensors") + ".safetensors.index.json"
+        )
         write_durably(index_path, json.dumps(index, indent=2).encode())
         files.append(index_path)
     return files
@@ -449,11 +527,18 @@ def _convert_safetensors(path: Path, out: Path, format: str, overwrite: bool) ->
         keys = list(f.keys())
         if format == "torch":
             first = {k: f.get_slice(k) for k in keys}
-            items = [(k, _FROM_SAFETENSORS[first[k].get_dtype()], tuple(first[k].get_shape())) for k in keys]
-            _atomic_file(out, lambda fd: write_torch_archive(fd, items, lambda i: f.get_tensor(keys[i])))
+            items = [
+                (k, _FROM_SAFETENSORS[first[k].get_dtype()], tuple(first[k].get_shape()))
+                for k in keys
+            ]
+            _atomic_file(
+                out, lambda fd: write_torch_archive(fd, items, lambda i: f.get_tensor(keys[i]))
+            )
             return [out]
         if format != "shardwise":
-            raise ValueError(f"unknown format {format!r} for a safetensors file; use 'shardwise' or 'torch'")
+            raise ValueError(
+                f"unknown format {format!r} for a safetensors file; use 'shardwise' or 'torch'"
+            )
         tensors = {k: f.get_tensor(k) for k in keys}  # mmap-backed: pages load as they are written
     from .api import save
 
@@ -490,9 +575,15 @@ def reshard(
         shape = tuple(ckpt.tensor_metadata(key).size)
         layout = (layouts or {}).get(key)
         if layout is None:
-            layout = Layout.chunked(shape, dim, world_size) if len(shape) > dim else Layout.replicated(shape, world_size)
+            layout = (
+                Layout.chunked(shape, dim, world_size)
+                if len(shape) > dim
+                else Layout.replicated(shape, world_size)
+            )
         if layout.global_shape != shape or layout.world_size != world_size:
-            raise ValueError(f"layout for '{key}' is {layout}, not {world_size} ranks over shape {shape}")
+            raise ValueError(
+                f"layout for '{key}' is {layout}, not {world_size} ranks over shape {shape}"
+            )
         plan[key] = layout
     out.mkdir(parents=True, exist_ok=True)
     token = new_token()
@@ -511,7 +602,9 @@ def reshard(
                     pos += len(data)
             for key, layout in plan.items():
                 md = ckpt.tensor_metadata(key)
-                entry = manifest.tensors.setdefault(key, TensorEntry(dtype_name(md.properties.dtype), tuple(md.size)))
+                entry = manifest.tensors.setdefault(
+                    key, TensorEntry(dtype_name(md.properties.dtype), tuple(md.size))
+                )
                 for block in layout.blocks_of(rank):
                     if block.is_empty() or (key, block) in written:
                         continue  # replicas are stored once
@@ -521,8 +614,13 @@ def reshard(
                     length = len(head) + len(payload) + len(tail)
                     entry.chunks.append(
                         ChunkEntry(
-                            block.offsets, block.sizes, name, (pos, length), (pos + len(head), len(payload)),
-                            pages_of(payload), crc32c.crc32c(tail, crc32c.crc32c(head)),
+                            block.offsets,
+                            block.sizes,
+                            name,
+                            (pos, length),
+                            (pos + len(head), len(payload)),
+                            pages_of(payload),
+                            crc32c.crc32c(tail, crc32c.crc32c(head)),
                         )
                     )
                     pos += length

@@ -91,15 +91,26 @@ class _TensorArgs:
     record is then loaded whole by `torch.load`, never read raw."""
 
     def __init__(
-        self, storage: object, offset: int, size: tuple, stride: tuple, dtype: torch.dtype, plain: bool
+        self,
+        storage: object,
+        offset: int,
+        size: tuple,
+        stride: tuple,
+        dtype: torch.dtype,
+        plain: bool,
     ) -> None:
         try:
             if not isinstance(storage, _StorageRef) or not isinstance(dtype, torch.dtype):
                 raise TypeError("no storage or no dtype")
             self.offset = operator.index(offset)
-            self.size, self.stride = tuple(map(operator.index, size)), tuple(map(operator.index, stride))
+            self.size, self.stride = (
+                tuple(map(operator.index, size)),
+                tuple(map(operator.index, stride)),
+            )
         except TypeError as e:
-            raise pickle.UnpicklingError(f"malformed tensor rebuild call in a tensor record: {e}") from e
+            raise pickle.UnpicklingError(
+                f"malformed tensor rebuild call in a tensor record: {e}"
+            ) from e
         self.storage, self.dtype, self.plain = storage, dtype, plain
 
 
@@ -108,27 +119,46 @@ def _rebuild_v1(storage: _StorageRef, offset: int, size: tuple, stride: tuple) -
 
 
 def _rebuild_v2(
-    storage: _StorageRef, offset: int, size: tuple, stride: tuple,
-    requires_grad: bool = False, hooks: object = None, metadata: object = None,
+    storage: _StorageRef,
+    offset: int,
+    size: tuple,
+    stride: tuple,
+    requires_grad: bool = False,
+    hooks: object = None,
+    metadata: object = None,
 ) -> _TensorArgs:
     plain = not (requires_grad or hooks or metadata)
     return _TensorArgs(storage, offset, size, stride, getattr(storage, "dtype", None), plain)
 
 
 def _rebuild_v3(
-    storage: _StorageRef, offset: int, size: tuple, stride: tuple,
-    requires_grad: bool, hooks: object, dtype: torch.dtype, metadata: object = None,
+    storage: _StorageRef,
+    offset: int,
+    size: tuple,
+    stride: tuple,
+    requires_grad: bool,
+    hooks: object,
+    dtype: torch.dtype,
+    metadata: object = None,
 ) -> _TensorArgs:
     if getattr(storage, "dtype", None) != torch.uint8:
         raise pickle.UnpicklingError("_rebuild_tensor_v3 over a typed storage in a tensor record")
-    return _TensorArgs(storage, offset, size, stride, dtype, not (requires_grad or hooks or metadata))
+    return _TensorArgs(
+        storage, offset, size, stride, dtype, not (requires_grad or hooks or metadata)
+    )
 
 
-_REBUILDS = {"_rebuild_tensor": _rebuild_v1, "_rebuild_tensor_v2": _rebuild_v2, "_rebuild_tensor_v3": _rebuild_v3}
+_REBUILDS = {
+    "_rebuild_tensor": _rebuild_v1,
+    "_rebuild_tensor_v2": _rebuild_v2,
+    "_rebuild_tensor_v3": _rebuild_v3,
+}
 
 # "FloatStorage" -> torch.float32, without touching the deprecated TypedStorage classes.
 # An UntypedStorage holds bytes: its persistent id counts them.
-_STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+_STORAGE_DTYPES = {
+    name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()
+}
 _UNTYPED = (("torch.storage", "UntypedStorage"), ("torch", "UntypedStorage"))
 
 
@@ -179,12 +209,16 @@ def read_record_layout(fd: int, offset: int, length: int) -> RecordLayout:
         fast = None
     if fast is not None:
         args, data_start = fast
-        return _layout(args, offset, data_start, args.storage.numel * args.storage.dtype.itemsize, length)
+        return _layout(
+            args, offset, data_start, args.storage.numel * args.storage.dtype.itemsize, length
+        )
     return _read_via_directory(fd, offset, length)
 
 
 _HEAD = 4096
-_LOCAL = struct.Struct("<4s5H3I2H")  # signature, version, flags, method, time, date, crc, sizes, name/extra lengths
+_LOCAL = struct.Struct(
+    "<4s5H3I2H"
+)  # signature, version, flags, method, time, date, crc, sizes, name/extra lengths
 _SIGNATURE = b"PK\x03\x04"
 
 
@@ -243,15 +277,20 @@ def _read_via_directory(fd: int, offset: int, length: int) -> RecordLayout:
     return _layout(args, offset, data_start, entry.file_size, length)
 
 
-def _layout(args: object, offset: int, data_start: int, data_size: int, length: int) -> RecordLayout:
+def _layout(
+    args: object, offset: int, data_start: int, data_size: int, length: int
+) -> RecordLayout:
     if not isinstance(args, _TensorArgs):
         raise ValueError("the record holds something other than a single tensor")
     if data_start + data_size > length:
         raise ValueError("tensor payload runs past the end of the record")
     shape = args.size
-    contiguous = args.plain and args.offset == 0 and (
-        math.prod(shape) <= 1 or all(
-            st == c for st, c, s in zip(args.stride, _c_strides(shape), shape) if s > 1
+    contiguous = (
+        args.plain
+        and args.offset == 0
+        and (
+            math.prod(shape) <= 1
+            or all(st == c for st, c, s in zip(args.stride, _c_strides(shape), shape) if s > 1)
         )
     )
     return RecordLayout(offset + data_start, data_size, args.dtype, shape, contiguous)
@@ -264,9 +303,17 @@ def _layout(args: object, offset: int, data_start: int, data_size: int, length: 
 # produced directly so the payload goes from tensor memory to the file with
 # no copy and no pickling machinery per tensor.
 
-_QUANTIZED = {torch.qint8, torch.qint32, torch.quint8, torch.quint4x2, torch.quint2x4}  # need scales: not plain
+_QUANTIZED = {
+    torch.qint8,
+    torch.qint32,
+    torch.quint8,
+    torch.quint4x2,
+    torch.quint2x4,
+}  # need scales: not plain
 _STORAGE_NAMES = {
-    dtype: name for dtype, name in torch.storage._dtype_to_storage_type_map().items() if dtype not in _QUANTIZED
+    dtype: name
+    for dtype, name in torch.storage._dtype_to_storage_type_map().items()
+    if dtype not in _QUANTIZED
 }
 _SAVABLE = set(_STORAGE_NAMES) | torch.storage._new_dtypes()  # plain tensors torch.save writes
 _ALIGN = 64
@@ -298,17 +345,38 @@ def _rebuild_expr(dtype: torch.dtype, shape: tuple[int, ...], key: str) -> bytes
     if dtype not in _SAVABLE:
         raise TypeError(f"a plain torch.save record cannot hold dtype {dtype}")
     if dtype in _STORAGE_NAMES:
-        rebuild, storage, numel, tail = b"_rebuild_tensor_v2", b"torch\n" + _STORAGE_NAMES[dtype].encode(), 1, b""
+        rebuild, storage, numel, tail = (
+            b"_rebuild_tensor_v2",
+            b"torch\n" + _STORAGE_NAMES[dtype].encode(),
+            1,
+            b"",
+        )
     else:
-        rebuild, storage, numel = b"_rebuild_tensor_v3", b"torch.storage\nUntypedStorage", dtype.itemsize
+        rebuild, storage, numel = (
+            b"_rebuild_tensor_v3",
+            b"torch.storage\nUntypedStorage",
+            dtype.itemsize,
+        )
         tail = b"ctorch\n" + str(dtype).removeprefix("torch.").encode() + b"\n"
     return b"".join(
         [
-            b"ctorch._utils\n", rebuild, b"\n((",
-            _pickle_str("storage"), b"c", storage, b"\n",
-            _pickle_str(key), _pickle_str("cpu"), _pickle_int(math.prod(shape) * numel), b"tQ",
-            _pickle_int(0), _pickle_tuple(shape), _pickle_tuple(_c_strides(shape)),
-            b"\x89ccollections\nOrderedDict\n)R", tail, b"t",
+            b"ctorch._utils\n",
+            rebuild,
+            b"\n((",
+            _pickle_str("storage"),
+            b"c",
+            storage,
+            b"\n",
+            _pickle_str(key),
+            _pickle_str("cpu"),
+            _pickle_int(math.prod(shape) * numel),
+            b"tQ",
+            _pickle_int(0),
+            _pickle_tuple(shape),
+            _pickle_tuple(_c_strides(shape)),
+            b"\x89ccollections\nOrderedDict\n)R",
+            tail,
+            b"t",
             b"R",
         ]
     )
@@ -319,14 +387,21 @@ def _data_pkl(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
     return b"\x80\x02" + _rebuild_expr(dtype, shape, "0") + b"."
 
 
-def write_torch_archive(fd: int, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], load: Any) -> None:
+def write_torch_archive(
+    fd: int, tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], load: Any
+) -> None:
     """Write what `torch.save(dict_of_tensors)` writes, streaming: `load(i)` is called
     for each tensor in turn, so memory holds one tensor at a time."""
     from .storage import write_all
 
-    pkl = b"\x80\x02}(" + b"".join(
-        _pickle_str(key) + _rebuild_expr(dtype, shape, str(i)) for i, (key, dtype, shape) in enumerate(tensors)
-    ) + b"u."
+    pkl = (
+        b"\x80\x02}("
+        + b"".join(
+            _pickle_str(key) + _rebuild_expr(dtype, shape, str(i))
+            for i, (key, dtype, shape) in enumerate(tensors)
+        )
+        + b"u."
+    )
     central: list[tuple[bytes, int, int]] = []
     pos = 0
 
@@ -343,16 +418,28 @@ def write_torch_archive(fd: int, tensors: list[tuple[str, torch.dtype, tuple[int
     entry(b"archive/byteorder", b"little")
     for i in range(len(tensors)):
         t = _plain(load(i).detach().cpu())
-        entry(f"archive/data/{i}".encode(), memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
+        entry(
+            f"archive/data/{i}".encode(),
+            memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"",
+        )
     entry(b"archive/version", b"3")
     entry(b"archive/.data/serialization_id", b"0" * 40)
     directory = b"".join(_central_entry(*e) for e in central)
     n = len(central)
-    trailer = directory + struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, len(directory), pos)
+    trailer = directory + struct.pack(
+        "<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, len(directory), pos
+    )
     trailer += struct.pack("<4sIQI", b"PK\x06\x07", 0, pos + len(directory), 1)
     trailer += struct.pack(
-        "<4sHHHHIIH", b"PK\x05\x06", 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
-        min(len(directory), _ZIP64_LIMIT), min(pos, _ZIP64_LIMIT), 0,
+        "<4sHHHHIIH",
+        b"PK\x05\x06",
+        0,
+        0,
+        min(n, 0xFFFF),
+        min(n, 0xFFFF),
+        min(len(directory), _ZIP64_LIMIT),
+        min(pos, _ZIP64_LIMIT),
+        0,
     )
     write_all(fd, [trailer])
 
@@ -365,19 +452,65 @@ def _stored_entry(name: bytes, size: int, pos: int) -> bytes:
     pad = (-(pos + fixed)) % _ALIGN
     extra += b"FB" + struct.pack("<H", pad) + b"Z" * pad
     small = _ZIP64_LIMIT if zip64 else size
-    return struct.pack(
-        "<4sHHHHHIIIHH", b"PK\x03\x04", 45 if zip64 else 20, 0x0800, 0, 0, 0, 0, small, small, len(name), len(extra)
-    ) + name + extra
+    return (
+        struct.pack(
+            "<4sHHHHHIIIHH",
+            b"PK\x03\x04",
+            45 if zip64 else 20,
+            0x0800,
+            0,
+            0,
+            0,
+            0,
+            small,
+            small,
+            len(name),
+            len(extra),
+        )
+        + name
+        + extra
+    )
 
 
 def _central_entry(name: bytes, size: int, offset: int) -> bytes:
-    fields = [v for v, big in ((size, size >= _ZIP64_LIMIT), (size, size >= _ZIP64_LIMIT), (offset, offset >= _ZIP64_LIMIT)) if big]
-    extra = struct.pack("<HH", 1, 8 * len(fields)) + struct.pack(f"<{len(fields)}Q", *fields) if fields else b""
-    return struct.pack(
-        "<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 45, 45 if fields else 20, 0x0800, 0, 0, 0, 0,
-        min(size, _ZIP64_LIMIT), min(size, _ZIP64_LIMIT), len(name), len(extra), 0, 0, 0, 0,
-        min(offset, _ZIP64_LIMIT),
-    ) + name + extra
+    fields = [
+        v
+        for v, big in (
+            (size, size >= _ZIP64_LIMIT),
+            (size, size >= _ZIP64_LIMIT),
+            (offset, offset >= _ZIP64_LIMIT),
+        )
+        if big
+    ]
+    extra = (
+        struct.pack("<HH", 1, 8 * len(fields)) + struct.pack(f"<{len(fields)}Q", *fields)
+        if fields
+        else b""
+    )
+    return (
+        struct.pack(
+            "<4sHHHHHHIIIHHHHHII",
+            b"PK\x01\x02",
+            45,
+            45 if fields else 20,
+            0x0800,
+            0,
+            0,
+            0,
+            0,
+            min(size, _ZIP64_LIMIT),
+            min(size, _ZIP64_LIMIT),
+            len(name),
+            len(extra),
+            0,
+            0,
+            0,
+            0,
+            min(offset, _ZIP64_LIMIT),
+        )
+        + name
+        + extra
+    )
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -386,7 +519,9 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t.resolve_conj().resolve_neg().contiguous()
 
 
-def tensor_record(t: torch.Tensor, serialization_id: str = "0" * 40) -> tuple[bytes, memoryview, bytes]:
+def tensor_record(
+    t: torch.Tensor, serialization_id: str = "0" * 40
+) -> tuple[bytes, memoryview, bytes]:
     """`(head, payload, tail)` of the record `torch.save(t)` would write; `t` must be a
     contiguous CPU tensor. The payload is `t`'s own memory (a copy only when `t` has a
     conjugate or negative bit); it starts at `len(head)`."""
@@ -397,7 +532,9 @@ def tensor_record(t: torch.Tensor, serialization_id: str = "0" * 40) -> tuple[by
 
 
 @functools.lru_cache(maxsize=4096)
-def _frame(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, serialization_id: str) -> tuple[bytes, bytes]:
+def _frame(
+    dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, serialization_id: str
+) -> tuple[bytes, bytes]:
     """The bytes around a payload: the same for every tensor of one dtype and shape,
     so a state of many like-shaped tensors builds each frame once."""
     central: list[tuple[bytes, int, int]] = []
@@ -414,7 +551,10 @@ def _frame(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, serializatio
     head += _stored_entry(b"archive/data/0", nbytes, len(head))
     pos = len(head) + nbytes
     tail = bytearray()
-    for name, data in ((b"archive/version", b"3"), (b"archive/.data/serialization_id", serialization_id.encode())):
+    for name, data in (
+        (b"archive/version", b"3"),
+        (b"archive/.data/serialization_id", serialization_id.encode()),
+    ):
         central.append((name, len(data), pos + len(tail)))
         tail += _stored_entry(name, len(data), pos + len(tail)) + data
     cd_start = pos + len(tail)
@@ -422,9 +562,19 @@ def _frame(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, serializatio
     tail += directory
     eocd64_at = cd_start + len(directory)
     n = len(central)
-    tail += struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, len(directory), cd_start)
+    tail += struct.pack(
+        "<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, len(directory), cd_start
+    )
     tail += struct.pack("<4sIQI", b"PK\x06\x07", 0, eocd64_at, 1)
     tail += struct.pack(
-        "<4sHHHHIIH", b"PK\x05\x06", 0, 0, n, n, min(len(directory), _ZIP64_LIMIT), min(cd_start, _ZIP64_LIMIT), 0
+        "<4sHHHHIIH",
+        b"PK\x05\x06",
+        0,
+        0,
+        n,
+        n,
+        min(len(directory), _ZIP64_LIMIT),
+        min(cd_start, _ZIP64_LIMIT),
+        0,
     )
     return bytes(head), bytes(tail)

@@ -62,8 +62,12 @@ _DCP_CLASSES = (
     filesystem._StoragePrefix,
 )
 _PATHS = (
-    pathlib.PurePath, pathlib.PurePosixPath, pathlib.PureWindowsPath,
-    pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath,
+    pathlib.PurePath,
+    pathlib.PurePosixPath,
+    pathlib.PureWindowsPath,
+    pathlib.Path,
+    pathlib.PosixPath,
+    pathlib.WindowsPath,
 )
 _LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
 _MEGATRON_PLAN = ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan")
@@ -85,7 +89,9 @@ def _latin1(text: str, encoding: str) -> bytes:
 
 _ADMITTED: dict[tuple[str, str], Any] = {
     **{(c.__module__, c.__qualname__): c for c in _DCP_CLASSES + _PATHS},
-    **{("pathlib", c.__name__): c for c in _PATHS},  # the name pickles use wherever pathlib defines them
+    **{
+        ("pathlib", c.__name__): c for c in _PATHS
+    },  # the name pickles use wherever pathlib defines them
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): _layout,
     ("collections", "OrderedDict"): OrderedDict,
@@ -102,7 +108,11 @@ def _megatron_save_plan() -> type:
     itself (its extra `mcore_data` field then lands in the instance's `__dict__`)."""
     module = sys.modules.get(_MEGATRON_PLAN[0])
     found = getattr(module, _MEGATRON_PLAN[1], None)
-    return found if isinstance(found, type) and issubclass(found, planner.SavePlan) else planner.SavePlan
+    return (
+        found
+        if isinstance(found, type) and issubclass(found, planner.SavePlan)
+        else planner.SavePlan
+    )
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -147,7 +157,9 @@ def _undo_changes(before: list[tuple[Any, dict[str, Any]]]) -> list[str]:
             delattr(obj, key) if isinstance(obj, type) else vars(obj).pop(key)
         for key, value in attrs.items():
             if now.get(key) is not value:
-                setattr(obj, key, value) if isinstance(obj, type) else vars(obj).__setitem__(key, value)
+                setattr(obj, key, value) if isinstance(obj, type) else vars(obj).__setitem__(
+                    key, value
+                )
     return changed
 
 

@@ -48,8 +48,12 @@ class Stager:
         if isinstance(state, ShardedTensor):
             shards = [self._copy(path + (i,), s) for i, s in enumerate(state.local_shards())]
             return ShardedTensor(
-                state.layout_spec, shards, state.rank, dtype=state.dtype,
-                device=torch.device("cpu"), group=state.group,
+                state.layout_spec,
+                shards,
+                state.rank,
+                dtype=state.dtype,
+                device=torch.device("cpu"),
+                group=state.group,
             )
         if isinstance(state, DTensor):
             local = state._local_tensor
@@ -60,11 +64,17 @@ class Stager:
             else:
                 staged = self._copy(path, local)
             return DTensor.from_local(
-                staged, state.device_mesh, state.placements, run_check=False,
-                shape=state.shape, stride=state.stride(),
+                staged,
+                state.device_mesh,
+                state.placements,
+                run_check=False,
+                shape=state.shape,
+                stride=state.stride(),
             )
         if isinstance(state, torch.Tensor):
-            if hasattr(state, "metadata") and hasattr(state, "local_shards"):  # legacy ShardedTensor
+            if hasattr(state, "metadata") and hasattr(
+                state, "local_shards"
+            ):  # legacy ShardedTensor
                 from ..interop import from_torch_sharded_tensor
 
                 return self.stage(from_torch_sharded_tensor(state), path)

@@ -27,10 +27,11 @@ import io
 import math
 import os
 import pickle
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import crc32c
 import torch
@@ -171,12 +172,18 @@ class Writer(FileSystemWriter):
         self._token = new_token()
 
     def _records(self) -> RecordNames:
-        return RecordNames(self.rank if not self.use_collectives and self.rank is not None else None)
+        return RecordNames(
+            self.rank if not self.use_collectives and self.rank is not None else None
+        )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        folder = Path(self.path)  # created in write_data: a save refused in planning leaves no folder
+        folder = Path(
+            self.path
+        )  # created in write_data: a save refused in planning leaves no folder
         if not self.overwrite and holds_checkpoint(folder, self._records()):
-            raise RuntimeError(f"Checkpoint already exists and self.overwrite=False: {already_exists(folder)}")
+            raise RuntimeError(
+                f"Checkpoint already exists and self.overwrite=False: {already_exists(folder)}"
+            )
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
@@ -191,10 +198,15 @@ class Writer(FileSystemWriter):
             buckets = _split_by_size_and_type(max(1, self.thread_count), list(plan.items))
         else:
             buckets = [[item] for item in plan.items]
-        jobs = [(data_file_name(plan.storage_data.prefix, k, token), items) for k, items in enumerate(buckets)]
+        jobs = [
+            (data_file_name(plan.storage_data.prefix, k, token), items)
+            for k, items in enumerate(buckets)
+        ]
         write = self._write_transformed if self.transforms.extensions else self._write_file
         if self.thread_count > 1 and len(jobs) > 1:
-            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="shardwise-write") as pool:
+            with ThreadPoolExecutor(
+                self.thread_count, thread_name_prefix="shardwise-write"
+            ) as pool:
                 parts = list(pool.map(lambda job: write(job[0], job[1], planner), jobs))
         else:
             parts = [write(name, items, planner) for name, items in jobs]
@@ -202,13 +214,17 @@ class Writer(FileSystemWriter):
         fut.set_result([r for part in parts for r in part])
         return fut
 
-    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+    def _write_file(
+        self, name: str, items: list[WriteItem], planner: SavePlanner
+    ) -> list[WriteResult]:
         """Objects as pickled bytes, tensors as torch.save-format records whose
         payload is written straight from the tensor's memory (`writev`, no copy),
         checksummed while in cache; then fsync."""
         serialization_id = self.save_id.replace("-", "")[:40].ljust(40, "0")  # torch.save's field
         results = []
-        fd = os.open(Path(self.path) / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # never an existing file
+        fd = os.open(
+            Path(self.path) / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
+        )  # never an existing file
         try:
             pos = 0
             for item in items:
@@ -224,8 +240,10 @@ class Writer(FileSystemWriter):
                     write_all(fd, [head, payload, tail])
                     length = len(head) + len(payload) + len(tail)
                     written = _Written(
-                        _StorageInfo(name, pos, length), pages_of(payload),
-                        (pos + len(head), len(payload)), crc32c.crc32c(tail, crc32c.crc32c(head)),
+                        _StorageInfo(name, pos, length),
+                        pages_of(payload),
+                        (pos + len(head), len(payload)),
+                        crc32c.crc32c(tail, crc32c.crc32c(head)),
                     )
                     pos += length
                 results.append(WriteResult(item.index, written.stock.length, written))
@@ -237,7 +255,9 @@ class Writer(FileSystemWriter):
             os.close(fd)
         return results
 
-    def _write_transformed(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+    def _write_transformed(
+        self, name: str, items: list[WriteItem], planner: SavePlanner
+    ) -> list[WriteResult]:
         """Items through the writer's stream transforms (stock's own item writer);
         each stored range gets one checksum, computed from the written bytes."""
         path = Path(self.path) / name
@@ -247,7 +267,11 @@ class Writer(FileSystemWriter):
                 data = planner.resolve_data(item)
                 if item.type != WriteItemType.BYTE_IO:
                     data = data.detach().cpu()
-                stock.append(_write_item(self.transforms, stream, data, item, name, SerializationFormat.TORCH_SAVE))
+                stock.append(
+                    _write_item(
+                        self.transforms, stream, data, item, name, SerializationFormat.TORCH_SAVE
+                    )
+                )
                 failpoint("mid-data")
             stream.flush()
             if self.sync_files:
@@ -274,10 +298,19 @@ class Writer(FileSystemWriter):
         manifest = _manifest(metadata, written, len(results))
         manifest.metadata_crc32c = crc32c.crc32c(metadata_bytes)
         keep = {w.stock.relative_path for w in written.values()}
-        commit(Path(self.path), metadata_bytes, manifest.to_json().encode(), keep, self._records(), sync=self.sync_files)
+        commit(
+            Path(self.path),
+            metadata_bytes,
+            manifest.to_json().encode(),
+            keep,
+            self._records(),
+            sync=self.sync_files,
+        )
 
 
-def _manifest(metadata: Metadata, written: dict[MetadataIndex, _Written], world_size: int) -> Manifest:
+def _manifest(
+    metadata: Metadata, written: dict[MetadataIndex, _Written], world_size: int
+) -> Manifest:
     meta = metadata.storage_meta or StorageMeta()
     manifest = Manifest(
         world_size=world_size,
@@ -292,21 +325,32 @@ def _manifest(metadata: Metadata, written: dict[MetadataIndex, _Written], world_
     for fqn, md in metadata.state_dict_metadata.items():
         if hasattr(md, "chunks"):
             entry = manifest.tensors[fqn] = TensorEntry(
-                dtype_name(md.properties.dtype), tuple(md.size), requires_grad=bool(md.properties.requires_grad)
+                dtype_name(md.properties.dtype),
+                tuple(md.size),
+                requires_grad=bool(md.properties.requires_grad),
             )
             for chunk in md.chunks:
                 w = written[MetadataIndex(fqn, chunk.offsets)]
                 entry.chunks.append(
                     ChunkEntry(
-                        tuple(chunk.offsets), tuple(chunk.sizes), w.stock.relative_path,
-                        (w.stock.offset, w.stock.length), w.payload, w.pages, w.frame,
+                        tuple(chunk.offsets),
+                        tuple(chunk.sizes),
+                        w.stock.relative_path,
+                        (w.stock.offset, w.stock.length),
+                        w.payload,
+                        w.pages,
+                        w.frame,
                         _descriptors(w.stock),
                     )
                 )
         else:
             w = written[MetadataIndex(fqn)]
             manifest.objects[fqn] = ObjectEntry(
-                w.stock.relative_path, w.stock.offset, w.stock.length, w.pages[0], _descriptors(w.stock)
+                w.stock.relative_path,
+                w.stock.offset,
+                w.stock.length,
+                w.pages[0],
+                _descriptors(w.stock),
             )
     return manifest
 
@@ -378,7 +422,9 @@ class Reader(FileSystemReader):
         with open(folder / names.metadata, "rb") as f:
             return load_metadata(f)
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._set_up_for = self.path
 
@@ -425,7 +471,9 @@ class Reader(FileSystemReader):
             raise CorruptCheckpointError(f"{path}: short read of {n} bytes at {offset}: truncated")
         return data
 
-    def _read_object(self, fd: int, path: Path, req: Any, info: _StorageInfo, planner: LoadPlanner) -> None:
+    def _read_object(
+        self, fd: int, path: Path, req: Any, info: _StorageInfo, planner: LoadPlanner
+    ) -> None:
         data = self._pread(fd, info.length, info.offset, path)
         crc = info.crc32c if isinstance(info, StoredObject) else None
         if crc is not None and self.verify and crc32c.crc32c(data) != crc:
@@ -438,10 +486,14 @@ class Reader(FileSystemReader):
         planner.load_bytes(req, io.BytesIO(data))
 
     def _untransform(self, req: Any, info: _StorageInfo, data: bytes) -> bytes:
-        stream = self.transforms.transform_load_stream(req, info.transform_descriptors, io.BytesIO(data))
+        stream = self.transforms.transform_load_stream(
+            req, info.transform_descriptors, io.BytesIO(data)
+        )
         return stream.read(-1)
 
-    def _read_transformed(self, fd: int, path: Path, req: Any, info: _StorageInfo, planner: LoadPlanner) -> None:
+    def _read_transformed(
+        self, fd: int, path: Path, req: Any, info: _StorageInfo, planner: LoadPlanner
+    ) -> None:
         """A chunk stored through stream transforms (e.g. zstd): byte ranges inside
         it mean nothing, so read it whole, check it, undo the transforms, load."""
         data = self._pread(fd, info.length, info.offset, path)
@@ -452,12 +504,20 @@ class Reader(FileSystemReader):
                 f"fail their checksum"
             )
         try:
-            whole = torch.load(io.BytesIO(self._untransform(req, info, data)), map_location="cpu", weights_only=True)
+            whole = torch.load(
+                io.BytesIO(self._untransform(req, info, data)),
+                map_location="cpu",
+                weights_only=True,
+            )
         except Exception as e:  # noqa: BLE001 - any decoding failure means damaged bytes
-            raise CorruptCheckpointError(f"'{req.storage_index.fqn}' in {path}: cannot decode ({e})") from e
+            raise CorruptCheckpointError(
+                f"'{req.storage_index.fqn}' in {path}: cannot decode ({e})"
+            ) from e
         self._commit(req, planner, path, whole)
 
-    def _read_tensor(self, fd: int, path: Path, req: Any, info: _StorageInfo, planner: LoadPlanner) -> None:
+    def _read_tensor(
+        self, fd: int, path: Path, req: Any, info: _StorageInfo, planner: LoadPlanner
+    ) -> None:
         if isinstance(info, StoredChunk) and info.payload is not None:
             dtype = dtype_from_name(info.dtype)
             layout = RecordLayout(info.payload[0], info.payload[1], dtype, tuple(info.sizes), True)
@@ -471,11 +531,18 @@ class Reader(FileSystemReader):
             pages, page = None, PAGE_SIZE  # stock checkpoints carry no checksums
         if not layout.c_contiguous:  # a strided record: load it whole, as stock DCP does
             record = self._pread(fd, info.length, info.offset, path)
-            self._commit(req, planner, path, torch.load(io.BytesIO(record), map_location="cpu", weights_only=True))
+            self._commit(
+                req,
+                planner,
+                path,
+                torch.load(io.BytesIO(record), map_location="cpu", weights_only=True),
+            )
             return
         target = planner.resolve_tensor(req).detach()
         if tuple(target.shape) != tuple(req.lengths):
-            raise CorruptCheckpointError(f"'{req.storage_index.fqn}' in {path}: stored chunk has the wrong size")
+            raise CorruptCheckpointError(
+                f"'{req.storage_index.fqn}' in {path}: stored chunk has the wrong size"
+            )
         piece = self._read_box(fd, path, req, layout, pages, page, target)
         if piece is not target:
             target.copy_(piece)
@@ -487,12 +554,20 @@ class Reader(FileSystemReader):
         piece = whole[tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))]
         target = planner.resolve_tensor(req).detach()
         if tuple(target.shape) != tuple(piece.shape):
-            raise CorruptCheckpointError(f"'{req.storage_index.fqn}' in {path}: stored chunk has the wrong size")
+            raise CorruptCheckpointError(
+                f"'{req.storage_index.fqn}' in {path}: stored chunk has the wrong size"
+            )
         target.copy_(piece)
         planner.commit_tensor(req, target)
 
     def _read_box(
-        self, fd: int, path: Path, req: Any, layout: RecordLayout, pages: list[int] | None, page: int,
+        self,
+        fd: int,
+        path: Path,
+        req: Any,
+        layout: RecordLayout,
+        pages: list[int] | None,
+        page: int,
         target: torch.Tensor,
     ) -> torch.Tensor:
         """Read the sub-box `req.storage_offsets/lengths` of a C-order payload.
@@ -504,7 +579,9 @@ class Reader(FileSystemReader):
         `target`; a span of several runs is read once and the runs gathered
         from it with one copy.
         """
-        direct = target.is_contiguous() and target.device.type == "cpu" and target.dtype == layout.dtype
+        direct = (
+            target.is_contiguous() and target.device.type == "cpu" and target.dtype == layout.dtype
+        )
         dest = target if direct else torch.empty(tuple(req.lengths), dtype=layout.dtype)
         name = req.storage_index.fqn
         if tuple(req.lengths) == layout.shape:  # the whole chunk, the common case: one read
@@ -521,7 +598,9 @@ class Reader(FileSystemReader):
         starts, run = _runs(layout.shape, tuple(req.storage_offsets), tuple(req.lengths), itemsize)
         if not len(starts):
             return dest
-        spans = _spans(starts, run, _MERGE_GAP, page if pages is not None else None, layout.payload_length)
+        spans = _spans(
+            starts, run, _MERGE_GAP, page if pages is not None else None, layout.payload_length
+        )
         rows = dest.reshape(-1).view(torch.uint8).view(len(starts), run)
         out = memoryview(rows.numpy()).cast("B")
         for span_start, span_len, first, last in spans:
@@ -535,12 +614,20 @@ class Reader(FileSystemReader):
             if pages is not None:
                 self._check_pages(view, span_start, page, pages, layout, name, path)
             if buf is not None:  # several runs read as one span: gather them with one copy
-                torch.index_select(buf.unfold(0, run, 1), 0, starts[first:last] - span_start, out=rows[first:last])
+                torch.index_select(
+                    buf.unfold(0, run, 1), 0, starts[first:last] - span_start, out=rows[first:last]
+                )
         return dest
 
     @staticmethod
     def _check_pages(
-        data: memoryview, start: int, page: int, pages: list[int], layout: RecordLayout, name: str, path: Path
+        data: memoryview,
+        start: int,
+        page: int,
+        pages: list[int],
+        layout: RecordLayout,
+        name: str,
+        path: Path,
     ) -> None:
         """Verify the whole pages in `data`, which begins at payload offset `start` (page-aligned)."""
         for k in range(0, len(data), page):

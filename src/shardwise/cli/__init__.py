@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import pickle
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import ShardwiseError
 from . import bench, convert, demo, inspect, reshard, verify

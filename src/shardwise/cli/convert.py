@@ -16,15 +16,19 @@ __all__ = ["add_parser", "main"]
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "convert", help="to one safetensors/torch file, or a safetensors file to a checkpoint",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "convert",
+        help="to one safetensors/torch file, or a safetensors file to a checkpoint",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  shardwise convert ckpt/step_100 model.safetensors --format safetensors --max-file-size 5GiB\n"
         "  shardwise convert model.safetensors ckpt/imported --format shardwise",
     )
     p.add_argument("path", help="checkpoint folder or .safetensors file")
     p.add_argument("out", help="output file (or checkpoint folder for --format shardwise)")
     p.add_argument("--format", required=True, choices=["safetensors", "torch", "shardwise"])
-    p.add_argument("--max-file-size", type=parse_size, default=None, help="split safetensors output, e.g. 5GiB")
+    p.add_argument(
+        "--max-file-size", type=parse_size, default=None, help="split safetensors output, e.g. 5GiB"
+    )
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=main)
 
@@ -32,6 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     from ..checkpoint import convert
 
-    for f in convert(args.path, args.out, args.format, max_file_size=args.max_file_size, overwrite=args.overwrite):
+    for f in convert(
+        args.path, args.out, args.format, max_file_size=args.max_file_size, overwrite=args.overwrite
+    ):
         print(f"wrote {f}")
     return 0

@@ -36,14 +36,20 @@ ADAM = {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "demo", help="save a sharded training state on N ranks, load it on M in other layouts",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "demo",
+        help="save a sharded training state on N ranks, load it on M in other layouts",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example: shardwise demo --world-size 4 --load-world-size 3 --size 256MiB",
     )
     p.add_argument("--world-size", type=int, default=4, help="ranks that save (default 4)")
     p.add_argument("--load-world-size", type=int, default=3, help="ranks that load (default 3)")
-    p.add_argument("--size", default="128MiB", help="parameter bytes, e.g. 256MiB, 2GiB (default 128MiB)")
-    p.add_argument("--dir", type=Path, default=None, help="folder for the checkpoint (default: a temp dir)")
+    p.add_argument(
+        "--size", default="128MiB", help="parameter bytes, e.g. 256MiB, 2GiB (default 128MiB)"
+    )
+    p.add_argument(
+        "--dir", type=Path, default=None, help="folder for the checkpoint (default: a temp dir)"
+    )
     p.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
     p.set_defaults(func=main)
 
@@ -88,7 +94,9 @@ def save_layouts(world: int, size: int) -> dict[str, Any]:
         "emb.user": Layout.table_wise(s["emb.user"], 1 % world, world),
         "emb.item": Layout.table_wise(s["emb.item"], world - 1, world),
         "emb.query": Layout.row_wise(s["emb.query"], query),
-        "emb.ads": Layout.column_wise(s["emb.ads"], ads, ranks=[i % world for i in range(blocks)], world_size=world),
+        "emb.ads": Layout.column_wise(
+            s["emb.ads"], ads, ranks=[i % world for i in range(blocks)], world_size=world
+        ),
         "dense.weight": Layout.grid(s["dense.weight"], _grid(world)),
         "dense.bias": Layout.replicated(s["dense.bias"], world),
     }
@@ -115,7 +123,9 @@ def _values(name: str, block: Any, shape: tuple[int, ...], salt: int) -> torch.T
     for d in reversed(range(len(shape))):
         view = [1] * len(shape)
         view[d] = block.sizes[d]
-        index += (torch.arange(block.offsets[d], block.ends[d], dtype=torch.int64) * stride).view(view)
+        index += (torch.arange(block.offsets[d], block.ends[d], dtype=torch.int64) * stride).view(
+            view
+        )
         stride *= shape[d]
     seed = (sum(map(ord, name)) * 7919 + salt * 104729) % 2**20
     mixed = (index * 2654435761 + seed) % 2**31
@@ -160,17 +170,25 @@ def save_rank(rank: int, world: int, path: str, size: int) -> dict[str, Any]:
         params = {}
         for name, layout in layouts.items():
             shards = [_values(name, b, layout.global_shape, 0) for b in layout.blocks_of(rank)]
-            params[name] = torch.nn.Parameter(ShardedTensor.from_layout(layout, shards, dtype=torch.float32))
+            params[name] = torch.nn.Parameter(
+                ShardedTensor.from_layout(layout, shards, dtype=torch.float32)
+            )
             bar.update()
         opt = torch.optim.Adam(list(params.values()), foreach=False, **ADAM)
         for name, p in params.items():
             layout = layouts[name]
             p.grad = ShardedTensor.from_layout(
-                layout, [_values(name, b, layout.global_shape, 1) for b in layout.blocks_of(rank)], dtype=torch.float32
+                layout,
+                [_values(name, b, layout.global_shape, 1) for b in layout.blocks_of(rank)],
+                dtype=torch.float32,
             )
         opt.step()  # a real optimizer step, shard by shard
         bar.update()
-        state = {"model": params, "optim": opt.state_dict(), "trainer": {"step": 1, "note": "shardwise demo"}}
+        state = {
+            "model": params,
+            "optim": opt.state_dict(),
+            "trainer": {"step": 1, "note": "shardwise demo"},
+        }
         seconds = _timed(lambda: swc.save(state, path))
         bar.update()
     local = sum(s.nbytes for p in params.values() for s in p.detach().local_shards()) * 3
@@ -182,7 +200,10 @@ def load_rank(rank: int, world: int, path: str, size: int, saved_world: int) -> 
     from shardwise import ShardedTensor
 
     layouts = load_layouts(world, size)
-    params = {n: torch.nn.Parameter(ShardedTensor.zeros(l, dtype=torch.float32)) for n, l in layouts.items()}
+    params = {
+        n: torch.nn.Parameter(ShardedTensor.zeros(l, dtype=torch.float32))
+        for n, l in layouts.items()
+    }
     opt = torch.optim.Adam(list(params.values()), foreach=False, **ADAM)
     for p in params.values():
         p.grad = ShardedTensor.zeros(p.layout_spec, dtype=torch.float32)
@@ -198,7 +219,10 @@ def load_rank(rank: int, world: int, path: str, size: int, saved_world: int) -> 
             shape = layouts[name].global_shape
             for j, block in enumerate(p.layout_spec.blocks_of(rank)):
                 want = expected_block(name, block, shape)
-                got = {"param": p.detach().local_shards()[j], **{k: moments[k].local_shards()[j] for k in ("exp_avg", "exp_avg_sq")}}
+                got = {
+                    "param": p.detach().local_shards()[j],
+                    **{k: moments[k].local_shards()[j] for k in ("exp_avg", "exp_avg_sq")},
+                }
                 wrong += sum(int((got[k] != want[k]).sum()) for k in want)
             if float(moments["step"]) != 1.0:
                 wrong += 1
@@ -206,7 +230,12 @@ def load_rank(rank: int, world: int, path: str, size: int, saved_world: int) -> 
     if target["trainer"] != {"step": 1, "note": "shardwise demo"}:
         wrong += 1
     local = sum(s.nbytes for p in params.values() for s in p.detach().local_shards()) * 3
-    return {"seconds": seconds, "wrong": wrong, "local_bytes": local, "bytes_read": reader[0].bytes_read}
+    return {
+        "seconds": seconds,
+        "wrong": wrong,
+        "local_bytes": local,
+        "bytes_read": reader[0].bytes_read,
+    }
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -224,7 +253,9 @@ def _describe(layout: Any) -> str:
     elif layout.replica_groups:
         what = f"replicated on {len(layout.replica_groups[blocks[0]])} ranks"
     extra = f", {max(counts)} blocks on one rank" if max(counts) > 1 else ""
-    return f"{what}{extra}" + (f", {empty} empty ranks" if empty and "table-wise" not in what else "")
+    return f"{what}{extra}" + (
+        f", {empty} empty ranks" if empty and "table-wise" not in what else ""
+    )
 
 
 def _report_layouts(title: str, layouts: dict[str, Any]) -> None:
@@ -248,21 +279,37 @@ def main(args: argparse.Namespace) -> int:
     path = base / "step_1"
     try:
         total = sum(math.prod(s) for s in shapes(size).values()) * 4 * 3
-        print(f"shardwise demo: training state of {total / 2**20:.1f} MiB "
-              f"(parameters + Adam moments), saved on {args.world_size} ranks, loaded on {args.load_world_size}")
-        _report_layouts(f"saved layouts ({args.world_size} ranks):", save_layouts(args.world_size, size))
+        print(
+            f"shardwise demo: training state of {total / 2**20:.1f} MiB "
+            f"(parameters + Adam moments), saved on {args.world_size} ranks, loaded on {args.load_world_size}"
+        )
+        _report_layouts(
+            f"saved layouts ({args.world_size} ranks):", save_layouts(args.world_size, size)
+        )
         saved = run_ranks(save_rank, args.world_size, str(path), size, timeout=1800)
         save_s = saved[0]["seconds"]
-        print(f"saved   {total / 2**20:8.1f} MiB in {save_s:.3f}s ({_gbps(total, save_s)}) -> {path}")
-        _report_layouts(f"loaded layouts ({args.load_world_size} ranks):", load_layouts(args.load_world_size, size))
-        loaded = run_ranks(load_rank, args.load_world_size, str(path), size, args.world_size, timeout=1800)
+        print(
+            f"saved   {total / 2**20:8.1f} MiB in {save_s:.3f}s ({_gbps(total, save_s)}) -> {path}"
+        )
+        _report_layouts(
+            f"loaded layouts ({args.load_world_size} ranks):",
+            load_layouts(args.load_world_size, size),
+        )
+        loaded = run_ranks(
+            load_rank, args.load_world_size, str(path), size, args.world_size, timeout=1800
+        )
         load_s = loaded[0]["seconds"]
         read = sum(r["bytes_read"] for r in loaded)
-        print(f"loaded  {total / 2**20:8.1f} MiB in {load_s:.3f}s ({_gbps(total, load_s)}), "
-              f"{read / 2**20:.1f} MiB read from disk by all ranks")
+        print(
+            f"loaded  {total / 2**20:8.1f} MiB in {load_s:.3f}s ({_gbps(total, load_s)}), "
+            f"{read / 2**20:.1f} MiB read from disk by all ranks"
+        )
         wrong = sum(r["wrong"] for r in loaded)
-        print("PASS: every element of every parameter and optimizer moment matches, bit for bit"
-              if wrong == 0 else f"FAIL: {wrong} elements differ")
+        print(
+            "PASS: every element of every parameter and optimizer moment matches, bit for bit"
+            if wrong == 0
+            else f"FAIL: {wrong} elements differ"
+        )
         return 0 if wrong == 0 else 1
     finally:
         if args.keep:
@@ -285,7 +332,9 @@ def _main_torchrun(args: argparse.Namespace, size: int) -> int:
     wrong = torch.tensor([loaded["wrong"]])
     dist.all_reduce(wrong)
     if rank == 0:
-        print(f"saved in {saved['seconds']:.3f}s, loaded in other layouts in {loaded['seconds']:.3f}s on {world} ranks")
+        print(
+            f"saved in {saved['seconds']:.3f}s, loaded in other layouts in {loaded['seconds']:.3f}s on {world} ranks"
+        )
         print("PASS" if int(wrong) == 0 else f"FAIL: {int(wrong)} elements differ")
     dist.destroy_process_group()
     return 0 if int(wrong) == 0 else 1

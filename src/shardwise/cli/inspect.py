@@ -12,8 +12,10 @@ __all__ = ["add_parser", "main"]
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "inspect", help="list a checkpoint's tensors: dtype, shape, chunks, bytes, sharding",
-        description=__doc__, epilog="example: shardwise inspect ckpt/step_100 --json",
+        "inspect",
+        help="list a checkpoint's tensors: dtype, shape, chunks, bytes, sharding",
+        description=__doc__,
+        epilog="example: shardwise inspect ckpt/step_100 --json",
     )
     p.add_argument("path", help="checkpoint folder (shardwise or stock DCP)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -30,11 +32,29 @@ def main(args: argparse.Namespace) -> int:
     version = f", format version {info.format_version}" if info.format_version else ""
     saved = f", saved by {info.world_size} ranks" if info.world_size else ""
     print(f"{info.path}: {info.kind} checkpoint{version}{saved}")
-    rows = [(t.key, t.dtype, "x".join(map(str, t.shape)) or "scalar", str(t.chunks), format_size(t.nbytes), t.sharding) for t in info.tensors]
+    rows = [
+        (
+            t.key,
+            t.dtype,
+            "x".join(map(str, t.shape)) or "scalar",
+            str(t.chunks),
+            format_size(t.nbytes),
+            t.sharding,
+        )
+        for t in info.tensors
+    ]
     head = ("key", "dtype", "shape", "chunks", "bytes", "sharding")
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for row in [head, *rows]:
-        print("  " + "  ".join(c.ljust(w) if i in (0, 1, 5) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
-    print(f"  {len(info.tensors)} tensors, {format_size(info.nbytes)}; {len(info.objects)} Python objects"
-          + (f": {', '.join(info.objects)}" if info.objects else ""))
+        print(
+            "  "
+            + "  ".join(
+                c.ljust(w) if i in (0, 1, 5) else c.rjust(w)
+                for i, (c, w) in enumerate(zip(row, widths))
+            )
+        )
+    print(
+        f"  {len(info.tensors)} tensors, {format_size(info.nbytes)}; {len(info.objects)} Python objects"
+        + (f": {', '.join(info.objects)}" if info.objects else "")
+    )
     return 0

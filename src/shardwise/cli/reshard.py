@@ -17,8 +17,10 @@ __all__ = ["add_parser", "main"]
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "reshard", help="rewrite a checkpoint into the per-rank files of another layout",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "reshard",
+        help="rewrite a checkpoint into the per-rank files of another layout",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example: shardwise reshard ckpt/step_100 ckpt/step_100_m8 --world-size 8 --dim 1",
     )
     p.add_argument("path", help="checkpoint folder (shardwise or stock DCP)")
@@ -36,7 +38,17 @@ def main(args: argparse.Namespace) -> int:
 
     layouts = None
     if args.layout is not None:
-        layouts = {k: Layout.from_json(json.dumps(v)) for k, v in json.loads(args.layout.read_text()).items()}
-    out = reshard(args.path, args.out, args.world_size, dim=args.dim, layouts=layouts, overwrite=args.overwrite)
+        layouts = {
+            k: Layout.from_json(json.dumps(v))
+            for k, v in json.loads(args.layout.read_text()).items()
+        }
+    out = reshard(
+        args.path,
+        args.out,
+        args.world_size,
+        dim=args.dim,
+        layouts=layouts,
+        overwrite=args.overwrite,
+    )
     print(f"wrote {out} for {args.world_size} ranks")
     return 0

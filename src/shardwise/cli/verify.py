@@ -10,8 +10,10 @@ __all__ = ["add_parser", "main"]
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "verify", help="recompute checksums; exit 1 listing each bad chunk",
-        description=__doc__, epilog="example: shardwise verify ckpt/step_100",
+        "verify",
+        help="recompute checksums; exit 1 listing each bad chunk",
+        description=__doc__,
+        epilog="example: shardwise verify ckpt/step_100",
     )
     p.add_argument("path", help="checkpoint folder")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -27,8 +29,14 @@ def main(args: argparse.Namespace) -> int:
         total = inspect(args.path).nbytes
     except Exception:
         total = None  # verify() reports why the checkpoint cannot be opened
-    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet or None,
-              file=sys.stderr) as bar:
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="verify",
+        disable=args.quiet or None,
+        file=sys.stderr,
+    ) as bar:
         problems = verify(args.path, progress=bar.update, raise_on_error=False)  # to print each one
     for line in problems:
         print(f"shardwise verify: {line}", file=sys.stderr)

@@ -8,7 +8,8 @@ not agree on anything beforehand; a problem on any rank is raised on all.
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,9 @@ def _check_local(
         try:
             offset = tuple(operator.index(o) for o in offset)
         except TypeError:
-            return TypeError(f"the offsets of shard {i} must be a sequence of ints, got {offset!r}"), []
+            return TypeError(
+                f"the offsets of shard {i} must be a sequence of ints, got {offset!r}"
+            ), []
         if len(offset) != shard.dim():
             return ShardMismatchError(
                 f"shard {i} is {shard.dim()}-d but its offsets {offset} have {len(offset)} entries"
@@ -46,7 +49,9 @@ def _check_local(
                 f"shard {i} at offsets {offset} is not contiguous; call .contiguous() on it"
             ), []
         if shard.dim() != shards[0].dim():
-            return LayoutError(f"shard {i} is {shard.dim()}-d but shard 0 is {shards[0].dim()}-d (ndim)"), []
+            return LayoutError(
+                f"shard {i} is {shard.dim()}-d but shard 0 is {shards[0].dim()}-d (ndim)"
+            ), []
         if shard.dtype != shards[0].dtype:
             return TypeError(
                 f"shard {i} is {shard.dtype} but shard 0 is {shards[0].dtype}; use one dtype"
@@ -109,7 +114,10 @@ def _from_local_shards(
         ref_rank, ref = holders[0]
         for r, m in holders[1:]:
             if m["dtype"] != ref["dtype"] and problems[r] is None:
-                problems[r] = (TypeError, f"its shards are {m['dtype']} but rank {ref_rank}'s are {ref['dtype']}")
+                problems[r] = (
+                    TypeError,
+                    f"its shards are {m['dtype']} but rank {ref_rank}'s are {ref['dtype']}",
+                )
             elif m["device_type"] != ref["device_type"] and problems[r] is None:
                 problems[r] = (
                     ShardMismatchError,
@@ -142,9 +150,18 @@ def _from_local_shards(
     layout = Layout(shape, all_blocks, len(everyone))
     rank = dist.get_rank(group)
     dtype = holders[0][1]["dtype"] if holders else torch.get_default_dtype()
-    device = shards[0].device if shards else _default_device(holders[0][1]["device_type"] if holders else "cpu")
+    device = (
+        shards[0].device
+        if shards
+        else _default_device(holders[0][1]["device_type"] if holders else "cpu")
+    )
     return ShardedTensor(
-        layout, shards, rank, dtype=dtype, device=device, group=group,
+        layout,
+        shards,
+        rank,
+        dtype=dtype,
+        device=device,
+        group=group,
         requires_grad=any(m["requires_grad"] for m in everyone),
     )
 
@@ -152,7 +169,9 @@ def _from_local_shards(
 def _bounding_shape(blocks: dict[int, list[Block]]) -> tuple[int, ...]:
     every = [b for bs in blocks.values() for b in bs]
     if not every:
-        raise LayoutError("no rank holds a shard, so the global shape cannot be inferred; pass global_shape")
+        raise LayoutError(
+            "no rank holds a shard, so the global shape cannot be inferred; pass global_shape"
+        )
     ndims = {b.ndim for b in every}
     if len(ndims) > 1:
         raise LayoutError(f"ranks hold shards of different ndim {sorted(ndims)} (ndim)")

@@ -32,8 +32,12 @@ def _wrap(layout: Layout, shards: list[torch.Tensor], like: ShardedTensor) -> Sh
 def _slice_into(full: torch.Tensor, layout: Layout, rank: int, group: Any) -> ShardedTensor:
     """A full tensor, identical on every rank, as this rank's blocks of `layout`."""
     return ShardedTensor(
-        layout, [full[b.slices()].contiguous() for b in layout.blocks_of(rank)], rank,
-        dtype=full.dtype, device=full.device, group=group,
+        layout,
+        [full[b.slices()].contiguous() for b in layout.blocks_of(rank)],
+        rank,
+        dtype=full.dtype,
+        device=full.device,
+        group=group,
     )
 
 
@@ -89,7 +93,11 @@ def gather(st: ShardedTensor, dst: int = 0) -> torch.Tensor | None:
     """
     world = st.layout_spec.world_size
     if not isinstance(dst, int) or not 0 <= dst < world:
-        exchange(ValueError(f"gather destination rank {dst} is outside world size {world}"), None, st.group)
+        exchange(
+            ValueError(f"gather destination rank {dst} is outside world size {world}"),
+            None,
+            st.group,
+        )
     target = Layout.table_wise(st.shape, dst, world)
     agree(st, target, "gather", extra=dst)
     shards = move(st, target, checked=True)
@@ -115,7 +123,9 @@ def distribute(
     elif isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
         problem = ValueError(f"source rank {src!r} is outside the group of {world} ranks")
     elif layout.world_size != world:
-        problem = LayoutError(f"the layout spans {layout.world_size} ranks but the group has {world}")
+        problem = LayoutError(
+            f"the layout spans {layout.world_size} ranks but the group has {world}"
+        )
     elif rank == src:
         if not isinstance(tensor, torch.Tensor) or isinstance(tensor, ShardedTensor):
             got = "None" if tensor is None else f"a {type(tensor).__name__}"
@@ -127,7 +137,10 @@ def distribute(
             )
         else:
             meta = (tensor.dtype, tensor.device.type)
-    agreed = (hash(layout) if isinstance(layout, Layout) else None, src if isinstance(src, int) else None)
+    agreed = (
+        hash(layout) if isinstance(layout, Layout) else None,
+        src if isinstance(src, int) else None,
+    )
     everyone = exchange(problem, (meta, agreed), group)
     ref, odd = odd_ranks([a for _, a in everyone])
     if odd:
@@ -143,7 +156,11 @@ def distribute(
         device = tensor.device
         shards = [tensor.contiguous()]
     else:
-        device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if device_type == "cuda"
+            else torch.device(device_type)
+        )
         shards = []
     source = ShardedTensor(whole, shards, rank, dtype=dtype, device=device, group=group)
     return _wrap(layout, move(source, layout), source)
@@ -162,7 +179,9 @@ def equal(a: ShardedTensor, b: ShardedTensor) -> bool:
         world = dist.get_world_size(a.group)
         spans = {a.layout_spec.world_size, b.layout_spec.world_size}
         if spans != {world}:
-            problem = LayoutError(f"the layouts span {sorted(spans)} ranks but the group has {world}")
+            problem = LayoutError(
+                f"the layouts span {sorted(spans)} ranks but the group has {world}"
+            )
         else:
             comparable = tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
             fingerprint = (comparable, hash(a.layout_spec), hash(b.layout_spec))

@@ -15,7 +15,8 @@ collective until the process-group timeout.
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,12 +31,16 @@ __all__ = ["from_local", "to_local"]
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, layout: Layout, rank: int, group: Any) -> ShardedTensor:
+    def forward(
+        ctx: Any, tensor: torch.Tensor, layout: Layout, rank: int, group: Any
+    ) -> ShardedTensor:
         ctx.shape = tensor.shape
         holds = bool(layout.blocks_of(rank))
         # view_as: the output must not be the input object itself (as in DTensor).
         shards = [tensor.view_as(tensor)] if holds else []
-        return ShardedTensor(layout, shards, rank, dtype=tensor.dtype, device=tensor.device, group=group)
+        return ShardedTensor(
+            layout, shards, rank, dtype=tensor.dtype, device=tensor.device, group=group
+        )
 
     @staticmethod
     def backward(ctx: Any, grad: ShardedTensor) -> tuple[torch.Tensor, None, None, None]:
@@ -62,7 +67,9 @@ class _ToLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> ShardedTensor:
         shards = [grad] if ctx.layout.blocks_of(ctx.rank) else []
-        return ShardedTensor(ctx.layout, shards, ctx.rank, dtype=grad.dtype, device=grad.device, group=ctx.group)
+        return ShardedTensor(
+            ctx.layout, shards, ctx.rank, dtype=grad.dtype, device=grad.device, group=ctx.group
+        )
 
 
 def to_local(st: ShardedTensor) -> torch.Tensor:
@@ -185,7 +192,13 @@ def _local_meta(
                 f"has shape {shape}"
             )
     # the dimension as passed: -1 on tensors of different ndim is a shape problem, not a disagreement
-    return {**meta, "key": ("dim", dim, mode), "d": d, "size": shape[d], "others": shape[:d] + shape[d + 1 :]}
+    return {
+        **meta,
+        "key": ("dim", dim, mode),
+        "d": d,
+        "size": shape[d],
+        "others": shape[:d] + shape[d + 1 :],
+    }
 
 
 def _kind(x: Any) -> str:
@@ -195,11 +208,17 @@ def _kind(x: Any) -> str:
 def _describe(meta: dict[str, Any], other: dict[str, Any] | None = None) -> str:
     """What a rank asked for, in words; `other` names the rank it is contrasted with."""
     if meta["key"][0] == "layout":
-        if other is not None and other["key"][0] == "layout" and other["global_shape"] == meta["global_shape"]:
+        if (
+            other is not None
+            and other["key"][0] == "layout"
+            and other["global_shape"] == meta["global_shape"]
+        ):
             return "a layout of the same global shape with other blocks"
         return f"a layout of global shape {meta['global_shape']}"
     _, dim, mode = meta["key"]
-    return f"dimension {dim} with sharding_shapes={list(mode) if isinstance(mode, tuple) else mode!r}"
+    return (
+        f"dimension {dim} with sharding_shapes={list(mode) if isinstance(mode, tuple) else mode!r}"
+    )
 
 
 def _disagreements(everyone: list[dict[str, Any]]) -> list[Problem]:
@@ -212,33 +231,50 @@ def _disagreements(everyone: list[dict[str, Any]]) -> list[Problem]:
             if problems[r] is None:
                 problems[r] = (kind, say(everyone[r], everyone[ref], ref))
 
-    flag("key", LayoutError, lambda m, ref, rr: (
-        f"it passed {_describe(m)} but rank {rr} passed {_describe(ref, m)}; every rank must pass the same"
-    ))
+    flag(
+        "key",
+        LayoutError,
+        lambda m, ref, rr: (
+            f"it passed {_describe(m)} but rank {rr} passed {_describe(ref, m)}; every rank must pass the same"
+        ),
+    )
     if any(problems):
         return problems  # the other fields mean nothing across different requests
-    flag("dtype", TypeError, lambda m, ref, rr: (
-        f"its tensor is {m['dtype']} but rank {rr}'s is {ref['dtype']}; convert them to one dtype"
-    ))
-    flag("device", ShardMismatchError, lambda m, ref, rr: (
-        f"its tensor is on {m['device']} but rank {rr}'s is on {ref['device']}"
-    ))
+    flag(
+        "dtype",
+        TypeError,
+        lambda m, ref, rr: (
+            f"its tensor is {m['dtype']} but rank {rr}'s is {ref['dtype']}; convert them to one dtype"
+        ),
+    )
+    flag(
+        "device",
+        ShardMismatchError,
+        lambda m, ref, rr: f"its tensor is on {m['device']} but rank {rr}'s is on {ref['device']}",
+    )
     if everyone[0]["key"][0] == "dim":
-        flag("others", ShardMismatchError, lambda m, ref, rr: (
-            f"its tensor has shape {m['shape']} but rank {rr}'s has {ref['shape']}: they may "
-            f"differ only along dimension {ref['d']}"
-        ))
+        flag(
+            "others",
+            ShardMismatchError,
+            lambda m, ref, rr: (
+                f"its tensor has shape {m['shape']} but rank {rr}'s has {ref['shape']}: they may "
+                f"differ only along dimension {ref['d']}"
+            ),
+        )
         if not any(problems) and everyone[0]["key"][2] == "chunk":
             sizes = [m["size"] for m in everyone]
             chunked = Layout.chunked((sum(sizes),), 0, len(sizes))
             expected = [bs[0].sizes[0] if bs else 0 for bs in chunked.blocks]
             for r, (got, want) in enumerate(zip(sizes, expected)):
                 if got != want:
-                    problems[r] = (LayoutError, (
-                        f"its piece has {got} along dimension {everyone[r]['d']} but torch.chunk "
-                        f"gives {want} (pieces {sizes}, torch.chunk {expected}); use "
-                        f"sharding_shapes='infer'"
-                    ))
+                    problems[r] = (
+                        LayoutError,
+                        (
+                            f"its piece has {got} along dimension {everyone[r]['d']} but torch.chunk "
+                            f"gives {want} (pieces {sizes}, torch.chunk {expected}); use "
+                            f"sharding_shapes='infer'"
+                        ),
+                    )
     return problems
 
 

@@ -15,8 +15,9 @@ would leave the others waiting in their next collective.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -128,7 +129,8 @@ def _disagreements(everyone: list[dict[str, Any]]) -> list[Problem]:
             if problems[r] is None:
                 mine, theirs = what(everyone[r][field]), what(everyone[ref][field])
                 problems[r] = (
-                    kind, f"it passed {mine} but rank {ref} passed {theirs}; every rank must pass the same"
+                    kind,
+                    f"it passed {mine} but rank {ref} passed {theirs}; every rank must pass the same",
                 )
 
     flag("kind", TypeError, str)
@@ -210,7 +212,9 @@ def from_dtensor(dt: DTensor) -> ShardedTensor:
     naming the faulty rank.
     """
     return convert_agreed(
-        dt, (DTENSOR, WRAPPED, SHARD_TENSOR), "from_dtensor",
+        dt,
+        (DTENSOR, WRAPPED, SHARD_TENSOR),
+        "from_dtensor",
         "a DTensor (plain or over LocalShardsWrapper) or a PhysicsNeMo ShardTensor",
     )
 

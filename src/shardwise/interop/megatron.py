@@ -29,8 +29,9 @@ from __future__ import annotations
 import io
 import json
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -111,12 +112,18 @@ def _piece_problem(pieces: list[Any]) -> BaseException | None:
     for p in pieces:
         if p.flattened_range is not None:
             return ShardMismatchError(f"key '{p.key}': flattened_range pieces are not supported")
-        if (p.key, tuple(p.global_shape), p.dtype) != (first.key, tuple(first.global_shape), first.dtype):
+        if (p.key, tuple(p.global_shape), p.dtype) != (
+            first.key,
+            tuple(first.global_shape),
+            first.dtype,
+        ):
             return ShardMismatchError(
                 f"pieces of one value disagree: '{p.key}' {tuple(p.global_shape)} {p.dtype} vs "
                 f"'{first.key}' {tuple(first.global_shape)} {first.dtype}"
             )
-        if p.data is not None and (tuple(p.data.shape) != tuple(p.local_shape) or p.data.dtype != p.dtype):
+        if p.data is not None and (
+            tuple(p.data.shape) != tuple(p.local_shape) or p.data.dtype != p.dtype
+        ):
             return ShardMismatchError(
                 f"key '{p.key}' at offset {tuple(p.global_offset)}: data {tuple(p.data.shape)} {p.data.dtype} "
                 f"does not match local_shape {tuple(p.local_shape)} / dtype {p.dtype}"
@@ -154,7 +161,11 @@ def to_shardwise(
     if problem is None and any(p.data is None for p in pieces):
         problem = ShardMismatchError(f"key '{pieces[0].key}': a piece has no data (call init_data)")
     kept = [p for p in pieces if replicas or _is_main(p.replica_id)] if problem is None else []
-    shape = tuple(global_shape) if global_shape is not None else (tuple(pieces[0].global_shape) if pieces else None)
+    shape = (
+        tuple(global_shape)
+        if global_shape is not None
+        else (tuple(pieces[0].global_shape) if pieces else None)
+    )
     shards = [_block_data(p) for p in kept]
     offsets = [tuple(p.global_offset) for p in kept]
     return _from_local_shards(shards, offsets, shape, group, problem)
@@ -194,8 +205,15 @@ def _pieces_of(key: str, st: ShardedTensor, prepend_axis_num: int) -> list[Any]:
         data = shard.view(tuple(shard.shape[prepend_axis_num:]))
         out.append(
             mapping.ShardedTensor(
-                key, data, data.dtype, tuple(data.shape), tuple(layout.global_shape), tuple(block.offsets),
-                grid, _replica_id(layout, block, st.rank), prepend_axis_num,
+                key,
+                data,
+                data.dtype,
+                tuple(data.shape),
+                tuple(layout.global_shape),
+                tuple(block.offsets),
+                grid,
+                _replica_id(layout, block, st.rank),
+                prepend_axis_num,
             )
         )
     return out
@@ -277,7 +295,10 @@ def _adapter_for_load(value: Any) -> tuple[ShardedTensor, Any]:
 
 register_value_adapter(
     ValueAdapter(
-        "megatron-core", _matches, _for_save, _adapter_for_load,
+        "megatron-core",
+        _matches,
+        _for_save,
+        _adapter_for_load,
         hint="for Megatron's own nesting (pieces of one key in several entries), pass megatron=True",
     )
 )
@@ -312,8 +333,10 @@ def _split(value: Any) -> tuple[Any, Any]:
     tensors that are sharded (shardwise or Megatron) vs everything else."""
     if isinstance(value, Mapping):
         parts = {k: _split(v) for k, v in value.items()}
-        return ({k: s for k, (s, _) in parts.items() if s is not _NONE},
-                {k: c for k, (_, c) in parts.items() if c is not _NONE})
+        return (
+            {k: s for k, (s, _) in parts.items() if s is not _NONE},
+            {k: c for k, (_, c) in parts.items() if c is not _NONE},
+        )
     if isinstance(value, ShardedTensor) or _matches(value) or _is_mcore_object(value):
         return value, _NONE
     if isinstance(value, list) and value and all(_is_mcore_piece(v) for v in value):
@@ -338,11 +361,13 @@ def _holds_sharded(value: Any) -> bool:
     if not isinstance(value, (list, tuple)):
         return False
     return any(
-        isinstance(v, ShardedTensor) or _matches(v) or _is_mcore_object(v) or _holds_sharded(v)
+        isinstance(v, ShardedTensor)
+        or _matches(v)
+        or _is_mcore_object(v)
+        or _holds_sharded(v)
         or (isinstance(v, Mapping) and _split(v)[0])
         for v in value
     )
-
 
 
 def _sharded_entries(sharded: Any, prefix: str = "") -> dict[str, Any]:
@@ -378,7 +403,9 @@ def prepare_save(state_dict: Mapping[str, Any], group: Any = None) -> dict[str, 
     flat: dict[str, Any] = {k: v for k, v in entries.items() if not isinstance(k, tuple)}
     for key in sorted(shapes):  # the same order on every rank: one collective per key
         _refuse_clash(key, flat)
-        flat[key] = to_shardwise(mcore.get(key, []), replicas=False, global_shape=shapes[key], group=group)
+        flat[key] = to_shardwise(
+            mcore.get(key, []), replicas=False, global_shape=shapes[key], group=group
+        )
     for key, values in entries.items():  # ShardedObjects: this rank's, as Megatron stores them
         if isinstance(key, tuple) and key[0] == "object":
             flat[key[1]] = _serialized(values)
@@ -387,14 +414,20 @@ def prepare_save(state_dict: Mapping[str, Any], group: Any = None) -> dict[str, 
     return flat
 
 
-def _mcore_keys(entries: dict[Any, Any], group: Any) -> tuple[dict[str, list[Any]], dict[str, tuple[int, ...]]]:
+def _mcore_keys(
+    entries: dict[Any, Any], group: Any
+) -> tuple[dict[str, list[Any]], dict[str, tuple[int, ...]]]:
     """This rank's Megatron pieces by key, and every rank's keys with their global
     shapes (one exchange), so a rank holding nothing of a key still takes part."""
     import torch.distributed as dist
 
     from ..comm.agreement import exchange
 
-    mcore = {key[1]: pieces for key, pieces in entries.items() if isinstance(key, tuple) and key[0] == "mcore"}
+    mcore = {
+        key[1]: pieces
+        for key, pieces in entries.items()
+        if isinstance(key, tuple) and key[0] == "mcore"
+    }
     local = {k: tuple(p[0].global_shape) for k, p in mcore.items()}
     distributed = dist.is_available() and dist.is_initialized()
     everyone = exchange(None, local, group) if distributed else [local]
@@ -416,7 +449,9 @@ def _refuse_clash(key: str, flat: Mapping[str, Any]) -> None:
         raise ValueError(f"key '{key}' is both a shardwise tensor and a Megatron ShardedTensor key")
 
 
-def prepare_load(state_dict: Mapping[str, Any], group: Any = None) -> tuple[dict[str, Any], list[Any]]:
+def prepare_load(
+    state_dict: Mapping[str, Any], group: Any = None
+) -> tuple[dict[str, Any], list[Any]]:
     """The flat targets `swc.load(..., megatron=True)` hands to DCP, and the
     finishers to run after it. Collective.
 
@@ -461,8 +496,12 @@ def metadata_json_problem(path: Path) -> BaseException | None:
         same = json.loads(existing.read_text()) == _BACKEND
     except (OSError, ValueError):
         same = False
-    return None if same else FileExistsError(
-        f"{existing} exists and is not Megatron's torch_dist metadata: it would be overwritten"
+    return (
+        None
+        if same
+        else FileExistsError(
+            f"{existing} exists and is not Megatron's torch_dist metadata: it would be overwritten"
+        )
     )
 
 

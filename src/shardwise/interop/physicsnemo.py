@@ -25,7 +25,8 @@ imports it first (a ShardTensor in hand means it is loaded).
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -35,7 +36,14 @@ from ..errors import LayoutError, ShardMismatchError
 from ..layout import Block, Layout
 from ..layout.layout import mesh_coordinates
 from ..tensor import ShardedTensor
-from .dtensor import SHARD_TENSOR, Inspection, _base_meta, _mesh_position, convert_agreed, is_shard_tensor
+from .dtensor import (
+    SHARD_TENSOR,
+    Inspection,
+    _base_meta,
+    _mesh_position,
+    convert_agreed,
+    is_shard_tensor,
+)
 
 __all__ = ["from_shard_tensor", "to_shard_tensor"]
 
@@ -49,7 +57,6 @@ def from_shard_tensor(st: Any) -> ShardedTensor:
     ranks hold raise the same error on every rank, naming the faulty rank.
     """
     return convert_agreed(st, (SHARD_TENSOR,), "from_shard_tensor", SHARD_TENSOR)
-
 
 
 def _rank_at(coords: Sequence[int], extents: Sequence[int]) -> int:
@@ -90,10 +97,14 @@ def inspect_shard_tensor(st: Any) -> Inspection:
     sharded = _sharded_dims(spec.placements, len(shape))
     recorded = spec._sharding_shapes
     if sharded and recorded is None:
-        raise LayoutError("its ShardTensor records no sharding shapes (spec._sharding_shapes is None)")
+        raise LayoutError(
+            "its ShardTensor records no sharding shapes (spec._sharding_shapes is None)"
+        )
     held = tuple(local.shape)
     if len(held) != len(shape):
-        raise LayoutError(f"its local tensor is {len(held)}-d but the ShardTensor is {len(shape)}-d (ndim)")
+        raise LayoutError(
+            f"its local tensor is {len(held)}-d but the ShardTensor is {len(shape)}-d (ndim)"
+        )
     coords = mesh_coordinates(rank, mesh_shape)
     offsets, seen = [0] * len(shape), {}
     for m, d in sharded.items():
@@ -121,7 +132,9 @@ def inspect_shard_tensor(st: Any) -> Inspection:
 
     def finish(everyone: list[dict[str, Any]]) -> ShardedTensor:
         blocks = {
-            r: [Block(m["offsets"], m["held"])] for r, m in enumerate(everyone) if math.prod(m["held"])
+            r: [Block(m["offsets"], m["held"])]
+            for r, m in enumerate(everyone)
+            if math.prod(m["held"])
         }
         layout = Layout(shape, blocks, len(everyone))  # same data everywhere: raises alike
         shards = [local] if layout.blocks_of(rank) else []
@@ -143,15 +156,20 @@ def _recorded_vs_held(
                 coords[m] = k
                 q = _rank_at(coords, mesh_shape)
                 if everyone[q]["held"][d] != size and problems[r] is None:
-                    problems[r] = (LayoutError, (
-                        f"its ShardTensor records rank {q}'s piece as {size} along dimension {d} "
-                        f"but rank {q} holds {everyone[q]['held'][d]} (recorded sizes {sizes}); "
-                        f"its sharding shapes are stale or wrong"
-                    ))
+                    problems[r] = (
+                        LayoutError,
+                        (
+                            f"its ShardTensor records rank {q}'s piece as {size} along dimension {d} "
+                            f"but rank {q} holds {everyone[q]['held'][d]} (recorded sizes {sizes}); "
+                            f"its sharding shapes are stale or wrong"
+                        ),
+                    )
     return problems
 
 
-def _grid_sizes(layout: Layout, mesh_shape: tuple[int, ...], sharded: dict[int, int]) -> dict[int, list[int]]:
+def _grid_sizes(
+    layout: Layout, mesh_shape: tuple[int, ...], sharded: dict[int, int]
+) -> dict[int, list[int]]:
     """Per sharded mesh dimension, the piece sizes along its tensor dimension (0 where no rank
     at that coordinate holds anything)."""
     sizes = {m: [0] * mesh_shape[m] for m in sharded}
@@ -164,10 +182,14 @@ def _grid_sizes(layout: Layout, mesh_shape: tuple[int, ...], sharded: dict[int, 
     return sizes
 
 
-Sizes = dict[int, list[int]]  # per sharded mesh dimension, the piece sizes along its tensor dimension
+Sizes = dict[
+    int, list[int]
+]  # per sharded mesh dimension, the piece sizes along its tensor dimension
 
 
-def _cell(shape: tuple[int, ...], sharded: dict[int, int], sizes: Sizes, coords: Sequence[int]) -> Block:
+def _cell(
+    shape: tuple[int, ...], sharded: dict[int, int], sizes: Sizes, coords: Sequence[int]
+) -> Block:
     offsets, extent = [0] * len(shape), list(shape)
     for m, d in sharded.items():
         offsets[d], extent[d] = sum(sizes[m][: coords[m]]), sizes[m][coords[m]]
@@ -175,7 +197,10 @@ def _cell(shape: tuple[int, ...], sharded: dict[int, int], sizes: Sizes, coords:
 
 
 def _grid_layout(
-    shape: tuple[int, ...], mesh_shape: tuple[int, ...], sharded: dict[int, int], sizes: dict[int, list[int]]
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    sharded: dict[int, int],
+    sizes: dict[int, list[int]],
 ) -> Layout:
     blocks = {}
     for rank in range(math.prod(mesh_shape)):
@@ -185,7 +210,9 @@ def _grid_layout(
     return Layout(shape, blocks, math.prod(mesh_shape))
 
 
-def _expresses(layout: Layout, mesh_shape: tuple[int, ...], sharded: dict[int, int], sizes: Sizes) -> bool:
+def _expresses(
+    layout: Layout, mesh_shape: tuple[int, ...], sharded: dict[int, int], sizes: Sizes
+) -> bool:
     try:
         return _grid_layout(layout.global_shape, mesh_shape, sharded, sizes) == layout
     except (LayoutError, ValueError):  # sizes read off a non-grid layout: holes or overlaps
@@ -210,7 +237,9 @@ def to_shard_tensor(st: ShardedTensor, mesh: Any, placements: Sequence[Any]) -> 
             f"{st.layout_spec.world_size}"
         )
     if len(placements) != len(mesh_shape):
-        raise ValueError(f"{len(placements)} placements for a {len(mesh_shape)}-d mesh {mesh_shape}")
+        raise ValueError(
+            f"{len(placements)} placements for a {len(mesh_shape)}-d mesh {mesh_shape}"
+        )
     if mesh.device_type != st.device.type:
         raise ShardMismatchError(
             f"rank {rank}: the mesh is on {mesh.device_type} but the shards on {st.device.type}; "
@@ -225,17 +254,27 @@ def to_shard_tensor(st: ShardedTensor, mesh: Any, placements: Sequence[Any]) -> 
         )
     coords = mesh_coordinates(rank, mesh_shape)
     shards = st.local_shards()
-    local = shards[0] if shards else torch.empty(
-        _cell(shape, sharded, sizes, coords).sizes, dtype=st.dtype, device=st.device
+    local = (
+        shards[0]
+        if shards
+        else torch.empty(
+            _cell(shape, sharded, sizes, coords).sizes, dtype=st.dtype, device=st.device
+        )
     )
     sharding_shapes = {
-        m: [_neighbour(shape, sharded, sizes, coords, m, k) for k in range(mesh_shape[m])] for m in sharded
+        m: [_neighbour(shape, sharded, sizes, coords, m, k) for k in range(mesh_shape[m])]
+        for m in sharded
     }
     return ShardTensor.from_local(local, mesh, placements, sharding_shapes=sharding_shapes)
 
 
 def _neighbour(
-    shape: tuple[int, ...], sharded: dict[int, int], sizes: Sizes, coords: Sequence[int], m: int, k: int
+    shape: tuple[int, ...],
+    sharded: dict[int, int],
+    sizes: Sizes,
+    coords: Sequence[int],
+    m: int,
+    k: int,
 ) -> tuple[int, ...]:
     """The piece shape of the rank at `coords` moved to `k` along mesh dimension `m`
     (PhysicsNeMo's cross-section convention for sharding shapes)."""

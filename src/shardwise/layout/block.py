@@ -8,7 +8,7 @@ validation, transfer planning, DCP chunk lists, load planning) goes through
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 __all__ = ["Block"]
 
@@ -43,13 +43,9 @@ class Block:
         offsets = _int_tuple(offsets, "Block offsets")
         sizes = _int_tuple(sizes, "Block sizes")
         if len(offsets) != len(sizes):
-            raise ValueError(
-                f"Block offsets {offsets} and sizes {sizes} have different lengths"
-            )
+            raise ValueError(f"Block offsets {offsets} and sizes {sizes} have different lengths")
         if offsets and (min(offsets) < 0 or min(sizes) < 0):
-            raise ValueError(
-                f"Block offsets {offsets} and sizes {sizes} must be non-negative"
-            )
+            raise ValueError(f"Block offsets {offsets} and sizes {sizes} must be non-negative")
         init = object.__setattr__
         init(self, "offsets", offsets)
         init(self, "sizes", sizes)
@@ -91,9 +87,7 @@ class Block:
         shares none with anything.
         """
         if other.ndim != self.ndim:
-            raise ValueError(
-                f"cannot intersect a {self.ndim}-d block with a {other.ndim}-d block"
-            )
+            raise ValueError(f"cannot intersect a {self.ndim}-d block with a {other.ndim}-d block")
         offsets = []
         sizes = []
         for a0, an, b0, bn in zip(self.offsets, self.sizes, other.offsets, other.sizes):
@@ -120,9 +114,7 @@ class Block:
         """This block in the local coordinates of `outer`, which must contain it."""
         if not outer.contains(self):
             raise ValueError(f"{self} is not inside {outer}")
-        return Block(
-            tuple(o - p for o, p in zip(self.offsets, outer.offsets)), self.sizes
-        )
+        return Block(tuple(o - p for o, p in zip(self.offsets, outer.offsets)), self.sizes)
 
     def slices(self) -> tuple[slice, ...]:
         """Index a tensor with these slices to get the block's elements."""

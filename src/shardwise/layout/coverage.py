@@ -17,10 +17,10 @@ Two exact methods answer them:
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left, bisect_right
 import math
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 

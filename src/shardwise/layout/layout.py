@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping, Sequence
 from itertools import accumulate, chain, product
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ..errors import LayoutError
 from .block import Block
@@ -78,9 +79,7 @@ class Layout:
         if world_size is None:
             world_size = max_rank + 1
         if max_rank >= world_size:
-            raise LayoutError(
-                f"rank {max_rank} holds blocks but the world size is {world_size}"
-            )
+            raise LayoutError(f"rank {max_rank} holds blocks but the world size is {world_size}")
         self._shape = shape
         self._blocks: tuple[tuple[Block, ...], ...] = tuple(
             tuple(blocks.get(rank, ())) for rank in range(world_size)

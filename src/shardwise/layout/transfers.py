@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Sequence
 
 import torch
 
@@ -61,7 +61,10 @@ class BlockIndex:
         ndim = blocks[0].ndim if blocks else 0
         if ndim == 0:
             return
-        cuts = [sorted({b.offsets[d] for b in blocks} | {b.ends[d] for b in blocks}) for d in range(ndim)]
+        cuts = [
+            sorted({b.offsets[d] for b in blocks} | {b.ends[d] for b in blocks})
+            for d in range(ndim)
+        ]
         if math.prod(len(c) - 1 for c in cuts) <= self._MAX_CELLS:
             self._cuts = cuts
             cells = torch.full([len(c) - 1 for c in cuts], -1, dtype=torch.int32)
@@ -90,7 +93,11 @@ class BlockIndex:
         if self._cells is not None:
             window = self._cells[self._cell_slices(box)]
             # small windows (the common case) dedupe faster in Python than in torch.unique
-            ids = dict.fromkeys(window.flatten().tolist()) if window.numel() <= 256 else torch.unique(window).tolist()
+            ids = (
+                dict.fromkeys(window.flatten().tolist())
+                if window.numel() <= 256
+                else torch.unique(window).tolist()
+            )
             candidates = [self._blocks[i] for i in ids if i >= 0]
         else:
             d = self._dim
@@ -115,8 +122,7 @@ def plan_transfers(src: Layout, dst: Layout) -> list[Transfer]:
     """
     if src.global_shape != dst.global_shape:
         raise LayoutError(
-            f"cannot plan transfers between global shapes {src.global_shape} "
-            f"and {dst.global_shape}"
+            f"cannot plan transfers between global shapes {src.global_shape} and {dst.global_shape}"
         )
     # Where each distinct source block lives: rank -> index in that rank's list.
     where: dict[Block, dict[int, int]] = {}
@@ -143,9 +149,7 @@ def plan_transfers(src: Layout, dst: Layout) -> list[Transfer]:
                     # least loaded; ties broken by distance from dst_rank to spread reads
                     src_rank = min(holders, key=lambda r: (load[r], (r - dst_rank) % n))
                     load[src_rank] += region.numel
-                transfers.append(
-                    Transfer(src_rank, holders[src_rank], dst_rank, dst_index, region)
-                )
+                transfers.append(Transfer(src_rank, holders[src_rank], dst_rank, dst_index, region))
                 found += region.numel
             if found != dst_block.numel:
                 raise LayoutError(
