@@ -10,7 +10,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.shardwise-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint bench clean
 
 CLIENTS := $(VENV)/.shardwise-clients-installed
 
@@ -33,6 +33,12 @@ demo: $(STAMP)
 
 test: $(CLIENTS)
 	$(PY) -m pytest tests
+
+# Lint and types on the package (CI runs this before the tests).
+lint: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff format --check src tests benchmarks
+	$(PY) -m mypy
 
 bench: $(STAMP)
 	$(PY) -m shardwise bench layout

@@ -43,23 +43,26 @@ def crashes(folder: Path, rounds: int) -> None:
                     tried += 1
                     lost += o.lost_previous
                     foreign += len(o.foreign_lost)
-                    states[o.new_state] += 1
-                    if not o.ok:
+                    states[f"{o.target}: {o.new_state}"] += 1
+                    if not o.ok or o.new_state not in chaos.expected_states(point, overwrite):
                         bad.append(o)
-        o = chaos.crash_save(
-            folder, rng.choice(["mid-data", "after-data", "before-commit"]), use_async=True
-        )
+        point = rng.choice(["mid-data", "after-data", "before-commit"])
+        o = chaos.crash_save(folder, point, use_async=True)
         tried += 1
         lost += o.lost_previous
+        foreign += len(o.foreign_lost)
         states[f"async: {o.new_state}"] += 1
+        if not o.ok or o.new_state not in chaos.expected_states(point, False):
+            bad.append(o)
     print(
-        f"crashes: {tried} kills tried (SIGKILL of one or all ranks at {len(chaos.CRASH_POINTS)} points, "
-        f"overwrites, async saves; every folder also holds 3 user files), {lost} checkpoints lost, "
+        f"crashes: {tried} kills tried (SIGKILL of one or all ranks at "
+        f"{len(chaos.CRASH_POINTS)} points, overwrites, async saves; every folder also holds "
+        f"{len(chaos.FOREIGN_FILES)} user files), {lost} checkpoints lost, "
         f"{foreign} user files lost, {hung} hung, {len(bad)} other failures "
         f"({time.monotonic() - start:.0f}s)"
     )
     print(
-        "  state of the interrupted save's path: "
+        "  state of the interrupted save's path, as loading it found: "
         + ", ".join(f"{k} {v}" for k, v in sorted(states.items()))
     )
     for o in bad:
@@ -108,7 +111,8 @@ def bad_input(folder: Path) -> None:
     print(f"bad input on ONE rank: {len(CASES)} cases, 2 ranks each")
     print(f"  {'entry point':<18} {'what is wrong':<52} {'error on every rank':<28} {'s':>5}")
     ok = 0
-    for name, (entry, what, _) in CASES.items():
+    for name, case in CASES.items():
+        entry, what = case.entry, case.what
         start = time.monotonic()
         try:
             results = run_ranks(run_case, 2, name, str(folder), timeout=30)

@@ -16,6 +16,8 @@ from shardwise import Layout, ShardedTensor
 from shardwise.cli import main
 from shardwise.testing import run_ranks
 
+pytestmark = pytest.mark.spawned  # the demo and checkpoint commands run ranks
+
 FULL = {
     "emb.weight": torch.arange(600, dtype=torch.float32).reshape(60, 10),
     "dense.bias": torch.linspace(-1, 1, 7).to(torch.bfloat16),
@@ -107,7 +109,7 @@ def test_convert_splits_large_outputs_with_an_index(ckpt, tmp_path):
     )
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
-    assert len(files) >= 2 and files[0].startswith("model-00001-of-")
+    assert len(files) == 2 and files[0].startswith("model-00001-of-")
     merged = {}
     for f in files:
         merged.update(load_file(str(tmp_path / f)))
@@ -218,3 +220,62 @@ def test_help_has_an_example(command, capsys):
         main([command, "--help"])
     assert info.value.code == 0
     assert "example" in capsys.readouterr().out
+
+
+# -- exit codes: 0 success, 1 the command failed, 2 usage error -------------------------
+
+USAGE_ERRORS = {
+    "no command": [],
+    "unknown command": ["nope"],
+    "missing argument": ["inspect"],
+    "invalid choice": ["convert", "a", "b", "--format", "zip"],
+    "not an int": ["reshard", "a", "b", "--world-size", "many"],
+    "unknown option": ["verify", "x", "--fast"],
+}
+
+
+@pytest.mark.parametrize("case", USAGE_ERRORS)
+def test_usage_errors_exit_2_with_usage(case, capsys):
+    assert main(USAGE_ERRORS[case]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("usage: shardwise")
+    assert err[-1].startswith("shardwise") and ": error: " in err[-1]
+
+
+def test_a_missing_checkpoint_folder_exits_1_with_one_line(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"shardwise inspect: error: no checkpoint at {tmp_path / 'missing'}"]
+
+
+def test_success_exits_0(ckpt, capsys):
+    assert main(["inspect", str(ckpt)]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_an_unexpected_exception_exits_1_naming_its_type(ckpt, capsys, monkeypatch):
+    def boom(args):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr("shardwise.cli.inspect.main", boom)
+    assert main(["inspect", str(ckpt)]) == 1
+    assert capsys.readouterr().err == "shardwise inspect: error: RuntimeError: boom\n"
+
+
+def test_help_documents_the_exit_codes(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "exit status:" in out
+    assert "0  success" in out and "1  the command failed" in out and "2  usage error" in out
+
+
+def test_the_console_entry_point_exits_with_mains_code(monkeypatch, capsys):
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="shardwise")
+    monkeypatch.setattr("sys.argv", ["shardwise", "nope"])
+    with pytest.raises(SystemExit) as info:
+        script.load()()
+    assert info.value.code == 2

@@ -15,6 +15,8 @@ import shardwise as sw
 from shardwise import Layout
 from shardwise.testing import run_ranks
 
+pytestmark = pytest.mark.spawned
+
 SHAPE = (7, 6)
 
 

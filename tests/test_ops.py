@@ -169,11 +169,26 @@ def test_register_op():
         assert x.sum() == 15  # rank 0 holds 3 rows of 5
         assert calls == [((), {})]
     finally:
-        from shardwise.ops import _USER_HANDLERS
-
-        _USER_HANDLERS.pop(torch.ops.aten.sum.default)
+        sw.unregister_op(torch.ops.aten.sum.default)
     with pytest.raises(TypeError, match="OpOverload"):
         sw.register_op(torch.add, local_sum)
+
+
+def test_unregister_op_restores_the_built_in_behaviour():
+    x = each_rank(LAYOUTS["row-uneven-empty"], torch.ones(7, 5))[0]
+    sum_op, add_op = torch.ops.aten.sum.default, torch.ops.aten.add.Tensor
+    sw.register_op(sum_op, lambda t: torch.tensor(-1.0))
+    sw.register_op(add_op, lambda a, b: torch.tensor(-2.0))  # overrides the pointwise handler
+    try:
+        assert x.sum() == -1 and (x + x) == -2
+    finally:
+        sw.unregister_op(sum_op)
+        sw.unregister_op(add_op)
+    with pytest.raises(NotImplementedError, match="register_op"):
+        x.sum()
+    assert_matches([x + x], torch.full((7, 5), 2.0))
+    with pytest.raises(KeyError, match=r"aten\.sum\.default"):
+        sw.unregister_op(sum_op)
 
 
 def test_autograd_through_local_ops():

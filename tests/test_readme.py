@@ -7,6 +7,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.spawned
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 

@@ -7,8 +7,7 @@ import pickle
 import pytest
 import torch
 
-import shardwise as sw
-from shardwise import Block, Layout, ShardedTensor, ShardMismatchError
+from shardwise import Layout, ShardedTensor, ShardMismatchError
 from shardwise.testing import shard_of
 
 COLUMNS = Layout.column_wise((6, 8), [2, 2, 2, 2], ranks=[0, 1, 0, 1], world_size=3)
@@ -145,30 +144,3 @@ def test_deepcopy_and_parameter():
 def test_repr_names_layout():
     text = repr(make(COLUMNS, torch.zeros(6, 8), 0))
     assert "ShardedTensor(shape=(6, 8)" in text and "rank=0" in text
-
-
-def test_public_surface_is_pinned():
-    assert sw.__all__ == sorted(sw.__all__)
-    assert set(sw.__all__) == {
-        "Block",
-        "CorruptCheckpointError",
-        "IncompleteCheckpointError",
-        "Layout",
-        "LayoutError",
-        "ShardMismatchError",
-        "ShardedTensor",
-        "ShardwiseError",
-        "Transfer",
-        "__version__",
-        "distribute",
-        "equal",
-        "from_dtensor",
-        "from_local",
-        "from_shard_tensor",
-        "from_torch_sharded_tensor",
-        "plan_transfers",
-        "register_op",
-        "to_dtensor",
-    }
-    assert issubclass(sw.LayoutError, ValueError) and issubclass(sw.LayoutError, sw.ShardwiseError)
-    assert Block is sw.layout.Block

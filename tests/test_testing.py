@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from shardwise.testing import RanksFailed, free_port, run_ranks
 
+pytestmark = pytest.mark.spawned
+
 
 def _all_reduce(rank: int, world_size: int, x: int) -> int:
     t = torch.tensor([rank * x])

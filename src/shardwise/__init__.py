@@ -5,23 +5,31 @@ The public surface is what `__all__` lists; everything else is internal.
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
+
 from .comm import distribute, equal, from_local
 from .errors import (
+    CheckpointMismatchError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     LayoutError,
     ShardMismatchError,
     ShardwiseError,
+    UnsafeMetadataError,
 )
-from .interop import from_dtensor, from_shard_tensor, from_torch_sharded_tensor, to_dtensor
+from .interop import from_dtensor, from_shard_tensor, from_torch_sharded_tensor
 from .layout import Block, Layout, Transfer, plan_transfers
-from .ops import register_op
+from .ops import register_op, unregister_op
 from .tensor import ShardedTensor
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("shardwise")
+except PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "Block",
+    "CheckpointMismatchError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "Layout",
@@ -30,6 +38,7 @@ __all__ = [
     "ShardedTensor",
     "ShardwiseError",
     "Transfer",
+    "UnsafeMetadataError",
     "__version__",
     "distribute",
     "equal",
@@ -39,5 +48,5 @@ __all__ = [
     "from_torch_sharded_tensor",
     "plan_transfers",
     "register_op",
-    "to_dtensor",
+    "unregister_op",
 ]

@@ -1,16 +1,29 @@
-"""Every exception shardwise raises, in one place.
+"""Every exception shardwise raises on purpose, in one place.
 
 Hierarchy::
 
-    ShardwiseError                      base of everything below
-    ├── LayoutError (ValueError)        a block or layout breaks a geometric rule
-    ├── ShardMismatchError (ValueError) local shards disagree with their layout
-    ├── CheckpointMismatchError (ValueError) state dict and checkpoint disagree (keys, shapes, dtypes)
-    ├── CorruptCheckpointError          stored bytes fail their checksum
-    └── IncompleteCheckpointError       a checkpoint whose commit never finished
+    ShardwiseError                  base of everything below
+    ├── LayoutError                 (ValueError) a block or layout breaks a geometric rule
+    ├── ShardMismatchError          (ValueError) local shards disagree with their layout
+    ├── CheckpointMismatchError     (ValueError) state dict and checkpoint disagree:
+    │                                            keys, shapes, dtypes
+    ├── CorruptCheckpointError      (OSError) stored bytes fail their checksum
+    ├── IncompleteCheckpointError   (OSError) a checkpoint whose commit never finished
+    └── UnsafeMetadataError         (pickle.UnpicklingError) a stock `.metadata` pickle
+                                                 names a global DCP writers never store
 
-Subclassing the builtin that a caller would naturally catch (``ValueError`` for
-bad geometry) keeps ``except ValueError`` working for code that predates us.
+`except shardwise.ShardwiseError` catches every failure of shardwise's own rules
+and of the data it reads. Subclassing the builtin that a caller would naturally
+catch (``ValueError`` for bad geometry, ``OSError`` for damaged files,
+``pickle.UnpicklingError`` for a refused pickle) keeps ``except ValueError`` and
+friends working for code that predates the tree.
+
+Left as builtins on purpose, as httpx does (``TypeError: Invalid type for url``)
+and as every mapping does: ``TypeError`` for an argument of the wrong type,
+``KeyError`` / ``IndexError`` for a lookup that misses (a checkpoint key, a rank,
+an op that `unregister_op` does not know), ``AttributeError`` for writing to a
+frozen value. Those report a bug in the calling code, which ``except
+ShardwiseError`` should not swallow.
 
 The two checkpoint-damage errors carry ``problems``: every problem found, one
 line each (``verify`` lists them all; elsewhere it is the message alone).
@@ -18,6 +31,7 @@ line each (``verify`` lists them all; elsewhere it is the message alone).
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 
 __all__ = [
@@ -27,6 +41,7 @@ __all__ = [
     "LayoutError",
     "ShardMismatchError",
     "ShardwiseError",
+    "UnsafeMetadataError",
 ]
 
 
@@ -62,3 +77,10 @@ class CorruptCheckpointError(_ListsProblems, ShardwiseError, OSError):
 
 class IncompleteCheckpointError(_ListsProblems, ShardwiseError, OSError):
     """A checkpoint directory whose save never committed (no manifest)."""
+
+
+class UnsafeMetadataError(ShardwiseError, pickle.UnpicklingError):
+    """A stock DCP `.metadata` pickle names a global, or does something, DCP writers never do.
+
+    Raised before the refused global is looked up, so nothing in the file ran.
+    """

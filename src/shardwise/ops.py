@@ -1,7 +1,7 @@
 """How aten ops run on a `ShardedTensor`: shard by shard, never on the whole.
 
 Three sources of handlers, consulted in order:
-1. the user registry (`register_op`), so a user can override anything;
+1. the user registry (`register_op` / `unregister_op`), so a user can override anything;
 2. the built-in table below (copies, views, factories, equality);
 3. every op tagged `torch.Tag.pointwise`, applied to matching shards.
 Anything else raises `NotImplementedError` naming the op.
@@ -17,8 +17,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .errors import LayoutError
 from .tensor import ShardedTensor
+from .tensor.provided import provide
 
-__all__ = ["dispatch", "register_op"]
+__all__ = ["register_op", "unregister_op"]
 
 aten = torch.ops.aten
 Handler = Callable[..., Any]
@@ -34,6 +35,19 @@ def register_op(op: torch._ops.OpOverload, handler: Handler) -> None:
             f"register_op needs an OpOverload such as torch.ops.aten.sum.default, got {op!r}"
         )
     _USER_HANDLERS[op] = handler
+
+
+def unregister_op(op: torch._ops.OpOverload) -> None:
+    """Remove the handler `register_op` installed for `op`; built-in handling applies again.
+
+    Raises `KeyError` naming `op` when no handler is registered for it.
+    """
+    try:
+        del _USER_HANDLERS[op]
+    except KeyError:
+        raise KeyError(
+            f"no handler registered for {op}; register_op({op}, handler) installs one"
+        ) from None
 
 
 def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -298,3 +312,6 @@ def _wait_tensor(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
     for shard in args[0].local_shards():
         func(shard)
     return args[0]
+
+
+provide(dispatch=dispatch)

@@ -62,7 +62,7 @@ class RanksFailed(Exception):
         super().__init__("; ".join(lines) + "\n" + detail)
 
 
-def _context() -> mp.context.BaseContext:
+def _context() -> mp.context.ForkServerContext:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "shardwise"])
     return ctx

@@ -16,6 +16,8 @@ from shardwise.checkpoint.adapters import (
     unregister_value_adapter,
 )
 
+pytestmark = pytest.mark.spawned
+
 
 class Holder:
     """A wrapper that, like Megatron's, reports a placeholder dtype and keeps its data apart."""

@@ -18,6 +18,8 @@ import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
 from shardwise.testing import run_ranks, shard_of
 
+pytestmark = pytest.mark.spawned
+
 SHAPE = (64, 32)
 
 
@@ -39,8 +41,8 @@ def save_state(rank: int, world: int) -> dict:
         "half": Layout.table_wise((6, 4), 1, 2),  # rank 0 holds nothing
     }
     state = {
-        k: ShardedTensor.from_layout(l, shard_of(full[k], l, rank), dtype=full[k].dtype)
-        for k, l in layouts.items()
+        k: ShardedTensor.from_layout(lay, shard_of(full[k], lay, rank), dtype=full[k].dtype)
+        for k, lay in layouts.items()
     }
     state["bias"] = full["bias"].clone()  # plain tensor: replicated, written once
     state["extra"] = {"step": 100, "names": ["a", "b"]}
@@ -54,7 +56,7 @@ def load_state(rank: int, world: int) -> dict:
         "grid": Layout.chunked((12, 10, 3), 0, world),
         "half": Layout.replicated((6, 4), world),
     }
-    state = {k: ShardedTensor.full(l, 0, dtype=full[k].dtype) for k, l in layouts.items()}
+    state = {k: ShardedTensor.full(lay, 0, dtype=full[k].dtype) for k, lay in layouts.items()}
     state["bias"] = torch.zeros(32)
     state["extra"] = {"step": 0, "names": []}
     return state
@@ -390,25 +392,38 @@ def test_hostile_manifest_fields(saved, tmp_path, field, value):
         swc.load(_full_targets(), bad)
 
 
-def _load_corrupt(rank: int, world: int, path: str) -> str:
-    try:
-        swc.load(load_state(rank, world), path)
-    except Exception as e:
-        return type(e).__name__
-    return "no error"
+def _load_corrupt(rank: int, world: int, path: str) -> tuple[str, list]:
+    """Load with emb split by rows (rank 0: rows 0..32, rank 1: rows 32..64); return the
+    error and every (file, start, end) byte range this rank read."""
+    from tests.reliability.reads import data_reads
+
+    state = load_state(rank, world)
+    state["emb"] = ShardedTensor.zeros(Layout.chunked(SHAPE, 0, world))
+    with data_reads() as reads:
+        try:
+            swc.load(state, path)
+        except Exception as e:
+            return type(e).__name__, reads
+    return "no error", reads
 
 
 def test_corruption_found_by_one_rank_raises_on_every_rank(saved, tmp_path):
+    from tests.reliability.reads import touches
+
     bad = _copy(saved, tmp_path / "bad2")
     manifest = json.loads((bad / "shardwise.json").read_text())
-    # grid's second chunk (columns 5..10) is read by every rank of a row split;
-    # emb rows 40..64 only by the ranks holding them: corrupt that one
+    # emb was saved as rows 0..40 | 40..64: corrupt the second chunk. Row-split targets
+    # (rows 0..32 | 32..64) make rank 1 alone need it (column-wise ones would make both).
     chunk = next(c for c in manifest["tensors"]["emb"]["chunks"] if c["offsets"] == [40, 0])
     with open(bad / chunk["file"], "r+b") as f:
         f.seek(chunk["payload"][0] + 8)
         f.write(b"\x00\x01\x02\x03")
-    # 2 ranks, column-wise targets: both read rows 40..64, so make one rank not read it:
-    assert run_ranks(_load_corrupt, 2, str(bad), timeout=60) == ["CorruptCheckpointError"] * 2
+    results = run_ranks(_load_corrupt, 2, str(bad), timeout=60)
+    assert [kind for kind, _ in results] == ["CorruptCheckpointError"] * 2, results
+    readers = [
+        r for r, (_, reads) in enumerate(results) if touches(reads, chunk["file"], *chunk["record"])
+    ]
+    assert readers == [1], (chunk, results)  # only rank 1 read any byte of that chunk
 
 
 def _async(rank: int, world: int, folder: str) -> list[str]:

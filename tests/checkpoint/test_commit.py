@@ -14,8 +14,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.commit import RecordNames, collect, referenced_files
+from shardwise.checkpoint.commit import (
+    RecordNames,
+    collect,
+    in_the_way,
+    referenced_files,
+    write_atomically,
+)
 from shardwise.testing import run_ranks
+
+pytestmark = pytest.mark.spawned
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -147,3 +155,30 @@ def test_verify_checks_compressed_chunks(tmp_path):
     with pytest.raises(swc.CorruptCheckpointError, match="'x'") as e:
         swc.verify(folder)
     assert len(e.value.problems) == 1
+
+
+def test_write_atomically_leaves_the_old_file_or_the_new_one(tmp_path):
+    path = tmp_path / "record"
+    path.write_bytes(b"old")
+
+    def fails(fd: int) -> None:
+        os.write(fd, b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_atomically(path, fails)
+    assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["record"]
+    write_atomically(path, lambda fd: os.write(fd, b"new"))
+    assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["record"]
+
+
+def test_only_a_checkpoint_or_a_file_is_in_the_way(tmp_path):
+    assert in_the_way(tmp_path / "missing") is None
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not a checkpoint")
+    assert in_the_way(tmp_path / "other") is None
+    swc.save(_state(1), tmp_path / "ckpt")
+    assert "pass overwrite=True" in (in_the_way(tmp_path / "ckpt") or "")
+    (tmp_path / "model.pt").write_bytes(b"")
+    assert in_the_way(tmp_path / "model.pt") is None
+    assert "pass overwrite=True" in (in_the_way(tmp_path / "model.pt", files=True) or "")

@@ -22,6 +22,8 @@ from shardwise import Layout, ShardedTensor
 from shardwise.checkpoint.commit import referenced_files
 from shardwise.testing import run_ranks, shard_of
 
+pytestmark = pytest.mark.spawned
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 FOREIGN = {"notes.txt": b"keep me\n", "model.pt": b"\x00\x01" * 100, "__0_0.distcp.bak": b"mine"}

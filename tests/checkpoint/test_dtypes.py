@@ -18,7 +18,8 @@ import torch.distributed.checkpoint as dcp
 
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
-from shardwise.checkpoint.records import read_record_layout, tensor_record
+from shardwise.checkpoint.record_read import read_record_layout
+from shardwise.checkpoint.record_write import tensor_record
 from tests.checkpoint.test_records import saved_record
 
 V3 = torch.storage._new_dtypes()

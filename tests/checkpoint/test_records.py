@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 import shardwise as sw
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.records import _read_via_directory, read_record_layout
+from shardwise.checkpoint.record_read import _read_via_directory, read_record_layout
 from shardwise.checkpoint.safe_pickle import UnsafeMetadataError, load_metadata
 
 TENSORS = {

@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from shardwise.checkpoint.safe_pickle import UnsafeMetadataError, load_metadata
+from shardwise import ShardwiseError, UnsafeMetadataError
+from shardwise.checkpoint.safe_pickle import load_metadata
 
 PROTOCOLS = [2, 4, 5]
 
@@ -198,3 +199,9 @@ def test_the_refusal_says_what_and_where():
         pickle.UnpicklingError, match="refused global posix.system in the checkpoint metadata"
     ):
         load_metadata(io.BytesIO(pickle.dumps(_Reduce(os.system, "true"))))
+
+
+def test_the_refusal_is_a_shardwise_error():
+    with pytest.raises(ShardwiseError) as info:
+        load_metadata(io.BytesIO(pickle.dumps(_Reduce(os.system, "true"))))
+    assert type(info.value) is UnsafeMetadataError

@@ -22,6 +22,8 @@ import shardwise.checkpoint as swc  # noqa: E402
 from shardwise import Block, Layout  # noqa: E402
 from shardwise.testing import run_ranks  # noqa: E402
 
+pytestmark = pytest.mark.spawned
+
 SHAPES = {
     "tp.weight": (8, 6),
     "layers.weight": (4, 3, 5),
@@ -172,9 +174,7 @@ def _swc_load_then_save_for_megatron(rank: int, ws: int, path: str, out: str) ->
     targets = _targets(rank, ws)
     swc.load(targets, path, strict=True)  # Megatron's common_state / extra objects do not count
     wrong = _wrong(targets)
-    from shardwise.interop.megatron import save_for_megatron
-
-    save_for_megatron({**targets, **COMMON}, out)
+    swc.save({**targets, **COMMON}, out, megatron=True)
     return wrong
 
 
@@ -285,7 +285,7 @@ def test_megatron_checkpoint_offline(megatron_ckpt: str) -> None:
         swc.read_tensor(megatron_ckpt, "layers.weight", region),
         full("layers.weight")[region.slices()],
     )
-    from shardwise.interop.megatron import read_common_state
+    from shardwise.checkpoint.megatron import read_common_state
 
     assert read_common_state(megatron_ckpt) == COMMON
 
@@ -326,7 +326,7 @@ def test_megatron_objects_through_swc_load_and_save(megatron_ckpt: str, tmp_path
         }, rank
     for key in SHAPES:  # Megatron's pieces saved by swc: main replicas only, every key whole
         assert torch.equal(swc.read_tensor(out, key), full(key)), key
-    from shardwise.interop.megatron import read_common_state
+    from shardwise.checkpoint.megatron import read_common_state
 
     assert read_common_state(out)["iteration"] == 7
     # and Megatron's own load opens it, into another layout, common state included
@@ -366,7 +366,7 @@ def test_megatron_save_keeps_a_foreign_metadata_json_and_writes_its_own(tmp_path
         "sharded_backend_version": 1,
     }
     assert torch.equal(swc.read_tensor(fresh, "w"), torch.arange(8.0).reshape(4, 2))
-    from shardwise.interop.megatron import read_common_state
+    from shardwise.checkpoint.megatron import read_common_state
 
     assert read_common_state(fresh) == {"step": 3}
 

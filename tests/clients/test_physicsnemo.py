@@ -13,6 +13,7 @@ from tests.clients.conftest import require
 
 pn = require("physicsnemo.domain_parallel")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -21,6 +22,8 @@ import shardwise as sw  # noqa: E402
 import shardwise.checkpoint as swc  # noqa: E402
 from shardwise import Layout  # noqa: E402
 from shardwise.testing import run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.spawned
 
 SHAPE = (7, 6)
 

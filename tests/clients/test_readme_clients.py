@@ -8,7 +8,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.clients.conftest import require
+
+pytestmark = pytest.mark.spawned
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 SECTION = re.search(

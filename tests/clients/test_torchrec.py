@@ -40,6 +40,8 @@ import torch  # noqa: E402
 from shardwise.testing import run_ranks  # noqa: E402
 from tests.clients import torchrec_harness as h  # noqa: E402
 
+pytestmark = pytest.mark.spawned
+
 TIMEOUT = 180.0
 # 7 model tensors (5 tables + dense weight/bias), 5 fused momenta, 6 dense Adam states
 N_TENSORS = 18

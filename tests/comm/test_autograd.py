@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import shardwise as sw
 from shardwise import Layout
 from shardwise.testing import run_ranks
+
+pytestmark = pytest.mark.spawned
 
 SHAPE = (7, 4)
 

@@ -11,6 +11,8 @@ from shardwise import Block, Layout, ShardedTensor
 from shardwise.testing import run_ranks, shard_of
 from tests.comm.refusal import refuse
 
+pytestmark = pytest.mark.spawned
+
 SHAPE = (9, 8)
 
 

@@ -15,6 +15,8 @@ from shardwise import Block, Layout
 from shardwise.testing import run_ranks
 from tests.comm.refusal import refuse
 
+pytestmark = pytest.mark.spawned
+
 WORLD = 3
 SHAPE = (9, 4)
 ROWS = Layout.row_wise(SHAPE, [3, 3, 3])

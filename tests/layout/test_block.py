@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 
-from shardwise import Block
+from shardwise import Block, LayoutError
 
 
 def test_value_semantics():
@@ -60,3 +60,24 @@ def test_contains_and_relative():
 def test_bad_blocks(offsets, sizes, error):
     with pytest.raises(error):
         Block(offsets, sizes)
+
+
+@pytest.mark.parametrize(
+    "offsets, sizes, words",
+    [
+        pytest.param((0,), (1, 2), ["(0,)", "(1, 2)", "ndim"], id="lengths differ"),
+        pytest.param((-1, 0), (2, 2), ["(-1, 0)", "offsets must be non-negative"], id="offset<0"),
+        pytest.param((0, 0), (2, -2), ["(2, -2)", "sizes must be non-negative"], id="size<0"),
+    ],
+)
+def test_bad_blocks_raise_layout_error_saying_why(offsets, sizes, words):
+    with pytest.raises(LayoutError) as info:
+        Block(offsets, sizes)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_mismatched_block_geometry_is_a_layout_error():
+    with pytest.raises(LayoutError, match="2-d block.*1-d block.*ndim"):
+        Block((0, 0), (2, 2)).intersect(Block((0,), (2,)))
+    with pytest.raises(LayoutError, match="not inside"):
+        Block((0, 0), (4, 4)).relative_to(Block((1, 1), (2, 2)))

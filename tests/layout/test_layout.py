@@ -3,6 +3,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -176,6 +177,31 @@ def test_row_and_column_wise():
         Layout.row_wise((10, 4), [3, 3])
     with pytest.raises(ValueError, match="add up"):
         Layout.column_wise((10, 4), [3, 3])
+
+
+BAD_BUILDS = {
+    "row_wise short": (lambda: Layout.row_wise((10, 4), [3, 3]), "add up to 6"),
+    "row_wise negative": (lambda: Layout.row_wise((10, 4), [12, -2]), "non-negative"),
+    "row_wise 0-d": (lambda: Layout.row_wise((), []), "at least 1 dimension"),
+    "column_wise long": (lambda: Layout.column_wise((10, 4), [3, 3]), "add up to 6"),
+    "column_wise negative": (lambda: Layout.column_wise((10, 4), [-1, 5]), "non-negative"),
+    "column_wise 1-d": (lambda: Layout.column_wise((10,), [10]), "use row_wise"),
+    "ranks per block": (lambda: Layout.row_wise((4,), [2, 2], ranks=[0]), "one rank per block"),
+    "chunked no parts": (lambda: Layout.chunked((4,), 0, 0), "must be positive"),
+    "chunked bad dim": (lambda: Layout.chunked((4, 4), 2, 2), "dimension 2 is out of range"),
+    "grid entries": (lambda: Layout.grid((4, 4), (2,)), "one entry per dimension"),
+    "grid size lists": (lambda: Layout.grid((4, 4), (2, 2), sizes=[[2, 2]]), "one list per"),
+    "grid part count": (lambda: Layout.grid((4, 4), (2, 2), [[2, 2], [4]]), "one size per part"),
+    "grid sizes sum": (lambda: Layout.grid((4, 4), (2, 2), [[2, 2], [1, 2]]), "add up to 3"),
+    "table_wise rank": (lambda: Layout.table_wise((4,), rank=2, world_size=2), "range(2)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_BUILDS, ids=list(BAD_BUILDS))
+def test_builders_raise_layout_error_saying_why(case):
+    build, words = BAD_BUILDS[case]
+    with pytest.raises(LayoutError, match=re.escape(words)):
+        build()
 
 
 def test_grid_is_row_major_with_sizes():

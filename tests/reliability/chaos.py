@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "ALLOWED_STATES",
     "COORDINATOR_POINTS",
     "CORRUPTIONS",
     "CRASH_POINTS",
@@ -26,7 +27,9 @@ __all__ = [
     "CorruptionOutcome",
     "corrupt_and_load",
     "crash_save",
+    "expected_states",
     "make_state",
+    "observe",
     "reference_tensors",
 ]
 
@@ -66,7 +69,8 @@ def make_state(rank: int, world: int, seed: int) -> dict[str, Any]:
         "dense": Layout.chunked(SHAPES["dense"], 1, world),
     }
     state: dict[str, Any] = {
-        k: ShardedTensor.from_layout(l, shard_of(full[k], l, rank)) for k, l in layouts.items()
+        k: ShardedTensor.from_layout(lay, shard_of(full[k], lay, rank))
+        for k, lay in layouts.items()
     }
     state["bias"] = full["bias"].clone()
     state["meta"] = {"seed": seed}
@@ -87,6 +91,32 @@ def holds(path: Path, seed: int) -> bool:
     state = load_plain(path)
     full = reference_tensors(seed)
     return state["meta"]["seed"] == seed and all(torch.equal(state[k], full[k]) for k in SHAPES)
+
+
+def observe(path: Path, candidates: dict[str, int]) -> str:
+    """What a fresh process sees at `path`, found by loading it: the name of the
+    candidate (name -> seed) whose checkpoint it holds bit for bit, "incomplete"
+    (`IncompleteCheckpointError`), "absent" (`FileNotFoundError`), "wrong data" (it
+    loads, but as none of the candidates), or the unexpected error itself."""
+    from shardwise.checkpoint import IncompleteCheckpointError
+
+    try:
+        state = load_plain(path)
+    except IncompleteCheckpointError:
+        return "incomplete"
+    except FileNotFoundError:
+        return "absent"
+    except Exception as e:  # noqa: BLE001 - any other type is itself the finding
+        return f"{type(e).__name__}: {e}"
+    for name, seed in candidates.items():
+        full = reference_tensors(seed)
+        if state["meta"]["seed"] == seed and all(torch.equal(state[k], full[k]) for k in SHAPES):
+            return name
+    return "wrong data"
+
+
+def _contents(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 # -- crashes ---------------------------------------------------------------------------------
@@ -114,25 +144,62 @@ def _save_rank(
         save(state, path, overwrite=overwrite)
 
 
+# The states an interrupted save may leave its path in, as `observe` names them
+# ("previous": the checkpoint it was overwriting, bit for bit; "complete": the new
+# one, bit for bit; "incomplete": loading raises IncompleteCheckpointError). An overwrite
+# left "incomplete" has still lost the checkpoint it replaced: `lost_previous` says so.
+ALLOWED_STATES = {
+    "new path": ("absent", "incomplete", "complete"),
+    "overwrite": ("previous", "complete", "incomplete"),
+}
+
+
+# Where a save becomes visible (commit.py): the coordinator renames `.metadata` into
+# place, then `shardwise.json`. A shardwise reader follows `shardwise.json` when there is
+# one, so an overwrite shows the new checkpoint only once that rename happened; a new
+# path has no manifest yet, so its `.metadata` alone reads as a complete stock checkpoint.
+_COMMITTED_AFTER = {
+    "new path": ("between-records", "before-collect", "mid-collect"),
+    "overwrite": ("before-collect", "mid-collect"),
+}
+
+
+def expected_states(point: str, overwrite: bool) -> tuple[str, ...]:
+    """The states a kill at `point` (of any rank or all) may leave the save's path in:
+    the new checkpoint once its commit record is in place, else what was there before."""
+    target = "overwrite" if overwrite else "new path"
+    if point in _COMMITTED_AFTER[target]:
+        return ("complete",)
+    return ("previous",) if overwrite else ("absent", "incomplete")
+
+
 @dataclass
 class CrashOutcome:
     point: str
     target: str  # "new path" or "overwrite"
-    lost_previous: bool  # the earlier checkpoint no longer loads bit for bit
-    new_state: str  # "absent", "incomplete", "complete", or what went wrong
+    lost_previous: bool  # the earlier checkpoint no longer loads bit for bit (an overwrite:
+    # the path loads as neither the earlier nor the new checkpoint)
+    new_state: str  # what loading the interrupted save's path gave (`observe`)
     resave_ok: bool  # a later save to the same path succeeded and loads
     stray: list[str]  # files left in the folder after that later save that it does not name
     foreign_lost: list[str]  # files that no checkpoint wrote and that were changed or removed
+    previous_changed: list[str]  # a save to a new path: files of the earlier checkpoint's
+    # folder that it added, changed or removed
     seconds: float
+
+    @property
+    def allowed_states(self) -> tuple[str, ...]:
+        return ALLOWED_STATES[self.target]
 
     @property
     def ok(self) -> bool:
         return (
             not self.lost_previous
-            and self.new_state in ("absent", "incomplete", "complete")
+            and self.new_state in self.allowed_states
             and self.resave_ok
             and not self.stray
             and not self.foreign_lost
+            and not self.previous_changed
         )
 
 
@@ -143,8 +210,9 @@ def _plant_foreign(folder: Path) -> None:
 
 
 def _foreign_lost(folder: Path) -> list[str]:
+    """The user's files in `folder` that are gone or whose bytes changed."""
     return sorted(
-        n
+        f"{folder.name}/{n}"
         for n, data in FOREIGN_FILES.items()
         if not (folder / n).is_file() or (folder / n).read_bytes() != data
     )
@@ -172,8 +240,8 @@ def crash_save(
     world: int = 2,
 ) -> CrashOutcome:
     """SIGKILL a save (all ranks, or `kill_rank`) at `point` into a folder that
-    also holds files of the user's (`FOREIGN_FILES`); report what survived."""
-    from shardwise.checkpoint import IncompleteCheckpointError
+    also holds files of the user's (`FOREIGN_FILES`); report what a fresh process
+    then observes (nothing is assumed from where the kill happened)."""
     from shardwise.testing import run_ranks
 
     start = time.monotonic()
@@ -185,36 +253,29 @@ def crash_save(
     target = previous if overwrite else folder / "new"
     if not overwrite:
         _plant_foreign(target)
+    before = _contents(previous)
     spec = point if kill_rank is None else f"{point}@{kill_rank}"
     run_ranks(
         _save_rank, world, str(target), 1, spec, overwrite, use_async, timeout=60, allow_dead=True
     )
-    # what a fresh process sees now
-    lost = False
-    try:
-        if not holds(previous, 0) and not (overwrite and holds(previous, 1)):
-            lost = True
-    except Exception:
-        lost = True
+    # what a fresh process sees now, at the interrupted save's path and at the earlier one
     if overwrite:
-        new_state = "complete"  # the only path involved is `previous`, checked above
+        new_state = observe(target, {"previous": 0, "complete": 1})
+        lost = new_state not in ("previous", "complete")
+        changed: list[str] = []
     else:
-        try:
-            new_state = "complete" if holds(target, 1) else "wrong data"
-        except IncompleteCheckpointError:
-            new_state = "incomplete"
-        except FileNotFoundError:
-            new_state = "absent"
-        except Exception as e:  # noqa: BLE001 - any other type is itself the finding
-            new_state = f"{type(e).__name__}: {e}"
-    foreign = _foreign_lost(target)
+        new_state = observe(target, {"complete": 1})
+        lost = observe(previous, {"previous": 0}) != "previous"
+        after = _contents(previous)
+        changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
+    foreign = set(_foreign_lost(target)) | set(_foreign_lost(previous))
     try:
         run_ranks(_save_rank, world, str(target), 2, None, True, False, timeout=60)
-        resave = holds(target, 2)
+        resave = observe(target, {"resaved": 2}) == "resaved"
     except Exception:
         resave = False
     stray = _stray(target)
-    foreign = sorted(set(foreign) | set(_foreign_lost(target)))
+    foreign |= set(_foreign_lost(target))
     outcome = CrashOutcome(
         point,
         "overwrite" if overwrite else "new path",
@@ -222,7 +283,8 @@ def crash_save(
         new_state,
         resave,
         stray,
-        foreign,
+        sorted(foreign),
+        changed,
         time.monotonic() - start,
     )
     if overwrite:  # restore the reference checkpoint for the next scenario

@@ -8,6 +8,8 @@ import pytest
 
 from . import chaos
 
+pytestmark = pytest.mark.spawned
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):

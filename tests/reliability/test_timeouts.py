@@ -14,6 +14,14 @@ import pytest
 from shardwise import Layout, ShardedTensor
 from shardwise.testing import RankFailure, run_ranks
 
+pytestmark = pytest.mark.spawned
+
+# Measured on 2 shared cores (33 runs, the three ops): the survivor raised 0.002-0.10 s
+# after its peer died (gloo sees the closed connection). 1 s is 10x the slowest; the
+# harness (and the process group's own timeout, 35 s) only catches a hang.
+BUDGET_S = 1.0
+HARNESS_TIMEOUT_S = 40
+
 
 def _die_then(rank: int, world: int, op: str, folder: str) -> tuple[str, float]:
     import shardwise.checkpoint as swc
@@ -42,8 +50,10 @@ def _save(rank: int, world: int, folder: str) -> None:
 
 @pytest.mark.parametrize("op", ["redistribute", "full_tensor", "load"])
 def test_survivors_fail_promptly(op, tmp_path):
-    run_ranks(_save, 2, str(tmp_path / "ckpt"), timeout=40)
-    results = run_ranks(_die_then, 2, op, str(tmp_path / "ckpt"), timeout=40, allow_dead=True)
+    run_ranks(_save, 2, str(tmp_path / "ckpt"), timeout=HARNESS_TIMEOUT_S)
+    results = run_ranks(
+        _die_then, 2, op, str(tmp_path / "ckpt"), timeout=HARNESS_TIMEOUT_S, allow_dead=True
+    )
     assert isinstance(results[1], RankFailure)
     kind, seconds = results[0]
-    assert kind != "no error" and seconds < 40, results[0]
+    assert kind != "no error" and seconds < BUDGET_S, results[0]

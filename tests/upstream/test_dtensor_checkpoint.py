@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
@@ -29,6 +30,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor import zeros as dtensor_zeros
 
 from .harness import Check, bind, load_as, save_as, scenario_results, verdict
+
+pytestmark = pytest.mark.spawned
 
 WORLD_SIZE = 4  # upstream's DTensorTestBase default
 

@@ -50,6 +50,8 @@ from .harness import (  # the storage under test
     verdict,
 )
 
+pytestmark = pytest.mark.spawned
+
 WORLD_SIZE = 4
 
 ONE_D_PLACEMENTS = [[Shard(0)], [Replicate()]]

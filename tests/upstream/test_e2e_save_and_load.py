@@ -71,7 +71,7 @@ from .harness import (  # the storage under test
     verdict,
 )
 
-pytestmark = ignore_user_warnings
+pytestmark = [ignore_user_warnings, pytest.mark.spawned]
 
 WORLD_SIZE = 4
 CUDA4 = cuda_devices(4)

@@ -47,6 +47,8 @@ from torch.futures import Future
 
 from .harness import IMPL, STORAGE, devices, run_on, setup_rank
 
+pytestmark = pytest.mark.spawned
+
 UPSTREAM = "test/distributed/checkpoint/test_checkpoint.py"
 TIMEOUT = 50.0
 

@@ -53,6 +53,8 @@ from shardwise.checkpoint import Writer
 
 from .harness import IMPL, STORAGE, devices, run_on, setup_rank
 
+pytestmark = pytest.mark.spawned
+
 CPU_FILE = "test/distributed/checkpoint/test_file_system_checkpoint_cpu.py"
 GPU_FILE = "test/distributed/checkpoint/test_file_system_checkpoint.py"
 

@@ -70,7 +70,7 @@ from .harness import (
     verdict,
 )  # the storage under test
 
-pytestmark = ignore_user_warnings
+pytestmark = [ignore_user_warnings, pytest.mark.spawned]
 
 SAVES = ["Writer", "swc.save"]  # the save-only forms: dcp.save with Writer, or swc.save
 by_save = pytest.mark.parametrize("form", SAVES)

@@ -30,6 +30,8 @@ from shardwise.testing import run_ranks
 
 from .harness import IMPL, STORAGE, needs_cuda, run_on
 
+pytestmark = pytest.mark.spawned
+
 UPSTREAM = "test/distributed/checkpoint/test_save_load_api.py"
 TIMEOUT = 50.0
 MANIFEST = "shardwise.json"  # SPEC section 3: the plain-JSON manifest beside `.metadata`

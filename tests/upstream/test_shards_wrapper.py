@@ -40,8 +40,9 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 import shardwise as sw
 from shardwise import Block, Layout, ShardedTensor
-from shardwise.ops import _USER_HANDLERS
 from shardwise.testing import run_ranks
+
+pytestmark = pytest.mark.spawned
 
 UPSTREAM = "test/distributed/tensor/test_shards_wrapper.py"
 PAD = torch.ops.aten.constant_pad_nd.default
@@ -122,7 +123,7 @@ def pad_blocks(st: ShardedTensor, pad: Sequence[int], value: float = 0.0) -> Sha
 def padding() -> Any:
     sw.register_op(PAD, pad_blocks)
     yield
-    _USER_HANDLERS.pop(PAD, None)
+    sw.unregister_op(PAD)
 
 
 # Every upstream scenario: (its shards and offsets, the pad calls it makes)

@@ -17,10 +17,17 @@ from ..errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     LayoutError,
+    UnsafeMetadataError,
 )
+from . import megatron, physicsnemo  # noqa: F401  (importing registers their value adapters)
 from .api import SaveInfo, async_save, load, read_tensor, save
-from .offline import CheckpointInfo, convert, inspect, open_checkpoint, reshard, verify
-from .storage import Reader, Writer
+from .conversion import convert
+from .inspection import CheckpointInfo, TensorInfo, inspect
+from .offline import OpenCheckpoint, open_checkpoint
+from .reader import Reader
+from .resharding import reshard
+from .verification import verify
+from .writer import Writer
 
 __all__ = [
     "CheckpointInfo",
@@ -28,8 +35,11 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "LayoutError",
+    "OpenCheckpoint",
     "Reader",
     "SaveInfo",
+    "TensorInfo",
+    "UnsafeMetadataError",
     "Writer",
     "async_save",
     "convert",

@@ -2,18 +2,20 @@
 
 A client library's sharded type (PhysicsNeMo's `ShardTensor`, Megatron-Core's
 wrappers) is swapped for a ShardedTensor before DCP sees the state dict, and
-loaded data is written back after. Adapters for the known clients are found
-lazily: their module is imported only when a value of that library's type
-appears, and the library itself is never imported by shardwise first.
+loaded data is written back after. The built-in adapters
+(`checkpoint.physicsnemo`, `checkpoint.megatron`) register when
+`shardwise.checkpoint` is imported; neither imports its library first.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
+
+import torch.distributed as dist
+
+from ..comm.agreement import exchange, odd_ranks
 
 __all__ = [
     "ValueAdapter",
@@ -46,12 +48,6 @@ class ValueAdapter:
 
 _REGISTERED: list[ValueAdapter] = []
 
-# (module a value's type comes from, shardwise module that registers its adapter)
-_KNOWN_CLIENTS = (
-    ("physicsnemo.", "shardwise.interop.physicsnemo"),
-    ("megatron.core.", "shardwise.interop.megatron"),
-)
-
 
 def register_value_adapter(adapter: ValueAdapter) -> None:
     """Make `swc.save`/`swc.load` convert values `adapter.matches` (first match wins)."""
@@ -70,10 +66,6 @@ def unregister_value_adapter(name: str) -> None:
 
 
 def _adapter_for(value: Any) -> ValueAdapter | None:
-    module = type(value).__module__ + "."
-    for prefix, adapter_module in _KNOWN_CLIENTS:
-        if module.startswith(prefix) and adapter_module not in sys.modules:
-            importlib.import_module(adapter_module)  # registers its adapters
     for adapter in _REGISTERED:
         if adapter.matches(value):
             return adapter
@@ -112,11 +104,8 @@ def _leaves(container: Any, path: tuple[Any, ...] = ()) -> list[_Leaf]:
 def _agree_on(leaves: list[_Leaf], group: Any) -> None:
     """Every rank must hold the same adapted values, or the per-value collectives
     would pair one rank's value with another's: refuse together, naming ranks."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return
-    from ..comm.agreement import exchange, odd_ranks
 
     mine = tuple((".".join(map(str, leaf.path)), leaf.adapter.name) for leaf in leaves)
     everyone = exchange(None, mine, group)
@@ -129,7 +118,8 @@ def _agree_on(leaves: list[_Leaf], group: Any) -> None:
         hint = "".join(f"; {hints[k]}" for k in kinds if hints.get(k))
         raise ValueError(
             f"ranks {odd} hold other {', '.join(kinds)} values than rank {ref} "
-            f"(first difference: '{differ[0][0]}'); every rank must hold every such value, under the "
+            f"(first difference: '{differ[0][0]}'); every rank must hold every such value, under "
+            "the "
             f"same key (a rank holding nothing of it passes an empty one){hint}"
         )
 

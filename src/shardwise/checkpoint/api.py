@@ -28,15 +28,26 @@ from ..comm.agreement import exchange
 from ..errors import CheckpointMismatchError, ShardwiseError
 from ..layout import Block
 from .adapters import adapted_for_load, adapted_for_save
-from .commit import already_exists, holds_checkpoint, per_rank_records
+from .commit import in_the_way, per_rank_records
+from .megatron import (
+    metadata_json_problem,
+    prepare_load,
+    prepare_save,
+    save_planner,
+    write_metadata_json,
+)
+from .offline import open_checkpoint
+from .reader import Reader
 from .staging import Stager
-from .storage import Reader, Writer
+from .writer import Writer
 
 __all__ = ["SaveInfo", "async_save", "load", "read_tensor", "save"]
 
 
 @dataclass(frozen=True)
 class SaveInfo:
+    """What `save` returns: where the checkpoint is and how long the save took."""
+
     path: Path
     seconds: float
 
@@ -100,13 +111,12 @@ def _check_target(
                     )
                     break
     if not _distributed(process_group) or dist.get_rank(process_group) == 0:
-        if path.is_dir() and holds_checkpoint(path) and not overwrite and problem is None:
-            problem = FileExistsError(already_exists(path))
+        existing = in_the_way(path)
+        if existing and not overwrite and problem is None:
+            problem = FileExistsError(existing)
         elif path.exists() and not path.is_dir() and problem is None:
             problem = NotADirectoryError(f"{path} is a file, not a checkpoint folder")
         elif megatron and problem is None:
-            from ..interop.megatron import metadata_json_problem
-
             problem = metadata_json_problem(path)
     _agree(
         problem,
@@ -135,15 +145,13 @@ def save(
     `dist_checkpointing.load` opens: sharded tensors (shardwise, or Megatron's
     own ShardedTensors, stored under their Megatron key) as DCP tensors, every
     other value in Megatron's common state object, and Megatron's
-    `metadata.json` (see `shardwise.interop.megatron`).
+    `metadata.json` (see `shardwise.checkpoint.megatron`).
     """
     path = Path(path)
     if _ASYNC.pending is not None:  # one save at a time: the next commit collects unnamed files
         wait([_ASYNC.pending])
     planner = None
     if megatron:
-        from ..interop.megatron import prepare_save, save_planner
-
         state_dict, planner = (
             prepare_save(_state_dicts_of(state_dict), process_group),
             save_planner(),
@@ -161,8 +169,6 @@ def _write_megatron_metadata(path: Path, process_group: Any) -> None:
     never changes, so a crash at any later point leaves the old checkpoint as it
     was (only marked Megatron's, which Megatron refuses cleanly if it was not) or
     no `.metadata` (refused by both); never new data that only one of them opens."""
-    from ..interop.megatron import write_metadata_json
-
     problem: BaseException | None = None
     if not _distributed(process_group) or dist.get_rank(process_group) == 0:
         try:
@@ -288,13 +294,11 @@ def load(
     `megatron=True` takes Megatron-Core's `sharded_state_dict()` as it nests it:
     its pieces are found anywhere and loaded by their Megatron key, the way
     Megatron (and `swc.save(..., megatron=True)`) stores them; non-tensor values
-    are left as they are (`shardwise.interop.megatron.read_common_state` reads them).
+    are left as they are (`shardwise.checkpoint.megatron.read_common_state` reads them).
     Returns the reader (its `bytes_read` says what this rank read).
     """
     path = Path(path)
     if megatron:
-        from ..interop.megatron import prepare_load
-
         targets, finishers = prepare_load(state_dict, process_group)
         reader = _load_adapted(targets, path, strict, verify, cast_dtype, process_group)
         for finish in finishers:
@@ -364,6 +368,4 @@ def read_tensor(path: str | Path, fqn: str, region: Block | None = None) -> torc
 
     One process, no process group; reads only the bytes of the region.
     """
-    from .offline import open_checkpoint
-
     return open_checkpoint(path).read(fqn, region)

@@ -1,4 +1,4 @@
-"""How a save becomes visible in a folder that may hold other files.
+"""The commit protocol and atomic file writes: how a save becomes visible beside other files.
 
 A checkpoint folder can hold files that are not ours (a `model.pt`, notes, a
 previous checkpoint). So a save never renames or deletes the folder; it works
@@ -19,6 +19,10 @@ file by file:
    (a global checkpoint beside per-rank ones) still name them. Nothing else
    is ever deleted.
 
+Every whole file written for a checkpoint or a conversion (records, marker,
+converted outputs) goes through `write_atomically`: a reader sees all of it or
+none.
+
 A crash before step 2 leaves the previous checkpoint as it was (plus
 token-named leftovers that the next save collects); a crash between the two
 renames leaves stock readers on the new checkpoint and shardwise readers on
@@ -32,12 +36,14 @@ import os
 import re
 import uuid
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 
 from .faults import failpoint
+from .file_io import write_all
 from .manifest import MANIFEST, MARKER
 from .safe_pickle import load_metadata
 
@@ -49,10 +55,12 @@ __all__ = [
     "data_file_name",
     "fsync_dir",
     "holds_checkpoint",
+    "in_the_way",
     "leftover_data",
     "new_token",
     "per_rank_records",
     "referenced_files",
+    "write_atomically",
     "write_durably",
 ]
 
@@ -110,8 +118,21 @@ def per_rank_records(folder: Path) -> list[RecordNames]:
     return [RecordNames(r) for r in sorted(found)]
 
 
-def already_exists(folder: Path) -> str:
-    return f"Checkpoint already exists at {folder}; pass overwrite=True to replace it"
+def already_exists(path: Path) -> str:
+    """The one message for an output that is already there, naming the fix."""
+    if path.is_file():
+        return f"{path} already exists; pass overwrite=True"
+    return f"Checkpoint already exists at {path}; pass overwrite=True to replace it"
+
+
+def in_the_way(
+    path: Path, names: RecordNames = RecordNames(), *, files: bool = False
+) -> str | None:
+    """`already_exists(path)` when `path` holds a checkpoint (or, with `files`, is a
+    file), else None: what a save, reshard or convert without overwrite refuses."""
+    if (files and path.is_file()) or (path.is_dir() and holds_checkpoint(path, names)):
+        return already_exists(path)
+    return None
 
 
 def leftover_data(folder: Path) -> list[str]:
@@ -130,15 +151,27 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
-    """Write `path` whole or not at all: a unique temporary name, fsync, rename."""
+def write_atomically(path: Path, write: Callable[[int], object], *, sync: bool = True) -> None:
+    """Write `path` whole or not at all: `write(fd)` fills a unique temporary name
+    beside it (one `collect` recognises), which is fsynced, then renamed over `path`."""
     tmp = path.with_name(f"{path.name}.sw{new_token()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        try:
+            write(fd)
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind to collect
+        raise
     os.replace(tmp, path)
+
+
+def write_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
+    """`write_atomically` of bytes in hand."""
+    write_atomically(path, lambda fd: write_all(fd, [data]), sync=sync)
 
 
 def commit(
@@ -208,7 +241,8 @@ def collect(
                 os.unlink(folder / name)
             except OSError as e:
                 warnings.warn(
-                    f"could not remove {folder / name} after the commit ({e}); the next save retries",
+                    f"could not remove {folder / name} after the commit ({e}); "
+                    "the next save retries",
                     stacklevel=2,
                 )
                 continue

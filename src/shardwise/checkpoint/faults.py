@@ -5,9 +5,10 @@ step (optionally on one rank only) and then checks that nothing committed
 earlier was lost. Unset, a failpoint costs one dictionary lookup.
 
 Points, in the order a save reaches them: before-write, mid-data (after the
-first item of a data file), after-data (data fsynced), before-manifest,
-before-publish (manifest durable, folder not yet renamed), mid-overwrite
-(the old checkpoint moved aside, the new one not yet in place).
+first item of a data file), after-data (data fsynced), before-commit,
+between-records (`.metadata` in place, the manifest not yet), before-collect
+(committed, the replaced files not yet removed), mid-collect (after the first
+removal). See `commit.py` for what each step leaves on disk.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ It lists every tensor's dtype, global shape and chunks (file, byte ranges,
 checksums) and every stored object, so that loading a shardwise checkpoint
 never unpickles DCP's `.metadata`, and tools can inspect or verify it with a
 JSON parser. It is written last: its presence marks a committed checkpoint.
+Its fields are declared once, in `manifest_fields`; this module adds what
+relates several of them (byte ranges inside files, geometry) and DCP's view.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import base64
 import io
 import json
 import math
-import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,24 +33,37 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import CorruptCheckpointError
+from .manifest_fields import (
+    FORMAT,
+    READS,
+    TOP,
+    VERSION,
+    ChunkEntry,
+    FieldError,
+    ObjectEntry,
+    TensorEntry,
+    decode,
+    encode,
+)
 from .safe_pickle import load_metadata
 
 __all__ = [
+    "FORMAT",
     "MANIFEST",
     "MARKER",
+    "PAGE_SIZE",
+    "READS",
+    "VERSION",
     "ChunkEntry",
     "Manifest",
     "ObjectEntry",
-    "PAGE_SIZE",
     "StoredChunk",
     "StoredObject",
+    "TensorEntry",
 ]
 
 MANIFEST = "shardwise.json"
 MARKER = ".shardwise"  # written first: a folder with it but no manifest is incomplete
-FORMAT = "shardwise.checkpoint"
-VERSION = 2
-READS = (1, 2)  # version 2 added transforms, planner_data and storage_meta
 PAGE_SIZE = 1 << 20  # payload bytes per checksum page
 
 
@@ -62,29 +76,6 @@ def dtype_from_name(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise CorruptCheckpointError(f"unknown dtype {name!r} in {MANIFEST}")
     return dtype
-
-
-@dataclass
-class ChunkEntry:
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    file: str
-    record: tuple[int, int]  # the torch.save record: offset, length (what stock reads)
-    payload: tuple[int, int] | None  # the raw C-order bytes inside it; None when transformed
-    pages: list[
-        int
-    ]  # crc32c of each PAGE_SIZE slice of the payload (of the record, when transformed)
-    frame: int = 0  # crc32c of the record's bytes before and after the payload
-    transform: list[str] | None = None  # DCP stream-transform descriptors (e.g. zstd)
-
-
-@dataclass
-class ObjectEntry:
-    file: str
-    offset: int
-    length: int
-    crc32c: int
-    transform: list[str] | None = None
 
 
 @dataclass
@@ -108,12 +99,26 @@ class StoredObject(_StorageInfo):
     crc32c: int | None = None
 
 
-@dataclass
-class TensorEntry:
-    dtype: str
-    shape: tuple[int, ...]
-    chunks: list[ChunkEntry] = field(default_factory=list)
-    requires_grad: bool = False  # DCP's TensorProperties field, kept for stock parity
+def _checksum(doc: dict[str, Any]) -> int:
+    # compact, no indent: json's C encoder (10x faster), and canonical, so re-encoding is exact
+    return crc32c.crc32c(json.dumps(dict(doc, crc32c=0), separators=(",", ":")).encode())
+
+
+def _check_version(doc: dict[str, Any]) -> int:
+    """Format and version first: they keep their meaning in every version, and
+    which other fields exist depends on them."""
+    if doc.get("format") != FORMAT:
+        raise FieldError("format", f"is {doc.get('format')!r}, not {FORMAT!r}")
+    version = doc.get("version")
+    if type(version) is not int or version not in READS:
+        newer = type(version) is int and version > VERSION
+        raise FieldError(
+            "version",
+            f"format version {version!r} is not supported: this shardwise reads versions "
+            f"{', '.join(map(str, READS))}"
+            + (" (a newer shardwise wrote it: upgrade to read it)" if newer else ""),
+        )
+    return version
 
 
 @dataclass
@@ -131,122 +136,36 @@ class Manifest:
 
     def to_json(self) -> str:
         """Canonical JSON whose "crc32c" field checksums the document itself."""
-        doc = self._to_dict()
-        doc["crc32c"] = crc32c.crc32c(json.dumps(doc, separators=(",", ":")).encode())
+        doc = encode(TOP, self)
+        doc["crc32c"] = _checksum(doc)
         return json.dumps(doc, separators=(",", ":"))
 
-    def _to_dict(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "world_size": self.world_size,
-            "checksum": "crc32c",
-            "page_size": self.page_size,
-            "metadata_crc32c": self.metadata_crc32c,
-            "dcp_version": self.dcp_version,
-            "storage_meta": self.storage_meta,
-            "planner_data": self.planner_data,
-            **(
-                {"planner_data_pickle": self.planner_data_pickle}
-                if self.planner_data_pickle
-                else {}
-            ),
-            "tensors": {
-                k: {
-                    "dtype": t.dtype,
-                    "shape": list(t.shape),
-                    **({"requires_grad": True} if t.requires_grad else {}),
-                    "chunks": [
-                        {
-                            "offsets": list(c.offsets),
-                            "sizes": list(c.sizes),
-                            "file": c.file,
-                            "record": list(c.record),
-                            "payload": None if c.payload is None else list(c.payload),
-                            "pages": c.pages,
-                            "frame": c.frame,
-                            **({"transform": c.transform} if c.transform else {}),
-                        }
-                        for c in t.chunks
-                    ],
-                }
-                for k, t in self.tensors.items()
-            },
-            "objects": {
-                k: {
-                    "file": o.file,
-                    "offset": o.offset,
-                    "length": o.length,
-                    "crc32c": o.crc32c,
-                    **({"transform": o.transform} if o.transform else {}),
-                }
-                for k, o in self.objects.items()
-            },
-            "crc32c": 0,
-        }
+    @classmethod
+    def from_json(cls, text: str | bytes, source: str | Path = MANIFEST) -> Manifest:
+        """The manifest in `text`, every field and the geometry checked (not the data
+        files: see `read`). `source` names the file in errors."""
+        try:
+            doc = json.loads(text)
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+            version = _check_version(doc)
+            if _checksum(doc) != doc.get("crc32c"):
+                raise FieldError("crc32c", "does not match the contents (damaged)")
+            out = cls(**decode(TOP, doc, version, ""))
+        except ValueError as e:  # FieldError, and JSON's and UTF-8's errors
+            raise CorruptCheckpointError(f"{source}: unreadable manifest: {e}") from e
+        out._check_geometry(source)
+        return out
 
     @classmethod
     def read(cls, folder: Path, name: str = MANIFEST) -> Manifest:
+        """The manifest `name` in `folder`, checked, its byte ranges inside its files."""
         path = folder / name
         try:
-            data = json.loads(path.read_bytes())
-            if not isinstance(data, dict):
-                raise ValueError("not a JSON object")
-            stored = data.get("crc32c")
-            data["crc32c"] = 0
-            # no indent: keeps json's C encoder (10x faster); canonical, so re-encoding is exact
-            if crc32c.crc32c(json.dumps(data, separators=(",", ":")).encode()) != stored:
-                raise ValueError("its checksum does not match its contents (damaged)")
-            if data.get("format") != FORMAT:
-                raise ValueError(f"format is {data.get('format')!r}, not {FORMAT!r}")
-            if data.get("version") not in READS:
-                raise ValueError(
-                    f"version {data.get('version')!r} is not supported (reads {READS})"
-                )
-            out = cls(
-                world_size=int(data["world_size"]),
-                page_size=int(data["page_size"]),
-                metadata_crc32c=int(data["metadata_crc32c"]),
-                planner_data=data.get("planner_data"),
-                planner_data_pickle=data.get("planner_data_pickle"),
-                storage_meta=dict(data.get("storage_meta") or {}),
-                dcp_version=data.get("dcp_version"),
-                version=int(data["version"]),
-            )
-            if out.page_size <= 0:
-                raise ValueError(f"page size {out.page_size}")
-            for k, t in data["tensors"].items():
-                entry = TensorEntry(
-                    t["dtype"],
-                    tuple(int(s) for s in t["shape"]),
-                    requires_grad=bool(t.get("requires_grad", False)),
-                )
-                dtype_from_name(entry.dtype)
-                for c in t["chunks"]:
-                    entry.chunks.append(
-                        ChunkEntry(
-                            tuple(int(o) for o in c["offsets"]),
-                            tuple(int(s) for s in c["sizes"]),
-                            _safe_name(c["file"]),
-                            _pair(c["record"]),
-                            None if c["payload"] is None else _pair(c["payload"]),
-                            [int(p) for p in c["pages"]],
-                            int(c["frame"]),
-                            _transform(c.get("transform")),
-                        )
-                    )
-                out.tensors[k] = entry
-            for k, o in data["objects"].items():
-                out.objects[k] = ObjectEntry(
-                    _safe_name(o["file"]),
-                    _nonneg(o["offset"]),
-                    _nonneg(o["length"]),
-                    int(o["crc32c"]),
-                    _transform(o.get("transform")),
-                )
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            text = path.read_bytes()
+        except OSError as e:
             raise CorruptCheckpointError(f"{path}: unreadable manifest: {e}") from e
-        out._check_geometry(path)
+        out = cls.from_json(text, path)
         out._check_files(folder)
         return out
 
@@ -266,11 +185,11 @@ class Manifest:
                     ) from e
             if offset + length > sizes[name]:
                 raise CorruptCheckpointError(
-                    f"'{key}': bytes {offset}..{offset + length} lie past the end of {folder / name} "
-                    f"({sizes[name]} bytes): truncated or damaged"
+                    f"'{key}': bytes {offset}..{offset + length} lie past the end of "
+                    f"{folder / name} ({sizes[name]} bytes): truncated or damaged"
                 )
 
-    def _check_geometry(self, path: Path) -> None:
+    def _check_geometry(self, path: str | Path) -> None:
         for k, t in self.tensors.items():
             itemsize = torch.empty((), dtype=dtype_from_name(t.dtype)).element_size()
             for c in t.chunks:
@@ -390,37 +309,3 @@ def _consistent(c: ChunkEntry, nbytes: int, page_size: int) -> bool:
         and c.record[0] <= c.payload[0] <= c.payload[0] + c.payload[1] <= sum(c.record)
         and len(c.pages) == max(1, -(-nbytes // page_size))
     )
-
-
-def _transform(value: Any) -> list[str] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"transform descriptors {value!r} are not a list of strings")
-    return value or None
-
-
-def _safe_name(name: Any) -> str:
-    """A data file name: a plain name inside the checkpoint folder, never a path out of it."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or os.sep in name
-        or "/" in name
-        or name in (".", "..")
-        or "\0" in name
-    ):
-        raise ValueError(f"data file name {name!r} is not a plain file name inside the checkpoint")
-    return name
-
-
-def _nonneg(value: Any) -> int:
-    v = int(value)
-    if v < 0:
-        raise ValueError(f"negative byte offset or length {v}")
-    return v
-
-
-def _pair(value: Any) -> tuple[int, int]:
-    a, b = value
-    return _nonneg(a), _nonneg(b)

@@ -34,12 +34,9 @@ from typing import IO, Any
 import torch
 from torch.distributed.checkpoint import filesystem, metadata, planner
 
-__all__ = ["UnsafeMetadataError", "load_metadata"]
+from ..errors import UnsafeMetadataError
 
-
-class UnsafeMetadataError(pickle.UnpicklingError):
-    """The metadata pickle names a global, or does something, that DCP writers never do."""
-
+__all__ = ["load_metadata"]
 
 _DCP_CLASSES = (
     metadata.Metadata,
@@ -166,8 +163,9 @@ def _undo_changes(before: list[tuple[Any, dict[str, Any]]]) -> list[str]:
 def load_metadata(stream: IO[bytes]) -> Any:
     """Unpickle DCP `Metadata` from `stream`, admitting only the classes DCP writers store.
 
-    Raises `UnsafeMetadataError` (a `pickle.UnpicklingError`) naming the refused
-    global, or the shared class it tried to alter, when the pickle steps outside.
+    Raises `UnsafeMetadataError` (a `ShardwiseError` and a `pickle.UnpicklingError`)
+    naming the refused global, or the shared class it tried to alter, when the
+    pickle steps outside.
     """
     before = [(obj, dict(vars(obj))) for obj in _shared_objects()]
     try:

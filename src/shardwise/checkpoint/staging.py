@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
+from ..interop import from_torch_sharded_tensor
 from ..tensor import ShardedTensor
 
 __all__ = ["Stager"]
@@ -59,7 +60,7 @@ class Stager:
             local = state._local_tensor
             if isinstance(local, LocalShardsWrapper):
                 shards = [self._copy(path + (i,), s) for i, s in enumerate(local.local_shards())]
-                offsets = local.local_offsets() if shards else []
+                offsets = [tuple(o) for o in local.local_offsets()] if shards else []
                 staged: torch.Tensor = LocalShardsWrapper(shards, offsets)
             else:
                 staged = self._copy(path, local)
@@ -75,8 +76,6 @@ class Stager:
             if hasattr(state, "metadata") and hasattr(
                 state, "local_shards"
             ):  # legacy ShardedTensor
-                from ..interop import from_torch_sharded_tensor
-
                 return self.stage(from_torch_sharded_tensor(state), path)
             return self._copy(path, state)
         return copy.deepcopy(state)

@@ -1,4 +1,10 @@
-"""The `shardwise` command: `main(argv) -> int`, one module per subcommand."""
+"""The `shardwise` command: `main(argv) -> int`, one module per subcommand.
+
+Exit status: 0 on success; 1 when the command fails (any exception it raises:
+a missing path, a bad or corrupt checkpoint), with a one-line reason on
+stderr; 2 on a usage error (unknown subcommand, missing or invalid
+arguments), with the usage and a one-line reason on stderr, as argparse does.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import argparse
 import pickle
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from ..errors import ShardwiseError
 from . import bench, convert, demo, inspect, reshard, verify
@@ -21,29 +28,80 @@ _SUBCOMMANDS = {
     "bench": bench,
 }
 
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+_EPILOG = f"""\
+exit status:
+  {EXIT_OK}  success
+  {EXIT_FAILURE}  the command failed (missing path, bad or corrupt checkpoint, ...);
+     one line on stderr says why
+  {EXIT_USAGE}  usage error (unknown command, missing or invalid arguments)
+
+example: shardwise inspect ckpt/step_100"""
+
+# What bad input to a command raises; anything else is likelier a bug, so its
+# one-line reason also names the exception type.
+_EXPECTED = (ShardwiseError, OSError, ValueError, KeyError, pickle.UnpicklingError)
+
+
+class _UsageError(Exception):
+    """argparse rejected the command line; the message is argparse's one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse exits the process on a usage error; main() returns its code instead.
+    # Subparsers are built with the parent's class, so they raise this too.
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        raise _UsageError(f"{self.prog}: error: {message}")
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="shardwise",
         description="Sharded tensors and resharding checkpoints on PyTorch.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module in _SUBCOMMANDS.items():
+    for module in _SUBCOMMANDS.values():
         module.add_parser(sub)
     return parser
 
 
+def _reason(e: BaseException) -> str:
+    """The exception as one line: its message's first line, with its type where unexpected."""
+    # KeyError's str() is the repr of its key; its message is the plain text.
+    text = e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 else str(e)
+    lines = str(text).strip().splitlines()
+    message = lines[0] if lines else type(e).__name__
+    return message if isinstance(e, _EXPECTED) else f"{type(e).__name__}: {message}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand; return its exit code. Bad input prints one line, exit 2."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+    """Run one subcommand (`argv` defaults to `sys.argv[1:]`); return its exit status.
+
+    0: success. 1: the command raised; one line on stderr says why. 2: usage
+    error; argparse's usage and one line on stderr. `--help` prints and raises
+    `SystemExit(0)`, as argparse does.
+    """
     try:
-        return int(args.func(args) or 0)
-    except (OSError, ValueError, KeyError, ShardwiseError, pickle.UnpicklingError) as e:
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"shardwise {args.command}: error: {message}", file=sys.stderr)
-        return 1
+        args = _parser().parse_args(argv)
+    except _UsageError as e:
+        print(e, file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(args.func(args) or EXIT_OK)
+    except SystemExit as e:  # a benchmark script run in-process may call sys.exit
+        if e.code is None or isinstance(e.code, int):
+            return e.code or EXIT_OK
+        print(f"shardwise {args.command}: error: {e.code}", file=sys.stderr)
+        return EXIT_FAILURE
+    except Exception as e:
+        print(f"shardwise {args.command}: error: {_reason(e)}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 def run() -> None:
+    """The console entry point: `sys.exit(main())`."""
     sys.exit(main())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..checkpoint.conversion import TARGETS, convert
 from .sizes import parse_size
 
 __all__ = ["add_parser", "main"]
@@ -20,12 +21,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="to one safetensors/torch file, or a safetensors file to a checkpoint",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  shardwise convert ckpt/step_100 model.safetensors --format safetensors --max-file-size 5GiB\n"
+        epilog="examples:\n"
+        "  shardwise convert ckpt/step_100 model.safetensors --format safetensors "
+        "--max-file-size 5GiB\n"
         "  shardwise convert model.safetensors ckpt/imported --format shardwise",
     )
     p.add_argument("path", help="checkpoint folder or .safetensors file")
     p.add_argument("out", help="output file (or checkpoint folder for --format shardwise)")
-    p.add_argument("--format", required=True, choices=["safetensors", "torch", "shardwise"])
+    p.add_argument("--format", required=True, choices=list(TARGETS))
     p.add_argument(
         "--max-file-size", type=parse_size, default=None, help="split safetensors output, e.g. 5GiB"
     )
@@ -34,8 +37,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..checkpoint import convert
-
     for f in convert(
         args.path, args.out, args.format, max_file_size=args.max_file_size, overwrite=args.overwrite
     ):

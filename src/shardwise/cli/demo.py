@@ -23,15 +23,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from .sizes import parse_size
 
+if TYPE_CHECKING:
+    from ..tensor import ShardedTensor
+
 __all__ = ["add_parser", "main"]
 
-ADAM = {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+ADAM: dict[str, Any] = {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -191,8 +194,13 @@ def save_rank(rank: int, world: int, path: str, size: int) -> dict[str, Any]:
         }
         seconds = _timed(lambda: swc.save(state, path))
         bar.update()
-    local = sum(s.nbytes for p in params.values() for s in p.detach().local_shards()) * 3
+    local = sum(s.nbytes for p in params.values() for s in _local_shards(p)) * 3
     return {"seconds": seconds, "local_bytes": local}
+
+
+def _local_shards(t: torch.Tensor) -> list[torch.Tensor]:
+    """This rank's shards of a ShardedTensor, or of a Parameter over one."""
+    return cast("ShardedTensor", t.detach()).local_shards()
 
 
 def load_rank(rank: int, world: int, path: str, size: int, saved_world: int) -> dict[str, Any]:
@@ -201,12 +209,12 @@ def load_rank(rank: int, world: int, path: str, size: int, saved_world: int) -> 
 
     layouts = load_layouts(world, size)
     params = {
-        n: torch.nn.Parameter(ShardedTensor.zeros(l, dtype=torch.float32))
-        for n, l in layouts.items()
+        n: torch.nn.Parameter(ShardedTensor.zeros(layout, dtype=torch.float32))
+        for n, layout in layouts.items()
     }
     opt = torch.optim.Adam(list(params.values()), foreach=False, **ADAM)
-    for p in params.values():
-        p.grad = ShardedTensor.zeros(p.layout_spec, dtype=torch.float32)
+    for n, p in params.items():
+        p.grad = ShardedTensor.zeros(layouts[n], dtype=torch.float32)
     opt.step()  # materialise the optimizer state the checkpoint fills
     target = {"model": params, "optim": opt.state_dict(), "trainer": {"step": 0, "note": ""}}
     reader: list[Any] = []
@@ -217,10 +225,10 @@ def load_rank(rank: int, world: int, path: str, size: int, saved_world: int) -> 
         for i, (name, p) in enumerate(params.items()):
             moments = state_of[i]
             shape = layouts[name].global_shape
-            for j, block in enumerate(p.layout_spec.blocks_of(rank)):
+            for j, block in enumerate(layouts[name].blocks_of(rank)):
                 want = expected_block(name, block, shape)
                 got = {
-                    "param": p.detach().local_shards()[j],
+                    "param": _local_shards(p)[j],
                     **{k: moments[k].local_shards()[j] for k in ("exp_avg", "exp_avg_sq")},
                 }
                 wrong += sum(int((got[k] != want[k]).sum()) for k in want)
@@ -229,7 +237,7 @@ def load_rank(rank: int, world: int, path: str, size: int, saved_world: int) -> 
             bar.update()
     if target["trainer"] != {"step": 1, "note": "shardwise demo"}:
         wrong += 1
-    local = sum(s.nbytes for p in params.values() for s in p.detach().local_shards()) * 3
+    local = sum(s.nbytes for p in params.values() for s in _local_shards(p)) * 3
     return {
         "seconds": seconds,
         "wrong": wrong,
@@ -244,7 +252,7 @@ def load_rank(rank: int, world: int, path: str, size: int, saved_world: int) -> 
 def _describe(layout: Any) -> str:
     counts = [len(b) for b in layout.blocks]
     empty = sum(1 for c in counts if c == 0)
-    from shardwise.checkpoint.offline import describe_sharding
+    from shardwise.checkpoint.inspection import describe_sharding
 
     blocks = list(dict.fromkeys(b for bs in layout.blocks for b in bs))
     what = describe_sharding(layout.global_shape, blocks)
@@ -281,7 +289,8 @@ def main(args: argparse.Namespace) -> int:
         total = sum(math.prod(s) for s in shapes(size).values()) * 4 * 3
         print(
             f"shardwise demo: training state of {total / 2**20:.1f} MiB "
-            f"(parameters + Adam moments), saved on {args.world_size} ranks, loaded on {args.load_world_size}"
+            f"(parameters + Adam moments), saved on {args.world_size} ranks, "
+            f"loaded on {args.load_world_size}"
         )
         _report_layouts(
             f"saved layouts ({args.world_size} ranks):", save_layouts(args.world_size, size)
@@ -333,7 +342,8 @@ def _main_torchrun(args: argparse.Namespace, size: int) -> int:
     dist.all_reduce(wrong)
     if rank == 0:
         print(
-            f"saved in {saved['seconds']:.3f}s, loaded in other layouts in {loaded['seconds']:.3f}s on {world} ranks"
+            f"saved in {saved['seconds']:.3f}s, loaded in other layouts in "
+            f"{loaded['seconds']:.3f}s on {world} ranks"
         )
         print("PASS" if int(wrong) == 0 else f"FAIL: {int(wrong)} elements differ")
     dist.destroy_process_group()

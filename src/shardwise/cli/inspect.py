@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..checkpoint import inspect
 from .sizes import format_size
 
 __all__ = ["add_parser", "main"]
@@ -23,8 +24,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..checkpoint import inspect
-
     info = inspect(args.path)
     if args.json:
         print(json.dumps(info.to_json(), indent=2))
@@ -54,7 +53,8 @@ def main(args: argparse.Namespace) -> int:
             )
         )
     print(
-        f"  {len(info.tensors)} tensors, {format_size(info.nbytes)}; {len(info.objects)} Python objects"
+        f"  {len(info.tensors)} tensors, {format_size(info.nbytes)}; "
+        f"{len(info.objects)} Python objects"
         + (f": {', '.join(info.objects)}" if info.objects else "")
     )
     return 0

@@ -12,6 +12,9 @@ import argparse
 import json
 from pathlib import Path
 
+from ..checkpoint import reshard
+from ..layout import Layout
+
 __all__ = ["add_parser", "main"]
 
 
@@ -33,9 +36,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..checkpoint import reshard
-    from ..layout import Layout
-
     layouts = None
     if args.layout is not None:
         layouts = {

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..checkpoint import inspect, verify
+
 __all__ = ["add_parser", "main"]
 
 
@@ -22,8 +24,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
-
-    from ..checkpoint import inspect, verify
 
     try:
         total = inspect(args.path).nbytes

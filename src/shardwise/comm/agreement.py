@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-import torch.distributed as dist
-
 from ..errors import ShardwiseError
+from .communicator import communicator
 
 __all__ = ["Problem", "exchange", "odd_ranks", "raise_agreed"]
 
@@ -25,8 +24,7 @@ Problem = tuple[type, str] | None
 def exchange(problem: BaseException | None, payload: Any, group: Any) -> list[Any]:
     """All-gather `payload` from every rank; raise on all ranks if any had a problem."""
     mine: Problem = None if problem is None else (type(problem), str(problem))
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (mine, payload), group=group)
+    gathered = communicator(group).all_gather_object((mine, payload))
     raise_agreed([p for p, _ in gathered])
     return [payload for _, payload in gathered]
 

@@ -76,10 +76,10 @@ def from_local_shards(
     given. Overlaps, holes, bounds, dtype/device mismatches and non-contiguous
     shards raise the same exception on every rank, naming the faulty rank.
     """
-    return _from_local_shards(shards, offsets, global_shape, group)
+    return from_local_shards_checked(shards, offsets, global_shape, group)
 
 
-def _from_local_shards(
+def from_local_shards_checked(
     shards: Any, offsets: Any, global_shape: Any, group: Any, problem: BaseException | None = None
 ) -> ShardedTensor:
     """`from_local_shards`, taking a problem the caller found first (`from_dtensor`'s)
@@ -121,7 +121,8 @@ def _from_local_shards(
             elif m["device_type"] != ref["device_type"] and problems[r] is None:
                 problems[r] = (
                     ShardMismatchError,
-                    f"its shards are on {m['device_type']} but rank {ref_rank}'s on {ref['device_type']}",
+                    f"its shards are on {m['device_type']} but rank {ref_rank}'s on "
+                    f"{ref['device_type']}",
                 )
     ndims = {r: len(m["blocks"][0][0]) for r, m in holders}
     if ndims:
@@ -140,7 +141,8 @@ def _from_local_shards(
             problems[r] = (
                 ShardMismatchError,
                 f"it passed global_shape {everyone[r]['shape']} but rank {ref_rank} passed "
-                f"{everyone[ref_rank]['shape']}; every rank must pass the same (or None everywhere)",
+                f"{everyone[ref_rank]['shape']}; every rank must pass the same (or None "
+                "everywhere)",
             )
     raise_agreed(problems)
     all_blocks = {r: [Block(o, s) for o, s in m["blocks"]] for r, m in enumerate(everyone)}

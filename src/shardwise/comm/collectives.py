@@ -153,6 +153,7 @@ def distribute(
     dtype, device_type = everyone[src][0]
     whole = Layout.table_wise(layout.global_shape, src, world)
     if rank == src:
+        assert tensor is not None  # checked before the exchange
         device = tensor.device
         shards = [tensor.contiguous()]
     else:
@@ -192,7 +193,8 @@ def equal(a: ShardedTensor, b: ShardedTensor) -> bool:
     ref, odd = odd_ranks([x[1:] for x in everyone])
     if odd:
         raise LayoutError(
-            f"ranks disagree on equal: ranks {odd} passed tensors of other layouts than rank {ref}; "
+            f"ranks disagree on equal: ranks {odd} passed tensors of other layouts than rank "
+            f"{ref}; "
             f"every rank must pass the same two tensors"
         )
     if b.layout_spec != a.layout_spec:

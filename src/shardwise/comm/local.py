@@ -149,7 +149,8 @@ def _local_meta(
             )
         if blocks and shape != blocks[0].sizes:
             raise ShardMismatchError(
-                f"its tensor has shape {shape} but its block {blocks[0]} has sizes {blocks[0].sizes}"
+                f"its tensor has shape {shape} but its block {blocks[0]} has sizes "
+                f"{blocks[0].sizes}"
             )
         if not blocks and tensor.numel():
             raise ShardMismatchError(
@@ -172,7 +173,8 @@ def _local_meta(
     if isinstance(sharding_shapes, str):
         if sharding_shapes not in ("chunk", "infer"):
             raise ValueError(
-                f"sharding_shapes must be 'chunk', 'infer' or a list of sizes, got {sharding_shapes!r}"
+                "sharding_shapes must be 'chunk', 'infer' or a list of sizes, got "
+                f"{sharding_shapes!r}"
             )
         mode = sharding_shapes
     else:
@@ -180,7 +182,8 @@ def _local_meta(
             mode = tuple(operator.index(s) for s in sharding_shapes)
         except TypeError:
             raise TypeError(
-                f"sharding_shapes must be 'chunk', 'infer' or a list of ints, got {sharding_shapes!r}"
+                "sharding_shapes must be 'chunk', 'infer' or a list of ints, got "
+                f"{sharding_shapes!r}"
             ) from None
         if len(mode) != world:
             raise ShardMismatchError(f"sharding_shapes lists {len(mode)} sizes for {world} ranks")
@@ -191,7 +194,8 @@ def _local_meta(
                 f"sharding_shapes gives it {mode[rank]} along dimension {d} but its tensor "
                 f"has shape {shape}"
             )
-    # the dimension as passed: -1 on tensors of different ndim is a shape problem, not a disagreement
+    # the dimension as passed: -1 on tensors of different ndim is a shape problem, not a
+    # disagreement
     return {
         **meta,
         "key": ("dim", dim, mode),
@@ -235,7 +239,8 @@ def _disagreements(everyone: list[dict[str, Any]]) -> list[Problem]:
         "key",
         LayoutError,
         lambda m, ref, rr: (
-            f"it passed {_describe(m)} but rank {rr} passed {_describe(ref, m)}; every rank must pass the same"
+            f"it passed {_describe(m)} but rank {rr} passed {_describe(ref, m)}; every rank must "
+            "pass the same"
         ),
     )
     if any(problems):
@@ -244,7 +249,8 @@ def _disagreements(everyone: list[dict[str, Any]]) -> list[Problem]:
         "dtype",
         TypeError,
         lambda m, ref, rr: (
-            f"its tensor is {m['dtype']} but rank {rr}'s is {ref['dtype']}; convert them to one dtype"
+            f"its tensor is {m['dtype']} but rank {rr}'s is {ref['dtype']}; convert them to one "
+            "dtype"
         ),
     )
     flag(
@@ -270,7 +276,8 @@ def _disagreements(everyone: list[dict[str, Any]]) -> list[Problem]:
                     problems[r] = (
                         LayoutError,
                         (
-                            f"its piece has {got} along dimension {everyone[r]['d']} but torch.chunk "
+                            f"its piece has {got} along dimension {everyone[r]['d']} but "
+                            "torch.chunk "
                             f"gives {want} (pieces {sizes}, torch.chunk {expected}); use "
                             f"sharding_shapes='infer'"
                         ),

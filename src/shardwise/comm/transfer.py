@@ -19,20 +19,22 @@ same bytes by about 1.5x.)
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from functools import lru_cache
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..errors import LayoutError
 from ..layout import Block, Layout, Transfer, plan_transfers
 from ..tensor import ShardedTensor
 from .agreement import exchange
+from .communicator import Communicator, communicator
 
 __all__ = ["agree", "cached_plan", "clear_staging_buffers", "move"]
 
-_STAGING: dict[torch.device, torch.Tensor] = {}
+# One buffer per device and communicator: moves on different groups may overlap.
+_STAGING: dict[tuple[torch.device, Hashable], torch.Tensor] = {}
 
 
 @lru_cache(maxsize=128)
@@ -46,11 +48,11 @@ def clear_staging_buffers() -> None:
     _STAGING.clear()
 
 
-def _staging(nbytes: int, device: torch.device) -> torch.Tensor:
-    buf = _STAGING.get(device)
+def _staging(nbytes: int, device: torch.device, comm: Communicator) -> torch.Tensor:
+    buf = _STAGING.get((device, comm.key))
     if buf is None or buf.numel() < nbytes:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        _STAGING[device] = buf
+        _STAGING[(device, comm.key)] = buf
     return buf[:nbytes]
 
 
@@ -74,10 +76,11 @@ def _check(st: ShardedTensor, dst: Any, what: str) -> BaseException | None:
         return TypeError(f"{what} needs a shardwise.Layout, got {type(dst).__name__}")
     if src.global_shape != dst.global_shape:
         return LayoutError(f"cannot {what} global shape {src.global_shape} to {dst.global_shape}")
-    group_size = dist.get_world_size(st.group)
+    group_size = communicator(st.group).world_size
     if dst.world_size != group_size or src.world_size != group_size:
         return LayoutError(
-            f"layouts span {src.world_size} and {dst.world_size} ranks but the group has {group_size}"
+            f"layouts span {src.world_size} and {dst.world_size} ranks but the group has "
+            f"{group_size}"
         )
     return None
 
@@ -154,7 +157,8 @@ def move(
     staged = (0 if send_buf is not None else sum(send_counts)) + (
         0 if recv_buf is not None else sum(recv_counts)
     )
-    staging = _staging(staged, st.device) if staged else None
+    comm = communicator(st.group)
+    staging = _staging(staged, st.device, comm) if staged else None
     if send_buf is None:
         send_buf = staging[: sum(send_counts)] if staging is not None else _empty_bytes(st.device)
         offset = 0
@@ -167,11 +171,10 @@ def move(
     if unpack:
         start = staged - sum(recv_counts)
         recv_buf = staging[start:] if staging is not None else _empty_bytes(st.device)
+    assert recv_buf is not None and send_buf is not None  # both set on every path above
     work = None
     if remote:  # the plan is global, so every rank agrees on calling the collective
-        work = dist.all_to_all_single(
-            recv_buf, send_buf, recv_counts, send_counts, group=st.group, async_op=True
-        )
+        work = comm.all_to_all_single(recv_buf, send_buf, recv_counts, send_counts)
     for t in local:  # overlaps with the collective in flight
         dst_view(t).copy_(src_view(t))
     if work is not None:

@@ -1,4 +1,4 @@
-"""PhysicsNeMo's `ShardTensor` <-> shardwise, and ShardTensors in checkpoints.
+"""PhysicsNeMo's `ShardTensor` <-> shardwise ShardedTensor, over the same local tensor.
 
 A ShardTensor shards a tensor unevenly over a device mesh and records, in its
 spec, every neighbour's piece shape along each sharded mesh dimension
@@ -14,9 +14,8 @@ those sizes instead of inferring them again:
   The layout must be a grid those placements express: Shard(d) with any
   (uneven, zero) sizes, Replicate, on meshes of any dimension, each tensor
   dimension sharded by at most one mesh dimension; otherwise `LayoutError`.
-- Importing this module registers a value adapter: `swc.save` writes a
-  ShardTensor as the ShardedTensor above, and `swc.load` fills a ShardTensor in
-  place through a ShardedTensor over its own local tensor.
+- ShardTensors in `swc.save`/`swc.load` go through
+  `shardwise.checkpoint.physicsnemo`'s value adapter.
 
 PhysicsNeMo itself is imported only inside `to_shard_tensor`; this module never
 imports it first (a ShardTensor in hand means it is loaded).
@@ -30,22 +29,14 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.adapters import ValueAdapter, register_value_adapter
 from ..comm.agreement import Problem
 from ..errors import LayoutError, ShardMismatchError
 from ..layout import Block, Layout
 from ..layout.layout import mesh_coordinates
 from ..tensor import ShardedTensor
-from .dtensor import (
-    SHARD_TENSOR,
-    Inspection,
-    _base_meta,
-    _mesh_position,
-    convert_agreed,
-    is_shard_tensor,
-)
+from .agreed import SHARD_TENSOR, Inspection, base_meta, convert_agreed, mesh_position
 
-__all__ = ["from_shard_tensor", "to_shard_tensor"]
+__all__ = ["from_shard_tensor", "inspect_shard_tensor", "to_shard_tensor"]
 
 
 def from_shard_tensor(st: Any) -> ShardedTensor:
@@ -56,7 +47,9 @@ def from_shard_tensor(st: Any) -> ShardedTensor:
     by two mesh dimensions, or recorded sizes that disagree with the pieces the
     ranks hold raise the same error on every rank, naming the faulty rank.
     """
-    return convert_agreed(st, (SHARD_TENSOR,), "from_shard_tensor", SHARD_TENSOR)
+    return convert_agreed(
+        st, {SHARD_TENSOR: inspect_shard_tensor}, "from_shard_tensor", SHARD_TENSOR
+    )
 
 
 def _rank_at(coords: Sequence[int], extents: Sequence[int]) -> int:
@@ -92,7 +85,7 @@ def inspect_shard_tensor(st: Any) -> Inspection:
     """This rank's block from the sizes its spec records, checked against its local tensor."""
     spec = st._spec
     mesh_shape = tuple(spec.mesh.shape)
-    rank = _mesh_position(spec.mesh)
+    rank = mesh_position(spec.mesh)
     shape, local = tuple(st.shape), st._local_tensor
     sharded = _sharded_dims(spec.placements, len(shape))
     recorded = spec._sharding_shapes
@@ -111,7 +104,8 @@ def inspect_shard_tensor(st: Any) -> Inspection:
         sizes = [int(s[d]) for s in recorded.get(m, ())]
         if len(sizes) != mesh_shape[m]:
             raise LayoutError(
-                f"its ShardTensor records {len(sizes)} piece shapes for mesh dimension {m} of size {mesh_shape[m]}"
+                f"its ShardTensor records {len(sizes)} piece shapes for mesh dimension {m} of size "
+                f"{mesh_shape[m]}"
             )
         if sizes[coords[m]] != held[d]:
             raise LayoutError(
@@ -122,9 +116,10 @@ def inspect_shard_tensor(st: Any) -> Inspection:
     for d in set(range(len(shape))) - set(sharded.values()):
         if held[d] != shape[d]:
             raise LayoutError(
-                f"its local tensor has shape {held} but dimension {d}, not sharded, has {shape[d]} globally"
+                f"its local tensor has shape {held} but dimension {d}, not sharded, has {shape[d]} "
+                "globally"
             )
-    meta = _base_meta(st, SHARD_TENSOR)
+    meta = base_meta(st, SHARD_TENSOR)
     meta.update(coords=coords, held=held, seen=seen, offsets=tuple(offsets))
 
     def check(everyone: list[dict[str, Any]]) -> list[Problem]:
@@ -159,8 +154,10 @@ def _recorded_vs_held(
                     problems[r] = (
                         LayoutError,
                         (
-                            f"its ShardTensor records rank {q}'s piece as {size} along dimension {d} "
-                            f"but rank {q} holds {everyone[q]['held'][d]} (recorded sizes {sizes}); "
+                            f"its ShardTensor records rank {q}'s piece as {size} along dimension "
+                            f"{d} "
+                            f"but rank {q} holds {everyone[q]['held'][d]} (recorded sizes "
+                            f"{sizes}); "
                             f"its sharding shapes are stale or wrong"
                         ),
                     )
@@ -230,10 +227,11 @@ def to_shard_tensor(st: ShardedTensor, mesh: Any, placements: Sequence[Any]) -> 
     from physicsnemo.domain_parallel import ShardTensor
 
     placements, mesh_shape, shape = tuple(placements), tuple(mesh.shape), tuple(st.shape)
-    rank = _mesh_position(mesh)
+    rank = mesh_position(mesh)
     if math.prod(mesh_shape) != st.layout_spec.world_size:
         raise LayoutError(
-            f"the mesh of shape {mesh_shape} has {math.prod(mesh_shape)} ranks but the layout spans "
+            f"the mesh of shape {mesh_shape} has {math.prod(mesh_shape)} ranks but the layout "
+            "spans "
             f"{st.layout_spec.world_size}"
         )
     if len(placements) != len(mesh_shape):
@@ -281,18 +279,3 @@ def _neighbour(
     moved = list(coords)
     moved[m] = k
     return _cell(shape, sharded, sizes, moved).sizes
-
-
-# -- checkpoints: ShardTensors in swc.save / swc.load state dicts ---------------
-
-
-def _for_save(value: Any) -> ShardedTensor:
-    return from_shard_tensor(value)
-
-
-def _for_load(value: Any) -> tuple[ShardedTensor, None]:
-    # The target shares the ShardTensor's local tensor: DCP fills it in place.
-    return from_shard_tensor(value), None
-
-
-register_value_adapter(ValueAdapter("physicsnemo", is_shard_tensor, _for_save, _for_load))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from ..errors import LayoutError
+
 __all__ = ["Block"]
 
 
@@ -38,14 +40,22 @@ class Block:
     sizes: tuple[int, ...]
     ends: tuple[int, ...]
     """Exclusive upper corner, `offsets + sizes`."""
+    _hash: int
 
     def __init__(self, offsets: Iterable[int], sizes: Iterable[int]) -> None:
         offsets = _int_tuple(offsets, "Block offsets")
         sizes = _int_tuple(sizes, "Block sizes")
         if len(offsets) != len(sizes):
-            raise ValueError(f"Block offsets {offsets} and sizes {sizes} have different lengths")
+            raise LayoutError(
+                f"Block offsets {offsets} and sizes {sizes} have different lengths (ndim); "
+                f"give one offset and one size per dimension"
+            )
         if offsets and (min(offsets) < 0 or min(sizes) < 0):
-            raise ValueError(f"Block offsets {offsets} and sizes {sizes} must be non-negative")
+            which = "offsets" if min(offsets) < 0 else "sizes"
+            raise LayoutError(
+                f"Block offsets {offsets} and sizes {sizes}: {which} must be non-negative "
+                f"(a block lies inside the tensor, and a size of 0 is an empty block)"
+            )
         init = object.__setattr__
         init(self, "offsets", offsets)
         init(self, "sizes", sizes)
@@ -71,13 +81,16 @@ class Block:
 
     @property
     def ndim(self) -> int:
+        """The number of dimensions (0 for the single element of a scalar)."""
         return len(self.sizes)
 
     @property
     def numel(self) -> int:
+        """The number of elements in the box."""
         return math.prod(self.sizes)
 
     def is_empty(self) -> bool:
+        """True when the block holds no element (some size is 0)."""
         return self.numel == 0
 
     def intersect(self, other: Block) -> Block | None:
@@ -87,7 +100,10 @@ class Block:
         shares none with anything.
         """
         if other.ndim != self.ndim:
-            raise ValueError(f"cannot intersect a {self.ndim}-d block with a {other.ndim}-d block")
+            raise LayoutError(
+                f"cannot intersect {self}, a {self.ndim}-d block, with {other}, a "
+                f"{other.ndim}-d block (ndim); both must index the same tensor"
+            )
         offsets = []
         sizes = []
         for a0, an, b0, bn in zip(self.offsets, self.sizes, other.offsets, other.sizes):
@@ -113,7 +129,10 @@ class Block:
     def relative_to(self, outer: Block) -> Block:
         """This block in the local coordinates of `outer`, which must contain it."""
         if not outer.contains(self):
-            raise ValueError(f"{self} is not inside {outer}")
+            raise LayoutError(
+                f"{self} (offsets {self.offsets}) is not inside {outer} (offsets "
+                f"{outer.offsets}), so it has no coordinates relative to it"
+            )
         return Block(tuple(o - p for o, p in zip(self.offsets, outer.offsets)), self.sizes)
 
     def slices(self) -> tuple[slice, ...]:

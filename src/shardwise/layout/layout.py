@@ -27,7 +27,7 @@ JSON_VERSION = 1
 def _chunk_sizes(extent: int, parts: int) -> list[int]:
     """Part sizes exactly as `torch.chunk` (and DTensor `Shard`) produce them."""
     if parts <= 0:
-        raise ValueError(f"the number of parts must be positive, got {parts}")
+        raise LayoutError(f"the number of parts (world size) must be positive, got {parts}")
     step = -(-extent // parts) if extent else 0
     sizes = []
     for i in range(parts):
@@ -39,10 +39,11 @@ def _chunk_sizes(extent: int, parts: int) -> list[int]:
 def _check_sizes(sizes: Sequence[int], extent: int, what: str) -> list[int]:
     sizes = [int(s) for s in sizes]
     if any(s < 0 for s in sizes):
-        raise ValueError(f"{what} sizes {sizes} must be non-negative")
+        raise LayoutError(f"{what} sizes {sizes} must be non-negative (0 is allowed)")
     if sum(sizes) != extent:
-        raise ValueError(
-            f"{what} sizes {sizes} add up to {sum(sizes)}, not the dimension's {extent}"
+        raise LayoutError(
+            f"{what} sizes {sizes} add up to {sum(sizes)}, not the dimension's {extent}; "
+            f"give sizes that add up to {extent} (0 is allowed)"
         )
     return sizes
 
@@ -214,7 +215,8 @@ class Layout:
 
     def __str__(self) -> str:
         n = sum(len(b) for b in self._blocks)
-        return f"Layout({'x'.join(map(str, self._shape)) or 'scalar'}, {n} blocks on {self.world_size} ranks)"
+        shape = "x".join(map(str, self._shape)) or "scalar"
+        return f"Layout({shape}, {n} blocks on {self.world_size} ranks)"
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_from_json_dict, (self._to_json_dict(),))
@@ -274,7 +276,7 @@ class Layout:
         """
         shape = tuple(shape)
         if len(shape) < 1:
-            raise ValueError("row_wise needs a tensor of at least 1 dimension")
+            raise LayoutError(f"row_wise needs a tensor of at least 1 dimension, got shape {shape}")
         return cls.along(shape, 0, _check_sizes(sizes, shape[0], "row_wise"), ranks, world_size)
 
     @classmethod
@@ -289,7 +291,10 @@ class Layout:
         """Consecutive column blocks; `ranks=[0, 1, 0, 1]` gives two blocks per rank."""
         shape = tuple(shape)
         if len(shape) < 2:
-            raise ValueError("column_wise needs a tensor of at least 2 dimensions")
+            raise LayoutError(
+                f"column_wise needs a tensor of at least 2 dimensions, got shape {shape}; "
+                f"use row_wise for a 1-d tensor"
+            )
         return cls.along(shape, 1, _check_sizes(sizes, shape[1], "column_wise"), ranks, world_size)
 
     @classmethod
@@ -301,14 +306,19 @@ class Layout:
         ranks: Sequence[int] | None = None,
         world_size: int | None = None,
     ) -> Layout:
-        """Consecutive blocks along `dim` of the given sizes; block `i` on `ranks[i]` (default `i`)."""
+        """Consecutive blocks along `dim` of the given sizes.
+
+        Block `i` goes to `ranks[i]` (default: rank `i`).
+        """
         shape = tuple(shape)
         dim = _normalize_dim(dim, len(shape))
         sizes = _check_sizes(sizes, shape[dim], f"dimension {dim}")
         if ranks is None:
             ranks = range(len(sizes))
         elif len(ranks) != len(sizes):
-            raise ValueError(f"{len(sizes)} block sizes but {len(ranks)} ranks")
+            raise LayoutError(
+                f"{len(sizes)} block sizes but {len(ranks)} ranks; give one rank per block"
+            )
         if world_size is None:
             world_size = max(ranks, default=-1) + 1
         blocks: dict[int, list[Block]] = {}
@@ -336,16 +346,19 @@ class Layout:
         shape = tuple(shape)
         grid = tuple(int(g) for g in grid)
         if len(grid) != len(shape):
-            raise ValueError(f"grid {grid} must have one entry per dimension of {shape}")
+            raise LayoutError(f"grid {grid} must have one entry per dimension of {shape}")
         if sizes is None:
             part_sizes = [_chunk_sizes(n, g) for n, g in zip(shape, grid)]
         else:
             if len(sizes) != len(shape):
-                raise ValueError(f"sizes needs one list per dimension of {shape}")
+                raise LayoutError(f"sizes needs one list per dimension of {shape}, got {sizes}")
             part_sizes = []
             for d, (n, g, s) in enumerate(zip(shape, grid, sizes)):
                 if len(s) != g:
-                    raise ValueError(f"dimension {d}: grid has {g} parts but {len(s)} sizes")
+                    raise LayoutError(
+                        f"dimension {d}: grid has {g} parts but {len(s)} sizes {list(s)}; "
+                        f"give one size per part"
+                    )
                 part_sizes.append(_check_sizes(s, n, f"grid dimension {d}"))
         part_offsets = [[0, *accumulate(s[:-1])] for s in part_sizes]
         world_size = math.prod(grid)
@@ -363,7 +376,10 @@ class Layout:
         """The whole tensor on one rank; the others hold nothing."""
         shape = tuple(shape)
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world size {world_size}")
+            raise LayoutError(
+                f"table_wise rank {rank} is outside world size {world_size}; "
+                f"pick a rank in range({world_size})"
+            )
         return cls(shape, {rank: [Block((0,) * len(shape), shape)]}, world_size)
 
     @classmethod
@@ -394,7 +410,7 @@ class Layout:
         for p in placements:
             if p.is_replicate():
                 shard_dims.append(None)
-            elif p.is_shard() and type(p).__name__ == "Shard":
+            elif p.is_shard():  # False for _StridedShard, whose blocks are not boxes
                 shard_dims.append(_normalize_dim(p.dim, len(shape)))
             else:
                 raise LayoutError(
@@ -420,7 +436,8 @@ class Layout:
 
 def _normalize_dim(dim: int, ndim: int) -> int:
     if not -ndim <= dim < ndim:
-        raise ValueError(f"dimension {dim} is out of range for a {ndim}-d tensor")
+        valid = f"valid: {-ndim} to {ndim - 1}" if ndim else "it has no dimension to split"
+        raise LayoutError(f"dimension {dim} is out of range for a {ndim}-d tensor ({valid})")
     return dim % ndim
 
 

@@ -14,6 +14,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from shardwise import Block, Layout, ShardedTensor
 from shardwise.testing import run_ranks, shard_of
 
+pytestmark = pytest.mark.spawned
+
 SHAPES = {
     "emb.row_uneven": (10, 6),
     "emb.columns": (5, 8),

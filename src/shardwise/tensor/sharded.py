@@ -3,43 +3,32 @@ this rank's blocks of a `Layout`.
 
 The wrapper holds no storage of its own; `__torch_dispatch__` sends each op to
 `shardwise.ops`, which applies it shard by shard. Nothing in this module
-communicates: building from a layout is local, and collectives live in
-`shardwise.comm`.
+communicates: building from a layout is local, and the collective and
+conversion methods call the code `shardwise.comm` and `shardwise.interop`
+install in `shardwise.tensor.provided` (they sit above this module).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import WriteItem
 
-from .errors import ShardMismatchError
-from .layout import Block, Layout
+from ..errors import ShardMismatchError
+from ..layout import Block, Layout
+from . import dcp_hooks
+from .provided import provided
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.planner import WriteItem
 
 __all__ = ["ShardedTensor"]
-
-
-def _current_rank(group: Any, layout: Layout) -> int:
-    """This process's rank in `group` (or the default group), 0 without one."""
-    import torch.distributed as dist
-
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 0
-    size = dist.get_world_size(group)
-    if size != layout.world_size:
-        raise ShardMismatchError(
-            f"the layout spans {layout.world_size} ranks but the process group has "
-            f"{size}; build the layout for the group's world size"
-        )
-    return dist.get_rank(group)
 
 
 class ShardedTensor(torch.Tensor):
@@ -57,7 +46,7 @@ class ShardedTensor(torch.Tensor):
     _group: Any
 
     # Torch functions go straight to __torch_dispatch__ (as for DTensor).
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(
@@ -107,7 +96,7 @@ class ShardedTensor(torch.Tensor):
         this process's rank in `group` (or the default group), or 0.
         """
         if rank is None:
-            rank = _current_rank(group, layout)
+            rank = provided("current_rank")(group, layout)
         if not 0 <= rank < layout.world_size:
             raise ShardMismatchError(
                 f"rank {rank} is outside the layout's world size {layout.world_size}"
@@ -169,9 +158,7 @@ class ShardedTensor(torch.Tensor):
         See `shardwise.comm.from_local_shards`; a problem on any rank raises the
         same error on every rank.
         """
-        from .comm import from_local_shards
-
-        return from_local_shards(shards, offsets, global_shape, group)
+        return provided("from_local_shards")(shards, offsets, global_shape, group)
 
     @classmethod
     def empty(
@@ -232,7 +219,7 @@ class ShardedTensor(torch.Tensor):
         requires_grad: bool,
     ) -> ShardedTensor:
         if rank is None:
-            rank = _current_rank(group, layout)
+            rank = provided("current_rank")(group, layout)
         dtype = dtype or torch.get_default_dtype()
         device = torch.device(device) if device is not None else torch.device("cpu")
         shards = [
@@ -298,96 +285,66 @@ class ShardedTensor(torch.Tensor):
 
     @property
     def local_chunks(self) -> list[ChunkStorageMetadata]:
-        return [
-            ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes))
-            for b in self.local_blocks
-        ]
+        """DCP chunks of this rank's blocks, in local-shard order."""
+        return dcp_hooks.chunks_of(self.local_blocks)
 
     def storage_metadata(self) -> TensorStorageMetadata:
         """DCP's description of this tensor: global size, this rank's chunks."""
-        return TensorStorageMetadata(
-            properties=self._properties(),
-            size=torch.Size(self._layout.global_shape),
-            chunks=self.local_chunks,
-        )
-
-    def _properties(self) -> TensorProperties:
-        return TensorProperties(
-            dtype=self.dtype,
-            requires_grad=self.requires_grad,
-            pin_memory=self.is_pinned(),
-        )
+        return dcp_hooks.storage_metadata(self)
 
     def is_empty_shard(self) -> bool:
         """True when this rank holds no element of the tensor."""
         return all(b.is_empty() for b in self.local_blocks)
 
-    def is_pinned(self, device: Any = None) -> bool:  # type: ignore[override]
+    def is_pinned(self, device: Any = None) -> bool:
         return bool(self._shards) and all(s.is_pinned() for s in self._shards)
 
     # -- collectives (shardwise.comm) ---------------------------------------
 
     def full_tensor(self) -> torch.Tensor:
         """The whole tensor on every rank. Collective; differentiable."""
-        from .comm import full_tensor
+        return provided("full_tensor")(self)
 
-        return full_tensor(self)
-
-    def gather(self, dst: int = 0) -> torch.Tensor | None:
+    # Shadows torch.Tensor.gather (an indexing op) with the legacy ShardedTensor's collective.
+    def gather(self, dst: int = 0) -> torch.Tensor | None:  # type: ignore[override]
         """The whole tensor on rank `dst`, None on the others. Collective."""
-        from .comm import gather
-
-        return gather(self, dst)
+        return provided("gather")(self, dst)
 
     def redistribute(self, layout: Layout, *, stats: dict[str, int] | None = None) -> ShardedTensor:
         """The same values in `layout`. Collective; differentiable."""
-        from .comm import redistribute
-
-        return redistribute(self, layout, stats=stats)
+        return provided("redistribute")(self, layout, stats=stats)
 
     def to_dtensor(self, mesh: Any, placements: Sequence[Any]) -> Any:
         """A DTensor sharing this rank's shard, when the layout is expressible."""
-        from .interop import to_dtensor
-
-        return to_dtensor(self, mesh, placements)
+        return provided("to_dtensor")(self, mesh, placements)
 
     def to_shard_tensor(self, mesh: Any, placements: Sequence[Any]) -> Any:
         """A PhysicsNeMo ShardTensor wrapping this rank's shard (uneven sizes kept),
         when the layout is a grid `placements` express; see `shardwise.interop.physicsnemo`."""
-        from .interop.physicsnemo import to_shard_tensor
-
-        return to_shard_tensor(self, mesh, placements)
+        return provided("to_shard_tensor")(self, mesh, placements)
 
     def to_local(self) -> torch.Tensor:
         """This rank's single shard; differentiable (see `shardwise.from_local`)."""
-        from .comm import to_local
-
-        return to_local(self)
+        return provided("to_local")(self)
 
     # -- DCP's _Checkpointable protocol ------------------------------------
 
     def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
-        from .checkpoint.protocol import create_write_items
-
-        return create_write_items(self, fqn)
+        return dcp_hooks.create_write_items(self, fqn)
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        from .checkpoint.protocol import create_chunk_list
-
-        return create_chunk_list(self)
+        return dcp_hooks.create_chunk_list(self)
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        from .checkpoint.protocol import get_tensor_shard
-
-        return get_tensor_shard(self, index)
+        return dcp_hooks.get_tensor_shard(self, index)
 
     # -- ops, printing, pickling ---------------------------------------------
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        from .ops import dispatch
-
-        return dispatch(func, args, kwargs or {})
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        return provided("dispatch")(func, args, kwargs or {})
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return (
@@ -396,7 +353,7 @@ class ShardedTensor(torch.Tensor):
             f"local_shards={len(self._shards)})"
         )
 
-    def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         # The group is process-local and is not pickled: a loaded tensor has none.
         return (
             _rebuild,

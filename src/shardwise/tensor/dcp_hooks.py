@@ -11,21 +11,48 @@ block list, so lookups take the fast path.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 import torch
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
     TensorProperties,
+    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..tensor import ShardedTensor
+from ..layout import Block
 
-__all__ = ["create_chunk_list", "create_write_items", "get_tensor_shard"]
+if TYPE_CHECKING:
+    from .sharded import ShardedTensor
+
+__all__ = [
+    "chunks_of",
+    "create_chunk_list",
+    "create_write_items",
+    "get_tensor_shard",
+    "storage_metadata",
+]
 
 
 def _chunk(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+
+
+def chunks_of(blocks: Iterable[Block]) -> list[ChunkStorageMetadata]:
+    """One DCP chunk per block, empty blocks included (LocalShardsWrapper's `local_chunks`)."""
+    return [_chunk(b.offsets, b.sizes) for b in blocks]
+
+
+def storage_metadata(st: ShardedTensor) -> TensorStorageMetadata:
+    properties = TensorProperties(
+        dtype=st.dtype, requires_grad=st.requires_grad, pin_memory=st.is_pinned()
+    )
+    return TensorStorageMetadata(
+        properties=properties, size=torch.Size(st.layout_spec.global_shape), chunks=st.local_chunks
+    )
 
 
 def create_write_items(st: ShardedTensor, fqn: str) -> list[WriteItem]:

@@ -1,0 +1,55 @@
+"""Raw writes and page checksums: the byte-level rules every writer, reader and verifier shares.
+
+One definition each, so what a writer checksums is exactly what a reader checks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import crc32c
+import torch
+
+from .manifest import PAGE_SIZE
+
+__all__ = ["bad_page", "byte_view", "frame_crc", "pages_of", "write_all"]
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, in C order, without a copy."""
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def write_all(fd: int, buffers: list[Any]) -> None:
+    """`writev` until every byte is written (one call may write less)."""
+    pending = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while pending:
+        n = os.writev(fd, pending[:1024])
+        while n:
+            if n >= len(pending[0]):
+                n -= len(pending.pop(0))
+            else:
+                pending[0] = pending[0][n:]
+                n = 0
+
+
+def pages_of(payload: memoryview, page_size: int = PAGE_SIZE) -> list[int]:
+    """crc32c of each `page_size` slice of a payload; an empty payload is one empty page."""
+    if len(payload) == 0:
+        return [crc32c.crc32c(b"")]
+    return [crc32c.crc32c(payload[i : i + page_size]) for i in range(0, len(payload), page_size)]
+
+
+def frame_crc(head: bytes | memoryview, tail: bytes | memoryview) -> int:
+    """crc32c of a record's bytes around its payload, as one stream."""
+    return crc32c.crc32c(tail, crc32c.crc32c(head))
+
+
+def bad_page(data: memoryview | bytes, start: int, page: int, pages: list[int]) -> int | None:
+    """Offset in `data` of its first page that fails its checksum, else None; `data`
+    holds whole pages (the last may be short) from the page-aligned payload offset `start`."""
+    for k in range(0, max(len(data), 1), page):  # empty: the one empty page `pages_of` sums
+        if crc32c.crc32c(data[k : k + page]) != pages[(start + k) // page]:
+            return k
+    return None

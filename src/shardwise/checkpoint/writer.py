@@ -1,0 +1,269 @@
+"""`Writer`: the DCP `StorageWriter` of shardwise checkpoints, kept apart from reading.
+
+Stock `FileSystemWriter` planning, constructor and `.metadata`, and data
+files in its format, so stock `dcp.load` reads the result. Every rank writes
+its items under fresh token-named files (`__0_0.sw<token>.distcp`) through
+`chunk_io`, then fsyncs them; the coordinator then commits (`commit.py`):
+`.metadata`, `shardwise.json`, the marker, each renamed into place, and
+collects the files of the checkpoint it replaced. Other files in the folder
+are never touched.
+
+Call order (DCP's): reset -> set_up_storage_writer -> prepare plans
+(collective) -> write_data on every rank -> finish on the coordinator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import crc32c
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
+    SerializationFormat,
+    _split_by_size_and_type,
+    _StorageInfo,
+    _StoragePrefix,
+    _write_item,
+)
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from .chunk_io import DataFile, Written
+from .commit import RecordNames, commit, data_file_name, in_the_way, new_token
+from .faults import failpoint
+from .manifest import Manifest, TensorEntry, dtype_name
+
+__all__ = ["Writer"]
+
+
+@dataclass
+class _Result:
+    """A stock `_StorageInfo` plus what the manifest needs; unwrapped in `finish`."""
+
+    stock: _StorageInfo
+    written: Written
+
+
+class Writer(FileSystemWriter):
+    """A DCP `StorageWriter` producing a shardwise checkpoint in the folder `path`.
+
+    A drop-in for `FileSystemWriter`, with its constructor: `overwrite=True`
+    (the default, as stock) replaces a checkpoint already in the folder;
+    `False` raises `RuntimeError("Checkpoint already exists ...")` when the
+    folder holds one. Either way, files in the folder that no checkpoint wrote
+    are left alone. `thread_count` writes that many files per rank in
+    parallel; `single_file_per_rank=False` writes a file per item;
+    `sync_files=False` skips fsync (then a crash may lose the new checkpoint,
+    as with stock); `_extensions` (e.g. ZStandard) transform each item's
+    stream as stock does, and such items are read back whole.
+    `serialization_format` must be `TORCH_SAVE` (what stock's own reader reads).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Sequence[Any] | None = None,
+        serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
+    ) -> None:
+        if serialization_format != SerializationFormat.TORCH_SAVE:
+            raise ValueError(
+                f"serialization_format={serialization_format} is not supported by "
+                "shardwise.checkpoint.Writer: stock FileSystemReader reads only TORCH_SAVE "
+                "records; for safetensors files use "
+                "torch.distributed.checkpoint.HuggingFaceStorageWriter or "
+                "shardwise.checkpoint.convert"
+            )
+        super().__init__(
+            path,
+            single_file_per_rank=single_file_per_rank,
+            sync_files=sync_files,
+            thread_count=thread_count,
+            per_thread_copy_ahead=per_thread_copy_ahead,
+            cache_staged_state_dict=cache_staged_state_dict,
+            overwrite=overwrite,
+            _extensions=_extensions,
+            serialization_format=serialization_format,
+        )
+        self._token = new_token()
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        # A fresh token on every rank for every save, whatever DCP resets or caches:
+        # data files never reuse a name, so no committed file is ever reopened.
+        self._token = new_token()
+
+    def _records(self) -> RecordNames:
+        return RecordNames(
+            self.rank if not self.use_collectives and self.rank is not None else None
+        )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # The folder is created in write_data: a save refused in planning leaves no folder.
+        existing = in_the_way(Path(self.path), self._records())
+        if not self.overwrite and existing:
+            raise RuntimeError(f"Checkpoint already exists and self.overwrite=False: {existing}")
+        if self.rank is not None and not self.use_collectives:
+            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
+        return plan
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items into fresh token-named files (one per bucket of
+        `thread_count`, or one per item), in parallel threads when there are several."""
+        failpoint("before-write")
+        Path(self.path).mkdir(parents=True, exist_ok=True)
+        token = self._token
+        if self.single_file_per_rank:
+            buckets = _split_by_size_and_type(max(1, self.thread_count), list(plan.items))
+        else:
+            buckets = [[item] for item in plan.items]
+        jobs = [
+            (data_file_name(plan.storage_data.prefix, k, token), items)
+            for k, items in enumerate(buckets)
+        ]
+        write = self._write_transformed if self.transforms.extensions else self._write_file
+        if self.thread_count > 1 and len(jobs) > 1:
+            with ThreadPoolExecutor(
+                self.thread_count, thread_name_prefix="shardwise-write"
+            ) as pool:
+                parts = list(pool.map(lambda job: write(job[0], job[1], planner), jobs))
+        else:
+            parts = [write(name, items, planner) for name, items in jobs]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result([r for part in parts for r in part])
+        return fut
+
+    def _write_file(
+        self, name: str, items: list[WriteItem], planner: SavePlanner
+    ) -> list[WriteResult]:
+        """Objects as pickled bytes, tensors as torch.save records (`chunk_io`); then fsync."""
+        serialization_id = self.save_id.replace("-", "")[:40].ljust(40, "0")  # torch.save's field
+        results = []
+        with DataFile(Path(self.path), name) as out:
+            for item in items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    written = out.write_object(cast(io.BytesIO, data).getbuffer())
+                else:
+                    tensor = cast(torch.Tensor, data).detach().cpu().contiguous()
+                    written = out.write_tensor(tensor, serialization_id)
+                stock = _StorageInfo(name, written.offset, written.length)
+                results.append(WriteResult(item.index, written.length, _Result(stock, written)))
+                failpoint("mid-data")
+            if self.sync_files:
+                out.sync()
+            failpoint("after-data")
+        return results
+
+    def _write_transformed(
+        self, name: str, items: list[WriteItem], planner: SavePlanner
+    ) -> list[WriteResult]:
+        """Items through the writer's stream transforms (stock's own item writer);
+        each stored range gets one checksum, computed from the written bytes."""
+        path = Path(self.path) / name
+        stock = []
+        with open(path, "xb") as stream:  # never an existing file
+            for item in items:
+                data = planner.resolve_data(item)
+                if item.type != WriteItemType.BYTE_IO:
+                    data = cast(torch.Tensor, data).detach().cpu()
+                stock.append(
+                    _write_item(
+                        self.transforms, stream, data, item, name, SerializationFormat.TORCH_SAVE
+                    )
+                )
+                failpoint("mid-data")
+            stream.flush()
+            if self.sync_files:
+                os.fsync(stream.fileno())
+        failpoint("after-data")
+        results = []
+        with open(path, "rb") as f:
+            for r in stock:
+                info: _StorageInfo = r.storage_data
+                crc = crc32c.crc32c(os.pread(f.fileno(), info.length, info.offset))
+                written = Written(info.relative_path, info.offset, info.length, [crc])
+                results.append(WriteResult(r.index, r.size_in_bytes, _Result(info, written)))
+        return results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Build `.metadata` and the manifest, then commit them (coordinator, or
+        every rank on its own without collectives)."""
+        stored: dict[MetadataIndex, _Result] = {}
+        for rank_results in results:
+            stored.update({r.index: r.storage_data for r in rank_results})
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {index: r.stock for index, r in stored.items()}
+        metadata.storage_meta = self.storage_meta()
+        metadata_bytes = pickle.dumps(metadata)
+        manifest = _manifest(metadata, stored, len(results))
+        manifest.metadata_crc32c = crc32c.crc32c(metadata_bytes)
+        keep = {r.stock.relative_path for r in stored.values()}
+        commit(
+            Path(self.path),
+            metadata_bytes,
+            manifest.to_json().encode(),
+            keep,
+            self._records(),
+            sync=self.sync_files,
+        )
+
+
+def _manifest(
+    metadata: Metadata, stored: dict[MetadataIndex, _Result], world_size: int
+) -> Manifest:
+    meta = metadata.storage_meta or StorageMeta()
+    manifest = Manifest(
+        world_size=world_size,
+        storage_meta={
+            "checkpoint_id": None if meta.checkpoint_id is None else str(meta.checkpoint_id),
+            "save_id": meta.save_id,
+            "modules": list(meta.modules),
+        },
+        dcp_version=metadata.version,
+    )
+    manifest.set_planner_data(metadata.planner_data)
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            entry = manifest.tensors[fqn] = TensorEntry(
+                dtype_name(md.properties.dtype),
+                tuple(md.size),
+                requires_grad=bool(md.properties.requires_grad),
+            )
+            for chunk in md.chunks:
+                r = stored[MetadataIndex(fqn, chunk.offsets)]
+                entry.chunks.append(
+                    r.written.chunk_entry(
+                        tuple(chunk.offsets), tuple(chunk.sizes), _descriptors(r.stock)
+                    )
+                )
+        else:
+            r = stored[MetadataIndex(fqn)]
+            manifest.objects[fqn] = r.written.object_entry(_descriptors(r.stock))
+    return manifest
+
+
+def _descriptors(info: _StorageInfo) -> list[str] | None:
+    return list(info.transform_descriptors) if info.transform_descriptors else None
