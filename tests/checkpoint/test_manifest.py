@@ -25,7 +25,20 @@ from shardwise.checkpoint.manifest import (
     ObjectEntry,
     TensorEntry,
 )
-from shardwise.checkpoint.manifest_fields import RECORDS, Field
+from shardwise.checkpoint.manifest_fields import (
+    CHUNK,
+    FAST_CHUNK,
+    RECORDS,
+    TENSOR,
+    Field,
+    _dump_chunk,
+    _dump_tensor,
+    _parse_chunk,
+    _parse_tensor,
+    _parse_tensors,
+    decode,
+    encode,
+)
 
 GOLDEN = Path(__file__).parent / "golden"
 DOC = Path(__file__).resolve().parents[2] / "docs" / "format.md"
@@ -152,7 +165,7 @@ def test_golden_round_trips():
 
 def test_golden_values():
     m = Manifest.from_json(golden_text())
-    assert (m.version, m.world_size, m.page_size, m.dcp_version) == (2, 1, 1 << 20, "1.0.0")
+    assert (m.version, m.world_size, m.dcp_version) == (3, 1, "1.0.0")
     assert m.storage_meta == {"checkpoint_id": CHECKPOINT_ID, "save_id": SAVE_ID, "modules": []}
     assert m.decoded_planner_data() == {
         "model.w": ("model", "w"),
@@ -173,9 +186,11 @@ def test_golden_values():
         6,
     )
     assert (scale.shape, scale.chunks[0].offsets, scale.chunks[0].payload[1]) == ((), (), 8)
-    # the pages are crc32c of the payloads: the element bytes, in C order
+    # chunks of at most 256 KiB are one tile: crc32c of the payload, the elements in C order
     data = torch.arange(24, dtype=torch.float32).numpy().tobytes()
-    assert [c.pages for c in w.chunks] == [[crc32c.crc32c(data[:64])], [crc32c.crc32c(data[64:])]]
+    assert [c.tile for c in w.chunks] == [(4, 4), (2, 4)]
+    assert [c.crcs for c in w.chunks] == [[crc32c.crc32c(data[:64])], [crc32c.crc32c(data[64:])]]
+    assert (bias.chunks[0].tile, scale.chunks[0].tile) == ((3,), ())
     step = m.objects["extra.step"]
     assert (step.file, step.length, step.transform) == (FILE, 1261, None)
     # one data file, its records back to back in save order, then the pickled object
@@ -193,7 +208,14 @@ def test_every_readable_version_has_a_golden_file_that_reads(version):
         assert (m.storage_meta, m.planner_data, m.dcp_version) == ({}, None, None)
         assert m.tensors["model.bias"].requires_grad is False
         current.tensors["model.bias"].requires_grad = False
+    if version < 3:  # pages of 1 MiB: one each here, the same crc32c as the one tile
+        assert m.page_size == 1 << 20
+        for t in current.tensors.values():
+            for c in t.chunks:
+                c.tile = None
     assert m.tensors == current.tensors and m.objects == current.objects
+    # an older manifest is written back in its own version, byte for byte
+    assert m.to_json() == golden_text(version)
 
 
 def _doc_example() -> str:
@@ -219,6 +241,7 @@ def test_doc_example_reads_with_the_real_reader(tmp_path):
 
 def _presence(f: Field) -> str:
     since = f", since v{f.since}" if f.since > 1 else ""
+    since += f", until v{f.until}" if f.until is not None else ""
     if f.required:
         return f"required{since}"
     return f"optional{since}; absent: `{json.dumps(f.default)}`"
@@ -249,15 +272,15 @@ def test_doc_tables_match_the_field_table(record):
 def test_entries_hold_the_stored_fields_with_the_table_defaults(record, entry):
     table = {f.name: f for f in RECORDS[record] if f.stored}
     attributes = {a.name: a for a in dataclass_fields(entry)}
-    assert set(table) == set(attributes)
-    for name, f in table.items():
+    assert {f.attribute for f in table.values()} == set(attributes)
+    for f in table.values():
         if not f.required:  # an entry built without it writes nothing for it
-            assert attributes[name].default == f.default, name
+            assert attributes[f.attribute].default == f.default, f.name
 
 
 def _full() -> Manifest:
     """Every optional field set: what the writer emits must be the whole table."""
-    m = Manifest(world_size=2, page_size=8, metadata_crc32c=5, dcp_version="1.0.0")
+    m = Manifest(world_size=2, metadata_crc32c=5, dcp_version="1.0.0")
     m.storage_meta = {"checkpoint_id": "c", "save_id": "s", "modules": ["m"]}
     m.set_planner_data({"odd": {1: 2}})  # not plain JSON: pickled
     m.tensors["t"] = TensorEntry("int16", (2, 3), requires_grad=True)
@@ -269,9 +292,11 @@ def _full() -> Manifest:
 
 
 def _minimal() -> Manifest:
-    m = Manifest(world_size=1, page_size=8)
+    m = Manifest(world_size=1)
     m.tensors["t"] = TensorEntry("int16", (2, 3))
-    m.tensors["t"].chunks.append(ChunkEntry((0, 0), (2, 3), "f", (0, 40), (20, 12), [1, 2], 3))
+    m.tensors["t"].chunks.append(
+        ChunkEntry((0, 0), (2, 3), "f", (0, 40), (20, 12), [1, 2], 3, None, (1, 3))
+    )
     m.objects["o"] = ObjectEntry("f", 40, 3, 9)
     return m
 
@@ -286,11 +311,15 @@ def _records(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
+def _current(record: str) -> list[Field]:
+    return [f for f in RECORDS[record] if f.in_version(VERSION)]
+
+
 def test_writer_emits_exactly_the_table_fields():
     for record, written in _records(json.loads(_full().to_json())).items():
-        assert list(written) == [f.name for f in RECORDS[record]], record
+        assert list(written) == [f.name for f in _current(record)], record
     for record, written in _records(json.loads(_minimal().to_json())).items():
-        assert list(written) == [f.name for f in RECORDS[record] if f.required], record
+        assert list(written) == [f.name for f in _current(record) if f.required], record
 
 
 @pytest.mark.parametrize("build", [_full, _minimal], ids=["all-optional-fields", "minimal"])
@@ -329,7 +358,7 @@ REQUIRED = [
     (record, f.name)
     for record, table in RECORDS.items()
     for f in table
-    if f.required and record in WHERE
+    if f.required and record in WHERE and f.in_version(VERSION)
 ]
 
 
@@ -343,7 +372,7 @@ def test_a_missing_required_field_is_named(record, name):
 BAD = {
     "world_size-string": ("top level", "world_size", "2", "expected a positive integer"),
     "world_size-zero": ("top level", "world_size", 0, "expected a positive integer"),
-    "page_size-float": ("top level", "page_size", 1048576.0, "expected a positive integer"),
+    "page_size-in-v3": ("top level", "page_size", 1048576, "unexpected (format version 3 "),
     "metadata_crc32c-negative": ("top level", "metadata_crc32c", -1, "expected a crc32c"),
     "metadata_crc32c-too-big": ("top level", "metadata_crc32c", 1 << 32, "expected a crc32c"),
     "checksum-md5": ("top level", "checksum", "md5", "expected \"crc32c\", got 'md5'"),
@@ -379,7 +408,12 @@ BAD = {
     "file-empty": ("chunk", "file", "", "expected a file name (no `/`, no `..`)"),
     "record-three": ("chunk", "record", [0, 1, 2], "expected [offset, length]"),
     "payload-negative": ("chunk", "payload", [-1, 64], "expected [offset, length] or null"),
-    "pages-too-big": ("chunk", "pages", [1 << 32], "expected a list of crc32c"),
+    "pages-in-v3": ("chunk", "pages", [1], "unexpected (format version 3 "),
+    "tiles-too-big": ("chunk", "tiles", [1 << 32], "expected a list of crc32c"),
+    "tiles-bool": ("chunk", "tiles", [True], "expected a list of crc32c"),
+    "tile-negative": ("chunk", "tile", [-1, 4], "expected a list of non-negative integers or null"),
+    "tile-float": ("chunk", "tile", [4.0, 4], "expected a list of non-negative integers or null"),
+    "tile-string": ("chunk", "tile", "4x4", "expected a list of non-negative integers or null"),
     "frame-float": ("chunk", "frame", 1.5, "expected a crc32c"),
     "transform-empty": ("chunk", "transform", [], "expected a non-empty list of strings"),
     "unexpected-chunk": ("chunk", "compression", "zstd", "unexpected"),
@@ -400,14 +434,30 @@ def test_a_field_newer_than_the_file_version_is_unexpected():
     doc = _mutate(json.loads(golden_text(1)), "chunk", "transform", ["stream.zstd/1"])
     message = _refused(doc)
     assert f"field {PATH['chunk']}transform: unexpected (format version 1 " in message
+    doc = _mutate(json.loads(golden_text(2)), "chunk", "tile", [4, 4])
+    assert f"field {PATH['chunk']}tile: unexpected (format version 2 " in _refused(doc)
+
+
+BAD_V2 = {
+    "page_size-float": ("top level", "page_size", 1048576.0, "expected a positive integer"),
+    "pages-too-big": ("chunk", "pages", [1 << 32], "expected a list of crc32c"),
+    "pages-missing": ("chunk", "pages", _REMOVE, "missing (required in format version 2)"),
+    "page_size-missing": ("top level", "page_size", _REMOVE, "missing (required in format"),
+}
+
+
+@pytest.mark.parametrize("record, name, value, reason", BAD_V2.values(), ids=BAD_V2.keys())
+def test_a_malformed_page_field_of_version_2_is_named(record, name, value, reason):
+    message = _refused(_mutate(json.loads(golden_text(2)), record, name, value))
+    assert f"field {PATH[record]}{name}: " in message and reason in message
 
 
 @pytest.mark.parametrize(
     "version, reason",
     [
-        (3, "format version 3 is not supported: this shardwise reads versions 1, 2 (a newer"),
-        (0, "format version 0 is not supported: this shardwise reads versions 1, 2"),
-        ("2", "format version '2' is not supported: this shardwise reads versions 1, 2"),
+        (4, "format version 4 is not supported: this shardwise reads versions 1, 2, 3 (a newer"),
+        (0, "format version 0 is not supported: this shardwise reads versions 1, 2, 3"),
+        ("2", "format version '2' is not supported: this shardwise reads versions 1, 2, 3"),
     ],
 )
 def test_an_unknown_version_names_found_and_supported(version, reason):
@@ -431,11 +481,28 @@ def test_a_damaged_document_fails_its_checksum():
         ("payload", [448, 60]),  # not sizes x itemsize
         ("payload", [1300, 64]),  # not inside the record
         ("payload", None),  # null without a transform
-        ("pages", [1, 2]),  # one page per page_size of payload
+        ("tiles", [1, 2]),  # one crc32c per tile of the grid
+        ("tile", [2, 4]),  # a grid of 2 tiles for 1 crc32c
+        ("tile", [0, 4]),  # no tile side of 0 in a non-empty chunk
+        ("tile", [8, 4]),  # larger than the chunk
+        ("tile", [4]),  # not the chunk's ndim
+        ("tile", None),  # only a transformed chunk has no tiles
         ("sizes", [5, 4]),  # past the global shape
         ("offsets", [0]),  # not the tensor's ndim
     ],
-    ids=["payload-length", "payload-outside-record", "payload-null", "pages", "sizes", "ndim"],
+    ids=[
+        "payload-length",
+        "payload-outside-record",
+        "payload-null",
+        "tiles",
+        "tile-grid",
+        "tile-zero",
+        "tile-too-large",
+        "tile-ndim",
+        "tile-null",
+        "sizes",
+        "ndim",
+    ],
 )
 def test_cross_field_checks(name, value):
     doc = _mutate(json.loads(golden_text()), "chunk", name, value)
@@ -444,6 +511,118 @@ def test_cross_field_checks(name, value):
     assert str(info.value).startswith(f"{SOURCE}: chunk at offsets ") and "of 'model.w'" in str(
         info.value
     )
+
+
+def test_cross_field_checks_of_pages_in_version_2():
+    doc = _mutate(json.loads(golden_text(2)), "chunk", "pages", [1, 2])  # one page per MiB
+    with pytest.raises(swc.CorruptCheckpointError, match=r"chunk at offsets \(0, 0\) of 'model.w'"):
+        Manifest.from_json(compact(checksummed(doc)), SOURCE)
+
+
+def test_a_tiled_chunk_has_one_crc32c_per_tile_of_its_grid():
+    doc = json.loads(golden_text())
+    chunk = doc["tensors"]["model.w"]["chunks"][0]  # sizes [4, 4]
+    for tile, count in [([1, 4], 4), ([3, 3], 4), ([4, 1], 4), ([2, 3], 4), ([1, 1], 16)]:
+        chunk["tile"], chunk["tiles"] = tile, list(range(count))
+        got = Manifest.from_json(compact(checksummed(doc))).tensors["model.w"].chunks[0]
+        assert (got.tile, got.crcs) == (tuple(tile), list(range(count)))
+        chunk["tiles"] = list(range(count + 1))
+        with pytest.raises(swc.CorruptCheckpointError, match="inconsistent"):
+            Manifest.from_json(compact(checksummed(doc)), SOURCE)
+
+
+def _chunk_docs() -> list[Any]:
+    """The golden chunks, and each with one field broken in every way the tests know."""
+    doc = json.loads(golden_text())
+    chunks = [c for t in doc["tensors"].values() for c in t["chunks"]]
+    broken = []
+    for record, name, value, _ in BAD.values():
+        if record == "chunk":
+            broken.append(dict(chunks[0], **{name: value}))
+    for name in FAST_CHUNK:
+        broken.append({k: v for k, v in chunks[0].items() if k != name})
+        for value in (None, True, 1.0, -1, "x", [], [None], [1.5], [-1], [1, 2, 3], {}):
+            broken.append(dict(chunks[0], **{name: value}))
+    broken.append(dict(chunks[0], transform=["stream.zstd/1"], payload=None, tile=None))
+    broken.append(dict(chunks[0], extra=1))
+    return chunks + broken + ["not a chunk", None, []]
+
+
+@pytest.mark.parametrize("version", READS)
+def test_the_fast_chunk_path_reads_and_writes_as_the_table(version):
+    """The fast path for the common chunk never accepts what the table refuses, and
+    what it accepts is the table's entry; what it writes is the table's JSON."""
+    assert FAST_CHUNK == tuple(f.name for f in CHUNK if f.in_version(VERSION) and f.required)
+    accepted = 0
+    for c in _chunk_docs():
+        fast = _parse_chunk(c, version)
+        try:
+            slow = ChunkEntry(**decode(CHUNK, c, version, "chunk"))
+        except ValueError:
+            assert fast is None, c
+            continue
+        assert fast is None or fast == slow, c
+        # the fast path takes every current chunk the table takes, but for a transformed one
+        # (a transform, a null payload or tile: the geometry check refuses the latter alone)
+        common = (
+            version == VERSION
+            and set(c) == set(FAST_CHUNK)
+            and c["payload"] is not None
+            and c["tile"] is not None
+        )
+        assert (fast is not None) == common, c
+        accepted += fast is not None
+        if fast is not None:
+            assert _dump_chunk(fast, version) == encode(CHUNK, fast, version)
+    assert accepted >= (3 if version == VERSION else 0)  # the golden chunks at least
+    tensors = json.loads(golden_text(version))["tensors"]
+    slow = {k: TensorEntry(**decode(TENSOR, t, version, "tensor")) for k, t in tensors.items()}
+    assert _parse_tensors(tensors, version) == (slow if version == VERSION else None)
+    for k, t in tensors.items():
+        assert _parse_tensor(t, version) == (slow[k] if version == VERSION else None)
+        assert _dump_tensor(slow[k], version) == (
+            encode(TENSOR, slow[k], version) if version == VERSION else None
+        )
+    if version != VERSION:
+        return
+    bias = tensors["model.bias"]
+    for name, value in [("shape", [True]), ("shape", [-1]), ("dtype", "float33"), ("dtype", 3)]:
+        broken = dict(tensors, **{"model.bias": dict(bias, **{name: value})})
+        assert _parse_tensors(broken, version) is None, (name, value)
+        with pytest.raises(ValueError):
+            decode(TENSOR, broken["model.bias"], version, "tensor")
+    for c in _chunk_docs():  # one broken chunk: the whole map goes through the table
+        broken = dict(tensors, **{"model.bias": dict(bias, chunks=[c])})
+        if _parse_chunk(c, version) is None:
+            assert _parse_tensors(broken, version) is None, c
+    extra = dict(tensors, **{"model.bias": dict(bias, requires_grad=1)})
+    assert _parse_tensors(extra, version) is None
+
+
+def test_a_chunk_without_tiles_is_never_written():
+    m = _minimal()
+    m.tensors["t"].chunks[0].tile = None  # page checksums, in a version 3 manifest
+    with pytest.raises(ValueError, match=r"chunk at \(0, 0\) in f has a payload but no tiles"):
+        m.to_json()
+    m.version = 2  # what they are: a version 2 manifest (pages of page_size)
+    m.page_size = 8
+    m.storage_meta = {"checkpoint_id": None, "save_id": None, "modules": []}
+    assert Manifest.from_json(m.to_json()) == m
+
+
+def test_a_manifest_of_many_small_tensors_round_trips():
+    m = Manifest(world_size=1, storage_meta={"checkpoint_id": None, "save_id": None, "modules": []})
+    for i in range(2000):
+        m.tensors[f"layer.{i}.w"] = TensorEntry("float32", (4, i % 7))
+        chunk = ChunkEntry((0, 0), (4, i % 7), "f", (i, 200), (i + 100, 16 * (i % 7)), [i], 5)
+        chunk.tile = (4, i % 7)
+        m.tensors[f"layer.{i}.w"].chunks.append(chunk)
+    text = m.to_json()
+    assert Manifest.from_json(text) == m
+    doc = json.loads(text)
+    assert doc["crc32c"] == crc32c.crc32c(compact(dict(doc, crc32c=0)).encode())
+    # a document that is not in the writer's compact form still checks against that form
+    assert Manifest.from_json(json.dumps(doc, indent=1)) == m
 
 
 def test_read_checks_the_data_files(tmp_path):

@@ -8,9 +8,12 @@ problem on any rank is raised, listing every offending key, on every rank.
 
 from __future__ import annotations
 
+import gc
 import pickle
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +28,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ..comm.agreement import exchange
+from ..comm.communicator import Communicator, SingleProcess, communicator
 from ..errors import CheckpointMismatchError, ShardwiseError
 from ..layout import Block
 from .adapters import adapted_for_load, adapted_for_save
 from .commit import in_the_way, per_rank_records
+from .loading import load_state
 from .megatron import (
     metadata_json_problem,
     prepare_load,
@@ -38,6 +43,7 @@ from .megatron import (
 )
 from .offline import open_checkpoint
 from .reader import Reader
+from .saving import save_state
 from .staging import Stager
 from .writer import Writer
 
@@ -85,7 +91,49 @@ def _unwrap(e: CheckpointException) -> BaseException:
 def _state_dicts_of(state_dict: dict[str, Any]) -> dict[str, Any]:
     """Top-level `Stateful` values (a model, an optimizer wrapper) replaced by
     their `state_dict()`, as `dcp.save` does, before anything looks inside."""
-    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+    return {
+        k: v.state_dict() if not isinstance(v, torch.Tensor) and isinstance(v, Stateful) else v
+        for k, v in state_dict.items()
+    }
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection during a blocking save or load: they create
+    ~10 small objects per tensor, and at 100,000 tensors the collector's passes
+    over a heap holding torch cost more than the checkpoint's own work."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _comm(process_group: Any) -> Communicator:
+    return communicator(process_group) if _distributed(process_group) else SingleProcess()
+
+
+def _target_problem(
+    path: Path, overwrite: bool, process_group: Any, megatron: bool = False
+) -> BaseException | None:
+    """What rank 0 finds in the way of a save: a checkpoint (unless `overwrite`; other
+    files are fine), a file, or a foreign `metadata.json` (for a Megatron-readable save)."""
+    if _distributed(process_group) and dist.get_rank(process_group) != 0:
+        return None
+    existing = in_the_way(path)
+    if existing and not overwrite:
+        return FileExistsError(existing)
+    if path.exists() and not path.is_dir():
+        return NotADirectoryError(f"{path} is a file, not a checkpoint folder")
+    if megatron:
+        return metadata_json_problem(path)
+    return None
+
+
+def _save_arguments(path: Path, overwrite: bool, megatron: bool) -> tuple[str, Any]:
+    return ("save path, overwrite and megatron", (str(path.resolve()), overwrite, megatron))
 
 
 def _check_target(
@@ -95,9 +143,8 @@ def _check_target(
     state_dict: dict[str, Any] | None = None,
     megatron: bool = False,
 ) -> None:
-    """Collective pre-save check: same path and flags everywhere, no checkpoint in
-    the way (other files are fine), objects picklable, no foreign `metadata.json`
-    in the way of a Megatron-readable save."""
+    """Collective pre-save check: same path and flags everywhere, nothing in the
+    way (`_target_problem`), objects picklable."""
     problem: BaseException | None = None
     if state_dict is not None:
         flat, _ = flatten_state_dict(state_dict)
@@ -110,20 +157,9 @@ def _check_target(
                         f"object '{key}' cannot be pickled ({type(e).__name__}: {e})"
                     )
                     break
-    if not _distributed(process_group) or dist.get_rank(process_group) == 0:
-        existing = in_the_way(path)
-        if existing and not overwrite and problem is None:
-            problem = FileExistsError(existing)
-        elif path.exists() and not path.is_dir() and problem is None:
-            problem = NotADirectoryError(f"{path} is a file, not a checkpoint folder")
-        elif megatron and problem is None:
-            problem = metadata_json_problem(path)
-    _agree(
-        problem,
-        process_group,
-        (str(path.resolve()), overwrite, megatron),
-        "save path, overwrite and megatron",
-    )
+    problem = problem or _target_problem(path, overwrite, process_group, megatron)
+    what, arguments = _save_arguments(path, overwrite, megatron)
+    _agree(problem, process_group, arguments, what)
 
 
 def save(
@@ -156,12 +192,23 @@ def save(
             prepare_save(_state_dicts_of(state_dict), process_group),
             save_planner(),
         )
-    else:
-        state_dict = adapted_for_save(_state_dicts_of(state_dict), process_group)
-    _check_target(path, overwrite, process_group, state_dict, megatron)
-    if megatron:
+        _check_target(path, overwrite, process_group, state_dict, megatron)
         _write_megatron_metadata(path, process_group)
-    return _save_checked(state_dict, path, overwrite, process_group, planner)
+        return _save_checked(state_dict, path, overwrite, process_group, planner)
+    state_dict = adapted_for_save(_state_dicts_of(state_dict), process_group)
+    start = time.perf_counter()
+    problem = _target_problem(path, overwrite, process_group)
+    with _gc_paused():
+        saved = save_state(
+            state_dict,
+            path,
+            _comm(process_group),
+            problem,
+            _save_arguments(path, overwrite, False),
+        )
+    if not saved:  # a value only DCP's own machinery saves: its target check already ran
+        return _save_checked(state_dict, path, overwrite, process_group)
+    return SaveInfo(path, time.perf_counter() - start)
 
 
 def _write_megatron_metadata(path: Path, process_group: Any) -> None:
@@ -240,8 +287,16 @@ def async_save(
     group = _ASYNC.group_for(process_group)
     staged = _ASYNC.stager.stage(state_dict)
     _ASYNC.stager.synchronize()
-    _ASYNC.pending = _ASYNC.executor.submit(_save_checked, staged, path, overwrite, group)
+    _ASYNC.pending = _ASYNC.executor.submit(_save_staged, staged, path, overwrite, group)
     return _ASYNC.pending
+
+
+def _save_staged(state_dict: dict[str, Any], path: Path, overwrite: bool, group: Any) -> SaveInfo:
+    """The background part of `async_save`, on its own group (targets already checked)."""
+    start = time.perf_counter()
+    if save_state(state_dict, path, _comm(group), None, _save_arguments(path, overwrite, False)):
+        return SaveInfo(path, time.perf_counter() - start)
+    return _save_checked(state_dict, path, overwrite, group)
 
 
 def _mismatches(state_dict: dict[str, Any], metadata: Any, strict: bool, cast: bool) -> list[str]:
@@ -306,7 +361,11 @@ def load(
         return reader
     # Stateful values as their state dicts first (as dcp.load does), so that what they
     # hold is adapted too; filled back through load_state_dict after.
-    statefuls = {k: v for k, v in state_dict.items() if isinstance(v, Stateful)}
+    statefuls = {
+        k: v
+        for k, v in state_dict.items()
+        if not isinstance(v, torch.Tensor) and isinstance(v, Stateful)
+    }
     plain = _state_dicts_of(state_dict) if statefuls else state_dict
     with adapted_for_load(
         plain, process_group
@@ -329,6 +388,32 @@ def _load_adapted(
     process_group: Any,
 ) -> Reader:
     reader = Reader(path, verify=verify)
+    arguments = ("load path, strict and cast_dtype", (str(path.resolve()), strict, cast_dtype))
+    with _gc_paused():
+        read = load_state(
+            state_dict,
+            path,
+            _comm(process_group),
+            arguments,
+            strict=strict,
+            verify=verify,
+            cast_dtype=cast_dtype,
+        )
+    if read is not None:
+        reader.bytes_read, reader.manifest = read
+        return reader
+    return _load_through_dcp(reader, state_dict, path, strict, cast_dtype, process_group)
+
+
+def _load_through_dcp(
+    reader: Reader,
+    state_dict: dict[str, Any],
+    path: Path,
+    strict: bool,
+    cast_dtype: bool,
+    process_group: Any,
+) -> Reader:
+    """Stock checkpoints, per-rank records, transformed chunks: `dcp.load` with `Reader`."""
     problem: BaseException | None = None
     try:
         try:

@@ -1,7 +1,7 @@
 """Writing a data file item by item: the one path by which `Writer` and `reshard` store chunks.
 
 Both frame each tensor as a `torch.save` record, write it straight from the
-tensor's memory, checksum its pages while they are in cache, and record where
+tensor's memory, checksum its tiles while they are in cache, and record where
 it went; doing that in one place keeps their files and manifests identical.
 """
 
@@ -16,11 +16,12 @@ from typing import Any
 import crc32c
 import torch
 
-from .file_io import frame_crc, pages_of, write_all
+from .file_io import byte_view, frame_crc, write_all
 from .manifest import ChunkEntry, ObjectEntry
 from .record_write import tensor_record
+from .tiles import checksum_payload
 
-__all__ = ["DataFile", "Written"]
+__all__ = ["DataFile", "Written", "payload_checksums"]
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,11 @@ class Written:
     file: str
     offset: int
     length: int
-    pages: list[int]  # of the payload; one, of the whole range, for an object
+    crcs: list[int]  # of the payload's tiles (pages when `tile` is None); one, of the whole range,
+    # for an object or a transformed record
     payload: tuple[int, int] | None = None  # a tensor record's raw C-order bytes
     frame: int = 0  # crc32c of a tensor record's bytes around its payload
+    tile: tuple[int, ...] | None = None  # the tile shape of `crcs`; None: pages, or one crc
 
     def chunk_entry(
         self, offsets: tuple[int, ...], sizes: tuple[int, ...], transform: list[str] | None = None
@@ -43,13 +46,24 @@ class Written:
             self.file,
             (self.offset, self.length),
             self.payload,
-            self.pages,
+            self.crcs,
             self.frame,
             transform,
+            self.tile,
         )
 
     def object_entry(self, transform: list[str] | None = None) -> ObjectEntry:
-        return ObjectEntry(self.file, self.offset, self.length, self.pages[0], transform)
+        return ObjectEntry(self.file, self.offset, self.length, self.crcs[0], transform)
+
+
+def payload_checksums(tensor: torch.Tensor) -> tuple[tuple[int, ...], list[int]]:
+    """(tile shape, crc32c of each tile) of a contiguous CPU tensor's payload, read in
+    place: what the manifest records for the chunk it is stored as."""
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError("payload_checksums needs a contiguous CPU tensor")
+    plain = tensor.resolve_conj().resolve_neg()  # the values, as `tensor_record` stores them
+    payload = byte_view(plain) if plain.numel() else memoryview(b"")
+    return checksum_payload(payload, tuple(plain.shape), plain.element_size())
 
 
 class DataFile:
@@ -83,16 +97,23 @@ class DataFile:
 
     def write_tensor(self, tensor: torch.Tensor, serialization_id: str = "0" * 40) -> Written:
         """A contiguous CPU tensor as the `torch.save` record stock DCP reads, its
-        payload written from the tensor's memory (`writev`, no copy)."""
+        payload written from the tensor's memory (`writev`, no copy) and checksummed
+        tile by tile (`tiles`)."""
         head, payload, tail = tensor_record(tensor, serialization_id)
         write_all(self._fd, [head, payload, tail])
+        tile, crcs = checksum_payload(payload, tuple(tensor.shape), tensor.element_size())
         payload_at = (self.pos + len(head), len(payload))
         length = len(head) + len(payload) + len(tail)
-        return self._advance(length, pages_of(payload), payload_at, frame_crc(head, tail))
+        return self._advance(length, crcs, payload_at, frame_crc(head, tail), tile)
 
     def _advance(
-        self, length: int, pages: list[int], payload: tuple[int, int] | None = None, frame: int = 0
+        self,
+        length: int,
+        crcs: list[int],
+        payload: tuple[int, int] | None = None,
+        frame: int = 0,
+        tile: tuple[int, ...] | None = None,
     ) -> Written:
-        written = Written(self.name, self.pos, length, pages, payload, frame)
+        written = Written(self.name, self.pos, length, crcs, payload, frame, tile)
         self.pos += length
         return written

@@ -13,16 +13,20 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import functools
 import json
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 FORMAT = "shardwise.checkpoint"
-VERSION = 2  # the version written
-READS = (1, 2)  # the versions read; 2 added transforms, planner data, storage_meta, requires_grad
+VERSION = 3  # the version written
+# the versions read; 2 added transforms, planner data, storage_meta, requires_grad;
+# 3 replaced pages of `page_size` with tiles (a chunk's `tile` and `tiles`)
+READS = (1, 2, 3)
 
 
 class FieldError(ValueError):
@@ -40,9 +44,12 @@ class ChunkEntry:
     file: str
     record: tuple[int, int]  # the torch.save record: offset, length (what stock reads)
     payload: tuple[int, int] | None  # the raw C-order bytes inside it; None when transformed
-    pages: list[int]  # crc32c of each page of the payload (of the record, when transformed)
+    # crc32c of each tile of the payload (`tile` set, v3), or of each page (v1, v2);
+    # when transformed, one crc32c of the whole record
+    crcs: list[int]
     frame: int = 0  # crc32c of the record's bytes before and after the payload
     transform: list[str] | None = None  # DCP stream-transform descriptors (e.g. zstd)
+    tile: tuple[int, ...] | None = None  # the tile shape (v3); None: pages, or transformed
 
 
 @dataclass
@@ -65,11 +72,16 @@ class TensorEntry:
 @dataclass(frozen=True)
 class Kind:
     """What a field's JSON value may be: `parse(value, version, path)` returns the
-    entry's value or raises `FieldError`; `dump` turns the entry's value back into JSON."""
+    entry's value or raises `FieldError`; `dump(value, version)` turns the entry's
+    value back into JSON (None: as it is; json writes tuples as lists). A leaf kind
+    also gives `ok` and `convert`, which `decode` calls directly (the same checks as
+    `parse`, without building the field's path unless it fails)."""
 
     doc: str  # as docs/format.md describes it
     parse: Callable[[Any, int, str], Any]
-    dump: Callable[[Any], Any] = lambda value: value  # tuples need nothing: json writes lists
+    dump: Callable[[Any, int], Any] | None = None
+    ok: Callable[[Any], bool] | None = None
+    convert: Callable[[Any], Any] | None = None
 
 
 _UNSET: Any = object()
@@ -82,51 +94,117 @@ class Field:
     doc: str
     default: Any = _UNSET  # set: optional, this value when absent, and then never written
     since: int = 1  # the first format version that has it (older files must not)
-    fixed: Any = _UNSET  # set: always written as this (format, version, checksum)
+    until: int | None = None  # the last format version that has it (newer files must not)
+    fixed: Any = _UNSET  # set: always written as this (format, checksum)
     stored: bool = True  # False: checked on read, not kept on the entry
+    attr: str = ""  # the entry's attribute that holds it, when not `name`
 
     @property
     def required(self) -> bool:
         return self.default is _UNSET
 
+    @property
+    def attribute(self) -> str:
+        return self.attr or self.name
 
-def encode(fields: tuple[Field, ...], entry: Any) -> dict[str, Any]:
-    """The JSON object of `entry` (a dataclass, or a dict for storage_meta)."""
-    unknown = set(entry) - {f.name for f in fields} if isinstance(entry, dict) else set()
-    if unknown:  # a writer's bug: what it means to keep would be lost
-        raise ValueError(f"no manifest field for {sorted(unknown)}")
+    def in_version(self, version: int) -> bool:
+        return self.since <= version and (self.until is None or version <= self.until)
+
+
+class _Step(NamedTuple):
+    """One field of a table as encode and decode use it, its lookups done once."""
+
+    name: str
+    attribute: str
+    required: bool
+    default: Any
+    fixed: Any
+    stored: bool
+    ok: Callable[[Any], bool] | None
+    convert: Callable[[Any], Any] | None
+    parse: Callable[[Any, int, str], Any]
+    dump: Callable[[Any, int], Any] | None
+    doc: str
+
+
+_PLANS: dict[tuple[int, int], tuple[tuple[Field, ...], frozenset[str], tuple[_Step, ...]]] = {}
+
+
+def _plan(fields: tuple[Field, ...], version: int) -> tuple[frozenset[str], tuple[_Step, ...]]:
+    """The names and steps of the fields a file of `version` has, in table order.
+    Cached by the table's identity: a manifest of 100,000 chunks encodes and decodes
+    the chunk table 100,000 times, so per-field lookups are what it costs."""
+    plan = _PLANS.get((id(fields), version))
+    if plan is None or plan[0] is not fields:
+        steps = tuple(
+            _Step(
+                f.name,
+                f.attribute,
+                f.required,
+                f.default,
+                f.fixed,
+                f.stored,
+                f.kind.ok,
+                f.kind.convert,
+                f.kind.parse,
+                f.kind.dump,
+                f.kind.doc,
+            )
+            for f in fields
+            if f.in_version(version)
+        )
+        plan = _PLANS[(id(fields), version)] = (fields, frozenset(s.name for s in steps), steps)
+    return plan[1], plan[2]
+
+
+def encode(fields: tuple[Field, ...], entry: Any, version: int) -> dict[str, Any]:
+    """The JSON object of `entry` (a dataclass, or a dict for storage_meta) in format `version`."""
+    _, steps = _plan(fields, version)
+    as_dict = isinstance(entry, dict)
+    if as_dict:
+        unknown = set(entry) - {f.name for f in fields}
+        if unknown:  # a writer's bug: what it means to keep would be lost
+            raise ValueError(f"no manifest field for {sorted(unknown)}")
     doc: dict[str, Any] = {}
-    for f in fields:
-        if f.fixed is not _UNSET:
-            doc[f.name] = f.fixed
+    for s in steps:
+        if s.fixed is not _UNSET:
+            doc[s.name] = s.fixed
             continue
-        value = entry.get(f.name, f.default) if isinstance(entry, dict) else getattr(entry, f.name)
-        if f.required or value != f.default:
-            doc[f.name] = f.kind.dump(value)
+        value = entry.get(s.name, s.default) if as_dict else getattr(entry, s.attribute)
+        if s.required or value != s.default:
+            doc[s.name] = value if s.dump is None else s.dump(value, version)
     return doc
 
 
 def decode(fields: tuple[Field, ...], doc: Any, version: int, path: str) -> dict[str, Any]:
-    """The entry's values from a JSON object of format `version`, every field checked."""
-    if not isinstance(doc, dict):
+    """The entry's values, by attribute, from a JSON object of format `version`, every
+    field checked."""
+    if type(doc) is not dict:
         raise FieldError(path, f"expected an object, got {_show(doc)}")
-    known = {f.name: f for f in fields if f.since <= version}
-    for name in doc:
-        if name not in known:
-            raise FieldError(
-                _at(path, name), f"unexpected (format version {version} has no such field)"
-            )
+    names, steps = _plan(fields, version)
+    if not names.issuperset(doc):
+        name = next(n for n in doc if n not in names)
+        raise FieldError(
+            _at(path, name), f"unexpected (format version {version} has no such field)"
+        )
     values: dict[str, Any] = {}
-    for f in known.values():
-        at = _at(path, f.name)
-        if f.name in doc:
-            value = f.kind.parse(doc[f.name], version, at)
-        elif f.required:
-            raise FieldError(at, f"missing (required in format version {version})")
+    for s in steps:
+        value = doc.get(s.name, _UNSET)
+        if value is _UNSET:
+            if s.required:
+                raise FieldError(
+                    _at(path, s.name), f"missing (required in format version {version})"
+                )
+            value = copy.copy(s.default) if isinstance(s.default, (list, dict)) else s.default
+        elif s.ok is not None:
+            if not s.ok(value):
+                raise FieldError(_at(path, s.name), f"expected {s.doc}, got {_show(value)}")
+            if s.convert is not None:
+                value = s.convert(value)
         else:
-            value = copy.copy(f.default)  # never share a mutable default between entries
-        if f.stored:
-            values[f.name] = value
+            value = s.parse(value, version, _at(path, s.name))
+        if s.stored:
+            values[s.attribute] = value
     return values
 
 
@@ -139,13 +217,13 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _leaf(doc: str, ok: Callable[[Any], bool], convert: Callable[[Any], Any] = lambda v: v) -> Kind:
+def _leaf(doc: str, ok: Callable[[Any], bool], convert: Callable[[Any], Any] | None = None) -> Kind:
     def parse(value: Any, version: int, path: str) -> Any:
         if not ok(value):
             raise FieldError(path, f"expected {doc}, got {_show(value)}")
-        return convert(value)
+        return value if convert is None else convert(value)
 
-    return Kind(doc, parse)
+    return Kind(doc, parse, ok=ok, convert=convert)
 
 
 def _int(v: Any) -> bool:
@@ -153,15 +231,24 @@ def _int(v: Any) -> bool:
 
 
 def _nonneg(v: Any) -> bool:
-    return _int(v) and v >= 0
+    return type(v) is int and v >= 0
 
 
 def _crc(v: Any) -> bool:
-    return _int(v) and 0 <= v < 1 << 32
+    return type(v) is int and 0 <= v < 4294967296
 
 
 def _list_of(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: isinstance(v, list) and all(ok(x) for x in v)
+
+
+# The lists every chunk has, checked inline: a manifest of 100,000 chunks checks 10^6 integers.
+def _nonneg_list(v: Any) -> bool:
+    return type(v) is list and all(type(x) is int and x >= 0 for x in v)
+
+
+def _crc_list(v: Any) -> bool:
+    return type(v) is list and all(type(x) is int and 0 <= x < 4294967296 for x in v)
 
 
 def _str(v: Any) -> bool:
@@ -169,7 +256,7 @@ def _str(v: Any) -> bool:
 
 
 def _range(v: Any) -> bool:
-    return _list_of(_nonneg)(v) and len(v) == 2
+    return type(v) is list and len(v) == 2 and _nonneg(v[0]) and _nonneg(v[1])
 
 
 def _file_name(v: Any) -> bool:
@@ -177,12 +264,19 @@ def _file_name(v: Any) -> bool:
     return (
         isinstance(v, str)
         and v not in ("", ".", "..")
-        and not any(c in v for c in ("/", "\\", "\0"))
+        and "/" not in v
+        and "\\" not in v
+        and "\0" not in v
     )
 
 
 def _dtype_name(v: Any) -> bool:
-    return isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype)
+    return isinstance(v, str) and _is_dtype_name(v)
+
+
+@functools.lru_cache(maxsize=256)
+def _is_dtype_name(v: str) -> bool:
+    return isinstance(getattr(torch, v, None), torch.dtype)
 
 
 def _base64(v: Any) -> bool:
@@ -200,32 +294,86 @@ def _record(fields: tuple[Field, ...], make: Callable[..., Any]) -> Kind:
     return Kind(
         "an object (fields below)",
         lambda doc, version, path: make(**decode(fields, doc, version, path)),
-        lambda entry: encode(fields, entry),
+        lambda entry, version: encode(fields, entry, version),
     )
 
 
-def _record_map(doc: str, fields: tuple[Field, ...], make: Callable[..., Any]) -> Kind:
+# A record kind's fast path: `parse(value, version)` returns the entry, or None to
+# leave the value to the table (which also names what is wrong); `dump(entry, version)`
+# returns the JSON object, or None likewise.
+FastParse = Callable[[Any, int], Any]
+FastDump = Callable[[Any, int], Any]
+
+
+def _record_map(
+    doc: str,
+    fields: tuple[Field, ...],
+    make: Callable[..., Any],
+    fast: tuple[FastParse, FastDump] | None = None,
+    fast_all: FastParse | None = None,
+) -> Kind:
+    """`fast_all(value, version)`: all entries at once, or None to take them one by one."""
+    fast_parse, fast_dump = fast or (lambda v, version: None, lambda e, version: None)
+
     def parse(value: Any, version: int, path: str) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise FieldError(path, f"expected an object, got {_show(value)}")
-        return {k: make(**decode(fields, v, version, f"{path}[{k!r}]")) for k, v in value.items()}
+        if fast_all is not None:
+            entries = fast_all(value, version)
+            if entries is not None:
+                return entries
+        out = {}
+        for k, v in value.items():
+            entry = fast_parse(v, version)
+            out[k] = (
+                make(**decode(fields, v, version, f"{path}[{k!r}]")) if entry is None else entry
+            )
+        return out
 
-    return Kind(doc, parse, lambda entries: {k: encode(fields, e) for k, e in entries.items()})
+    def dump(entries: dict[str, Any], version: int) -> dict[str, Any]:
+        out = {}
+        for k, e in entries.items():
+            d = fast_dump(e, version)
+            out[k] = encode(fields, e, version) if d is None else d
+        return out
+
+    return Kind(doc, parse, dump)
 
 
-def _record_list(doc: str, fields: tuple[Field, ...], make: Callable[..., Any]) -> Kind:
+def _record_list(
+    doc: str,
+    fields: tuple[Field, ...],
+    make: Callable[..., Any],
+    fast: tuple[FastParse, FastDump] | None = None,
+) -> Kind:
+    fast_parse, fast_dump = fast or (lambda v, version: None, lambda e, version: None)
+
     def parse(value: Any, version: int, path: str) -> list[Any]:
         if not isinstance(value, list):
             raise FieldError(path, f"expected a list, got {_show(value)}")
-        return [make(**decode(fields, v, version, f"{path}[{i}]")) for i, v in enumerate(value)]
+        out = []
+        for i, v in enumerate(value):
+            entry = fast_parse(v, version)
+            if entry is None:
+                entry = make(**decode(fields, v, version, f"{path}[{i}]"))
+            out.append(entry)
+        return out
 
-    return Kind(doc, parse, lambda entries: [encode(fields, e) for e in entries])
+    def dump(entries: list[Any], version: int) -> list[Any]:
+        out = []
+        for e in entries:
+            d = fast_dump(e, version)
+            out.append(encode(fields, e, version) if d is None else d)
+        return out
+
+    return Kind(doc, parse, dump)
 
 
 NONNEG = _leaf("a non-negative integer", _nonneg)
 POSITIVE = _leaf("a positive integer", lambda v: _int(v) and v > 0)
 CRC = _leaf("a crc32c: an integer in [0, 2**32)", _crc)
-INDEX = _leaf("a list of non-negative integers", _list_of(_nonneg), tuple)
+INDEX = _leaf("a list of non-negative integers", _nonneg_list, tuple)
+CRCS = _leaf("a list of crc32c", _crc_list)
 RANGE = _leaf("[offset, length]: non-negative integers", _range, tuple)
 RANGE_OR_NULL = _leaf(
     "[offset, length] or null",
@@ -254,9 +402,29 @@ CHUNK = (
     ),
     Field(
         "pages",
-        _leaf("a list of crc32c", _list_of(_crc)),
+        CRCS,
         "crc32c of each `page_size` slice of the payload (the last may be shorter); "
         "when transformed, one crc32c of the whole record",
+        until=2,
+        attr="crcs",
+    ),
+    Field(
+        "tile",
+        _leaf(
+            "a list of non-negative integers or null",
+            lambda v: v is None or _nonneg_list(v),
+            lambda v: None if v is None else tuple(v),
+        ),
+        "the tile shape: the payload's checksum grid (see Tiles); `null` when transformed",
+        since=3,
+    ),
+    Field(
+        "tiles",
+        CRCS,
+        "crc32c of each tile of the payload, in the tile grid's C order; when transformed, "
+        "one crc32c of the whole record",
+        since=3,
+        attr="crcs",
     ),
     Field("frame", CRC, "crc32c of the record's bytes before the payload, then after it"),
     Field(
@@ -268,6 +436,163 @@ CHUNK = (
     ),
 )
 
+# -- the common chunk and tensor, fast -------------------------------------------------
+# A checkpoint of 100,000 small tensors has 100,000 chunks like these: the newest
+# version, no transform, every integer checked by a few C-level calls instead of one
+# Python call each. They accept exactly what the tables accept (a test holds them to
+# it); anything else goes through the tables, which name what is wrong.
+FAST_CHUNK = ("offsets", "sizes", "file", "record", "payload", "tile", "tiles", "frame")
+_FAST_CHUNK_KEYS = frozenset(FAST_CHUNK)
+_chunk_values = operator.itemgetter(*FAST_CHUNK)
+_INT = {int}  # not bool: JSON `true` is no size
+
+
+def _counts(values: list[Any]) -> bool:
+    """Non-negative integers, all of them (`values` is not empty)."""
+    return set(map(type, values)) == _INT and min(values) >= 0
+
+
+def _parse_chunk(doc: Any, version: int) -> ChunkEntry | None:
+    if version != VERSION or type(doc) is not dict or doc.keys() != _FAST_CHUNK_KEYS:
+        return None
+    offsets, sizes, file, record, payload, tile, tiles, frame = _chunk_values(doc)
+    if not (
+        type(offsets) is list
+        and type(sizes) is list
+        and type(record) is list
+        and len(record) == 2
+        and type(payload) is list
+        and len(payload) == 2
+        and type(tile) is list
+        and type(tiles) is list
+        and _counts([*offsets, *sizes, *record, *payload, *tile, *tiles, frame])
+        and max(tiles, default=0) < 4294967296
+        and frame < 4294967296
+        and _file_name(file)
+    ):
+        return None
+    return ChunkEntry(
+        tuple(offsets),
+        tuple(sizes),
+        file,
+        tuple(record),
+        tuple(payload),
+        tiles,
+        frame,
+        None,
+        tuple(tile),
+    )
+
+
+def _dump_chunk(c: ChunkEntry, version: int) -> dict[str, Any] | None:
+    if version != VERSION or c.transform is not None:
+        return None
+    if c.tile is None and c.payload is not None:  # a writer's bug: no reader would take it
+        raise ValueError(f"chunk at {c.offsets} in {c.file} has a payload but no tiles")
+    return {
+        "offsets": c.offsets,
+        "sizes": c.sizes,
+        "file": c.file,
+        "record": c.record,
+        "payload": c.payload,
+        "tile": c.tile,
+        "tiles": c.crcs,
+        "frame": c.frame,
+    }
+
+
+def _parse_tensors(value: Any, version: int) -> dict[str, TensorEntry] | None:
+    """Every tensor of a manifest at once, when all are common: the integers, crc32cs,
+    file and dtype names of all chunks are gathered and each kind checked in one pass."""
+    if version != VERSION or type(value) is not dict:
+        return None
+    counts: list[Any] = []  # every value that must be a non-negative integer
+    crcs: list[Any] = []  # every value that must be a crc32c
+    names: set[str] = set()  # file names and dtype names, checked once each
+    dtypes: set[str] = set()
+    out = {}
+    for key, t in value.items():
+        if type(t) is not dict:
+            return None
+        dtype, shape, chunks = t.get("dtype"), t.get("shape"), t.get("chunks")
+        requires_grad = t.get("requires_grad", False)
+        if not (
+            len(t) == 3 + ("requires_grad" in t)
+            and type(dtype) is str
+            and type(shape) is list
+            and type(chunks) is list
+            and type(requires_grad) is bool
+        ):
+            return None
+        counts += shape
+        dtypes.add(dtype)
+        entries = []
+        for c in chunks:
+            if type(c) is not dict or c.keys() != _FAST_CHUNK_KEYS:
+                return None
+            offsets, sizes, file, record, payload, tile, tiles, frame = _chunk_values(c)
+            if not (
+                type(offsets) is list
+                and type(sizes) is list
+                and type(file) is str
+                and type(record) is list
+                and len(record) == 2
+                and type(payload) is list
+                and len(payload) == 2
+                and type(tile) is list
+                and type(tiles) is list
+            ):
+                return None
+            counts += offsets
+            counts += sizes
+            counts += record
+            counts += payload
+            counts += tile
+            crcs += tiles
+            crcs.append(frame)
+            names.add(file)
+            entries.append(
+                ChunkEntry(
+                    tuple(offsets),
+                    tuple(sizes),
+                    file,
+                    tuple(record),
+                    tuple(payload),
+                    tiles,
+                    frame,
+                    None,
+                    tuple(tile),
+                )
+            )
+        out[key] = TensorEntry(dtype, tuple(shape), entries, requires_grad)
+    if counts and not _counts(counts):
+        return None
+    if crcs and not (_counts(crcs) and max(crcs) < 4294967296):
+        return None
+    if not (all(map(_file_name, names)) and all(map(_dtype_name, dtypes))):
+        return None
+    return out
+
+
+def _parse_tensor(doc: Any, version: int) -> TensorEntry | None:
+    out = _parse_tensors({"": doc}, version)
+    return None if out is None else out[""]
+
+
+def _dump_tensor(t: TensorEntry, version: int) -> dict[str, Any] | None:
+    if version != VERSION:
+        return None
+    chunks = []
+    for c in t.chunks:
+        d = _dump_chunk(c, version)
+        if d is None:
+            return None
+        chunks.append(d)
+    if t.requires_grad:
+        return {"dtype": t.dtype, "shape": t.shape, "requires_grad": True, "chunks": chunks}
+    return {"dtype": t.dtype, "shape": t.shape, "chunks": chunks}
+
+
 TENSOR = (
     Field("dtype", _leaf("a torch dtype name", _dtype_name), "`float32`, `bfloat16`, ..."),
     Field("shape", INDEX, "the global shape (`[]` for a 0-d tensor)"),
@@ -278,7 +603,11 @@ TENSOR = (
         default=False,
         since=2,
     ),
-    Field("chunks", _record_list("a list of chunks", CHUNK, ChunkEntry), "the stored blocks"),
+    Field(
+        "chunks",
+        _record_list("a list of chunks", CHUNK, ChunkEntry, (_parse_chunk, _dump_chunk)),
+        "the stored blocks",
+    ),
 )
 
 OBJECT = (
@@ -295,13 +624,12 @@ TOP = (
         "version",
         _leaf(f"one of {', '.join(map(str, READS))}", lambda v: _int(v) and v in READS),
         "the format version (see Versioning)",
-        fixed=VERSION,
     ),
     Field("world_size", POSITIVE, "ranks that saved"),
     Field(
         "checksum", _const("crc32c"), "the checksum used throughout", fixed="crc32c", stored=False
     ),
-    Field("page_size", POSITIVE, "bytes of payload per checksum page"),
+    Field("page_size", POSITIVE, "bytes of payload per checksum page", until=2),
     Field("metadata_crc32c", CRC, "crc32c of DCP's `.metadata` (checked by `verify`)"),
     Field("dcp_version", STR_OR_NULL, "DCP's `Metadata.version`", since=2),
     Field("storage_meta", _record(STORAGE_META, dict), "DCP's `StorageMeta`", since=2),
@@ -322,7 +650,13 @@ TOP = (
     ),
     Field(
         "tensors",
-        _record_map("an object: key to tensor", TENSOR, TensorEntry),
+        _record_map(
+            "an object: key to tensor",
+            TENSOR,
+            TensorEntry,
+            (_parse_tensor, _dump_tensor),
+            _parse_tensors,
+        ),
         "the tensors, by DCP's flattened key (`model.emb.weight`)",
     ),
     Field(

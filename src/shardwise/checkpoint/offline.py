@@ -1,7 +1,8 @@
 """Reading a checkpoint in one process, with no process group: what every offline tool builds on.
 
 `open_checkpoint` reads the metadata once; `read` fetches a tensor or a
-region of it through `Reader` (only the bytes of the region), and
+region of it through `Reader` (only the bytes of the region, widened to whole
+checksum tiles when verifying; `bytes_read` counts them), and
 `object_bytes` a stored object, verified and never unpickled. Works on
 shardwise and stock DCP checkpoints alike.
 """
@@ -39,6 +40,12 @@ class OpenCheckpoint:
     def manifest(self) -> Manifest | None:
         return self.reader.manifest
 
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from data files so far: of each region, its byte runs, widened
+        (when verifying) to the checksum tiles that cover them."""
+        return self.reader.bytes_read
+
     def tensor_keys(self) -> list[str]:
         return [
             k
@@ -67,7 +74,8 @@ class OpenCheckpoint:
         return nbytes(tuple(md.size), md.properties.dtype)
 
     def read(self, fqn: str, region: Block | None = None) -> torch.Tensor:
-        """Tensor `fqn`, or only `region` of it (global coordinates): only those bytes are read."""
+        """Tensor `fqn`, or only `region` of it (global coordinates): only those bytes are
+        read (with verification, each chunk's tile-aligned box enclosing the region)."""
         md = self.tensor_metadata(fqn)
         shape = tuple(md.size)
         if region is None:
@@ -101,6 +109,7 @@ class OpenCheckpoint:
         with open(self.path / info.relative_path, "rb") as f:
             f.seek(info.offset)
             data = f.read(info.length)
+        self.reader.bytes_read += len(data)
         entry = self.manifest.objects.get(fqn) if self.manifest else None
         if len(data) != info.length or (entry is not None and crc32c.crc32c(data) != entry.crc32c):
             raise CorruptCheckpointError(

@@ -5,10 +5,12 @@ It reads `shardwise.json` (never unpickling `.metadata`), or a stock
 range it reads comes from the `Metadata` it was set up with
 (`set_up_storage_reader`): a reset reader keeps nothing of the previous
 checkpoint. It reads only the byte ranges of each stored chunk that the load
-targets need (`byte_runs`), and verifies the checksum pages it reads.
+targets need (`byte_runs`), widened to the checksum tiles (or, in older
+checkpoints, pages) that cover them, and verifies those.
 
 Call order (DCP's): reset -> read_metadata -> set_up_storage_reader ->
-prepare plans (collective) -> read_data on every rank.
+prepare plans (collective) -> read_data on every rank. How much of a chunk a
+ranged read reads, and how it is verified, is `chunk_read`'s.
 """
 
 from __future__ import annotations
@@ -27,10 +29,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
-from .byte_runs import MERGE_GAP, runs, spans
+from .chunk_read import check_record, read_box
 from .commit import RecordNames, leftover_data, per_rank_records
-from .file_io import bad_page, byte_view
-from .manifest import MARKER, PAGE_SIZE, Manifest, StoredChunk, StoredObject, dtype_from_name
+from .manifest import MARKER, Manifest, StoredChunk, StoredObject, dtype_from_name
 from .record_read import RecordLayout, read_record_layout
 from .safe_pickle import load_metadata
 
@@ -42,8 +43,8 @@ class Reader(FileSystemReader):
 
     A drop-in for `FileSystemReader` (same constructor, `_extension_registry`
     included). `bytes_read` counts every byte this reader read from data
-    files. `verify=False` skips checksum verification (and the page-widening
-    it needs). Per-rank checkpoints (saved with `use_collectives=False`) are
+    files. `verify=False` skips checksum verification (and the widening to
+    whole tiles or pages it needs). Per-rank checkpoints (saved with `use_collectives=False`) are
     read through `read_metadata(rank=...)`, as stock.
     """
 
@@ -177,12 +178,8 @@ class Reader(FileSystemReader):
         """A chunk stored through stream transforms (e.g. zstd): byte ranges inside
         it mean nothing, so read it whole, check it, undo the transforms, load."""
         data = self._pread(fd, info.length, info.offset, path)
-        pages = info.pages if isinstance(info, StoredChunk) else None
-        if pages and self.verify and crc32c.crc32c(data) != pages[0]:
-            raise CorruptCheckpointError(
-                f"'{req.storage_index.fqn}': bytes {info.offset}..{info.offset + info.length} "
-                f"of {path} fail their checksum"
-            )
+        if isinstance(info, StoredChunk) and self.verify:
+            check_record(data, info, path, req.storage_index.fqn)
         try:
             whole = torch.load(
                 io.BytesIO(self._untransform(req, info, data)),
@@ -198,17 +195,15 @@ class Reader(FileSystemReader):
     def _read_tensor(
         self, fd: int, path: Path, req: Any, info: _StorageInfo, planner: LoadPlanner
     ) -> None:
-        if isinstance(info, StoredChunk) and info.payload is not None:
-            dtype = dtype_from_name(info.dtype)
-            layout = RecordLayout(info.payload[0], info.payload[1], dtype, tuple(info.sizes), True)
-            pages = info.pages if self.verify else None
-            page = info.page_size
-        else:
+        chunk = info if isinstance(info, StoredChunk) and info.payload is not None else None
+        if chunk is not None and chunk.payload is not None:
+            at, n = chunk.payload
+            layout = RecordLayout(at, n, dtype_from_name(chunk.dtype), tuple(chunk.sizes), True)
+        else:  # stock checkpoints carry no checksums: find the payload in the record
             try:
                 layout = read_record_layout(fd, info.offset, info.length)
             except ValueError as e:
                 raise CorruptCheckpointError(f"'{req.storage_index.fqn}' in {path}: {e}") from e
-            pages, page = None, PAGE_SIZE  # stock checkpoints carry no checksums
         if not layout.c_contiguous:  # a strided record: load it whole, as stock DCP does
             record = self._pread(fd, info.length, info.offset, path)
             self._commit(
@@ -223,7 +218,18 @@ class Reader(FileSystemReader):
             raise CorruptCheckpointError(
                 f"'{req.storage_index.fqn}' in {path}: stored chunk has the wrong size"
             )
-        piece = self._read_box(fd, path, req, layout, pages, page, target)
+        piece, n = read_box(
+            fd,
+            path,
+            req.storage_index.fqn,
+            chunk,
+            layout,
+            tuple(req.storage_offsets),
+            tuple(req.lengths),
+            target,
+            self.verify,
+        )
+        self.bytes_read += n
         if piece is not target:
             target.copy_(piece)
         planner.commit_tensor(req, target)
@@ -239,84 +245,3 @@ class Reader(FileSystemReader):
             )
         target.copy_(piece)
         planner.commit_tensor(req, target)
-
-    def _read_box(
-        self,
-        fd: int,
-        path: Path,
-        req: Any,
-        layout: RecordLayout,
-        pages: list[int] | None,
-        page: int,
-        target: torch.Tensor,
-    ) -> torch.Tensor:
-        """Read the sub-box `req.storage_offsets/lengths` of a C-order payload.
-
-        The box is a set of equal runs along its last partial dimension. Runs
-        closer than one OS page are read as one span (a smaller gap saves no
-        I/O); with verification each span is widened to whole checksum pages.
-        A whole chunk, or a span that is exactly one run, is read straight into
-        `target`; a span of several runs is read once and the runs gathered
-        from it with one copy.
-        """
-        direct = (
-            target.is_contiguous() and target.device.type == "cpu" and target.dtype == layout.dtype
-        )
-        dest = target if direct else torch.empty(tuple(req.lengths), dtype=layout.dtype)
-        name = req.storage_index.fqn
-        if tuple(req.lengths) == layout.shape:  # the whole chunk, the common case: one read
-            if dest.numel():
-                out = byte_view(dest)
-                got = os.preadv(fd, [out], layout.payload_offset)
-                self.bytes_read += got
-                if got != len(out):
-                    raise CorruptCheckpointError(f"{path}: short read in '{name}': truncated")
-                if pages is not None:
-                    self._check_pages(out, 0, page, pages, layout, name, path)
-            return dest
-        starts, run = runs(
-            layout.shape, tuple(req.storage_offsets), tuple(req.lengths), layout.dtype.itemsize
-        )
-        if not len(starts):
-            return dest
-        widen = page if pages is not None else None
-        reads = spans(starts, run, MERGE_GAP, widen, layout.payload_length)
-        rows = dest.reshape(-1).view(torch.uint8).view(len(starts), run)
-        out = rows.numpy().data.cast("B")
-        for span_start, span_len, first, last in reads:
-            buf = None
-            if last - first == 1 and span_len == run:  # one run: straight into its place
-                view = out[first * run : last * run]
-            else:
-                buf = torch.empty(span_len, dtype=torch.uint8)
-                view = byte_view(buf)
-            got = os.preadv(fd, [view], layout.payload_offset + span_start)
-            self.bytes_read += got
-            if got != span_len:
-                raise CorruptCheckpointError(f"{path}: short read in '{name}': truncated")
-            if pages is not None:
-                self._check_pages(view, span_start, page, pages, layout, name, path)
-            if buf is not None:  # several runs read as one span: gather them with one copy
-                torch.index_select(
-                    buf.unfold(0, run, 1), 0, starts[first:last] - span_start, out=rows[first:last]
-                )
-        return dest
-
-    @staticmethod
-    def _check_pages(
-        data: memoryview,
-        start: int,
-        page: int,
-        pages: list[int],
-        layout: RecordLayout,
-        name: str,
-        path: Path,
-    ) -> None:
-        """Verify the pages in `data`, which begins at payload offset `start` (page-aligned)."""
-        k = bad_page(data, start, page, pages)
-        if k is not None:
-            lo = layout.payload_offset + start + k
-            raise CorruptCheckpointError(
-                f"'{name}': bytes {lo}..{lo + min(page, len(data) - k)} of {path} "
-                "fail their checksum"
-            )

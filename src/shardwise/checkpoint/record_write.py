@@ -32,7 +32,7 @@ from .zip_format import (
     end_of_archive,
 )
 
-__all__ = ["tensor_record", "write_torch_archive"]
+__all__ = ["record_frame", "tensor_record", "write_torch_archive"]
 
 _QUANTIZED = {
     torch.qint8,
@@ -239,7 +239,9 @@ def _central_entry(name: bytes, size: int, offset: int) -> bytes:
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """`t` in C order with a pending conjugation or negation applied (copied only then):
     the record we write carries no such flag, so its bytes must be the values."""
-    return t.resolve_conj().resolve_neg().contiguous()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def tensor_record(
@@ -250,16 +252,24 @@ def tensor_record(
     conjugate or negative bit); it starts at `len(head)`."""
     t = _plain(t)
     payload = byte_view(t) if t.numel() else memoryview(b"")
-    head, tail = _frame(t.dtype, tuple(t.shape), len(payload), serialization_id)
+    head, tail = record_frame(t.dtype, tuple(t.shape), serialization_id)
     return head, payload, tail
 
 
-@functools.lru_cache(maxsize=4096)
+def record_frame(
+    dtype: torch.dtype, shape: tuple[int, ...], serialization_id: str = "0" * 40
+) -> tuple[bytes, bytes]:
+    """`(head, tail)`: the bytes of a tensor record around its payload. They depend
+    only on dtype and shape, so a planner knows every record's length (and where
+    its payload starts) before any byte is written."""
+    return _frame(dtype, shape, math.prod(shape) * dtype.itemsize, serialization_id)
+
+
+@functools.lru_cache(maxsize=65536)
 def _frame(
     dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, serialization_id: str
 ) -> tuple[bytes, bytes]:
-    """The bytes around a payload: the same for every tensor of one dtype and shape,
-    so a state of many like-shaped tensors builds each frame once."""
+    """`record_frame`, cached: a state of many like-shaped tensors builds each frame once."""
     archive = _Archive()
     head = bytearray()
     for name, data in _leading(_data_pkl(dtype, shape)):

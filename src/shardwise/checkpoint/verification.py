@@ -1,7 +1,7 @@
 """`verify`: recompute every checksum and check coverage, so damage is found before a load needs it.
 
-One process, no process group, memory bounded by one checksum page; every
-problem is listed at once.
+One process, no process group, memory bounded by a few MiB (whole checksum
+tiles, or pages in older checkpoints); every problem is listed at once.
 """
 
 from __future__ import annotations
@@ -17,8 +17,11 @@ from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..layout import Block
 from ..layout.coverage import analyze
 from .file_io import bad_page, frame_crc
-from .manifest import ChunkEntry
+from .manifest import ChunkEntry, dtype_from_name
 from .offline import open_checkpoint
+from .tiles import payload_tiles
+
+_BLOCK = 4 << 20  # contiguous tiles are read and checked this many bytes at a time
 
 __all__ = ["verify"]
 
@@ -31,7 +34,7 @@ def verify(
 ) -> list[str]:
     """Check a whole checkpoint; raise, listing every problem found, unless it is sound.
 
-    Recomputes every checksum page (shardwise checkpoints), checks that every
+    Recomputes every checksum (shardwise checkpoints), checks that every
     tensor's chunks cover it exactly once, and that every record is readable.
     `progress(n)` is called with the bytes checked so far, as they are.
 
@@ -100,8 +103,9 @@ def _find_problems(
         problems.append(f"{metadata}: {e}")
     page = ckpt.manifest.page_size
     for key, entry in ckpt.manifest.tensors.items():
+        itemsize = dtype_from_name(entry.dtype).itemsize
         for chunk in entry.chunks:
-            problems += _verify_chunk(ckpt.path, key, chunk, page, progress)
+            problems += _verify_chunk(ckpt.path, key, chunk, itemsize, page, progress)
     for key in ckpt.manifest.objects:
         try:
             ckpt.object_bytes(key)
@@ -111,7 +115,12 @@ def _find_problems(
 
 
 def _verify_chunk(
-    folder: Path, key: str, chunk: ChunkEntry, page: int, progress: Callable[[int], None] | None
+    folder: Path,
+    key: str,
+    chunk: ChunkEntry,
+    itemsize: int,
+    page: int,
+    progress: Callable[[int], None] | None,
 ) -> list[str]:
     path = folder / chunk.file
     where = f"'{key}' chunk at {chunk.offsets}"
@@ -125,31 +134,105 @@ def _verify_chunk(
             return [f"{where}: {e}"]
         if progress:
             progress(len(data))
-        if len(data) != record_length or crc32c.crc32c(data) != chunk.pages[0]:
+        if len(data) != record_length or crc32c.crc32c(data) != chunk.crcs[0]:
             return [f"{where}: bytes {record_start}..{record_end} of {path} fail their checksum"]
         return []
     start, length = chunk.payload
     try:
         with open(path, "rb") as f:
-            f.seek(record_start)
-            head = f.read(start - record_start)
-            f.seek(start + length)
-            tail = f.read(record_end - start - length)
+            fd = f.fileno()
+            head = os.pread(fd, start - record_start, record_start)
+            tail = os.pread(fd, record_end - start - length, start + length)
             if frame_crc(head, tail) != chunk.frame:
                 return [
                     f"{where}: the torch.save record framing in {path} "
                     f"(bytes {record_start}..{record_end}) fails its checksum"
                 ]
-            for i in range(len(chunk.pages)):
-                lo = start + i * page
-                f.seek(lo)
-                data = f.read(min(page, length - i * page))
-                if len(data) != min(page, length - i * page):
-                    return [f"{where}: {path} is truncated at byte {lo + len(data)}"]
-                if bad_page(data, i * page, page, chunk.pages) is not None:
-                    return [f"{where}: bytes {lo}..{lo + len(data)} of {path} fail their checksum"]
-                if progress:
-                    progress(len(data))
+            if chunk.tile is not None:
+                problem = _verify_tiles(fd, path, where, chunk, itemsize, progress)
+            else:
+                problem = _verify_pages(fd, path, where, chunk, page, progress)
     except OSError as e:
         return [f"{where}: {e}"]
-    return []
+    return [] if problem is None else [problem]
+
+
+def _verify_pages(
+    fd: int,
+    path: Path,
+    where: str,
+    chunk: ChunkEntry,
+    page: int,
+    progress: Callable[[int], None] | None,
+) -> str | None:
+    """Format versions 1 and 2: one crc32c per `page` bytes of the payload."""
+    assert chunk.payload is not None
+    start, length = chunk.payload
+    for i in range(len(chunk.crcs)):
+        lo = start + i * page
+        data = os.pread(fd, min(page, length - i * page), lo)
+        if len(data) != min(page, length - i * page):
+            return f"{where}: {path} is truncated at byte {lo + len(data)}"
+        if bad_page(data, i * page, page, chunk.crcs) is not None:
+            return f"{where}: bytes {lo}..{lo + len(data)} of {path} fail their checksum"
+        if progress:
+            progress(len(data))
+    return None
+
+
+def _verify_tiles(
+    fd: int,
+    path: Path,
+    where: str,
+    chunk: ChunkEntry,
+    itemsize: int,
+    progress: Callable[[int], None] | None,
+) -> str | None:
+    """Format version 3: one crc32c per tile. Tiles that follow each other in the
+    payload (all those the writer makes) are read `_BLOCK` bytes at a time; a tile
+    of any other shape run by run."""
+    assert chunk.payload is not None and chunk.tile is not None
+    start = chunk.payload[0]
+    batch: list[tuple[int, int, int]] = []  # (index, payload offset, length), back to back
+
+    def check_batch() -> str | None:
+        if not batch:
+            return None
+        lo, hi = batch[0][1], batch[-1][1] + batch[-1][2]
+        data = memoryview(os.pread(fd, hi - lo, start + lo))
+        if len(data) != hi - lo:
+            return f"{where}: {path} is truncated at byte {start + lo + len(data)}"
+        for index, at, n in batch:
+            if crc32c.crc32c(data[at - lo : at - lo + n]) != chunk.crcs[index]:
+                return (
+                    f"{where}: bytes {start + at}..{start + at + n} of {path} fail their checksum"
+                )
+        if progress:
+            progress(len(data))
+        batch.clear()
+        return None
+
+    for index, spans in payload_tiles(chunk.sizes, itemsize, chunk.tile):
+        if len(spans) == 1:
+            at, n = spans[0]
+            if batch and (batch[-1][1] + batch[-1][2] != at or at + n - batch[0][1] > _BLOCK):
+                problem = check_batch()
+                if problem:
+                    return problem
+            batch.append((index, at, n))
+            continue
+        problem = check_batch()
+        if problem:
+            return problem
+        crc = 0
+        for at, n in spans:
+            data = os.pread(fd, n, start + at)
+            if len(data) != n:
+                return f"{where}: {path} is truncated at byte {start + at + len(data)}"
+            crc = crc32c.crc32c(data, crc)
+            if progress:
+                progress(n)
+        if crc != chunk.crcs[index]:
+            lo, hi = start + spans[0][0], start + spans[-1][0] + spans[-1][1]
+            return f"{where}: bytes {lo}..{hi} of {path} fail their checksum"
+    return check_batch()

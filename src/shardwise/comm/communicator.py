@@ -16,7 +16,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-__all__ = ["Communicator", "ProcessGroupCommunicator", "Waitable", "communicator"]
+__all__ = [
+    "Communicator",
+    "ProcessGroupCommunicator",
+    "SingleProcess",
+    "Waitable",
+    "communicator",
+]
 
 
 class Waitable(Protocol):
@@ -90,6 +96,36 @@ class ProcessGroupCommunicator(Communicator):
         )
         assert work is not None  # async_op=True always returns a handle
         return work
+
+
+class SingleProcess(Communicator):
+    """The world of one process with no process group: collectives return at once."""
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+    ) -> Waitable:
+        output.copy_(input)
+        return _Done()
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
 
 
 def communicator(group: Any) -> Communicator:

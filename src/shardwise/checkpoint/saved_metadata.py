@@ -1,0 +1,130 @@
+"""DCP's `.metadata` and `shardwise.json` of a save, built straight from its plan.
+
+`.metadata` names only files, offsets and lengths, all known from the plan
+(`planning.place_records`) before any data is written, so the coordinator
+builds and pickles it while the ranks write. The manifest also needs each
+record's checksums, which only the writers know: it is built after they
+report. Objects that repeat (tensor properties, like shapes) are shared, so
+the pickle stays small and fast for 100,000 tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from .chunk_io import Written
+from .manifest import Manifest, TensorEntry
+from .manifest_fields import ObjectEntry
+from .planning import Placement, SavePlan
+
+__all__ = ["build_manifest", "build_metadata"]
+
+# One record's checksums as its writer reports them: (tile shape or None, crcs, frame crc)
+# for a tensor, (None, [crc], 0) for an object.
+Checksums = tuple[tuple[int, ...] | None, list[int], int]
+
+
+def build_metadata(
+    plan: SavePlan,
+    placements: list[list[Placement]],
+    files: list[str],
+    checkpoint_id: Path,
+    save_id: str,
+) -> bytes:
+    """The pickled DCP `Metadata` stock `dcp.load` reads: chunks in rank order."""
+    sizes: dict[tuple[int, ...], torch.Size] = {}
+
+    def size(t: tuple[int, ...]) -> torch.Size:
+        s = sizes.get(t)
+        if s is None:
+            s = sizes[t] = torch.Size(t)
+        return s
+
+    properties: dict[tuple[str, bool], TensorProperties] = {}
+    state: dict[str, Any] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    for key, t in plan.tensors.items():
+        prop = properties.get((t.dtype, t.requires_grad))
+        if prop is None:
+            prop = properties[(t.dtype, t.requires_grad)] = TensorProperties(
+                dtype=getattr(torch, t.dtype), requires_grad=t.requires_grad
+            )
+        chunks = []
+        for i, (offsets, lengths, rank, position) in enumerate(t.chunks):
+            chunks.append(ChunkStorageMetadata(size(offsets), size(lengths)))
+            place = placements[rank][position]
+            storage[MetadataIndex(key, offsets, i)] = _StorageInfo(
+                files[rank], place.offset, place.length
+            )
+        state[key] = TensorStorageMetadata(properties=prop, size=size(t.shape), chunks=chunks)
+    for key, (rank, position) in plan.objects.items():
+        state[key] = BytesStorageMetadata()
+        place = placements[rank][position]
+        storage[MetadataIndex(key)] = _StorageInfo(files[rank], place.offset, place.length)
+    metadata = Metadata(
+        state_dict_metadata=state,
+        planner_data=plan.mappings,
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id),
+        version=CURRENT_DCP_VERSION,
+    )
+    return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def build_manifest(
+    plan: SavePlan,
+    placements: list[list[Placement]],
+    files: list[str],
+    checksums: list[list[Checksums]],
+    checkpoint_id: Path,
+    save_id: str,
+    metadata_crc32c: int,
+) -> Manifest:
+    """The manifest of the same checkpoint, with each record's checksums."""
+    manifest = Manifest(
+        world_size=len(placements),
+        storage_meta={"checkpoint_id": str(checkpoint_id), "save_id": save_id, "modules": []},
+        dcp_version=CURRENT_DCP_VERSION,
+    )
+    manifest.set_planner_data(plan.mappings)
+    manifest.metadata_crc32c = metadata_crc32c
+    for key, t in plan.tensors.items():
+        entry = manifest.tensors[key] = TensorEntry(t.dtype, t.shape, requires_grad=t.requires_grad)
+        itemsize = getattr(torch, t.dtype).itemsize
+        for offsets, lengths, rank, position in t.chunks:
+            place = placements[rank][position]
+            tile, crcs, frame = checksums[rank][position]
+            nbytes = math.prod(lengths) * itemsize
+            written = _written(files[rank], place, nbytes, crcs, frame, tile)
+            entry.chunks.append(written.chunk_entry(offsets, lengths))
+    for key, (rank, position) in plan.objects.items():
+        place = placements[rank][position]
+        _tile, crcs, _frame = checksums[rank][position]
+        manifest.objects[key] = ObjectEntry(files[rank], place.offset, place.length, crcs[0])
+    return manifest
+
+
+def _written(
+    file: str,
+    place: Placement,
+    nbytes: int,
+    crcs: list[int],
+    frame: int,
+    tile: tuple[int, ...] | None,
+) -> Written:
+    return Written(file, place.offset, place.length, crcs, (place.payload, nbytes), frame, tile)

@@ -1,0 +1,233 @@
+"""The collective save engine behind `swc.save` / `swc.async_save`.
+
+Three exchanges per save, whatever the number of tensors:
+
+1. every rank describes what it holds (`inventory`), checks what it can
+   alone (objects serialize, the folder is free) and all-gathers that;
+   every rank then derives the same plan (`planning.plan_save`) — no plan
+   is pickled per item, scattered or validated twice;
+2. each rank writes its records into one fresh token-named file, many
+   small tensors per `writev`, checksumming each payload while it is in
+   cache, fsyncs it, and all-gathers its checksums; meanwhile the
+   coordinator has built and pickled `.metadata` in a thread, since every
+   offset was known from the plan;
+3. the coordinator builds `shardwise.json` and commits (`commit.commit`:
+   `.metadata`, manifest, marker, each renamed into place after the data is
+   durable), then everyone learns the outcome.
+
+A problem on any rank at any step is raised on every rank (`comm.agreement`).
+The result is the same DCP checkpoint `Writer` produces under `dcp.save`:
+stock `dcp.load` reads it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+from ..comm.agreement import exchange
+from ..comm.communicator import Communicator
+from ..errors import ShardMismatchError
+from .commit import RecordNames, commit, data_file_name, new_token
+from .faults import failpoint
+from .file_io import frame_crc, write_all
+from .inventory import Entry, Piece, describe
+from .planning import Placement, SavePlan, place_records, plan_save
+from .record_write import tensor_record
+from .saved_metadata import Checksums, build_manifest, build_metadata
+from .tiles import checksum_payload
+
+__all__ = ["save_state"]
+
+_BATCH_BYTES = 64 << 20  # copies of non-CPU tensors held at once before they are written
+_BATCH_BUFFERS = 1023  # iovecs per writev (IOV_MAX is 1024)
+_builder = ThreadPoolExecutor(1, thread_name_prefix="shardwise-metadata")
+
+
+def serialize_objects(flat: dict[str, Any]) -> tuple[dict[str, bytes], BaseException | None]:
+    """Each non-tensor value as the bytes DCP stores (`torch.save`), or the first failure."""
+    objects: dict[str, bytes] = {}
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            continue
+        buffer = io.BytesIO()
+        try:
+            torch.save(value, buffer)
+        except Exception as e:  # noqa: BLE001 - any pickling failure is the caller's to fix
+            return objects, TypeError(f"object '{key}' cannot be pickled ({type(e).__name__}: {e})")
+        objects[key] = buffer.getvalue()
+    return objects, None
+
+
+def save_state(
+    state_dict: dict[str, Any],
+    path: Path,
+    comm: Communicator,
+    local_problem: BaseException | None,
+    arguments: Any,
+    *,
+    sync: bool = True,
+) -> bool:
+    """Save `state_dict` (values already adapted) to `path`. Collective over `comm`.
+
+    `local_problem` (found by the caller's own checks) and `arguments` (which
+    every rank must pass alike) ride on the first exchange. Returns False,
+    having written nothing, when some rank holds a value only DCP's own
+    machinery can save: the caller then saves through `dcp.save`.
+    """
+    flat, mappings = flatten_state_dict(state_dict)
+    objects, problem = serialize_objects(flat)
+    problem = local_problem or problem
+    described = describe(flat, mappings, objects) if problem is None else ([], {})
+    entries, pieces = described if described is not None else (None, {})
+    token, save_id = new_token(), str(uuid.uuid4())
+    everyone = exchange(problem, (entries, token, save_id, arguments), comm)
+    _same_arguments([e[3] for e in everyone])
+    if any(e[0] is None for e in everyone):
+        return False
+    inventories: list[list[Entry]] = [e[0] for e in everyone]
+    plan = plan_save(inventories)
+    if plan.problems:
+        raise ShardMismatchError(f"cannot save to {path}: " + "; ".join(plan.problems))
+    rank, world = comm.rank, comm.world_size
+    save_id = everyone[0][2]
+    serialization_id = save_id.replace("-", "")[:40].ljust(40, "0")
+    files = [data_file_name(f"__{r}_", 0, everyone[r][1]) for r in range(world)]
+    coordinator = rank == 0
+    metadata: Future[tuple[list[list[Placement]], bytes]] | None = None
+    if coordinator:  # everything .metadata says is known now: build it while we write
+        metadata = _builder.submit(
+            _placements_and_metadata, plan, inventories, files, path, save_id, serialization_id
+        )
+    problem, checksums = None, []
+    try:
+        if plan.writes[rank]:
+            checksums = _write_file(
+                path, files[rank], plan, rank, pieces, objects, serialization_id, sync
+            )
+    except OSError as e:
+        problem = e
+    reports = exchange(problem, checksums, comm)
+    problem = None
+    if coordinator:
+        assert metadata is not None
+        try:
+            placements, metadata_bytes = metadata.result()
+            manifest = build_manifest(
+                plan,
+                placements,
+                files,
+                reports,
+                path,
+                save_id,
+                crc32c.crc32c(metadata_bytes),
+            )
+            keep = {files[r] for r in range(world) if plan.writes[r]}
+            commit(
+                path, metadata_bytes, manifest.to_json().encode(), keep, RecordNames(), sync=sync
+            )
+        except OSError as e:
+            problem = e
+    exchange(problem, None, comm)
+    return True
+
+
+def _same_arguments(arguments: list[Any]) -> None:
+    if len({repr(a) for a in arguments}) > 1:
+        odd = [r for r, a in enumerate(arguments) if repr(a) != repr(arguments[0])]
+        raise ValueError(
+            f"ranks disagree on {arguments[0][0]}: ranks {odd} passed {arguments[odd[0]][1]!r}, "
+            f"rank 0 passed {arguments[0][1]!r}; every rank must pass the same"
+        )
+
+
+def _placements_and_metadata(
+    plan: SavePlan,
+    inventories: list[list[Entry]],
+    files: list[str],
+    path: Path,
+    save_id: str,
+    serialization_id: str,
+) -> tuple[list[list[Placement]], bytes]:
+    placements = [
+        place_records(plan, inventories[r], r, serialization_id) for r in range(len(inventories))
+    ]
+    return placements, build_metadata(plan, placements, files, path, save_id)
+
+
+def _write_batch(fd: int, buffers: list[Any]) -> None:
+    """One `writev` for a batch (byte buffers only); `write_all` finishes a short write."""
+    if not buffers:
+        return
+    total = sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in buffers)
+    n = os.writev(fd, buffers)
+    if n < total:
+        rest, skip = [], n
+        for b in buffers:
+            size = b.nbytes if isinstance(b, memoryview) else len(b)
+            if skip >= size:
+                skip -= size
+                continue
+            rest.append(memoryview(b).cast("B")[skip:])
+            skip = 0
+        write_all(fd, rest)
+
+
+def _write_file(
+    folder: Path,
+    name: str,
+    plan: SavePlan,
+    rank: int,
+    pieces: dict[str, list[Piece]],
+    objects: dict[str, bytes],
+    serialization_id: str,
+    sync: bool,
+) -> list[Checksums]:
+    """This rank's records, in plan order, into a new file: many per `writev`,
+    each payload straight from its tensor's memory (non-CPU tensors copied in
+    bounded batches). Returns each record's checksums."""
+    failpoint("before-write")
+    folder.mkdir(parents=True, exist_ok=True)
+    out: list[Checksums] = []
+    pending: list[Any] = []
+    held = 0  # bytes of host copies waiting in `pending`
+    fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        first = True
+        for key, index in plan.writes[rank]:
+            if index < 0:
+                data = objects[key]
+                pending.append(data)
+                out.append((None, [crc32c.crc32c(data)], 0))
+                continue
+            source = pieces[key][index].tensor.detach()
+            tensor = source.cpu().contiguous()
+            if tensor.data_ptr() != source.data_ptr():
+                held += tensor.nbytes
+            head, payload, tail = tensor_record(tensor, serialization_id)
+            tile, crcs = checksum_payload(payload, tuple(tensor.shape), tensor.element_size())
+            out.append((tile, crcs, frame_crc(head, tail)))
+            pending += (head, payload, tail)
+            if held >= _BATCH_BYTES or len(pending) >= _BATCH_BUFFERS:
+                _write_batch(fd, pending)
+                pending, held = [], 0
+                if first:
+                    failpoint("mid-data")
+                    first = False
+        _write_batch(fd, pending)
+        if first:
+            failpoint("mid-data")
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    failpoint("after-data")
+    return out
