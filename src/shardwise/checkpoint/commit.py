@@ -60,7 +60,9 @@ __all__ = [
     "new_token",
     "per_rank_records",
     "referenced_files",
+    "temporary_name",
     "write_atomically",
+    "write_temporary",
     "write_durably",
 ]
 
@@ -151,10 +153,31 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def temporary_name(path: Path) -> Path:
+    """A unique name beside `path` that `collect` recognises as a leftover of ours."""
+    return path.with_name(f"{path.name}.sw{new_token()}.tmp")
+
+
+def write_temporary(path: Path, data: bytes, *, sync: bool = True) -> Path:
+    """`data` in a new `temporary_name` beside `path`, fsynced: for `commit` to rename."""
+    tmp = temporary_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        write_all(fd, [data])
+        if sync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return tmp
+
+
 def write_atomically(path: Path, write: Callable[[int], object], *, sync: bool = True) -> None:
     """Write `path` whole or not at all: `write(fd)` fills a unique temporary name
     beside it (one `collect` recognises), which is fsynced, then renamed over `path`."""
-    tmp = path.with_name(f"{path.name}.sw{new_token()}.tmp")
+    tmp = temporary_name(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         try:
@@ -176,7 +199,7 @@ def write_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
 
 def commit(
     folder: Path,
-    metadata: bytes,
+    metadata: bytes | Path,
     manifest: bytes,
     referenced: set[str],
     names: RecordNames = RecordNames(),
@@ -185,6 +208,8 @@ def commit(
 ) -> list[str]:
     """Make a checkpoint whose data is durable visible; collect what it replaces.
 
+    `metadata` is `.metadata`'s bytes, or a file beside it already holding them
+    (`temporary_name`, written by another rank), renamed into place.
     `referenced`: the data files the new records name. Returns the names removed.
     With `sync=False` nothing is fsynced (as stock's `sync_files=False`): a
     power loss may then lose the new checkpoint and the one it replaced.
@@ -193,7 +218,10 @@ def commit(
     if sync:  # the data files' names, before any record names them
         fsync_dir(folder)
     previous = referenced_files(folder, names)
-    write_durably(folder / names.metadata, metadata, sync=sync)
+    if isinstance(metadata, Path):  # already written, durably, under a temporary name
+        os.replace(metadata, folder / names.metadata)
+    else:
+        write_durably(folder / names.metadata, metadata, sync=sync)
     if sync:
         fsync_dir(folder)
     failpoint("between-records")

@@ -121,7 +121,7 @@ def load_state(
     problem = None
     try:
         reader.run(flat, pieces)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
     exchange(problem, None, comm)
     for key, value in reader.objects.items():

@@ -65,72 +65,89 @@ class Placement:
     payload: int  # absolute offset of a tensor record's payload (of an object: its offset)
 
 
-def _nbytes(dtype: str, sizes: tuple[int, ...]) -> int:
-    return math.prod(sizes) * dtype_from_name(dtype).itemsize
-
-
 def plan_save(inventories: list[list[Entry]]) -> SavePlan:
     """The plan for every rank's `inventory.describe` entries, in rank order."""
     tensors: dict[str, TensorPlan] = {}
     objects: dict[str, tuple[int, int]] = {}
     mappings: dict[str, tuple[Any, ...]] = {}
     problems: list[str] = []
-    kinds: dict[str, tuple[str | None, tuple[int, ...] | None, int]] = {}
-    holders: dict[tuple[str, Box], list[tuple[int, int]]] = {}  # -> [(rank, box index)]
+    # key -> (dtype, shape, first rank, {box: holders [(rank, box index)], later its writer})
+    keys: dict[str, tuple[str | None, Any, int, dict[Box, Any] | None]] = {}
     for rank, entries in enumerate(inventories):
         for key, path, dtype, shape, requires_grad, held in entries:
-            mappings.setdefault(key, path)
-            seen = kinds.get(key)
-            if seen is None:
-                kinds[key] = (dtype, shape, rank)
+            info = keys.get(key)
+            if info is None:
+                mappings[key] = path
                 if dtype is None:
                     objects[key] = (rank, -1)
-                else:
-                    tensors[key] = TensorPlan(dtype, shape, requires_grad)  # type: ignore[arg-type]
-            elif seen[:2] != (dtype, shape):
-                problems.append(_disagreement(key, seen, (dtype, shape, rank)))
+                    keys[key] = (None, None, rank, None)
+                    continue
+                boxes: dict[Box, Any] | None = {}
+                keys[key] = (dtype, shape, rank, boxes)
+                tensors[key] = TensorPlan(dtype, shape, requires_grad)  # type: ignore[arg-type]
+            elif info[0] != dtype or info[1] != shape:
+                problems.append(_disagreement(key, info[:3], (dtype, shape, rank)))
                 continue
-            if dtype is not None:
-                for index, box in enumerate(held):
-                    holders.setdefault((key, box), []).append((rank, index))
-    load = [0] * len(inventories)
-    writer: dict[tuple[str, Box], tuple[int, int]] = {}
-    shared = []
-    for (key, box), held_by in holders.items():
-        if len(held_by) == 1:
-            writer[(key, box)] = held_by[0]
-            load[held_by[0][0]] += _nbytes(tensors[key].dtype, box[1])
-        else:
-            shared.append((key, box, held_by))
-    order = {key: i for i, key in enumerate(tensors)}
-    shared.sort(key=lambda s: (-_nbytes(tensors[s[0]].dtype, s[1][1]), order[s[0]], s[1]))
-    for key, box, held_by in shared:
-        rank, index = min(held_by, key=lambda h: (load[h[0]], h[0]))
-        writer[(key, box)] = (rank, index)
-        load[rank] += _nbytes(tensors[key].dtype, box[1])
-    writes: list[list[tuple[str, int]]] = [[] for _ in inventories]
-    for rank, entries in enumerate(inventories):  # each rank writes in its own inventory order
-        for key, _path, dtype, _shape, _grad, held in entries:
-            if dtype is None:
-                if key in objects and objects[key] == (rank, -1):
-                    objects[key] = (rank, len(writes[rank]))
-                    writes[rank].append((key, -1))
-                continue
-            if key not in tensors or kinds[key][:2] != (dtype, _shape):
+            else:
+                boxes = info[3]
+            if boxes is None:
                 continue
             for index, box in enumerate(held):
-                if writer.get((key, box)) == (rank, index):
-                    tensors[key].chunks.append((*box, rank, len(writes[rank])))
-                    writes[rank].append((key, index))
+                holders = boxes.get(box)
+                if holders is None:
+                    boxes[box] = [(rank, index)]
+                else:
+                    holders.append((rank, index))
+    _assign_writers(keys, len(inventories))
+    writes: list[list[tuple[str, int]]] = [[] for _ in inventories]
+    for rank, entries in enumerate(inventories):  # each rank writes in its own inventory order
+        mine = writes[rank]
+        for key, _path, dtype, shape, _grad, held in entries:
+            dtype_seen, shape_seen, _first, boxes = keys[key]
+            if dtype is None:
+                if objects.get(key) == (rank, -1):
+                    objects[key] = (rank, len(mine))
+                    mine.append((key, -1))
+                continue
+            if boxes is None or dtype_seen != dtype or shape_seen != shape:
+                continue
+            chunks = tensors[key].chunks
+            for index, box in enumerate(held):
+                if boxes[box] == (rank, index):
+                    chunks.append((box[0], box[1], rank, len(mine)))
+                    mine.append((key, index))
     multi_rank = len(inventories) > 1
     for key, plan in tensors.items():
         problem = _check_boxes(key, plan, multi_rank)
         if problem:
             problems.append(problem)
-    for key in objects:
-        if objects[key][1] < 0:  # cannot happen: the first holder writes it
-            problems.append(f"object '{key}' has no writer")
     return SavePlan(tensors, objects, writes, mappings, problems)
+
+
+def _assign_writers(keys: dict[str, Any], world_size: int) -> None:
+    """Replace each box's holders by its writer: a sole holder writes its box; shared
+    boxes go, largest first, to the holder with the fewest bytes so far."""
+    load = [0] * world_size
+    itemsizes: dict[str, int] = {}
+    shared = []
+    for order, (dtype, _shape, _rank, boxes) in enumerate(keys.values()):
+        if boxes is None:
+            continue
+        itemsize = itemsizes.get(dtype)
+        if itemsize is None:
+            itemsize = itemsizes[dtype] = dtype_from_name(dtype).itemsize
+        for box, holders in boxes.items():
+            nbytes = math.prod(box[1]) * itemsize
+            if len(holders) == 1:
+                boxes[box] = holders[0]
+                load[holders[0][0]] += nbytes
+            else:
+                shared.append((-nbytes, order, box, boxes, holders))
+    shared.sort(key=lambda s: s[:3])
+    for minus_nbytes, _order, box, boxes, holders in shared:
+        rank, index = min(holders, key=lambda h: (load[h[0]], h[0]))
+        boxes[box] = (rank, index)
+        load[rank] -= minus_nbytes
 
 
 def _disagreement(key: str, first: tuple[Any, ...], other: tuple[Any, ...]) -> str:
@@ -144,32 +161,40 @@ def _disagreement(key: str, first: tuple[Any, ...], other: tuple[Any, ...]) -> s
 
 
 def _check_boxes(key: str, plan: TensorPlan, multi_rank: bool) -> str | None:
-    """Out of bounds, overlapping, or (across ranks) not covering: as stock DCP refuses."""
+    """Out of bounds, overlapping, or (across ranks) not covering: as stock DCP refuses.
+    Plain loops, no generators: this runs once per tensor of the state."""
     shape = plan.shape
-    boxes = [(o, s) for o, s, _r, _p in plan.chunks]
-    for offsets, sizes in boxes:
-        if len(offsets) != len(shape) or any(
-            o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)
-        ):
+    chunks = plan.chunks
+    if len(chunks) == 1 and chunks[0][1] == shape and not any(chunks[0][0]):
+        return None  # one chunk, the whole tensor: the common case
+    ndim = len(shape)
+    volume = 0
+    solid = []
+    for offsets, sizes, _rank, _position in chunks:
+        inside = len(offsets) == ndim and len(sizes) == ndim
+        for d in range(ndim if inside else 0):
+            if offsets[d] < 0 or sizes[d] < 0 or offsets[d] + sizes[d] > shape[d]:
+                inside = False
+                break
+        if not inside:
             return f"'{key}': chunk at offsets {offsets} sizes {sizes} is out of bounds of {shape}"
-    solid = [b for b in boxes if math.prod(b[1])]
-    if len(solid) > 1:
-        if len(solid) <= _PAIRWISE:
-            for i, a in enumerate(solid):
-                for b in solid[i + 1 :]:
-                    if all(
-                        max(ao, bo) < min(ao + an, bo + bn)
-                        for ao, an, bo, bn in zip(a[0], a[1], b[0], b[1])
-                    ):
-                        return f"'{key}': chunks at offsets {a[0]} and {b[0]} overlap"
-        else:
-            found = analyze([Block(o, s) for o, s in solid], shape).overlap
-            if found is not None:
-                return (
-                    f"'{key}': chunks at offsets {found[0].offsets} and {found[1].offsets} overlap"
-                )
-    volume = sum(math.prod(s) for _o, s in boxes)
-    if multi_rank and shape and volume != math.prod(shape):
+        n = math.prod(sizes)
+        volume += n
+        if n:
+            solid.append((offsets, sizes))
+    if len(solid) > _PAIRWISE:
+        found = analyze([Block(o, s) for o, s in solid], shape).overlap
+        if found is not None:
+            return f"'{key}': chunks at offsets {found[0].offsets} and {found[1].offsets} overlap"
+    else:
+        for i, (ao, an) in enumerate(solid):
+            for bo, bn in solid[i + 1 :]:
+                for d in range(ndim):
+                    if ao[d] >= bo[d] + bn[d] or bo[d] >= ao[d] + an[d]:
+                        break  # apart along d: no overlap
+                else:
+                    return f"'{key}': chunks at offsets {ao} and {bo} overlap"
+    if multi_rank and ndim and volume != math.prod(shape):
         return (
             f"'{key}': the chunks saved cover {volume} of its {math.prod(shape)} elements; "
             "every element must be held by some rank"
@@ -196,8 +221,9 @@ def place_records(
             pos += n
             continue
         sizes = held[index][1]
-        head, tail = record_frame(dtype_from_name(dtype), sizes, serialization_id)  # type: ignore[arg-type]
-        length = len(head) + _nbytes(dtype, sizes) + len(tail)  # type: ignore[arg-type]
+        torch_dtype = dtype_from_name(dtype)  # type: ignore[arg-type]
+        head, tail = record_frame(torch_dtype, sizes, serialization_id)
+        length = len(head) + math.prod(sizes) * torch_dtype.itemsize + len(tail)
         out.append(Placement(pos, length, pos + len(head)))
         pos += length
     return out

@@ -1,8 +1,8 @@
 """DCP's `.metadata` and `shardwise.json` of a save, built straight from its plan.
 
 `.metadata` names only files, offsets and lengths, all known from the plan
-(`planning.place_records`) before any data is written, so the coordinator
-builds and pickles it while the ranks write. The manifest also needs each
+(`planning.place_records`) before any data is written, so any rank can build
+it (`saving` has the last rank do it while rank 0 writes). The manifest also needs each
 record's checksums, which only the writers know: it is built after they
 report. Objects that repeat (tensor properties, like shapes) are shared, so
 the pickle stays small and fast for 100,000 tensors.
@@ -27,9 +27,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .chunk_io import Written
 from .manifest import Manifest, TensorEntry
-from .manifest_fields import ObjectEntry
+from .manifest_fields import ChunkEntry, ObjectEntry
 from .planning import Placement, SavePlan
 
 __all__ = ["build_manifest", "build_metadata"]
@@ -109,22 +108,13 @@ def build_manifest(
         for offsets, lengths, rank, position in t.chunks:
             place = placements[rank][position]
             tile, crcs, frame = checksums[rank][position]
-            nbytes = math.prod(lengths) * itemsize
-            written = _written(files[rank], place, nbytes, crcs, frame, tile)
-            entry.chunks.append(written.chunk_entry(offsets, lengths))
+            payload = (place.payload, math.prod(lengths) * itemsize)
+            record = (place.offset, place.length)
+            entry.chunks.append(
+                ChunkEntry(offsets, lengths, files[rank], record, payload, crcs, frame, None, tile)
+            )
     for key, (rank, position) in plan.objects.items():
         place = placements[rank][position]
         _tile, crcs, _frame = checksums[rank][position]
         manifest.objects[key] = ObjectEntry(files[rank], place.offset, place.length, crcs[0])
     return manifest
-
-
-def _written(
-    file: str,
-    place: Placement,
-    nbytes: int,
-    crcs: list[int],
-    frame: int,
-    tile: tuple[int, ...] | None,
-) -> Written:
-    return Written(file, place.offset, place.length, crcs, (place.payload, nbytes), frame, tile)

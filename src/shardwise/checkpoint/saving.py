@@ -8,12 +8,12 @@ Three exchanges per save, whatever the number of tensors:
    is pickled per item, scattered or validated twice;
 2. each rank writes its records into one fresh token-named file, many
    small tensors per `writev`, checksumming each payload while it is in
-   cache, fsyncs it, and all-gathers its checksums; meanwhile the
-   coordinator has built and pickled `.metadata` in a thread, since every
-   offset was known from the plan;
-3. the coordinator builds `shardwise.json` and commits (`commit.commit`:
-   `.metadata`, manifest, marker, each renamed into place after the data is
-   durable), then everyone learns the outcome.
+   cache, fsyncs it, and all-gathers its checksums; the last rank also
+   builds `.metadata` (every offset was known from the plan) into a
+   temporary file, in parallel with rank 0's writes;
+3. rank 0 builds `shardwise.json` and commits (`commit.commit`: `.metadata`
+   renamed into place, then the manifest and marker, once every rank's
+   data is durable), then everyone learns the outcome.
 
 A problem on any rank at any step is raised on every rank (`comm.agreement`).
 The result is the same DCP checkpoint `Writer` produces under `dcp.save`:
@@ -25,7 +25,6 @@ from __future__ import annotations
 import io
 import os
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from ..comm.agreement import exchange
 from ..comm.communicator import Communicator
 from ..errors import ShardMismatchError
-from .commit import RecordNames, commit, data_file_name, new_token
+from .commit import METADATA, RecordNames, commit, data_file_name, new_token, write_temporary
 from .faults import failpoint
 from .file_io import frame_crc, write_all
 from .inventory import Entry, Piece, describe
@@ -49,7 +48,6 @@ __all__ = ["save_state"]
 
 _BATCH_BYTES = 64 << 20  # copies of non-CPU tensors held at once before they are written
 _BATCH_BUFFERS = 1023  # iovecs per writev (IOV_MAX is 1024)
-_builder = ThreadPoolExecutor(1, thread_name_prefix="shardwise-metadata")
 
 
 def serialize_objects(flat: dict[str, Any]) -> tuple[dict[str, bytes], BaseException | None]:
@@ -101,40 +99,43 @@ def save_state(
     save_id = everyone[0][2]
     serialization_id = save_id.replace("-", "")[:40].ljust(40, "0")
     files = [data_file_name(f"__{r}_", 0, everyone[r][1]) for r in range(world)]
-    coordinator = rank == 0
-    metadata: Future[tuple[list[list[Placement]], bytes]] | None = None
-    if coordinator:  # everything .metadata says is known now: build it while we write
-        metadata = _builder.submit(
-            _placements_and_metadata, plan, inventories, files, path, save_id, serialization_id
-        )
-    problem, checksums = None, []
+    problem, checksums, metadata = None, [], None
     try:
         if plan.writes[rank]:
             checksums = _write_file(
                 path, files[rank], plan, rank, pieces, objects, serialization_id, sync
             )
-    except OSError as e:
+        if rank == world - 1:  # .metadata: built by the last rank while rank 0 still writes
+            metadata = _write_metadata(
+                plan, inventories, files, path, save_id, serialization_id, sync
+            )
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
-    reports = exchange(problem, checksums, comm)
+    reports = exchange(problem, (checksums, metadata), comm)
     problem = None
-    if coordinator:
-        assert metadata is not None
+    if rank == 0:
         try:
-            placements, metadata_bytes = metadata.result()
+            placements = _placements(plan, inventories, serialization_id)
+            metadata_file, metadata_crc = reports[-1][1]
             manifest = build_manifest(
                 plan,
                 placements,
                 files,
-                reports,
+                [r[0] for r in reports],
                 path,
                 save_id,
-                crc32c.crc32c(metadata_bytes),
+                metadata_crc,
             )
             keep = {files[r] for r in range(world) if plan.writes[r]}
             commit(
-                path, metadata_bytes, manifest.to_json().encode(), keep, RecordNames(), sync=sync
+                path,
+                path / metadata_file,
+                manifest.to_json().encode(),
+                keep,
+                RecordNames(),
+                sync=sync,
             )
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - the other ranks wait for the verdict
             problem = e
     exchange(problem, None, comm)
     return True
@@ -149,18 +150,29 @@ def _same_arguments(arguments: list[Any]) -> None:
         )
 
 
-def _placements_and_metadata(
+def _placements(
+    plan: SavePlan, inventories: list[list[Entry]], serialization_id: str
+) -> list[list[Placement]]:
+    return [
+        place_records(plan, inventories[r], r, serialization_id) for r in range(len(inventories))
+    ]
+
+
+def _write_metadata(
     plan: SavePlan,
     inventories: list[list[Entry]],
     files: list[str],
     path: Path,
     save_id: str,
     serialization_id: str,
-) -> tuple[list[list[Placement]], bytes]:
-    placements = [
-        place_records(plan, inventories[r], r, serialization_id) for r in range(len(inventories))
-    ]
-    return placements, build_metadata(plan, placements, files, path, save_id)
+    sync: bool,
+) -> tuple[str, int]:
+    """`.metadata` (all of it known from the plan) into a temporary file that the
+    coordinator renames into place at the commit: its name and crc32c."""
+    placements = _placements(plan, inventories, serialization_id)
+    data = build_metadata(plan, placements, files, path, save_id)
+    path.mkdir(parents=True, exist_ok=True)
+    return write_temporary(path / METADATA, data, sync=sync).name, crc32c.crc32c(data)
 
 
 def _write_batch(fd: int, buffers: list[Any]) -> None:

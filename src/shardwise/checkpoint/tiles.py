@@ -136,6 +136,8 @@ def checksum_payload(
     payload: memoryview | bytes, shape: Sequence[int], itemsize: int
 ) -> tuple[Shape, list[int]]:
     """The writer's side: (tile shape, crc32c of each tile) of a whole C-order payload."""
+    if len(payload) <= TILE_BYTES:  # one tile, the whole chunk: the common small case
+        return tuple(shape), [crc32c.crc32c(payload)]
     tile = tile_shape(shape, itemsize)
     return tile, tile_crcs(payload, shape, itemsize, tile)
 
