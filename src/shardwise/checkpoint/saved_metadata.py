@@ -31,7 +31,7 @@ from .manifest import Manifest, TensorEntry
 from .manifest_fields import ChunkEntry, ObjectEntry
 from .planning import Placement, SavePlan
 
-__all__ = ["build_manifest", "build_metadata"]
+__all__ = ["build_metadata", "fill_checksums", "manifest_skeleton"]
 
 # One record's checksums as its writer reports them: (tile shape or None, crcs, frame crc)
 # for a tensor, (None, [crc], 0) for an object.
@@ -85,36 +85,51 @@ def build_metadata(
     return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def build_manifest(
+def manifest_skeleton(
     plan: SavePlan,
     placements: list[list[Placement]],
     files: list[str],
-    checksums: list[list[Checksums]],
     checkpoint_id: Path,
     save_id: str,
-    metadata_crc32c: int,
-) -> Manifest:
-    """The manifest of the same checkpoint, with each record's checksums."""
+) -> tuple[Manifest, list[list[ChunkEntry | ObjectEntry | None]]]:
+    """The manifest of the same checkpoint, all but its checksums: rank 0 builds it
+    while it waits for the others' reports. Also returns each rank's entries in
+    write order, for `fill_checksums`."""
     manifest = Manifest(
         world_size=len(placements),
         storage_meta={"checkpoint_id": str(checkpoint_id), "save_id": save_id, "modules": []},
         dcp_version=CURRENT_DCP_VERSION,
     )
     manifest.set_planner_data(plan.mappings)
-    manifest.metadata_crc32c = metadata_crc32c
+    slots: list[list[ChunkEntry | ObjectEntry | None]] = [[None] * len(p) for p in placements]
     for key, t in plan.tensors.items():
         entry = manifest.tensors[key] = TensorEntry(t.dtype, t.shape, requires_grad=t.requires_grad)
         itemsize = getattr(torch, t.dtype).itemsize
         for offsets, lengths, rank, position in t.chunks:
             place = placements[rank][position]
-            tile, crcs, frame = checksums[rank][position]
             payload = (place.payload, math.prod(lengths) * itemsize)
             record = (place.offset, place.length)
-            entry.chunks.append(
-                ChunkEntry(offsets, lengths, files[rank], record, payload, crcs, frame, None, tile)
-            )
+            chunk = ChunkEntry(offsets, lengths, files[rank], record, payload, [], 0, None, None)
+            entry.chunks.append(chunk)
+            slots[rank][position] = chunk
     for key, (rank, position) in plan.objects.items():
         place = placements[rank][position]
-        _tile, crcs, _frame = checksums[rank][position]
-        manifest.objects[key] = ObjectEntry(files[rank], place.offset, place.length, crcs[0])
-    return manifest
+        obj = manifest.objects[key] = ObjectEntry(files[rank], place.offset, place.length, 0)
+        slots[rank][position] = obj
+    return manifest, slots
+
+
+def fill_checksums(
+    manifest: Manifest,
+    slots: list[list[ChunkEntry | ObjectEntry | None]],
+    checksums: list[list[Checksums]],
+    metadata_crc32c: int,
+) -> None:
+    """Complete a `manifest_skeleton` with what each rank reported, in write order."""
+    manifest.metadata_crc32c = metadata_crc32c
+    for entries, reported in zip(slots, checksums):
+        for entry, (tile, crcs, frame) in zip(entries, reported, strict=True):
+            if isinstance(entry, ChunkEntry):
+                entry.crcs, entry.tile, entry.frame = crcs, tile, frame
+            elif entry is not None:
+                entry.crc32c = crcs[0]

@@ -41,7 +41,7 @@ from .file_io import frame_crc, write_all
 from .inventory import Entry, Piece, describe
 from .planning import Placement, SavePlan, place_records, plan_save
 from .record_write import tensor_record
-from .saved_metadata import Checksums, build_manifest, build_metadata
+from .saved_metadata import Checksums, build_metadata, fill_checksums, manifest_skeleton
 from .tiles import checksum_payload
 
 __all__ = ["save_state"]
@@ -109,23 +109,17 @@ def save_state(
             metadata = _write_metadata(
                 plan, inventories, files, path, save_id, serialization_id, sync
             )
+        if rank == 0:  # all of the manifest but the checksums, while the others finish
+            placements = _placements(plan, inventories, serialization_id)
+            manifest, slots = manifest_skeleton(plan, placements, files, path, save_id)
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
     reports = exchange(problem, (checksums, metadata), comm)
     problem = None
     if rank == 0:
         try:
-            placements = _placements(plan, inventories, serialization_id)
             metadata_file, metadata_crc = reports[-1][1]
-            manifest = build_manifest(
-                plan,
-                placements,
-                files,
-                [r[0] for r in reports],
-                path,
-                save_id,
-                metadata_crc,
-            )
+            fill_checksums(manifest, slots, [r[0] for r in reports], metadata_crc)
             keep = {files[r] for r in range(world) if plan.writes[r]}
             commit(
                 path,
