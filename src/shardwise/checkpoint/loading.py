@@ -169,12 +169,16 @@ class _Reads:
             wholes: dict[str, list[_Whole]] = defaultdict(list)
             for key, held in pieces.items():
                 entry = self.manifest.tensors[key]
-                exact = {(c.offsets, c.sizes): c for c in entry.chunks}
                 dtype = dtype_from_name(entry.dtype)
+                chunks = entry.chunks
+                exact = {(c.offsets, c.sizes): c for c in chunks} if len(chunks) > 8 else None
                 for piece in held:
                     if not piece.tensor.numel():
                         continue
-                    chunk = exact.get((piece.offsets, piece.sizes))
+                    if exact is not None:
+                        chunk = exact.get((piece.offsets, piece.sizes))
+                    else:
+                        chunk = _same_box(chunks, piece)
                     if chunk is not None:
                         wholes[chunk.file].append(self._whole(key, chunk, piece.tensor, dtype))
                     else:
@@ -292,6 +296,15 @@ class _Reads:
                 "fails its checksum"
             )
         return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _same_box(chunks: list[ChunkEntry], piece: Piece) -> ChunkEntry | None:
+    """The stored chunk that is exactly `piece`'s box, if any: a scan, for the few
+    chunks most tensors have (beats building an index)."""
+    for c in chunks:
+        if c.offsets == piece.offsets and c.sizes == piece.sizes:
+            return c
+    return None
 
 
 def _payload(chunk: ChunkEntry) -> tuple[int, int]:
