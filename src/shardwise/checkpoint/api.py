@@ -372,10 +372,13 @@ def load(
     ) as adapted:  # other libraries' values as ShardedTensors
         reader = _load_adapted(plain, path, strict, verify, cast_dtype, process_group)
         adapted.finish()
-    for key in sorted(statefuls):  # sorted, as dcp.load: load_state_dict may be collective
-        statefuls[key].load_state_dict(plain[key])
-    if plain is not state_dict:  # objects DCP replaced at the top level of our copy
-        state_dict.update({k: v for k, v in plain.items() if k not in statefuls})
+    # As dcp.load ends: Stateful values load their state, every other top-level value
+    # is assigned back (`state_dict[key] = ...`, which a dict subclass may observe).
+    for key in sorted(state_dict):  # sorted: load_state_dict may be collective
+        if key in statefuls:
+            statefuls[key].load_state_dict(plain[key])
+        elif key in plain:
+            state_dict[key] = plain[key]
     return reader
 
 
