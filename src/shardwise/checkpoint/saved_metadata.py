@@ -54,6 +54,9 @@ def build_metadata(
             s = sizes[t] = torch.Size(t)
         return s
 
+    # Like boxes share one ChunkStorageMetadata (pickled once, then by reference):
+    # 10,000 tensors sharded alike have as many chunk objects as one of them.
+    boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], ChunkStorageMetadata] = {}
     properties: dict[tuple[str, bool], TensorProperties] = {}
     state: dict[str, Any] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
@@ -65,11 +68,18 @@ def build_metadata(
             )
         chunks = []
         for i, (offsets, lengths, rank, position) in enumerate(t.chunks):
-            chunks.append(ChunkStorageMetadata(size(offsets), size(lengths)))
+            chunk = boxes.get((offsets, lengths))
+            if chunk is None:
+                chunk = boxes[(offsets, lengths)] = ChunkStorageMetadata(
+                    size(offsets), size(lengths)
+                )
+            chunks.append(chunk)
             place = placements[rank][position]
-            storage[MetadataIndex(key, offsets, i)] = _StorageInfo(
-                files[rank], place.offset, place.length
-            )
+            index = MetadataIndex(key, None, i)
+            # the shared torch.Size, as MetadataIndex.__init__ would store a copy of it:
+            # pickled once and then by reference
+            object.__setattr__(index, "offset", chunk.offsets)
+            storage[index] = _StorageInfo(files[rank], place.offset, place.length)
         state[key] = TensorStorageMetadata(properties=prop, size=size(t.shape), chunks=chunks)
     for key, (rank, position) in plan.objects.items():
         state[key] = BytesStorageMetadata()
