@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+import crc32c
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -19,9 +20,11 @@ import torch.distributed.checkpoint as dcp
 from shardwise import Block, Layout, ShardedTensor, ShardMismatchError
 from shardwise.checkpoint.inventory import describe
 from shardwise.checkpoint.loading import load_state
+from shardwise.checkpoint.manifest import Manifest
 from shardwise.checkpoint.planning import place_records, plan_save
 from shardwise.checkpoint.record_write import record_frame
 from shardwise.checkpoint.saving import save_state, serialize_objects
+from shardwise.checkpoint.tiles import checksum_payload
 from shardwise.testing import shard_of
 
 from ..comm.threaded_world import ThreadedRank, ThreadedWorld
@@ -218,3 +221,27 @@ def test_dtypes_round_trip_through_the_engine(tmp_path: Path, dtype: torch.dtype
     target = {"v": torch.zeros(5, 8, dtype=dtype)}
     dcp.load(target, checkpoint_id=path, no_dist=True)
     assert torch.equal(target["v"], value)
+
+
+def test_manifest_text_spliced_from_the_skeleton_is_canonical(tmp_path: Path) -> None:
+    """Rank 0 encodes the manifest before the checksums arrive and splices them in:
+    the result must be exactly what encoding the finished manifest gives."""
+    big = torch.arange(4 * 32768, dtype=torch.float32).reshape(4, 32768)  # 512 KiB: 8 tiles
+    path = tmp_path / "ck"
+
+    def state(rank: int) -> dict:
+        return {"emb": _sharded(rank), "big": big, "scalar": torch.tensor(2.5), "note": "hi"}
+
+    assert _save_two_ranks(path, state) == [True, True]
+    text = (path / "shardwise.json").read_text()
+    manifest = Manifest.read(path)
+    assert manifest.to_json() == text
+    (chunk,) = manifest.tensors["big"].chunks
+    tile, crcs = checksum_payload(big.numpy().data.cast("B"), (4, 32768), 4)
+    assert (chunk.tile, chunk.crcs) == (tile, crcs) and tile == (1, 16384) and len(crcs) == 8
+    assert manifest.tensors["scalar"].chunks[0].tile == ()
+    assert manifest.metadata_crc32c == crc32c.crc32c((path / ".metadata").read_bytes())
+    note = manifest.objects["note"]
+    with open(path / note.file, "rb") as f:
+        f.seek(note.offset)
+        assert crc32c.crc32c(f.read(note.length)) == note.crc32c

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import crc32c
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
@@ -41,7 +42,8 @@ class Piece(NamedTuple):
 
 
 # One key as exchanged: (key, path, dtype name or None for an object, global shape,
-# requires_grad, boxes held) for a tensor; (key, path, None, None, False, byte length)
+# requires_grad, boxes held) for a tensor; (key, path, None, None, False, (byte length,
+# crc32c)) for an object, whose bytes every rank serializes before the exchange
 # for an object. Tuples of builtins: they pickle fast and compare exactly.
 Entry = tuple[str, tuple[Any, ...], str | None, tuple[int, ...] | None, bool, Any]
 
@@ -113,5 +115,6 @@ def describe(
             name = _dtype_name(value.dtype)
             entries.append((key, path, name, shape, value.requires_grad, boxes))
         else:
-            entries.append((key, path, None, None, False, len(objects[key])))
+            data = objects[key]
+            entries.append((key, path, None, None, False, (len(data), crc32c.crc32c(data))))
     return entries, pieces

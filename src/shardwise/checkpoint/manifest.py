@@ -124,6 +124,12 @@ class StoredObject(_StorageInfo):
     crc32c: int | None = None
 
 
+def seal(text: str) -> str:
+    """Canonical manifest text ending `"crc32c":0}` with that field set to the crc32c
+    of the text itself: what `Manifest.read` checks."""
+    return f"{text[:-2]}{crc32c.crc32c(text.encode())}}}"
+
+
 def _checksum(doc: dict[str, Any]) -> int:
     # compact, no indent: json's C encoder (10x faster), and canonical, so re-encoding is exact
     return crc32c.crc32c(json.dumps(dict(doc, crc32c=0), separators=(",", ":")).encode())
@@ -191,11 +197,14 @@ class Manifest:
     def to_json(self) -> str:
         """Canonical JSON whose "crc32c" field checksums the document itself, in this
         manifest's `version` (a new manifest: the newest)."""
+        return seal(self.unsealed_json())
+
+    def unsealed_json(self) -> str:
+        """`to_json` before its checksum: the text with `"crc32c":0` last (`seal` it)."""
         with _no_gc():
             text = json.dumps(encode(TOP, self, self.version), separators=(",", ":"))
-        # "crc32c" is the last field, written 0: the checksum's input is the text itself
         assert text.endswith(',"crc32c":0}')
-        return f"{text[:-2]}{crc32c.crc32c(text.encode())}}}"
+        return text
 
     @classmethod
     def from_json(cls, text: str | bytes, source: str | Path = MANIFEST) -> Manifest:

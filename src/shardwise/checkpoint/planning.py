@@ -216,7 +216,7 @@ def place_records(
     for key, index in plan.writes[rank]:
         _key, _path, dtype, _shape, _grad, held = boxes[key]
         if index < 0:
-            n = held  # an object's entry holds its byte length
+            n = held[0]  # an object's entry holds its byte length and crc32c
             out.append(Placement(pos, n, pos))
             pos += n
             continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .manifest import Manifest, TensorEntry
+from .manifest import Manifest, TensorEntry, seal
 from .manifest_fields import ChunkEntry, ObjectEntry
 from .planning import Placement, SavePlan
 
-__all__ = ["build_metadata", "fill_checksums", "manifest_skeleton"]
+__all__ = ["build_metadata", "manifest_skeleton", "manifest_text"]
 
 # One record's checksums as its writer reports them: (tile shape or None, crcs, frame crc)
 # for a tensor, (None, [crc], 0) for an object.
@@ -95,23 +96,31 @@ def build_metadata(
     return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+# What `manifest_skeleton` writes where a chunk's checksums go (one tile, crc 0, frame 0).
+# Only structure matches it: quotes inside keys and names are escaped in JSON.
+_CHUNK_CHECKSUMS = re.compile(r'"tile":\[[0-9,]*\],"tiles":\[0\],"frame":0\}')
+_NO_METADATA_CRC = '"metadata_crc32c":0,'
+
+
 def manifest_skeleton(
     plan: SavePlan,
     placements: list[list[Placement]],
     files: list[str],
     checkpoint_id: Path,
     save_id: str,
-) -> tuple[Manifest, list[list[ChunkEntry | ObjectEntry | None]]]:
-    """The manifest of the same checkpoint, all but its checksums: rank 0 builds it
-    while it waits for the others' reports. Also returns each rank's entries in
-    write order, for `fill_checksums`."""
+    object_crcs: dict[str, int],
+) -> tuple[list[str], list[tuple[int, int]]]:
+    """The text of the manifest of the same checkpoint, all but the checksums the
+    writers report: rank 0 encodes it while the others finish. Returns the text
+    cut where each chunk's checksums go, and the (rank, position in its writes)
+    of each cut, in text order, for `manifest_text`."""
     manifest = Manifest(
         world_size=len(placements),
         storage_meta={"checkpoint_id": str(checkpoint_id), "save_id": save_id, "modules": []},
         dcp_version=CURRENT_DCP_VERSION,
     )
     manifest.set_planner_data(plan.mappings)
-    slots: list[list[ChunkEntry | ObjectEntry | None]] = [[None] * len(p) for p in placements]
+    cuts = []
     for key, t in plan.tensors.items():
         entry = manifest.tensors[key] = TensorEntry(t.dtype, t.shape, requires_grad=t.requires_grad)
         itemsize = getattr(torch, t.dtype).itemsize
@@ -119,27 +128,36 @@ def manifest_skeleton(
             place = placements[rank][position]
             payload = (place.payload, math.prod(lengths) * itemsize)
             record = (place.offset, place.length)
-            chunk = ChunkEntry(offsets, lengths, files[rank], record, payload, [], 0, None, None)
-            entry.chunks.append(chunk)
-            slots[rank][position] = chunk
+            entry.chunks.append(
+                ChunkEntry(offsets, lengths, files[rank], record, payload, [0], 0, None, lengths)
+            )
+            cuts.append((rank, position))
     for key, (rank, position) in plan.objects.items():
         place = placements[rank][position]
-        obj = manifest.objects[key] = ObjectEntry(files[rank], place.offset, place.length, 0)
-        slots[rank][position] = obj
-    return manifest, slots
+        manifest.objects[key] = ObjectEntry(
+            files[rank], place.offset, place.length, object_crcs[key]
+        )
+    pieces = _CHUNK_CHECKSUMS.split(manifest.unsealed_json())
+    if len(pieces) != len(cuts) + 1 or _NO_METADATA_CRC not in pieces[0]:
+        raise AssertionError("manifest skeleton: checksum fields not where expected")
+    return pieces, cuts
 
 
-def fill_checksums(
-    manifest: Manifest,
-    slots: list[list[ChunkEntry | ObjectEntry | None]],
+def manifest_text(
+    pieces: list[str],
+    cuts: list[tuple[int, int]],
     checksums: list[list[Checksums]],
     metadata_crc32c: int,
-) -> None:
-    """Complete a `manifest_skeleton` with what each rank reported, in write order."""
-    manifest.metadata_crc32c = metadata_crc32c
-    for entries, reported in zip(slots, checksums):
-        for entry, (tile, crcs, frame) in zip(entries, reported, strict=True):
-            if isinstance(entry, ChunkEntry):
-                entry.crcs, entry.tile, entry.frame = crcs, tile, frame
-            elif entry is not None:
-                entry.crc32c = crcs[0]
+) -> str:
+    """A `manifest_skeleton` completed with what each rank reported, sealed."""
+    head = pieces[0].replace(_NO_METADATA_CRC, f'"metadata_crc32c":{metadata_crc32c},', 1)
+    out = [head]
+    for (rank, position), piece in zip(cuts, pieces[1:]):
+        tile, crcs, frame = checksums[rank][position]
+        assert tile is not None  # every chunk this engine writes has tiles
+        out.append(
+            f'"tile":[{",".join(map(str, tile))}],"tiles":[{",".join(map(str, crcs))}],'
+            f'"frame":{frame}}}'
+        )
+        out.append(piece)
+    return seal("".join(out))

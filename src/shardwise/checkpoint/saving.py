@@ -41,7 +41,7 @@ from .file_io import frame_crc, write_all
 from .inventory import Entry, Piece, describe
 from .planning import Placement, SavePlan, place_records, plan_save
 from .record_write import tensor_record
-from .saved_metadata import Checksums, build_metadata, fill_checksums, manifest_skeleton
+from .saved_metadata import Checksums, build_metadata, manifest_skeleton, manifest_text
 from .tiles import checksum_payload
 
 __all__ = ["save_state"]
@@ -111,7 +111,9 @@ def save_state(
             )
         if rank == 0:  # all of the manifest but the checksums, while the others finish
             placements = _placements(plan, inventories, serialization_id)
-            manifest, slots = manifest_skeleton(plan, placements, files, path, save_id)
+            skeleton = manifest_skeleton(
+                plan, placements, files, path, save_id, _object_crcs(inventories)
+            )
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
     reports = exchange(problem, (checksums, metadata), comm)
@@ -119,12 +121,12 @@ def save_state(
     if rank == 0:
         try:
             metadata_file, metadata_crc = reports[-1][1]
-            fill_checksums(manifest, slots, [r[0] for r in reports], metadata_crc)
+            manifest = manifest_text(*skeleton, [r[0] for r in reports], metadata_crc)
             keep = {files[r] for r in range(world) if plan.writes[r]}
             commit(
                 path,
                 path / metadata_file,
-                manifest.to_json().encode(),
+                manifest.encode(),
                 keep,
                 RecordNames(),
                 sync=sync,
@@ -142,6 +144,16 @@ def _same_arguments(arguments: list[Any]) -> None:
             f"ranks disagree on {arguments[0][0]}: ranks {odd} passed {arguments[odd[0]][1]!r}, "
             f"rank 0 passed {arguments[0][1]!r}; every rank must pass the same"
         )
+
+
+def _object_crcs(inventories: list[list[Entry]]) -> dict[str, int]:
+    """Each object's crc32c as its writer (the lowest rank holding it) serialized it."""
+    crcs: dict[str, int] = {}
+    for entries in inventories:
+        for key, _path, dtype, _shape, _grad, held in entries:
+            if dtype is None:
+                crcs.setdefault(key, held[1])
+    return crcs
 
 
 def _placements(
