@@ -8,12 +8,9 @@ problem on any rank is raised, listing every offending key, on every rank.
 
 from __future__ import annotations
 
-import gc
 import pickle
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +30,7 @@ from ..errors import CheckpointMismatchError, ShardwiseError
 from ..layout import Block
 from .adapters import adapted_for_load, adapted_for_save
 from .commit import in_the_way, per_rank_records
+from .gc_pause import gc_paused
 from .loading import load_state
 from .megatron import (
     metadata_json_problem,
@@ -95,20 +93,6 @@ def _state_dicts_of(state_dict: dict[str, Any]) -> dict[str, Any]:
         k: v.state_dict() if not isinstance(v, torch.Tensor) and isinstance(v, Stateful) else v
         for k, v in state_dict.items()
     }
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection during a blocking save or load: they create
-    ~10 small objects per tensor, and at 100,000 tensors the collector's passes
-    over a heap holding torch cost more than the checkpoint's own work."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _comm(process_group: Any) -> Communicator:
@@ -198,7 +182,7 @@ def save(
     state_dict = adapted_for_save(_state_dicts_of(state_dict), process_group)
     start = time.perf_counter()
     problem = _target_problem(path, overwrite, process_group)
-    with _gc_paused():
+    with gc_paused():
         saved = save_state(
             state_dict,
             path,
@@ -392,7 +376,7 @@ def _load_adapted(
 ) -> Reader:
     reader = Reader(path, verify=verify)
     arguments = ("load path, strict and cast_dtype", (str(path.resolve()), strict, cast_dtype))
-    with _gc_paused():
+    with gc_paused():
         read = load_state(
             state_dict,
             path,

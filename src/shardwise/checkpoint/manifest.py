@@ -11,15 +11,12 @@ relates several of them (byte ranges inside files, geometry) and DCP's view.
 from __future__ import annotations
 
 import base64
-import gc
 import io
 import json
 import math
 import operator
 import pickle
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import CorruptCheckpointError
+from .gc_pause import gc_paused
 from .manifest_fields import (
     FORMAT,
     READS,
@@ -150,20 +148,6 @@ def _checksum_matches(text: bytes, doc: dict[str, Any]) -> bool:
     return _checksum(doc) == doc.get("crc32c")
 
 
-@contextmanager
-def _no_gc() -> Iterator[None]:
-    """Cyclic GC paused: a manifest is millions of fresh containers and no cycle, and
-    each of the hundreds of collections they would trigger walks them all (it tripled
-    the time to parse 100,000 chunks)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def _check_version(doc: dict[str, Any]) -> int:
     """Format and version first: they keep their meaning in every version, and
     which other fields exist depends on them."""
@@ -201,7 +185,7 @@ class Manifest:
 
     def unsealed_json(self) -> str:
         """`to_json` before its checksum: the text with `"crc32c":0` last (`seal` it)."""
-        with _no_gc():
+        with gc_paused():
             text = json.dumps(encode(TOP, self, self.version), separators=(",", ":"))
         assert text.endswith(',"crc32c":0}')
         return text
@@ -211,7 +195,7 @@ class Manifest:
         """The manifest in `text`, every field and the geometry checked (not the data
         files: see `read`). `source` names the file in errors."""
         data = text.encode() if isinstance(text, str) else text
-        with _no_gc():
+        with gc_paused():
             try:
                 doc = json.loads(data)
                 if not isinstance(doc, dict):

@@ -453,35 +453,9 @@ def _counts(values: list[Any]) -> bool:
 
 
 def _parse_chunk(doc: Any, version: int) -> ChunkEntry | None:
-    if version != VERSION or type(doc) is not dict or doc.keys() != _FAST_CHUNK_KEYS:
-        return None
-    offsets, sizes, file, record, payload, tile, tiles, frame = _chunk_values(doc)
-    if not (
-        type(offsets) is list
-        and type(sizes) is list
-        and type(record) is list
-        and len(record) == 2
-        and type(payload) is list
-        and len(payload) == 2
-        and type(tile) is list
-        and type(tiles) is list
-        and _counts([*offsets, *sizes, *record, *payload, *tile, *tiles, frame])
-        and max(tiles, default=0) < 4294967296
-        and frame < 4294967296
-        and _file_name(file)
-    ):
-        return None
-    return ChunkEntry(
-        tuple(offsets),
-        tuple(sizes),
-        file,
-        tuple(record),
-        tuple(payload),
-        tiles,
-        frame,
-        None,
-        tuple(tile),
-    )
+    """One common chunk, checked by `_parse_tensors` (wrapped as the chunk of a tensor)."""
+    out = _parse_tensors({"": {"dtype": "uint8", "shape": [], "chunks": [doc]}}, version)
+    return None if out is None else out[""].chunks[0]
 
 
 def _dump_chunk(c: ChunkEntry, version: int) -> dict[str, Any] | None:
