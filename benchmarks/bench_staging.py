@@ -26,7 +26,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardwise.cli.sizes import parse_size
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the modules beside this file
+
+import checkpoint_cases as cases  # noqa: E402
+
+from shardwise.cli.sizes import parse_size  # noqa: E402
 
 
 def _state(rank: int, world: int, case: str, nbytes: int, count: int) -> dict:
@@ -44,20 +48,6 @@ def _state(rank: int, world: int, case: str, nbytes: int, count: int) -> dict:
             layout, [torch.full(b.sizes, float(i + rank)) for b in layout.blocks_of(rank)]
         )
     return state
-
-
-def _clean(path: Path) -> None:
-    if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        for p in path.parent.glob(f".{path.name}.*"):
-            shutil.rmtree(p, ignore_errors=True)
-    dist.barrier()
-
-
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
 
 
 def _rank(
@@ -83,7 +73,7 @@ def _rank(
     }
 
     def blocking_part(path: Path, start_save) -> float:
-        _clean(path)
+        cases.clean(path)
         dist.barrier()
         t = time.perf_counter()
         future = start_save()
@@ -98,8 +88,8 @@ def _rank(
     ):
         blocking_part(path, start_save)  # the first call warms caches and staging buffers
         samples = [blocking_part(path, start_save) for _ in range(repeat)]
-        out[name] = _slowest(min(samples))
-        _clean(path)
+        out[name] = cases.max_over_ranks(min(samples))[0]
+        cases.clean(path)
 
     stager = Stager() if threads is None else Stager(threads=threads)
     stager.stage(state)  # allocates the buffers
@@ -121,7 +111,7 @@ def _rank(
             t = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - t)
-        out[name] = _slowest(min(samples))
+        out[name] = cases.max_over_ranks(min(samples))[0]
     return out
 
 

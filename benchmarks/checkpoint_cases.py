@@ -70,7 +70,7 @@ def rchar() -> int:
     return 0
 
 
-def _max_over_ranks(*values: float) -> list[float]:
+def max_over_ranks(*values: float) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
@@ -90,7 +90,7 @@ def timed(
         dist.barrier()
         start = time.perf_counter()
         fn()
-        seconds, grew = _max_over_ranks(time.perf_counter() - start, _growth(rss))
+        seconds, grew = max_over_ranks(time.perf_counter() - start, _growth(rss))
         best, growth = min(best, seconds), max(growth, grew)
     return best, growth
 
@@ -211,7 +211,7 @@ def small_rank(
     base = Path(folder)
     state = small_state(rank, world, count, kind)
     targets = small_state(rank, world, count, kind, fill=False)
-    out: dict[str, Any] = {"state bytes": _max_over_ranks(_local_bytes(state))[0], "peer": None}
+    out: dict[str, Any] = {"state bytes": max_over_ranks(_local_bytes(state))[0], "peer": None}
     calls: dict[str, tuple[Callable, Callable]] = {
         "stock": (
             lambda p: dcp.save(state, checkpoint_id=p),
@@ -290,7 +290,7 @@ def _async_saves(out: dict, state: dict, stock: Path, ours: Path, repeat: int) -
             future = start_save()
             seconds = time.perf_counter() - start
             future.result()
-            seconds, grew = _max_over_ranks(seconds, _growth(rss))
+            seconds, grew = max_over_ranks(seconds, _growth(rss))
             growth = max(growth, grew)
             if call > 0:
                 blocking = min(blocking, seconds)
@@ -305,7 +305,7 @@ def large_rank(rank: int, world: int, folder: str, nbytes: int, repeat: int) -> 
 
     base = Path(folder)
     state = row_state(rank, world, nbytes, n_tensors=8)
-    out: dict[str, Any] = {"state bytes": _max_over_ranks(_local_bytes(state))[0]}
+    out: dict[str, Any] = {"state bytes": max_over_ranks(_local_bytes(state))[0]}
     _raw_probe(out, state, base / f"probe_{rank}.bin", repeat)
 
     stock, ours = base / "stock", base / "ours"
@@ -337,7 +337,7 @@ def _reshard_saves(out: dict, state: dict, stock: Path, ours: Path) -> None:
 
     import shardwise.checkpoint as swc
 
-    out["state bytes"] = _max_over_ranks(_local_bytes(state))[0]
+    out["state bytes"] = max_over_ranks(_local_bytes(state))[0]
     record(out, "stock save", lambda: dcp.save(state, checkpoint_id=stock), 1)
     record(out, "shardwise save", lambda: swc.save(state, ours), 1)
 
@@ -366,7 +366,7 @@ def reshard_rank(rank: int, world: int, folder: str, nbytes: int, repeat: int) -
         reader = load()
         by_rchar = (rchar() - before) / needed
         own = reader.bytes_read / needed if hasattr(reader, "bytes_read") else math.nan
-        return _max_over_ranks(own, by_rchar)
+        return max_over_ranks(own, by_rchar)
 
     for name, load in (
         ("stock", lambda: dcp.load(targets, checkpoint_id=stock)),

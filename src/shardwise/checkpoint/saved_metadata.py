@@ -35,7 +35,7 @@ from .planning import Placement, SavePlan
 __all__ = ["build_metadata", "manifest_skeleton", "manifest_text"]
 
 # One record's checksums as its writer reports them: (tile shape or None, crcs, frame crc)
-# for a tensor, (None, [crc], 0) for an object.
+# for a tensor, (None, [], 0) for an object (its crc32c rides on the inventory).
 Checksums = tuple[tuple[int, ...] | None, list[int], int]
 
 
