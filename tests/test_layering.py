@@ -24,6 +24,7 @@ PACKAGE = SRC / "shardwise"
 LAYERS = {
     "shardwise.errors": 0,
     "shardwise.layout": 1,
+    "shardwise.storage": 1,
     "shardwise.tensor": 2,
     "shardwise.ops": 3,
     "shardwise.comm": 3,

@@ -9,8 +9,10 @@ Hierarchy::
     │                                            keys, shapes, dtypes
     ├── CorruptCheckpointError      (OSError) stored bytes fail their checksum
     ├── IncompleteCheckpointError   (OSError) a checkpoint whose commit never finished
-    └── UnsafeMetadataError         (pickle.UnpicklingError) a stock `.metadata` pickle
-                                                 names a global DCP writers never store
+    ├── UnsafeMetadataError         (pickle.UnpicklingError) a stock `.metadata` pickle
+    │                                            names a global DCP writers never store
+    └── UnsupportedStorageError     (ValueError) a location no installed storage backend
+                                                 serves (a URL scheme, a URL missing '//')
 
 `except shardwise.ShardwiseError` catches every failure of shardwise's own rules
 and of the data it reads. Subclassing the builtin that a caller would naturally
@@ -42,6 +44,7 @@ __all__ = [
     "ShardMismatchError",
     "ShardwiseError",
     "UnsafeMetadataError",
+    "UnsupportedStorageError",
 ]
 
 
@@ -84,3 +87,8 @@ class UnsafeMetadataError(ShardwiseError, pickle.UnpicklingError):
 
     Raised before the refused global is looked up, so nothing in the file ran.
     """
+
+
+class UnsupportedStorageError(ShardwiseError, ValueError):
+    """A location no installed storage backend serves: an unknown URL scheme, a backend
+    whose package is missing (the message names the extra to install), `s3:/x`."""

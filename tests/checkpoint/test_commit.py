@@ -19,8 +19,8 @@ from shardwise.checkpoint.commit import (
     collect,
     in_the_way,
     referenced_files,
-    write_atomically,
 )
+from shardwise.storage import LocalFolder
 from shardwise.testing import run_ranks
 
 pytestmark = pytest.mark.spawned
@@ -161,14 +161,15 @@ def test_write_atomically_leaves_the_old_file_or_the_new_one(tmp_path):
     path = tmp_path / "record"
     path.write_bytes(b"old")
 
-    def fails(fd: int) -> None:
-        os.write(fd, b"half")
+    def fails(sink) -> None:
+        sink.write([b"half"])
         raise OSError("disk full")
 
+    folder = LocalFolder(tmp_path)
     with pytest.raises(OSError, match="disk full"):
-        write_atomically(path, fails)
+        folder.write_atomically("record", fails, sync=True)
     assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["record"]
-    write_atomically(path, lambda fd: os.write(fd, b"new"))
+    folder.write_atomically("record", lambda sink: sink.write([b"new"]), sync=True)
     assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["record"]
 
 

@@ -20,6 +20,7 @@ import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
 from shardwise.checkpoint.record_read import read_record_layout
 from shardwise.checkpoint.record_write import tensor_record
+from shardwise.storage.local import LocalFile
 from tests.checkpoint.test_records import saved_record
 
 V3 = torch.storage._new_dtypes()
@@ -116,7 +117,7 @@ def test_our_record_parses_back(dtype):
         f.write(head + payload + tail)
         f.flush()
         length = len(head) + len(payload) + len(tail)
-        layout = read_record_layout(f.fileno(), 100, length)
+        layout = read_record_layout(LocalFile.wrap(f.fileno()), 100, length)
     assert layout.payload_offset == 100 + len(head) and layout.payload_length == len(payload)
     assert (layout.dtype, layout.shape, layout.c_contiguous) == (dtype, SHAPE, True)
 
@@ -144,7 +145,7 @@ def test_a_stock_record_with_a_conjugate_bit_is_not_read_raw():
         torch.save(z, f)  # stores the raw storage plus metadata {"conj": True}
         length = f.tell()
         f.flush()
-        assert not read_record_layout(f.fileno(), 0, length).c_contiguous
+        assert not read_record_layout(LocalFile.wrap(f.fileno()), 0, length).c_contiguous
 
 
 def _state(seed: int = 1) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ import shardwise as sw
 import shardwise.checkpoint as swc
 from shardwise.checkpoint.record_read import _read_via_directory, read_record_layout
 from shardwise.checkpoint.safe_pickle import UnsafeMetadataError, load_metadata
+from shardwise.storage.local import LocalFile
 
 TENSORS = {
     "2-d": torch.arange(10.0).reshape(2, 5),
@@ -37,8 +38,8 @@ def saved_record(t: torch.Tensor, prefix: bytes):
         torch.save(t, f)
         length = f.tell() - start
         f.flush()
-        layout = read_record_layout(f.fileno(), start, length)
-        assert layout == _read_via_directory(f.fileno(), start, length)
+        layout = read_record_layout(LocalFile.wrap(f.fileno()), start, length)
+        assert layout == _read_via_directory(LocalFile.wrap(f.fileno()), start, length)
         raw = (
             bytearray(os.pread(f.fileno(), layout.nbytes, layout.payload_offset))
             if layout.c_contiguous
@@ -75,13 +76,13 @@ def test_records_that_are_not_plain_tensors_are_refused():
         length = f.tell()
         f.flush()
         with pytest.raises(ValueError):
-            read_record_layout(f.fileno(), 0, length)
+            read_record_layout(LocalFile.wrap(f.fileno()), 0, length)
     with tempfile.TemporaryFile() as f:
         torch.save(_Boom(), f)
         length = f.tell()
         f.flush()
         with pytest.raises(ValueError, match="refused global"):
-            read_record_layout(f.fileno(), 0, length)
+            read_record_layout(LocalFile.wrap(f.fileno()), 0, length)
 
 
 def test_stock_metadata_is_admitted(tmp_path):

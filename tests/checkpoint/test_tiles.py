@@ -35,6 +35,7 @@ from shardwise.checkpoint.tiles import (
     tile_crcs,
     tile_shape,
 )
+from shardwise.storage.local import LocalFile
 
 # -- tile shapes ---------------------------------------------------------------------------
 
@@ -242,11 +243,11 @@ def _written(tmp_path: Path, t: torch.Tensor) -> tuple[Path, StoredChunk, Record
 
 def _read(path, stored, layout, offsets, lengths, verify=True, dest=None):
     dest = torch.empty(lengths, dtype=layout.dtype) if dest is None else dest
-    fd = os.open(path, os.O_RDONLY)
+    f = LocalFile(path)
     try:
-        return read_box(fd, path, "w", stored, layout, offsets, lengths, dest, verify)
+        return read_box(f, str(path), "w", stored, layout, offsets, lengths, dest, verify)
     finally:
-        os.close(fd)
+        f.close()
 
 
 @pytest.mark.parametrize(

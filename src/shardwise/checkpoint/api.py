@@ -28,6 +28,7 @@ from ..comm.agreement import exchange
 from ..comm.communicator import Communicator, SingleProcess, communicator
 from ..errors import CheckpointMismatchError, ShardwiseError
 from ..layout import Block
+from ..storage import Folder, LocalFolder, open_folder
 from .adapters import adapted_for_load, adapted_for_save
 from .commit import in_the_way, per_rank_records
 from .gc_pause import gc_paused
@@ -50,9 +51,10 @@ __all__ = ["SaveInfo", "async_save", "load", "read_tensor", "save"]
 
 @dataclass(frozen=True)
 class SaveInfo:
-    """What `save` returns: where the checkpoint is and how long the save took."""
+    """What `save` returns: where the checkpoint is (a `Path`, or the URL) and how
+    long the save took."""
 
-    path: Path
+    path: Path | str
     seconds: float
 
 
@@ -100,28 +102,48 @@ def _comm(process_group: Any) -> Communicator:
 
 
 def _target_problem(
-    path: Path, overwrite: bool, process_group: Any, megatron: bool = False
+    path: Folder, overwrite: bool, process_group: Any, megatron: bool = False
 ) -> BaseException | None:
     """What rank 0 finds in the way of a save: a checkpoint (unless `overwrite`; other
     files are fine), a file, or a foreign `metadata.json` (for a Megatron-readable save)."""
     if _distributed(process_group) and dist.get_rank(process_group) != 0:
         return None
+    if path.is_file():
+        return NotADirectoryError(f"{path} is a file, not a checkpoint folder")
     existing = in_the_way(path)
     if existing and not overwrite:
         return FileExistsError(existing)
-    if path.exists() and not path.is_dir():
-        return NotADirectoryError(f"{path} is a file, not a checkpoint folder")
     if megatron:
-        return metadata_json_problem(path)
+        if not isinstance(path, LocalFolder):
+            return ValueError(
+                f"megatron=True saves to a local folder (Megatron-Core's loader reads local "
+                f"paths), not {path}"
+            )
+        return metadata_json_problem(path.path)
     return None
 
 
-def _save_arguments(path: Path, overwrite: bool, megatron: bool) -> tuple[str, Any]:
-    return ("save path, overwrite and megatron", (str(path.resolve()), overwrite, megatron))
+def _save_arguments(path: Folder, overwrite: bool, megatron: bool) -> tuple[str, Any]:
+    return ("save path, overwrite and megatron", (path.identity, overwrite, megatron))
+
+
+def _folder(
+    path: str | Path | Folder, storage_options: dict[str, Any] | None, process_group: Any
+) -> Folder:
+    """`open_folder`, its refusal (an unknown scheme, a missing backend) raised on every rank."""
+    problem: BaseException | None = None
+    folder: Folder | None = None
+    try:
+        folder = open_folder(path, storage_options)
+    except ShardwiseError as e:
+        problem = e
+    _agree(problem, process_group)
+    assert folder is not None
+    return folder
 
 
 def _check_target(
-    path: Path,
+    path: Folder,
     overwrite: bool,
     process_group: Any,
     state_dict: dict[str, Any] | None = None,
@@ -148,11 +170,12 @@ def _check_target(
 
 def save(
     state_dict: dict[str, Any],
-    path: str | Path,
+    path: str | Path | Folder,
     *,
     overwrite: bool = False,
     process_group: Any = None,
     megatron: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> SaveInfo:
     """Save `state_dict` to `path`. Collective.
 
@@ -166,8 +189,13 @@ def save(
     own ShardedTensors, stored under their Megatron key) as DCP tensors, every
     other value in Megatron's common state object, and Megatron's
     `metadata.json` (see `shardwise.checkpoint.megatron`).
+
+    `path` may be an fsspec URL (`s3://bucket/ckpt`, `gs://...`, `memory://...`);
+    `storage_options` go to its backend (e.g. s3fs's `endpoint_url`, `key`). On an
+    object store the same guarantees hold, the commit record being written last
+    (`shardwise.storage`).
     """
-    path = Path(path)
+    path = _folder(path, storage_options, process_group)
     if _ASYNC.pending is not None:  # one save at a time: the next commit collects unnamed files
         wait([_ASYNC.pending])
     planner = None
@@ -192,10 +220,10 @@ def save(
         )
     if not saved:  # a value only DCP's own machinery saves: its target check already ran
         return _save_checked(state_dict, path, overwrite, process_group)
-    return SaveInfo(path, time.perf_counter() - start)
+    return SaveInfo(path.checkpoint_id, time.perf_counter() - start)
 
 
-def _write_megatron_metadata(path: Path, process_group: Any) -> None:
+def _write_megatron_metadata(path: Folder, process_group: Any) -> None:
     """Megatron's `metadata.json`, written by rank 0 before the data: its content
     never changes, so a crash at any later point leaves the old checkpoint as it
     was (only marked Megatron's, which Megatron refuses cleanly if it was not) or
@@ -203,28 +231,31 @@ def _write_megatron_metadata(path: Path, process_group: Any) -> None:
     problem: BaseException | None = None
     if not _distributed(process_group) or dist.get_rank(process_group) == 0:
         try:
-            write_metadata_json(path)
+            assert isinstance(path, LocalFolder)  # refused by _target_problem otherwise
+            write_metadata_json(path.path)
         except OSError as e:
             problem = e
     _agree(problem, process_group)
 
 
 def _save_checked(
-    state_dict: dict[str, Any], path: Path, overwrite: bool, process_group: Any, planner: Any = None
+    state_dict: dict[str, Any],
+    path: Folder,
+    overwrite: bool,
+    process_group: Any,
+    planner: Any = None,
 ) -> SaveInfo:
     start = time.perf_counter()
     try:
         dcp.save(
             state_dict,
-            storage_writer=Writer(
-                path, overwrite=True
-            ),  # _check_target refused what overwrite forbids
+            storage_writer=Writer(path, overwrite=True),  # _check_target refused the rest
             planner=planner or DefaultSavePlanner(dedup_save_to_lowest_rank=False),
             process_group=process_group,
         )
     except CheckpointException as e:
         raise _unwrap(e) from e
-    return SaveInfo(path, time.perf_counter() - start)
+    return SaveInfo(path.checkpoint_id, time.perf_counter() - start)
 
 
 class _AsyncSaver:
@@ -251,10 +282,11 @@ _ASYNC = _AsyncSaver()
 
 def async_save(
     state_dict: dict[str, Any],
-    path: str | Path,
+    path: str | Path | Folder,
     *,
     overwrite: bool = False,
     process_group: Any = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Future:
     """Stage `state_dict` and save it in the background. Collective.
 
@@ -262,8 +294,9 @@ def async_save(
     so the caller may modify it right away; `.result()` on the returned future
     waits for the commit and returns `SaveInfo` (or raises the save's error).
     A previous pending save is waited for first: its buffers are reused.
+    `path` and `storage_options` as for `save`.
     """
-    path = Path(path)
+    path = _folder(path, storage_options, process_group)
     if _ASYNC.pending is not None:
         _ASYNC.pending.result()
     state_dict = adapted_for_save(_state_dicts_of(state_dict), process_group)
@@ -275,11 +308,11 @@ def async_save(
     return _ASYNC.pending
 
 
-def _save_staged(state_dict: dict[str, Any], path: Path, overwrite: bool, group: Any) -> SaveInfo:
+def _save_staged(state_dict: dict[str, Any], path: Folder, overwrite: bool, group: Any) -> SaveInfo:
     """The background part of `async_save`, on its own group (targets already checked)."""
     start = time.perf_counter()
     if save_state(state_dict, path, _comm(group), None, _save_arguments(path, overwrite, False)):
-        return SaveInfo(path, time.perf_counter() - start)
+        return SaveInfo(path.checkpoint_id, time.perf_counter() - start)
     return _save_checked(state_dict, path, overwrite, group)
 
 
@@ -312,13 +345,14 @@ def _mismatches(state_dict: dict[str, Any], metadata: Any, strict: bool, cast: b
 
 def load(
     state_dict: dict[str, Any],
-    path: str | Path,
+    path: str | Path | Folder,
     *,
     strict: bool = True,
     verify: bool = True,
     cast_dtype: bool = False,
     process_group: Any = None,
     megatron: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> Reader:
     """Fill `state_dict`'s tensors and objects in place from `path`. Collective.
 
@@ -334,9 +368,10 @@ def load(
     its pieces are found anywhere and loaded by their Megatron key, the way
     Megatron (and `swc.save(..., megatron=True)`) stores them; non-tensor values
     are left as they are (`shardwise.checkpoint.megatron.read_common_state` reads them).
+    `path` may be an fsspec URL, `storage_options` its backend's options (as for `save`).
     Returns the reader (its `bytes_read` says what this rank read).
     """
-    path = Path(path)
+    path = _folder(path, storage_options, process_group)
     if megatron:
         targets, finishers = prepare_load(state_dict, process_group)
         reader = _load_adapted(targets, path, strict, verify, cast_dtype, process_group)
@@ -368,14 +403,14 @@ def load(
 
 def _load_adapted(
     state_dict: dict[str, Any],
-    path: Path,
+    path: Folder,
     strict: bool,
     verify: bool,
     cast_dtype: bool,
     process_group: Any,
 ) -> Reader:
     reader = Reader(path, verify=verify)
-    arguments = ("load path, strict and cast_dtype", (str(path.resolve()), strict, cast_dtype))
+    arguments = ("load path, strict and cast_dtype", (path.identity, strict, cast_dtype))
     with gc_paused():
         read = load_state(
             state_dict,
@@ -395,7 +430,7 @@ def _load_adapted(
 def _load_through_dcp(
     reader: Reader,
     state_dict: dict[str, Any],
-    path: Path,
+    path: Folder,
     strict: bool,
     cast_dtype: bool,
     process_group: Any,
@@ -420,7 +455,7 @@ def _load_through_dcp(
     _agree(
         problem,
         process_group,
-        (str(path.resolve()), strict, cast_dtype),
+        (path.identity, strict, cast_dtype),
         "load path, strict and cast_dtype",
     )
     try:
@@ -435,9 +470,16 @@ def _load_through_dcp(
     return reader
 
 
-def read_tensor(path: str | Path, fqn: str, region: Block | None = None) -> torch.Tensor:
+def read_tensor(
+    path: str | Path,
+    fqn: str,
+    region: Block | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> torch.Tensor:
     """Read tensor `fqn` (or only `region` of it, in global coordinates) offline.
 
-    One process, no process group; reads only the bytes of the region.
+    One process, no process group; reads only the bytes of the region (ranged
+    GETs when `path` is a URL).
     """
-    return open_checkpoint(path).read(fqn, region)
+    return open_checkpoint(path, storage_options=storage_options).read(fqn, region)

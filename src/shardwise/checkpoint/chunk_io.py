@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import crc32c
 import torch
 
-from .file_io import byte_view, frame_crc, write_all
+from ..storage import Folder, open_folder
+from .file_io import byte_view, frame_crc
 from .manifest import ChunkEntry, ObjectEntry
 from .record_write import tensor_record
 from .tiles import checksum_payload
@@ -69,12 +69,13 @@ def payload_checksums(tensor: torch.Tensor) -> tuple[tuple[int, ...], list[int]]
 class DataFile:
     """A new data file in `folder`, filled with items in order, then synced and closed.
 
-    It is created exclusively: a save never changes a file it did not write."""
+    It is created exclusively: a save never changes a file it did not write. On an
+    object store it becomes visible only when closed without an error."""
 
-    def __init__(self, folder: Path, name: str) -> None:
+    def __init__(self, folder: Folder | str | os.PathLike, name: str) -> None:
         self.name = name
         self.pos = 0
-        self._fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._sink = open_folder(folder).create(name)
 
     def __enter__(self) -> DataFile:
         return self
@@ -85,14 +86,18 @@ class DataFile:
         value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        os.close(self._fd)
+        if kind is None:
+            self._sink.close(sync=False)  # a no-op after `sync`
+        else:
+            self._sink.abort()
 
     def sync(self) -> None:
-        os.fsync(self._fd)
+        """Make the file durable (fsync; on an object store, complete the upload)."""
+        self._sink.close(sync=True)
 
     def write_object(self, data: Any) -> Written:
         """Bytes stored as they are (a pickled object), with one checksum."""
-        write_all(self._fd, [data])
+        self._sink.write([data])
         return self._advance(len(data), [crc32c.crc32c(data)])
 
     def write_tensor(self, tensor: torch.Tensor, serialization_id: str = "0" * 40) -> Written:
@@ -100,7 +105,7 @@ class DataFile:
         payload written from the tensor's memory (`writev`, no copy) and checksummed
         tile by tile (`tiles`)."""
         head, payload, tail = tensor_record(tensor, serialization_id)
-        write_all(self._fd, [head, payload, tail])
+        self._sink.write([head, payload, tail])
         tile, crcs = checksum_payload(payload, tuple(tensor.shape), tensor.element_size())
         payload_at = (self.pos + len(head), len(payload))
         length = len(head) + len(payload) + len(tail)

@@ -18,25 +18,74 @@ and the byte range on a short read or a failed checksum. No process group.
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 
 import crc32c
 import torch
 
 from ..errors import CorruptCheckpointError
+from ..storage import RandomAccess
 from .byte_runs import MERGE_GAP, runs, spans
 from .file_io import bad_page, byte_view
 from .manifest import StoredChunk, dtype_from_name
 from .record_read import RecordLayout
 from .tiles import bad_tile, bad_tile_in_box, enclosing_box
 
-__all__ = ["check_record", "check_whole", "first_bad", "read_box"]
+__all__ = ["box_ranges", "check_record", "check_whole", "first_bad", "read_box"]
+
+
+def _checked(chunk: StoredChunk | None, verify: bool) -> list[int] | None:
+    """The checksums a read of `chunk` verifies: none for stock chunks or `verify=False`."""
+    return chunk.crcs if verify and chunk is not None and chunk.payload is not None else None
+
+
+def _box_to_read(
+    chunk: StoredChunk | None,
+    layout: RecordLayout,
+    offsets: tuple[int, ...],
+    lengths: tuple[int, ...],
+    verify: bool,
+) -> tuple[tuple[int, ...], tuple[int, ...], int | None]:
+    """(offsets, lengths, page): the box actually read for a request, and the page its
+    runs widen to. Tiled chunks read the tile-aligned enclosing box; paged ones the
+    box itself widened to pages; unchecked ones exactly the box."""
+    crcs = _checked(chunk, verify)
+    if crcs is None or chunk is None:
+        return offsets, lengths, None
+    if chunk.tile is None:
+        return offsets, lengths, chunk.page_size
+    box_offsets, box_lengths = enclosing_box(layout.shape, chunk.tile, offsets, lengths)
+    return box_offsets, box_lengths, None
+
+
+def _spans(
+    layout: RecordLayout, offsets: tuple[int, ...], lengths: tuple[int, ...], page: int | None
+) -> tuple[torch.Tensor, int, list[tuple[int, int, int, int]]]:
+    """(run starts, run bytes, spans) of a box of the payload: what `_read_runs` reads."""
+    starts, run = runs(layout.shape, offsets, lengths, layout.dtype.itemsize)
+    if not len(starts):
+        return starts, run, []
+    return starts, run, spans(starts, run, MERGE_GAP, page, layout.payload_length)
+
+
+def box_ranges(
+    chunk: StoredChunk | None,
+    layout: RecordLayout,
+    offsets: tuple[int, ...],
+    lengths: tuple[int, ...],
+    verify: bool,
+) -> list[tuple[int, int]]:
+    """The `(start, end)` file byte ranges `read_box` reads for the same request, so
+    that a remote folder can fetch them all at once beforehand."""
+    offsets, lengths, page = _box_to_read(chunk, layout, tuple(offsets), tuple(lengths), verify)
+    at = layout.payload_offset
+    if lengths == layout.shape:
+        return [(at, at + layout.payload_length)] if math.prod(lengths) else []
+    return [(at + s, at + s + n) for s, n, _, _ in _spans(layout, offsets, lengths, page)[2]]
 
 
 def read_box(
-    fd: int,
-    path: Path,
+    file: RandomAccess,
+    path: str,
     name: str,
     chunk: StoredChunk | None,
     layout: RecordLayout,
@@ -45,7 +94,7 @@ def read_box(
     dest: torch.Tensor,
     verify: bool,
 ) -> tuple[torch.Tensor, int]:
-    """Read the box `offsets`/`lengths` of the C-order payload `layout` locates in `fd`.
+    """Read the box `offsets`/`lengths` of the C-order payload `layout` locates in `file`.
 
     Returns a tensor holding the box (`dest` itself when the box could be read
     straight into it: contiguous, on the CPU, of the stored dtype; else a tensor
@@ -54,24 +103,23 @@ def read_box(
     reads exactly the box.
     """
     offsets, lengths = tuple(offsets), tuple(lengths)
-    crcs = chunk.crcs if verify and chunk is not None and chunk.payload is not None else None
+    crcs = _checked(chunk, verify)
     direct = (
         tuple(dest.shape) == lengths
         and dest.is_contiguous()
         and dest.device.type == "cpu"
         and dest.dtype == layout.dtype
     )
+    box_offsets, box_lengths, page = _box_to_read(chunk, layout, offsets, lengths, verify)
     if crcs is None or chunk is None or chunk.tile is None:  # exact runs, or widened to pages
         out = dest if direct else torch.empty(lengths, dtype=layout.dtype)
-        page = chunk.page_size if crcs is not None and chunk is not None else None
-        return out, _read_runs(fd, path, name, layout, offsets, lengths, out, page, crcs)
-    box_offsets, box_lengths = enclosing_box(layout.shape, chunk.tile, offsets, lengths)
+        return out, _read_runs(file, path, name, layout, offsets, lengths, out, page, crcs)
     exact = box_offsets == offsets and box_lengths == lengths
     if exact:
         box = dest if direct else torch.empty(lengths, dtype=layout.dtype)
     else:
         box = torch.empty(box_lengths, dtype=layout.dtype)
-    n = _read_runs(fd, path, name, layout, box_offsets, box_lengths, box, None, None)
+    n = _read_runs(file, path, name, layout, box_offsets, box_lengths, box, None, None)
     if math.prod(lengths):  # an empty box reads nothing, so has nothing to verify
         bad = bad_tile_in_box(
             byte_view(box),
@@ -91,7 +139,7 @@ def read_box(
     return box[inside], n
 
 
-def check_whole(payload: memoryview | bytes, chunk: StoredChunk, path: Path, name: str) -> None:
+def check_whole(payload: memoryview | bytes, chunk: StoredChunk, path: str, name: str) -> None:
     """Verify a chunk's whole payload, already in memory (a batched read), against its
     tiles or pages; a chunk without checksums passes."""
     if chunk.payload is not None and len(payload) != chunk.payload[1]:
@@ -118,19 +166,19 @@ def first_bad(payload: memoryview | bytes, chunk: StoredChunk) -> tuple[int, int
     return None if k is None else (k, k + min(chunk.page_size, len(payload) - k))
 
 
-def check_record(data: memoryview | bytes, chunk: StoredChunk, path: Path, name: str) -> None:
+def check_record(data: memoryview | bytes, chunk: StoredChunk, path: str, name: str) -> None:
     """Verify a transformed chunk's stored record (its one checksum), read whole."""
     if chunk.crcs and crc32c.crc32c(data) != chunk.crcs[0]:
         raise _failed(name, path, chunk.offset, chunk.offset + chunk.length)
 
 
-def _failed(name: str, path: Path, lo: int, hi: int) -> CorruptCheckpointError:
+def _failed(name: str, path: str, lo: int, hi: int) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"'{name}': bytes {lo}..{hi} of {path} fail their checksum")
 
 
 def _read_runs(
-    fd: int,
-    path: Path,
+    file: RandomAccess,
+    path: str,
     name: str,
     layout: RecordLayout,
     offsets: tuple[int, ...],
@@ -150,15 +198,13 @@ def _read_runs(
         if not out.numel():
             return 0
         view = byte_view(out)
-        _pread_into(fd, view, layout.payload_offset, path, name)
+        _pread_into(file, view, layout.payload_offset, path, name)
         if pages is not None and page is not None:
             _check_pages(view, 0, page, pages, layout, name, path)
         return len(view)
-    starts, run = runs(layout.shape, offsets, lengths, layout.dtype.itemsize)
-    if not len(starts):
+    starts, run, reads = _spans(layout, offsets, lengths, page if pages is not None else None)
+    if not reads:
         return 0
-    widen = page if pages is not None else None
-    reads = spans(starts, run, MERGE_GAP, widen, layout.payload_length)
     rows = out.reshape(-1).view(torch.uint8).view(len(starts), run)
     dest = rows.numpy().data.cast("B")
     total = 0
@@ -169,7 +215,7 @@ def _read_runs(
         else:
             buf = torch.empty(span_len, dtype=torch.uint8)
             view = byte_view(buf)
-        _pread_into(fd, view, layout.payload_offset + span_start, path, name)
+        _pread_into(file, view, layout.payload_offset + span_start, path, name)
         total += span_len
         if pages is not None and page is not None:
             _check_pages(view, span_start, page, pages, layout, name, path)
@@ -180,8 +226,8 @@ def _read_runs(
     return total
 
 
-def _pread_into(fd: int, view: memoryview, at: int, path: Path, name: str) -> None:
-    got = os.preadv(fd, [view], at)
+def _pread_into(file: RandomAccess, view: memoryview, at: int, path: str, name: str) -> None:
+    got = file.readinto([view], at)
     if got != len(view):
         raise CorruptCheckpointError(
             f"'{name}': short read of bytes {at}..{at + len(view)} of {path} "
@@ -196,7 +242,7 @@ def _check_pages(
     pages: list[int],
     layout: RecordLayout,
     name: str,
-    path: Path,
+    path: str,
 ) -> None:
     """Verify the pages in `data`, which begins at payload offset `start` (page-aligned)."""
     k = bad_page(data, start, page, pages)

@@ -20,8 +20,13 @@ file by file:
    is ever deleted.
 
 Every whole file written for a checkpoint or a conversion (records, marker,
-converted outputs) goes through `write_atomically`: a reader sees all of it or
-none.
+converted outputs) goes through `Folder.write_atomically`: a reader sees all
+of it or none.
+
+The folder is a `storage.Folder`, local or under an fsspec URL; the protocol
+is the same on both, with "renamed into place" meaning a whole-object PUT
+(or server-side copy) on object stores, where a completed upload is durable
+and there is no directory to fsync (`storage.remote`).
 
 A crash before step 2 leaves the previous checkpoint as it was (plus
 token-named leftovers that the next save collects); a crash between the two
@@ -31,45 +36,41 @@ the old one, both complete; a crash during step 3 leaves only garbage.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import uuid
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 
+from ..storage import Folder, open_folder
+from ..storage.folder import TEMPORARY
 from .faults import failpoint
-from .file_io import write_all
 from .manifest import MANIFEST, MARKER
 from .safe_pickle import load_metadata
 
 __all__ = [
+    "METADATA",
     "RecordNames",
     "already_exists",
     "collect",
     "commit",
     "data_file_name",
-    "fsync_dir",
     "holds_checkpoint",
     "in_the_way",
     "leftover_data",
     "new_token",
     "per_rank_records",
     "referenced_files",
-    "temporary_name",
-    "write_atomically",
-    "write_temporary",
-    "write_durably",
 ]
 
 METADATA = ".metadata"
+FolderLike = Folder | str | os.PathLike  # a Folder, or what `open_folder` opens
 # matched with fullmatch: a trailing newline in a name is not ours
 _DATA = re.compile(r"__(\d+)_(\d+)\.sw([0-9a-f]{12})" + re.escape(DEFAULT_SUFFIX))
-_TEMP = re.compile(r"(.+)\.sw([0-9a-f]{12})\.tmp")
 _PER_RANK = re.compile(r"__(\d+)\.(?:metadata|shardwise\.json)")
 
 
@@ -103,103 +104,50 @@ class RecordNames:
         return m is not None and (self.rank is None or int(m.group(1)) == self.rank)
 
 
-def holds_checkpoint(folder: Path, names: RecordNames = RecordNames()) -> bool:
+def holds_checkpoint(folder: FolderLike, names: RecordNames = RecordNames()) -> bool:
     """Whether `folder` already holds a checkpoint (stock or ours, committed or not)."""
-    candidates = [names.metadata, names.manifest, RecordNames(0).metadata, RecordNames(0).manifest]
+    folder = open_folder(folder)
+    candidates = {names.metadata, names.manifest, RecordNames(0).metadata, RecordNames(0).manifest}
     if names.rank is None:
-        candidates.append(MARKER)
-    return any((folder / c).exists() for c in candidates)
+        candidates.add(MARKER)
+    return not candidates.isdisjoint(folder.names())
 
 
-def per_rank_records(folder: Path) -> list[RecordNames]:
+def per_rank_records(folder: FolderLike) -> list[RecordNames]:
     """The per-rank records (`__{rank}.metadata`, saved without collectives) in `folder`."""
-    try:
-        found = {int(m.group(1)) for n in os.listdir(folder) if (m := _PER_RANK.fullmatch(n))}
-    except OSError:
-        return []
+    folder = open_folder(folder)
+    found = {int(m.group(1)) for n in folder.names() if (m := _PER_RANK.fullmatch(n))}
     return [RecordNames(r) for r in sorted(found)]
 
 
-def already_exists(path: Path) -> str:
+def already_exists(folder: FolderLike) -> str:
     """The one message for an output that is already there, naming the fix."""
-    if path.is_file():
-        return f"{path} already exists; pass overwrite=True"
-    return f"Checkpoint already exists at {path}; pass overwrite=True to replace it"
+    folder = open_folder(folder)
+    if folder.is_file():
+        return f"{folder} already exists; pass overwrite=True"
+    return f"Checkpoint already exists at {folder}; pass overwrite=True to replace it"
 
 
 def in_the_way(
-    path: Path, names: RecordNames = RecordNames(), *, files: bool = False
+    folder: FolderLike, names: RecordNames = RecordNames(), *, files: bool = False
 ) -> str | None:
-    """`already_exists(path)` when `path` holds a checkpoint (or, with `files`, is a
+    """`already_exists(folder)` when it holds a checkpoint (or, with `files`, is a
     file), else None: what a save, reshard or convert without overwrite refuses."""
-    if (files and path.is_file()) or (path.is_dir() and holds_checkpoint(path, names)):
-        return already_exists(path)
+    folder = open_folder(folder)
+    if (files and folder.is_file()) or holds_checkpoint(folder, names):
+        return already_exists(folder)
     return None
 
 
-def leftover_data(folder: Path) -> list[str]:
+def leftover_data(folder: FolderLike) -> list[str]:
     """Token-named data files: what an interrupted save leaves behind."""
-    try:
-        return sorted(n for n in os.listdir(folder) if _DATA.fullmatch(n))
-    except OSError:
-        return []
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def temporary_name(path: Path) -> Path:
-    """A unique name beside `path` that `collect` recognises as a leftover of ours."""
-    return path.with_name(f"{path.name}.sw{new_token()}.tmp")
-
-
-def write_temporary(path: Path, data: bytes, *, sync: bool = True) -> Path:
-    """`data` in a new `temporary_name` beside `path`, fsynced: for `commit` to rename."""
-    tmp = temporary_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        write_all(fd, [data])
-        if sync:
-            os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    return tmp
-
-
-def write_atomically(path: Path, write: Callable[[int], object], *, sync: bool = True) -> None:
-    """Write `path` whole or not at all: `write(fd)` fills a unique temporary name
-    beside it (one `collect` recognises), which is fsynced, then renamed over `path`."""
-    tmp = temporary_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        try:
-            write(fd)
-            if sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind to collect
-        raise
-    os.replace(tmp, path)
-
-
-def write_durably(path: Path, data: bytes, *, sync: bool = True) -> None:
-    """`write_atomically` of bytes in hand."""
-    write_atomically(path, lambda fd: write_all(fd, [data]), sync=sync)
+    folder = open_folder(folder)
+    return sorted(n for n in folder.names() if _DATA.fullmatch(n))
 
 
 def commit(
-    folder: Path,
-    metadata: bytes | Path,
+    folder: FolderLike,
+    metadata: bytes | str,
     manifest: bytes,
     referenced: set[str],
     names: RecordNames = RecordNames(),
@@ -208,35 +156,36 @@ def commit(
 ) -> list[str]:
     """Make a checkpoint whose data is durable visible; collect what it replaces.
 
-    `metadata` is `.metadata`'s bytes, or a file beside it already holding them
-    (`temporary_name`, written by another rank), renamed into place.
+    `metadata` is `.metadata`'s bytes, or the name of a file beside it already
+    holding them (`Folder.write_temporary`, written by another rank), moved into place.
     `referenced`: the data files the new records name. Returns the names removed.
     With `sync=False` nothing is fsynced (as stock's `sync_files=False`): a
     power loss may then lose the new checkpoint and the one it replaced.
     """
+    folder = open_folder(folder)
     failpoint("before-commit")
     if sync:  # the data files' names, before any record names them
-        fsync_dir(folder)
+        folder.sync()
     previous = referenced_files(folder, names)
-    if isinstance(metadata, Path):  # already written, durably, under a temporary name
-        os.replace(metadata, folder / names.metadata)
+    if isinstance(metadata, str):  # already written, durably, under a temporary name
+        folder.replace(metadata, names.metadata)
     else:
-        write_durably(folder / names.metadata, metadata, sync=sync)
+        folder.write_durably(names.metadata, metadata, sync=sync)
     if sync:
-        fsync_dir(folder)
+        folder.sync()
     failpoint("between-records")
-    write_durably(folder / names.manifest, manifest, sync=sync)
+    folder.write_durably(names.manifest, manifest, sync=sync)
     # The marker comes last: before the manifest exists it would make a folder
     # whose `.metadata` is complete (stock's, or this save's) read as incomplete.
-    if names.rank is None and not (folder / MARKER).exists():
-        write_durably(folder / MARKER, b"shardwise checkpoint folder\n", sync=sync)
+    if names.rank is None and not folder.has(MARKER):
+        folder.write_durably(MARKER, b"shardwise checkpoint folder\n", sync=sync)
     if sync:
-        fsync_dir(folder)
+        folder.sync()
     failpoint("before-collect")
     return collect(folder, referenced | _named_elsewhere(folder, names), previous, names)
 
 
-def _named_elsewhere(folder: Path, names: RecordNames) -> set[str]:
+def _named_elsewhere(folder: FolderLike, names: RecordNames) -> set[str]:
     """Files that records of another scope still name (a global checkpoint beside
     per-rank ones, or the other way round): never collected by this one."""
     others = [RecordNames()] if names.rank is not None else []
@@ -248,28 +197,32 @@ def _named_elsewhere(folder: Path, names: RecordNames) -> set[str]:
 
 
 def collect(
-    folder: Path, keep: set[str], previous: set[str], names: RecordNames = RecordNames()
+    folder: FolderLike,
+    keep: set[str],
+    previous: set[str],
+    names: RecordNames = RecordNames(),
 ) -> list[str]:
     """Remove, after a commit, the files the committed records replaced: those
     the previous records named, token-named data no record names, and our
     temporary files. Never anything else, and never a file in `keep`. A file
     that cannot be removed is left for the next save: the commit stands."""
+    folder = open_folder(folder)
     removed = []
-    for name in sorted(os.listdir(folder)):
+    for name in folder.names():
         if name in keep:
             continue
-        temp = _TEMP.fullmatch(name)
+        temp = TEMPORARY.fullmatch(name)
         ours = (
             name in previous
             or names.owns(name)
             or (temp is not None and temp.group(1) in (names.metadata, names.manifest, MARKER))
         )
-        if ours and (folder / name).is_file() and not (folder / name).is_symlink():
+        if ours and folder.removable(name):
             try:
-                os.unlink(folder / name)
+                folder.remove(name)
             except OSError as e:
                 warnings.warn(
-                    f"could not remove {folder / name} after the commit ({e}); "
+                    f"could not remove {folder.where(name)} after the commit ({e}); "
                     "the next save retries",
                     stacklevel=2,
                 )
@@ -280,14 +233,15 @@ def collect(
 
 
 def referenced_files(
-    folder: Path, names: RecordNames = RecordNames(), *, both: bool = False
+    folder: FolderLike, names: RecordNames = RecordNames(), *, both: bool = False
 ) -> set[str]:
     """The data files the committed records in `folder` name: those of its
     manifest, else (or also, with `both`) of its `.metadata` (read with the safe
     unpickler). Unreadable records name nothing, so their files are never collected."""
+    folder = open_folder(folder)
     found: set[str] = set()
     try:
-        doc = json.loads((folder / names.manifest).read_bytes())
+        doc = json.loads(folder.read(names.manifest))
         found |= {c["file"] for t in doc["tensors"].values() for c in t["chunks"]}
         found |= {o["file"] for o in doc["objects"].values()}
         manifest = True
@@ -297,13 +251,12 @@ def referenced_files(
     # whose token-named files are collected by name anyway).
     if both or not manifest:
         try:
-            with open(folder / names.metadata, "rb") as f:
-                storage = load_metadata(f).storage_data or {}
+            storage = load_metadata(io.BytesIO(folder.read(names.metadata))).storage_data or {}
             found |= {info.relative_path for info in storage.values()}
         except Exception:  # noqa: BLE001 - a record we cannot read names nothing we may delete
             pass
     return {
         n
         for n in found
-        if isinstance(n, str) and n and "/" not in n and os.sep not in n and n not in (".", "..")
+        if isinstance(n, str) and n and "/" not in n and "\\" not in n and n not in (".", "..")
     }

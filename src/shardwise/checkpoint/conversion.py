@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
+from ..errors import UnsupportedStorageError
+from ..storage import Folder, LocalFolder, Sink, is_url, open_folder
 from .api import save
-from .commit import in_the_way, write_atomically, write_durably
-from .file_io import byte_view, write_all
+from .commit import in_the_way
+from .file_io import byte_view
 from .offline import OpenCheckpoint, open_checkpoint
 from .record_write import write_torch_archive
 
@@ -44,9 +46,36 @@ _SAFETENSORS_DTYPES = {
 _FROM_SAFETENSORS = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 
 # (open checkpoint, output, max_file_size) -> files written
-FromCheckpoint = Callable[[OpenCheckpoint, Path, int | None], list[Path]]
+FromCheckpoint = Callable[[OpenCheckpoint, "_Output", int | None], list[Any]]
 # (open safetensors file, output, overwrite) -> files written
-FromSafetensors = Callable[[Any, Path, bool], list[Path]]
+FromSafetensors = Callable[[Any, "_Output", bool], list[Any]]
+
+
+@dataclass(frozen=True)
+class _Output:
+    """Where a conversion writes: a file (or folder) `name` in `folder`, local or remote."""
+
+    folder: Folder
+    name: str
+    location: Path | str  # as the caller named it, returned in the list of files written
+    storage_options: dict[str, Any] | None = None
+
+    def sibling(self, name: str) -> _Output:
+        where = (
+            Path(self.location).with_name(name)
+            if isinstance(self.location, Path)
+            else f"{self.location.rsplit('/', 1)[0]}/{name}"
+        )
+        return _Output(self.folder, name, where, self.storage_options)
+
+
+def _output(out: str | os.PathLike, storage_options: dict[str, Any] | None) -> _Output:
+    if is_url(out):
+        text = str(out).rstrip("/")
+        parent, name = text.rsplit("/", 1)
+        return _Output(open_folder(parent, storage_options), name, text, storage_options)
+    path = Path(out)
+    return _Output(LocalFolder(path.parent), path.name, path, storage_options)
 
 
 @dataclass(frozen=True)
@@ -64,7 +93,8 @@ def convert(
     *,
     max_file_size: int | None = None,
     overwrite: bool = False,
-) -> list[Path]:
+    storage_options: dict[str, Any] | None = None,
+) -> list[Path | str]:
     """Convert between a checkpoint and one consolidated file; returns the files written.
 
     * checkpoint -> `safetensors` (split into `-0000k-of-0000n` files plus an
@@ -72,50 +102,59 @@ def convert(
       (a file `torch.load(..., weights_only=True)` reads). Tensors only.
     * a `.safetensors` file -> `shardwise` (a checkpoint folder) or `torch`.
     Streams tensor by tensor: memory holds one tensor at a time. The formats
-    are the keys of `TARGETS`.
+    are the keys of `TARGETS`. `path` and `out` may be fsspec URLs (a
+    `.safetensors` input is read from a local file), `storage_options` their
+    backend's options.
     """
-    path, out = Path(path), Path(out)
-    existing = in_the_way(out, files=True)
+    target = _output(out, storage_options)
+    existing = in_the_way(open_folder(out, storage_options), files=True)
     if existing and not overwrite:
         raise FileExistsError(existing)
-    if path.is_file():
+    source = open_folder(path, storage_options)
+    if source.is_file():
+        if not isinstance(source, LocalFolder):
+            raise UnsupportedStorageError(
+                f"cannot convert {path}: a .safetensors input is read from a local file"
+            )
         from safetensors import safe_open  # an optional extra
 
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(source.path), framework="pt") as f:
             from_file = _lookup(format, "safetensors", "a safetensors file")
-            return from_file(f, out, overwrite)
-    ckpt = open_checkpoint(path)
-    return _lookup(format, "checkpoint", "a checkpoint")(ckpt, out, max_file_size)
+            return from_file(f, target, overwrite)
+    ckpt = open_checkpoint(source)
+    return _lookup(format, "checkpoint", "a checkpoint")(ckpt, target, max_file_size)
 
 
-def _lookup(format: str, source: str, what: str) -> Callable[..., list[Path]]:
+def _lookup(format: str, source: str, what: str) -> Callable[..., list[Any]]:
     """`TARGETS[format]`'s converter from `source`; the error names every format that has one."""
     target = TARGETS.get(format)
-    found: Callable[..., list[Path]] | None = getattr(target, f"from_{source}", None)
+    found: Callable[..., list[Any]] | None = getattr(target, f"from_{source}", None)
     if found is None:
         names = sorted(repr(n) for n, t in TARGETS.items() if getattr(t, f"from_{source}"))
         raise ValueError(f"unknown format {format!r} for {what}; use {' or '.join(names)}")
     return found
 
 
-def _write_file(out: Path, write: Callable[[int], object]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(out, write)
+def _write_file(out: _Output, write: Callable[[Sink], object]) -> None:
+    out.folder.make()
+    out.folder.write_atomically(out.name, write, sync=True)
 
 
-def _checkpoint_to_torch(ckpt: OpenCheckpoint, out: Path, max_file_size: int | None) -> list[Path]:
+def _checkpoint_to_torch(
+    ckpt: OpenCheckpoint, out: _Output, max_file_size: int | None
+) -> list[Path | str]:
     keys = ckpt.tensor_keys()
     items = [
         (k, ckpt.tensor_metadata(k).properties.dtype, tuple(ckpt.tensor_metadata(k).size))
         for k in keys
     ]
-    _write_file(out, lambda fd: write_torch_archive(fd, items, lambda i: ckpt.read(keys[i])))
-    return [out]
+    _write_file(out, lambda sink: write_torch_archive(sink, items, lambda i: ckpt.read(keys[i])))
+    return [out.location]
 
 
 def _checkpoint_to_safetensors(
-    ckpt: OpenCheckpoint, out: Path, max_file_size: int | None
-) -> list[Path]:
+    ckpt: OpenCheckpoint, out: _Output, max_file_size: int | None
+) -> list[Path | str]:
     keys = ckpt.tensor_keys()
     groups: list[list[str]] = [[]]
     size = 0
@@ -134,25 +173,23 @@ def _checkpoint_to_safetensors(
             "metadata": {"total_size": sum(ckpt.tensor_nbytes(k) for k in keys)},
             "weight_map": {k: f.name for f, g in zip(files, groups) for k in g},
         }
-        index_path = out.with_name(
-            out.name.removesuffix(".safetensors") + ".safetensors.index.json"
-        )
-        write_durably(index_path, json.dumps(index, indent=2).encode())
-        files.append(index_path)
-    return files
+        index_file = out.sibling(out.name.removesuffix(".safetensors") + ".safetensors.index.json")
+        index_file.folder.write_durably(index_file.name, json.dumps(index, indent=2).encode())
+        files.append(index_file)
+    return [f.location for f in files]
 
 
-def _safetensors_files(out: Path, groups: list[list[str]]) -> list[Path]:
+def _safetensors_files(out: _Output, groups: list[list[str]]) -> list[_Output]:
     if len(groups) == 1:
         return [out]
     stem = out.name.removesuffix(".safetensors")
     return [
-        out.with_name(f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors")
+        out.sibling(f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors")
         for i in range(len(groups))
     ]
 
 
-def _write_safetensors(fd: int, keys: list[str], ckpt: OpenCheckpoint) -> None:
+def _write_safetensors(sink: Sink, keys: list[str], ckpt: OpenCheckpoint) -> None:
     """The safetensors layout: 8-byte header size, JSON header, tensor bytes in order;
     written tensor by tensor so memory holds one at a time."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": "shardwise"}}
@@ -171,27 +208,27 @@ def _write_safetensors(fd: int, keys: list[str], ckpt: OpenCheckpoint) -> None:
         offset += n
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    write_all(fd, [struct.pack("<Q", len(text)), text])
+    sink.write([struct.pack("<Q", len(text)), text])
     for key in keys:
         t = ckpt.read(key)
         if t.numel():
-            write_all(fd, [byte_view(t)])
+            sink.write([byte_view(t)])
 
 
-def _safetensors_to_torch(f: Any, out: Path, overwrite: bool) -> list[Path]:
+def _safetensors_to_torch(f: Any, out: _Output, overwrite: bool) -> list[Path | str]:
     keys = list(f.keys())
     first = {k: f.get_slice(k) for k in keys}
     items = [
         (k, _FROM_SAFETENSORS[first[k].get_dtype()], tuple(first[k].get_shape())) for k in keys
     ]
-    _write_file(out, lambda fd: write_torch_archive(fd, items, lambda i: f.get_tensor(keys[i])))
-    return [out]
+    _write_file(out, lambda sink: write_torch_archive(sink, items, lambda i: f.get_tensor(keys[i])))
+    return [out.location]
 
 
-def _safetensors_to_shardwise(f: Any, out: Path, overwrite: bool) -> list[Path]:
+def _safetensors_to_shardwise(f: Any, out: _Output, overwrite: bool) -> list[Path | str]:
     tensors = {k: f.get_tensor(k) for k in f.keys()}  # mmap-backed: pages load as written
-    save(tensors, out, overwrite=overwrite)
-    return [out]
+    save(tensors, out.location, overwrite=overwrite, storage_options=out.storage_options)
+    return [out.location]
 
 
 TARGETS: dict[str, Target] = {

@@ -7,15 +7,12 @@ verified; version 3 checksums tiles (`tiles`).
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 import crc32c
 import torch
 
 from .manifest import PAGE_SIZE
 
-__all__ = ["bad_page", "byte_view", "frame_crc", "pages_of", "write_all"]
+__all__ = ["bad_page", "byte_view", "frame_crc", "pages_of"]
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -37,19 +34,6 @@ _NUMPY_DTYPES = {
     torch.uint8,
     torch.bool,
 }
-
-
-def write_all(fd: int, buffers: list[Any]) -> None:
-    """`writev` until every byte is written (one call may write less)."""
-    pending = [memoryview(b).cast("B") for b in buffers if len(b)]
-    while pending:
-        n = os.writev(fd, pending[:1024])
-        while n:
-            if n >= len(pending[0]):
-                n -= len(pending.pop(0))
-            else:
-                pending[0] = pending[0][n:]
-                n = 0
 
 
 def pages_of(payload: memoryview, page_size: int = PAGE_SIZE) -> list[int]:

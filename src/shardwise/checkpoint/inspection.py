@@ -35,7 +35,7 @@ class TensorInfo:
 class CheckpointInfo:
     """What `inspect` returns: the checkpoint's kind, format and tensors."""
 
-    path: Path
+    path: Path | str
     kind: str  # "shardwise" or "stock DCP"
     format_version: int | None
     world_size: int | None
@@ -83,9 +83,12 @@ def describe_sharding(shape: tuple[int, ...], chunks: list[Block]) -> str:
     return f"{len(chunks)} blocks"
 
 
-def inspect(path: str | os.PathLike) -> CheckpointInfo:
-    """What a checkpoint holds, from its metadata alone (no data read)."""
-    ckpt = open_checkpoint(path)
+def inspect(
+    path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None
+) -> CheckpointInfo:
+    """What a checkpoint holds, from its metadata alone (no data read); `path` may be
+    an fsspec URL, `storage_options` its backend's options."""
+    ckpt = open_checkpoint(path, storage_options=storage_options)
     m = ckpt.manifest
     info = CheckpointInfo(
         ckpt.path,

@@ -13,6 +13,10 @@ chunks of `shardwise.json` and reads
 * a part of a chunk through `chunk_read.read_box`: only the byte runs (with
   verification, the checksum tiles) the part needs.
 
+On an object store every read above is planned first and its byte ranges
+fetched concurrently (`Folder.prefetch`), a window of `_WINDOW` bytes at a
+time; locally the reads simply run.
+
 Stock checkpoints, per-rank records and transformed chunks go through DCP's
 own `dcp.load` with `Reader` instead (`load_state` returns None for them).
 """
@@ -22,8 +26,8 @@ from __future__ import annotations
 import io
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import crc32c
@@ -34,7 +38,8 @@ from torch.distributed.checkpoint._traverse import set_element
 from ..comm.agreement import exchange
 from ..comm.communicator import Communicator
 from ..errors import CheckpointMismatchError, CorruptCheckpointError
-from .chunk_read import check_whole, read_box
+from ..storage import Folder, RandomAccess, open_folder
+from .chunk_read import box_ranges, check_whole, read_box
 from .file_io import byte_view
 from .inventory import Piece, pieces_of
 from .manifest import (
@@ -52,6 +57,10 @@ __all__ = ["load_state"]
 
 _GAP = 64 << 10  # chunks closer than this in a file are read by one preadv, gap and all
 _IOVECS = 1024
+_WINDOW = 256 << 20  # bytes fetched ahead at once from an object store
+
+# One read of a load: the byte ranges it needs (by file) and the call that does it.
+_Job = tuple[dict[str, list[tuple[int, int]]], Callable[[], None]]
 
 
 @dataclass
@@ -70,7 +79,7 @@ class _Whole:
 
 def load_state(
     state_dict: dict[str, Any],
-    path: Path,
+    path: Folder | str | os.PathLike,
     comm: Communicator,
     arguments: Any,
     *,
@@ -82,11 +91,12 @@ def load_state(
     Collective. Returns the bytes this rank read and the manifest it followed,
     or None (having read no data) when the checkpoint or a target needs DCP's
     own load path."""
+    path = open_folder(path)
     flat, mappings = flatten_state_dict(state_dict)
     problem: BaseException | None = None
     manifest: Manifest | None = None
     pieces: dict[str, list[Piece]] = {}
-    fast = (path / MANIFEST).exists()
+    fast = path.has(MANIFEST)
     if fast:
         try:
             manifest = Manifest.read(path)
@@ -156,17 +166,18 @@ def _mismatches(flat: dict[str, Any], manifest: Manifest, strict: bool, cast: bo
 class _Reads:
     """One rank's reads of one load: planned per key, executed per file."""
 
-    def __init__(self, folder: Path, manifest: Manifest, verify: bool) -> None:
+    def __init__(self, folder: Folder, manifest: Manifest, verify: bool) -> None:
         self.folder = folder
         self.manifest = manifest
         self.verify = verify
         self.bytes_read = 0
         self.objects: dict[str, Any] = {}
-        self._fds: dict[str, int] = {}
+        self._files: dict[str, RandomAccess] = {}
 
     def run(self, flat: dict[str, Any], pieces: dict[str, list[Piece]]) -> None:
         try:
             wholes: dict[str, list[_Whole]] = defaultdict(list)
+            jobs: list[_Job] = []
             for key, held in pieces.items():
                 entry = self.manifest.tensors[key]
                 dtype = dtype_from_name(entry.dtype)
@@ -182,24 +193,50 @@ class _Reads:
                     if chunk is not None:
                         wholes[chunk.file].append(self._whole(key, chunk, piece.tensor, dtype))
                     else:
-                        self._read_parts(key, entry, piece, dtype)
+                        jobs += self._part_jobs(key, entry, piece, dtype)
             for name, batch in wholes.items():
-                self._read_wholes(name, batch)
+                jobs += self._whole_jobs(name, batch)
             for key, value in flat.items():
                 if key in self.manifest.objects and not isinstance(value, torch.Tensor):
-                    self.objects[key] = self._read_object(key)
+                    jobs.append(self._object_job(key))
+            self._execute(jobs)
         finally:
-            for fd in self._fds.values():
-                os.close(fd)
+            for f in self._files.values():
+                f.close()
 
-    def _fd(self, name: str) -> int:
-        fd = self._fds.get(name)
-        if fd is None:
+    def _execute(self, jobs: list[_Job]) -> None:
+        """Run the reads; on an object store, fetch each window's ranges at once first."""
+        if self.folder.is_local:
+            for _ranges, read in jobs:
+                read()
+            return
+        start = 0
+        while start < len(jobs):
+            end, size = start, 0
+            window: dict[str, list[tuple[int, int]]] = defaultdict(list)
+            while end < len(jobs) and (end == start or size < _WINDOW):
+                for name, ranges in jobs[end][0].items():
+                    window[name] += ranges
+                    size += sum(e - s for s, e in ranges)
+                end += 1
+            self.folder.prefetch(window)
             try:
-                fd = self._fds[name] = os.open(self.folder / name, os.O_RDONLY)
+                for _ranges, read in jobs[start:end]:
+                    read()
+            finally:
+                self.folder.release()
+            start = end
+
+    def _file(self, name: str) -> RandomAccess:
+        f = self._files.get(name)
+        if f is None:
+            try:
+                f = self._files[name] = self.folder.open(name)
             except FileNotFoundError as e:
-                raise CorruptCheckpointError(f"data file {self.folder / name} is missing") from e
-        return fd
+                raise CorruptCheckpointError(
+                    f"data file {self.folder.where(name)} is missing"
+                ) from e
+        return f
 
     @staticmethod
     def _whole(key: str, chunk: ChunkEntry, target: torch.Tensor, dtype: torch.dtype) -> _Whole:
@@ -208,38 +245,48 @@ class _Reads:
             return _Whole(key, chunk, target, None)
         return _Whole(key, chunk, torch.empty(chunk.sizes, dtype=dtype), target)
 
-    def _read_wholes(self, name: str, batch: list[_Whole]) -> None:
+    def _whole_jobs(self, name: str, batch: list[_Whole]) -> list[_Job]:
         """Chunks of one file, by offset; neighbours within `_GAP` share one preadv."""
-        fd = self._fd(name)
         batch.sort(key=lambda w: _payload(w.chunk)[0])
+        jobs: list[_Job] = []
         start = 0
         while start < len(batch):
             end = start
-            buffers: list[memoryview] = []
-            views: list[memoryview] = []
             lo = pos = _payload(batch[start].chunk)[0]
-            while end < len(batch) and len(buffers) < _IOVECS - 1:
+            while end < len(batch) and end - start < (_IOVECS - 1) // 2:
                 at, n = _payload(batch[end].chunk)
                 if end > start and (at < pos or at - pos > _GAP):  # far (or damaged): new span
                     break
-                if at > pos:
-                    buffers.append(memoryview(bytearray(at - pos)))
-                views.append(batch[end].view)
-                buffers.append(views[-1])
                 pos = at + n
                 end += 1
-            got = os.preadv(fd, [b for b in buffers if len(b)], lo) if pos > lo else 0
-            self.bytes_read += got
-            if got != pos - lo:
-                raise CorruptCheckpointError(
-                    f"{self.folder / name}: short read of bytes {lo}..{pos}: truncated"
-                )
-            for whole, view in zip(batch[start:end], views):
-                if self.verify:
-                    self._check(whole, view)
-                if whole.target is not None:
-                    whole.target.copy_(whole.dest)
+            span = batch[start:end]
+            jobs.append(({name: [(lo, pos)]}, _bind(self._read_span, name, span, lo)))
             start = end
+        return jobs
+
+    def _read_span(self, name: str, span: list[_Whole], lo: int) -> None:
+        """Neighbouring chunks in one read, straight into their targets (gaps to scratch)."""
+        buffers: list[memoryview] = []
+        views: list[memoryview] = []
+        pos = lo
+        for whole in span:
+            at, n = _payload(whole.chunk)
+            if at > pos:
+                buffers.append(memoryview(bytearray(at - pos)))
+            views.append(whole.view)
+            buffers.append(views[-1])
+            pos = at + n
+        got = self._file(name).readinto(buffers, lo) if pos > lo else 0
+        self.bytes_read += got
+        if got != pos - lo:
+            raise CorruptCheckpointError(
+                f"{self.folder.where(name)}: short read of bytes {lo}..{pos}: truncated"
+            )
+        for whole, view in zip(span, views):
+            if self.verify:
+                self._check(whole, view)
+            if whole.target is not None:
+                whole.target.copy_(whole.dest)
 
     def _check(self, whole: _Whole, view: memoryview) -> None:
         chunk = whole.chunk
@@ -247,11 +294,14 @@ class _Reads:
             if crc32c.crc32c(view) == chunk.crcs[0]:  # one tile or page: the whole payload
                 return
         stored = _stored(chunk, self.manifest, whole.dest.dtype)
-        check_whole(view, stored, self.folder / chunk.file, whole.key)
+        check_whole(view, stored, self.folder.where(chunk.file), whole.key)
 
-    def _read_parts(self, key: str, entry: TensorEntry, piece: Piece, dtype: torch.dtype) -> None:
+    def _part_jobs(
+        self, key: str, entry: TensorEntry, piece: Piece, dtype: torch.dtype
+    ) -> list[_Job]:
         """The parts of stored chunks that overlap `piece`, each read as byte runs."""
         target = piece.tensor.detach()
+        jobs: list[_Job] = []
         for chunk in entry.chunks:
             lo = [max(a, b) for a, b in zip(piece.offsets, chunk.offsets)]
             hi = [
@@ -268,26 +318,50 @@ class _Reads:
             stored = _stored(chunk, self.manifest, dtype)
             at, n = _payload(chunk)
             layout = RecordLayout(at, n, dtype, tuple(chunk.sizes), True)
-            got, nbytes = read_box(
-                self._fd(chunk.file),
-                self.folder / chunk.file,
-                key,
-                stored,
-                layout,
-                in_chunk,
-                lengths,
-                dest,
-                self.verify,
+            ranges = (
+                {}
+                if self.folder.is_local
+                else {chunk.file: box_ranges(stored, layout, in_chunk, lengths, self.verify)}
             )
-            self.bytes_read += nbytes
-            if got is not dest:
-                dest.copy_(got)
+            read = _bind(self._read_part, key, chunk, stored, layout, in_chunk, lengths, dest)
+            jobs.append((ranges, read))
+        return jobs
 
-    def _read_object(self, key: str) -> Any:
+    def _read_part(
+        self,
+        key: str,
+        chunk: ChunkEntry,
+        stored: StoredChunk,
+        layout: RecordLayout,
+        in_chunk: tuple[int, ...],
+        lengths: tuple[int, ...],
+        dest: torch.Tensor,
+    ) -> None:
+        got, nbytes = read_box(
+            self._file(chunk.file),
+            self.folder.where(chunk.file),
+            key,
+            stored,
+            layout,
+            in_chunk,
+            lengths,
+            dest,
+            self.verify,
+        )
+        self.bytes_read += nbytes
+        if got is not dest:
+            dest.copy_(got)
+
+    def _object_job(self, key: str) -> _Job:
         entry = self.manifest.objects[key]
-        data = os.pread(self._fd(entry.file), entry.length, entry.offset)
+        ranges = {entry.file: [(entry.offset, entry.offset + entry.length)]}
+        return ranges, _bind(self._read_object, key)
+
+    def _read_object(self, key: str) -> None:
+        entry = self.manifest.objects[key]
+        data = self._file(entry.file).pread(entry.length, entry.offset)
         self.bytes_read += len(data)
-        path = self.folder / entry.file
+        path = self.folder.where(entry.file)
         if len(data) != entry.length:
             raise CorruptCheckpointError(f"{path}: short read of object '{key}': truncated")
         if self.verify and crc32c.crc32c(data) != entry.crc32c:
@@ -295,7 +369,11 @@ class _Reads:
                 f"object '{key}' in {path} bytes {entry.offset}..{entry.offset + entry.length} "
                 "fails its checksum"
             )
-        return torch.load(io.BytesIO(data), weights_only=False)
+        self.objects[key] = torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _bind(fn: Callable[..., None], *args: Any) -> Callable[[], None]:
+    return lambda: fn(*args)
 
 
 def _same_box(chunks: list[ChunkEntry], piece: Piece) -> ChunkEntry | None:

@@ -15,6 +15,7 @@ import io
 import json
 import math
 import operator
+import os
 import pickle
 import re
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import CorruptCheckpointError
+from ..storage import Folder, open_folder
 from .gc_pause import gc_paused
 from .manifest_fields import (
     FORMAT,
@@ -211,35 +213,32 @@ class Manifest:
         return out
 
     @classmethod
-    def read(cls, folder: Path, name: str = MANIFEST) -> Manifest:
+    def read(cls, folder: Folder | str | os.PathLike, name: str = MANIFEST) -> Manifest:
         """The manifest `name` in `folder`, checked, its byte ranges inside its files."""
-        path = folder / name
+        folder = open_folder(folder)
+        path = folder.where(name)
         try:
-            text = path.read_bytes()
+            text = folder.read(name)
         except OSError as e:
             raise CorruptCheckpointError(f"{path}: unreadable manifest: {e}") from e
         out = cls.from_json(text, path)
         out._check_files(folder)
         return out
 
-    def _check_files(self, folder: Path) -> None:
+    def _check_files(self, folder: Folder) -> None:
         """Every byte range lies inside its file: nothing past the end is read, and
-        no size taken from the manifest is trusted beyond what is on disk."""
-        sizes: dict[str, int] = {}
+        no size taken from the manifest is trusted beyond what is stored (one listing)."""
+        sizes = folder.sizes()
         ranges = [(k, c.file, c.record) for k, t in self.tensors.items() for c in t.chunks]
         ranges += [(k, o.file, (o.offset, o.length)) for k, o in self.objects.items()]
         for key, name, (offset, length) in ranges:
-            if name not in sizes:
-                try:
-                    sizes[name] = (folder / name).stat().st_size
-                except OSError as e:
-                    raise CorruptCheckpointError(
-                        f"'{key}': data file {folder / name} is missing"
-                    ) from e
-            if offset + length > sizes[name]:
+            size = sizes.get(name)
+            if size is None:
+                raise CorruptCheckpointError(f"'{key}': data file {folder.where(name)} is missing")
+            if offset + length > size:
                 raise CorruptCheckpointError(
                     f"'{key}': bytes {offset}..{offset + length} lie past the end of "
-                    f"{folder / name} ({sizes[name]} bytes): truncated or damaged"
+                    f"{folder.where(name)} ({size} bytes): truncated or damaged"
                 )
 
     def _check_geometry(self, path: str | Path) -> None:

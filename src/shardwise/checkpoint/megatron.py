@@ -37,9 +37,9 @@ from ..interop.megatron import (
     pieces_problem,
     to_shardwise,
 )
+from ..storage import LocalFolder
 from ..tensor import ShardedTensor
 from .adapters import ValueAdapter, register_value_adapter
-from .commit import write_durably
 from .offline import open_checkpoint
 
 __all__ = [
@@ -314,7 +314,7 @@ def write_metadata_json(path: Path) -> None:
     if (path / METADATA_JSON).exists():
         return  # checked identical before the save
     path.mkdir(parents=True, exist_ok=True)
-    write_durably(path / METADATA_JSON, json.dumps(_BACKEND).encode())
+    LocalFolder(path).write_durably(METADATA_JSON, json.dumps(_BACKEND).encode())
 
 
 def read_common_state(path: str | Path) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import crc32c
 import torch
@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from ..errors import CorruptCheckpointError
 from ..layout import Block
+from ..storage import Folder, open_folder
 from .byte_runs import nbytes
 from .manifest import Manifest
 from .reader import Reader
@@ -30,9 +31,16 @@ __all__ = ["OpenCheckpoint", "open_checkpoint"]
 class OpenCheckpoint:
     """A checkpoint opened for reading in this process: metadata read once."""
 
-    def __init__(self, path: str | os.PathLike, *, verify: bool = True) -> None:
-        self.path = Path(path)
-        self.reader = Reader(self.path, verify=verify)
+    def __init__(
+        self,
+        path: str | os.PathLike | Folder,
+        *,
+        verify: bool = True,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.folder = open_folder(path, storage_options)
+        self.path: Path | str = self.folder.checkpoint_id
+        self.reader = Reader(self.folder, verify=verify)
         self.metadata = self.reader.read_metadata()
         self.reader.set_up_storage_reader(self.metadata, True)
 
@@ -106,21 +114,29 @@ class OpenCheckpoint:
     def object_bytes(self, fqn: str) -> bytes:
         """The stored bytes of object `fqn`, verified, not unpickled."""
         info = self.reader.storage_data[MetadataIndex(fqn)]
-        with open(self.path / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
+        f = self.folder.open(info.relative_path)
+        try:
+            data = f.pread(info.length, info.offset)
+        finally:
+            f.close()
         self.reader.bytes_read += len(data)
         entry = self.manifest.objects.get(fqn) if self.manifest else None
         if len(data) != info.length or (entry is not None and crc32c.crc32c(data) != entry.crc32c):
             raise CorruptCheckpointError(
-                f"object '{fqn}' in {self.path / info.relative_path} is damaged"
+                f"object '{fqn}' in {self.folder.where(info.relative_path)} is damaged"
             )
         return data
 
 
-def open_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> OpenCheckpoint:
-    """A checkpoint opened for reading in one process (no process group)."""
-    return OpenCheckpoint(path, verify=verify)
+def open_checkpoint(
+    path: str | os.PathLike | Folder,
+    *,
+    verify: bool = True,
+    storage_options: dict[str, Any] | None = None,
+) -> OpenCheckpoint:
+    """A checkpoint opened for reading in one process (no process group); `path` may
+    be an fsspec URL, `storage_options` its backend's options."""
+    return OpenCheckpoint(path, verify=verify, storage_options=storage_options)
 
 
 class _IntoTensor:

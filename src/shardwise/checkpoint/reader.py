@@ -9,7 +9,9 @@ targets need (`byte_runs`), widened to the checksum tiles (or, in older
 checkpoints, pages) that cover them, and verifies those.
 
 Call order (DCP's): reset -> read_metadata -> set_up_storage_reader ->
-prepare plans (collective) -> read_data on every rank. How much of a chunk a
+prepare plans (collective) -> read_data on every rank. On an object store
+`read_data` first fetches every byte range its plan needs, concurrently
+(`Folder.prefetch`), then reads as it would locally. How much of a chunk a
 ranged read reads, and how it is verified, is `chunk_read`'s.
 """
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import io
 import os
-from pathlib import Path
+from collections import defaultdict
 from typing import Any
 
 import crc32c
@@ -29,10 +31,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
-from .chunk_read import check_record, read_box
+from ..storage import Folder, RandomAccess, is_url, open_folder
+from .chunk_read import box_ranges, check_record, read_box
 from .commit import RecordNames, leftover_data, per_rank_records
 from .manifest import MARKER, Manifest, StoredChunk, StoredObject, dtype_from_name
-from .record_read import RecordLayout, read_record_layout
+from .record_read import HEAD_BYTES, RecordLayout, read_record_layout
 from .safe_pickle import load_metadata
 
 __all__ = ["Reader"]
@@ -45,38 +48,59 @@ class Reader(FileSystemReader):
     included). `bytes_read` counts every byte this reader read from data
     files. `verify=False` skips checksum verification (and the widening to
     whole tiles or pages it needs). Per-rank checkpoints (saved with `use_collectives=False`) are
-    read through `read_metadata(rank=...)`, as stock.
+    read through `read_metadata(rank=...)`, as stock. `path` may be an fsspec URL
+    (as with stock `FsspecReader`); `storage_options` go to its backend.
     """
 
     def __init__(
-        self, path: str | os.PathLike, _extension_registry: Any = None, *, verify: bool = True
+        self,
+        path: str | os.PathLike | Folder,
+        _extension_registry: Any = None,
+        *,
+        verify: bool = True,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(path, _extension_registry)
+        folder = open_folder(path, storage_options)
+        super().__init__(folder.checkpoint_id, _extension_registry)
+        self.storage_options = storage_options
+        self._use(folder)
         self.verify = verify
         self.bytes_read = 0
         self.manifest: Manifest | None = None
         self._set_up_for: str | os.PathLike | None = None
 
+    def _use(self, folder: Folder) -> None:
+        self.folder = folder
+        self.path = folder.checkpoint_id  # a Path, or the URL as given (stock's Path() mangles it)
+
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        super().reset(checkpoint_id)
+        super().reset(None)
+        if checkpoint_id:
+            self._use(open_folder(checkpoint_id, self.storage_options))
         self.manifest = None
         self._set_up_for = None
 
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """Local paths and URLs alike (stock `FileSystemReader` refuses URLs)."""
+        return is_url(checkpoint_id) or super().validate_checkpoint_id(checkpoint_id)
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         names = RecordNames(kwargs.get("rank"))
-        folder = Path(self.path)
+        folder = self.folder
         self.manifest, self.storage_data, self._set_up_for = None, {}, None
-        if (folder / names.manifest).exists():
+        present = set(folder.names())
+        if names.manifest in present:
             manifest = Manifest.read(folder, names.manifest)
             metadata = manifest.to_metadata()
             self.manifest = manifest
-        elif names.rank is None and (folder / MARKER).exists():
+        elif names.rank is None and MARKER in present:
             raise IncompleteCheckpointError(
                 f"{folder} is a shardwise checkpoint without its {names.manifest}: "
                 "the save did not commit"
             )
-        elif (folder / names.metadata).exists():
-            metadata = self._stock_metadata(folder, names)
+        elif names.metadata in present:
+            metadata = load_metadata(io.BytesIO(folder.read(names.metadata)))
         elif names.rank is None and per_rank_records(folder):
             # what dcp.load expects before it retries with read_metadata(rank=...)
             raise FileNotFoundError(
@@ -96,11 +120,6 @@ class Reader(FileSystemReader):
         storage_meta.load_id = self.load_id
         return metadata
 
-    @staticmethod
-    def _stock_metadata(folder: Path, names: RecordNames) -> Metadata:
-        with open(folder / names.metadata, "rb") as f:
-            return load_metadata(f)
-
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
@@ -114,17 +133,22 @@ class Reader(FileSystemReader):
                 "checkpoint's metadata (DCP calls reset -> read_metadata -> "
                 "set_up_storage_reader first)"
             )
-        by_file: dict[str, list[Any]] = {}
+        by_file: dict[str, list[Any]] = defaultdict(list)
         for req in plan.items:
-            by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-        for name, reqs in by_file.items():
-            path = Path(self.path) / name
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError as e:
-                raise CorruptCheckpointError(f"data file {path} is missing") from e
-            try:
-                size = os.fstat(fd).st_size
+            by_file[self.storage_data[req.storage_index].relative_path].append(req)
+        files: dict[str, RandomAccess] = {}
+        try:
+            for name in by_file:
+                try:
+                    files[name] = self.folder.open(name)
+                except FileNotFoundError as e:
+                    raise CorruptCheckpointError(
+                        f"data file {self.folder.where(name)} is missing"
+                    ) from e
+            layouts = self._prefetch(by_file, files) if not self.folder.is_local else {}
+            for name, reqs in by_file.items():
+                f, path = files[name], self.folder.where(name)
+                size = f.size()
                 for req in reqs:
                     info = self.storage_data[req.storage_index]
                     if info.offset + info.length > size:
@@ -134,28 +158,89 @@ class Reader(FileSystemReader):
                             f"({size} bytes): the file is truncated"
                         )
                     if req.type == LoadItemType.BYTE_IO:
-                        self._read_object(fd, path, req, info, planner)
+                        self._read_object(f, path, req, info, planner)
                     elif info.transform_descriptors:
-                        self._read_transformed(fd, path, req, info, planner)
+                        self._read_transformed(f, path, req, info, planner)
                     else:
-                        self._read_tensor(fd, path, req, info, planner)
-            finally:
-                os.close(fd)
+                        self._read_tensor(f, path, req, info, planner, layouts.get(id(req)))
+        finally:
+            self.folder.release()
+            for f in files.values():
+                f.close()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _pread(self, fd: int, n: int, offset: int, path: Path) -> bytes:
-        data = os.pread(fd, n, offset)
+    def _prefetch(
+        self, by_file: dict[str, list[Any]], files: dict[str, RandomAccess]
+    ) -> dict[int, RecordLayout]:
+        """Fetch every byte range the plan reads, concurrently (an object store): first
+        the heads of stock records (where their payload starts), then the rest. Returns
+        the stock records' layouts so parsed, by request."""
+        heads: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for name, reqs in by_file.items():
+            for req in reqs:
+                info = self.storage_data[req.storage_index]
+                if req.type != LoadItemType.BYTE_IO and not info.transform_descriptors:
+                    if self._layout_of(info) is None:
+                        heads[name].append(
+                            (info.offset, info.offset + min(info.length, HEAD_BYTES))
+                        )
+        layouts: dict[int, RecordLayout] = {}
+        if heads:
+            self.folder.prefetch(heads)
+            for name, reqs in by_file.items():
+                for req in reqs:
+                    info = self.storage_data[req.storage_index]
+                    if name in heads and req.type != LoadItemType.BYTE_IO:
+                        if not info.transform_descriptors and self._layout_of(info) is None:
+                            try:
+                                layouts[id(req)] = read_record_layout(
+                                    files[name], info.offset, info.length
+                                )
+                            except ValueError:
+                                pass  # reported by the read itself
+            self.folder.release()
+        wanted: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for name, reqs in by_file.items():
+            for req in reqs:
+                info = self.storage_data[req.storage_index]
+                layout = self._layout_of(info) or layouts.get(id(req))
+                if req.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+                    wanted[name].append((info.offset, info.offset + info.length))
+                elif layout is not None and layout.c_contiguous:
+                    chunk = info if isinstance(info, StoredChunk) else None
+                    wanted[name] += box_ranges(
+                        chunk,
+                        layout,
+                        tuple(req.storage_offsets),
+                        tuple(req.lengths),
+                        self.verify,
+                    )
+                else:
+                    wanted[name].append((info.offset, info.offset + info.length))
+        self.folder.prefetch(wanted)
+        return layouts
+
+    @staticmethod
+    def _layout_of(info: _StorageInfo) -> RecordLayout | None:
+        """A chunk's payload layout as its manifest records it (None for stock chunks)."""
+        if isinstance(info, StoredChunk) and info.payload is not None:
+            at, n = info.payload
+            return RecordLayout(at, n, dtype_from_name(info.dtype), tuple(info.sizes), True)
+        return None
+
+    def _pread(self, f: RandomAccess, n: int, offset: int, path: str) -> bytes:
+        data = f.pread(n, offset)
         self.bytes_read += len(data)
         if len(data) != n:
             raise CorruptCheckpointError(f"{path}: short read of {n} bytes at {offset}: truncated")
         return data
 
     def _read_object(
-        self, fd: int, path: Path, req: Any, info: _StorageInfo, planner: LoadPlanner
+        self, f: RandomAccess, path: str, req: Any, info: _StorageInfo, planner: LoadPlanner
     ) -> None:
-        data = self._pread(fd, info.length, info.offset, path)
+        data = self._pread(f, info.length, info.offset, path)
         crc = info.crc32c if isinstance(info, StoredObject) else None
         if crc is not None and self.verify and crc32c.crc32c(data) != crc:
             raise CorruptCheckpointError(
@@ -173,11 +258,11 @@ class Reader(FileSystemReader):
         return stream.read(-1)
 
     def _read_transformed(
-        self, fd: int, path: Path, req: Any, info: _StorageInfo, planner: LoadPlanner
+        self, f: RandomAccess, path: str, req: Any, info: _StorageInfo, planner: LoadPlanner
     ) -> None:
         """A chunk stored through stream transforms (e.g. zstd): byte ranges inside
         it mean nothing, so read it whole, check it, undo the transforms, load."""
-        data = self._pread(fd, info.length, info.offset, path)
+        data = self._pread(f, info.length, info.offset, path)
         if isinstance(info, StoredChunk) and self.verify:
             check_record(data, info, path, req.storage_index.fqn)
         try:
@@ -193,19 +278,23 @@ class Reader(FileSystemReader):
         self._commit(req, planner, path, whole)
 
     def _read_tensor(
-        self, fd: int, path: Path, req: Any, info: _StorageInfo, planner: LoadPlanner
+        self,
+        f: RandomAccess,
+        path: str,
+        req: Any,
+        info: _StorageInfo,
+        planner: LoadPlanner,
+        parsed: RecordLayout | None = None,
     ) -> None:
         chunk = info if isinstance(info, StoredChunk) and info.payload is not None else None
-        if chunk is not None and chunk.payload is not None:
-            at, n = chunk.payload
-            layout = RecordLayout(at, n, dtype_from_name(chunk.dtype), tuple(chunk.sizes), True)
-        else:  # stock checkpoints carry no checksums: find the payload in the record
+        layout = self._layout_of(info) or parsed
+        if layout is None:  # stock checkpoints carry no checksums: find the payload in the record
             try:
-                layout = read_record_layout(fd, info.offset, info.length)
+                layout = read_record_layout(f, info.offset, info.length)
             except ValueError as e:
                 raise CorruptCheckpointError(f"'{req.storage_index.fqn}' in {path}: {e}") from e
         if not layout.c_contiguous:  # a strided record: load it whole, as stock DCP does
-            record = self._pread(fd, info.length, info.offset, path)
+            record = self._pread(f, info.length, info.offset, path)
             self._commit(
                 req,
                 planner,
@@ -219,7 +308,7 @@ class Reader(FileSystemReader):
                 f"'{req.storage_index.fqn}' in {path}: stored chunk has the wrong size"
             )
         piece, n = read_box(
-            fd,
+            f,
             path,
             req.storage_index.fqn,
             chunk,
@@ -235,7 +324,7 @@ class Reader(FileSystemReader):
         planner.commit_tensor(req, target)
 
     @staticmethod
-    def _commit(req: Any, planner: LoadPlanner, path: Path, whole: torch.Tensor) -> None:
+    def _commit(req: Any, planner: LoadPlanner, path: str, whole: torch.Tensor) -> None:
         """Copy the requested box of a wholly loaded chunk into its target."""
         piece = whole[tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))]
         target = planner.resolve_tensor(req).detach()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import io
 import math
 import operator
-import os
 import pickle
 import struct
 import zipfile
@@ -28,10 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..storage import RandomAccess
 from .byte_runs import c_strides, nbytes
 from .zip_format import LOCAL_HEADER, LOCAL_SIGNATURE, STORED, local_header
 
-__all__ = ["RecordLayout", "read_record_layout"]
+__all__ = ["HEAD_BYTES", "RecordLayout", "read_record_layout"]
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,8 @@ class RecordLayout:
 class _Window(io.RawIOBase):
     """A read-only, seekable view of `[start, start + length)` of an open file."""
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
-        self._fd, self._start, self._length, self._pos = fd, start, length, 0
+    def __init__(self, file: RandomAccess, start: int, length: int) -> None:
+        self._file, self._start, self._length, self._pos = file, start, length, 0
 
     def readable(self) -> bool:
         return True
@@ -71,7 +71,7 @@ class _Window(io.RawIOBase):
 
     def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
         n = max(0, min(len(buffer), self._length - self._pos))
-        data = os.pread(self._fd, n, self._start + self._pos) if n else b""
+        data = self._file.pread(n, self._start + self._pos) if n else b""
         buffer[: len(data)] = data
         self._pos += len(data)
         return len(data)
@@ -188,14 +188,14 @@ class _TensorRecordUnpickler(pickle.Unpickler):
         return _StorageRef(dtype, str(key), int(numel))
 
 
-def read_record_layout(fd: int, offset: int, length: int) -> RecordLayout:
-    """Parse the `torch.save` record at `[offset, offset + length)` of `fd`.
+def read_record_layout(file: RandomAccess, offset: int, length: int) -> RecordLayout:
+    """Parse the `torch.save` record at `[offset, offset + length)` of `file`.
 
     Reads the record's first few KiB (its small entries come before the
     payload) or, failing that, its zip directory. Raises `ValueError` when
     the record is not a single plain tensor.
     """
-    head = os.pread(fd, min(length, _HEAD), offset)
+    head = file.pread(min(length, HEAD_BYTES), offset)
     try:
         fast = _scan_head(head)
     except (pickle.UnpicklingError, EOFError, struct.error, ValueError, TypeError):
@@ -205,10 +205,10 @@ def read_record_layout(fd: int, offset: int, length: int) -> RecordLayout:
         return _layout(
             args, offset, data_start, args.storage.numel * args.storage.dtype.itemsize, length
         )
-    return _read_via_directory(fd, offset, length)
+    return _read_via_directory(file, offset, length)
 
 
-_HEAD = 4096
+HEAD_BYTES = 4096  # what `read_record_layout` reads first: a plain record's leading entries
 
 
 def _stored_entry_at(head: bytes, pos: int) -> tuple[str, int]:
@@ -243,8 +243,8 @@ def _scan_head(head: bytes) -> tuple[_TensorArgs, int] | None:
         pos = data_start
 
 
-def _read_via_directory(fd: int, offset: int, length: int) -> RecordLayout:
-    window = _Window(fd, offset, length)
+def _read_via_directory(file: RandomAccess, offset: int, length: int) -> RecordLayout:
+    window = _Window(file, offset, length)
     try:
         with zipfile.ZipFile(io.BufferedReader(window)) as archive:
             infos = {i.filename.split("/", 1)[-1]: i for i in archive.infolist()}
@@ -259,7 +259,7 @@ def _read_via_directory(fd: int, offset: int, length: int) -> RecordLayout:
     entry = infos.get(f"data/{args.storage.key}")
     if entry is None or entry.compress_type != zipfile.ZIP_STORED:
         raise ValueError("tensor payload missing or compressed")
-    header = local_header(os.pread(fd, LOCAL_HEADER.size, offset + entry.header_offset))
+    header = local_header(file.pread(LOCAL_HEADER.size, offset + entry.header_offset))
     data_start = entry.header_offset + header.data_offset
     return _layout(args, offset, data_start, entry.file_size, length)
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
+from ..storage import Sink
 from .byte_runs import c_strides
-from .file_io import byte_view, write_all
+from .file_io import byte_view
 from .zip_format import (
     CENTRAL_HEADER,
     CENTRAL_SIGNATURE,
@@ -156,7 +157,7 @@ class _Archive:
 
 
 def write_torch_archive(
-    fd: int,
+    sink: Sink,
     tensors: list[tuple[str, torch.dtype, tuple[int, ...]]],
     load: Callable[[int], torch.Tensor],
 ) -> None:
@@ -173,7 +174,7 @@ def write_torch_archive(
     archive = _Archive()
 
     def entry(name: bytes, data: Any) -> None:
-        write_all(fd, [archive.header(name, len(data)), data])
+        sink.write([archive.header(name, len(data)), data])
 
     for name, data in _leading(pkl):
         entry(name, data)
@@ -185,7 +186,7 @@ def write_torch_archive(
         )
     for name, data in _trailing("0" * 40):
         entry(name, data)
-    write_all(fd, [archive.end()])
+    sink.write([archive.end()])
 
 
 def _stored_entry(name: bytes, size: int, pos: int) -> bytes:

@@ -16,6 +16,7 @@ import crc32c
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ..layout import Block, Layout
+from ..storage import open_folder
 from .chunk_io import DataFile
 from .commit import commit, data_file_name, in_the_way, new_token
 from .manifest import Manifest, TensorEntry, dtype_name
@@ -32,7 +33,8 @@ def reshard(
     dim: int = 0,
     layouts: Mapping[str, Layout] | None = None,
     overwrite: bool = False,
-) -> Path:
+    storage_options: dict[str, Any] | None = None,
+) -> Path | str:
     """Rewrite a checkpoint into the per-rank files of another layout, offline.
 
     Each tensor is split as `layouts[key]` when given, else chunked along `dim`
@@ -40,10 +42,11 @@ def reshard(
     rank r's blocks all go to one file `__r_0.sw<token>.distcp`, so a job of
     `world_size` ranks reads one contiguous file per rank. Memory holds one
     block at a time. The result is a shardwise checkpoint (stock-readable).
+    `path` and `out` may be fsspec URLs, `storage_options` their backend's options.
     """
-    ckpt = open_checkpoint(path)
-    out = Path(out)
-    existing = in_the_way(out)
+    ckpt = open_checkpoint(path, storage_options=storage_options)
+    folder = open_folder(out, storage_options)
+    existing = in_the_way(folder)
     if existing and not overwrite:
         raise FileExistsError(existing)
     plan = {}
@@ -61,13 +64,13 @@ def reshard(
                 f"layout for '{key}' is {layout}, not {world_size} ranks over shape {shape}"
             )
         plan[key] = layout
-    out.mkdir(parents=True, exist_ok=True)
+    folder.make()
     token = new_token()
     manifest = Manifest(world_size=world_size)
     written: set[tuple[str, Block]] = set()
     names = [data_file_name(f"__{rank}_", 0, token) for rank in range(world_size)]
     for rank, name in enumerate(names):
-        with DataFile(out, name) as file:
+        with DataFile(folder, name) as file:
             if rank == 0:  # objects are copied verbatim, never unpickled
                 for key in ckpt.object_keys():
                     manifest.objects[key] = file.write_object(ckpt.object_bytes(key)).object_entry()
@@ -85,8 +88,8 @@ def reshard(
             file.sync()
     metadata = pickle.dumps(_stock(manifest.to_metadata()))
     manifest.metadata_crc32c = crc32c.crc32c(metadata)
-    commit(out, metadata, manifest.to_json().encode(), set(names))
-    return out
+    commit(folder, metadata, manifest.to_json().encode(), set(names))
+    return folder.checkpoint_id
 
 
 def _stock(metadata: Any) -> Any:

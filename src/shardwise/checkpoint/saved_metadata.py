@@ -43,7 +43,7 @@ def build_metadata(
     plan: SavePlan,
     placements: list[list[Placement]],
     files: list[str],
-    checkpoint_id: Path,
+    checkpoint_id: Path | str,
     save_id: str,
 ) -> bytes:
     """The pickled DCP `Metadata` stock `dcp.load` reads: chunks in rank order."""
@@ -106,7 +106,7 @@ def manifest_skeleton(
     plan: SavePlan,
     placements: list[list[Placement]],
     files: list[str],
-    checkpoint_id: Path,
+    checkpoint_id: Path | str,
     save_id: str,
     object_crcs: dict[str, int],
 ) -> tuple[list[str], list[tuple[int, int]]]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import io
 import os
 import uuid
-from pathlib import Path
 from typing import Any
 
 import crc32c
@@ -35,9 +34,10 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from ..comm.agreement import exchange
 from ..comm.communicator import Communicator
 from ..errors import ShardMismatchError
-from .commit import METADATA, RecordNames, commit, data_file_name, new_token, write_temporary
+from ..storage import Folder, open_folder
+from .commit import METADATA, RecordNames, commit, data_file_name, new_token
 from .faults import failpoint
-from .file_io import frame_crc, write_all
+from .file_io import frame_crc
 from .inventory import Entry, Piece, describe
 from .planning import Placement, SavePlan, place_records, plan_save
 from .record_write import tensor_record
@@ -67,7 +67,7 @@ def serialize_objects(flat: dict[str, Any]) -> tuple[dict[str, bytes], BaseExcep
 
 def save_state(
     state_dict: dict[str, Any],
-    path: Path,
+    path: Folder | str | os.PathLike,
     comm: Communicator,
     local_problem: BaseException | None,
     arguments: Any,
@@ -81,6 +81,7 @@ def save_state(
     having written nothing, when some rank holds a value only DCP's own
     machinery can save: the caller then saves through `dcp.save`.
     """
+    path = open_folder(path)
     flat, mappings = flatten_state_dict(state_dict)
     objects, problem = serialize_objects(flat)
     problem = local_problem or problem
@@ -112,7 +113,7 @@ def save_state(
         if rank == 0:  # all of the manifest but the checksums, while the others finish
             placements = _placements(plan, inventories, serialization_id)
             skeleton = manifest_skeleton(
-                plan, placements, files, path, save_id, _object_crcs(inventories)
+                plan, placements, files, path.checkpoint_id, save_id, _object_crcs(inventories)
             )
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
@@ -125,7 +126,7 @@ def save_state(
             keep = {files[r] for r in range(world) if plan.writes[r]}
             commit(
                 path,
-                path / metadata_file,
+                metadata_file,
                 manifest.encode(),
                 keep,
                 RecordNames(),
@@ -168,7 +169,7 @@ def _write_metadata(
     plan: SavePlan,
     inventories: list[list[Entry]],
     files: list[str],
-    path: Path,
+    path: Folder,
     save_id: str,
     serialization_id: str,
     sync: bool,
@@ -176,31 +177,13 @@ def _write_metadata(
     """`.metadata` (all of it known from the plan) into a temporary file that the
     coordinator renames into place at the commit: its name and crc32c."""
     placements = _placements(plan, inventories, serialization_id)
-    data = build_metadata(plan, placements, files, path, save_id)
-    path.mkdir(parents=True, exist_ok=True)
-    return write_temporary(path / METADATA, data, sync=sync).name, crc32c.crc32c(data)
-
-
-def _write_batch(fd: int, buffers: list[Any]) -> None:
-    """One `writev` for a batch (byte buffers only); `write_all` finishes a short write."""
-    if not buffers:
-        return
-    total = sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in buffers)
-    n = os.writev(fd, buffers)
-    if n < total:
-        rest, skip = [], n
-        for b in buffers:
-            size = b.nbytes if isinstance(b, memoryview) else len(b)
-            if skip >= size:
-                skip -= size
-                continue
-            rest.append(memoryview(b).cast("B")[skip:])
-            skip = 0
-        write_all(fd, rest)
+    data = build_metadata(plan, placements, files, path.checkpoint_id, save_id)
+    path.make()
+    return path.write_temporary(METADATA, data, sync=sync), crc32c.crc32c(data)
 
 
 def _write_file(
-    folder: Path,
+    folder: Folder,
     name: str,
     plan: SavePlan,
     rank: int,
@@ -213,11 +196,11 @@ def _write_file(
     each payload straight from its tensor's memory (non-CPU tensors copied in
     bounded batches). Returns each record's checksums."""
     failpoint("before-write")
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.make()
     out: list[Checksums] = []
     pending: list[Any] = []
     held = 0  # bytes of host copies waiting in `pending`
-    fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    sink = folder.create(name)
     try:
         first = True
         for key, index in plan.writes[rank]:
@@ -235,17 +218,17 @@ def _write_file(
             out.append((tile, crcs, frame_crc(head, tail)))
             pending += (head, payload, tail)
             if held >= _BATCH_BYTES or len(pending) >= _BATCH_BUFFERS:
-                _write_batch(fd, pending)
+                sink.write(pending)
                 pending, held = [], 0
                 if first:
                     failpoint("mid-data")
                     first = False
-        _write_batch(fd, pending)
+        sink.write(pending)
         if first:
             failpoint("mid-data")
-        if sync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+        sink.close(sync=sync)
+    except BaseException:
+        sink.abort()  # nothing half-written stays (a crash's leftovers: the next save's collect)
+        raise
     failpoint("after-data")
     return out

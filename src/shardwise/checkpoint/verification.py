@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import pickle
 from collections.abc import Callable
-from pathlib import Path
+from typing import Any
 
 import crc32c
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..layout import Block
 from ..layout.coverage import analyze
+from ..storage import Folder, RandomAccess
 from .file_io import bad_page, frame_crc
 from .manifest import ChunkEntry, dtype_from_name
 from .offline import open_checkpoint
@@ -31,6 +32,7 @@ def verify(
     progress: Callable[[int], None] | None = None,
     *,
     raise_on_error: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> list[str]:
     """Check a whole checkpoint; raise, listing every problem found, unless it is sound.
 
@@ -47,7 +49,7 @@ def verify(
     returned instead of raised (empty: the checkpoint is sound), for callers
     that show or count them. A sound checkpoint returns `[]` either way.
     """
-    kind, problems = _find_problems(path, progress)
+    kind, problems = _find_problems(path, progress, storage_options)
     if problems and raise_on_error:
         count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
         raise kind(f"{path} fails verification, {count}: " + "; ".join(problems), problems=problems)
@@ -55,11 +57,13 @@ def verify(
 
 
 def _find_problems(
-    path: str | os.PathLike, progress: Callable[[int], None] | None
+    path: str | os.PathLike,
+    progress: Callable[[int], None] | None,
+    storage_options: dict[str, Any] | None = None,
 ) -> tuple[type[CorruptCheckpointError | IncompleteCheckpointError], list[str]]:
     """(the error that fits, every problem found) for `verify`."""
     try:
-        ckpt = open_checkpoint(path)
+        ckpt = open_checkpoint(path, storage_options=storage_options)
     except IncompleteCheckpointError as e:
         return IncompleteCheckpointError, [str(e)]
     except FileNotFoundError as e:
@@ -91,9 +95,9 @@ def _find_problems(
             if progress:
                 progress(ckpt.tensor_nbytes(key))
         return CorruptCheckpointError, problems
-    metadata = ckpt.path / ".metadata"
+    metadata = ckpt.folder.where(".metadata")
     try:
-        if crc32c.crc32c(metadata.read_bytes()) != ckpt.manifest.metadata_crc32c:
+        if crc32c.crc32c(ckpt.folder.read(".metadata")) != ckpt.manifest.metadata_crc32c:
             problems.append(
                 f"{metadata} does not match the manifest's checksum: damaged, or a save was "
                 "interrupted between its two records; stock DCP readers see something else "
@@ -105,7 +109,7 @@ def _find_problems(
     for key, entry in ckpt.manifest.tensors.items():
         itemsize = dtype_from_name(entry.dtype).itemsize
         for chunk in entry.chunks:
-            problems += _verify_chunk(ckpt.path, key, chunk, itemsize, page, progress)
+            problems += _verify_chunk(ckpt.folder, key, chunk, itemsize, page, progress)
     for key in ckpt.manifest.objects:
         try:
             ckpt.object_bytes(key)
@@ -115,21 +119,20 @@ def _find_problems(
 
 
 def _verify_chunk(
-    folder: Path,
+    folder: Folder,
     key: str,
     chunk: ChunkEntry,
     itemsize: int,
     page: int,
     progress: Callable[[int], None] | None,
 ) -> list[str]:
-    path = folder / chunk.file
+    path = folder.where(chunk.file)
     where = f"'{key}' chunk at {chunk.offsets}"
     record_start, record_length = chunk.record
     record_end = record_start + record_length
     if chunk.payload is None:  # stored through a transform (e.g. zstd): one checksum over it
         try:
-            with open(path, "rb") as f:
-                data = os.pread(f.fileno(), record_length, record_start)
+            data = _read(folder, chunk.file, record_length, record_start)
         except OSError as e:
             return [f"{where}: {e}"]
         if progress:
@@ -139,27 +142,37 @@ def _verify_chunk(
         return []
     start, length = chunk.payload
     try:
-        with open(path, "rb") as f:
-            fd = f.fileno()
-            head = os.pread(fd, start - record_start, record_start)
-            tail = os.pread(fd, record_end - start - length, start + length)
+        f = folder.open(chunk.file)
+        try:
+            head = f.pread(start - record_start, record_start)
+            tail = f.pread(record_end - start - length, start + length)
             if frame_crc(head, tail) != chunk.frame:
                 return [
                     f"{where}: the torch.save record framing in {path} "
                     f"(bytes {record_start}..{record_end}) fails its checksum"
                 ]
             if chunk.tile is not None:
-                problem = _verify_tiles(fd, path, where, chunk, itemsize, progress)
+                problem = _verify_tiles(f, path, where, chunk, itemsize, progress)
             else:
-                problem = _verify_pages(fd, path, where, chunk, page, progress)
+                problem = _verify_pages(f, path, where, chunk, page, progress)
+        finally:
+            f.close()
     except OSError as e:
         return [f"{where}: {e}"]
     return [] if problem is None else [problem]
 
 
+def _read(folder: Folder, name: str, n: int, offset: int) -> bytes:
+    f = folder.open(name)
+    try:
+        return f.pread(n, offset)
+    finally:
+        f.close()
+
+
 def _verify_pages(
-    fd: int,
-    path: Path,
+    f: RandomAccess,
+    path: str,
     where: str,
     chunk: ChunkEntry,
     page: int,
@@ -170,7 +183,7 @@ def _verify_pages(
     start, length = chunk.payload
     for i in range(len(chunk.crcs)):
         lo = start + i * page
-        data = os.pread(fd, min(page, length - i * page), lo)
+        data = f.pread(min(page, length - i * page), lo)
         if len(data) != min(page, length - i * page):
             return f"{where}: {path} is truncated at byte {lo + len(data)}"
         if bad_page(data, i * page, page, chunk.crcs) is not None:
@@ -181,8 +194,8 @@ def _verify_pages(
 
 
 def _verify_tiles(
-    fd: int,
-    path: Path,
+    f: RandomAccess,
+    path: str,
     where: str,
     chunk: ChunkEntry,
     itemsize: int,
@@ -199,7 +212,7 @@ def _verify_tiles(
         if not batch:
             return None
         lo, hi = batch[0][1], batch[-1][1] + batch[-1][2]
-        data = memoryview(os.pread(fd, hi - lo, start + lo))
+        data = memoryview(f.pread(hi - lo, start + lo))
         if len(data) != hi - lo:
             return f"{where}: {path} is truncated at byte {start + lo + len(data)}"
         for index, at, n in batch:
@@ -226,7 +239,7 @@ def _verify_tiles(
             return problem
         crc = 0
         for at, n in spans:
-            data = os.pread(fd, n, start + at)
+            data = f.pread(n, start + at)
             if len(data) != n:
                 return f"{where}: {path} is truncated at byte {start + at + len(data)}"
             crc = crc32c.crc32c(data, crc)

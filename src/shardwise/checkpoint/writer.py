@@ -21,7 +21,6 @@ import pickle
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 
 import crc32c
@@ -45,6 +44,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ..storage import Folder, is_url, open_folder
 from .chunk_io import DataFile, Written
 from .commit import RecordNames, commit, data_file_name, in_the_way, new_token
 from .faults import failpoint
@@ -74,11 +74,13 @@ class Writer(FileSystemWriter):
     as with stock); `_extensions` (e.g. ZStandard) transform each item's
     stream as stock does, and such items are read back whole.
     `serialization_format` must be `TORCH_SAVE` (what stock's own reader reads).
+    `path` may be an fsspec URL (as with stock `FsspecWriter`); `storage_options`
+    go to its backend.
     """
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike | Folder,
         single_file_per_rank: bool = True,
         sync_files: bool = True,
         thread_count: int = 1,
@@ -87,6 +89,8 @@ class Writer(FileSystemWriter):
         overwrite: bool = True,
         _extensions: Sequence[Any] | None = None,
         serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
+        *,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         if serialization_format != SerializationFormat.TORCH_SAVE:
             raise ValueError(
@@ -96,8 +100,9 @@ class Writer(FileSystemWriter):
                 "torch.distributed.checkpoint.HuggingFaceStorageWriter or "
                 "shardwise.checkpoint.convert"
             )
+        folder = open_folder(path, storage_options)
         super().__init__(
-            path,
+            folder.checkpoint_id,
             single_file_per_rank=single_file_per_rank,
             sync_files=sync_files,
             thread_count=thread_count,
@@ -107,7 +112,23 @@ class Writer(FileSystemWriter):
             _extensions=_extensions,
             serialization_format=serialization_format,
         )
+        self.storage_options = storage_options
+        self._use(folder)
         self._token = new_token()
+
+    def _use(self, folder: Folder) -> None:
+        self.folder = folder
+        self.path = folder.checkpoint_id  # a Path, or the URL as given (stock's Path() mangles it)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        super().reset(None)
+        if checkpoint_id:
+            self._use(open_folder(checkpoint_id, self.storage_options))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """Local paths and URLs alike (stock `FileSystemWriter` refuses URLs)."""
+        return is_url(checkpoint_id) or super().validate_checkpoint_id(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
@@ -122,7 +143,7 @@ class Writer(FileSystemWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # The folder is created in write_data: a save refused in planning leaves no folder.
-        existing = in_the_way(Path(self.path), self._records())
+        existing = in_the_way(self.folder, self._records())
         if not self.overwrite and existing:
             raise RuntimeError(f"Checkpoint already exists and self.overwrite=False: {existing}")
         if self.rank is not None and not self.use_collectives:
@@ -133,7 +154,7 @@ class Writer(FileSystemWriter):
         """Write this rank's items into fresh token-named files (one per bucket of
         `thread_count`, or one per item), in parallel threads when there are several."""
         failpoint("before-write")
-        Path(self.path).mkdir(parents=True, exist_ok=True)
+        self.folder.make()
         token = self._token
         if self.single_file_per_rank:
             buckets = _split_by_size_and_type(max(1, self.thread_count), list(plan.items))
@@ -161,7 +182,7 @@ class Writer(FileSystemWriter):
         """Objects as pickled bytes, tensors as torch.save records (`chunk_io`); then fsync."""
         serialization_id = self.save_id.replace("-", "")[:40].ljust(40, "0")  # torch.save's field
         results = []
-        with DataFile(Path(self.path), name) as out:
+        with DataFile(self.folder, name) as out:
             for item in items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
@@ -182,9 +203,9 @@ class Writer(FileSystemWriter):
     ) -> list[WriteResult]:
         """Items through the writer's stream transforms (stock's own item writer);
         each stored range gets one checksum, computed from the written bytes."""
-        path = Path(self.path) / name
         stock = []
-        with open(path, "xb") as stream:  # never an existing file
+        with self.folder.create(name) as sink:  # never an existing file
+            stream = sink.stream()
             for item in items:
                 data = planner.resolve_data(item)
                 if item.type != WriteItemType.BYTE_IO:
@@ -195,17 +216,18 @@ class Writer(FileSystemWriter):
                     )
                 )
                 failpoint("mid-data")
-            stream.flush()
-            if self.sync_files:
-                os.fsync(stream.fileno())
+            sink.close(sync=self.sync_files)
         failpoint("after-data")
         results = []
-        with open(path, "rb") as f:
+        f = self.folder.open(name)
+        try:
             for r in stock:
                 info: _StorageInfo = r.storage_data
-                crc = crc32c.crc32c(os.pread(f.fileno(), info.length, info.offset))
+                crc = crc32c.crc32c(f.pread(info.length, info.offset))
                 written = Written(info.relative_path, info.offset, info.length, [crc])
                 results.append(WriteResult(r.index, r.size_in_bytes, _Result(info, written)))
+        finally:
+            f.close()
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -222,7 +244,7 @@ class Writer(FileSystemWriter):
         manifest.metadata_crc32c = crc32c.crc32c(metadata_bytes)
         keep = {r.stock.relative_path for r in stored.values()}
         commit(
-            Path(self.path),
+            self.folder,
             metadata_bytes,
             manifest.to_json().encode(),
             keep,

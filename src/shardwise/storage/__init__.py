@@ -1,0 +1,25 @@
+"""Where checkpoint bytes live: a local folder or any fsspec URL, behind one small interface.
+
+`open_folder(location)` gives a `Folder`: the flat set of files of one
+checkpoint, with the few operations the checkpoint layer needs (list, read a
+range, write a new file, replace a record, remove). Local paths go straight
+to the OS (`LocalFolder`: `pwritev`/`preadv`, `fsync`, `rename`); URLs go
+through fsspec (`FsspecFolder`: ranged GETs, coalesced and issued
+concurrently, whole-object PUTs). No process group, no torch.distributed.
+"""
+
+from .folder import Folder, RandomAccess, Sink
+from .local import LocalFolder
+from .location import BACKEND_EXTRAS, is_url, open_folder
+from .remote import FsspecFolder
+
+__all__ = [
+    "BACKEND_EXTRAS",
+    "Folder",
+    "FsspecFolder",
+    "LocalFolder",
+    "RandomAccess",
+    "Sink",
+    "is_url",
+    "open_folder",
+]

@@ -1,0 +1,194 @@
+"""The interface every storage backend implements: a flat folder of named files.
+
+A checkpoint is a handful of files side by side (data files, `.metadata`,
+`shardwise.json`, a marker), so a folder is a set of names, never a tree.
+What differs between backends is what "atomic" and "durable" mean, which
+each implementation states in its docstring.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["TEMPORARY", "Folder", "RandomAccess", "Sink", "temporary_name"]
+
+# `{name}.sw{12 hex}.tmp`: what a record looks like before it replaces `name`.
+TEMPORARY = re.compile(r"(.+)\.sw([0-9a-f]{12})\.tmp")
+
+
+def temporary_name(name: str) -> str:
+    """A fresh name beside `name` that `TEMPORARY` matches: a leftover of ours if found."""
+    return f"{name}.sw{uuid.uuid4().hex[:12]}.tmp"
+
+
+class RandomAccess(ABC):
+    """A file open for positional reads (`pread`): nothing is read that is not asked for."""
+
+    where: str  # the file's full path or URL, for messages
+
+    @abstractmethod
+    def readinto(self, buffers: Sequence[memoryview], offset: int) -> int:
+        """Fill `buffers` in order from `offset` (as `preadv`); the bytes read, fewer at
+        the end of the file."""
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Up to `n` bytes at `offset` (fewer at the end of the file)."""
+        buffer = bytearray(n)
+        got = self.readinto([memoryview(buffer)], offset) if n else 0
+        return bytes(buffer[:got])
+
+    @abstractmethod
+    def size(self) -> int:
+        """The file's length in bytes."""
+
+    def close(self) -> None:  # noqa: B027 - most files hold nothing to release
+        """Release what the file holds (a descriptor)."""
+
+
+class Sink(ABC):
+    """A new file being written front to back; visible under its name only once
+    `close` returns (object stores), or as written (local files, which are
+    never read before a commit record names them)."""
+
+    name: str
+
+    @abstractmethod
+    def write(self, buffers: Sequence[Any]) -> None:
+        """Append every byte of `buffers` (bytes-like), in order."""
+
+    @abstractmethod
+    def stream(self) -> io.RawIOBase | io.BufferedIOBase | Any:
+        """A writable, `tell`-able stream onto the same file, for writers that want one
+        (DCP's stream transforms); bytes written there count as appended."""
+
+    @abstractmethod
+    def close(self, *, sync: bool = True) -> None:
+        """Finish the file: durable (fsynced, or the upload completed) when `sync`."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Give up: the partial file is removed (or never becomes visible)."""
+
+    def __enter__(self) -> Sink:
+        return self
+
+    def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
+        if kind is None:
+            self.close(sync=False)
+        else:
+            self.abort()
+
+
+class Folder(ABC):
+    """One checkpoint's folder: local, or under an fsspec URL.
+
+    `location` is what messages show (the path or the URL); `identity` is what
+    ranks compare to agree they all name the same folder.
+    """
+
+    location: str
+    is_local: bool
+
+    def __str__(self) -> str:
+        return self.location
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.location!r})"
+
+    @property
+    def identity(self) -> str:
+        return self.location
+
+    @property
+    def checkpoint_id(self) -> Any:
+        """What DCP's `StorageMeta.checkpoint_id` holds for this folder (a `Path`, or the URL)."""
+        return self.location
+
+    def where(self, name: str) -> str:
+        """The full path or URL of the file `name`, for messages."""
+        return f"{self.location.rstrip('/')}/{name}"
+
+    # -- looking ---------------------------------------------------------------------------------
+
+    @abstractmethod
+    def exists(self) -> bool:
+        """Whether the folder is there (locally a directory; on an object store, any
+        object under its prefix)."""
+
+    @abstractmethod
+    def is_file(self) -> bool:
+        """Whether the location is itself a file (not a folder)."""
+
+    @abstractmethod
+    def sizes(self) -> dict[str, int]:
+        """Every plain file directly in the folder, with its size (one listing)."""
+
+    def names(self) -> list[str]:
+        return sorted(self.sizes())
+
+    @abstractmethod
+    def has(self, name: str) -> bool:
+        """Whether the file `name` exists."""
+
+    @abstractmethod
+    def removable(self, name: str) -> bool:
+        """Whether `name` is a plain file `remove` may delete (never a link or folder)."""
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    @abstractmethod
+    def read(self, name: str) -> bytes:
+        """The whole file `name`."""
+
+    @abstractmethod
+    def open(self, name: str) -> RandomAccess:
+        """`name` open for positional reads; `FileNotFoundError` when it is missing."""
+
+    def prefetch(self, ranges: dict[str, list[tuple[int, int]]]) -> None:  # noqa: B027
+        """Fetch `(start, end)` byte ranges of several files ahead of the reads that need
+        them, all at once (object stores); local reads need no help."""
+
+    def release(self) -> None:  # noqa: B027
+        """Forget what `prefetch` fetched."""
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    @abstractmethod
+    def make(self) -> None:
+        """Create the folder (and its parents) if missing."""
+
+    @abstractmethod
+    def create(self, name: str) -> Sink:
+        """A new file `name` to fill; never an existing file's name."""
+
+    @abstractmethod
+    def write_atomically(self, name: str, write: Callable[[Sink], object], *, sync: bool) -> None:
+        """Write `name` whole or not at all: a reader sees the old file or the new one."""
+
+    def write_durably(self, name: str, data: bytes, *, sync: bool = True) -> None:
+        """`write_atomically` of bytes in hand."""
+        self.write_atomically(name, lambda sink: sink.write([data]), sync=sync)
+
+    @abstractmethod
+    def write_temporary(self, name: str, data: bytes, *, sync: bool = True) -> str:
+        """`data` under a fresh temporary name beside `name` (one `commit` recognises
+        as a leftover of ours), durable; returns that name, for `replace`."""
+
+    @abstractmethod
+    def replace(self, source: str, target: str) -> None:
+        """Make `source`'s content visible as `target` in one step (rename locally; on an
+        object store a server-side copy, then the source removed)."""
+
+    @abstractmethod
+    def remove(self, name: str) -> None:
+        """Delete the file `name`."""
+
+    @abstractmethod
+    def sync(self) -> None:
+        """Make the folder's names durable (fsync the directory; a no-op where a
+        completed write is durable by itself)."""
