@@ -29,6 +29,7 @@ BUILTINS = {
     "CorruptCheckpointError": OSError,
     "IncompleteCheckpointError": OSError,
     "UnsafeMetadataError": pickle.UnpicklingError,
+    "UnsupportedStorageError": ValueError,
 }
 
 

@@ -30,6 +30,7 @@ SHARDWISE = [
     "ShardwiseError",
     "Transfer",
     "UnsafeMetadataError",
+    "UnsupportedStorageError",
     "__version__",
     "distribute",
     "equal",
@@ -53,6 +54,7 @@ CHECKPOINT = [
     "SaveInfo",
     "TensorInfo",
     "UnsafeMetadataError",
+    "UnsupportedStorageError",
     "Writer",
     "async_save",
     "convert",
@@ -96,6 +98,7 @@ def test_names_in_both_namespaces_are_the_same_objects():
         "IncompleteCheckpointError",
         "LayoutError",
         "UnsafeMetadataError",
+    "UnsupportedStorageError",
     }
     assert all(getattr(shardwise, n) is getattr(shardwise.checkpoint, n) for n in shared)
 

@@ -16,6 +16,7 @@ from .errors import (
     ShardMismatchError,
     ShardwiseError,
     UnsafeMetadataError,
+    UnsupportedStorageError,
 )
 from .interop import from_dtensor, from_shard_tensor, from_torch_sharded_tensor
 from .layout import Block, Layout, Transfer, plan_transfers
@@ -39,6 +40,7 @@ __all__ = [
     "ShardwiseError",
     "Transfer",
     "UnsafeMetadataError",
+    "UnsupportedStorageError",
     "__version__",
     "distribute",
     "equal",

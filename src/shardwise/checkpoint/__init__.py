@@ -18,6 +18,7 @@ from ..errors import (
     IncompleteCheckpointError,
     LayoutError,
     UnsafeMetadataError,
+    UnsupportedStorageError,
 )
 from . import megatron, physicsnemo  # noqa: F401  (importing registers their value adapters)
 from .api import SaveInfo, async_save, load, read_tensor, save
@@ -40,6 +41,7 @@ __all__ = [
     "SaveInfo",
     "TensorInfo",
     "UnsafeMetadataError",
+    "UnsupportedStorageError",
     "Writer",
     "async_save",
     "convert",

@@ -10,13 +10,15 @@ costs one GET of exactly its range.
 
 What atomic means depends on the backend (`ATOMIC_PUT`):
 
-- object stores (S3, GCS, Azure, and fsspec's in-memory filesystem): an
-  object becomes visible whole when its upload completes, and a PUT replaces
-  the previous object in one step. Records are written in place; `replace`
-  is a server-side copy (itself atomic at the target), then the source
-  removed. Nothing needs an fsync: a completed upload is durable.
-- any other fsspec filesystem: records go to a temporary name, then
-  `fs.mv` over the target (a rename where the filesystem has one).
+- object stores (S3, GCS, Azure): an object becomes visible whole when its
+  upload completes, and a PUT replaces the previous object in one step.
+  Records are written in place; `replace` is a server-side copy (itself
+  atomic at the target), then the source removed. Nothing needs an fsync: a
+  completed upload is durable.
+- any other fsspec filesystem (fsspec's in-memory one included, whose files
+  are visible while being written): records go to a temporary name, then
+  `fs.mv` over the target (a rename where the filesystem has one; a copy
+  then a delete in memory, the copy one dictionary assignment).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from .folder import Folder, RandomAccess, Sink, temporary_name
 __all__ = ["ATOMIC_PUT", "FsspecFolder", "RemoteFile", "RemoteSink", "coalesce"]
 
 # Protocols where a completed upload replaces the object whole, in one step.
-ATOMIC_PUT = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "memory"})
+ATOMIC_PUT = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 WASTE = 0.1  # bytes fetched between two wanted ranges, at most this share of the bytes wanted
 MAX_GAP = 4 << 20  # never merge across more than this, whatever the ranges around it
 PART = 8 << 20  # ranges longer than this are fetched as concurrent parts
@@ -119,17 +121,17 @@ class RemoteSink(Sink):
             self.file.close()
 
     def abort(self) -> None:
-        if self.file.closed:
-            return
-        discard = getattr(self.file, "discard", None)
-        if discard is not None:
-            discard()  # an unfinished upload never becomes an object
-            return
-        self.file.close()  # a backend that cannot discard: remove what it wrote
-        try:
-            self.folder.remove(self.name)
-        except OSError:
-            pass
+        if not self.file.closed:
+            discard = getattr(self.file, "discard", None)
+            if discard is not None:
+                discard()  # an unfinished upload never becomes an object
+            else:
+                self.file.close()
+        if self.folder.has(self.name):  # a backend whose files exist while written: our
+            try:  # fresh name, so nobody else's file
+                self.folder.remove(self.name)
+            except OSError:
+                pass
 
 
 class FsspecFolder(Folder):
