@@ -11,6 +11,7 @@ import argparse
 
 from ..checkpoint.conversion import TARGETS, convert
 from .sizes import parse_size
+from .storage_options import add_storage_options, storage_options
 
 __all__ = ["add_parser", "main"]
 
@@ -33,12 +34,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-file-size", type=parse_size, default=None, help="split safetensors output, e.g. 5GiB"
     )
     p.add_argument("--overwrite", action="store_true")
+    add_storage_options(p)
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     for f in convert(
-        args.path, args.out, args.format, max_file_size=args.max_file_size, overwrite=args.overwrite
+        args.path,
+        args.out,
+        args.format,
+        max_file_size=args.max_file_size,
+        overwrite=args.overwrite,
+        storage_options=storage_options(args),
     ):
         print(f"wrote {f}")
     return 0

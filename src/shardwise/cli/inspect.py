@@ -7,6 +7,7 @@ import json
 
 from ..checkpoint import inspect
 from .sizes import format_size
+from .storage_options import add_storage_options, storage_options
 
 __all__ = ["add_parser", "main"]
 
@@ -20,11 +21,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("path", help="checkpoint folder (shardwise or stock DCP)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_storage_options(p)
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
-    info = inspect(args.path)
+    info = inspect(args.path, storage_options=storage_options(args))
     if args.json:
         print(json.dumps(info.to_json(), indent=2))
         return 0

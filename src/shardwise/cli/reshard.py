@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..checkpoint import reshard
 from ..layout import Layout
+from .storage_options import add_storage_options, storage_options
 
 __all__ = ["add_parser", "main"]
 
@@ -32,6 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dim", type=int, default=0, help="dimension to chunk along (default 0)")
     p.add_argument("--layout", type=Path, default=None, help="JSON file: key -> layout JSON")
     p.add_argument("--overwrite", action="store_true")
+    add_storage_options(p)
     p.set_defaults(func=main)
 
 
@@ -49,6 +51,7 @@ def main(args: argparse.Namespace) -> int:
         dim=args.dim,
         layouts=layouts,
         overwrite=args.overwrite,
+        storage_options=storage_options(args),
     )
     print(f"wrote {out} for {args.world_size} ranks")
     return 0

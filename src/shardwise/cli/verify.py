@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ..checkpoint import inspect, verify
+from .storage_options import add_storage_options, storage_options
 
 __all__ = ["add_parser", "main"]
 
@@ -19,6 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("path", help="checkpoint folder")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_storage_options(p)
     p.set_defaults(func=main)
 
 
@@ -26,7 +28,7 @@ def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     try:
-        total = inspect(args.path).nbytes
+        total = inspect(args.path, storage_options=storage_options(args)).nbytes
     except Exception:
         total = None  # verify() reports why the checkpoint cannot be opened
     with tqdm(
@@ -37,7 +39,12 @@ def main(args: argparse.Namespace) -> int:
         disable=args.quiet or None,
         file=sys.stderr,
     ) as bar:
-        problems = verify(args.path, progress=bar.update, raise_on_error=False)  # to print each one
+        problems = verify(  # not raised: to print each one
+            args.path,
+            progress=bar.update,
+            raise_on_error=False,
+            storage_options=storage_options(args),
+        )
     for line in problems:
         print(f"shardwise verify: {line}", file=sys.stderr)
     if not problems:
