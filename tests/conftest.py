@@ -165,3 +165,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "add `pytestmark = pytest.mark.spawned` at module level (after the imports), "
             "so that `-m 'not spawned'` leaves them out"
         )
+
+
+# -- local S3 (moto's standalone server) and in-memory fsspec roots ---------------------------
+#
+# Tests that use `s3_server` / `s3_bucket` reach a subprocess (the server, shared by the
+# session): see tests/s3_server.py, also for s3fs's instance cache.
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A `tests.s3_server.LocalS3`, shared by the session and stopped at its end."""
+    for needed in ("moto", "s3fs"):
+        try:
+            __import__(needed)
+        except ImportError:
+            pytest.skip(f"{needed} is not installed (pip install -r requirements/clients.txt)")
+    from .s3_server import LocalS3
+
+    server = LocalS3()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """`(url, storage_options)`: `s3://<fresh bucket>` on the session's local S3 server."""
+    return f"s3://{s3_server.new_bucket()}", s3_server.storage_options
+
+
+@pytest.fixture
+def memory_root():
+    """A unique `memory://sw-test-<uuid>` root, removed from fsspec's memory store after."""
+    import uuid
+
+    import fsspec
+
+    name = f"sw-test-{uuid.uuid4().hex}"
+    yield f"memory://{name}"
+    fs = fsspec.filesystem("memory")
+    if fs.exists(f"/{name}"):
+        fs.rm(f"/{name}", recursive=True)

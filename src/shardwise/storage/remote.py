@@ -72,6 +72,7 @@ class RemoteFile(RandomAccess):
     def __init__(self, folder: FsspecFolder, name: str) -> None:
         self.folder, self.name = folder, name
         self.where = folder.where(name)
+        folder.fresh()  # another process may have written it since this one listed
         self._size = int(folder.fs.size(folder.path_of(name)))
 
     def size(self) -> int:
@@ -125,6 +126,7 @@ class RemoteSink(Sink):
             discard = getattr(self.file, "discard", None)
             if discard is not None:
                 discard()  # an unfinished upload never becomes an object
+                self.file.closed = True  # (s3fs's discarded file would flush again when freed)
             else:
                 self.file.close()
         if self.folder.has(self.name):  # a backend whose files exist while written: our
@@ -157,22 +159,22 @@ class FsspecFolder(Folder):
     def path_of(self, name: str) -> str:
         return f"{self.root}/{name}"
 
-    def _fresh(self) -> None:
+    def fresh(self) -> None:
         """Forget fsspec's listing cache: other processes write here too."""
         self.fs.invalidate_cache(self.root)
 
     # -- looking ---------------------------------------------------------------------------------
 
     def exists(self) -> bool:
-        self._fresh()
+        self.fresh()
         return bool(self.fs.isdir(self.root))
 
     def is_file(self) -> bool:
-        self._fresh()
+        self.fresh()
         return bool(self.fs.isfile(self.root))
 
     def sizes(self) -> dict[str, int]:
-        self._fresh()
+        self.fresh()
         try:
             entries = self.fs.ls(self.root, detail=True)
         except (FileNotFoundError, NotADirectoryError):
@@ -186,7 +188,7 @@ class FsspecFolder(Folder):
         return out
 
     def has(self, name: str) -> bool:
-        self._fresh()
+        self.fresh()
         return bool(self.fs.isfile(self.path_of(name)))
 
     def removable(self, name: str) -> bool:
