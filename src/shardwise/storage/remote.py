@@ -126,7 +126,10 @@ class RemoteSink(Sink):
             discard = getattr(self.file, "discard", None)
             if discard is not None:
                 discard()  # an unfinished upload never becomes an object
-                self.file.closed = True  # (s3fs's discarded file would flush again when freed)
+                try:  # s3fs's discarded file would otherwise flush again when freed
+                    self.file.closed = True
+                except AttributeError:  # a BytesIO (memory://): nothing to flush
+                    pass
             else:
                 self.file.close()
         if self.folder.has(self.name):  # a backend whose files exist while written: our
