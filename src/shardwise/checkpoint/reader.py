@@ -31,9 +31,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
-from ..storage import Folder, RandomAccess, is_url, open_folder
+from ..storage import Folder, RandomAccess, open_folder
 from .chunk_read import box_ranges, check_record, read_box
 from .commit import RecordNames, leftover_data, per_rank_records
+from .folder_backed import FolderBacked
 from .manifest import MARKER, Manifest, StoredChunk, StoredObject, dtype_from_name
 from .record_read import HEAD_BYTES, RecordLayout, read_record_layout
 from .safe_pickle import load_metadata
@@ -41,7 +42,7 @@ from .safe_pickle import load_metadata
 __all__ = ["Reader"]
 
 
-class Reader(FileSystemReader):
+class Reader(FolderBacked, FileSystemReader):
     """A DCP `StorageReader` for shardwise and stock checkpoints with ranged reads.
 
     A drop-in for `FileSystemReader` (same constructor, `_extension_registry`
@@ -69,21 +70,10 @@ class Reader(FileSystemReader):
         self.manifest: Manifest | None = None
         self._set_up_for: str | os.PathLike | None = None
 
-    def _use(self, folder: Folder) -> None:
-        self.folder = folder
-        self.path = folder.checkpoint_id  # a Path, or the URL as given (stock's Path() mangles it)
-
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        super().reset(None)
-        if checkpoint_id:
-            self._use(open_folder(checkpoint_id, self.storage_options))
+        super().reset(checkpoint_id)
         self.manifest = None
         self._set_up_for = None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """Local paths and URLs alike (stock `FileSystemReader` refuses URLs)."""
-        return is_url(checkpoint_id) or super().validate_checkpoint_id(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         names = RecordNames(kwargs.get("rank"))

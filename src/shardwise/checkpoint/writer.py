@@ -44,10 +44,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..storage import Folder, is_url, open_folder
+from ..storage import Folder, open_folder
 from .chunk_io import DataFile, Written
 from .commit import RecordNames, commit, data_file_name, in_the_way, new_token
 from .faults import failpoint
+from .folder_backed import FolderBacked
 from .manifest import Manifest, TensorEntry, dtype_name
 
 __all__ = ["Writer"]
@@ -61,7 +62,7 @@ class _Result:
     written: Written
 
 
-class Writer(FileSystemWriter):
+class Writer(FolderBacked, FileSystemWriter):
     """A DCP `StorageWriter` producing a shardwise checkpoint in the folder `path`.
 
     A drop-in for `FileSystemWriter`, with its constructor: `overwrite=True`
@@ -115,20 +116,6 @@ class Writer(FileSystemWriter):
         self.storage_options = storage_options
         self._use(folder)
         self._token = new_token()
-
-    def _use(self, folder: Folder) -> None:
-        self.folder = folder
-        self.path = folder.checkpoint_id  # a Path, or the URL as given (stock's Path() mangles it)
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        super().reset(None)
-        if checkpoint_id:
-            self._use(open_folder(checkpoint_id, self.storage_options))
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """Local paths and URLs alike (stock `FileSystemWriter` refuses URLs)."""
-        return is_url(checkpoint_id) or super().validate_checkpoint_id(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)

@@ -174,10 +174,17 @@ class Folder(ABC):
         """`write_atomically` of bytes in hand."""
         self.write_atomically(name, lambda sink: sink.write([data]), sync=sync)
 
-    @abstractmethod
     def write_temporary(self, name: str, data: bytes, *, sync: bool = True) -> str:
         """`data` under a fresh temporary name beside `name` (one `commit` recognises
         as a leftover of ours), durable; returns that name, for `replace`."""
+        sink = self.create(temporary_name(name))
+        try:
+            sink.write([data])
+            sink.close(sync=sync)
+        except BaseException:
+            sink.abort()
+            raise
+        return sink.name
 
     @abstractmethod
     def replace(self, source: str, target: str) -> None:

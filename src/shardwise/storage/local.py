@@ -196,16 +196,6 @@ class LocalFolder(Folder):
             raise
         os.replace(sink.path, self.path / name)
 
-    def write_temporary(self, name: str, data: bytes, *, sync: bool = True) -> str:
-        sink = self.create(temporary_name(name))
-        try:
-            sink.write([data])
-            sink.close(sync=sync)
-        except BaseException:
-            sink.abort()
-            raise
-        return sink.name
-
     def replace(self, source: str, target: str) -> None:
         os.replace(self.path / source, self.path / target)
 

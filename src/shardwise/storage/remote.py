@@ -277,16 +277,6 @@ class FsspecFolder(Folder):
         if target != name:
             self.fs.mv(self.path_of(target), self.path_of(name))
 
-    def write_temporary(self, name: str, data: bytes, *, sync: bool = True) -> str:
-        sink = self.create(temporary_name(name))
-        try:
-            sink.write([data])
-            sink.close(sync=sync)
-        except BaseException:
-            sink.abort()
-            raise
-        return sink.name
-
     def replace(self, source: str, target: str) -> None:
         if self.atomic_put:  # a server-side copy lands whole; then the source goes
             self.fs.copy(self.path_of(source), self.path_of(target))
