@@ -4,6 +4,11 @@ Run: `shardwise bench checkpoint [--size 2GiB] [--small 10000] [--repeat 2]
 [--dirs /dev/shm /tmp] [--quick]` (or `python benchmarks/bench_checkpoint.py`).
 `--quick` is a smoke run: 16 MiB, 200 small tensors, 1 repeat, /dev/shm only.
 
+`--url s3://BUCKET/PREFIX [--storage-option KEY=VALUE ...]` (or `--url local-s3`:
+moto's server on 127.0.0.1, started and stopped by the run) measures object
+storage instead: benchmarks/remote_cases.py says what (default 256 MiB, 200
+small tensors, 2 repeats; `--quick` 16 MiB, 1 repeat).
+
 For each target folder, on local gloo ranks (2 unless said), every engine
 gets the same state dict (shardwise ShardedTensors reach stock DCP and
 ByteCheckpoint through their DCP hooks):
@@ -55,8 +60,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the modules beside t
 
 import checkpoint_cases as cases  # noqa: E402
 import checkpoint_report as report  # noqa: E402
+import remote_cases  # noqa: E402
 
 from shardwise.cli.sizes import parse_size  # noqa: E402
+from shardwise.cli.storage_options import add_storage_options, storage_options  # noqa: E402
 
 QUICK = {"size": "16MiB", "small": 200, "repeat": 1}
 FULL = {"size": "2GiB", "small": 10_000, "repeat": 2}
@@ -73,8 +80,22 @@ def _options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="16MiB, 200 small tensors, 1 repeat: a smoke run"
     )
+    parser.add_argument(
+        "--url",
+        help=f"benchmark object storage instead: s3://BUCKET/PREFIX, or {remote_cases.LOCAL} "
+        "(a local moto server for the run); default size then 256MiB",
+    )
+    add_storage_options(parser)
     args = parser.parse_args(argv)
-    for name, value in (QUICK if args.quick else FULL).items():
+    if args.url:
+        if args.dirs:
+            parser.error("--dirs names local folders; --url benchmarks object storage instead")
+        defaults = remote_cases.QUICK if args.quick else remote_cases.FULL
+    elif args.storage_option:
+        parser.error("--storage-option applies to --url only")
+    else:
+        defaults = QUICK if args.quick else FULL
+    for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.dirs is None:
@@ -201,6 +222,11 @@ def _rows(m: dict, small: int) -> list[report.Row]:
 def main(argv: list[str] | None = None) -> None:
     args = _options(argv)
     nbytes = parse_size(args.size)
+    if args.url:
+        remote_cases.main(
+            args.url, storage_options(args), nbytes, args.size, args.small, args.repeat
+        )
+        return
     tables = []
     for target in args.dirs:
         print(f"== {target}: measuring", flush=True)

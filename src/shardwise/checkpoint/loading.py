@@ -57,7 +57,7 @@ __all__ = ["load_state"]
 
 _GAP = 64 << 10  # chunks closer than this in a file are read by one preadv, gap and all
 _IOVECS = 1024
-_WINDOW = 256 << 20  # bytes fetched ahead at once from an object store
+_WINDOW = 64 << 20  # bytes fetched ahead at once from an object store (8 parts in flight)
 
 # One read of a load: the byte ranges it needs (by file) and the call that does it.
 _Job = tuple[dict[str, list[tuple[int, int]]], Callable[[], None]]

@@ -72,8 +72,7 @@ class RemoteFile(RandomAccess):
     def __init__(self, folder: FsspecFolder, name: str) -> None:
         self.folder, self.name = folder, name
         self.where = folder.where(name)
-        folder.fresh()  # another process may have written it since this one listed
-        self._size = int(folder.fs.size(folder.path_of(name)))
+        self._size = folder.size_of(name)
 
     def size(self) -> int:
         return self._size
@@ -151,6 +150,7 @@ class FsspecFolder(Folder):
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         self.atomic_put = protocol in ATOMIC_PUT
         self._cache: dict[str, tuple[list[int], list[bytes]]] = {}
+        self._listed: dict[str, int] = {}
         self.range_requests = 0  # ranged GETs issued (prefetch parts and direct reads)
         self.range_bytes = 0  # bytes those returned
         self.whole_bytes = 0  # bytes of whole-file reads (records, manifests)
@@ -188,11 +188,19 @@ class FsspecFolder(Folder):
             name = str(e["name"]).rstrip("/")
             if e.get("type") == "file" and name.startswith(prefix):
                 out[name[len(prefix) :]] = int(e.get("size") or 0)
+        self._listed = out
         return out
 
+    def size_of(self, name: str) -> int:
+        """The size of `name`: from the last listing (data files never change once
+        written: fresh names), else asked for (one HEAD); `FileNotFoundError` if absent."""
+        if name in self._listed:
+            return self._listed[name]
+        self.fresh()  # another process may have written it since this one listed
+        return int(self.fs.size(self.path_of(name)))
+
     def has(self, name: str) -> bool:
-        self.fresh()
-        return bool(self.fs.isfile(self.path_of(name)))
+        return name in self.sizes()  # one LIST (a HEAD of a missing object costs a LIST too)
 
     def removable(self, name: str) -> bool:
         return True  # `sizes` lists plain objects only
