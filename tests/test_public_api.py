@@ -98,7 +98,7 @@ def test_names_in_both_namespaces_are_the_same_objects():
         "IncompleteCheckpointError",
         "LayoutError",
         "UnsafeMetadataError",
-    "UnsupportedStorageError",
+        "UnsupportedStorageError",
     }
     assert all(getattr(shardwise, n) is getattr(shardwise.checkpoint, n) for n in shared)
 

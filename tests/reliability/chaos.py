@@ -4,6 +4,11 @@
 Each scenario runs real ranks (`shardwise.testing.run_ranks`), does damage,
 then checks from a fresh process what a user would see: nothing committed is
 lost, nothing damaged loads silently, no rank hangs.
+
+Every helper takes a location: a local `Path`, or a `Where` (a path, or an fsspec
+URL such as `s3://bucket/prefix` with its `storage_options`). Files are listed,
+planted, copied and damaged through `shardwise.storage.open_folder`, so the same
+scenarios run on a local disk and on an object store.
 """
 
 from __future__ import annotations
@@ -14,9 +19,12 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from shardwise.storage import Folder
 
 __all__ = [
     "ALLOWED_STATES",
@@ -25,6 +33,8 @@ __all__ = [
     "CRASH_POINTS",
     "CrashOutcome",
     "CorruptionOutcome",
+    "Location",
+    "Where",
     "corrupt_and_load",
     "crash_save",
     "expected_states",
@@ -53,6 +63,70 @@ FOREIGN_FILES = {
 SHAPES = {"emb": (48, 16), "dense": (12, 10), "bias": (10,)}
 
 
+# -- locations ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Where:
+    """A checkpoint folder: a local path, or a URL with the `storage_options` its
+    fsspec backend needs (plain data, so ranks in other processes get it as an argument)."""
+
+    location: str | Path
+    options: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, location: Location) -> Where:
+        return location if isinstance(location, Where) else cls(location)
+
+    @property
+    def is_local(self) -> bool:
+        from shardwise.storage import is_url
+
+        return not is_url(self.location)
+
+    @property
+    def url(self) -> str:
+        """What `save`/`load` take as `path` (a string: ranks get it pickled)."""
+        return str(self.location)
+
+    @property
+    def name(self) -> str:
+        return Path(self.location).name if self.is_local else self.url.rstrip("/").rsplit("/")[-1]
+
+    def child(self, name: str) -> Where:
+        if self.is_local:
+            return Where(Path(self.location) / name, self.options)
+        return Where(f"{self.url.rstrip('/')}/{name}", self.options)
+
+    def folder(self) -> Folder:
+        from shardwise.storage import open_folder
+
+        return open_folder(self.location, self.options)
+
+    def clear(self) -> None:
+        """Remove the folder with everything in it (on an object store: every object)."""
+        if self.is_local:
+            shutil.rmtree(self.location, ignore_errors=True)
+            return
+        folder = self.folder()
+        for name in folder.names():
+            folder.remove(name)
+
+    def copy_to(self, target: Where) -> None:
+        """`target` made a copy of this folder, object by object (emptied first)."""
+        target.clear()
+        source, dest = self.folder(), target.folder()
+        dest.make()
+        for name in source.names():
+            dest.write_durably(name, source.read(name))
+
+    def __str__(self) -> str:
+        return self.url
+
+
+Location = Path | Where  # what every helper below takes
+
+
 def reference_tensors(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {k: torch.randn(s, generator=g) for k, s in SHAPES.items()}
@@ -77,23 +151,24 @@ def make_state(rank: int, world: int, seed: int) -> dict[str, Any]:
     return state
 
 
-def load_plain(path: Path) -> dict[str, Any]:
+def load_plain(path: Location) -> dict[str, Any]:
     """Load a checkpoint in this process into full tensors (no process group)."""
     from shardwise.checkpoint import load
 
+    where = Where.of(path)
     state: dict[str, Any] = {k: torch.zeros(s) for k, s in SHAPES.items()}
     state["meta"] = {"seed": -1}
-    load(state, path)
+    load(state, where.location, storage_options=where.options)
     return state
 
 
-def holds(path: Path, seed: int) -> bool:
+def holds(path: Location, seed: int) -> bool:
     state = load_plain(path)
     full = reference_tensors(seed)
     return state["meta"]["seed"] == seed and all(torch.equal(state[k], full[k]) for k in SHAPES)
 
 
-def observe(path: Path, candidates: dict[str, int]) -> str:
+def observe(path: Location, candidates: dict[str, int]) -> str:
     """What a fresh process sees at `path`, found by loading it: the name of the
     candidate (name -> seed) whose checkpoint it holds bit for bit, "incomplete"
     (`IncompleteCheckpointError`), "absent" (`FileNotFoundError`), "wrong data" (it
@@ -115,8 +190,9 @@ def observe(path: Path, candidates: dict[str, int]) -> str:
     return "wrong data"
 
 
-def _contents(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+def _contents(folder: Where) -> dict[str, bytes]:
+    files = folder.folder()
+    return {n: files.read(n) for n in sorted(files.sizes())}
 
 
 # -- crashes ---------------------------------------------------------------------------------
@@ -130,6 +206,7 @@ def _save_rank(
     failpoint: str | None,
     overwrite: bool,
     use_async: bool,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
     from shardwise.checkpoint import async_save, save
 
@@ -137,11 +214,38 @@ def _save_rank(
         os.environ["SHARDWISE_FAILPOINT"] = failpoint  # this process only
     state = make_state(rank, world, seed)
     if use_async:
-        future = async_save(state, path, overwrite=overwrite)
+        future = async_save(state, path, overwrite=overwrite, storage_options=storage_options)
         make_state(rank, world, seed + 100)  # the trainer goes on meanwhile
         future.result()
     else:
-        save(state, path, overwrite=overwrite)
+        save(state, path, overwrite=overwrite, storage_options=storage_options)
+
+
+def _save(
+    where: Where,
+    world: int,
+    seed: int,
+    failpoint: str | None = None,
+    *,
+    overwrite: bool,
+    use_async: bool = False,
+    allow_dead: bool = False,
+) -> None:
+    """`_save_rank` on `world` real ranks, into `where`."""
+    from shardwise.testing import run_ranks
+
+    run_ranks(
+        _save_rank,
+        world,
+        where.url,
+        seed,
+        failpoint,
+        overwrite,
+        use_async,
+        where.options,
+        timeout=60,
+        allow_dead=allow_dead,
+    )
 
 
 # The states an interrupted save may leave its path in, as `observe` names them
@@ -186,6 +290,7 @@ class CrashOutcome:
     previous_changed: list[str]  # a save to a new path: files of the earlier checkpoint's
     # folder that it added, changed or removed
     seconds: float
+    resave_error: str = ""  # why that later save failed, when it did
 
     @property
     def allowed_states(self) -> tuple[str, ...]:
@@ -203,35 +308,41 @@ class CrashOutcome:
         )
 
 
-def _plant_foreign(folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
+def _plant_foreign(folder: Where) -> None:
+    files = folder.folder()
+    files.make()
     for name, data in FOREIGN_FILES.items():
-        (folder / name).write_bytes(data)
+        files.write_durably(name, data)
 
 
-def _foreign_lost(folder: Path) -> list[str]:
+def _foreign_lost(folder: Where) -> list[str]:
     """The user's files in `folder` that are gone or whose bytes changed."""
-    return sorted(
-        f"{folder.name}/{n}"
-        for n, data in FOREIGN_FILES.items()
-        if not (folder / n).is_file() or (folder / n).read_bytes() != data
-    )
+    files = folder.folder()
+    present = files.sizes()
+    lost = []
+    for n, data in FOREIGN_FILES.items():
+        try:
+            intact = n in present and files.read(n) == data
+        except OSError:
+            intact = False
+        if not intact:
+            lost.append(f"{folder.name}/{n}")
+    return sorted(lost)
 
 
-def _stray(folder: Path) -> list[str]:
+def _stray(folder: Where) -> list[str]:
     """Files in a committed folder that neither its records nor the user put there."""
     from shardwise.checkpoint.commit import referenced_files
 
+    files = folder.folder()
     expected = (
-        referenced_files(folder)
-        | set(FOREIGN_FILES)
-        | {".metadata", "shardwise.json", ".shardwise"}
+        referenced_files(files) | set(FOREIGN_FILES) | {".metadata", "shardwise.json", ".shardwise"}
     )
-    return sorted(n for n in os.listdir(folder) if n not in expected)
+    return sorted(n for n in files.names() if n not in expected)
 
 
 def crash_save(
-    folder: Path,
+    folder: Location,
     point: str,
     *,
     kill_rank: int | None = None,
@@ -241,23 +352,23 @@ def crash_save(
 ) -> CrashOutcome:
     """SIGKILL a save (all ranks, or `kill_rank`) at `point` into a folder that
     also holds files of the user's (`FOREIGN_FILES`); report what a fresh process
-    then observes (nothing is assumed from where the kill happened)."""
-    from shardwise.testing import run_ranks
+    then observes (nothing is assumed from where the kill happened).
 
+    `folder` is a local path or a `Where` (an object store URL): the earlier checkpoint
+    lives in its `previous/`, a save to a new path goes to its `new/`."""
     start = time.monotonic()
-    folder.mkdir(parents=True, exist_ok=True)
-    previous = folder / "previous"
-    if not (previous / "shardwise.json").exists():
+    folder = Where.of(folder)
+    folder.folder().make()
+    previous = folder.child("previous")
+    if not previous.folder().has("shardwise.json"):
         _plant_foreign(previous)
-        run_ranks(_save_rank, world, str(previous), 0, None, False, False, timeout=60)
-    target = previous if overwrite else folder / "new"
+        _save(previous, world, 0, overwrite=False)
+    target = previous if overwrite else folder.child("new")
     if not overwrite:
         _plant_foreign(target)
     before = _contents(previous)
     spec = point if kill_rank is None else f"{point}@{kill_rank}"
-    run_ranks(
-        _save_rank, world, str(target), 1, spec, overwrite, use_async, timeout=60, allow_dead=True
-    )
+    _save(target, world, 1, spec, overwrite=overwrite, use_async=use_async, allow_dead=True)
     # what a fresh process sees now, at the interrupted save's path and at the earlier one
     if overwrite:
         new_state = observe(target, {"previous": 0, "complete": 1})
@@ -269,11 +380,14 @@ def crash_save(
         after = _contents(previous)
         changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
     foreign = set(_foreign_lost(target)) | set(_foreign_lost(previous))
+    resave_error = ""
     try:
-        run_ranks(_save_rank, world, str(target), 2, None, True, False, timeout=60)
-        resave = observe(target, {"resaved": 2}) == "resaved"
-    except Exception:
-        resave = False
+        _save(target, world, 2, overwrite=True)
+        resaved = observe(target, {"resaved": 2})
+        resave = resaved == "resaved"
+        resave_error = "" if resave else f"it loads as: {resaved}"
+    except Exception as e:  # noqa: BLE001 - reported in the outcome
+        resave, resave_error = False, f"{type(e).__name__}: {e}"
     stray = _stray(target)
     foreign |= set(_foreign_lost(target))
     outcome = CrashOutcome(
@@ -286,11 +400,12 @@ def crash_save(
         sorted(foreign),
         changed,
         time.monotonic() - start,
+        resave_error,
     )
     if overwrite:  # restore the reference checkpoint for the next scenario
-        run_ranks(_save_rank, world, str(previous), 0, None, True, False, timeout=60)
+        _save(previous, world, 0, overwrite=True)
     else:
-        shutil.rmtree(target, ignore_errors=True)
+        target.clear()
     return outcome
 
 
@@ -312,29 +427,31 @@ class CorruptionOutcome:
         return self.load.startswith("detected") or self.verify_found
 
 
-def _damage(folder: Path, rng: random.Random, kind: str) -> tuple[str, int]:
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != ".shardwise")
+def _damage(folder: Where, rng: random.Random, kind: str) -> tuple[str, int]:
+    """Damage one file of `folder` (`kind`): a bit flipped (read, changed, written back
+    whole), cut short (rewritten shorter) or deleted. Returns its name and the offset."""
+    files = folder.folder()
+    sizes = files.sizes()
+    names = sorted(n for n in sizes if n != ".shardwise")
     if kind in ("flip manifest", "truncate manifest", "delete manifest"):
-        victim = folder / "shardwise.json"
+        victim = "shardwise.json"
     elif kind == "flip .metadata":
-        victim = folder / ".metadata"
+        victim = ".metadata"
     else:
-        victim = rng.choice([p for p in files if p.suffix == ".distcp"])
-    size = victim.stat().st_size
+        victim = rng.choice([n for n in names if Path(n).suffix == ".distcp"])
+    size = sizes[victim]
     if kind.startswith("truncate"):
         cut = rng.randrange(0, size)
-        os.truncate(victim, cut)
-        return victim.name, cut
+        files.write_durably(victim, files.read(victim)[:cut])
+        return victim, cut
     if kind.startswith("delete"):
-        victim.unlink()
-        return victim.name, 0
+        files.remove(victim)
+        return victim, 0
     offset = rng.randrange(0, size)
-    with open(victim, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ (1 << rng.randrange(8))]))
-    return victim.name, offset
+    data = bytearray(files.read(victim))
+    data[offset] ^= 1 << rng.randrange(8)
+    files.write_durably(victim, bytes(data))
+    return victim, offset
 
 
 CORRUPTIONS = (
@@ -349,7 +466,7 @@ CORRUPTIONS = (
 
 
 def corrupt_and_load(
-    source: Path, scratch: Path, rng: random.Random, kind: str, seed: int = 0
+    source: Location, scratch: Location, rng: random.Random, kind: str, seed: int = 0
 ) -> CorruptionOutcome:
     """Copy `source`, damage the copy (`kind`), load it and verify it."""
     from shardwise.checkpoint import (
@@ -359,8 +476,8 @@ def corrupt_and_load(
         verify,
     )
 
-    shutil.rmtree(scratch, ignore_errors=True)
-    shutil.copytree(source, scratch)
+    scratch = Where.of(scratch)
+    Where.of(source).copy_to(scratch)
     name, offset = _damage(scratch, rng, kind)
     try:
         ok = holds(scratch, seed)
@@ -370,15 +487,14 @@ def corrupt_and_load(
     except Exception as e:  # noqa: BLE001 - an unexpected type is the finding
         load = f"other error: {type(e).__name__}: {e}"
     try:
-        verify(scratch)
+        verify(scratch.location, storage_options=scratch.options)
         found = False
     except (CorruptCheckpointError, IncompleteCheckpointError, FileNotFoundError):
         found = True  # FileNotFoundError: damaged past being recognized as a checkpoint
     return CorruptionOutcome(kind, name, offset, load, found)
 
 
-def save_reference(path: Path, world: int = 2, seed: int = 0) -> None:
-    from shardwise.testing import run_ranks
-
-    shutil.rmtree(path, ignore_errors=True)
-    run_ranks(_save_rank, world, str(path), seed, None, False, False, timeout=60)
+def save_reference(path: Location, world: int = 2, seed: int = 0) -> None:
+    where = Where.of(path)
+    where.clear()
+    _save(where, world, seed, overwrite=False)
