@@ -73,6 +73,8 @@ def test_save_info_and_readers_report_the_url_as_given():
     assert swc.Reader(url).checkpoint_id == url
     assert swc.Writer(url).checkpoint_id == url
     assert swc.Writer.validate_checkpoint_id(url) and swc.Reader.validate_checkpoint_id(url)
+    assert not swc.Writer.validate_checkpoint_id("abc://abc.abc")  # no backend: declined
+    assert not swc.Reader.validate_checkpoint_id("abc://abc.abc")
     assert swc.save(
         {"w": torch.ones(2)}, Path("/tmp") / "sw-location-local", overwrite=True
     ).path == Path("/tmp/sw-location-local")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..storage import Folder, is_url, open_folder
+from ..storage import Folder, open_folder, served_url
 
 __all__ = ["FolderBacked"]
 
@@ -33,5 +33,6 @@ class FolderBacked:
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        """Local paths and URLs alike (stock's file-system classes refuse URLs)."""
-        return is_url(checkpoint_id) or super().validate_checkpoint_id(checkpoint_id)  # type: ignore[misc]
+        """Local paths and URLs an installed backend serves (stock's file-system classes
+        refuse every URL; an unknown scheme is declined, so DCP tries its next class)."""
+        return served_url(checkpoint_id) or super().validate_checkpoint_id(checkpoint_id)  # type: ignore[misc]

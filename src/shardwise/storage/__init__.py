@@ -10,7 +10,7 @@ concurrently, whole-object PUTs). No process group, no torch.distributed.
 
 from .folder import Folder, RandomAccess, Sink
 from .local import LocalFolder
-from .location import BACKEND_EXTRAS, is_url, open_folder
+from .location import BACKEND_EXTRAS, is_url, open_folder, served_url
 from .remote import FsspecFolder
 
 __all__ = [
@@ -22,4 +22,5 @@ __all__ = [
     "Sink",
     "is_url",
     "open_folder",
+    "served_url",
 ]

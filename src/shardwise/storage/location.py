@@ -18,7 +18,7 @@ from .folder import Folder
 from .local import LocalFolder
 from .remote import FsspecFolder
 
-__all__ = ["BACKEND_EXTRAS", "is_url", "open_folder"]
+__all__ = ["BACKEND_EXTRAS", "is_url", "open_folder", "served_url"]
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 # `s3:/bucket` or `gs:bucket`: a URL missing a slash, which a local path must not swallow
@@ -39,6 +39,21 @@ BACKEND_EXTRAS = {
 def is_url(location: Any) -> bool:
     """Whether `location` is a `scheme://` URL (a `str`; paths never are)."""
     return isinstance(location, str) and _URL.match(location) is not None
+
+
+def served_url(location: Any) -> bool:
+    """Whether `location` is a URL whose scheme an installed fsspec backend serves (what
+    DCP's storage auto-detection asks a storage class: an unknown scheme is declined)."""
+    match = _URL.match(location) if isinstance(location, str) else None
+    if match is None:
+        return False
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(match.group(1).lower())
+    except (ImportError, ValueError):
+        return False
+    return True
 
 
 def open_folder(
