@@ -248,8 +248,10 @@ def rss_rows(cases: list[tuple[str, dict]], large: dict, reshard: dict) -> list[
     return rows
 
 
-def print_table(title: str, rows: list[Row], peer_note: str | None) -> None:
-    header = ("case", "stock", "shardwise", "peer (ByteCheckpoint)", "ratio(s)", "target", "met?")
+def print_table(
+    title: str, rows: list[Row], peer_note: str | None, peer: str = "peer (ByteCheckpoint)"
+) -> None:
+    header = ("case", "stock", "shardwise", peer, "ratio(s)", "target", "met?")
     cells = [header] + [
         (
             r.case,

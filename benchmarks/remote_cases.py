@@ -576,27 +576,7 @@ def rows(m: dict) -> list[report.Row]:
 
 
 def print_table(title: str, rows: list[report.Row]) -> None:
-    header = ("case", "stock", "shardwise", "raw s3fs probe", "ratio(s)", "target", "met?")
-    cells = [header] + [
-        (
-            r.case,
-            r.stock,
-            r.ours,
-            r.peer,
-            "; ".join(c.shown for c in r.checks) or "-",
-            "; ".join(c.target for c in r.checks) or "-",
-            "/".join(c.met for c in r.checks) or "-",
-        )
-        for r in rows
-    ]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    print(f"\n== {title}")
-    for i, row in enumerate(cells):
-        print(" | ".join(text.ljust(w) for text, w in zip(row, widths)).rstrip())
-        if i == 0:
-            print("-+-".join("-" * w for w in widths))
-    checks = [c for r in rows for c in r.checks if c.ok is not None]
-    print(f"targets met: {sum(c.ok for c in checks)} of {len(checks)} evaluated")
+    report.print_table(title, rows, None, peer="raw s3fs probe")
 
 
 def main(url: str, options: dict | None, nbytes: int, size: str, small: int, repeat: int) -> None:
