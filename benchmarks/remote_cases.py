@@ -470,9 +470,7 @@ def print_details(size: str, repeat: int, m: dict) -> None:
         ("stock dcp.load(FsspecReader)", "stock load"),
         ("shardwise swc.load", "shardwise load"),
     ):
-        rss = report.mib(r.get(f"{key} rss"))
-        calls = _requests(r[f"{key} calls"]) if f"{key} calls" in r else "-"
-        print(f"  {label:40}{r[key]:9.3f}{_mbps(total, r[key]):9.0f}{rss:>12}  {calls}")
+        _detail_line(r, label, key, f"{_mbps(total, r[key]):9.0f}")
     print(
         f"  row->col: {rs['rows']} x {rs['cols']} float32 matrices, "
         f"{rs['needed'] / MiB:.1f} MiB needed per rank"
@@ -483,15 +481,20 @@ def print_details(size: str, repeat: int, m: dict) -> None:
         ("stock dcp.load(FsspecReader)", "stock load"),
         ("shardwise swc.load", "shardwise load"),
     ):
-        rss = report.mib(rs.get(f"{key} rss"))
-        calls = _requests(rs[f"{key} calls"]) if f"{key} calls" in rs else "-"
-        print(f"  {label:40}{rs[key]:9.3f}{'':9}{rss:>12}  {calls}")
+        _detail_line(rs, label, key, f"{'':9}")
     print(
         f"  shardwise, worst rank: FsspecFolder {rs['shardwise range gets']:.0f} ranged GETs, "
         f"fetched {rs['shardwise fetched/needed']:.3f}x needed; network client "
         f"{rs['shardwise gets']:.0f} GETs, {rs['shardwise net/needed']:.3f}x; "
         f"reader.bytes_read {rs['shardwise read/needed']:.3f}x"
     )
+
+
+def _detail_line(results: dict, label: str, key: str, rate: str) -> None:
+    """One engine's line: seconds, `rate` (MB/s or blank), RSS growth, S3 calls."""
+    rss = report.mib(results.get(f"{key} rss"))
+    calls = _requests(results[f"{key} calls"]) if f"{key} calls" in results else "-"
+    print(f"  {label:40}{results[key]:9.3f}{rate}{rss:>12}  {calls}")
 
 
 def rows(m: dict) -> list[report.Row]:

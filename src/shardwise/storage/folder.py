@@ -116,11 +116,6 @@ class Folder(ABC):
     # -- looking ---------------------------------------------------------------------------------
 
     @abstractmethod
-    def exists(self) -> bool:
-        """Whether the folder is there (locally a directory; on an object store, any
-        object under its prefix)."""
-
-    @abstractmethod
     def is_file(self) -> bool:
         """Whether the location is itself a file (not a folder)."""
 

@@ -140,9 +140,6 @@ class LocalFolder(Folder):
     def where(self, name: str) -> str:
         return str(self.path / name)
 
-    def exists(self) -> bool:
-        return self.path.is_dir()
-
     def is_file(self) -> bool:
         return self.path.is_file()
 

@@ -168,10 +168,6 @@ class FsspecFolder(Folder):
 
     # -- looking ---------------------------------------------------------------------------------
 
-    def exists(self) -> bool:
-        self.fresh()
-        return bool(self.fs.isdir(self.root))
-
     def is_file(self) -> bool:
         self.fresh()
         return bool(self.fs.isfile(self.root))
