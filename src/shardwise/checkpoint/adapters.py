@@ -101,14 +101,33 @@ def _leaves(container: Any, path: tuple[Any, ...] = ()) -> list[_Leaf]:
     return sorted(found, key=lambda leaf: tuple(map(str, leaf.path)))
 
 
-def _agree_on(leaves: list[_Leaf], group: Any) -> None:
+def _agree_on(
+    leaves: list[_Leaf],
+    group: Any,
+    problem: BaseException | None = None,
+    statefuls: tuple[str, ...] = (),
+) -> None:
     """Every rank must hold the same adapted values, or the per-value collectives
-    would pair one rank's value with another's: refuse together, naming ranks."""
+    would pair one rank's value with another's: refuse together, naming ranks.
+
+    `problem` (a failure in the caller's own code on this rank, e.g. a `Stateful`'s
+    `state_dict()`) rides on the same exchange, so every rank raises it, as its
+    original type, naming the rank; the failing rank chains it to the original.
+    `statefuls` (this rank's top-level `Stateful` keys) must agree too: after the
+    load each rank calls their `load_state_dict()` and then agrees once more."""
     if not (dist.is_available() and dist.is_initialized()):
+        if problem is not None:
+            raise problem
         return
 
     mine = tuple((".".join(map(str, leaf.path)), leaf.adapter.name) for leaf in leaves)
-    everyone = exchange(None, mine, group)
+    mine += tuple((key, "Stateful") for key in statefuls)
+    try:
+        everyone = exchange(problem, mine, group)
+    except Exception as agreed:
+        if problem is not None and agreed is not problem:
+            raise agreed from problem
+        raise
     ref, odd = odd_ranks(everyone)
     if odd:
         theirs = everyone[odd[0]]
@@ -124,12 +143,15 @@ def _agree_on(leaves: list[_Leaf], group: Any) -> None:
         )
 
 
-def adapted_for_save(state_dict: Any, group: Any = None) -> Any:
+def adapted_for_save(
+    state_dict: Any, group: Any = None, problem: BaseException | None = None
+) -> Any:
     """A copy of the containers of `state_dict` (dicts and lists, as DCP walks
     them) with adapted leaves; the caller's containers are left as they are.
-    Collective when distributed (one small exchange)."""
+    Collective when distributed (one small exchange, which also raises `problem`,
+    this rank's own failure so far, on every rank)."""
     leaves = _leaves(state_dict)
-    _agree_on(leaves, group)
+    _agree_on(leaves, group, problem)
     copies: dict[int, Any] = {}
 
     def copy(value: Any) -> Any:
@@ -154,9 +176,16 @@ class adapted_for_load:
     `finish()` copies loaded data into the original values; leaving restores them.
     Collective when distributed (one small exchange)."""
 
-    def __init__(self, state_dict: Any, group: Any = None) -> None:
+    def __init__(
+        self,
+        state_dict: Any,
+        group: Any = None,
+        problem: BaseException | None = None,
+        statefuls: tuple[str, ...] = (),
+    ) -> None:
         self.state_dict = state_dict
         self.group = group
+        self.problem, self.statefuls = problem, statefuls
         self._swapped: list[tuple[Any, Any, Any, Any]] = []  # container, key, original, target
         self._finishers: list[Finish] = []
 
@@ -170,7 +199,7 @@ class adapted_for_load:
 
     def _swap(self, container: Any) -> None:
         leaves = _leaves(container)
-        _agree_on(leaves, self.group)
+        _agree_on(leaves, self.group, self.problem, self.statefuls)
         for leaf in leaves:
             target, finish = leaf.adapter.for_load(leaf.value)
             leaf.container[leaf.key] = target

@@ -66,9 +66,15 @@ def _agree(
     problem: BaseException | None, group: Any, arguments: Any = None, what: str = ""
 ) -> None:
     """Raise `problem` (from any rank) on every rank; locally when not distributed.
-    Ranks must also have passed the same `arguments` (path, flags)."""
+    Ranks must also have passed the same `arguments` (path, flags). The rank
+    that found `problem` chains it to what it raises (its traceback is kept)."""
     if _distributed(group):
-        everyone = exchange(problem, arguments, group)
+        try:
+            everyone = exchange(problem, arguments, group)
+        except Exception as agreed:
+            if problem is not None and agreed is not problem:
+                raise agreed from problem
+            raise
         if len({repr(a) for a in everyone}) > 1:
             odd = [r for r, a in enumerate(everyone) if repr(a) != repr(everyone[0])]
             raise ValueError(
@@ -88,13 +94,30 @@ def _unwrap(e: CheckpointException) -> BaseException:
     return e
 
 
+def _is_stateful(value: Any) -> bool:
+    return not isinstance(value, torch.Tensor) and isinstance(value, Stateful)
+
+
 def _state_dicts_of(state_dict: dict[str, Any]) -> dict[str, Any]:
     """Top-level `Stateful` values (a model, an optimizer wrapper) replaced by
     their `state_dict()`, as `dcp.save` does, before anything looks inside."""
-    return {
-        k: v.state_dict() if not isinstance(v, torch.Tensor) and isinstance(v, Stateful) else v
-        for k, v in state_dict.items()
-    }
+    return {k: v.state_dict() if _is_stateful(v) else v for k, v in state_dict.items()}
+
+
+def _user_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], BaseException | None]:
+    """`_state_dicts_of`, with a failure of the caller's `state_dict()` returned, not
+    raised: it rides on the first exchange, so every rank raises it together (a rank
+    raising alone would leave the others waiting in a collective)."""
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        if not _is_stateful(value):
+            out[key] = value
+            continue
+        try:
+            out[key] = value.state_dict()
+        except Exception as e:  # noqa: BLE001 - the caller's own code: raised on every rank
+            return {}, e
+    return out, None
 
 
 def _comm(process_group: Any) -> Communicator:
@@ -148,11 +171,13 @@ def _check_target(
     process_group: Any,
     state_dict: dict[str, Any] | None = None,
     megatron: bool = False,
+    local_problem: BaseException | None = None,
 ) -> None:
     """Collective pre-save check: same path and flags everywhere, nothing in the
-    way (`_target_problem`), objects picklable."""
-    problem: BaseException | None = None
-    if state_dict is not None:
+    way (`_target_problem`), objects picklable; `local_problem` (found by the
+    caller on this rank) raised on every rank with the rest."""
+    problem: BaseException | None = local_problem
+    if state_dict is not None and problem is None:
         flat, _ = flatten_state_dict(state_dict)
         for key, value in flat.items():
             if not isinstance(value, torch.Tensor):
@@ -200,14 +225,14 @@ def save(
         wait([_ASYNC.pending])
     planner = None
     if megatron:
-        state_dict, planner = (
-            prepare_save(_state_dicts_of(state_dict), process_group),
-            save_planner(),
-        )
+        plain, problem = _user_state(state_dict)
+        _agree(problem, process_group)
+        state_dict, planner = prepare_save(plain, process_group), save_planner()
         _check_target(path, overwrite, process_group, state_dict, megatron)
         _write_megatron_metadata(path, process_group)
         return _save_checked(state_dict, path, overwrite, process_group, planner)
-    state_dict = adapted_for_save(_state_dicts_of(state_dict), process_group)
+    state_dict, problem = _user_state(state_dict)
+    state_dict = adapted_for_save(state_dict, process_group, problem)
     start = time.perf_counter()
     problem = _target_problem(path, overwrite, process_group)
     with gc_paused():
@@ -299,11 +324,16 @@ def async_save(
     path = _folder(path, storage_options, process_group)
     if _ASYNC.pending is not None:
         _ASYNC.pending.result()
-    state_dict = adapted_for_save(_state_dicts_of(state_dict), process_group)
-    _check_target(path, overwrite, process_group, state_dict)
+    state_dict, problem = _user_state(state_dict)
+    state_dict = adapted_for_save(state_dict, process_group, problem)
+    staged: Any = None
+    try:  # a value that cannot be staged on one rank fails every rank, not only that one
+        staged = _ASYNC.stager.stage(state_dict)
+        _ASYNC.stager.synchronize()
+    except Exception as e:  # noqa: BLE001 - raised on every rank by _check_target
+        problem = e
+    _check_target(path, overwrite, process_group, state_dict, local_problem=problem)
     group = _ASYNC.group_for(process_group)
-    staged = _ASYNC.stager.stage(state_dict)
-    _ASYNC.stager.synchronize()
     _ASYNC.pending = _ASYNC.executor.submit(_save_staged, staged, path, overwrite, group)
     return _ASYNC.pending
 
@@ -380,24 +410,25 @@ def load(
         return reader
     # Stateful values as their state dicts first (as dcp.load does), so that what they
     # hold is adapted too; filled back through load_state_dict after.
-    statefuls = {
-        k: v
-        for k, v in state_dict.items()
-        if not isinstance(v, torch.Tensor) and isinstance(v, Stateful)
-    }
-    plain = _state_dicts_of(state_dict) if statefuls else state_dict
-    with adapted_for_load(
-        plain, process_group
-    ) as adapted:  # other libraries' values as ShardedTensors
+    statefuls = {k: v for k, v in state_dict.items() if _is_stateful(v)}
+    plain, problem = _user_state(state_dict) if statefuls else (state_dict, None)
+    # other libraries' values as ShardedTensors; the exchange also raises `problem`
+    # everywhere and makes every rank agree on which keys are Stateful
+    with adapted_for_load(plain, process_group, problem, tuple(sorted(statefuls))) as adapted:
         reader = _load_adapted(plain, path, strict, verify, cast_dtype, process_group)
         adapted.finish()
     # As dcp.load ends: Stateful values load their state, every other top-level value
     # is assigned back (`state_dict[key] = ...`, which a dict subclass may observe).
     for key in sorted(state_dict):  # sorted: load_state_dict may be collective
         if key in statefuls:
-            statefuls[key].load_state_dict(plain[key])
+            try:  # every rank still calls the others: they may be collective
+                statefuls[key].load_state_dict(plain[key])
+            except Exception as e:  # noqa: BLE001 - the caller's own code: raised on every rank
+                problem = problem or e
         elif key in plain:
             state_dict[key] = plain[key]
+    if statefuls:  # every rank has the same Stateful keys (agreed above): all get here
+        _agree(problem, process_group)
     return reader
 
 
