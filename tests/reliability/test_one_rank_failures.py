@@ -70,6 +70,17 @@ def _case(rank: int, world: int, case: str, folder: str) -> tuple[str, str, floa
         # rank 1's value cannot be copied to host memory: staging fails there only
         bias = torch.empty(4, device="meta") if rank == 1 else torch.zeros(4)
         return _outcome(lambda: swc.async_save({"b": bias}, target).result())
+    if case == "async-save-after-staging":
+        # staged everywhere; then rank 1's background save fails before its first exchange
+        import shardwise.checkpoint.saving as saving
+
+        if rank == 1:
+
+            def broken(*args: Any) -> Any:
+                raise UserStateError("describing failed on purpose")
+
+            saving.describe = broken
+        return _outcome(lambda: swc.async_save({"m": _Model(rank, world, "", -1)}, target).result())
     if case == "load-state-dict":
         return _outcome(lambda: swc.load({"m": _Model(rank, world, "state_dict", 1)}, base))
     if case == "load-load-state-dict":
@@ -96,6 +107,7 @@ def folder(tmp_path_factory) -> Path:
         ("save-state-dict", "UserStateError", "rank 1: state_dict refused on purpose"),
         ("async-save-state-dict", "UserStateError", "rank 1: state_dict refused on purpose"),
         ("async-save-staging", "NotImplementedError", "rank 1: "),
+        ("async-save-after-staging", "UserStateError", "rank 1: describing failed on purpose"),
         ("load-state-dict", "UserStateError", "rank 1: state_dict refused on purpose"),
         ("load-load-state-dict", "UserStateError", "rank 1: load_state_dict refused on purpose"),
     ],

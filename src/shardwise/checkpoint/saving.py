@@ -82,11 +82,18 @@ def save_state(
     machinery can save: the caller then saves through `dcp.save`.
     """
     path = open_folder(path)
-    flat, mappings = flatten_state_dict(state_dict)
-    objects, problem = serialize_objects(flat)
-    problem = local_problem or problem
-    described = describe(flat, mappings, objects) if problem is None else ([], {})
-    entries, pieces = described if described is not None else (None, {})
+    objects: dict[str, bytes] = {}
+    entries: list[Entry] | None = []
+    pieces: dict[str, list[Piece]] = {}
+    problem = local_problem
+    try:  # whatever fails here fails every rank at the first exchange, never this one alone
+        flat, mappings = flatten_state_dict(state_dict)
+        objects, problem = serialize_objects(flat)
+        problem = local_problem or problem
+        described = describe(flat, mappings, objects) if problem is None else ([], {})
+        entries, pieces = described if described is not None else (None, {})
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
+        problem = local_problem or e
     token, save_id = new_token(), str(uuid.uuid4())
     everyone = exchange(problem, (entries, token, save_id, arguments), comm)
     _same_arguments([e[3] for e in everyone])
