@@ -28,6 +28,7 @@ BUILTINS = {
     "CheckpointMismatchError": ValueError,
     "CorruptCheckpointError": OSError,
     "IncompleteCheckpointError": OSError,
+    "CheckpointBusyError": OSError,
     "UnsafeMetadataError": pickle.UnpicklingError,
     "UnsupportedStorageError": ValueError,
 }
@@ -109,6 +110,7 @@ def test_every_exception_class_is_in_the_tree(cls):
         shardwise.LayoutError("blocks of rank 1 [0:4] and rank 2 [2:6] partly overlap"),
         shardwise.CorruptCheckpointError("2 problems", problems=["a", "b"]),
         shardwise.IncompleteCheckpointError("never committed"),
+        shardwise.CheckpointBusyError("save 1a2b of pid 7 on host h holds /c/.shardwise.lock"),
         shardwise.UnsafeMetadataError("refused global posix.system in the checkpoint metadata"),
     ],
     ids=lambda e: type(e).__name__,
@@ -154,6 +156,15 @@ def _incomplete(saved: Path, tmp: Path) -> Path:
     return bad
 
 
+def _busy(tmp: Path) -> object:
+    """A save while another holds the path's lease."""
+    from shardwise.checkpoint.lease import Lease
+    from shardwise.storage import open_folder
+
+    with Lease(open_folder(tmp / "busy")).acquire():
+        return swc.save({"w": FULL}, tmp / "busy")
+
+
 class _Reduce:
     def __init__(self, fn: Callable, *args: object) -> None:
         self.fn, self.args = fn, args
@@ -182,6 +193,7 @@ FAILURES: dict[str, tuple[type[Exception], Callable[[Path, Path], object]]] = {
         shardwise.IncompleteCheckpointError,
         lambda s, t: swc.inspect(_incomplete(s, t)),
     ),
+    "save while another holds the lease": (shardwise.CheckpointBusyError, lambda s, t: _busy(t)),
     "hostile stock metadata": (
         shardwise.UnsafeMetadataError,
         lambda s, t: load_metadata(io.BytesIO(pickle.dumps(_Reduce(os.system, "true")))),

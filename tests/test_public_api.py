@@ -20,6 +20,7 @@ import shardwise.checkpoint
 
 SHARDWISE = [
     "Block",
+    "CheckpointBusyError",
     "CheckpointMismatchError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
@@ -44,6 +45,7 @@ SHARDWISE = [
 ]
 
 CHECKPOINT = [
+    "CheckpointBusyError",
     "CheckpointInfo",
     "CheckpointMismatchError",
     "CorruptCheckpointError",
@@ -56,6 +58,7 @@ CHECKPOINT = [
     "UnsafeMetadataError",
     "UnsupportedStorageError",
     "Writer",
+    "allow_object_globals",
     "async_save",
     "convert",
     "inspect",
@@ -93,6 +96,7 @@ def test_every_exported_name_resolves(namespace):
 def test_names_in_both_namespaces_are_the_same_objects():
     shared = set(SHARDWISE) & set(CHECKPOINT)
     assert shared == {
+        "CheckpointBusyError",
         "CheckpointMismatchError",
         "CorruptCheckpointError",
         "IncompleteCheckpointError",

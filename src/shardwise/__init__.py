@@ -9,6 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .comm import distribute, equal, from_local
 from .errors import (
+    CheckpointBusyError,
     CheckpointMismatchError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -30,6 +31,7 @@ except PackageNotFoundError:  # a source tree on sys.path, never installed
 
 __all__ = [
     "Block",
+    "CheckpointBusyError",
     "CheckpointMismatchError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",

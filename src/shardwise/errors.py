@@ -9,10 +9,13 @@ Hierarchy::
     │                                            keys, shapes, dtypes
     ├── CorruptCheckpointError      (OSError) stored bytes fail their checksum
     ├── IncompleteCheckpointError   (OSError) a checkpoint whose commit never finished
+    ├── CheckpointBusyError         (OSError) another save of the same path holds its lease
     ├── UnsafeMetadataError         (pickle.UnpicklingError) a stock `.metadata` pickle
-    │                                            names a global DCP writers never store
+    │                                            names a global DCP writers never store,
+    │                                            or a stored object `weights_only` refuses
     └── UnsupportedStorageError     (ValueError) a location no installed storage backend
-                                                 serves (a URL scheme, a URL missing '//')
+                                                 serves (a URL scheme, a URL missing '//'),
+                                                 or a stream extension no registry knows
 
 `except shardwise.ShardwiseError` catches every failure of shardwise's own rules
 and of the data it reads. Subclassing the builtin that a caller would naturally
@@ -37,6 +40,7 @@ import pickle
 from collections.abc import Sequence
 
 __all__ = [
+    "CheckpointBusyError",
     "CheckpointMismatchError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
@@ -82,8 +86,17 @@ class IncompleteCheckpointError(_ListsProblems, ShardwiseError, OSError):
     """A checkpoint directory whose save never committed (no manifest)."""
 
 
+class CheckpointBusyError(ShardwiseError, OSError):
+    """Another save of the same path is in flight: it holds the path's lease
+    (`checkpoint.lease`). The message names the holder (host, pid, since when) and
+    the fix: wait for it (`wait=` on `save`, `async_save`, `Writer`) or, if that
+    process is gone for good, remove the lock file it names."""
+
+
 class UnsafeMetadataError(ShardwiseError, pickle.UnpicklingError):
-    """A stock DCP `.metadata` pickle names a global, or does something, DCP writers never do.
+    """A stock DCP `.metadata` pickle names a global, or does something, DCP writers never do;
+    or a stored object, loaded without `trust_objects=True`, names a global that
+    `torch.load(weights_only=True)` refuses.
 
     Raised before the refused global is looked up, so nothing in the file ran.
     """
@@ -91,4 +104,5 @@ class UnsafeMetadataError(ShardwiseError, pickle.UnpicklingError):
 
 class UnsupportedStorageError(ShardwiseError, ValueError):
     """A location no installed storage backend serves: an unknown URL scheme, a backend
-    whose package is missing (the message names the extra to install), `s3:/x`."""
+    whose package is missing (the message names the extra to install), `s3:/x`; or
+    records written through a stream extension the reader's registry does not know."""

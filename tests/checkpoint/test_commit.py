@@ -20,6 +20,7 @@ from shardwise.checkpoint.commit import (
     in_the_way,
     referenced_files,
 )
+from shardwise.checkpoint.manifest import Manifest
 from shardwise.storage import LocalFolder
 from shardwise.testing import run_ranks
 
@@ -111,9 +112,14 @@ def test_planner_data_that_is_not_json_does_not_depend_on_metadata(tmp_path):
 
     folder = tmp_path / "ckpt"
     dcp.save({"x": torch.ones(2)}, storage_writer=swc.Writer(folder), planner=Planner())
-    (folder / ".metadata").write_bytes(b"replaced by a newer save that died before its manifest")
     data = swc.Reader(folder).read_metadata().planner_data
     assert data == {1: ("a", 2), "od": OrderedDict(x=1)} and type(data["od"]) is OrderedDict
+    (folder / ".metadata").write_bytes(b"replaced by a newer save that died before its manifest")
+    data = Manifest.read(folder).decoded_planner_data()  # the manifest holds its own copy
+    assert data == {1: ("a", 2), "od": OrderedDict(x=1)} and type(data["od"]) is OrderedDict
+    # a reader follows `.metadata` (what stock sees) once it differs: unreadable here
+    with pytest.raises(swc.CorruptCheckpointError, match="does not match the manifest"):
+        swc.Reader(folder).read_metadata()
 
 
 def test_collect_removes_only_its_own_files(tmp_path):

@@ -103,17 +103,19 @@ def test_disagreements_and_bad_chunks_are_all_listed() -> None:
     ]
 
 
-def test_chunks_not_covering_the_tensor_are_refused_across_ranks_only() -> None:
+def test_chunks_not_covering_the_tensor_are_refused_even_in_one_process() -> None:
     part = ShardedTensor.from_layout(
         Layout((6, 8), [[Block((0, 0), (4, 8))], []], allow_holes=True), [FULL[:4]], rank=0
     )
-    alone = plan_save([_entries({"h": part})])
-    assert alone.problems == []  # one process: a partial save, as stock allows
+    hole = (
+        "'h': elements [4:6, 0:8] are held by no rank (the chunks saved cover 32 of its 48 "
+        "elements); every element must be saved: give the layout blocks that cover the tensor"
+    )
+    # one process: stock DCP would store the holes, to be read back as uninitialised memory
+    assert plan_save([_entries({"h": part})]).problems == [hole]
     empty = ShardedTensor.from_layout(part.layout_spec, [], rank=1, dtype=torch.float32)
     both = plan_save([_entries({"h": part}), _entries({"h": empty})])
-    assert both.problems == [
-        "'h': the chunks saved cover 32 of its 48 elements; every element must be held by some rank"
-    ]
+    assert both.problems == [hole]
 
 
 def test_unpicklable_object_is_named() -> None:

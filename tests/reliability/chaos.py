@@ -259,12 +259,13 @@ ALLOWED_STATES = {
 
 
 # Where a save becomes visible (commit.py): the coordinator renames `.metadata` into
-# place, then `shardwise.json`. A shardwise reader follows `shardwise.json` when there is
-# one, so an overwrite shows the new checkpoint only once that rename happened; a new
-# path has no manifest yet, so its `.metadata` alone reads as a complete stock checkpoint.
+# place, then `shardwise.json`. A new path has no manifest yet, so its `.metadata` alone
+# reads as a complete stock checkpoint; on an overwrite the old manifest no longer
+# matches `.metadata`'s checksum, and a shardwise reader then follows `.metadata`, as
+# stock readers do (never the data it replaced): visible from the first rename on.
 _COMMITTED_AFTER = {
     "new path": ("between-records", "before-collect", "mid-collect"),
-    "overwrite": ("before-collect", "mid-collect"),
+    "overwrite": ("between-records", "before-collect", "mid-collect"),
 }
 
 

@@ -73,6 +73,13 @@ def test_kill_on_a_new_path_between_the_records_leaves_the_new_checkpoint_comple
     assert outcome.new_state == "complete", outcome
 
 
+def test_kill_on_an_overwrite_between_the_records_reads_what_stock_reads(folder):
+    # the old manifest is stale beside the new .metadata: followed by no reader
+    outcome = chaos.crash_save(folder, "between-records", overwrite=True)
+    _intact(outcome)
+    assert outcome.new_state == "complete", outcome
+
+
 def test_kill_on_a_new_path_before_the_commit_reports_incomplete(folder):
     outcome = chaos.crash_save(folder, "before-commit")
     _intact(outcome)

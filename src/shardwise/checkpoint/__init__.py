@@ -13,6 +13,7 @@ The format is a DCP checkpoint (stock `dcp.load` reads it) plus `shardwise.json`
 from __future__ import annotations
 
 from ..errors import (
+    CheckpointBusyError,
     CheckpointMismatchError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -24,6 +25,7 @@ from . import megatron, physicsnemo  # noqa: F401  (importing registers their va
 from .api import SaveInfo, async_save, load, read_tensor, save
 from .conversion import convert
 from .inspection import CheckpointInfo, TensorInfo, inspect
+from .objects import allow_object_globals
 from .offline import OpenCheckpoint, open_checkpoint
 from .reader import Reader
 from .resharding import reshard
@@ -31,6 +33,7 @@ from .verification import verify
 from .writer import Writer
 
 __all__ = [
+    "CheckpointBusyError",
     "CheckpointInfo",
     "CheckpointMismatchError",
     "CorruptCheckpointError",
@@ -43,6 +46,7 @@ __all__ = [
     "UnsafeMetadataError",
     "UnsupportedStorageError",
     "Writer",
+    "allow_object_globals",
     "async_save",
     "convert",
     "inspect",

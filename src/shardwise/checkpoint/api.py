@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pickle
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,7 @@ def save(
     process_group: Any = None,
     megatron: bool = False,
     storage_options: dict[str, Any] | None = None,
+    wait: bool | float = False,
 ) -> SaveInfo:
     """Save `state_dict` to `path`. Collective.
 
@@ -219,10 +221,16 @@ def save(
     `storage_options` go to its backend (e.g. s3fs's `endpoint_url`, `key`). On an
     object store the same guarantees hold, the commit record being written last
     (`shardwise.storage`).
+
+    At most one save of a path runs at a time (a lease, `.shardwise.lock` in the
+    folder): while another process saves there, this one raises
+    `CheckpointBusyError` naming it, before writing anything — or, with
+    `wait=True` (or `wait=` seconds), waits for it to finish. A lease whose
+    holder died is broken, with a warning.
     """
     path = _folder(path, storage_options, process_group)
     if _ASYNC.pending is not None:  # one save at a time: the next commit collects unnamed files
-        wait([_ASYNC.pending])
+        wait_for([_ASYNC.pending])
     planner = None
     if megatron:
         plain, problem = _user_state(state_dict)
@@ -230,7 +238,7 @@ def save(
         state_dict, planner = prepare_save(plain, process_group), save_planner()
         _check_target(path, overwrite, process_group, state_dict, megatron)
         _write_megatron_metadata(path, process_group)
-        return _save_checked(state_dict, path, overwrite, process_group, planner)
+        return _save_checked(state_dict, path, overwrite, process_group, planner, wait)
     state_dict, problem = _user_state(state_dict)
     state_dict = adapted_for_save(state_dict, process_group, problem)
     start = time.perf_counter()
@@ -242,9 +250,11 @@ def save(
             _comm(process_group),
             problem,
             _save_arguments(path, overwrite, False),
+            wait=wait,
+            overwrite=overwrite,
         )
     if not saved:  # a value only DCP's own machinery saves: its target check already ran
-        return _save_checked(state_dict, path, overwrite, process_group)
+        return _save_checked(state_dict, path, overwrite, process_group, wait=wait)
     return SaveInfo(path.checkpoint_id, time.perf_counter() - start)
 
 
@@ -269,17 +279,22 @@ def _save_checked(
     overwrite: bool,
     process_group: Any,
     planner: Any = None,
+    wait: bool | float = False,
 ) -> SaveInfo:
     start = time.perf_counter()
+    # overwrite=True: _check_target (or save_state, under the lease) refused the rest
+    writer = Writer(path, overwrite=True, wait=wait)
     try:
         dcp.save(
             state_dict,
-            storage_writer=Writer(path, overwrite=True),  # _check_target refused the rest
+            storage_writer=writer,
             planner=planner or DefaultSavePlanner(dedup_save_to_lowest_rank=False),
             process_group=process_group,
         )
     except CheckpointException as e:
         raise _unwrap(e) from e
+    finally:
+        writer.release_lease()  # held still if the save failed on another rank
     return SaveInfo(path.checkpoint_id, time.perf_counter() - start)
 
 
@@ -312,6 +327,7 @@ def async_save(
     overwrite: bool = False,
     process_group: Any = None,
     storage_options: dict[str, Any] | None = None,
+    wait: bool | float = False,
 ) -> Future:
     """Stage `state_dict` and save it in the background. Collective.
 
@@ -319,7 +335,8 @@ def async_save(
     so the caller may modify it right away; `.result()` on the returned future
     waits for the commit and returns `SaveInfo` (or raises the save's error).
     A previous pending save is waited for first: its buffers are reused.
-    `path` and `storage_options` as for `save`.
+    `path`, `storage_options` and `wait` as for `save` (the lease is taken in the
+    background: `.result()` raises its `CheckpointBusyError`).
     """
     path = _folder(path, storage_options, process_group)
     if _ASYNC.pending is not None:
@@ -334,16 +351,19 @@ def async_save(
         problem = e
     _check_target(path, overwrite, process_group, state_dict, local_problem=problem)
     group = _ASYNC.group_for(process_group)
-    _ASYNC.pending = _ASYNC.executor.submit(_save_staged, staged, path, overwrite, group)
+    _ASYNC.pending = _ASYNC.executor.submit(_save_staged, staged, path, overwrite, group, wait)
     return _ASYNC.pending
 
 
-def _save_staged(state_dict: dict[str, Any], path: Folder, overwrite: bool, group: Any) -> SaveInfo:
+def _save_staged(
+    state_dict: dict[str, Any], path: Folder, overwrite: bool, group: Any, wait: bool | float
+) -> SaveInfo:
     """The background part of `async_save`, on its own group (targets already checked)."""
     start = time.perf_counter()
-    if save_state(state_dict, path, _comm(group), None, _save_arguments(path, overwrite, False)):
+    arguments = _save_arguments(path, overwrite, False)
+    if save_state(state_dict, path, _comm(group), None, arguments, wait=wait, overwrite=overwrite):
         return SaveInfo(path.checkpoint_id, time.perf_counter() - start)
-    return _save_checked(state_dict, path, overwrite, group)
+    return _save_checked(state_dict, path, overwrite, group, wait=wait)
 
 
 def _mismatches(state_dict: dict[str, Any], metadata: Any, strict: bool, cast: bool) -> list[str]:
@@ -356,6 +376,11 @@ def _mismatches(state_dict: dict[str, Any], metadata: Any, strict: bool, cast: b
             if strict:
                 problems.append(f"'{key}' is missing from the checkpoint")
             continue
+        if isinstance(md, TensorStorageMetadata) and not _fills_as_tensor(value):
+            # dcp.load refuses this too (strict or not): the value would stay as it was
+            problems.append(
+                f"'{key}' is a Python {type(value).__name__} here but a tensor in the checkpoint"
+            )
         if isinstance(value, torch.Tensor):
             if not isinstance(md, TensorStorageMetadata):
                 problems.append(f"'{key}' is a tensor here but a Python object in the checkpoint")
@@ -373,6 +398,11 @@ def _mismatches(state_dict: dict[str, Any], metadata: Any, strict: bool, cast: b
     return problems
 
 
+def _fills_as_tensor(value: Any) -> bool:
+    """A target DCP fills from stored chunks: a tensor or a `_Checkpointable`."""
+    return isinstance(value, torch.Tensor) or hasattr(type(value), "__create_chunk_list__")
+
+
 def load(
     state_dict: dict[str, Any],
     path: str | Path | Folder,
@@ -383,6 +413,8 @@ def load(
     process_group: Any = None,
     megatron: bool = False,
     storage_options: dict[str, Any] | None = None,
+    trust_objects: bool = False,
+    extension_registry: Any = None,
 ) -> Reader:
     """Fill `state_dict`'s tensors and objects in place from `path`. Collective.
 
@@ -399,12 +431,29 @@ def load(
     Megatron (and `swc.save(..., megatron=True)`) stores them; non-tensor values
     are left as they are (`shardwise.checkpoint.megatron.read_common_state` reads them).
     `path` may be an fsspec URL, `storage_options` its backend's options (as for `save`).
+    A checkpoint is untrusted input: non-tensor values unpickle only as far as
+    `torch.load(weights_only=True)` allows (plus `allow_object_globals`); anything
+    else raises `UnsafeMetadataError` on every rank, before it runs.
+    `trust_objects=True` unpickles them with plain `pickle` (only for checkpoints
+    you trust). A stored tensor against a non-tensor target, or the reverse, is a
+    `CheckpointMismatchError`, as with `dcp.load`. `extension_registry` (DCP's
+    `ExtensionRegistry`, as `FileSystemReader`'s `_extension_registry`) decodes
+    records written through custom stream extensions.
     Returns the reader (its `bytes_read` says what this rank read).
     """
     path = _folder(path, storage_options, process_group)
     if megatron:
         targets, finishers = prepare_load(state_dict, process_group)
-        reader = _load_adapted(targets, path, strict, verify, cast_dtype, process_group)
+        reader = _load_adapted(
+            targets,
+            path,
+            strict,
+            verify,
+            cast_dtype,
+            process_group,
+            trust_objects,
+            extension_registry,
+        )
         for finish in finishers:
             finish()
         return reader
@@ -415,7 +464,16 @@ def load(
     # other libraries' values as ShardedTensors; the exchange also raises `problem`
     # everywhere and makes every rank agree on which keys are Stateful
     with adapted_for_load(plain, process_group, problem, tuple(sorted(statefuls))) as adapted:
-        reader = _load_adapted(plain, path, strict, verify, cast_dtype, process_group)
+        reader = _load_adapted(
+            plain,
+            path,
+            strict,
+            verify,
+            cast_dtype,
+            process_group,
+            trust_objects,
+            extension_registry,
+        )
         adapted.finish()
     # As dcp.load ends: Stateful values load their state, every other top-level value
     # is assigned back (`state_dict[key] = ...`, which a dict subclass may observe).
@@ -439,9 +497,14 @@ def _load_adapted(
     verify: bool,
     cast_dtype: bool,
     process_group: Any,
+    trust_objects: bool = False,
+    extension_registry: Any = None,
 ) -> Reader:
-    reader = Reader(path, verify=verify)
-    arguments = ("load path, strict and cast_dtype", (path.identity, strict, cast_dtype))
+    reader = Reader(path, extension_registry, verify=verify, trust_objects=trust_objects)
+    arguments = (
+        "load path, strict, cast_dtype and trust_objects",
+        (path.identity, strict, cast_dtype, trust_objects),
+    )
     with gc_paused():
         read = load_state(
             state_dict,
@@ -451,6 +514,7 @@ def _load_adapted(
             strict=strict,
             verify=verify,
             cast_dtype=cast_dtype,
+            trust_objects=trust_objects,
         )
     if read is not None:
         reader.bytes_read, reader.manifest = read
@@ -486,8 +550,8 @@ def _load_through_dcp(
     _agree(
         problem,
         process_group,
-        (path.identity, strict, cast_dtype),
-        "load path, strict and cast_dtype",
+        (path.identity, strict, cast_dtype, reader.trust_objects),
+        "load path, strict, cast_dtype and trust_objects",
     )
     try:
         dcp.load(
@@ -507,10 +571,14 @@ def read_tensor(
     region: Block | None = None,
     *,
     storage_options: dict[str, Any] | None = None,
+    extension_registry: Any = None,
 ) -> torch.Tensor:
     """Read tensor `fqn` (or only `region` of it, in global coordinates) offline.
 
     One process, no process group; reads only the bytes of the region (ranged
-    GETs when `path` is a URL).
+    GETs when `path` is a URL). `extension_registry` as for `load`.
     """
-    return open_checkpoint(path, storage_options=storage_options).read(fqn, region)
+    ckpt = open_checkpoint(
+        path, storage_options=storage_options, extension_registry=extension_registry
+    )
+    return ckpt.read(fqn, region)

@@ -17,7 +17,12 @@ file by file:
    `.metadata` named) and leftovers of interrupted saves (our token-named
    data and temporary files) are removed — unless records of another scope
    (a global checkpoint beside per-rank ones) still name them. Nothing else
-   is ever deleted.
+   is ever deleted: see `collect` for the exact rule.
+
+The whole save runs under the path's lease (`lease.py`): no other save of the
+same records is in flight, so token-named files no record names are leftovers
+of dead saves, never a live save's unfinished data; and a save whose lease was
+broken as stale commits nothing (`Lease.confirm`).
 
 Every whole file written for a checkpoint or a conversion (records, marker,
 converted outputs) goes through `Folder.write_atomically`: a reader sees all
@@ -49,6 +54,7 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from ..storage import Folder, open_folder
 from ..storage.folder import TEMPORARY
 from .faults import failpoint
+from .lease import Lease, live_scopes, lock_name
 from .manifest import MANIFEST, MARKER
 from .safe_pickle import load_metadata
 
@@ -65,12 +71,16 @@ __all__ = [
     "new_token",
     "per_rank_records",
     "referenced_files",
+    "replaced_files",
 ]
 
 METADATA = ".metadata"
 FolderLike = Folder | str | os.PathLike  # a Folder, or what `open_folder` opens
 # matched with fullmatch: a trailing newline in a name is not ours
 _DATA = re.compile(r"__(\d+)_(\d+)\.sw([0-9a-f]{12})" + re.escape(DEFAULT_SUFFIX))
+# what stock `FileSystemWriter` names its data files: collected only when a replaced
+# record names them (never as leftovers: no token says which save wrote them)
+_STOCK_DATA = re.compile(r"__(\d+)_(\d+)" + re.escape(DEFAULT_SUFFIX))
 _PER_RANK = re.compile(r"__(\d+)\.(?:metadata|shardwise\.json)")
 
 
@@ -97,6 +107,11 @@ class RecordNames:
     @property
     def manifest(self) -> str:
         return MANIFEST if self.rank is None else f"__{self.rank}.{MANIFEST}"
+
+    @property
+    def lock(self) -> str:
+        """The lease's lock record of this scope (`lease.py`): never a checkpoint record."""
+        return lock_name(self.rank)
 
     def owns(self, data_name: str) -> bool:
         """Whether a token-named data file is in this record's scope (all ranks, or its rank)."""
@@ -153,6 +168,7 @@ def commit(
     names: RecordNames = RecordNames(),
     *,
     sync: bool = True,
+    lease: Lease | None = None,
 ) -> list[str]:
     """Make a checkpoint whose data is durable visible; collect what it replaces.
 
@@ -161,12 +177,17 @@ def commit(
     `referenced`: the data files the new records name. Returns the names removed.
     With `sync=False` nothing is fsynced (as stock's `sync_files=False`): a
     power loss may then lose the new checkpoint and the one it replaced.
+    `lease`: the save's lease (`lease.py`), confirmed before the records are
+    renamed (a save whose lease was broken raises `CheckpointBusyError` and
+    commits nothing) and again before collecting.
     """
     folder = open_folder(folder)
     failpoint("before-commit")
+    if lease is not None:
+        lease.confirm()
     if sync:  # the data files' names, before any record names them
         folder.sync()
-    previous = referenced_files(folder, names)
+    previous = replaced_files(folder, names) - referenced
     if isinstance(metadata, str):  # already written, durably, under a temporary name
         folder.replace(metadata, names.metadata)
     else:
@@ -182,7 +203,14 @@ def commit(
     if sync:
         folder.sync()
     failpoint("before-collect")
-    return collect(folder, referenced | _named_elsewhere(folder, names), previous, names)
+    if lease is not None and not lease.still_held():
+        warnings.warn(
+            f"the save lease {lease.where} was broken after this save committed; "
+            "nothing is collected (another save may be in flight)",
+            stacklevel=2,
+        )
+        return []
+    return collect(folder, referenced, previous, names, lease=lease)
 
 
 def _named_elsewhere(folder: FolderLike, names: RecordNames) -> set[str]:
@@ -196,26 +224,53 @@ def _named_elsewhere(folder: FolderLike, names: RecordNames) -> set[str]:
     return found
 
 
+def _data_rank(name: str) -> int | None:
+    """The rank of a data file named as ours or as stock DCP names them, else None."""
+    m = _DATA.fullmatch(name) or _STOCK_DATA.fullmatch(name)
+    return int(m.group(1)) if m is not None else None
+
+
 def collect(
     folder: FolderLike,
     keep: set[str],
     previous: set[str],
     names: RecordNames = RecordNames(),
+    *,
+    lease: Lease | None = None,
 ) -> list[str]:
-    """Remove, after a commit, the files the committed records replaced: those
-    the previous records named, token-named data no record names, and our
-    temporary files. Never anything else, and never a file in `keep`. A file
-    that cannot be removed is left for the next save: the commit stands."""
+    """Remove, after a commit, what the committed records replaced. A file goes only
+    if it is a plain file (never a link or folder), no committed record of any
+    scope names it (`keep`, and records of other scopes), and it is one of:
+
+    - a data file (our token-named pattern, or stock's `__{rank}_{k}.distcp`) that a
+      replaced record of this scope names (`previous`, from `replaced_files`);
+    - a token-named data file of this scope that no record names: a leftover of a
+      dead save — unless a live lease of another save covering its rank is in the
+      folder (`lease.live_scopes`; this save's own lease keeps same-scope saves out);
+    - a temporary file of this scope's records or lock (`NAME.sw{token}.tmp`).
+
+    Records, the marker, lock records and every other name are never touched. A
+    file that cannot be removed is left for the next save: the commit stands."""
     folder = open_folder(folder)
+    listed = folder.names()
+    # The leases after the listing, the other scopes' records after the leases: a save
+    # that began after the listing wrote nothing listed, one that ended before the
+    # lease check has committed records that `_named_elsewhere` reads.
+    busy = live_scopes(folder, listed, lease)
+    keep = keep | _named_elsewhere(folder, names)
+    temporaries = {names.metadata, names.manifest, names.lock}
+    if names.rank is None:
+        temporaries.add(MARKER)
     removed = []
-    for name in folder.names():
+    for name in listed:
         if name in keep:
             continue
         temp = TEMPORARY.fullmatch(name)
+        leftover = names.owns(name) and not ({None, _data_rank(name)} & busy)
         ours = (
-            name in previous
-            or names.owns(name)
-            or (temp is not None and temp.group(1) in (names.metadata, names.manifest, MARKER))
+            (name in previous and _data_rank(name) is not None)
+            or leftover
+            or (temp is not None and temp.group(1) in temporaries)
         )
         if ours and folder.removable(name):
             try:
@@ -232,31 +287,68 @@ def collect(
     return removed
 
 
+def _record_names(folder: Folder, names: RecordNames, which: str) -> list[str] | None:
+    """Every file name the record `which` (manifest or metadata) of scope `names`
+    holds, as stored; None when it is missing or unreadable."""
+    try:
+        if which == "manifest":
+            doc = json.loads(folder.read(names.manifest))
+            found = [c["file"] for t in doc["tensors"].values() for c in t["chunks"]]
+            return found + [o["file"] for o in doc["objects"].values()]
+        storage = load_metadata(io.BytesIO(folder.read(names.metadata))).storage_data or {}
+        return [info.relative_path for info in storage.values()]
+    except Exception:  # noqa: BLE001 - a record we cannot read names nothing we may delete
+        return None
+
+
+def _plain(name: object) -> bool:
+    return (
+        isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name
+    ) and name not in (".", "..")
+
+
 def referenced_files(
     folder: FolderLike, names: RecordNames = RecordNames(), *, both: bool = False
 ) -> set[str]:
-    """The data files the committed records in `folder` name: those of its
-    manifest, else (or also, with `both`) of its `.metadata` (read with the safe
-    unpickler). Unreadable records name nothing, so their files are never collected."""
+    """The files the committed records in `folder` name: those of its manifest,
+    else (or also, with `both`) of its `.metadata` (read with the safe unpickler).
+    What must be kept; never on its own a reason to delete (`replaced_files` is)."""
     folder = open_folder(folder)
-    found: set[str] = set()
-    try:
-        doc = json.loads(folder.read(names.manifest))
-        found |= {c["file"] for t in doc["tensors"].values() for c in t["chunks"]}
-        found |= {o["file"] for o in doc["objects"].values()}
-        manifest = True
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        manifest = False
+    found = _record_names(folder, names, "manifest")
     # Without a manifest this is a stock checkpoint (or ours without its manifest,
     # whose token-named files are collected by name anyway).
-    if both or not manifest:
-        try:
-            storage = load_metadata(io.BytesIO(folder.read(names.metadata))).storage_data or {}
-            found |= {info.relative_path for info in storage.values()}
-        except Exception:  # noqa: BLE001 - a record we cannot read names nothing we may delete
-            pass
-    return {
-        n
-        for n in found
-        if isinstance(n, str) and n and "/" not in n and "\\" not in n and n not in (".", "..")
-    }
+    if both or found is None:
+        found = (found or []) + (_record_names(folder, names, "metadata") or [])
+    return {n for n in found if _plain(n)}
+
+
+def replaced_files(folder: FolderLike, names: RecordNames = RecordNames()) -> set[str]:
+    """The data files a commit of scope `names` may delete as replaced: those its
+    manifest and its `.metadata` name, each record counted only if every name it
+    holds is a data file of that scope (ours or stock-named). A record naming
+    anything else (`notes.txt`, `shardwise.json`, `.metadata`, a path) is corrupt
+    and decides nothing: its files stay, with a warning."""
+    folder = open_folder(folder)
+    out: set[str] = set()
+    for which in ("manifest", "metadata"):
+        found = _record_names(folder, names, which)
+        if found is None:
+            continue
+        record = names.manifest if which == "manifest" else names.metadata
+        odd = [
+            n
+            for n in found
+            if not _plain(n)
+            or _data_rank(n) is None
+            or (names.rank is not None and _data_rank(n) != names.rank)
+        ]
+        if odd:
+            warnings.warn(
+                f"{folder.where(record)} names {odd[0]!r}, which is not a data file of "
+                "its checkpoint: a corrupt record, so none of the files it names are "
+                "removed by this save",
+                stacklevel=3,
+            )
+            continue
+        out |= set(found)
+    return out

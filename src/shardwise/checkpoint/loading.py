@@ -23,7 +23,6 @@ own `dcp.load` with `Reader` instead (`load_state` returns None for them).
 
 from __future__ import annotations
 
-import io
 import os
 from collections import defaultdict
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from .manifest import (
     dtype_from_name,
     dtype_name,
 )
+from .objects import load_object
 from .record_read import RecordLayout
 
 __all__ = ["load_state"]
@@ -86,11 +86,12 @@ def load_state(
     strict: bool,
     verify: bool,
     cast_dtype: bool,
+    trust_objects: bool = False,
 ) -> tuple[int, Manifest] | None:
     """Fill `state_dict` (values already adapted) from the checkpoint at `path`.
     Collective. Returns the bytes this rank read and the manifest it followed,
     or None (having read no data) when the checkpoint or a target needs DCP's
-    own load path."""
+    own load path. Objects unpickle by `objects.load_object`'s rules (`trust_objects`)."""
     path = open_folder(path)
     flat, mappings = flatten_state_dict(state_dict)
     problem: BaseException | None = None
@@ -100,8 +101,9 @@ def load_state(
     if fast:
         try:
             manifest = Manifest.read(path)
-            found = _mismatches(flat, manifest, strict, cast_dtype)
-            if found:
+            if manifest.stale(path) is not None:  # stock replaced it: `Reader` follows .metadata
+                fast, manifest = False, None
+            elif found := _mismatches(flat, manifest, strict, cast_dtype):
                 problem = CheckpointMismatchError(f"{path}: " + "; ".join(found))
         except (OSError, ValueError) as e:
             problem = e
@@ -117,6 +119,9 @@ def load_state(
             elif key in manifest.objects and manifest.objects[key].transform:
                 fast = False
                 break
+            elif key in manifest.tensors and not isinstance(value, torch.Tensor):
+                fast = False  # a DCP `_Checkpointable` (`_mismatches` refused the rest)
+                break
     everyone = exchange(problem if fast else None, (fast, arguments), comm)
     if len({repr(a) for _f, a in everyone}) > 1:
         odd = [r for r, (_f, a) in enumerate(everyone) if repr(a) != repr(everyone[0][1])]
@@ -127,7 +132,7 @@ def load_state(
     if not all(f for f, _a in everyone):
         return None
     assert manifest is not None
-    reader = _Reads(path, manifest, verify)
+    reader = _Reads(path, manifest, verify, trust_objects)
     problem = None
     try:
         reader.run(flat, pieces)
@@ -140,7 +145,9 @@ def load_state(
 
 
 def _mismatches(flat: dict[str, Any], manifest: Manifest, strict: bool, cast: bool) -> list[str]:
-    """Every key, shape and dtype problem, worded as `api` words them for DCP's metadata."""
+    """Every key, kind, shape and dtype problem, worded as `api` words them for DCP's
+    metadata. A tensor against an object (either way) is a problem even when not
+    strict, as `dcp.load` refuses it: nothing would be loaded, silently."""
     problems = []
     for key, value in flat.items():
         entry = manifest.tensors.get(key)
@@ -153,7 +160,13 @@ def _mismatches(flat: dict[str, Any], manifest: Manifest, strict: bool, cast: bo
             elif strict:
                 problems.append(f"'{key}' is missing from the checkpoint")
             continue
-        if isinstance(value, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            if hasattr(type(value), "__create_chunk_list__"):
+                continue  # a DCP `_Checkpointable`: DCP's own path fills it
+            problems.append(
+                f"'{key}' is a Python {type(value).__name__} here but a tensor in the checkpoint"
+            )
+        else:
             here, there = tuple(value.shape), tuple(entry.shape)
             if here != there:
                 problems.append(f"'{key}' shape {here} here, {there} in the checkpoint")
@@ -166,10 +179,11 @@ def _mismatches(flat: dict[str, Any], manifest: Manifest, strict: bool, cast: bo
 class _Reads:
     """One rank's reads of one load: planned per key, executed per file."""
 
-    def __init__(self, folder: Folder, manifest: Manifest, verify: bool) -> None:
+    def __init__(self, folder: Folder, manifest: Manifest, verify: bool, trust: bool) -> None:
         self.folder = folder
         self.manifest = manifest
         self.verify = verify
+        self.trust = trust
         self.bytes_read = 0
         self.objects: dict[str, Any] = {}
         self._files: dict[str, RandomAccess] = {}
@@ -177,7 +191,13 @@ class _Reads:
     def run(self, flat: dict[str, Any], pieces: dict[str, list[Piece]]) -> None:
         try:
             wholes: dict[str, list[_Whole]] = defaultdict(list)
-            jobs: list[_Job] = []
+            # objects first: one refused (untrusted pickle) stops this rank before it
+            # writes into any target
+            jobs: list[_Job] = [
+                self._object_job(key)
+                for key, value in flat.items()
+                if key in self.manifest.objects and not isinstance(value, torch.Tensor)
+            ]
             for key, held in pieces.items():
                 entry = self.manifest.tensors[key]
                 dtype = dtype_from_name(entry.dtype)
@@ -196,9 +216,6 @@ class _Reads:
                         jobs += self._part_jobs(key, entry, piece, dtype)
             for name, batch in wholes.items():
                 jobs += self._whole_jobs(name, batch)
-            for key, value in flat.items():
-                if key in self.manifest.objects and not isinstance(value, torch.Tensor):
-                    jobs.append(self._object_job(key))
             self._execute(jobs)
         finally:
             for f in self._files.values():
@@ -369,7 +386,7 @@ class _Reads:
                 f"object '{key}' in {path} bytes {entry.offset}..{entry.offset + entry.length} "
                 "fails its checksum"
             )
-        self.objects[key] = torch.load(io.BytesIO(data), weights_only=False)
+        self.objects[key] = load_object(data, key, path, trust=self.trust)
 
 
 def _bind(fn: Callable[..., None], *args: Any) -> Callable[[], None]:

@@ -50,6 +50,7 @@ from .manifest_fields import (
     decode,
     encode,
 )
+from .record_check import check_coverage, check_name, check_ranges
 from .safe_pickle import load_metadata
 from .tiles import tile_count, valid_tile
 
@@ -70,6 +71,7 @@ __all__ = [
 
 MANIFEST = "shardwise.json"
 MARKER = ".shardwise"  # written first: a folder with it but no manifest is incomplete
+METADATA = ".metadata"  # DCP's record, beside the manifest
 PAGE_SIZE = 1 << 20  # payload bytes per checksum page (format versions 1 and 2)
 
 
@@ -208,6 +210,10 @@ class Manifest:
                 out = cls(**decode(TOP, doc, version, ""))
             except ValueError as e:  # FieldError, and JSON's and UTF-8's errors
                 raise CorruptCheckpointError(f"{source}: unreadable manifest: {e}") from e
+            except RecursionError as e:  # nested deeper than any manifest: crafted
+                raise CorruptCheckpointError(
+                    f"{source}: unreadable manifest: nested too deeply ({e})"
+                ) from e
             del doc  # freed before the collector is back: it would walk all of it once more
             out._check_geometry(source)
         return out
@@ -222,24 +228,43 @@ class Manifest:
         except OSError as e:
             raise CorruptCheckpointError(f"{path}: unreadable manifest: {e}") from e
         out = cls.from_json(text, path)
-        out._check_files(folder)
+        out._check_files(folder, path)
+        out.check_coverage(path, holes=name != MANIFEST)
         return out
 
-    def _check_files(self, folder: Folder) -> None:
-        """Every byte range lies inside its file: nothing past the end is read, and
-        no size taken from the manifest is trusted beyond what is stored (one listing)."""
-        sizes = folder.sizes()
-        ranges = [(k, c.file, c.record) for k, t in self.tensors.items() for c in t.chunks]
-        ranges += [(k, o.file, (o.offset, o.length)) for k, o in self.objects.items()]
-        for key, name, (offset, length) in ranges:
-            size = sizes.get(name)
-            if size is None:
-                raise CorruptCheckpointError(f"'{key}': data file {folder.where(name)} is missing")
-            if offset + length > size:
-                raise CorruptCheckpointError(
-                    f"'{key}': bytes {offset}..{offset + length} lie past the end of "
-                    f"{folder.where(name)} ({size} bytes): truncated or damaged"
-                )
+    def check_coverage(self, source: str, *, holes: bool = False) -> None:
+        """The chunks of each tensor cover it exactly, each element once (`holes`: a
+        per-rank manifest, its rank's chunks only, still never overlapping)."""
+        for k, t in self.tensors.items():
+            chunks = [(c.offsets, c.sizes) for c in t.chunks]
+            check_coverage(k, t.shape, chunks, source, replicas=False, holes=holes)
+
+    def _check_files(self, folder: Folder, source: str) -> None:
+        """Every file named is one of our data files, plain, inside the folder; every
+        byte range lies inside its file and no two overlap: nothing past the end is
+        read, and no size taken from the manifest is trusted beyond what is stored
+        (one listing)."""
+        ranges = [(k, c.file, *c.record) for k, t in self.tensors.items() for c in t.chunks]
+        ranges += [(k, o.file, o.offset, o.length) for k, o in self.objects.items()]
+        for name, key in {r[1]: r[0] for r in ranges}.items():  # each file named once
+            check_name(folder, key, name, source, shardwise=True)
+        check_ranges(folder, ranges, folder.sizes())
+
+    def files(self) -> set[str]:
+        """Every data file this manifest names."""
+        names = {c.file for t in self.tensors.values() for c in t.chunks}
+        return names | {o.file for o in self.objects.values()}
+
+    def stale(self, folder: Folder, name: str = METADATA) -> bytes | None:
+        """DCP's record `name` beside this manifest when it is not the one this manifest
+        was committed with (stock `dcp.save` replaced the checkpoint in place, or a save
+        died between its two records): what stock readers follow. None when it matches,
+        or when there is none."""
+        try:
+            data = folder.read(name)
+        except FileNotFoundError:
+            return None
+        return None if crc32c.crc32c(data) == self.metadata_crc32c else data
 
     def _check_geometry(self, path: str | Path) -> None:
         itemsizes: dict[str, int] = {}
@@ -272,7 +297,12 @@ class Manifest:
 
     def decoded_planner_data(self) -> Any:
         if self.planner_data_pickle is None:
-            return decode_planner_data(self.planner_data)
+            try:
+                return decode_planner_data(self.planner_data)
+            except RecursionError as e:
+                raise CorruptCheckpointError(
+                    f"{MANIFEST}: unreadable planner data: nested too deeply"
+                ) from e
         try:
             return load_metadata(io.BytesIO(base64.b64decode(self.planner_data_pickle)))
         except (ValueError, pickle.UnpicklingError) as e:

@@ -37,10 +37,11 @@ class OpenCheckpoint:
         *,
         verify: bool = True,
         storage_options: dict[str, Any] | None = None,
+        extension_registry: Any = None,
     ) -> None:
         self.folder = open_folder(path, storage_options)
         self.path: Path | str = self.folder.checkpoint_id
-        self.reader = Reader(self.folder, verify=verify)
+        self.reader = Reader(self.folder, extension_registry, verify=verify)
         self.metadata = self.reader.read_metadata()
         self.reader.set_up_storage_reader(self.metadata, True)
 
@@ -90,23 +91,31 @@ class OpenCheckpoint:
             region = Block((0,) * len(shape), shape)
         if region.ndim != len(shape) or any(e > s for e, s in zip(region.ends, shape)):
             raise ValueError(f"region {region} is out of bounds of '{fqn}' with shape {shape}")
-        out = torch.empty(region.sizes, dtype=md.properties.dtype)
         items = []
-        for chunk in md.chunks:
-            stored = Block(tuple(chunk.offsets), tuple(chunk.sizes))
-            overlap = stored.intersect(region)
+        filled = 0
+        for chunk in dict.fromkeys(  # exact replicas read once
+            Block(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks
+        ):
+            overlap = chunk.intersect(region)
             if overlap is None:
                 continue
+            filled += overlap.numel
             items.append(
                 ReadItem(
                     type=LoadItemType.TENSOR,
                     dest_index=MetadataIndex(fqn, region.offsets),
                     dest_offsets=torch.Size(overlap.relative_to(region).offsets),
-                    storage_index=MetadataIndex(fqn, chunk.offsets),
-                    storage_offsets=torch.Size(overlap.relative_to(stored).offsets),
+                    storage_index=MetadataIndex(fqn, torch.Size(chunk.offsets)),
+                    storage_offsets=torch.Size(overlap.relative_to(chunk).offsets),
                     lengths=torch.Size(overlap.sizes),
                 )
             )
+        if filled != region.numel:  # the records were checked: never, but never a hole either
+            raise CorruptCheckpointError(
+                f"'{fqn}' in {self.path}: the stored chunks fill {filled} of the "
+                f"{region.numel} elements of {region}; refused (a hole is never returned)"
+            )
+        out = torch.empty(region.sizes, dtype=md.properties.dtype)
         # Tensor items only: the planner calls made are the two `_IntoTensor` has.
         self.reader.read_data(LoadPlan(items), cast(LoadPlanner, _IntoTensor(out))).wait()
         return out
@@ -133,10 +142,17 @@ def open_checkpoint(
     *,
     verify: bool = True,
     storage_options: dict[str, Any] | None = None,
+    extension_registry: Any = None,
 ) -> OpenCheckpoint:
     """A checkpoint opened for reading in one process (no process group); `path` may
-    be an fsspec URL, `storage_options` its backend's options."""
-    return OpenCheckpoint(path, verify=verify, storage_options=storage_options)
+    be an fsspec URL, `storage_options` its backend's options; `extension_registry`
+    (DCP's `ExtensionRegistry`) decodes records written through custom stream extensions."""
+    return OpenCheckpoint(
+        path,
+        verify=verify,
+        storage_options=storage_options,
+        extension_registry=extension_registry,
+    )
 
 
 class _IntoTensor:

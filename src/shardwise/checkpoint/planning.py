@@ -15,12 +15,15 @@ number of entries (plus a sort of the replicated ones). It decides:
   (`record_frame`), known before any byte is written;
 * what is wrong: a key held as a tensor on one rank and an object on another,
   or with different dtypes or global shapes, boxes out of bounds or
-  overlapping, or (on more than one rank, as stock DCP) not covering the tensor.
+  overlapping, or not covering the tensor. Stock DCP accepts holes in a
+  one-process save; shardwise never does, whatever the world size: a hole
+  would read back as whatever memory the reader allocated.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +33,15 @@ from .inventory import Box, Entry
 from .manifest import dtype_from_name
 from .record_write import record_frame
 
-__all__ = ["Placement", "SavePlan", "TensorPlan", "place_records", "plan_save"]
+__all__ = [
+    "Placement",
+    "SavePlan",
+    "TensorPlan",
+    "first_hole",
+    "holes_in_plans",
+    "place_records",
+    "plan_save",
+]
 
 _PAIRWISE = 16  # up to this many distinct boxes per key, overlap is checked pair by pair
 
@@ -116,9 +127,8 @@ def plan_save(inventories: list[list[Entry]]) -> SavePlan:
                 if boxes[box] == (rank, index):
                     chunks.append((box[0], box[1], rank, len(mine)))
                     mine.append((key, index))
-    multi_rank = len(inventories) > 1
     for key, plan in tensors.items():
-        problem = _check_boxes(key, plan, multi_rank)
+        problem = _check_boxes(key, plan)
         if problem:
             problems.append(problem)
     return SavePlan(tensors, objects, writes, mappings, problems)
@@ -160,9 +170,9 @@ def _disagreement(key: str, first: tuple[Any, ...], other: tuple[Any, ...]) -> s
     return f"'{key}': {what(first)} but {what(other)}"
 
 
-def _check_boxes(key: str, plan: TensorPlan, multi_rank: bool) -> str | None:
-    """Out of bounds, overlapping, or (across ranks) not covering: as stock DCP refuses.
-    Plain loops, no generators: this runs once per tensor of the state."""
+def _check_boxes(key: str, plan: TensorPlan) -> str | None:
+    """Out of bounds, overlapping (as stock DCP refuses) or not covering (which stock
+    refuses across ranks only). Plain loops, no generators: this runs once per tensor."""
     shape = plan.shape
     chunks = plan.chunks
     if len(chunks) == 1 and chunks[0][1] == shape and not any(chunks[0][0]):
@@ -194,12 +204,89 @@ def _check_boxes(key: str, plan: TensorPlan, multi_rank: bool) -> str | None:
                         break  # apart along d: no overlap
                 else:
                     return f"'{key}': chunks at offsets {ao} and {bo} overlap"
-    if multi_rank and ndim and volume != math.prod(shape):
+    if volume != math.prod(shape):
+        hole = _region(first_hole(solid, shape))
         return (
-            f"'{key}': the chunks saved cover {volume} of its {math.prod(shape)} elements; "
-            "every element must be held by some rank"
+            f"'{key}': elements {hole} are held by no rank (the chunks saved cover "
+            f"{volume} of its {math.prod(shape)} elements); every element must be saved: "
+            "give the layout blocks that cover the tensor"
         )
     return None
+
+
+def first_hole(
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], shape: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """A region (offsets, sizes) that no box covers, grown from the first uncovered
+    element `coverage.analyze` finds; None when the boxes cover the shape or overlap.
+    `boxes` are in bounds. For the refusal path: O(boxes x ndim) per dimension."""
+    ndim = len(shape)
+    if not ndim:
+        return ((), ()) if not boxes else None
+    solid = [b for b in boxes if math.prod(b[1])]
+    point = analyze([Block(o, s) for o, s in solid], shape).hole if solid else (0,) * ndim
+    if point is None:
+        return None
+    lo, hi = list(point), [p + 1 for p in point]
+    for d in range(ndim):
+        lo[d], hi[d] = _extent(solid, lo, hi, d, shape[d])
+    return tuple(lo), tuple(h - lo_ for lo_, h in zip(lo, hi))
+
+
+def _extent(
+    solid: list[tuple[tuple[int, ...], tuple[int, ...]]],
+    lo: list[int],
+    hi: list[int],
+    d: int,
+    size: int,
+) -> tuple[int, int]:
+    """How far the uncovered region [lo, hi) can grow along dim `d`: up to the nearest
+    box on each side among those it meets in every other dim."""
+    start, end = 0, size
+    for offsets, sizes in solid:
+        if all(
+            offsets[e] < hi[e] and lo[e] < offsets[e] + sizes[e] for e in range(len(lo)) if e != d
+        ):
+            if offsets[d] >= hi[d]:
+                end = min(end, offsets[d])
+            else:  # the region is uncovered, so a box meeting it elsewhere ends before it
+                start = max(start, offsets[d] + sizes[d])
+    return start, end
+
+
+def holes_in_plans(plans: Sequence[Any]) -> list[str]:
+    """The tensors a DCP global plan (every rank's `SavePlan`, after the planner's
+    dedup) leaves partly unwritten, each with its first uncovered region. Stock DCP
+    checks coverage only across ranks; `Writer` refuses holes in a one-process
+    save too. Overlaps are the planner's own check (`_validate_global_plan`)."""
+    found: dict[str, tuple[tuple[int, ...], set[tuple[tuple[int, ...], tuple[int, ...]]]]] = {}
+    for plan in plans:
+        for item in plan.items:
+            data = item.tensor_data
+            if data is None:
+                continue
+            shape = tuple(data.size)
+            boxes = found.setdefault(item.index.fqn, (shape, set()))[1]
+            boxes.add((tuple(data.chunk.offsets), tuple(data.chunk.sizes)))
+    problems = []
+    for key, (shape, boxes) in found.items():
+        volume = sum(math.prod(sizes) for _offsets, sizes in boxes)
+        if volume < math.prod(shape):
+            hole = _region(first_hole(sorted(boxes), shape))
+            problems.append(
+                f"'{key}': elements {hole} are written by no rank (the chunks "
+                f"planned cover {volume} of its {math.prod(shape)} elements); every element "
+                "must be saved"
+            )
+    return problems
+
+
+def _region(region: tuple[tuple[int, ...], tuple[int, ...]] | None) -> str:
+    """`[4:6, 0:8]`: a region as the slice that selects it."""
+    if region is None:
+        return "(somewhere: the chunks also overlap)"
+    offsets, sizes = region
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(offsets, sizes)) + "]"
 
 
 def place_records(

@@ -30,14 +30,15 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedStorageError
 from ..storage import Folder, RandomAccess, open_folder
 from .chunk_read import box_ranges, check_record, read_box
 from .commit import RecordNames, leftover_data, per_rank_records
 from .folder_backed import FolderBacked
 from .manifest import MARKER, Manifest, StoredChunk, StoredObject, dtype_from_name
+from .objects import vetted_stream
+from .record_check import check_metadata, check_name, follow_replaced, read_stock
 from .record_read import HEAD_BYTES, RecordLayout, read_record_layout
-from .safe_pickle import load_metadata
 
 __all__ = ["Reader"]
 
@@ -48,9 +49,13 @@ class Reader(FolderBacked, FileSystemReader):
     A drop-in for `FileSystemReader` (same constructor, `_extension_registry`
     included). `bytes_read` counts every byte this reader read from data
     files. `verify=False` skips checksum verification (and the widening to
-    whole tiles or pages it needs). Per-rank checkpoints (saved with `use_collectives=False`) are
-    read through `read_metadata(rank=...)`, as stock. `path` may be an fsspec URL
-    (as with stock `FsspecReader`); `storage_options` go to its backend.
+    whole tiles or pages it needs). Stored objects are vetted with PyTorch's
+    `weights_only` unpickler before DCP's planner (which unpickles with
+    `weights_only=False`) sees them: a refused global raises `UnsafeMetadataError`
+    unless `trust_objects=True` (`shardwise.checkpoint.objects`). Per-rank
+    checkpoints (saved with `use_collectives=False`) are read through
+    `read_metadata(rank=...)`, as stock. `path` may be an fsspec URL (as with
+    stock `FsspecReader`); `storage_options` go to its backend.
     """
 
     def __init__(
@@ -60,20 +65,24 @@ class Reader(FolderBacked, FileSystemReader):
         *,
         verify: bool = True,
         storage_options: dict[str, Any] | None = None,
+        trust_objects: bool = False,
     ) -> None:
         folder = open_folder(path, storage_options)
         super().__init__(folder.checkpoint_id, _extension_registry)
         self.storage_options = storage_options
         self._use(folder)
         self.verify = verify
+        self.trust_objects = trust_objects
         self.bytes_read = 0
         self.manifest: Manifest | None = None
         self._set_up_for: str | os.PathLike | None = None
+        self._checked: Metadata | None = None  # the metadata whose records were checked
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
         self.manifest = None
         self._set_up_for = None
+        self._checked = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         names = RecordNames(kwargs.get("rank"))
@@ -82,15 +91,21 @@ class Reader(FolderBacked, FileSystemReader):
         present = set(folder.names())
         if names.manifest in present:
             manifest = Manifest.read(folder, names.manifest)
-            metadata = manifest.to_metadata()
-            self.manifest = manifest
+            replaced = manifest.stale(folder, names.metadata)
+            if replaced is None:
+                metadata = manifest.to_metadata()
+                self.manifest = manifest
+            else:  # what stock readers see now: never the data it replaced
+                metadata = follow_replaced(
+                    folder, names.metadata, replaced, manifest.files(), holes=names.rank is not None
+                )
         elif names.rank is None and MARKER in present:
             raise IncompleteCheckpointError(
                 f"{folder} is a shardwise checkpoint without its {names.manifest}: "
                 "the save did not commit"
             )
         elif names.metadata in present:
-            metadata = load_metadata(io.BytesIO(folder.read(names.metadata)))
+            metadata = read_stock(folder, names.metadata, holes=names.rank is not None)
         elif names.rank is None and per_rank_records(folder):
             # what dcp.load expects before it retries with read_metadata(rank=...)
             raise FileNotFoundError(
@@ -108,11 +123,15 @@ class Reader(FolderBacked, FileSystemReader):
         if storage_meta is None:
             storage_meta = metadata.storage_meta = StorageMeta()
         storage_meta.load_id = self.load_id
+        self._checked = metadata
         return metadata
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        if metadata is not self._checked:  # not what read_metadata read and checked
+            check_metadata(metadata, self.folder, f"metadata given for {self.folder}", holes=True)
+            self._checked = metadata
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._set_up_for = self.path
 
@@ -129,6 +148,13 @@ class Reader(FolderBacked, FileSystemReader):
         files: dict[str, RandomAccess] = {}
         try:
             for name in by_file:
+                check_name(  # checked with the records; again here, where it is opened
+                    self.folder,
+                    by_file[name][0].storage_index.fqn,
+                    name,
+                    str(self.folder),
+                    shardwise=self.manifest is not None,
+                )
                 try:
                     files[name] = self.folder.open(name)
                 except FileNotFoundError as e:
@@ -239,12 +265,21 @@ class Reader(FolderBacked, FileSystemReader):
             )
         if info.transform_descriptors:
             data = self._untransform(req, info, data)
-        planner.load_bytes(req, io.BytesIO(data))
+        fqn = req.storage_index.fqn
+        planner.load_bytes(req, vetted_stream(data, fqn, path, trust=self.trust_objects))
 
     def _untransform(self, req: Any, info: _StorageInfo, data: bytes) -> bytes:
-        stream = self.transforms.transform_load_stream(
-            req, info.transform_descriptors or (), io.BytesIO(data)
-        )
+        try:
+            stream = self.transforms.transform_load_stream(
+                req, info.transform_descriptors or (), io.BytesIO(data)
+            )
+        except ValueError as e:  # DCP's "Unknown extension": not damage, a missing registry
+            raise UnsupportedStorageError(
+                f"'{req.storage_index.fqn}' in {self.folder} was written through stream "
+                f"extensions {list(info.transform_descriptors or ())} this reader does not "
+                f"know ({e}); pass a registry that does: Reader(path, _extension_registry=...), "
+                "swc.load(..., extension_registry=...) or read_tensor(..., extension_registry=...)"
+            ) from e
         return stream.read(-1)
 
     def _read_transformed(
@@ -255,12 +290,9 @@ class Reader(FolderBacked, FileSystemReader):
         data = self._pread(f, info.length, info.offset, path)
         if isinstance(info, StoredChunk) and self.verify:
             check_record(data, info, path, req.storage_index.fqn)
+        plain = self._untransform(req, info, data)
         try:
-            whole = torch.load(
-                io.BytesIO(self._untransform(req, info, data)),
-                map_location="cpu",
-                weights_only=True,
-            )
+            whole = torch.load(io.BytesIO(plain), map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any decoding failure means damaged bytes
             raise CorruptCheckpointError(
                 f"'{req.storage_index.fqn}' in {path}: cannot decode ({e})"

@@ -170,6 +170,14 @@ def load_metadata(stream: IO[bytes]) -> Any:
     before = [(obj, dict(vars(obj))) for obj in _shared_objects()]
     try:
         loaded = _MetadataUnpickler(stream).load()
+    except UnsafeMetadataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever a damaged or crafted pickle makes an
+        # admitted class raise (TypeError, EOFError, RecursionError, ...) is one refusal
+        raise UnsafeMetadataError(
+            f"unreadable checkpoint metadata: {type(e).__name__}: {e} "
+            "(damaged, or crafted: refused)"
+        ) from e
     finally:
         changed = _undo_changes(before)
     if changed:

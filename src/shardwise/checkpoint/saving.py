@@ -15,6 +15,10 @@ Three exchanges per save, whatever the number of tensors:
    renamed into place, then the manifest and marker, once every rank's
    data is durable), then everyone learns the outcome.
 
+Rank 0 takes the path's lease (`lease.py`) before the first exchange, so a
+busy path fails on every rank before any data is written; it gives it back
+after the commit and collection, or on any failure.
+
 A problem on any rank at any step is raised on every rank (`comm.agreement`).
 The result is the same DCP checkpoint `Writer` produces under `dcp.save`:
 stock `dcp.load` reads it.
@@ -35,10 +39,11 @@ from ..comm.agreement import exchange
 from ..comm.communicator import Communicator
 from ..errors import ShardMismatchError
 from ..storage import Folder, open_folder
-from .commit import METADATA, RecordNames, commit, data_file_name, new_token
+from .commit import METADATA, RecordNames, commit, data_file_name, in_the_way, new_token
 from .faults import failpoint
 from .file_io import frame_crc
 from .inventory import Entry, Piece, describe
+from .lease import Lease
 from .planning import Placement, SavePlan, place_records, plan_save
 from .record_write import tensor_record
 from .saved_metadata import Checksums, build_metadata, manifest_skeleton, manifest_text
@@ -73,6 +78,8 @@ def save_state(
     arguments: Any,
     *,
     sync: bool = True,
+    wait: bool | float = False,
+    overwrite: bool = True,
 ) -> bool:
     """Save `state_dict` (values already adapted) to `path`. Collective over `comm`.
 
@@ -80,6 +87,8 @@ def save_state(
     every rank must pass alike) ride on the first exchange. Returns False,
     having written nothing, when some rank holds a value only DCP's own
     machinery can save: the caller then saves through `dcp.save`.
+    `wait`: how long rank 0 waits for the path's lease (`lease.Lease.acquire`);
+    with `overwrite=False` it looks for a checkpoint again once it holds it.
     """
     path = open_folder(path)
     objects: dict[str, bytes] = {}
@@ -95,6 +104,47 @@ def save_state(
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = local_problem or e
     token, save_id = new_token(), str(uuid.uuid4())
+    lease = None
+    if comm.rank == 0 and problem is None:
+        lease, problem = _take_lease(path, save_id, wait, overwrite)
+    try:
+        return _save_leased(
+            path, comm, problem, arguments, sync, lease, pieces, objects, (entries, token, save_id)
+        )
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def _take_lease(
+    path: Folder, save_id: str, wait: bool | float, overwrite: bool
+) -> tuple[Lease | None, BaseException | None]:
+    """The path's lease for this save, or the problem that rides on the first exchange."""
+    lease = Lease(path, save_id=save_id)
+    try:
+        lease.acquire(wait)
+    except Exception as e:  # noqa: BLE001 - busy, or the folder cannot be made: every rank raises
+        return None, e
+    existing = None if overwrite else in_the_way(path)  # committed while this one waited?
+    if existing:
+        lease.release()
+        return None, FileExistsError(existing)
+    return lease, None
+
+
+def _save_leased(
+    path: Folder,
+    comm: Communicator,
+    problem: BaseException | None,
+    arguments: Any,
+    sync: bool,
+    lease: Lease | None,
+    pieces: dict[str, list[Piece]],
+    objects: dict[str, bytes],
+    mine: tuple[list[Entry] | None, str, str],
+) -> bool:
+    """`save_state` from its first exchange on, rank 0 holding `lease`."""
+    entries, token, save_id = mine
     everyone = exchange(problem, (entries, token, save_id, arguments), comm)
     _same_arguments([e[3] for e in everyone])
     if any(e[0] is None for e in everyone):
@@ -138,6 +188,7 @@ def save_state(
                 keep,
                 RecordNames(),
                 sync=sync,
+                lease=lease,
             )
         except Exception as e:  # noqa: BLE001 - the other ranks wait for the verdict
             problem = e

@@ -6,7 +6,9 @@ its items under fresh token-named files (`__0_0.sw<token>.distcp`) through
 `chunk_io`, then fsyncs them; the coordinator then commits (`commit.py`):
 `.metadata`, `shardwise.json`, the marker, each renamed into place, and
 collects the files of the checkpoint it replaced. Other files in the folder
-are never touched.
+are never touched. The coordinator (every rank, without collectives) holds the
+path's lease (`lease.py`) from the global plan, before any data is written, to
+the end of the commit.
 
 Call order (DCP's): reset -> set_up_storage_writer -> prepare plans
 (collective) -> write_data on every rank -> finish on the coordinator.
@@ -18,6 +20,7 @@ import dataclasses
 import io
 import os
 import pickle
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,12 +47,15 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ..errors import ShardMismatchError
 from ..storage import Folder, open_folder
 from .chunk_io import DataFile, Written
 from .commit import RecordNames, commit, data_file_name, in_the_way, new_token
 from .faults import failpoint
 from .folder_backed import FolderBacked
+from .lease import Lease
 from .manifest import Manifest, TensorEntry, dtype_name
+from .planning import holes_in_plans
 
 __all__ = ["Writer"]
 
@@ -76,7 +82,9 @@ class Writer(FolderBacked, FileSystemWriter):
     stream as stock does, and such items are read back whole.
     `serialization_format` must be `TORCH_SAVE` (what stock's own reader reads).
     `path` may be an fsspec URL (as with stock `FsspecWriter`); `storage_options`
-    go to its backend.
+    go to its backend. Another save of the same path in flight (it holds the
+    path's lease) fails this one with `CheckpointBusyError`, unless `wait` (True,
+    or seconds) says to wait for it.
     """
 
     def __init__(
@@ -92,6 +100,7 @@ class Writer(FolderBacked, FileSystemWriter):
         serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
         *,
         storage_options: dict[str, Any] | None = None,
+        wait: bool | float = False,
     ) -> None:
         if serialization_format != SerializationFormat.TORCH_SAVE:
             raise ValueError(
@@ -116,8 +125,15 @@ class Writer(FolderBacked, FileSystemWriter):
         self.storage_options = storage_options
         self._use(folder)
         self._token = new_token()
+        self.wait = wait
+        # the lease this writer holds, released by `finish`, by the next save's set-up
+        # (a save that failed on another rank never reaches `finish`) or when the
+        # writer is freed
+        self._lease: list[Lease] = []
+        weakref.finalize(self, _release, self._lease)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        _release(self._lease)  # an earlier save that failed before `finish`
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
         # A fresh token on every rank for every save, whatever DCP resets or caches:
         # data files never reuse a name, so no committed file is ever reopened.
@@ -127,6 +143,35 @@ class Writer(FolderBacked, FileSystemWriter):
         return RecordNames(
             self.rank if not self.use_collectives and self.rank is not None else None
         )
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Holes would read back as memory no chunk filled: refused even in one process,
+        # where stock DCP's own check (across ranks only) lets them through.
+        # Per-rank records (use_collectives=False) each hold only their rank's part.
+        holes = holes_in_plans(plans) if self.use_collectives else []
+        if holes:
+            raise ShardMismatchError(f"cannot save to {self.folder}: " + "; ".join(holes))
+        plans = super().prepare_global_plan(plans)
+        self._take_lease()
+        return plans
+
+    def release_lease(self) -> None:
+        """Give back the path's lease if this writer still holds it: `finish` does, but
+        a save that failed on another rank never gets there (the next save's set-up,
+        or freeing the writer, would release it too)."""
+        _release(self._lease)
+
+    def _take_lease(self) -> None:
+        """The lease of this writer's record scope, before any rank writes data (DCP
+        scatters the plan after this): a busy path fails every rank."""
+        _release(self._lease)
+        lease = Lease(self.folder, self._records().rank, save_id=self.save_id)
+        lease.acquire(self.wait)
+        self._lease.append(lease)
+        existing = in_the_way(self.folder, self._records())  # committed while this one waited
+        if not self.overwrite and existing:
+            _release(self._lease)
+            raise RuntimeError(f"Checkpoint already exists and self.overwrite=False: {existing}")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # The folder is created in write_data: a save refused in planning leaves no folder.
@@ -230,14 +275,24 @@ class Writer(FolderBacked, FileSystemWriter):
         manifest = _manifest(metadata, stored, len(results))
         manifest.metadata_crc32c = crc32c.crc32c(metadata_bytes)
         keep = {r.stock.relative_path for r in stored.values()}
-        commit(
-            self.folder,
-            metadata_bytes,
-            manifest.to_json().encode(),
-            keep,
-            self._records(),
-            sync=self.sync_files,
-        )
+        try:
+            commit(
+                self.folder,
+                metadata_bytes,
+                manifest.to_json().encode(),
+                keep,
+                self._records(),
+                sync=self.sync_files,
+                lease=self._lease[0] if self._lease else None,
+            )
+        finally:
+            _release(self._lease)
+
+
+def _release(held: list[Lease]) -> None:
+    """Give back the lease a writer holds, if any."""
+    while held:
+        held.pop().release()
 
 
 def _manifest(

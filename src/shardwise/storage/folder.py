@@ -15,10 +15,29 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["TEMPORARY", "Folder", "RandomAccess", "Sink", "temporary_name"]
+from ..errors import CorruptCheckpointError
+
+__all__ = ["TEMPORARY", "Folder", "RandomAccess", "Sink", "plain_name", "temporary_name"]
 
 # `{name}.sw{12 hex}.tmp`: what a record looks like before it replaces `name`.
 TEMPORARY = re.compile(r"(.+)\.sw([0-9a-f]{12})\.tmp")
+
+
+def plain_name(name: str) -> str:
+    """`name` if it names a file directly in a folder: never a path out of it (`..`,
+    an absolute path, a separator), whatever a record says. The last line of
+    defence: readers check every name a record holds before opening anything."""
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+    ):
+        raise CorruptCheckpointError(
+            f"{name!r} is not the name of a file inside the folder (a path out of it?): refused"
+        )
+    return name
 
 
 def temporary_name(name: str) -> str:
@@ -194,3 +213,22 @@ class Folder(ABC):
     def sync(self) -> None:
         """Make the folder's names durable (fsync the directory; a no-op where a
         completed write is durable by itself)."""
+
+    # -- leases ----------------------------------------------------------------------------------
+
+    def create_exclusive(self, name: str, data: bytes, *, sync: bool = True) -> None:
+        """Create `name` holding all of `data`, or raise `FileExistsError` if it exists.
+
+        The lease primitive (`checkpoint.lease`). This default is best effort (look,
+        then write whole): two racing creators may both succeed, so callers re-read
+        the file to learn which one won; backends that can, override it atomically."""
+        if self.has(name):
+            raise FileExistsError(f"{self.where(name)} exists")
+        self.write_durably(name, data, sync=sync)
+
+    def is_folder(self) -> bool:
+        """Whether the folder itself exists (a lease creates it; `remove_if_empty` undoes that)."""
+        return True
+
+    def remove_if_empty(self) -> None:  # noqa: B027 - a store without folders has none to remove
+        """Remove the folder itself if it holds nothing (a save that made it, then failed)."""

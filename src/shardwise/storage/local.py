@@ -9,17 +9,43 @@ straight from them. No fsspec in between: local paths keep their speed.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
+import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .folder import Folder, RandomAccess, Sink, temporary_name
+from ..errors import CorruptCheckpointError
+from .folder import Folder, RandomAccess, Sink, plain_name, temporary_name
 
 __all__ = ["LocalFile", "LocalFolder", "LocalSink", "write_all"]
 
 _IOV_MAX = 1024
+# Never follow a link out of the folder, never block on a FIFO planted in it.
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+def open_plain(path: Path) -> int:
+    """A read descriptor of `path` if it is a plain file, not a link (opened with
+    `O_NOFOLLOW`) nor a device, FIFO or folder (`fstat`): a checkpoint folder is
+    untrusted, and a link in it could point anywhere."""
+    try:
+        fd = os.open(path, _READ_FLAGS | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP or (e.errno != errno.ENOENT and os.path.islink(path)):
+            raise CorruptCheckpointError(
+                f"{path} is a symbolic link: files of a checkpoint must be plain files "
+                "inside its folder (refused, nothing read through it)"
+            ) from e
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(
+            f"{path} is not a plain file (a folder, device or pipe): refused"
+        )
+    return fd
 
 
 def write_all(fd: int, buffers: Sequence[Any]) -> None:
@@ -40,7 +66,7 @@ class LocalFile(RandomAccess):
 
     def __init__(self, path: Path) -> None:
         self.where = str(path)
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd = open_plain(path)
         self._owned = True
 
     @classmethod
@@ -150,9 +176,9 @@ class LocalFolder(Folder):
             return {}
         out = {}
         for entry in entries:
-            try:
-                if entry.is_file():
-                    out[entry.name] = entry.stat().st_size
+            try:  # plain files only: a link is no file of the checkpoint, wherever it points
+                if entry.is_file(follow_symlinks=False):
+                    out[entry.name] = entry.stat(follow_symlinks=False).st_size
             except OSError:
                 continue
         return out
@@ -171,10 +197,22 @@ class LocalFolder(Folder):
         return p.is_file() and not p.is_symlink()
 
     def read(self, name: str) -> bytes:
-        return (self.path / name).read_bytes()
+        f = self.open(name)
+        try:
+            size = f.size()
+            out = bytearray(size)
+            got = f.readinto([memoryview(out)], 0) if size else 0
+            while got < size:  # a short read (a network filesystem); the file did not grow
+                n = f.readinto([memoryview(out)[got:]], got)
+                if not n:
+                    break
+                got += n
+            return bytes(out[:got])
+        finally:
+            f.close()
 
     def open(self, name: str) -> LocalFile:
-        return LocalFile(self.path / name)
+        return LocalFile(self.path / plain_name(name))
 
     def make(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -205,3 +243,38 @@ class LocalFolder(Folder):
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def create_exclusive(self, name: str, data: bytes, *, sync: bool = True) -> None:
+        """Atomic and exclusive: `data` is written and fsynced under a temporary name,
+        then hard-linked as `name` (`link(2)` fails if `name` exists, on NFS too), so
+        nobody ever reads a partial file. Where links are refused, `O_CREAT|O_EXCL`."""
+        target = self.path / plain_name(name)
+        sink = self.create(temporary_name(name))
+        try:
+            sink.write([data])
+            sink.close(sync=sync)
+            try:
+                os.link(sink.path, target)
+            except FileExistsError:
+                raise
+            except OSError:  # a filesystem without hard links: exclusive create in place
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    write_all(fd, [data])
+                    if sync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+        finally:
+            sink.abort()  # the temporary name goes, whatever happened
+        if sync:
+            self.sync()
+
+    def is_folder(self) -> bool:
+        return self.path.is_dir()
+
+    def remove_if_empty(self) -> None:
+        try:
+            os.rmdir(self.path)
+        except OSError:  # not empty (someone else's files, a new save's), or gone
+            pass

@@ -27,7 +27,8 @@ import bisect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .folder import Folder, RandomAccess, Sink, temporary_name
+from ..errors import CorruptCheckpointError
+from .folder import Folder, RandomAccess, Sink, plain_name, temporary_name
 
 __all__ = ["ATOMIC_PUT", "FsspecFolder", "RemoteFile", "RemoteSink", "coalesce"]
 
@@ -160,7 +161,20 @@ class FsspecFolder(Folder):
         return str(self.fs.unstrip_protocol(self.root))
 
     def path_of(self, name: str) -> str:
-        return f"{self.root}/{name}"
+        """The key of `name`: always directly under the folder's prefix."""
+        return f"{self.root}/{plain_name(name)}"
+
+    def _plain(self, name: str) -> str:
+        """`path_of(name)`, refused when it is a link (filesystems that have them, such
+        as a `file://` URL with storage options): nothing is read through one."""
+        path = self.path_of(name)
+        islink = getattr(self.fs, "islink", None)
+        if islink is not None and islink(path):
+            raise CorruptCheckpointError(
+                f"{self.where(name)} is a symbolic link: files of a checkpoint must be "
+                "plain files inside its folder (refused, nothing read through it)"
+            )
+        return path
 
     def fresh(self) -> None:
         """Forget fsspec's listing cache: other processes write here too."""
@@ -182,7 +196,7 @@ class FsspecFolder(Folder):
         out = {}
         for e in entries:
             name = str(e["name"]).rstrip("/")
-            if e.get("type") == "file" and name.startswith(prefix):
+            if e.get("type") == "file" and not e.get("islink") and name.startswith(prefix):
                 out[name[len(prefix) :]] = int(e.get("size") or 0)
         self._listed = out
         return out
@@ -204,11 +218,12 @@ class FsspecFolder(Folder):
     # -- reading ---------------------------------------------------------------------------------
 
     def read(self, name: str) -> bytes:
-        data = bytes(self.fs.cat_file(self.path_of(name)))
+        data = bytes(self.fs.cat_file(self._plain(name)))
         self.whole_bytes += len(data)
         return data
 
     def open(self, name: str) -> RemoteFile:
+        self._plain(name)
         return RemoteFile(self, name)
 
     def get(self, name: str, start: int, end: int) -> bytes:
@@ -293,3 +308,31 @@ class FsspecFolder(Folder):
 
     def sync(self) -> None:
         pass  # a completed upload is durable; object stores have no directory to sync
+
+    def create_exclusive(self, name: str, data: bytes, *, sync: bool = True) -> None:
+        """A conditional create where the backend offers one (fsspec's
+        `pipe_file(mode="create")`: `If-None-Match: *` on S3, `xb` elsewhere);
+        `FileExistsError` when the object exists. A backend that refuses the mode
+        gets the best-effort default (look, then write); a store that silently
+        ignores the condition is caught by the lease re-reading what it wrote."""
+        try:
+            self.fs.pipe_file(self.path_of(name), data, mode="create")
+        except FileExistsError:
+            raise
+        except (NotImplementedError, TypeError, ValueError):
+            super().create_exclusive(name, data, sync=sync)
+        finally:
+            self.fresh()
+
+    def is_folder(self) -> bool:
+        self.fresh()
+        return bool(self.fs.isdir(self.root))
+
+    def remove_if_empty(self) -> None:
+        if self.atomic_put:  # object stores have no folders (and rmdir of a bucket deletes it)
+            return
+        try:
+            if not self.fs.ls(self.root, detail=False):
+                self.fs.rmdir(self.root)
+        except (OSError, NotImplementedError):
+            pass  # a store without folders, or something is there now

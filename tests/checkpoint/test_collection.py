@@ -1,0 +1,177 @@
+"""What a save may delete after its commit (`commit.collect` / `replaced_files`): only
+data files that a record of the replaced checkpoint names, and leftovers of dead
+saves. A record naming anything else decides nothing, and the new records are never
+deleted, whatever the old records say."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+import shardwise.checkpoint as swc
+from shardwise.checkpoint.commit import collect, referenced_files, replaced_files
+from shardwise.checkpoint.lease import LOCK
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+VICTIM = b"my notes: not a checkpoint file\n" * 3
+
+
+def _state(seed: float) -> dict:
+    return {"w": torch.full((3,), float(seed)), "e": torch.zeros(0), "step": int(seed)}
+
+
+def _targets() -> dict:
+    return {"w": torch.zeros(3), "e": torch.zeros(0), "step": -1}
+
+
+def _loads(folder: Path, seed: float) -> bool:
+    out, stock = _targets(), _targets()
+    swc.load(out, folder)
+    dcp.load(stock, storage_reader=FileSystemReader(folder))
+    return all(
+        o["step"] == int(seed) and torch.equal(o["w"], torch.full((3,), float(seed)))
+        for o in (out, stock)
+    )
+
+
+def _name_in_manifest(folder: Path, name: str) -> None:
+    """The old manifest says the 0-element tensor `e` lives in `name`."""
+    doc = json.loads((folder / "shardwise.json").read_text())
+    doc["tensors"]["e"]["chunks"][0]["file"] = name
+    (folder / "shardwise.json").write_text(json.dumps(doc))
+
+
+def _name_in_metadata(folder: Path, name: str) -> None:
+    """The old `.metadata` says the 0-element tensor `e` lives in `name` (a trusted
+    pickle round trip: only the test writes it)."""
+    metadata = pickle.loads((folder / ".metadata").read_bytes())
+    for index, info in metadata.storage_data.items():
+        if index.fqn == "e":
+            info.relative_path = name
+    buffer = io.BytesIO()
+    pickle.dump(metadata, buffer)
+    (folder / ".metadata").write_bytes(buffer.getvalue())
+
+
+def _overwrite(how: str, folder: Path, seed: float) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the corrupt record's warning is checked elsewhere
+        if how == "swc.save":
+            swc.save(_state(seed), folder, overwrite=True)
+        else:
+            dcp.save(_state(seed), storage_writer=swc.Writer(folder, overwrite=True))
+
+
+HOW = ["swc.save", "dcp.save+Writer"]
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("record", ["manifest", "stock .metadata"])
+def test_a_victim_an_old_record_names_survives_byte_for_byte(tmp_path, how, record):
+    folder = tmp_path / "ckpt"
+    if record == "manifest":
+        swc.save(_state(1), folder)
+        _name_in_manifest(folder, "notes.txt")
+    else:
+        dcp.save(_state(1), storage_writer=FileSystemWriter(folder))
+        _name_in_metadata(folder, "notes.txt")
+    (folder / "notes.txt").write_bytes(VICTIM)
+    _overwrite(how, folder, 2)
+    assert (folder / "notes.txt").read_bytes() == VICTIM
+    assert _loads(folder, 2)
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("own", ["shardwise.json", ".metadata", ".shardwise"])
+def test_an_old_record_naming_a_record_never_deletes_the_new_one(tmp_path, how, own):
+    folder = tmp_path / "ckpt"
+    swc.save(_state(1), folder)
+    _name_in_manifest(folder, own)
+    _overwrite(how, folder, 2)
+    assert {"shardwise.json", ".metadata", ".shardwise"} <= set(os.listdir(folder))
+    assert _loads(folder, 2)
+    # and the new checkpoint's data is all there: nothing it names is missing
+    assert all((folder / n).is_file() for n in referenced_files(folder, both=True))
+
+
+def test_a_corrupt_record_decides_nothing_and_says_so(tmp_path):
+    swc.save(_state(1), tmp_path)
+    old = referenced_files(tmp_path)
+    _name_in_manifest(tmp_path, "notes.txt")
+    with pytest.warns(UserWarning, match=r"shardwise.json names 'notes.txt'.*corrupt record"):
+        found = replaced_files(tmp_path)
+    assert found == old  # `.metadata` still names the data file alone: it counts
+    _name_in_metadata(tmp_path, "../outside.distcp")
+    with pytest.warns(UserWarning, match="corrupt record"):
+        assert replaced_files(tmp_path) == set()
+
+
+def test_stock_data_files_go_only_when_a_replaced_record_names_them(tmp_path):
+    folder = tmp_path / "ckpt"
+    dcp.save(_state(1), storage_writer=FileSystemWriter(folder))
+    (folder / "__7_0.distcp").write_bytes(b"a stock name no record names")
+    swc.save(_state(2), folder, overwrite=True)
+    assert not (folder / "__0_0.distcp").exists()  # the replaced stock .metadata named it
+    assert (folder / "__7_0.distcp").read_bytes() == b"a stock name no record names"
+    assert _loads(folder, 2)
+
+
+def test_a_link_a_replaced_record_names_is_never_followed_nor_removed(tmp_path):
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(VICTIM)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    os.symlink(outside, folder / "__3_0.sw0123456789ab.distcp")
+    assert collect(folder, set(), {"__3_0.sw0123456789ab.distcp"}) == []
+    assert (folder / "__3_0.sw0123456789ab.distcp").is_symlink()
+    assert outside.read_bytes() == VICTIM
+
+
+def test_collect_never_removes_records_locks_or_names_outside_the_patterns(tmp_path):
+    names = [
+        "shardwise.json",
+        ".metadata",
+        ".shardwise",
+        "__0.metadata",
+        "__0.shardwise.json",
+        LOCK,
+        "__0.shardwise.lock",
+        "notes.txt",
+        "__0_0.distcp.bak",
+    ]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    assert collect(tmp_path, set(), set(names)) == []
+    assert sorted(os.listdir(tmp_path)) == sorted(names)
+
+
+def test_a_per_rank_record_naming_another_ranks_file_decides_nothing(tmp_path):
+    from shardwise.checkpoint.commit import RecordNames
+
+    data = "__1_0.sw0123456789ab.distcp"
+    (tmp_path / data).write_bytes(b"rank 1's")
+    doc = {"tensors": {"x": {"chunks": [{"file": data}]}}, "objects": {}}
+    (tmp_path / "__0.shardwise.json").write_text(json.dumps(doc))
+    with pytest.warns(UserWarning, match="corrupt record"):
+        assert replaced_files(tmp_path, RecordNames(0)) == set()
+
+
+def test_leftovers_wait_while_another_scopes_save_is_live(tmp_path):
+    from shardwise.checkpoint.lease import Lease
+    from shardwise.storage import open_folder
+
+    leftover = "__1_0.sw0123456789ab.distcp"
+    (tmp_path / leftover).write_bytes(b"rank 1's unfinished data")
+    with Lease(open_folder(tmp_path), 1).acquire():  # a per-rank save of rank 1 in flight
+        assert collect(tmp_path, set(), set()) == []
+    assert collect(tmp_path, set(), set()) == [leftover]  # once it is gone: a dead save's

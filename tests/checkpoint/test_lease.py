@@ -1,0 +1,296 @@
+"""The save lease (`checkpoint/lease.py`) in one process: exclusive, named in the
+refusal, waited for when asked, broken when stale, confirmed before a commit, and
+never taken for a checkpoint record. Two real processes: tests/reliability/test_concurrent_saves.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+
+import shardwise.checkpoint as swc
+from shardwise.checkpoint import lease as lease_module
+from shardwise.checkpoint.commit import commit, holds_checkpoint, in_the_way
+from shardwise.checkpoint.lease import LOCK, Holder, Lease, live_scopes, lock_name
+from shardwise.errors import CheckpointBusyError, ShardwiseError
+from shardwise.storage import open_folder
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def _lease(path: Path | str, rank: int | None = None, **kw) -> Lease:
+    return Lease(open_folder(path), rank, **kw)
+
+
+def _plant(folder: Path, **fields) -> bytes:
+    """A lock record as another process would have written it."""
+    record = {
+        "save_id": "0123456789abcdef",
+        "host": "elsewhere",
+        "pid": 4242,
+        "pid_namespace": "",
+        "process_start": "",
+        "since": time.time() - 60,
+        "heartbeat": time.time() - 5,
+        **fields,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    data = json.dumps(record).encode()
+    (folder / LOCK).write_bytes(data)
+    return data
+
+
+def _dead_pid() -> int:
+    """A pid no process of this host has (none is started: this module spawns nothing)."""
+    top = int(Path("/proc/sys/kernel/pid_max").read_text()) if Path("/proc").exists() else 99999
+    return next(p for p in range(top - 1, 1, -1) if not _exists(p))
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def test_a_second_lease_fails_fast_naming_the_holder(tmp_path):
+    folder = tmp_path / "ckpt"
+    first = _lease(folder).acquire()
+    try:
+        start = time.monotonic()
+        with pytest.raises(CheckpointBusyError) as e:
+            _lease(folder).acquire()
+        assert time.monotonic() - start < 1.0
+        message = str(e.value)
+        assert f"pid {os.getpid()}" in message
+        assert f"host {lease_module.HOST}" in message
+        assert "since 20" in message and str(folder / LOCK) in message and "wait=" in message
+        assert isinstance(e.value, OSError) and isinstance(e.value, ShardwiseError)
+        record = json.loads((folder / LOCK).read_text())
+        assert record["save_id"] == first.save_id and record["pid"] == os.getpid()
+    finally:
+        first.release()
+    assert not (folder / LOCK).exists()
+    _lease(folder).acquire().release()  # free again
+
+
+def test_wait_seconds_gives_up_after_about_that_long(tmp_path):
+    holder = _lease(tmp_path).acquire()
+    try:
+        start = time.monotonic()
+        with pytest.raises(CheckpointBusyError, match="still held after waiting 0.3 s"):
+            _lease(tmp_path).acquire(wait=0.3)
+        assert 0.3 <= time.monotonic() - start < 1.5
+    finally:
+        holder.release()
+
+
+def test_wait_true_takes_the_lease_once_it_is_released(tmp_path):
+    holder = _lease(tmp_path).acquire()
+    timer = threading.Timer(0.3, holder.release)
+    timer.start()
+    start = time.monotonic()
+    second = _lease(tmp_path).acquire(wait=True)
+    assert time.monotonic() - start >= 0.25
+    assert json.loads((tmp_path / LOCK).read_text())["save_id"] == second.save_id
+    second.release()
+    timer.join()
+
+
+def test_a_dead_holder_on_this_host_is_broken_with_a_warning(tmp_path):
+    pid = _dead_pid()
+    _plant(tmp_path, host=lease_module.HOST, pid_namespace=lease_module.PID_NAMESPACE, pid=pid)
+    with pytest.warns(UserWarning, match=rf"breaking the stale save lease .*pid {pid} .*is gone"):
+        taken = _lease(tmp_path).acquire()
+    assert json.loads((tmp_path / LOCK).read_text())["save_id"] == taken.save_id
+    taken.release()
+
+
+def test_a_reused_pid_is_not_the_holder(tmp_path):
+    # a live pid, but another process start time: the holder is gone
+    _plant(
+        tmp_path,
+        host=lease_module.HOST,
+        pid_namespace=lease_module.PID_NAMESPACE,
+        pid=os.getppid(),
+        process_start="1",
+    )
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("no /proc: start times are not known")
+    with pytest.warns(UserWarning, match="is gone"):
+        _lease(tmp_path).acquire().release()
+
+
+def test_a_lease_this_process_no_longer_holds_is_broken(tmp_path):
+    _plant(
+        tmp_path, host=lease_module.HOST, pid_namespace=lease_module.PID_NAMESPACE, pid=os.getpid()
+    )
+    with pytest.warns(UserWarning, match="a save of this process left it"):
+        _lease(tmp_path).acquire().release()
+
+
+def test_a_holder_elsewhere_is_live_until_its_heartbeat_is_old(tmp_path):
+    _plant(tmp_path, heartbeat=time.time() - 30)  # another host: its pid says nothing here
+    with pytest.raises(CheckpointBusyError, match="pid 4242 on host elsewhere"):
+        _lease(tmp_path).acquire()
+    _plant(tmp_path, heartbeat=time.time() - lease_module.STALE_AFTER_S - 5)
+    with pytest.warns(UserWarning, match=r"heartbeat is \d+ s old"):
+        _lease(tmp_path).acquire().release()
+
+
+def test_an_unreadable_lock_record_is_busy_and_names_the_fix(tmp_path):
+    (tmp_path / LOCK).write_bytes(b"\x00garbage")
+    with pytest.raises(CheckpointBusyError, match=rf"unreadable.*remove {tmp_path / LOCK}"):
+        _lease(tmp_path).acquire()
+    assert (tmp_path / LOCK).read_bytes() == b"\x00garbage"
+
+
+def test_the_heartbeat_is_rewritten_while_held(tmp_path, monkeypatch):
+    monkeypatch.setattr(lease_module, "HEARTBEAT_S", 0.05)
+    held = _lease(tmp_path).acquire()
+    try:
+        first = json.loads((tmp_path / LOCK).read_text())
+        deadline = time.monotonic() + 5
+        while json.loads((tmp_path / LOCK).read_text())["heartbeat"] == first["heartbeat"]:
+            assert time.monotonic() < deadline, "no heartbeat"
+            time.sleep(0.02)
+        again = json.loads((tmp_path / LOCK).read_text())
+        assert again["save_id"] == first["save_id"] and again["since"] == first["since"]
+    finally:
+        held.release()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_broken_lease_commits_nothing(tmp_path):
+    swc.save({"w": torch.ones(2)}, tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    held = _lease(tmp_path).acquire()
+    (tmp_path / LOCK).write_bytes(_plant(tmp_path, save_id="someone-else"))  # taken over
+    with pytest.raises(CheckpointBusyError, match="was broken while this save ran"):
+        commit(tmp_path, b"new metadata", b"{}", set(), lease=held)
+    held.release()  # not ours any more: left alone
+    assert json.loads((tmp_path / LOCK).read_text())["save_id"] == "someone-else"
+    (tmp_path / LOCK).unlink()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_refused_lease_on_a_new_path_leaves_no_folder(tmp_path):
+    held = _lease(tmp_path / "a").acquire()
+    held.release()
+    assert not (tmp_path / "a").exists()  # the lease made it, and nothing else came
+
+
+def test_the_lock_record_is_no_checkpoint_record(tmp_path):
+    folder = tmp_path / "ckpt"
+    with _lease(folder).acquire(), _lease(folder, 0).acquire():
+        assert sorted(p.name for p in folder.iterdir()) == sorted([LOCK, lock_name(0)])
+        assert not holds_checkpoint(folder) and in_the_way(folder) is None
+        with pytest.raises(FileNotFoundError):
+            swc.Reader(folder).read_metadata()
+    state = {"w": torch.arange(4.0)}
+    swc.save(state, folder)
+    (folder / LOCK).write_bytes(_plant(folder))  # a save in flight beside a committed one
+    out = {"w": torch.zeros(4)}
+    dcp.load(out, storage_reader=FileSystemReader(folder))  # stock readers never look at it
+    assert torch.equal(out["w"], state["w"])
+    out = {"w": torch.zeros(4)}
+    swc.load(out, folder)
+    assert torch.equal(out["w"], state["w"]) and swc.verify(folder, raise_on_error=False) == []
+
+
+def test_per_rank_scopes_have_a_lease_each(tmp_path):
+    a, b = _lease(tmp_path, 0).acquire(), _lease(tmp_path, 1).acquire()
+    with pytest.raises(CheckpointBusyError):
+        _lease(tmp_path, 0).acquire()
+    assert live_scopes(open_folder(tmp_path), [LOCK, lock_name(0), lock_name(1)], a) == {1}
+    a.release()
+    b.release()
+
+
+def test_a_busy_path_fails_swc_save_and_the_writer_before_any_data(tmp_path):
+    swc.save({"w": torch.ones(3)}, tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    _plant(tmp_path)
+    with pytest.raises(CheckpointBusyError, match="pid 4242 on host elsewhere"):
+        swc.save({"w": torch.zeros(3)}, tmp_path, overwrite=True)
+    with pytest.raises(CheckpointBusyError, match="pid 4242 on host elsewhere"):
+        swc.async_save({"w": torch.zeros(3)}, tmp_path, overwrite=True).result()
+    with pytest.raises(CheckpointException) as e:  # DCP wraps what a storage writer raises
+        dcp.save({"w": torch.zeros(3)}, storage_writer=swc.Writer(tmp_path))
+    inner = e.value.failures[0]
+    inner = inner[0] if isinstance(inner, tuple) else inner
+    assert isinstance(inner, CheckpointBusyError) and "pid 4242" in str(inner)
+    (tmp_path / LOCK).unlink()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_save_and_the_writer_wait_for_the_lease_when_asked(tmp_path):
+    holder = _lease(tmp_path).acquire()
+    threading.Timer(0.3, holder.release).start()
+    swc.save({"w": torch.full((3,), 2.0)}, tmp_path, wait=10)
+    holder = _lease(tmp_path).acquire()
+    threading.Timer(0.3, holder.release).start()
+    dcp.save({"w": torch.full((3,), 3.0)}, storage_writer=swc.Writer(tmp_path, wait=True))
+    out = {"w": torch.zeros(3)}
+    swc.load(out, tmp_path)
+    assert torch.equal(out["w"], torch.full((3,), 3.0)) and not (tmp_path / LOCK).exists()
+
+
+def test_overwrite_false_looks_again_once_it_holds_the_lease(tmp_path):
+    holder = _lease(tmp_path).acquire()
+
+    def commit_meanwhile() -> None:
+        holder.release()
+        swc.save({"w": torch.ones(2)}, tmp_path)
+
+    threading.Timer(0.3, commit_meanwhile).start()
+    with pytest.raises(FileExistsError, match="pass overwrite=True"):
+        swc.save({"w": torch.zeros(2)}, tmp_path, wait=10)
+    out = {"w": torch.zeros(2)}
+    swc.load(out, tmp_path)
+    assert torch.equal(out["w"], torch.ones(2))
+
+
+def test_a_failed_save_gives_the_lease_back(tmp_path, monkeypatch):
+    from shardwise.checkpoint import saving
+
+    def fails(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(saving, "commit", fails)
+    with pytest.raises(OSError, match="disk full"):
+        swc.save({"w": torch.ones(2)}, tmp_path / "new")
+    assert (tmp_path / "new").exists() and not (tmp_path / "new" / LOCK).exists()
+    monkeypatch.undo()
+    swc.save({"w": torch.ones(2)}, tmp_path / "new")  # no stale lease in the way, no warning
+    assert Holder.of_this_process("x").pid == os.getpid()
+    # a writer whose save never reached `finish` gives it back when freed
+    writer = swc.Writer(tmp_path / "w")
+    writer.set_up_storage_writer(True)
+    writer._take_lease()
+    assert (tmp_path / "w" / LOCK).exists()
+    del writer
+    assert not (tmp_path / "w").exists()
+
+
+def test_memory_urls_take_the_lease_exclusively(memory_root):
+    url = f"{memory_root}/ckpt"
+    held = _lease(url).acquire()
+    with pytest.raises(CheckpointBusyError):
+        _lease(url).acquire()
+    held.release()
+    swc.save({"w": torch.ones(2)}, url)
+    assert LOCK not in open_folder(url).names()

@@ -1,0 +1,167 @@
+"""Crafted checkpoints for the untrusted-input tests: each attack of issue 20, on a local
+folder or under `memory://`, made by rewriting the records of a sound checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+import shardwise.checkpoint as swc
+from shardwise.checkpoint.manifest import Manifest, seal
+from shardwise.checkpoint.safe_pickle import load_metadata
+from shardwise.storage import Folder, open_folder
+
+SECRET = b"top secret, never to be read through a checkpoint\n" * 64
+NOTES = b"the user's own notes, not ours\n"
+
+
+def state() -> dict[str, Any]:
+    return {
+        "w": torch.arange(16, dtype=torch.float32).reshape(4, 4),
+        "v": torch.arange(100, 116, dtype=torch.float32).reshape(4, 4),
+        "e": torch.zeros(0),
+    }
+
+
+def targets() -> dict[str, Any]:
+    return {k: torch.full_like(v, -1.0) for k, v in state().items()}
+
+
+class Place:
+    """A checkpoint path (`ckpt`) and a victim file outside it (`secret`), local or in memory."""
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = root
+        if isinstance(root, Path):
+            self.ckpt: str = str(root / "ckpt")
+            self.secret_path: str = str(root / "secret.distcp")
+        else:
+            self.ckpt = f"{root}/ckpt"
+            self.secret_path = f"{root.removeprefix('memory://')}/secret.distcp"
+        self.folder: Folder = open_folder(self.ckpt)
+        self.parent: Folder = open_folder(str(root) if isinstance(root, Path) else root)
+        self.local = isinstance(root, Path)
+
+    def out(self, name: str) -> str:
+        return str(self.root / name) if isinstance(self.root, Path) else f"{self.root}/{name}"
+
+    def save(self) -> None:
+        swc.save(state(), self.ckpt)
+        self.parent.write_durably("secret.distcp", SECRET)
+        self.folder.write_durably("notes.txt", NOTES)
+
+    def data_file(self) -> str:
+        (name,) = [n for n in self.folder.names() if n.endswith(".distcp")]
+        return name
+
+    def victims(self) -> dict[str, str]:
+        """Digests of the files no checkpoint operation may change or remove."""
+        return {
+            "secret": hashlib.sha256(self.parent.read("secret.distcp")).hexdigest(),
+            "notes": hashlib.sha256(self.folder.read("notes.txt")).hexdigest(),
+        }
+
+    # -- rewriting records -------------------------------------------------------------------
+
+    def manifest(self) -> Manifest:
+        return Manifest.from_json(self.folder.read("shardwise.json"))
+
+    def write_manifest(self, m: Manifest) -> None:
+        self.folder.write_durably("shardwise.json", m.to_json().encode())
+
+    def metadata(self) -> Any:
+        return load_metadata(__import__("io").BytesIO(self.folder.read(".metadata")))
+
+    def make_stock(self, metadata: Any) -> None:
+        """Only `.metadata` (as crafted) remains of our records: a stock checkpoint."""
+        for name in ("shardwise.json", ".shardwise"):
+            self.folder.remove(name)
+        self.folder.write_durably(".metadata", pickle.dumps(metadata))
+
+
+def stock_path(place: Place, path: str) -> None:
+    """A stock `.metadata` whose chunk of 'w' lives at `path` (relative or absolute)."""
+    md = place.metadata()
+    index = MetadataIndex("w", torch.Size([0, 0]))
+    md.storage_data[index] = replace(md.storage_data[index], relative_path=path)
+    place.make_stock(md)
+
+
+def manifest_file(place: Place, name: str, content: bytes | None = None) -> None:
+    """A manifest whose empty tensor 'e' lives in `name` (`content` planted there if given)."""
+    m = place.manifest()
+    m.tensors["e"].chunks[0].file = name
+    if content is not None:
+        place.folder.write_durably(name, content)
+    place.write_manifest(m)
+
+
+def huge_shape(place: Place, stock: bool) -> None:
+    """'w' claims 10^6 x 10^6 elements and keeps its one 4x4 chunk."""
+    if stock:
+        md = place.metadata()
+        md.state_dict_metadata["w"].size = torch.Size([10**6, 10**6])
+        place.make_stock(md)
+    else:
+        m = place.manifest()
+        m.tensors["w"].shape = (10**6, 10**6)
+        place.write_manifest(m)
+
+
+def reshaped(place: Place, stock: bool, shape: tuple[int, ...], second_at: tuple[int, ...]) -> None:
+    """'w' of `shape` stored as two 4x4 chunks: its own at (0, 0) and 'v''s at `second_at`
+    ('v' itself dropped): a partial overlap or a hole, depending on the numbers."""
+    if stock:
+        md = place.metadata()
+        w, v = md.state_dict_metadata["w"], md.state_dict_metadata.pop("v")
+        w.size = torch.Size(shape)
+        w.chunks.append(ChunkStorageMetadata(torch.Size(second_at), torch.Size([4, 4])))
+        info = md.storage_data.pop(MetadataIndex("v", torch.Size([0, 0])))
+        md.storage_data[MetadataIndex("w", torch.Size(second_at))] = info
+        del v
+        place.make_stock(md)
+    else:
+        m = place.manifest()
+        v = m.tensors.pop("v")
+        w = m.tensors["w"]
+        w.shape = shape
+        w.chunks.append(replace(v.chunks[0], offsets=second_at))
+        place.write_manifest(m)
+
+
+def nested_manifest(place: Place, depth: int = 100_000) -> None:
+    """A manifest whose `planner_data` nests `depth` lists, its checksum right."""
+    doc = json.loads(place.folder.read("shardwise.json"))
+    mark = uuid.uuid4().hex
+    doc["planner_data"], doc["crc32c"] = mark, 0
+    text = json.dumps(doc, separators=(",", ":"))
+    text = text.replace(f'"{mark}"', "[" * depth + "]" * depth)
+    place.folder.write_durably("shardwise.json", seal(text).encode())
+
+
+def nested_pickle(place: Place, depth: int = 100_000) -> None:
+    """A stock `.metadata` whose `planner_data` nests `depth` lists (built from opcodes:
+    `pickle.dumps` itself cannot go that deep)."""
+    md = place.metadata()
+    mark = uuid.uuid4().hex
+    md.planner_data = mark
+    data = pickle.dumps(md, protocol=2)
+    encoded = b"X" + len(mark).to_bytes(4, "little") + mark.encode()  # BINUNICODE
+    assert data.count(encoded) == 1
+    nested = b"]" * depth + b"a" * (depth - 1)
+    place.make_stock(md)
+    place.folder.write_durably(".metadata", data.replace(encoded, nested))
+
+
+def type_error_pickle(place: Place) -> None:
+    """A stock `.metadata` whose pickle makes an admitted class raise TypeError."""
+    place.make_stock(place.metadata())
+    place.folder.write_durably(".metadata", b"\x80\x02ctorch\nSize\nK\x01K\x02\x86R.")
