@@ -112,7 +112,7 @@ def _agree_on(
 
     `problem` (a failure in the caller's own code on this rank, e.g. a `Stateful`'s
     `state_dict()`) rides on the same exchange, so every rank raises it, as its
-    original type, naming the rank; the failing rank chains it to the original.
+    original type, naming the rank.
     `statefuls` (this rank's top-level `Stateful` keys) must agree too: after the
     load each rank calls their `load_state_dict()` and then agrees once more."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -122,12 +122,7 @@ def _agree_on(
 
     mine = tuple((".".join(map(str, leaf.path)), leaf.adapter.name) for leaf in leaves)
     mine += tuple((key, "Stateful") for key in statefuls)
-    try:
-        everyone = exchange(problem, mine, group)
-    except Exception as agreed:
-        if problem is not None and agreed is not problem:
-            raise agreed from problem
-        raise
+    everyone = exchange(problem, mine, group)
     ref, odd = odd_ranks(everyone)
     if odd:
         theirs = everyone[odd[0]]

@@ -67,15 +67,9 @@ def _agree(
     problem: BaseException | None, group: Any, arguments: Any = None, what: str = ""
 ) -> None:
     """Raise `problem` (from any rank) on every rank; locally when not distributed.
-    Ranks must also have passed the same `arguments` (path, flags). The rank
-    that found `problem` chains it to what it raises (its traceback is kept)."""
+    Ranks must also have passed the same `arguments` (path, flags)."""
     if _distributed(group):
-        try:
-            everyone = exchange(problem, arguments, group)
-        except Exception as agreed:
-            if problem is not None and agreed is not problem:
-                raise agreed from problem
-            raise
+        everyone = exchange(problem, arguments, group)
         if len({repr(a) for a in everyone}) > 1:
             odd = [r for r, a in enumerate(everyone) if repr(a) != repr(everyone[0])]
             raise ValueError(

@@ -22,10 +22,16 @@ Problem = tuple[type, str] | None
 
 
 def exchange(problem: BaseException | None, payload: Any, group: Any) -> list[Any]:
-    """All-gather `payload` from every rank; raise on all ranks if any had a problem."""
+    """All-gather `payload` from every rank; raise on all ranks if any had a problem.
+    The rank that had `problem` chains it to what it raises (its traceback is kept)."""
     mine: Problem = None if problem is None else (type(problem), str(problem))
     gathered = communicator(group).all_gather_object((mine, payload))
-    raise_agreed([p for p, _ in gathered])
+    try:
+        raise_agreed([p for p, _ in gathered])
+    except Exception as agreed:
+        if problem is not None:
+            raise agreed from problem
+        raise
     return [payload for _, payload in gathered]
 
 
