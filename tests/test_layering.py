@@ -33,6 +33,7 @@ LAYERS = {
     "shardwise.testing": 6,
     "shardwise.cli": 7,
     "shardwise": 8,
+    "shardwise.legacy": 8,  # a facade over shardwise.interop.legacy, beside the package
     "shardwise.__main__": 9,
 }
 

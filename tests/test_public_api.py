@@ -17,6 +17,7 @@ import pytest
 
 import shardwise
 import shardwise.checkpoint
+import shardwise.legacy
 
 SHARDWISE = [
     "Block",
@@ -40,7 +41,12 @@ SHARDWISE = [
     "from_shard_tensor",
     "from_torch_sharded_tensor",
     "plan_transfers",
+    "register_dispatch_handler",
+    "register_function_handler",
+    "register_named_function_handler",
     "register_op",
+    "scatter_tensor",
+    "unregister_function_handler",
     "unregister_op",
 ]
 
@@ -70,9 +76,28 @@ CHECKPOINT = [
     "verify",
 ]
 
+LEGACY = [
+    "empty",
+    "from_torch_sharded_tensor",
+    "full",
+    "gather_into",
+    "local_tensor",
+    "metadata",
+    "ones",
+    "pre_load_state_dict_hook",
+    "rand",
+    "reshard",
+    "sharding_spec",
+    "state_dict_hook",
+    "to_sharding_spec",
+    "to_torch_sharded_tensor",
+    "zeros",
+]
+
 NAMESPACES = {
     "shardwise": (shardwise, SHARDWISE),
     "shardwise.checkpoint": (shardwise.checkpoint, CHECKPOINT),
+    "shardwise.legacy": (shardwise.legacy, LEGACY),
 }
 
 

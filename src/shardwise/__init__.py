@@ -19,10 +19,15 @@ from .errors import (
     UnsafeMetadataError,
     UnsupportedStorageError,
 )
-from .interop import from_dtensor, from_shard_tensor, from_torch_sharded_tensor
+from .interop import from_dtensor, from_shard_tensor, from_torch_sharded_tensor, scatter_tensor
 from .layout import Block, Layout, Transfer, plan_transfers
-from .ops import register_op, unregister_op
+from .ops import register_dispatch_handler, register_op, unregister_op
 from .tensor import ShardedTensor
+from .tensor.functions import (
+    register_function_handler,
+    register_named_function_handler,
+    unregister_function_handler,
+)
 
 try:
     __version__ = version("shardwise")
@@ -51,6 +56,11 @@ __all__ = [
     "from_shard_tensor",
     "from_torch_sharded_tensor",
     "plan_transfers",
+    "register_dispatch_handler",
+    "register_function_handler",
+    "register_named_function_handler",
     "register_op",
+    "scatter_tensor",
+    "unregister_function_handler",
     "unregister_op",
 ]

@@ -19,7 +19,7 @@ from .errors import LayoutError
 from .tensor import ShardedTensor
 from .tensor.provided import provide
 
-__all__ = ["register_op", "unregister_op"]
+__all__ = ["register_dispatch_handler", "register_op", "unregister_op"]
 
 aten = torch.ops.aten
 Handler = Callable[..., Any]
@@ -35,6 +35,11 @@ def register_op(op: torch._ops.OpOverload, handler: Handler) -> None:
             f"register_op needs an OpOverload such as torch.ops.aten.sum.default, got {op!r}"
         )
     _USER_HANDLERS[op] = handler
+
+
+def register_dispatch_handler(op: torch._ops.OpOverload, handler: Handler) -> None:
+    """PhysicsNeMo's name (`ShardTensor.register_dispatch_handler`) for `register_op`."""
+    register_op(op, handler)
 
 
 def unregister_op(op: torch._ops.OpOverload) -> None:
@@ -314,4 +319,4 @@ def _wait_tensor(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
     return args[0]
 
 
-provide(dispatch=dispatch)
+provide(dispatch=dispatch, register_dispatch_handler=register_dispatch_handler)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 
 from tests.clients.conftest import require
+from tests.snippets import run_snippet
 
 pytestmark = pytest.mark.spawned
 
@@ -25,18 +24,7 @@ def snippet(heading: str) -> str:
     return re.search(r"```python\n(.*?)```", part, re.S).group(1)
 
 
-def run(code: str, tmp_path: pathlib.Path) -> list[str]:
-    script = tmp_path / "snippet.py"
-    script.write_text(re.sub(r"/tmp/shardwise-(\w+)", lambda m: str(tmp_path / m.group(1)), code))
-    proc = subprocess.run(
-        [sys.executable, "-W", "ignore", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [line for line in proc.stdout.splitlines() if not line.startswith("WARNING:")]
+run = run_snippet
 
 
 def test_megatron_snippet(tmp_path):

@@ -34,13 +34,8 @@ from .adapters import adapted_for_load, adapted_for_save
 from .commit import in_the_way, per_rank_records
 from .gc_pause import gc_paused
 from .loading import load_state
-from .megatron import (
-    metadata_json_problem,
-    prepare_load,
-    prepare_save,
-    save_planner,
-    write_metadata_json,
-)
+from .megatron import metadata_json_problem, save_planner, write_metadata_json
+from .megatron_returned import load_targets, megatron_route, save_targets
 from .offline import open_checkpoint
 from .reader import Reader
 from .saving import save_state
@@ -205,11 +200,13 @@ def save(
     atomically. The folder may exist and hold other files: they are kept.
     Values may be `Stateful` (their `state_dict()` is saved), as with `dcp.save`.
 
-    `megatron=True` also makes it a checkpoint Megatron-Core's
-    `dist_checkpointing.load` opens: sharded tensors (shardwise, or Megatron's
-    own ShardedTensors, stored under their Megatron key) as DCP tensors, every
-    other value in Megatron's common state object, and Megatron's
-    `metadata.json` (see `shardwise.checkpoint.megatron`).
+    Megatron-Core's `sharded_state_dict()` saves as returned (replicas by
+    `replica_id`, pieces of one key in several entries, ShardedObjects): its
+    tensors under their Megatron key, main replicas only. `megatron=True` also
+    makes it a checkpoint Megatron-Core's `dist_checkpointing.load` opens:
+    every non-sharded value in Megatron's common state object (else each is
+    stored under its dotted path), and Megatron's `metadata.json` (see
+    `shardwise.checkpoint.megatron_returned`).
 
     `path` may be an fsspec URL (`s3://bucket/ckpt`, `gs://...`, `memory://...`);
     `storage_options` go to its backend (e.g. s3fs's `endpoint_url`, `key`). On an
@@ -225,16 +222,15 @@ def save(
     path = _folder(path, storage_options, process_group)
     if _ASYNC.pending is not None:  # one save at a time: the next commit collects unnamed files
         wait_for([_ASYNC.pending])
-    planner = None
-    if megatron:
-        plain, problem = _user_state(state_dict)
-        _agree(problem, process_group)
-        state_dict, planner = prepare_save(plain, process_group), save_planner()
-        _check_target(path, overwrite, process_group, state_dict, megatron)
-        _write_megatron_metadata(path, process_group)
-        return _save_checked(state_dict, path, overwrite, process_group, planner, wait)
     state_dict, problem = _user_state(state_dict)
-    state_dict = adapted_for_save(state_dict, process_group, problem)
+    if megatron_route(state_dict, megatron, process_group, problem):  # raises `problem` everywhere
+        # by Megatron key (as sharded_state_dict() returns it); megatron=True adds Megatron's files
+        state_dict = save_targets(state_dict, process_group, megatron)
+        _check_target(path, overwrite, process_group, state_dict, megatron)
+        if megatron:
+            _write_megatron_metadata(path, process_group)
+        return _save_checked(state_dict, path, overwrite, process_group, save_planner(), wait)
+    state_dict = adapted_for_save(state_dict, process_group)
     start = time.perf_counter()
     problem = _target_problem(path, overwrite, process_group)
     with gc_paused():
@@ -333,8 +329,8 @@ def async_save(
     background: `.result()` raises its `CheckpointBusyError`).
     """
     path = _folder(path, storage_options, process_group)
-    if _ASYNC.pending is not None:
-        _ASYNC.pending.result()
+    if _ASYNC.pending is not None:  # its error is its future's: never every later save's
+        wait_for([_ASYNC.pending])
     state_dict, problem = _user_state(state_dict)
     state_dict = adapted_for_save(state_dict, process_group, problem)
     staged: Any = None
@@ -420,10 +416,11 @@ def load(
     casts stored values to each target's dtype instead (as `dcp.load` does,
     e.g. an fp32 checkpoint into a bf16 model). `Stateful` values are filled
     through their `state_dict()` / `load_state_dict()`, as with `dcp.load`.
-    `megatron=True` takes Megatron-Core's `sharded_state_dict()` as it nests it:
-    its pieces are found anywhere and loaded by their Megatron key, the way
-    Megatron (and `swc.save(..., megatron=True)`) stores them; non-tensor values
-    are left as they are (`shardwise.checkpoint.megatron.read_common_state` reads them).
+    Megatron-Core's `sharded_state_dict()` loads as it nests it: its pieces are
+    found anywhere and loaded by their Megatron key (ShardedObjects' `data` by
+    their unique key), the way Megatron and `swc.save` store them; other values
+    by their dotted path, or, with `megatron=True` (a Megatron-format
+    checkpoint), left as they are (`shardwise.checkpoint.megatron.read_common_state`).
     `path` may be an fsspec URL, `storage_options` its backend's options (as for `save`).
     A checkpoint is untrusted input: non-tensor values unpickle only as far as
     `torch.load(weights_only=True)` allows (plus `allow_object_globals`); anything
@@ -436,9 +433,14 @@ def load(
     Returns the reader (its `bytes_read` says what this rank read).
     """
     path = _folder(path, storage_options, process_group)
-    if megatron:
-        targets, finishers = prepare_load(state_dict, process_group)
-        reader = _load_adapted(
+    # Stateful values as their state dicts first (as dcp.load does), so that what they
+    # hold is adapted too; filled back through load_state_dict after.
+    statefuls = {k: v for k, v in state_dict.items() if _is_stateful(v)}
+    plain, problem = _user_state(state_dict) if statefuls else (state_dict, None)
+    # the exchange raises `problem` everywhere and makes every rank take the same route
+
+    def read(targets: dict[str, Any]) -> Reader:
+        return _load_adapted(
             targets,
             path,
             strict,
@@ -448,27 +450,18 @@ def load(
             trust_objects,
             extension_registry,
         )
+
+    if megatron_route(plain, megatron, process_group, problem, tuple(sorted(statefuls))):
+        # by Megatron key, as sharded_state_dict() nests it; megatron=True: rest left as is
+        targets, finishers = load_targets(plain, process_group, megatron)
+        reader = read(targets)
         for finish in finishers:
             finish()
-        return reader
-    # Stateful values as their state dicts first (as dcp.load does), so that what they
-    # hold is adapted too; filled back through load_state_dict after.
-    statefuls = {k: v for k, v in state_dict.items() if _is_stateful(v)}
-    plain, problem = _user_state(state_dict) if statefuls else (state_dict, None)
-    # other libraries' values as ShardedTensors; the exchange also raises `problem`
-    # everywhere and makes every rank agree on which keys are Stateful
-    with adapted_for_load(plain, process_group, problem, tuple(sorted(statefuls))) as adapted:
-        reader = _load_adapted(
-            plain,
-            path,
-            strict,
-            verify,
-            cast_dtype,
-            process_group,
-            trust_objects,
-            extension_registry,
-        )
-        adapted.finish()
+    else:
+        # other libraries' values as ShardedTensors; every rank agrees on the Stateful keys
+        with adapted_for_load(plain, process_group, None, tuple(sorted(statefuls))) as adapted:
+            reader = read(plain)
+            adapted.finish()
     # As dcp.load ends: Stateful values load their state, every other top-level value
     # is assigned back (`state_dict[key] = ...`, which a dict subclass may observe).
     for key in sorted(state_dict):  # sorted: load_state_dict may be collective

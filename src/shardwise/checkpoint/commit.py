@@ -77,11 +77,12 @@ __all__ = [
 METADATA = ".metadata"
 FolderLike = Folder | str | os.PathLike  # a Folder, or what `open_folder` opens
 # matched with fullmatch: a trailing newline in a name is not ours
-_DATA = re.compile(r"__(\d+)_(\d+)\.sw([0-9a-f]{12})" + re.escape(DEFAULT_SUFFIX))
+# ASCII: `\d` alone also matches other scripts' digits (`__٣_0...`), never names we write
+_DATA = re.compile(r"__(\d+)_(\d+)\.sw([0-9a-f]{12})" + re.escape(DEFAULT_SUFFIX), re.ASCII)
 # what stock `FileSystemWriter` names its data files: collected only when a replaced
 # record names them (never as leftovers: no token says which save wrote them)
-_STOCK_DATA = re.compile(r"__(\d+)_(\d+)" + re.escape(DEFAULT_SUFFIX))
-_PER_RANK = re.compile(r"__(\d+)\.(?:metadata|shardwise\.json)")
+_STOCK_DATA = re.compile(r"__(\d+)_(\d+)" + re.escape(DEFAULT_SUFFIX), re.ASCII)
+_PER_RANK = re.compile(r"__(\d+)\.(?:metadata|shardwise\.json)", re.ASCII)
 
 
 def new_token() -> str:

@@ -24,7 +24,9 @@ lease is broken with a warning: its process is gone (same host and pid
 namespace: the pid is dead, a zombie, or a different process), it was left by a
 save of this very process that no longer holds it, or its heartbeat is older
 than `STALE_AFTER_S` (clocks of the hosts sharing the folder are assumed to agree
-to well within that). A save whose lease was broken (it froze past the bound)
+to well within that). An unreadable record (garbage, or over 64 KiB) is live, and
+stale once a waiting save has seen it unchanged for `STALE_AFTER_S`, so `wait=True`
+never hangs on one. A save whose lease was broken (it froze past the bound)
 learns it before committing (`confirm`) and commits nothing.
 
 The lock record is never a checkpoint record: readers, `holds_checkpoint` and
@@ -62,8 +64,25 @@ __all__ = [
 LOCK = ".shardwise.lock"
 HEARTBEAT_S = 15.0  # how often a held lease's heartbeat is rewritten
 STALE_AFTER_S = 300.0  # a heartbeat older than this: the holder is taken for dead
-_LOCK_NAME = re.compile(r"(?:__(\d+))?" + re.escape(LOCK))
+_LOCK_NAME = re.compile(r"(?:__(\d+))?" + re.escape(LOCK), re.ASCII)
 _FORMAT = "shardwise-lease/1"
+# A lock record is a few hundred bytes; a bigger one (a crafted, sparse 100 GB file) is
+# read only this far, so it parses as unreadable instead of filling memory.
+_MAX_RECORD = 1 << 16
+
+
+def _read_record(folder: Folder, name: str) -> bytes:
+    """The lock record `name` (a plain file only), or its first `_MAX_RECORD` bytes.
+
+    Its size comes from a fresh listing: unlike data files, a lock record is
+    rewritten (heartbeats, a new holder), so a size remembered from an earlier
+    listing (object stores) would cut it short."""
+    size = folder.sizes().get(name, _MAX_RECORD)  # not listed: a link, or just created
+    f = folder.open(name)  # refuses a link; FileNotFoundError when it is gone
+    try:
+        return f.pread(min(size, _MAX_RECORD), 0)
+    finally:
+        f.close()
 
 
 def lock_name(rank: int | None) -> str:
@@ -163,6 +182,9 @@ class Holder:
 
 _HELD: dict[tuple[str, str], Lease] = {}  # (folder identity, lock name) -> held by this process
 _HELD_LOCK = threading.Lock()
+# Save ids of leases this process is taking right now: between its exclusive create and
+# `_hold`, a record naming this pid is another thread's live save, not one left behind.
+_ACQUIRING: set[str] = set()
 
 
 def stale_reason(holder: Holder, where: tuple[str, str] | None = None) -> str | None:
@@ -172,13 +194,16 @@ def stale_reason(holder: Holder, where: tuple[str, str] | None = None) -> str | 
         if holder.pid == os.getpid():
             with _HELD_LOCK:
                 mine = _HELD.get(where) if where is not None else None
-            if mine is None or mine.save_id != holder.save_id:
+                taking = holder.save_id in _ACQUIRING
+            if not taking and (mine is None or mine.save_id != holder.save_id):
                 return "a save of this process left it and no longer holds it"
         elif not _alive(holder.pid, holder.process_start):
             return f"its process (pid {holder.pid} on this host) is gone"
     age = time.time() - holder.heartbeat
     if age > STALE_AFTER_S:
         return f"its heartbeat is {age:.0f} s old (a lease is stale after {STALE_AFTER_S:.0f} s)"
+    if not age >= -STALE_AFTER_S:  # NaN, or further ahead than clocks ever disagree: crafted
+        return f"its heartbeat {holder.heartbeat!r} is no time a live holder could have written"
     return None
 
 
@@ -192,7 +217,7 @@ def live_scopes(folder: Folder, names: list[str], mine: Lease | None = None) -> 
         if m is None or (mine is not None and mine.held and name == mine.name):
             continue
         try:
-            holder = Holder.parse(folder.read(name))
+            holder = Holder.parse(_read_record(folder, name))
         except FileNotFoundError:
             continue
         except OSError:
@@ -226,7 +251,7 @@ class Lease:
 
     def _read(self) -> bytes | None:
         try:
-            return self.folder.read(self.name)
+            return _read_record(self.folder, self.name)
         except FileNotFoundError:
             return None
 
@@ -239,9 +264,20 @@ class Lease:
         """Take the lease, breaking a stale one; `CheckpointBusyError` if it is held and
         `wait` is False (or still held after `wait` seconds). `wait=True` waits forever."""
         deadline = None if wait is True else time.monotonic() + max(0.0, float(wait or 0))
+        with _HELD_LOCK:
+            _ACQUIRING.add(self.save_id)
+        try:
+            return self._acquire(deadline, wait)
+        finally:
+            with _HELD_LOCK:
+                _ACQUIRING.discard(self.save_id)
+
+    def _acquire(self, deadline: float | None, wait: bool | float) -> Lease:
         self._made = not self.folder.is_folder()
         self.folder.make()
         delay = 0.02
+        unreadable: tuple[bytes, float] | None = None  # a record no holder can be read from
+        vanished = 0  # creates refused, then nothing to read: released meanwhile, or no file
         while True:
             record = Holder.of_this_process(self.save_id)
             try:
@@ -253,11 +289,22 @@ class Lease:
                 return self
             data = self._read()
             if data is None:
-                continue  # released meanwhile: try again at once
+                vanished += 1
+                if vanished < 100:
+                    continue  # released meanwhile: try again at once
+                data = b""  # a name no plain file answers to (a folder): unreadable, busy
             holder = Holder.parse(data)
             reason = stale_reason(holder, self._key()) if holder is not None else None
-            if holder is not None and reason is not None:
+            if holder is None:  # crafted or damaged: live, unless it stays so past the bound
+                if unreadable is None or unreadable[0] != data:
+                    unreadable = (data, time.monotonic())
+                elif time.monotonic() - unreadable[1] > STALE_AFTER_S:
+                    reason = (
+                        f"it stayed unreadable for {STALE_AFTER_S:.0f} s while this save waited"
+                    )
+            if reason is not None:
                 self._break(data, holder, reason)
+                unreadable = None
                 continue
             if deadline is not None and time.monotonic() >= deadline:
                 self._undo_make()
@@ -279,12 +326,13 @@ class Lease:
             f"if that save is gone for good, remove {self.where}"
         )
 
-    def _break(self, data: bytes, holder: Holder, reason: str) -> None:
+    def _break(self, data: bytes, holder: Holder | None, reason: str) -> None:
         """Remove a stale lock record, if it still is the one judged stale."""
         if self._read() != data:
             return  # changed meanwhile (released, refreshed, taken over): look again
+        who = holder.describe() if holder is not None else f"unreadable: {data[:60]!r}"
         warnings.warn(
-            f"breaking the stale save lease {self.where} ({holder.describe()}): {reason}",
+            f"breaking the stale save lease {self.where} ({who}): {reason}",
             stacklevel=4,
         )
         try:

@@ -1,7 +1,8 @@
 """Megatron-Core values in `swc.save`/`swc.load`, and checkpoints Megatron opens.
 
-- A value adapter (registered on import) lets `swc.save`/`swc.load` take
-  Megatron's objects directly; the DCP key is the state dict's key.
+- A value adapter (registered on import) lets `swc.async_save` take Megatron's
+  objects directly (the DCP key is the state dict's key); `swc.save`/`swc.load`
+  take Megatron's values by Megatron key instead (`megatron_returned`).
 - `swc.save(..., megatron=True)` (`prepare_save`, `save_planner`,
   `write_metadata_json`) writes what Megatron's `dist_checkpointing.load`
   needs beside the DCP data: tensors under their Megatron key, the common state
@@ -101,7 +102,7 @@ def _adapter_for_load(value: Any) -> tuple[ShardedTensor, Any]:
         key = pieces_of(value)[0].key if pieces_of(value) else "?"
         raise LayoutError(
             f"Megatron key '{key}': {e}. If its pieces sit in several state-dict entries (as in "
-            f"Megatron's sharded_state_dict()), pass megatron=True to load by Megatron key"
+            f"Megatron's sharded_state_dict()), load with swc.load, which goes by Megatron key"
         ) from e
 
 
@@ -112,7 +113,8 @@ register_value_adapter(
         _for_save,
         _adapter_for_load,
         hint=(
-            "for Megatron's own nesting (pieces of one key in several entries), pass megatron=True"
+            "for Megatron's own nesting (pieces of one key in several entries), use swc.save / "
+            "swc.load, which go by Megatron key"
         ),
     )
 )
@@ -199,13 +201,16 @@ def _sharded_entries(sharded: Any, prefix: str = "") -> dict[Any, Any]:
     return out
 
 
-def prepare_save(state_dict: Mapping[str, Any], group: Any = None) -> dict[str, Any]:
+def prepare_save(
+    state_dict: Mapping[str, Any], group: Any = None, *, common_state: bool = True
+) -> dict[str, Any]:
     """The flat state dict `swc.save(..., megatron=True)` hands to DCP. Collective.
 
     Sharded tensors under their Megatron key (Megatron pieces grouped by key,
     every rank taking part for every key, main replicas only), Megatron
     ShardedObjects under their unique key, everything else in Megatron's
     common state object, each as `dist_checkpointing.save` writes it.
+    `common_state=False` leaves the rest out (a plain save stores it by path).
     """
     sharded, common = _split(state_dict)
     entries = _sharded_entries(sharded)
@@ -219,7 +224,7 @@ def prepare_save(state_dict: Mapping[str, Any], group: Any = None) -> dict[str, 
     for key, values in entries.items():  # ShardedObjects: this rank's, as Megatron stores them
         if isinstance(key, tuple) and key[0] == "object":
             flat[key[1]] = _serialized(values)
-    if _rank(group) == 0:  # rank 0's, as Megatron keeps (its replica_id is the rank)
+    if common_state and _rank(group) == 0:  # rank 0's, as Megatron keeps (replica_id: rank)
         flat[COMMON_STATE_KEY] = _serialized([common])
     return flat
 

@@ -18,6 +18,7 @@ ranged read reads, and how it is verified, is `chunk_read`'s.
 from __future__ import annotations
 
 import io
+import math
 import os
 from collections import defaultdict
 from typing import Any
@@ -26,7 +27,7 @@ import crc32c
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
@@ -39,6 +40,10 @@ from .manifest import MARKER, Manifest, StoredChunk, StoredObject, dtype_from_na
 from .objects import vetted_stream
 from .record_check import check_metadata, check_name, follow_replaced, read_stock
 from .record_read import HEAD_BYTES, RecordLayout, read_record_layout
+
+# What a `torch.save` container adds around a tensor's bytes, at most (its pickle, zip
+# headers and alignment take a few KiB): the bound on undoing a chunk's stream extensions.
+_CONTAINER_ROOM = 1 << 20
 
 __all__ = ["Reader"]
 
@@ -280,7 +285,33 @@ class Reader(FolderBacked, FileSystemReader):
                 f"know ({e}); pass a registry that does: Reader(path, _extension_registry=...), "
                 "swc.load(..., extension_registry=...) or read_tensor(..., extension_registry=...)"
             ) from e
-        return stream.read(-1)
+        limit = self._untransformed_limit(req)
+        data = stream.read(-1 if limit is None else limit + 1)
+        if limit is not None and len(data) > limit:
+            raise CorruptCheckpointError(
+                f"'{req.storage_index.fqn}' in {self.folder}: undoing its stream extensions "
+                f"yields over {limit} bytes, more than its chunk's elements and a torch.save "
+                "container need: a decompression bomb, or damaged; refused"
+            )
+        return data
+
+    def _untransformed_limit(self, req: Any) -> int | None:
+        """The most bytes a tensor chunk's record may expand to: its elements' bytes plus
+        room for `torch.save`'s container (DCP clones a view before saving it, so no
+        record holds more storage than its chunk). None for objects (no size recorded)."""
+        md = (self._checked.state_dict_metadata if self._checked else {}).get(req.storage_index.fqn)
+        if req.type == LoadItemType.BYTE_IO or not isinstance(md, TensorStorageMetadata):
+            return None
+        at = tuple(req.storage_index.offset or ())
+        for c in md.chunks:
+            if tuple(c.offsets) == at:
+                return math.prod(c.sizes) * md.properties.dtype.itemsize + _CONTAINER_ROOM
+        return None
+        at = tuple(req.storage_index.offset or ())
+        for c in md.chunks:
+            if tuple(c.offsets) == at:
+                return math.prod(c.sizes) * md.properties.dtype.itemsize + _CONTAINER_ROOM
+        return None
 
     def _read_transformed(
         self, f: RandomAccess, path: str, req: Any, info: _StorageInfo, planner: LoadPlanner

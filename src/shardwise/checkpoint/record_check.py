@@ -63,11 +63,9 @@ _RECORDS = re.compile(
     r"\.metadata|shardwise\.json|\.shardwise|__\d+\.metadata|__\d+\.shardwise\.json|.*\.lock"
 )
 # What `commit.data_file_name` makes (commit's `_DATA`; a test holds the two equal).
-DATA_FILE = re.compile(r"__(\d+)_(\d+)\.sw([0-9a-f]{12})\.distcp")
-_LIMIT = 1 << 62
-_INT = {
-    int
-}  # not bool  # no real offset, size or length comes near it; int64 arithmetic stays exact
+DATA_FILE = re.compile(r"__(\d+)_(\d+)\.sw([0-9a-f]{12})\.distcp", re.ASCII)
+_LIMIT = 1 << 62  # no real offset, size or length comes near it: int64 arithmetic stays exact
+_INT = {int}  # the only type a number in a record may have (`bool` is refused)
 
 
 def name_problem(name: Any, *, shardwise: bool) -> str | None:
@@ -76,6 +74,8 @@ def name_problem(name: Any, *, shardwise: bool) -> str | None:
         return f"is a {type(name).__name__}, not a file name"
     if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
         return "is not a file directly inside the checkpoint folder (a path out of it)"
+    if not name.isprintable():  # a newline, escape or control character: never a name we wrote
+        return "holds a non-printable character (a newline, an escape or a control code)"
     if _RECORDS.fullmatch(name) or TEMPORARY.fullmatch(name):
         return "is one of the checkpoint's own records, not a data file"
     if shardwise and not DATA_FILE.fullmatch(name):

@@ -16,6 +16,7 @@ from typing import NoReturn
 
 from ..errors import ShardwiseError
 from . import bench, convert, demo, inspect, reshard, verify
+from .verify import one_line
 
 __all__ = ["main", "run"]
 
@@ -74,7 +75,9 @@ def _reason(e: BaseException) -> str:
     # KeyError's str() is the repr of its key; its message is the plain text.
     text = e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 else str(e)
     lines = str(text).strip().splitlines()
-    message = lines[0] if lines else type(e).__name__
+    if isinstance(e, ShardwiseError):  # ours are one line, unless a crafted key held a newline
+        lines = [one_line(str(text).strip())]
+    message = one_line(lines[0]) if lines and lines[0] else type(e).__name__
     return message if isinstance(e, _EXPECTED) else f"{type(e).__name__}: {message}"
 
 

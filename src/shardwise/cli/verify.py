@@ -8,7 +8,14 @@ import sys
 from ..checkpoint import inspect, verify
 from .storage_options import add_storage_options, storage_options
 
-__all__ = ["add_parser", "main"]
+__all__ = ["add_parser", "main", "one_line"]
+
+
+def one_line(text: str) -> str:
+    """`text` as one printable line: a crafted checkpoint's names and keys may hold
+    newlines or terminal escapes, which must neither split a report nor reach the
+    terminal raw (each such character is shown escaped, as `repr` does)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,7 +53,7 @@ def main(args: argparse.Namespace) -> int:
             storage_options=storage_options(args),
         )
     for line in problems:
-        print(f"shardwise verify: {line}", file=sys.stderr)
+        print(f"shardwise verify: {one_line(line)}", file=sys.stderr)
     if not problems:
         print(f"{args.path}: OK")
     return 1 if problems else 0

@@ -133,11 +133,14 @@ def from_torch_sharded_tensor(legacy: Any) -> ShardedTensor:
     """The legacy `torch.distributed._shard` ShardedTensor as a ShardedTensor.
 
     Its global metadata already lists every shard's rank, so no communication.
+    Empty shards (a chunk spec's chunks past the end of the tensor) are left out.
     """
     md = legacy.metadata()
     group = getattr(legacy, "_process_group", None)
     blocks: dict[int, list[Block]] = {}
     for shard_md in md.shards_metadata:
+        if 0 in shard_md.shard_sizes:
+            continue
         rank = shard_md.placement.rank()
         blocks.setdefault(rank, []).append(Block(shard_md.shard_offsets, shard_md.shard_sizes))
     world = dist.get_world_size(group)

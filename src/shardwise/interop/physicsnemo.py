@@ -133,7 +133,12 @@ def inspect_shard_tensor(st: Any) -> Inspection:
         }
         layout = Layout(shape, blocks, len(everyone))  # same data everywhere: raises alike
         shards = [local] if layout.blocks_of(rank) else []
-        return ShardedTensor(layout, shards, rank, dtype=st.dtype, device=local.device)
+        out = ShardedTensor(layout, shards, rank, dtype=st.dtype, device=local.device)
+        # PhysicsNeMo's `offsets()`: per mesh dimension, the offset along the dimension it shards.
+        out._mesh_offsets = tuple(
+            offsets[sharded[m]] if m in sharded else 0 for m in range(len(mesh_shape))
+        )
+        return out
 
     return Inspection(meta, finish, check)
 

@@ -390,6 +390,19 @@ class Layout:
         return cls(shape, {r: [whole] for r in range(world_size)}, world_size)
 
     @classmethod
+    def from_sharding_spec(cls, spec: Any, shape: Sequence[int], world_size: int) -> Layout:
+        """The layout a legacy `ChunkShardingSpec` / `EnumerableShardingSpec` gives a
+        tensor of `shape` over `world_size` ranks (placement ranks are ranks of the group).
+
+        The spec is read by its attributes, so this layer stays free of
+        `torch.distributed`; the way back, which must build torch's spec
+        classes, is `shardwise.legacy.to_sharding_spec(layout)`.
+        """
+        from .sharding_spec import blocks_from_sharding_spec
+
+        return cls(shape, blocks_from_sharding_spec(spec, shape, world_size), world_size)
+
+    @classmethod
     def from_dtensor_spec(
         cls, mesh_shape: Sequence[int], placements: Sequence[Any], shape: Sequence[int]
     ) -> Layout:

@@ -26,7 +26,14 @@ PROVIDERS: dict[str, str] = {
     "to_local": "shardwise.comm",
     "to_dtensor": "shardwise.interop",
     "to_shard_tensor": "shardwise.interop",
+    "gather_into": "shardwise.interop",
+    "local_tensor": "shardwise.interop",
+    "metadata": "shardwise.interop",
+    "reshard": "shardwise.interop",
+    "sharding_spec": "shardwise.interop",
+    "to_torch_sharded_tensor": "shardwise.interop",
     "dispatch": "shardwise.ops",
+    "register_dispatch_handler": "shardwise.ops",
 }
 
 _INSTALLED: dict[str, Callable[..., Any]] = {}

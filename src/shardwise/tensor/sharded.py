@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import torch
 
-from ..errors import ShardMismatchError
+from ..errors import LayoutError, ShardMismatchError
 from ..layout import Block, Layout
-from . import dcp_hooks
+from . import dcp_hooks, functions
 from .provided import provided
 
 if TYPE_CHECKING:
@@ -44,9 +44,26 @@ class ShardedTensor(torch.Tensor):
     _rank: int
     _shards: list[torch.Tensor]
     _group: Any
+    # Per mesh dimension, this rank's offset along the tensor dimension it shards (PhysicsNeMo's
+    # `offsets()`), when built on a device mesh (`scatter_tensor`, `from_shard_tensor`); else None.
+    _mesh_offsets: tuple[int, ...] | None
 
-    # Torch functions go straight to __torch_dispatch__ (as for DTensor).
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        # A function handler (shardwise.register_function_handler) if one is registered,
+        # otherwise straight to __torch_dispatch__ (as for DTensor).
+        return functions.torch_function(func, types, args, kwargs)
+
+    # PhysicsNeMo's ShardTensor registration classmethods, under the same names.
+    register_function_handler = staticmethod(functions.register_function_handler)
+    register_named_function_handler = staticmethod(functions.register_named_function_handler)
+
+    @staticmethod
+    def register_dispatch_handler(op: Any, handler: Any) -> None:
+        """PhysicsNeMo's name for `shardwise.register_op` (aten-level handlers)."""
+        provided("register_dispatch_handler")(op, handler)
 
     @staticmethod
     def __new__(
@@ -72,6 +89,7 @@ class ShardedTensor(torch.Tensor):
         out._rank = rank
         out._shards = shards
         out._group = group
+        out._mesh_offsets = None
         return out
 
     # -- construction ---------------------------------------------------------
@@ -245,7 +263,7 @@ class ShardedTensor(torch.Tensor):
         """A new ShardedTensor of this layout, rank and group around `shards`."""
         if shards:
             dtype, device = shards[0].dtype, shards[0].device
-        return ShardedTensor(
+        out = ShardedTensor(
             self._layout,
             shards,
             self._rank,
@@ -253,6 +271,8 @@ class ShardedTensor(torch.Tensor):
             device=device or self.device,
             group=self._group,
         )
+        out._mesh_offsets = self._mesh_offsets  # same layout, same rank: same mesh offsets
+        return out
 
     # -- what this rank holds ----------------------------------------------
 
@@ -283,6 +303,23 @@ class ShardedTensor(torch.Tensor):
     def local_sizes(self) -> list[torch.Size]:
         return [torch.Size(b.sizes) for b in self.local_blocks]
 
+    def offsets(self, mesh_dim: int | None = None) -> tuple[int, ...] | int:
+        """PhysicsNeMo's `ShardTensor.offsets`: per mesh dimension, this rank's offset along
+        the tensor dimension it shards (0 where it replicates); one int for `mesh_dim`.
+
+        Only a tensor built on a device mesh has them; `local_offsets()` gives every
+        tensor's block offsets per tensor dimension.
+        """
+        if self._mesh_offsets is None:
+            raise LayoutError(
+                f"rank {self._rank}: this ShardedTensor was not built on a device mesh, so it "
+                f"has no per-mesh-dimension offsets; shardwise.scatter_tensor and "
+                f"from_shard_tensor record them, and st.local_offsets() gives its block offsets"
+            )
+        if mesh_dim is None:
+            return self._mesh_offsets
+        return self._mesh_offsets[mesh_dim]
+
     @property
     def local_chunks(self) -> list[ChunkStorageMetadata]:
         """DCP chunks of this rank's blocks, in local-shard order."""
@@ -306,9 +343,15 @@ class ShardedTensor(torch.Tensor):
         return provided("full_tensor")(self)
 
     # Shadows torch.Tensor.gather (an indexing op) with the legacy ShardedTensor's collective.
-    def gather(self, dst: int = 0) -> torch.Tensor | None:  # type: ignore[override]
-        """The whole tensor on rank `dst`, None on the others. Collective."""
-        return provided("gather")(self, dst)
+    def gather(  # type: ignore[override]
+        self, dst: int = 0, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The whole tensor on rank `dst`, None on the others. Collective.
+
+        With `out` (on `dst` only, as the legacy API) it is filled and returned."""
+        if out is None:
+            return provided("gather")(self, dst)
+        return provided("gather_into")(self, dst, out)
 
     def redistribute(self, layout: Layout, *, stats: dict[str, int] | None = None) -> ShardedTensor:
         """The same values in `layout`. Collective; differentiable."""
@@ -326,6 +369,28 @@ class ShardedTensor(torch.Tensor):
     def to_local(self) -> torch.Tensor:
         """This rank's single shard; differentiable (see `shardwise.from_local`)."""
         return provided("to_local")(self)
+
+    # -- the legacy torch.distributed._shard API (shardwise.interop.legacy) --
+
+    def to_torch_sharded_tensor(self, device: Any = None) -> Any:
+        """A legacy `torch.distributed._shard` ShardedTensor sharing these shards."""
+        return provided("to_torch_sharded_tensor")(self, device)
+
+    def sharding_spec(self) -> Any:
+        """The legacy `ChunkShardingSpec` / `EnumerableShardingSpec` of the layout."""
+        return provided("sharding_spec")(self)
+
+    def metadata(self) -> Any:
+        """The legacy `ShardedTensorMetadata`: every shard, its placement."""
+        return provided("metadata")(self)
+
+    def local_tensor(self) -> torch.Tensor:
+        """The one live local shard (error unless exactly one), as the legacy API."""
+        return provided("local_tensor")(self)
+
+    def reshard(self, spec: Any) -> ShardedTensor:
+        """A new tensor in the layout of a legacy spec. Collective."""
+        return provided("reshard")(self, spec)
 
     # -- DCP's _Checkpointable protocol ------------------------------------
 

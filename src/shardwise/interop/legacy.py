@@ -1,0 +1,314 @@
+"""The legacy `torch.distributed._shard` ShardedTensor API on shardwise tensors.
+
+Code written for torch 1.13's ShardedTensor (TorchRec, FBGEMM-era models,
+their checkpoints) calls `sharding_spec()`, `metadata()`, `local_tensor()`,
+`reshard(spec)`, `gather(dst, out=)` and the creation helpers that take a
+spec. The methods are thin ones on `ShardedTensor` (a caller holds the
+tensor), backed by the functions here; the creation helpers and the spec
+bridge are functions (re-exported as `shardwise.legacy`), because they take
+torch's spec types and would otherwise crowd the type's own constructors.
+Everything here needs `torch.distributed._shard`, so it sits in interop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard
+from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+from torch.distributed._shard.sharding_spec import (
+    ChunkShardingSpec,
+    EnumerableShardingSpec,
+    ShardingSpec,
+)
+
+from ..comm.group import current_rank
+from ..errors import LayoutError, ShardMismatchError
+from ..layout import Layout
+from ..tensor import ShardedTensor
+
+__all__ = [
+    "empty",
+    "full",
+    "gather_into",
+    "local_tensor",
+    "metadata",
+    "ones",
+    "rand",
+    "reshard",
+    "sharding_spec",
+    "to_sharding_spec",
+    "to_torch_sharded_tensor",
+    "zeros",
+]
+
+DeviceOf = str | torch.device | Callable[[int], "str | torch.device"]
+
+
+def _device_fn(device: DeviceOf | None) -> Callable[[int], str]:
+    if device is None:
+        return lambda rank: "cpu"
+    if callable(device):
+        return lambda rank: str(device(rank))
+    return lambda rank: str(device)
+
+
+def _chunk_spec(layout: Layout, place: Callable[[int], str]) -> ChunkShardingSpec | None:
+    """The ChunkShardingSpec giving exactly `layout`, if one does."""
+    holders = [r for r in range(layout.world_size) if layout.blocks_of(r)]
+    if not holders or any(len(layout.blocks_of(r)) != 1 for r in holders):
+        return None
+    for dim in range(layout.ndim):
+        ranks = sorted(holders, key=lambda r: layout.blocks_of(r)[0].offsets[dim])
+        spec = ChunkShardingSpec(dim=dim, placements=[place(r) for r in ranks])
+        try:
+            if Layout.from_sharding_spec(spec, layout.global_shape, layout.world_size) == layout:
+                return spec
+        except LayoutError:
+            continue
+    return None
+
+
+def to_sharding_spec(
+    layout: Layout, device: DeviceOf | None = None, group: Any = None
+) -> ShardingSpec:
+    """A `ChunkShardingSpec` when the layout is `torch.chunk` along one dimension,
+    else an `EnumerableShardingSpec`; placements `"rank:R/<device>"`.
+
+    `device` is one device for every rank or a function of the rank (default
+    cpu); ranks are translated from `group` to global ranks, as legacy
+    placements are. Replicas and holes have no legacy spec: `LayoutError`.
+    """
+    if layout.replica_groups and any(len(h) > 1 for h in layout.replica_groups.values()):
+        raise LayoutError(
+            f"{layout} holds replicas; a legacy sharding spec has one owner per shard. "
+            f"Redistribute to a layout without replicas first"
+        )
+    if not layout.is_fully_covered:
+        raise LayoutError(f"{layout} has holes; a legacy sharding spec must cover the tensor")
+    device_of = _device_fn(device)
+    global_ranks = (
+        list(dist.get_process_group_ranks(group))
+        if group is not None
+        else list(range(layout.world_size))
+    )
+
+    def place(rank: int) -> str:
+        return f"rank:{global_ranks[rank]}/{device_of(rank)}"
+
+    spec = _chunk_spec(layout, place)
+    if spec is not None:
+        return spec
+    shards = [
+        ShardMetadata(list(b.offsets), list(b.sizes), place(rank))
+        for rank in range(layout.world_size)
+        for b in layout.blocks_of(rank)
+        if not b.is_empty()
+    ]
+    return EnumerableShardingSpec(shards)
+
+
+def _devices(st: ShardedTensor) -> Callable[[int], str]:
+    """This rank's own device; for the others, the same kind of device
+    (`cuda:R` modulo the local device count for CUDA)."""
+    own = st.local_shards()[0].device if st.local_shards() else st.device
+
+    def device_of(rank: int) -> str:
+        if rank == st.rank or own.type == "cpu":
+            return str(own)
+        count = torch.cuda.device_count() if own.type == "cuda" else 0
+        return f"{own.type}:{rank % count}" if count else str(own)
+
+    return device_of
+
+
+def sharding_spec(st: ShardedTensor) -> ShardingSpec:
+    """`st`'s layout as a legacy spec, its placements on `st`'s devices."""
+    return to_sharding_spec(st.layout_spec, _devices(st), st.group)
+
+
+def metadata(st: ShardedTensor, spec: ShardingSpec | None = None) -> ShardedTensorMetadata:
+    """The legacy global metadata (every shard, its placement; tensor properties)."""
+    spec = spec if spec is not None else sharding_spec(st)
+    props = TensorProperties(
+        dtype=st.dtype,
+        layout=torch.strided,
+        requires_grad=st.requires_grad,
+        memory_format=torch.contiguous_format,
+        pin_memory=st.is_pinned(),
+    )
+    return spec.build_metadata(torch.Size(st.shape), props)
+
+
+def local_tensor(st: ShardedTensor) -> torch.Tensor:
+    """The one live local shard; `ShardMismatchError` unless there is exactly one."""
+    shards = st.local_shards()
+    if len(shards) != 1:
+        raise ShardMismatchError(
+            f"rank {st.rank} holds {len(shards)} shards of a tensor of shape "
+            f"{tuple(st.shape)}; local_tensor() needs exactly one (use local_shards())"
+        )
+    return shards[0]
+
+
+def to_torch_sharded_tensor(st: ShardedTensor, device: DeviceOf | None = None) -> Any:
+    """A legacy ShardedTensor holding the very shard tensors of `st` (no copy,
+    no communication: every rank knows the global layout)."""
+    spec = to_sharding_spec(st.layout_spec, device or _devices(st), st.group)
+    md = metadata(st, spec)
+    shards = st.local_shards()
+    grad = any(s.requires_grad for s in shards)
+    md.tensor_properties.requires_grad = grad
+    own = f"rank:{dist.get_rank()}/"
+    mine = [m for m in md.shards_metadata if str(m.placement).startswith(own)]
+    for i, s in enumerate(shards):
+        if not s.is_contiguous():
+            raise ShardMismatchError(
+                f"rank {st.rank}, shard {i} is not contiguous; the legacy ShardedTensor "
+                f"accepts only contiguous shards (make them contiguous first)"
+            )
+    by_block = {(tuple(m.shard_offsets), tuple(m.shard_sizes)): m for m in mine}
+    local = [Shard(s, by_block[(b.offsets, b.sizes)]) for s, b in zip(shards, st.local_blocks)]
+    return TorchShardedTensor._init_from_local_shards_and_global_metadata(
+        local, md, process_group=st.group, sharding_spec=spec
+    )
+
+
+def reshard(st: ShardedTensor, spec: ShardingSpec) -> ShardedTensor:
+    """`st` in the layout of `spec`. Collective. Unlike legacy `reshard`, which
+    replaced the tensor's shards in place, this returns a new tensor (the data
+    stays on `st`'s device)."""
+    world = st.layout_spec.world_size
+    return st.redistribute(Layout.from_sharding_spec(spec, tuple(st.shape), world))
+
+
+def gather_into(st: ShardedTensor, dst: int = 0, out: torch.Tensor | None = None) -> Any:
+    """Legacy `gather`: the whole tensor on `dst`, copied into `out` when given
+    (then returned). Collective; a bad `out` is refused after it, on its rank."""
+    full = st.gather(dst)
+    if out is None:
+        return full
+    if full is None:
+        raise ValueError(
+            f"rank {st.rank}: gather(dst={dst}, out=...) takes `out` only on rank {dst}"
+        )
+    if tuple(out.shape) != tuple(full.shape):
+        raise ShardMismatchError(
+            f"rank {st.rank}: gather out= has shape {tuple(out.shape)} but the tensor is "
+            f"{tuple(full.shape)}"
+        )
+    with torch.no_grad():
+        out.copy_(full)
+    return out
+
+
+# -- creation helpers with a spec, as torch.distributed._shard.sharded_tensor's --
+
+
+def _sizes(size: tuple[Any, ...]) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], Sequence):
+        return tuple(int(s) for s in size[0])
+    return tuple(int(s) for s in size)
+
+
+def _create(
+    fill: Callable[[torch.Tensor], Any],
+    spec: ShardingSpec,
+    size: tuple[Any, ...],
+    dtype: torch.dtype | None,
+    requires_grad: bool,
+    process_group: Any,
+) -> ShardedTensor:
+    shape = _sizes(size)
+    world = dist.get_world_size(process_group)
+    layout = Layout.from_sharding_spec(spec, shape, world)
+    rank = current_rank(process_group, layout)
+    me = dist.get_global_rank(process_group, rank) if process_group is not None else rank
+    placements = (
+        spec.placements
+        if isinstance(spec, ChunkShardingSpec)
+        else [m.placement for m in spec.shards]  # type: ignore[attr-defined]
+    )
+    devices = [p.device() for p in placements if not isinstance(p, str) and p.rank() == me]
+    st = ShardedTensor.empty(
+        layout,
+        dtype=dtype,
+        device=devices[0] if devices else "cpu",
+        group=process_group,
+        rank=rank,
+    )
+    with torch.no_grad():
+        for shard in st.local_shards():
+            fill(shard)
+    st.requires_grad_(requires_grad)
+    return st
+
+
+def empty(
+    spec: ShardingSpec,
+    *size: Any,
+    dtype: torch.dtype | None = None,
+    requires_grad: bool = False,
+    process_group: Any = None,
+) -> ShardedTensor:
+    """Uninitialised, as `sharded_tensor.empty(spec, *size)`; shards on their placement devices."""
+    return _create(lambda s: None, spec, size, dtype, requires_grad, process_group)
+
+
+def zeros(
+    spec: ShardingSpec,
+    *size: Any,
+    dtype: torch.dtype | None = None,
+    requires_grad: bool = False,
+    process_group: Any = None,
+) -> ShardedTensor:
+    """Zeros, as `sharded_tensor.zeros(spec, *size)`."""
+    return _create(torch.Tensor.zero_, spec, size, dtype, requires_grad, process_group)
+
+
+def ones(
+    spec: ShardingSpec,
+    *size: Any,
+    dtype: torch.dtype | None = None,
+    requires_grad: bool = False,
+    process_group: Any = None,
+) -> ShardedTensor:
+    """Ones, as `sharded_tensor.ones(spec, *size)`."""
+    return _create(lambda s: s.fill_(1), spec, size, dtype, requires_grad, process_group)
+
+
+def full(
+    spec: ShardingSpec,
+    size: Sequence[int],
+    fill_value: Any,
+    *,
+    dtype: torch.dtype | None = None,
+    requires_grad: bool = False,
+    process_group: Any = None,
+) -> ShardedTensor:
+    """`fill_value` everywhere, as `sharded_tensor.full(spec, size, fill_value)`
+    (the dtype inferred from `fill_value` when not given)."""
+    if dtype is None:
+        dtype = torch.full((), fill_value).dtype
+    return _create(
+        lambda s: s.fill_(fill_value), spec, (size,), dtype, requires_grad, process_group
+    )
+
+
+def rand(
+    spec: ShardingSpec,
+    *size: Any,
+    dtype: torch.dtype | None = None,
+    requires_grad: bool = False,
+    process_group: Any = None,
+) -> ShardedTensor:
+    """Uniform [0, 1) from each rank's own generator, as `sharded_tensor.rand(spec, *size)`."""
+    return _create(lambda s: s.uniform_(0, 1), spec, size, dtype, requires_grad, process_group)

@@ -1,0 +1,200 @@
+"""`scatter_tensor`: PhysicsNeMo's call, as its users write it, returning a ShardedTensor.
+
+    from physicsnemo.domain_parallel import scatter_tensor   # before
+    from shardwise import scatter_tensor                     # after: same arguments
+
+Same argument names and defaults as `physicsnemo.domain_parallel.scatter_tensor`
+(2.2.2), plus `sharding_shapes` in the forms PhysicsNeMo's
+`ShardTensor.from_local` takes, so uneven pieces need no second call:
+
+- `"chunk"` (default) and `"infer"`: `torch.chunk` sizes along each sharded
+  dimension, what PhysicsNeMo's `scatter_tensor` produces (there is no local
+  piece to infer from, so both mean the same here). Ranks past the last chunk
+  hold nothing (PhysicsNeMo 2.2.2 fails with `IndexError` there).
+- `{mesh_dim: sizes}`: the pieces' sizes along the tensor dimension that mesh
+  dimension shards, one per mesh coordinate, as ints or as PhysicsNeMo's piece
+  shapes (`from_local`'s convention, the sharded dimension is read off them).
+
+Built on `shardwise.distribute`: only the source holds the tensor and each rank
+receives only its own block (PhysicsNeMo broadcasts the whole tensor). Every
+problem, on any rank, raises the same error on every rank. Uses the default
+group; the mesh must list its ranks 0..N-1 in order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..comm import distribute
+from ..comm.agreement import exchange, odd_ranks
+from ..errors import LayoutError
+from ..layout import Layout
+from ..layout.layout import _chunk_sizes, mesh_coordinates
+from ..tensor import ShardedTensor
+from .agreed import mesh_position
+from .physicsnemo import _grid_layout, _sharded_dims
+
+__all__ = ["scatter_tensor"]
+
+ShardingShapes = str | Mapping[int, Sequence[Any]]
+
+
+def scatter_tensor(
+    tensor: torch.Tensor | None,
+    global_src: int,
+    mesh: Any,
+    placements: Sequence[Any],
+    global_shape: Sequence[int] | None = None,
+    dtype: torch.dtype | None = None,
+    requires_grad: bool = False,
+    sharding_shapes: ShardingShapes = "chunk",
+) -> ShardedTensor:
+    """Scatter `tensor` from global rank `global_src` over `mesh` as `placements` say.
+
+    Collective over the default group; ranks other than `global_src` may pass
+    None. `global_shape` / `dtype`, when given, are checked against the source's
+    tensor. The result is a leaf ShardedTensor (`requires_grad` as asked) whose
+    `offsets()` are PhysicsNeMo's.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problem: BaseException | None = None
+    claim: tuple[Any, Any] = (None, dtype)
+    source_meta = None
+    try:
+        if global_shape is not None:
+            claim = (tuple(int(s) for s in global_shape), dtype)
+        if isinstance(global_src, bool) or not isinstance(global_src, int):
+            raise ValueError(f"global_src must be an integer rank, got {global_src!r}")
+        if mesh_position(mesh) != rank or math.prod(mesh.shape) != world:
+            raise LayoutError(f"the mesh {tuple(mesh.shape)} must span all {world} ranks")
+        if not 0 <= global_src < world:
+            raise ValueError(f"global_src {global_src} is not a rank of the mesh (0..{world - 1})")
+        if rank == global_src:
+            if not isinstance(tensor, torch.Tensor) or isinstance(tensor, ShardedTensor):
+                got = "None" if tensor is None else f"a {type(tensor).__name__}"
+                raise TypeError(f"the source rank must pass a plain tensor, got {got}")
+            source_meta = (tuple(tensor.shape), tensor.dtype)
+    except Exception as e:  # noqa: BLE001 - every rank raises it, through the exchange
+        problem = e
+    everyone = exchange(problem, (claim, source_meta), None)
+    shape, src_dtype = everyone[global_src][1]
+    _check_claims([c for c, _ in everyone], shape, src_dtype)
+    layout, offsets = None, None
+    try:
+        layout, offsets = _plan(shape, tuple(mesh.shape), tuple(placements), sharding_shapes, rank)
+    except Exception as e:  # noqa: BLE001 - as above
+        problem = e
+    hashes = exchange(problem, hash(layout), None)
+    ref, odd = odd_ranks(hashes)
+    if odd:
+        raise LayoutError(
+            f"ranks {odd} passed other placements or sharding_shapes to scatter_tensor than "
+            f"rank {ref}; every rank must pass the same"
+        )
+    assert layout is not None  # the exchange raised otherwise
+    if rank == global_src:
+        assert tensor is not None
+        tensor = tensor.to(device=_device_of(mesh, tensor))
+    with torch.no_grad():
+        out = distribute(tensor if rank == global_src else None, layout, global_src)
+    out._mesh_offsets = offsets
+    if requires_grad:
+        out.requires_grad_(True)  # a leaf, as PhysicsNeMo's
+    return out
+
+
+def _check_claims(
+    claims: list[tuple[Any, Any]], shape: tuple[int, ...], src_dtype: torch.dtype
+) -> None:
+    """Raise, alike on every rank (the claims are exchanged), where a rank's
+    `global_shape` / `dtype` is not the source tensor's."""
+    for what, index, truth in (("global_shape", 0, shape), ("dtype", 1, src_dtype)):
+        wrong = [r for r, c in enumerate(claims) if c[index] is not None and c[index] != truth]
+        if wrong:
+            raise ValueError(
+                f"ranks {wrong} passed {what}={claims[wrong[0]][index]} but the source's tensor "
+                f"has {truth}; pass the source's {what} or None"
+            )
+
+
+def _device_of(mesh: Any, tensor: torch.Tensor) -> torch.device:
+    """The mesh's device type, as PhysicsNeMo places local tensors."""
+    if mesh.device_type == tensor.device.type:
+        return tensor.device
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _sizes(
+    sharding_shapes: Mapping[int, Sequence[Any]],
+    mesh_shape: tuple[int, ...],
+    sharded: dict[int, int],
+) -> dict[int, list[int]]:
+    """Per sharded mesh dimension, piece sizes along its tensor dimension, from ints or shapes."""
+    if set(sharding_shapes) != set(sharded):
+        raise LayoutError(
+            f"sharding_shapes names mesh dimensions {sorted(sharding_shapes)} but the placements "
+            f"shard along mesh dimensions {sorted(sharded)}; give one entry per sharded mesh "
+            f"dimension"
+        )
+    sizes: dict[int, list[int]] = {}
+    for m, pieces in sharding_shapes.items():
+        pieces = list(pieces)
+        if len(pieces) != mesh_shape[m]:
+            raise LayoutError(
+                f"sharding_shapes[{m}] lists {len(pieces)} pieces for mesh dimension {m} of "
+                f"size {mesh_shape[m]}; give one per mesh coordinate"
+            )
+        sizes[m] = [int(p) if isinstance(p, int) else int(tuple(p)[sharded[m]]) for p in pieces]
+    return sizes
+
+
+def _plan(
+    shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    placements: tuple[Any, ...],
+    sharding_shapes: ShardingShapes,
+    rank: int,
+) -> tuple[Layout, tuple[int, ...] | None]:
+    """The layout, and this rank's PhysicsNeMo `offsets()` (None where one tensor
+    dimension is sharded by several mesh dimensions: those have no per-mesh offset)."""
+    if len(placements) != len(mesh_shape):
+        raise ValueError(
+            f"{len(placements)} placements for a {len(mesh_shape)}-d mesh {mesh_shape}"
+        )
+    if isinstance(sharding_shapes, str):
+        if sharding_shapes not in ("chunk", "infer"):
+            raise ValueError(
+                f"sharding_shapes={sharding_shapes!r}: a string must be 'chunk' or 'infer' "
+                f"(or pass {{mesh_dim: sizes}})"
+            )
+        layout = Layout.from_dtensor_spec(mesh_shape, placements, shape)
+        try:
+            sharded = _sharded_dims(placements, len(shape))
+        except LayoutError:  # nested sharding: DTensor's layout, no per-mesh offsets
+            return layout, None
+        sizes = {m: _chunk_sizes(shape[d], mesh_shape[m]) for m, d in sharded.items()}
+    elif isinstance(sharding_shapes, Mapping):
+        sharded = _sharded_dims(placements, len(shape))
+        sizes = _sizes(sharding_shapes, mesh_shape, sharded)
+        for m, d in sharded.items():
+            if sum(sizes[m]) != shape[d] or min(sizes[m], default=0) < 0:
+                raise LayoutError(
+                    f"sharding_shapes[{m}] gives sizes {sizes[m]} along dimension {d}, which "
+                    f"add up to {sum(sizes[m])}, not the tensor's {shape[d]} (0 is allowed)"
+                )
+        layout = _grid_layout(shape, mesh_shape, sharded, sizes)
+    else:
+        raise TypeError(
+            f"sharding_shapes must be 'chunk', 'infer' or {{mesh_dim: sizes}}, got "
+            f"{type(sharding_shapes).__name__}"
+        )
+    coords = mesh_coordinates(rank, mesh_shape)
+    offsets = tuple(sum(sizes[m][: coords[m]]) if m in sizes else 0 for m in range(len(mesh_shape)))
+    return layout, offsets
