@@ -22,7 +22,9 @@ import shardwise.legacy
 SHARDWISE = [
     "Block",
     "CheckpointBusyError",
+    "CheckpointExistsError",
     "CheckpointMismatchError",
+    "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "Layout",
@@ -52,8 +54,10 @@ SHARDWISE = [
 
 CHECKPOINT = [
     "CheckpointBusyError",
+    "CheckpointExistsError",
     "CheckpointInfo",
     "CheckpointMismatchError",
+    "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "LayoutError",
@@ -122,7 +126,9 @@ def test_names_in_both_namespaces_are_the_same_objects():
     shared = set(SHARDWISE) & set(CHECKPOINT)
     assert shared == {
         "CheckpointBusyError",
+        "CheckpointExistsError",
         "CheckpointMismatchError",
+        "CheckpointNotFoundError",
         "CorruptCheckpointError",
         "IncompleteCheckpointError",
         "LayoutError",

@@ -10,7 +10,9 @@ from importlib.metadata import PackageNotFoundError, version
 from .comm import distribute, equal, from_local
 from .errors import (
     CheckpointBusyError,
+    CheckpointExistsError,
     CheckpointMismatchError,
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     LayoutError,
@@ -37,7 +39,9 @@ except PackageNotFoundError:  # a source tree on sys.path, never installed
 __all__ = [
     "Block",
     "CheckpointBusyError",
+    "CheckpointExistsError",
     "CheckpointMismatchError",
+    "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "Layout",

@@ -10,6 +10,10 @@ Hierarchy::
     ├── CorruptCheckpointError      (OSError) stored bytes fail their checksum
     ├── IncompleteCheckpointError   (OSError) a checkpoint whose commit never finished
     ├── CheckpointBusyError         (OSError) another save of the same path holds its lease
+    ├── CheckpointExistsError       (FileExistsError) a save, conversion or reshard would
+    │                                            replace a checkpoint (or a file in its
+    │                                            way) without overwrite=True
+    ├── CheckpointNotFoundError     (FileNotFoundError) no checkpoint at the path read
     ├── UnsafeMetadataError         (pickle.UnpicklingError) a stock `.metadata` pickle
     │                                            names a global DCP writers never store,
     │                                            or a stored object `weights_only` refuses
@@ -41,7 +45,9 @@ from collections.abc import Sequence
 
 __all__ = [
     "CheckpointBusyError",
+    "CheckpointExistsError",
     "CheckpointMismatchError",
+    "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "LayoutError",
@@ -91,6 +97,16 @@ class CheckpointBusyError(ShardwiseError, OSError):
     (`checkpoint.lease`). The message names the holder (host, pid, since when) and
     the fix: wait for it (`wait=` on `save`, `async_save`, `Writer`) or, if that
     process is gone for good, remove the lock file it names."""
+
+
+class CheckpointExistsError(ShardwiseError, FileExistsError):
+    """A save, conversion or reshard found a checkpoint (or a file, or a foreign
+    `metadata.json`) where it would write, and was not told `overwrite=True`."""
+
+
+class CheckpointNotFoundError(ShardwiseError, FileNotFoundError):
+    """No checkpoint at the path read. A `FileNotFoundError`, which `dcp.load` relies
+    on: `Reader.read_metadata()` raising it makes DCP retry per rank."""
 
 
 class UnsafeMetadataError(ShardwiseError, pickle.UnpicklingError):

@@ -77,11 +77,14 @@ CASES: dict[str, tuple[Callable[[int], Any], type]] = {
         sw.ShardMismatchError,
     ),
     "mixed-forms": (lambda r: sw.from_local(_piece(r), _bad(r, ROWS, 0)), sw.LayoutError),
-    "dim-out-of-range": (lambda r: sw.from_local(_piece(r), _bad(r, 0, 2), "infer"), ValueError),
+    "dim-out-of-range": (
+        lambda r: sw.from_local(_piece(r), _bad(r, 0, 2), "infer"),
+        sw.LayoutError,
+    ),
     "dim-not-an-int": (lambda r: sw.from_local(_piece(r), _bad(r, 0, 0.5), "infer"), TypeError),
     "dim-zero-d-tensor": (
         lambda r: sw.from_local(_bad(r, _piece(r), torch.tensor(1.0)), 0, "infer"),
-        ValueError,
+        sw.LayoutError,
     ),
     "infer-other-dims": (
         lambda r: sw.from_local(_piece(r, cols=_bad(r, 4, 5)), 0, "infer"),
@@ -118,7 +121,7 @@ CASES: dict[str, tuple[Callable[[int], Any], type]] = {
     ),
     "sizes-negative": (
         lambda r: sw.from_local(_piece(r), 0, _bad(r, [3, 3, 3], [6, 3, -3])),
-        ValueError,
+        sw.LayoutError,
     ),
     "sizes-not-ints": (
         lambda r: sw.from_local(_piece(r), 0, _bad(r, [3, 3, 3], [3, "3", 3])),

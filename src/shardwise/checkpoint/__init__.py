@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from ..errors import (
     CheckpointBusyError,
+    CheckpointExistsError,
     CheckpointMismatchError,
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     LayoutError,
@@ -34,8 +36,10 @@ from .writer import Writer
 
 __all__ = [
     "CheckpointBusyError",
+    "CheckpointExistsError",
     "CheckpointInfo",
     "CheckpointMismatchError",
+    "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "LayoutError",

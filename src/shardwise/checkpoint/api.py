@@ -27,9 +27,14 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ..comm.agreement import exchange
 from ..comm.communicator import Communicator, SingleProcess, communicator
-from ..errors import CheckpointMismatchError, ShardwiseError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointMismatchError,
+    ShardwiseError,
+    UnsupportedStorageError,
+)
 from ..layout import Block
-from ..storage import Folder, LocalFolder, open_folder
+from ..storage import Folder, open_folder
 from .adapters import adapted_for_load, adapted_for_save
 from .commit import in_the_way, per_rank_records
 from .gc_pause import gc_paused
@@ -122,17 +127,20 @@ def _target_problem(
     if _distributed(process_group) and dist.get_rank(process_group) != 0:
         return None
     if path.is_file():
-        return NotADirectoryError(f"{path} is a file, not a checkpoint folder")
+        return CheckpointExistsError(
+            f"{path} is a file, not a checkpoint folder: save to a folder path"
+        )
     existing = in_the_way(path)
     if existing and not overwrite:
-        return FileExistsError(existing)
+        return CheckpointExistsError(existing)
     if megatron:
-        if not isinstance(path, LocalFolder):
-            return ValueError(
+        local = path.local_path
+        if local is None:
+            return UnsupportedStorageError(
                 f"megatron=True saves to a local folder (Megatron-Core's loader reads local "
                 f"paths), not {path}"
             )
-        return metadata_json_problem(path.path)
+        return metadata_json_problem(local)
     return None
 
 
@@ -256,8 +264,9 @@ def _write_megatron_metadata(path: Folder, process_group: Any) -> None:
     problem: BaseException | None = None
     if not _distributed(process_group) or dist.get_rank(process_group) == 0:
         try:
-            assert isinstance(path, LocalFolder)  # refused by _target_problem otherwise
-            write_metadata_json(path.path)
+            local = path.local_path
+            assert local is not None  # refused by _target_problem otherwise
+            write_metadata_json(local)
         except OSError as e:
             problem = e
     _agree(problem, process_group)

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedStorageError
-from ..storage import Folder, LocalFolder, Sink, is_url, open_folder
+from ..errors import CheckpointExistsError, UnsupportedStorageError
+from ..storage import Folder, Sink, is_url, open_folder
 from .api import save
 from .commit import in_the_way
 from .file_io import byte_view
@@ -75,7 +75,7 @@ def _output(out: str | os.PathLike, storage_options: dict[str, Any] | None) -> _
         parent, name = text.rsplit("/", 1)
         return _Output(open_folder(parent, storage_options), name, text, storage_options)
     path = Path(out)
-    return _Output(LocalFolder(path.parent), path.name, path, storage_options)
+    return _Output(open_folder(path.parent), path.name, path, storage_options)
 
 
 @dataclass(frozen=True)
@@ -109,16 +109,17 @@ def convert(
     target = _output(out, storage_options)
     existing = in_the_way(open_folder(out, storage_options), files=True)
     if existing and not overwrite:
-        raise FileExistsError(existing)
+        raise CheckpointExistsError(existing)
     source = open_folder(path, storage_options)
     if source.is_file():
-        if not isinstance(source, LocalFolder):
+        local = source.local_path
+        if local is None:
             raise UnsupportedStorageError(
                 f"cannot convert {path}: a .safetensors input is read from a local file"
             )
         from safetensors import safe_open  # an optional extra
 
-        with safe_open(str(source.path), framework="pt") as f:
+        with safe_open(str(local), framework="pt") as f:
             from_file = _lookup(format, "safetensors", "a safetensors file")
             return from_file(f, target, overwrite)
     ckpt = open_checkpoint(source)

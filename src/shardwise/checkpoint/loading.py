@@ -223,7 +223,7 @@ class _Reads:
 
     def _execute(self, jobs: list[_Job]) -> None:
         """Run the reads; on an object store, fetch each window's ranges at once first."""
-        if self.folder.is_local:
+        if not self.folder.wants_prefetch:
             for _ranges, read in jobs:
                 read()
             return
@@ -336,9 +336,9 @@ class _Reads:
             at, n = _payload(chunk)
             layout = RecordLayout(at, n, dtype, tuple(chunk.sizes), True)
             ranges = (
-                {}
-                if self.folder.is_local
-                else {chunk.file: box_ranges(stored, layout, in_chunk, lengths, self.verify)}
+                {chunk.file: box_ranges(stored, layout, in_chunk, lengths, self.verify)}
+                if self.folder.wants_prefetch
+                else {}
             )
             read = _bind(self._read_part, key, chunk, stored, layout, in_chunk, lengths, dest)
             jobs.append((ranges, read))

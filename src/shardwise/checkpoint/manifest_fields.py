@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..errors import ShardwiseError
+
 FORMAT = "shardwise.checkpoint"
 VERSION = 3  # the version written
 # the versions read; 2 added transforms, planner data, storage_meta, requires_grad;
@@ -29,8 +31,10 @@ VERSION = 3  # the version written
 READS = (1, 2, 3)
 
 
-class FieldError(ValueError):
-    """A manifest field that is missing, unexpected or malformed; the message names it."""
+class FieldError(ShardwiseError, ValueError):
+    """A manifest field that is missing, unexpected or malformed; the message names it.
+    Internal: `Manifest.from_json` catches it (as a `ValueError`) and raises
+    `CorruptCheckpointError` naming the file."""
 
     def __init__(self, path: str, reason: str) -> None:
         super().__init__(f"field {path}: {reason}")

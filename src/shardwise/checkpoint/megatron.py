@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 from ..comm.agreement import exchange
-from ..errors import LayoutError
+from ..errors import CheckpointExistsError, LayoutError
 from ..interop.megatron import (
     is_main_replica,
     is_mapping_class,
@@ -294,7 +294,7 @@ def metadata_json_problem(path: Path) -> BaseException | None:
     """A `metadata.json` already in the folder that is not Megatron's torch_dist one,
     or a legacy `common.pt`, which both readers prefer to the new common state."""
     if (path / "common.pt").exists():
-        return FileExistsError(
+        return CheckpointExistsError(
             f"{path / 'common.pt'} exists (a legacy Megatron common state): Megatron and "
             f"read_common_state would read it instead of this save's; move it away first"
         )
@@ -308,7 +308,7 @@ def metadata_json_problem(path: Path) -> BaseException | None:
     return (
         None
         if same
-        else FileExistsError(
+        else CheckpointExistsError(
             f"{existing} exists and is not Megatron's torch_dist metadata: it would be overwritten"
         )
     )

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, LayoutError
 from ..layout import Block
 from ..storage import Folder, open_folder
 from .byte_runs import nbytes
@@ -90,7 +90,7 @@ class OpenCheckpoint:
         if region is None:
             region = Block((0,) * len(shape), shape)
         if region.ndim != len(shape) or any(e > s for e, s in zip(region.ends, shape)):
-            raise ValueError(f"region {region} is out of bounds of '{fqn}' with shape {shape}")
+            raise LayoutError(f"region {region} is out of bounds of '{fqn}' with shape {shape}")
         items = []
         filled = 0
         for chunk in dict.fromkeys(  # exact replicas read once

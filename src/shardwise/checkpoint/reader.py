@@ -31,7 +31,12 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedStorageError
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedStorageError,
+)
 from ..storage import Folder, RandomAccess, open_folder
 from .chunk_read import box_ranges, check_record, read_box
 from .commit import RecordNames, leftover_data, per_rank_records
@@ -113,7 +118,7 @@ class Reader(FolderBacked, FileSystemReader):
             metadata = read_stock(folder, names.metadata, holes=names.rank is not None)
         elif names.rank is None and per_rank_records(folder):
             # what dcp.load expects before it retries with read_metadata(rank=...)
-            raise FileNotFoundError(
+            raise CheckpointNotFoundError(
                 f"{folder} holds per-rank checkpoint records only "
                 "(saved with use_collectives=False): read them with read_metadata(rank=...)"
             )
@@ -123,7 +128,7 @@ class Reader(FolderBacked, FileSystemReader):
                 f"({leftover_data(folder)[0]} is left)"
             )
         else:
-            raise FileNotFoundError(f"no checkpoint at {folder}")
+            raise CheckpointNotFoundError(f"no checkpoint at {folder}")
         storage_meta = getattr(metadata, "storage_meta", None)  # absent from old pickles
         if storage_meta is None:
             storage_meta = metadata.storage_meta = StorageMeta()
@@ -166,7 +171,7 @@ class Reader(FolderBacked, FileSystemReader):
                     raise CorruptCheckpointError(
                         f"data file {self.folder.where(name)} is missing"
                     ) from e
-            layouts = self._prefetch(by_file, files) if not self.folder.is_local else {}
+            layouts = self._prefetch(by_file, files) if self.folder.wants_prefetch else {}
             for name, reqs in by_file.items():
                 f, path = files[name], self.folder.where(name)
                 size = f.size()

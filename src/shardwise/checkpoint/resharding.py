@@ -15,6 +15,7 @@ from typing import Any
 import crc32c
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+from ..errors import CheckpointExistsError, LayoutError
 from ..layout import Block, Layout
 from ..storage import open_folder
 from .chunk_io import DataFile
@@ -61,7 +62,7 @@ def reshard(
                 else Layout.replicated(shape, world_size)
             )
         if layout.global_shape != shape or layout.world_size != world_size:
-            raise ValueError(
+            raise LayoutError(
                 f"layout for '{key}' is {layout}, not {world_size} ranks over shape {shape}"
             )
         plan[key] = layout
@@ -70,7 +71,7 @@ def reshard(
     with Lease(folder).acquire(wait) as lease:
         existing = in_the_way(folder)
         if existing and not overwrite:
-            raise FileExistsError(existing)
+            raise CheckpointExistsError(existing)
         token = new_token()
         manifest = Manifest(world_size=world_size)
         written: set[tuple[str, Block]] = set()

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from ..comm.agreement import exchange
 from ..comm.communicator import Communicator
-from ..errors import ShardMismatchError
+from ..errors import CheckpointExistsError, ShardMismatchError
 from ..storage import Folder, open_folder
 from .commit import METADATA, RecordNames, commit, data_file_name, in_the_way, new_token
 from .faults import failpoint
@@ -128,7 +128,7 @@ def _take_lease(
     existing = None if overwrite else in_the_way(path)  # committed while this one waited?
     if existing:
         lease.release()
-        return None, FileExistsError(existing)
+        return None, CheckpointExistsError(existing)
     return lease, None
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import crc32c
 
+from ..errors import LayoutError
 from .byte_runs import c_strides, runs
 
 __all__ = [
@@ -167,11 +168,11 @@ def bad_tile_in_box(
     `offsets`/`lengths` (an `enclosing_box`), which `data` holds in C order, else None."""
     shape, tile, offsets, lengths = tuple(shape), tuple(tile), tuple(offsets), tuple(lengths)
     if enclosing_box(shape, tile, offsets, lengths) != (offsets, lengths):
-        raise ValueError(
+        raise LayoutError(
             f"box {offsets}+{lengths} is not tile-aligned (tile {tile}, chunk {shape})"
         )
     if len(data) != math.prod(lengths) * itemsize:
-        raise ValueError(f"{len(data)} bytes do not hold a box {lengths} of {itemsize}-byte items")
+        raise LayoutError(f"{len(data)} bytes do not hold a box {lengths} of {itemsize}-byte items")
     if 0 in lengths and 0 not in shape:
         return None  # an empty box of a non-empty chunk holds no tile
     for index, spans, start, end in _tiles(shape, itemsize, tile, offsets, lengths):

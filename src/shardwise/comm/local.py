@@ -56,7 +56,7 @@ class _ToLocal(torch.autograd.Function):
         ctx.layout, ctx.rank, ctx.group = st.layout_spec, st.rank, st.group
         shards = st.local_shards()
         if len(shards) > 1:
-            raise ValueError(
+            raise LayoutError(
                 f"rank {st.rank} holds {len(shards)} blocks; to_local() needs one, "
                 f"use local_shards() for several"
             )
@@ -165,9 +165,9 @@ def _local_meta(
             f"from_local needs a shardwise.Layout or a dimension (int), got {_kind(layout)}"
         ) from None
     if tensor.dim() == 0:
-        raise ValueError("its tensor is 0-d: there is no dimension to split along; pass a Layout")
+        raise LayoutError("its tensor is 0-d: there is no dimension to split along; pass a Layout")
     if not -tensor.dim() <= dim < tensor.dim():
-        raise ValueError(f"dimension {dim} is out of range for its {tensor.dim()}-d tensor")
+        raise LayoutError(f"dimension {dim} is out of range for its {tensor.dim()}-d tensor")
     d = dim % tensor.dim()
     mode: str | tuple[int, ...]
     if isinstance(sharding_shapes, str):
@@ -188,7 +188,7 @@ def _local_meta(
         if len(mode) != world:
             raise ShardMismatchError(f"sharding_shapes lists {len(mode)} sizes for {world} ranks")
         if min(mode) < 0:
-            raise ValueError(f"sharding_shapes {list(mode)} has a negative size")
+            raise LayoutError(f"sharding_shapes {list(mode)} has a negative size")
         if mode[rank] != shape[d]:
             raise ShardMismatchError(
                 f"sharding_shapes gives it {mode[rank]} along dimension {d} but its tensor "

@@ -240,7 +240,7 @@ def to_shard_tensor(st: ShardedTensor, mesh: Any, placements: Sequence[Any]) -> 
             f"{st.layout_spec.world_size}"
         )
     if len(placements) != len(mesh_shape):
-        raise ValueError(
+        raise LayoutError(
             f"{len(placements)} placements for a {len(mesh_shape)}-d mesh {mesh_shape}"
         )
     if mesh.device_type != st.device.type:

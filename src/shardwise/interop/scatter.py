@@ -165,7 +165,7 @@ def _plan(
     """The layout, and this rank's PhysicsNeMo `offsets()` (None where one tensor
     dimension is sharded by several mesh dimensions: those have no per-mesh offset)."""
     if len(placements) != len(mesh_shape):
-        raise ValueError(
+        raise LayoutError(
             f"{len(placements)} placements for a {len(mesh_shape)}-d mesh {mesh_shape}"
         )
     if isinstance(sharding_shapes, str):

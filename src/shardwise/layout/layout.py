@@ -416,7 +416,7 @@ class Layout:
         mesh_shape = tuple(int(m) for m in mesh_shape)
         shape = tuple(shape)
         if len(placements) != len(mesh_shape):
-            raise ValueError(
+            raise LayoutError(
                 f"{len(placements)} placements for a {len(mesh_shape)}-d mesh {mesh_shape}"
             )
         shard_dims: list[int | None] = []

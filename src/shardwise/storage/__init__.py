@@ -5,16 +5,22 @@ checkpoint, with the few operations the checkpoint layer needs (list, read a
 range, write a new file, replace a record, remove). Local paths go straight
 to the OS (`LocalFolder`: `pwritev`/`preadv`, `fsync`, `rename`); URLs go
 through fsspec (`FsspecFolder`: ranged GETs, coalesced and issued
-concurrently, whole-object PUTs). No process group, no torch.distributed.
+concurrently, whole-object PUTs). Which backend serves a scheme is a registry
+(`register_backend`, or an entry point in the `shardwise.storage_backends`
+group), so a third party adds one without editing shardwise. No process
+group, no torch.distributed.
 """
 
 from .folder import Folder, RandomAccess, Sink
 from .local import LocalFolder
 from .location import BACKEND_EXTRAS, is_url, open_folder, served_url
+from .registry import ENTRY_POINT_GROUP, BackendFactory, register_backend, unregister_backend
 from .remote import FsspecFolder
 
 __all__ = [
     "BACKEND_EXTRAS",
+    "ENTRY_POINT_GROUP",
+    "BackendFactory",
     "Folder",
     "FsspecFolder",
     "LocalFolder",
@@ -22,5 +28,7 @@ __all__ = [
     "Sink",
     "is_url",
     "open_folder",
+    "register_backend",
     "served_url",
+    "unregister_backend",
 ]

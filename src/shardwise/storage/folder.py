@@ -13,6 +13,7 @@ import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError
@@ -111,7 +112,14 @@ class Folder(ABC):
     """
 
     location: str
-    is_local: bool
+    # Capabilities callers ask for instead of checking the backend's type:
+    wants_prefetch: bool = False  # reads go faster when planned ranges are fetched up front
+
+    @property
+    def local_path(self) -> Path | None:
+        """The folder's path on the local filesystem, for tools that need one (Megatron's
+        loader, safetensors' `safe_open`); None where there is none (an object store)."""
+        return None
 
     def __str__(self) -> str:
         return self.location

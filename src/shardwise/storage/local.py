@@ -149,8 +149,6 @@ class LocalSink(Sink):
 class LocalFolder(Folder):
     """A local directory. See the module docstring for what atomic means here."""
 
-    is_local = True
-
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.location = str(self.path)
@@ -161,6 +159,10 @@ class LocalFolder(Folder):
 
     @property
     def checkpoint_id(self) -> Path:
+        return self.path
+
+    @property
+    def local_path(self) -> Path:
         return self.path
 
     def where(self, name: str) -> str:

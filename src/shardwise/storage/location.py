@@ -1,8 +1,9 @@
 """From what a caller passes (a path, or a URL) to a `Folder`; the one place that tells them apart.
 
-A location is a URL when it starts with `scheme://`. `file://` URLs and
-plain paths are local (`LocalFolder`, no fsspec detour); every other scheme
-goes to the fsspec backend registered for it. A scheme no installed backend
+A location is a URL when it starts with `scheme://`. Which backend opens it
+is the registry's answer (`registry.py`): built in, `file://` URLs and plain
+paths are local (`LocalFolder`, no fsspec detour) and every other scheme goes
+to the fsspec backend registered for it. A scheme no installed backend
 serves is refused, naming the package (extra) to install, before anything is
 written — never taken for a local folder named `s3:`.
 """
@@ -16,6 +17,7 @@ from typing import Any
 from ..errors import UnsupportedStorageError
 from .folder import Folder
 from .local import LocalFolder
+from .registry import BackendFactory, backend_for, fallback, register_backend
 from .remote import FsspecFolder
 
 __all__ = ["BACKEND_EXTRAS", "is_url", "open_folder", "served_url"]
@@ -47,6 +49,8 @@ def served_url(location: Any) -> bool:
     match = _URL.match(location) if isinstance(location, str) else None
     if match is None:
         return False
+    if backend_for(match.group(1)) is not None:
+        return True
     import fsspec
 
     try:
@@ -75,17 +79,41 @@ def open_folder(
                 f"'{odd.group(1)}://{text[len(odd.group(0)) :].lstrip('/')}'?); "
                 "it is not taken for a local folder"
             )
-        return LocalFolder(text)
-    scheme = match.group(1).lower()
-    if scheme == "file" and not storage_options:
-        return LocalFolder(text[len("file://") :])
-    return FsspecFolder(*_filesystem(text, scheme, storage_options or {}), text)
+        return _opener("file")(text, storage_options or {})
+    return _opener(match.group(1).lower())(text, storage_options or {})
+
+
+def _opener(scheme: str) -> BackendFactory:
+    """The factory for `scheme`: its own registration, else the fallback (fsspec's)."""
+    factory = backend_for(scheme) or fallback()
+    if factory is None:
+        raise UnsupportedStorageError(f"no storage backend serves '{scheme}://'")
+    return factory
+
+
+def _open_local(location: str, options: dict[str, Any]) -> Folder:
+    """The built-in `file` backend: a plain path or a `file://` URL, straight to the OS
+    (a `file://` URL with storage options goes through fsspec, which takes them)."""
+    if not location.startswith("file://"):
+        return LocalFolder(location)
+    if options:
+        return _open_fsspec(location, options)
+    return LocalFolder(location[len("file://") :])
+
+
+def _open_fsspec(location: str, options: dict[str, Any]) -> Folder:
+    """The built-in fallback: any scheme an installed fsspec backend serves."""
+    match = _URL.match(location)
+    assert match is not None  # plain paths go to the `file` backend
+    return FsspecFolder(*_filesystem(location, match.group(1).lower(), options), location)
 
 
 def _known_scheme(scheme: str) -> bool:
     """Whether fsspec knows `scheme` (installed or not): `s3:x` is a broken URL, `run:3` a name."""
     from fsspec.registry import known_implementations, registry
 
+    if backend_for(scheme) is not None:
+        return True
     return scheme.lower() in known_implementations or scheme.lower() in registry
 
 
@@ -108,3 +136,7 @@ def _filesystem(url: str, scheme: str, options: dict[str, Any]) -> tuple[Any, st
         ) from e
     fs, root = url_to_fs(url, **options)
     return fs, root
+
+
+register_backend("file", _open_local)
+register_backend(None, _open_fsspec)

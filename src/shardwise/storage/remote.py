@@ -142,7 +142,7 @@ class RemoteSink(Sink):
 class FsspecFolder(Folder):
     """A folder under an fsspec URL. See the module docstring for what atomic means."""
 
-    is_local = False
+    wants_prefetch = True  # one coalesced, concurrent batch of ranged GETs beats many
 
     def __init__(self, fs: Any, root: str, url: str) -> None:
         self.fs = fs
