@@ -21,11 +21,15 @@ import shardwise
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor, errors
 from shardwise.checkpoint.safe_pickle import load_metadata
+from shardwise.checkpoint.staging import Stager
+from shardwise.comm.agreement import require_same
 
 BUILTINS = {
     "LayoutError": ValueError,
     "ShardMismatchError": ValueError,
     "CheckpointMismatchError": ValueError,
+    "ArgumentMismatchError": ValueError,
+    "InvalidArgumentError": ValueError,
     "CorruptCheckpointError": OSError,
     "IncompleteCheckpointError": OSError,
     "CheckpointBusyError": OSError,
@@ -111,6 +115,8 @@ def test_every_exception_class_is_in_the_tree(cls):
     "error",
     [
         shardwise.LayoutError("blocks of rank 1 [0:4] and rank 2 [2:6] partly overlap"),
+        shardwise.ArgumentMismatchError("ranks disagree on trust_objects: ranks [1] passed True"),
+        shardwise.InvalidArgumentError("source rank 5 is outside the group of 2 ranks"),
         shardwise.CorruptCheckpointError("2 problems", problems=["a", "b"]),
         shardwise.IncompleteCheckpointError("never committed"),
         shardwise.CheckpointBusyError("save 1a2b of pid 7 on host h holds /c/.shardwise.lock"),
@@ -192,6 +198,15 @@ FAILURES: dict[str, tuple[type[Exception], Callable[[Path, Path], object]]] = {
     "shape mismatch on load": (
         shardwise.CheckpointMismatchError,
         lambda s, t: swc.load({"w": torch.zeros(5, 3)}, s),
+    ),
+    "ranks passed different arguments": (
+        shardwise.ArgumentMismatchError,
+        lambda s, t: require_same([("verify", True), ("verify", False)], "verify"),
+    ),
+    "threads below 1": (shardwise.InvalidArgumentError, lambda s, t: Stager(threads=0)),
+    "unknown sharding_shapes mode": (
+        shardwise.InvalidArgumentError,
+        lambda s, t: shardwise.from_local(torch.zeros(2), 0, sharding_shapes="even"),
     ),
     "flipped byte": (shardwise.CorruptCheckpointError, lambda s, t: swc.verify(_corrupt(s, t))),
     "manifest missing": (

@@ -265,9 +265,9 @@ def test_scatter_tensor_with_every_sharding_shapes_form():
         assert r["rep"] == (Layout.replicated(SHAPE, 2), (0,), True, True)
     assert r0["errors"] == r1["errors"]
     kinds = [kind for kind, _ in r0["errors"]]
-    assert kinds == ["LayoutError", "LayoutError", "ValueError", "LayoutError"] + [
-        "ValueError",
-        "ValueError",
+    assert kinds == ["LayoutError", "LayoutError", "InvalidArgumentError", "LayoutError"] + [
+        "ArgumentMismatchError",
+        "ArgumentMismatchError",
         "TypeError",
         "LayoutError",
     ]

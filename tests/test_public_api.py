@@ -20,6 +20,7 @@ import shardwise.checkpoint
 import shardwise.legacy
 
 SHARDWISE = [
+    "ArgumentMismatchError",
     "Block",
     "CheckpointBusyError",
     "CheckpointExistsError",
@@ -27,6 +28,7 @@ SHARDWISE = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
+    "InvalidArgumentError",
     "Layout",
     "LayoutError",
     "ShardMismatchError",
@@ -53,6 +55,7 @@ SHARDWISE = [
 ]
 
 CHECKPOINT = [
+    "ArgumentMismatchError",
     "CheckpointBusyError",
     "CheckpointExistsError",
     "CheckpointInfo",
@@ -60,6 +63,7 @@ CHECKPOINT = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
+    "InvalidArgumentError",
     "LayoutError",
     "OpenCheckpoint",
     "Reader",
@@ -125,12 +129,14 @@ def test_every_exported_name_resolves(namespace):
 def test_names_in_both_namespaces_are_the_same_objects():
     shared = set(SHARDWISE) & set(CHECKPOINT)
     assert shared == {
+        "ArgumentMismatchError",
         "CheckpointBusyError",
         "CheckpointExistsError",
         "CheckpointMismatchError",
         "CheckpointNotFoundError",
         "CorruptCheckpointError",
         "IncompleteCheckpointError",
+        "InvalidArgumentError",
         "LayoutError",
         "UnsafeMetadataError",
         "UnsupportedStorageError",

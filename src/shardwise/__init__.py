@@ -9,12 +9,14 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .comm import distribute, equal, from_local
 from .errors import (
+    ArgumentMismatchError,
     CheckpointBusyError,
     CheckpointExistsError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    InvalidArgumentError,
     LayoutError,
     ShardMismatchError,
     ShardwiseError,
@@ -37,6 +39,7 @@ except PackageNotFoundError:  # a source tree on sys.path, never installed
     __version__ = "0+unknown"
 
 __all__ = [
+    "ArgumentMismatchError",
     "Block",
     "CheckpointBusyError",
     "CheckpointExistsError",
@@ -44,6 +47,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
+    "InvalidArgumentError",
     "Layout",
     "LayoutError",
     "ShardMismatchError",

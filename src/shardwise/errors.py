@@ -7,6 +7,10 @@ Hierarchy::
     ├── ShardMismatchError          (ValueError) local shards disagree with their layout
     ├── CheckpointMismatchError     (ValueError) state dict and checkpoint disagree:
     │                                            keys, shapes, dtypes
+    ├── ArgumentMismatchError       (ValueError) ranks of one collective call passed
+    │                                            different arguments or hold different values
+    ├── InvalidArgumentError        (ValueError) an argument value no rule above covers:
+    │                                            a rank outside the group, an unknown mode
     ├── CorruptCheckpointError      (OSError) stored bytes fail their checksum
     ├── IncompleteCheckpointError   (OSError) a checkpoint whose commit never finished
     ├── CheckpointBusyError         (OSError) another save of the same path holds its lease
@@ -44,12 +48,14 @@ import pickle
 from collections.abc import Sequence
 
 __all__ = [
+    "ArgumentMismatchError",
     "CheckpointBusyError",
     "CheckpointExistsError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
+    "InvalidArgumentError",
     "LayoutError",
     "ShardMismatchError",
     "ShardwiseError",
@@ -72,6 +78,17 @@ class ShardMismatchError(ShardwiseError, ValueError):
 
 class CheckpointMismatchError(ShardwiseError, ValueError):
     """A state dict and a checkpoint disagree: keys missing from the checkpoint, shapes, dtypes."""
+
+
+class ArgumentMismatchError(ShardwiseError, ValueError):
+    """Ranks of one collective call passed different arguments (a path, a flag, a layout)
+    or hold different values where each must hold the same; raised alike on every rank,
+    naming the ranks that differ from the majority (`comm.agreement.require_same`)."""
+
+
+class InvalidArgumentError(ShardwiseError, ValueError):
+    """An argument value out of range or unknown (a rank outside the group, a mode string,
+    a format name) that no more specific error above describes."""
 
 
 class _ListsProblems(Exception):

@@ -113,7 +113,7 @@ def _piece(func: Any, ref: ShardedTensor, i: int) -> Callable[[Any], Any]:
             try:
                 full = x.expand(shape)
             except RuntimeError as e:
-                raise ValueError(
+                raise LayoutError(
                     f"{func}: a plain tensor of shape {tuple(x.shape)} does not broadcast "
                     f"to the ShardedTensor's global shape {tuple(shape)}"
                 ) from e

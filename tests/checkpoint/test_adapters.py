@@ -15,6 +15,7 @@ from shardwise.checkpoint.adapters import (
     register_value_adapter,
     unregister_value_adapter,
 )
+from shardwise.errors import ArgumentMismatchError
 
 pytestmark = pytest.mark.spawned
 
@@ -141,7 +142,7 @@ def _rank_missing_a_value(rank: int, world: int, path: str) -> tuple[str, bool]:
     try:
         swc.save(sd, path)
         return "saved", False
-    except ValueError as e:
+    except ArgumentMismatchError as e:
         return str(e), (pathlib.Path(path) / ".metadata").exists()
 
 
@@ -152,7 +153,8 @@ def test_ranks_holding_other_adapted_values_refuse_together(tmp_path):
 
     results = run_ranks(_rank_missing_a_value, 2, str(tmp_path / "ck"), timeout=60)
     message = (
-        "ranks [1] hold other holder values than rank 0 (first difference: 'a'); every rank must hold "
-        "every such value, under the same key (a rank holding nothing of it passes an empty one)"
+        "ranks disagree on the holder values they hold (first difference: 'a'): ranks [1] held 1 "
+        "of them, rank 0 held 2 of them; every rank must hold every such value, under the same key "
+        "(a rank holding nothing of it passes an empty one)"
     )
     assert results == [(message, False), (message, False)]

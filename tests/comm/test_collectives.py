@@ -258,7 +258,7 @@ REFUSE_TOGETHER = {
         lambda r: sw.distribute(
             full_tensor() if r == 0 else None, Layout.chunked(SHAPE, 0, 3), src=_on(r, 0, 7)
         ),
-        ValueError,
+        sw.InvalidArgumentError,
     ),
     "distribute-source-wrong-shape": (
         lambda r: sw.distribute(
@@ -270,7 +270,10 @@ REFUSE_TOGETHER = {
         lambda r: sw.equal(_rows3(r), _on(r, _rows3(r), full_tensor())),
         TypeError,
     ),
-    "gather-dst-out-of-range": (lambda r: _rows3(r).gather(_on(r, 0, 3)), ValueError),
+    "gather-dst-out-of-range": (
+        lambda r: _rows3(r).gather(_on(r, 0, 3)),
+        sw.InvalidArgumentError,
+    ),
     "redistribute-not-a-layout": (
         lambda r: _rows3(r).redistribute(_on(r, Layout.chunked(SHAPE, 1, 3), None)),
         TypeError,

@@ -106,7 +106,10 @@ CASES: dict[str, tuple[Callable[[int], Any], type]] = {
         lambda r: sw.from_local(_piece(r, cols=_bad(r, 4, 3)), 0, "chunk"),
         sw.ShardMismatchError,
     ),
-    "bad-mode": (lambda r: sw.from_local(_piece(r), 0, _bad(r, "infer", "even")), ValueError),
+    "bad-mode": (
+        lambda r: sw.from_local(_piece(r), 0, _bad(r, "infer", "even")),
+        sw.InvalidArgumentError,
+    ),
     "sizes-sum-wrong": (
         lambda r: sw.from_local(_piece(r), 0, _bad(r, [3, 3, 3], [3, 3, 4])),
         sw.LayoutError,

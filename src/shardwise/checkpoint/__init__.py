@@ -13,12 +13,14 @@ The format is a DCP checkpoint (stock `dcp.load` reads it) plus `shardwise.json`
 from __future__ import annotations
 
 from ..errors import (
+    ArgumentMismatchError,
     CheckpointBusyError,
     CheckpointExistsError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    InvalidArgumentError,
     LayoutError,
     UnsafeMetadataError,
     UnsupportedStorageError,
@@ -35,6 +37,7 @@ from .verification import verify
 from .writer import Writer
 
 __all__ = [
+    "ArgumentMismatchError",
     "CheckpointBusyError",
     "CheckpointExistsError",
     "CheckpointInfo",
@@ -42,6 +45,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
+    "InvalidArgumentError",
     "LayoutError",
     "OpenCheckpoint",
     "Reader",

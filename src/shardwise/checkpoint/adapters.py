@@ -15,7 +15,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..comm.agreement import exchange, odd_ranks
+from ..comm.agreement import exchange, odd_ranks, require_same
+from ..errors import InvalidArgumentError
 
 __all__ = [
     "ValueAdapter",
@@ -52,7 +53,7 @@ _REGISTERED: list[ValueAdapter] = []
 def register_value_adapter(adapter: ValueAdapter) -> None:
     """Make `swc.save`/`swc.load` convert values `adapter.matches` (first match wins)."""
     if any(a.name == adapter.name for a in _REGISTERED):
-        raise ValueError(f"a value adapter named {adapter.name!r} is already registered")
+        raise InvalidArgumentError(f"a value adapter named {adapter.name!r} is already registered")
     _REGISTERED.append(adapter)
 
 
@@ -130,11 +131,13 @@ def _agree_on(
         kinds = sorted({a for _, a in differ})
         hints = {a.name: a.hint for a in _REGISTERED}
         hint = "".join(f"; {hints[k]}" for k in kinds if hints.get(k))
-        raise ValueError(
-            f"ranks {odd} hold other {', '.join(kinds)} values than rank {ref} "
-            f"(first difference: '{differ[0][0]}'); every rank must hold every such value, under "
-            "the "
-            f"same key (a rank holding nothing of it passes an empty one){hint}"
+        require_same(
+            everyone,
+            f"the {', '.join(kinds)} values they hold (first difference: '{differ[0][0]}')",
+            shown=lambda held: f"{len(held)} of them",
+            verb="held",
+            fix="every rank must hold every such value, under the same key (a rank holding "
+            f"nothing of it passes an empty one){hint}",
         )
 
 

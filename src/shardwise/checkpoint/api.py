@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..comm.agreement import exchange
+from ..comm.agreement import exchange, require_same
 from ..comm.communicator import Communicator, SingleProcess, communicator
 from ..errors import (
     CheckpointExistsError,
@@ -69,13 +69,7 @@ def _agree(
     """Raise `problem` (from any rank) on every rank; locally when not distributed.
     Ranks must also have passed the same `arguments` (path, flags)."""
     if _distributed(group):
-        everyone = exchange(problem, arguments, group)
-        if len({repr(a) for a in everyone}) > 1:
-            odd = [r for r, a in enumerate(everyone) if repr(a) != repr(everyone[0])]
-            raise ValueError(
-                f"ranks disagree on {what}: ranks {odd} passed {everyone[odd[0]]!r}, rank 0 "
-                f"passed {everyone[0]!r}; every rank must pass the same"
-            )
+        require_same(exchange(problem, arguments, group), what)
     elif problem is not None:
         raise problem
 
@@ -226,6 +220,13 @@ def save(
     `CheckpointBusyError` naming it, before writing anything — or, with
     `wait=True` (or `wait=` seconds), waits for it to finish. A lease whose
     holder died is broken, with a warning.
+
+    Collective: six small `all_gather_object` per rank, whatever the number of
+    tensors: the folder opens everywhere, the Megatron route, the adapted values,
+    then `saving`'s inventory, checksums report and commit verdict. A state only
+    DCP's own machinery saves leaves after the inventory for `dcp.save`, which adds
+    its own four (`gather_object` + `scatter_object_list` to plan,
+    `gather_object` + `broadcast_object_list` to finish).
     """
     path = _folder(path, storage_options, process_group)
     if _ASYNC.pending is not None:  # one save at a time: the next commit collects unnamed files
@@ -336,6 +337,10 @@ def async_save(
     A previous pending save is waited for first: its buffers are reused.
     `path`, `storage_options` and `wait` as for `save` (the lease is taken in the
     background: `.result()` raises its `CheckpointBusyError`).
+
+    Collective: three small `all_gather_object` per rank before it returns (the
+    folder, the adapted values, the target check; the first call also creates its
+    gloo group, `dist.new_group`), then `saving`'s three in the background.
     """
     path = _folder(path, storage_options, process_group)
     if _ASYNC.pending is not None:  # its error is its future's: never every later save's
@@ -440,6 +445,14 @@ def load(
     `ExtensionRegistry`, as `FileSystemReader`'s `_extension_registry`) decodes
     records written through custom stream extensions.
     Returns the reader (its `bytes_read` says what this rank read).
+
+    Collective: five small `all_gather_object` per rank, whatever the number of
+    tensors (the folder opens everywhere, the Megatron route, the adapted values,
+    then `loading`'s targets-fit check and read verdict), six when the state holds
+    a `Stateful` (one more after its `load_state_dict()`). A checkpoint without
+    `shardwise.json` (stock DCP) leaves after the targets-fit check: one more
+    agreement, then `dcp.load`'s own three (`gather_object` + `scatter_object_list`
+    to plan, `all_gather_object` to read).
     """
     path = _folder(path, storage_options, process_group)
     # Stateful values as their state dicts first (as dcp.load does), so that what they

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointExistsError, UnsupportedStorageError
+from ..errors import CheckpointExistsError, InvalidArgumentError, UnsupportedStorageError
 from ..storage import Folder, Sink, is_url, open_folder
 from .api import save
 from .commit import in_the_way
@@ -132,7 +132,9 @@ def _lookup(format: str, source: str, what: str) -> Callable[..., list[Any]]:
     found: Callable[..., list[Any]] | None = getattr(target, f"from_{source}", None)
     if found is None:
         names = sorted(repr(n) for n, t in TARGETS.items() if getattr(t, f"from_{source}"))
-        raise ValueError(f"unknown format {format!r} for {what}; use {' or '.join(names)}")
+        raise InvalidArgumentError(
+            f"unknown format {format!r} for {what}; use {' or '.join(names)}"
+        )
     return found
 
 
@@ -199,7 +201,7 @@ def _write_safetensors(sink: Sink, keys: list[str], ckpt: OpenCheckpoint) -> Non
         md = ckpt.tensor_metadata(key)
         dtype = md.properties.dtype
         if dtype not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"'{key}' has dtype {dtype}, which safetensors cannot store")
+            raise InvalidArgumentError(f"'{key}' has dtype {dtype}, which safetensors cannot store")
         n = ckpt.tensor_nbytes(key)
         header[key] = {
             "dtype": _SAFETENSORS_DTYPES[dtype],

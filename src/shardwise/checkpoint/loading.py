@@ -1,9 +1,14 @@
 """The collective load engine behind `swc.load`, for checkpoints with a manifest.
 
-Two exchanges per load, whatever the number of tensors: one to agree that
+Two exchanges here per load, whatever the number of tensors: one to agree that
 the targets fit the checkpoint (every problem listed, on every rank, before
-any target is touched), one after reading so that corruption found by one
-rank is raised on all. In between each rank plans and reads alone — there is
+any target is touched; it also settles the route, this engine or `dcp.load`),
+one after reading so that corruption found by one rank is raised on all.
+`swc.load` makes three small `all_gather_object` before them (the folder opens
+on every rank, `megatron_route`, the adapters' `_agree_on`) and, when the state
+holds a `Stateful`, one after its `load_state_dict()`: five per rank, six with a
+`Stateful`. Pinned by tests/checkpoint/test_collective_counts.py.
+In between each rank plans and reads alone — there is
 nothing to coordinate: it matches its targets' pieces against the stored
 chunks of `shardwise.json` and reads
 
@@ -18,7 +23,10 @@ fetched concurrently (`Folder.prefetch`), a window of `_WINDOW` bytes at a
 time; locally the reads simply run.
 
 Stock checkpoints, per-rank records and transformed chunks go through DCP's
-own `dcp.load` with `Reader` instead (`load_state` returns None for them).
+own `dcp.load` with `Reader` instead (`load_state` returns None for them after
+its first exchange): then `api._load_through_dcp` agrees once more on the
+mismatches and `dcp.load` adds its own three (plan: `gather_object` +
+`scatter_object_list`; read: `all_gather_object`).
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 
-from ..comm.agreement import exchange
+from ..comm.agreement import exchange, require_same
 from ..comm.communicator import Communicator
 from ..errors import CheckpointMismatchError, CorruptCheckpointError
 from ..storage import Folder, RandomAccess, open_folder
@@ -123,12 +131,7 @@ def load_state(
                 fast = False  # a DCP `_Checkpointable` (`_mismatches` refused the rest)
                 break
     everyone = exchange(problem if fast else None, (fast, arguments), comm)
-    if len({repr(a) for _f, a in everyone}) > 1:
-        odd = [r for r, (_f, a) in enumerate(everyone) if repr(a) != repr(everyone[0][1])]
-        raise ValueError(
-            f"ranks disagree on {arguments[0]}: ranks {odd} passed {everyone[odd[0]][1][1]!r}, "
-            f"rank 0 passed {everyone[0][1][1]!r}; every rank must pass the same"
-        )
+    require_same([a for _f, a in everyone], arguments[0], shown=lambda a: repr(a[1]))
     if not all(f for f, _a in everyone):
         return None
     assert manifest is not None

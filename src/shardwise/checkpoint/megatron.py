@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 from ..comm.agreement import exchange
-from ..errors import CheckpointExistsError, LayoutError
+from ..errors import CheckpointExistsError, InvalidArgumentError, LayoutError
 from ..interop.megatron import (
     is_main_replica,
     is_mapping_class,
@@ -255,7 +255,9 @@ def _rank(group: Any) -> int:
 
 def _refuse_clash(key: str, flat: Mapping[str, Any]) -> None:
     if key in flat:
-        raise ValueError(f"key '{key}' is both a shardwise tensor and a Megatron ShardedTensor key")
+        raise InvalidArgumentError(
+            f"key '{key}' is both a shardwise tensor and a Megatron ShardedTensor key"
+        )
 
 
 def prepare_load(

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..comm.agreement import exchange
+from ..comm.agreement import exchange, require_same
+from ..errors import InvalidArgumentError
 from ..interop.megatron import is_mcore_object, is_mcore_value
 from .megatron import _NONE, _split, prepare_load, prepare_save
 
@@ -64,11 +65,13 @@ def megatron_route(
         return mine[0]
     everyone = exchange(problem, mine, group)
     route = any(r for r, _ in everyone)
-    odd = [rank for rank, (_, s) in enumerate(everyone) if s != everyone[0][1]]
-    if route and odd:
-        raise ValueError(
-            f"ranks {odd} hold other Stateful values than rank 0 ({everyone[odd[0]][1]} vs "
-            f"{everyone[0][1]}); every rank must pass the same Stateful keys"
+    if route:
+        require_same(
+            [s for _, s in everyone],
+            "their Stateful values",
+            shown=str,
+            verb="hold",
+            fix="every rank must pass the same Stateful keys",
         )
     return route
 
@@ -88,7 +91,7 @@ def _common_leaves(value: Mapping[str, Any], prefix: str = "") -> list[tuple[Any
 
 def _add(flat: dict[str, Any], key: str, value: Any, what: str) -> None:
     if key in flat:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"key '{key}' is both {what} and a sharded (Megatron or shardwise) key; rename one"
         )
     flat[key] = value

@@ -1,6 +1,14 @@
 """The collective save engine behind `swc.save` / `swc.async_save`.
 
-Three exchanges per save, whatever the number of tensors:
+Three exchanges here per save, whatever the number of tensors. `swc.save` makes
+three more before them, each one small `all_gather_object` that keeps the ranks
+on one path: the folder opens on every rank (`api._folder`), every rank takes
+the same route (`megatron_returned.megatron_route`), every rank holds the same
+adapted values (`adapters._agree_on`) — six per rank in all. `async_save` makes
+the folder's, the adapted values' and its target check (`api._check_target`)
+before it returns (its first call also creates its own gloo group), then these
+three in the background: six too. Pinned by
+tests/checkpoint/test_collective_counts.py. The three here:
 
 1. every rank describes what it holds (`inventory`), checks what it can
    alone (objects serialize, the folder is free) and all-gathers that;
@@ -35,7 +43,7 @@ import crc32c
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-from ..comm.agreement import exchange
+from ..comm.agreement import exchange, require_same
 from ..comm.communicator import Communicator
 from ..errors import CheckpointExistsError, ShardMismatchError
 from ..storage import Folder, open_folder
@@ -197,12 +205,8 @@ def _save_leased(
 
 
 def _same_arguments(arguments: list[Any]) -> None:
-    if len({repr(a) for a in arguments}) > 1:
-        odd = [r for r, a in enumerate(arguments) if repr(a) != repr(arguments[0])]
-        raise ValueError(
-            f"ranks disagree on {arguments[0][0]}: ranks {odd} passed {arguments[odd[0]][1]!r}, "
-            f"rank 0 passed {arguments[0][1]!r}; every rank must pass the same"
-        )
+    """Each rank's (name, value) of the arguments that must agree: refuse a difference."""
+    require_same(arguments, arguments[0][0], shown=lambda a: repr(a[1]))
 
 
 def _object_crcs(inventories: list[list[Entry]]) -> dict[str, int]:

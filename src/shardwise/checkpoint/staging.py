@@ -41,6 +41,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
+from ..errors import InvalidArgumentError
 from ..interop import from_torch_sharded_tensor
 from ..tensor import ShardedTensor
 
@@ -142,7 +143,7 @@ class Stager:
 
     def __init__(self, threads: int | None = None) -> None:
         if threads is not None and threads < 1:
-            raise ValueError(f"threads must be at least 1, got {threads}")
+            raise InvalidArgumentError(f"threads must be at least 1, got {threads}")
         self.threads = threads
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._pinned: set[tuple[Any, ...]] = set()  # keys whose buffer is pinned

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..errors import ShardMismatchError
+from ..errors import InvalidArgumentError, ShardMismatchError
 from ..storage import Folder, open_folder
 from .chunk_io import DataFile, Written
 from .commit import RecordNames, commit, data_file_name, in_the_way, new_token
@@ -103,7 +103,7 @@ class Writer(FolderBacked, FileSystemWriter):
         wait: bool | float = False,
     ) -> None:
         if serialization_format != SerializationFormat.TORCH_SAVE:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"serialization_format={serialization_format} is not supported by "
                 "shardwise.checkpoint.Writer: stock FileSystemReader reads only TORCH_SAVE "
                 "records; for safetensors files use "

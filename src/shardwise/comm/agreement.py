@@ -10,12 +10,13 @@ message, naming the faulty rank, and the process group stays usable.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
-from ..errors import ShardwiseError
+from ..errors import ArgumentMismatchError, ShardwiseError
 from .communicator import communicator
 
-__all__ = ["Problem", "exchange", "odd_ranks", "raise_agreed"]
+__all__ = ["Problem", "exchange", "odd_ranks", "raise_agreed", "require_same"]
 
 # (exception type, message) of one rank's problem, or None: picklable by design.
 Problem = tuple[type, str] | None
@@ -58,3 +59,26 @@ def odd_ranks(values: list[Any]) -> tuple[int, list[int]]:
     counts = Counter(values)
     ref = min(range(len(values)), key=lambda r: (-counts[values[r]], r))
     return ref, [r for r, v in enumerate(values) if v != values[ref]]
+
+
+def require_same(
+    values: list[Any],
+    what: str,
+    *,
+    shown: Callable[[Any], str] = repr,
+    verb: str = "passed",
+    fix: str = "every rank must pass the same",
+) -> None:
+    """Raise `ArgumentMismatchError` unless every rank's gathered value is the same.
+
+    The one "ranks disagree" check: values are compared by `repr` (so lists and
+    dicts work), the message names `what`, the ranks that differ from the
+    majority and what they and the majority `verb` (as `shown`), and the `fix`.
+    `values` came from one exchange, so every rank raises the same message.
+    """
+    ref, odd = odd_ranks([repr(v) for v in values])
+    if odd:
+        raise ArgumentMismatchError(
+            f"ranks disagree on {what}: ranks {odd} {verb} {shown(values[odd[0]])}, "
+            f"rank {ref} {verb} {shown(values[ref])}; {fix}"
+        )

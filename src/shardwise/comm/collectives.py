@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import LayoutError
+from ..errors import InvalidArgumentError, LayoutError
 from ..layout import Layout
 from ..tensor import ShardedTensor
 from .agreement import exchange, odd_ranks
@@ -94,7 +94,7 @@ def gather(st: ShardedTensor, dst: int = 0) -> torch.Tensor | None:
     world = st.layout_spec.world_size
     if not isinstance(dst, int) or not 0 <= dst < world:
         exchange(
-            ValueError(f"gather destination rank {dst} is outside world size {world}"),
+            InvalidArgumentError(f"gather destination rank {dst} is outside world size {world}"),
             None,
             st.group,
         )
@@ -121,7 +121,7 @@ def distribute(
     if not isinstance(layout, Layout):
         problem = TypeError(f"distribute needs a shardwise.Layout, got a {type(layout).__name__}")
     elif isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
-        problem = ValueError(f"source rank {src!r} is outside the group of {world} ranks")
+        problem = InvalidArgumentError(f"source rank {src!r} is outside the group of {world} ranks")
     elif layout.world_size != world:
         problem = LayoutError(
             f"the layout spans {layout.world_size} ranks but the group has {world}"
@@ -149,7 +149,7 @@ def distribute(
             f"than rank {ref}; every rank must pass the same"
         )
     if everyone[src][0] is None:
-        raise ValueError(f"source rank {src} passed no tensor to distribute")
+        raise InvalidArgumentError(f"source rank {src} passed no tensor to distribute")
     dtype, device_type = everyone[src][0]
     whole = Layout.table_wise(layout.global_shape, src, world)
     if rank == src:

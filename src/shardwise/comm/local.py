@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import LayoutError, ShardMismatchError
+from ..errors import InvalidArgumentError, LayoutError, ShardMismatchError
 from ..layout import Layout
 from ..tensor import ShardedTensor
 from .agreement import Problem, exchange, odd_ranks, raise_agreed
@@ -172,7 +172,7 @@ def _local_meta(
     mode: str | tuple[int, ...]
     if isinstance(sharding_shapes, str):
         if sharding_shapes not in ("chunk", "infer"):
-            raise ValueError(
+            raise InvalidArgumentError(
                 "sharding_shapes must be 'chunk', 'infer' or a list of sizes, got "
                 f"{sharding_shapes!r}"
             )

@@ -31,7 +31,7 @@ from torch.distributed._shard.sharding_spec import (
 )
 
 from ..comm.group import current_rank
-from ..errors import LayoutError, ShardMismatchError
+from ..errors import InvalidArgumentError, LayoutError, ShardMismatchError
 from ..layout import Layout
 from ..tensor import ShardedTensor
 
@@ -197,7 +197,7 @@ def gather_into(st: ShardedTensor, dst: int = 0, out: torch.Tensor | None = None
     if out is None:
         return full
     if full is None:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"rank {st.rank}: gather(dst={dst}, out=...) takes `out` only on rank {dst}"
         )
     if tuple(out.shape) != tuple(full.shape):

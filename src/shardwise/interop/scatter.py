@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..comm import distribute
 from ..comm.agreement import exchange, odd_ranks
-from ..errors import LayoutError
+from ..errors import ArgumentMismatchError, InvalidArgumentError, LayoutError
 from ..layout import Layout
 from ..layout.layout import _chunk_sizes, mesh_coordinates
 from ..tensor import ShardedTensor
@@ -69,11 +69,13 @@ def scatter_tensor(
         if global_shape is not None:
             claim = (tuple(int(s) for s in global_shape), dtype)
         if isinstance(global_src, bool) or not isinstance(global_src, int):
-            raise ValueError(f"global_src must be an integer rank, got {global_src!r}")
+            raise InvalidArgumentError(f"global_src must be an integer rank, got {global_src!r}")
         if mesh_position(mesh) != rank or math.prod(mesh.shape) != world:
             raise LayoutError(f"the mesh {tuple(mesh.shape)} must span all {world} ranks")
         if not 0 <= global_src < world:
-            raise ValueError(f"global_src {global_src} is not a rank of the mesh (0..{world - 1})")
+            raise InvalidArgumentError(
+                f"global_src {global_src} is not a rank of the mesh (0..{world - 1})"
+            )
         if rank == global_src:
             if not isinstance(tensor, torch.Tensor) or isinstance(tensor, ShardedTensor):
                 got = "None" if tensor is None else f"a {type(tensor).__name__}"
@@ -116,7 +118,7 @@ def _check_claims(
     for what, index, truth in (("global_shape", 0, shape), ("dtype", 1, src_dtype)):
         wrong = [r for r, c in enumerate(claims) if c[index] is not None and c[index] != truth]
         if wrong:
-            raise ValueError(
+            raise ArgumentMismatchError(
                 f"ranks {wrong} passed {what}={claims[wrong[0]][index]} but the source's tensor "
                 f"has {truth}; pass the source's {what} or None"
             )
@@ -170,7 +172,7 @@ def _plan(
         )
     if isinstance(sharding_shapes, str):
         if sharding_shapes not in ("chunk", "infer"):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"sharding_shapes={sharding_shapes!r}: a string must be 'chunk' or 'infer' "
                 f"(or pass {{mesh_dim: sizes}})"
             )

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from ..errors import ShardMismatchError
 from ..layout import Block
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ def get_tensor_shard(st: ShardedTensor, index: MetadataIndex) -> torch.Tensor:
         for block, shard in zip(blocks, shards):
             if block.offsets == offset and not block.is_empty():
                 return shard
-    raise ValueError(
+    raise ShardMismatchError(
         f"rank {st.rank} holds no block at offsets {offset} of '{index.fqn}' "
         f"(its blocks: {', '.join(map(str, blocks)) or 'none'})"
     )
