@@ -56,6 +56,7 @@ from ..storage.folder import TEMPORARY
 from .faults import failpoint
 from .lease import Lease, live_scopes, lock_name
 from .manifest import MANIFEST, MARKER
+from .record_check import DATA_FILE
 from .safe_pickle import load_metadata
 
 __all__ = [
@@ -76,9 +77,7 @@ __all__ = [
 
 METADATA = ".metadata"
 FolderLike = Folder | str | os.PathLike  # a Folder, or what `open_folder` opens
-# matched with fullmatch: a trailing newline in a name is not ours
-# ASCII: `\d` alone also matches other scripts' digits (`__٣_0...`), never names we write
-_DATA = re.compile(r"__(\d+)_(\d+)\.sw([0-9a-f]{12})" + re.escape(DEFAULT_SUFFIX), re.ASCII)
+_DATA = DATA_FILE  # our data files (`record_check`, where records are checked against it)
 # what stock `FileSystemWriter` names its data files: collected only when a replaced
 # record names them (never as leftovers: no token says which save wrote them)
 _STOCK_DATA = re.compile(r"__(\d+)_(\d+)" + re.escape(DEFAULT_SUFFIX), re.ASCII)

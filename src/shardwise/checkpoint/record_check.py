@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -62,8 +63,10 @@ __all__ = [
 _RECORDS = re.compile(
     r"\.metadata|shardwise\.json|\.shardwise|__\d+\.metadata|__\d+\.shardwise\.json|.*\.lock"
 )
-# What `commit.data_file_name` makes (commit's `_DATA`; a test holds the two equal).
-DATA_FILE = re.compile(r"__(\d+)_(\d+)\.sw([0-9a-f]{12})\.distcp", re.ASCII)
+# What `commit.data_file_name` makes: `__{rank}_{k}.sw{token}.distcp`, matched with
+# fullmatch (a trailing newline is not ours); ASCII, since `\d` alone also matches other
+# scripts' digits (`__٣_0...`), never names we write.
+DATA_FILE = re.compile(r"__(\d+)_(\d+)\.sw([0-9a-f]{12})" + re.escape(DEFAULT_SUFFIX), re.ASCII)
 _LIMIT = 1 << 62  # no real offset, size or length comes near it: int64 arithmetic stays exact
 _INT = {int}  # the only type a number in a record may have (`bool` is refused)
 
