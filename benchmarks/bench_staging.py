@@ -63,7 +63,7 @@ def _rank(
     import torch.distributed.checkpoint as dcp
 
     import shardwise.checkpoint as swc
-    from shardwise.checkpoint.staging import Stager
+    from shardwise.checkpoint.engine.staging import Stager
 
     torch.set_num_threads(1)  # as bench_checkpoint: 2 ranks share the cores
     base = Path(folder)

@@ -20,8 +20,8 @@ import torch
 import shardwise
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor, errors
-from shardwise.checkpoint.safe_pickle import load_metadata
-from shardwise.checkpoint.staging import Stager
+from shardwise.checkpoint.engine.staging import Stager
+from shardwise.checkpoint.format.safe_pickle import load_metadata
 from shardwise.comm.agreement import require_same
 
 BUILTINS = {
@@ -81,7 +81,7 @@ STRAY_CLASSES = {
     "shardwise.testing.RankFailure": "testing.py",
     "shardwise.testing.RanksFailed": "testing.py",
     # a ShardwiseError, but internal (always caught), so defined next to its fields
-    "shardwise.checkpoint.manifest_fields.FieldError": "checkpoint/manifest_fields.py",
+    "shardwise.checkpoint.format.manifest_fields.FieldError": "checkpoint/manifest_fields.py",
 }
 
 
@@ -169,7 +169,7 @@ def _incomplete(saved: Path, tmp: Path) -> Path:
 
 def _busy(tmp: Path) -> object:
     """A save while another holds the path's lease."""
-    from shardwise.checkpoint.lease import Lease
+    from shardwise.checkpoint.io.lease import Lease
     from shardwise.storage import open_folder
 
     with Lease(open_folder(tmp / "busy")).acquire():
@@ -266,6 +266,6 @@ def test_strays_not_yet_in_the_tree(case, saved, tmp_path):
 
 def test_field_error_is_in_the_tree_and_still_a_value_error():
     """Internal, caught as a `ValueError` by `Manifest.from_json`; still a ShardwiseError."""
-    from shardwise.checkpoint.manifest_fields import FieldError
+    from shardwise.checkpoint.format.manifest_fields import FieldError
 
     assert issubclass(FieldError, shardwise.ShardwiseError) and issubclass(FieldError, ValueError)

@@ -21,7 +21,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "shardwise"
 
 # unit -> layer; units on one layer may not import each other.
-LAYERS = {
+LAYERS: dict[str, float] = {
     "shardwise.errors": 0,
     "shardwise.layout": 1,
     "shardwise.storage": 1,
@@ -29,7 +29,16 @@ LAYERS = {
     "shardwise.ops": 3,
     "shardwise.comm": 3,
     "shardwise.interop": 4,
-    "shardwise.checkpoint": 5,
+    "shardwise.checkpoint": 5,  # the package itself (`swc`): the public names, above its parts
+    # checkpoint's parts, lowest first: the format on disk, moving its bytes, the
+    # engine, the DCP plugins over it, one-process tools, client adapters, the API
+    "shardwise.checkpoint.format": 4.1,
+    "shardwise.checkpoint.io": 4.2,
+    "shardwise.checkpoint.engine": 4.3,
+    "shardwise.checkpoint.dcp": 4.4,
+    "shardwise.checkpoint.offline": 4.5,
+    "shardwise.checkpoint.clients": 4.6,
+    "shardwise.checkpoint.api": 4.7,
     "shardwise.testing": 6,
     "shardwise.cli": 7,
     "shardwise": 8,
@@ -38,7 +47,9 @@ LAYERS = {
 }
 
 # Modules that may import torch.distributed beyond the DCP metadata types.
-PROCESS_GROUP_UNITS = {"shardwise.comm", "shardwise.interop", "shardwise.checkpoint"}
+PROCESS_GROUP_UNITS = {"shardwise.comm", "shardwise.interop"} | {
+    u for u in LAYERS if u == "shardwise.checkpoint" or u.startswith("shardwise.checkpoint.")
+}
 # What any layer may import from torch.distributed: plain data types, no process group.
 TYPES_ONLY = (
     "torch.distributed.checkpoint.metadata",

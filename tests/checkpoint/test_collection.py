@@ -18,8 +18,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.commit import collect, referenced_files, replaced_files
-from shardwise.checkpoint.lease import LOCK
+from shardwise.checkpoint.io.commit import collect, referenced_files, replaced_files
+from shardwise.checkpoint.io.lease import LOCK
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -156,7 +156,7 @@ def test_collect_never_removes_records_locks_or_names_outside_the_patterns(tmp_p
 
 
 def test_a_per_rank_record_naming_another_ranks_file_decides_nothing(tmp_path):
-    from shardwise.checkpoint.commit import RecordNames
+    from shardwise.checkpoint.io.commit import RecordNames
 
     data = "__1_0.sw0123456789ab.distcp"
     (tmp_path / data).write_bytes(b"rank 1's")
@@ -167,7 +167,7 @@ def test_a_per_rank_record_naming_another_ranks_file_decides_nothing(tmp_path):
 
 
 def test_leftovers_wait_while_another_scopes_save_is_live(tmp_path):
-    from shardwise.checkpoint.lease import Lease
+    from shardwise.checkpoint.io.lease import Lease
     from shardwise.storage import open_folder
 
     leftover = "__1_0.sw0123456789ab.distcp"

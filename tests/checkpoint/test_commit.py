@@ -14,13 +14,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.commit import (
+from shardwise.checkpoint.format.manifest import Manifest
+from shardwise.checkpoint.io.commit import (
     RecordNames,
     collect,
     in_the_way,
     referenced_files,
 )
-from shardwise.checkpoint.manifest import Manifest
 from shardwise.storage import LocalFolder
 from shardwise.testing import run_ranks
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.conversion import TARGETS
+from shardwise.checkpoint.offline.conversion import TARGETS
 from shardwise.cli import _parser
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

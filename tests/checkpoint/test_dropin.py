@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import shardwise.checkpoint as swc
 from shardwise import Layout, ShardedTensor
-from shardwise.checkpoint.commit import referenced_files
+from shardwise.checkpoint.io.commit import referenced_files
 from shardwise.testing import run_ranks, shard_of
 
 pytestmark = pytest.mark.spawned

@@ -18,13 +18,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from shardwise import Block, Layout, ShardedTensor, ShardMismatchError
-from shardwise.checkpoint.inventory import describe
-from shardwise.checkpoint.loading import load_state
-from shardwise.checkpoint.manifest import Manifest
-from shardwise.checkpoint.planning import place_records, plan_save
-from shardwise.checkpoint.record_write import record_frame
-from shardwise.checkpoint.saving import save_state, serialize_objects
-from shardwise.checkpoint.tiles import checksum_payload
+from shardwise.checkpoint.engine.inventory import describe
+from shardwise.checkpoint.engine.loading import load_state
+from shardwise.checkpoint.engine.planning import place_records, plan_save
+from shardwise.checkpoint.engine.saving import save_state, serialize_objects
+from shardwise.checkpoint.format.manifest import Manifest
+from shardwise.checkpoint.format.record_write import record_frame
+from shardwise.checkpoint.format.tiles import checksum_payload
 from shardwise.testing import shard_of
 
 from ..comm.threaded_world import ThreadedRank, ThreadedWorld

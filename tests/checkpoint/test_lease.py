@@ -19,9 +19,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint import lease as lease_module
-from shardwise.checkpoint.commit import commit, holds_checkpoint, in_the_way
-from shardwise.checkpoint.lease import LOCK, Holder, Lease, live_scopes, lock_name
+from shardwise.checkpoint.io import lease as lease_module
+from shardwise.checkpoint.io.commit import commit, holds_checkpoint, in_the_way
+from shardwise.checkpoint.io.lease import LOCK, Holder, Lease, live_scopes, lock_name
 from shardwise.errors import CheckpointBusyError, ShardwiseError
 from shardwise.storage import open_folder
 
@@ -265,7 +265,7 @@ def test_overwrite_false_looks_again_once_it_holds_the_lease(tmp_path):
 
 
 def test_a_failed_save_gives_the_lease_back(tmp_path, monkeypatch):
-    from shardwise.checkpoint import saving
+    from shardwise.checkpoint.engine import saving
 
     def fails(*args, **kwargs):
         raise OSError("disk full")

@@ -17,7 +17,7 @@ import torch
 
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
-from shardwise.checkpoint.manifest import (
+from shardwise.checkpoint.format.manifest import (
     READS,
     VERSION,
     ChunkEntry,
@@ -25,7 +25,7 @@ from shardwise.checkpoint.manifest import (
     ObjectEntry,
     TensorEntry,
 )
-from shardwise.checkpoint.manifest_fields import (
+from shardwise.checkpoint.format.manifest_fields import (
     CHUNK,
     FAST_CHUNK,
     RECORDS,

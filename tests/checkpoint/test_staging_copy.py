@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from shardwise import Layout, ShardedTensor
-from shardwise.checkpoint import staging
-from shardwise.checkpoint.staging import Stager, _pieces
+from shardwise.checkpoint.engine import staging
+from shardwise.checkpoint.engine.staging import Stager, _pieces
 
 
 def _pooled(threads: int = 3, piece: int = 4096) -> Stager:

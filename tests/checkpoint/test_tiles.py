@@ -19,12 +19,10 @@ from hypothesis import strategies as st
 
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
-from shardwise.checkpoint.chunk_io import DataFile, payload_checksums
-from shardwise.checkpoint.chunk_read import check_whole, first_bad, read_box
-from shardwise.checkpoint.file_io import byte_view, pages_of
-from shardwise.checkpoint.manifest import Manifest, StoredChunk
-from shardwise.checkpoint.record_read import RecordLayout
-from shardwise.checkpoint.tiles import (
+from shardwise.checkpoint.format.checksums import byte_view, pages_of
+from shardwise.checkpoint.format.manifest import Manifest, StoredChunk
+from shardwise.checkpoint.format.record_read import RecordLayout
+from shardwise.checkpoint.format.tiles import (
     RUN_BYTES,
     TILE_BYTES,
     bad_tile,
@@ -35,6 +33,8 @@ from shardwise.checkpoint.tiles import (
     tile_crcs,
     tile_shape,
 )
+from shardwise.checkpoint.io.box_read import check_whole, first_bad, read_box
+from shardwise.checkpoint.io.chunk_writer import DataFile, payload_checksums
 from shardwise.storage.local import LocalFile
 
 # -- tile shapes ---------------------------------------------------------------------------

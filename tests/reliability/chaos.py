@@ -333,7 +333,7 @@ def _foreign_lost(folder: Where) -> list[str]:
 
 def _stray(folder: Where) -> list[str]:
     """Files in a committed folder that neither its records nor the user put there."""
-    from shardwise.checkpoint.commit import referenced_files
+    from shardwise.checkpoint.io.commit import referenced_files
 
     files = folder.folder()
     expected = (

@@ -15,8 +15,8 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.manifest import Manifest, seal
-from shardwise.checkpoint.safe_pickle import load_metadata
+from shardwise.checkpoint.format.manifest import Manifest, seal
+from shardwise.checkpoint.format.safe_pickle import load_metadata
 from shardwise.storage import Folder, open_folder
 
 SECRET = b"top secret, never to be read through a checkpoint\n" * 64

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.commit import referenced_files
-from shardwise.checkpoint.lease import LOCK
+from shardwise.checkpoint.io.commit import referenced_files
+from shardwise.checkpoint.io.lease import LOCK
 from shardwise.errors import CheckpointBusyError
 
 pytestmark = pytest.mark.spawned

@@ -21,10 +21,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint import commit
-from shardwise.checkpoint.commit import RecordNames, collect, replaced_files
-from shardwise.checkpoint.lease import LOCK, Holder, Lease, live_scopes, stale_reason
-from shardwise.checkpoint.record_check import check_coverage, name_problem
+from shardwise.checkpoint.format.record_check import check_coverage, name_problem
+from shardwise.checkpoint.io import commit
+from shardwise.checkpoint.io.commit import RecordNames, collect, replaced_files
+from shardwise.checkpoint.io.lease import LOCK, Holder, Lease, live_scopes, stale_reason
 from shardwise.cli import main
 from shardwise.errors import (
     CheckpointBusyError,
@@ -305,7 +305,7 @@ def test_a_garbage_lock_is_busy_and_never_broken(tmp_path):
 def test_wait_true_breaks_a_garbage_lock_that_stays_garbage(tmp_path, monkeypatch):
     """An unreadable lock never becomes stale by its own heartbeat: without a bound,
     `wait=True` would wait forever."""
-    import shardwise.checkpoint.lease as lease_module
+    import shardwise.checkpoint.io.lease as lease_module
 
     monkeypatch.setattr(lease_module, "STALE_AFTER_S", 0.3)
     (tmp_path / LOCK).write_bytes(b"\x00garbage")

@@ -49,7 +49,7 @@ def _async_save_result(rank: int, world: int, path: str) -> tuple[str, str]:
 
 
 def test_async_save_while_another_save_holds_the_lease_fails_every_rank(tmp_path):
-    from shardwise.checkpoint.lease import Lease
+    from shardwise.checkpoint.io.lease import Lease
     from shardwise.storage import open_folder
 
     path = str(tmp_path / "c")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import shardwise.checkpoint as swc
 from shardwise import Block
-from shardwise.checkpoint.commit import referenced_files
+from shardwise.checkpoint.io.commit import referenced_files
 from shardwise.storage import FsspecFolder, open_folder
 from shardwise.storage.remote import PART, WASTE, _parts, coalesce
 

@@ -25,16 +25,16 @@ from ..errors import (
     UnsafeMetadataError,
     UnsupportedStorageError,
 )
-from . import megatron, physicsnemo  # noqa: F401  (importing registers their value adapters)
 from .api import SaveInfo, async_save, load, read_tensor, save
-from .conversion import convert
-from .inspection import CheckpointInfo, TensorInfo, inspect
-from .objects import allow_object_globals
-from .offline import OpenCheckpoint, open_checkpoint
-from .reader import Reader
-from .resharding import reshard
-from .verification import verify
-from .writer import Writer
+from .clients import megatron, physicsnemo  # noqa: F401  (importing registers their value adapters)
+from .dcp.reader import Reader
+from .dcp.writer import Writer
+from .format.objects import allow_object_globals
+from .offline.conversion import convert
+from .offline.inspection import CheckpointInfo, TensorInfo, inspect
+from .offline.opening import OpenCheckpoint, open_checkpoint
+from .offline.resharding import reshard
+from .offline.verification import verify
 
 __all__ = [
     "ArgumentMismatchError",

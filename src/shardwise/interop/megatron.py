@@ -15,7 +15,7 @@ hands them to DCP wrapped as `CheckpointableShardedTensor` (one piece) or
   by rank), ready for `dist_checkpointing.save/load`.
 
 Checkpoints (Megatron objects in `swc.save`/`swc.load`, and the files Megatron's
-own `dist_checkpointing.load` needs) are `shardwise.checkpoint.megatron`'s.
+own `dist_checkpointing.load` needs) are `shardwise.checkpoint.clients.megatron`'s.
 
 Megatron itself is imported only inside these functions.
 """

@@ -15,7 +15,7 @@ those sizes instead of inferring them again:
   (uneven, zero) sizes, Replicate, on meshes of any dimension, each tensor
   dimension sharded by at most one mesh dimension; otherwise `LayoutError`.
 - ShardTensors in `swc.save`/`swc.load` go through
-  `shardwise.checkpoint.physicsnemo`'s value adapter.
+  `shardwise.checkpoint.clients.physicsnemo`'s value adapter.
 
 PhysicsNeMo itself is imported only inside `to_shard_tensor`; this module never
 imports it first (a ShardTensor in hand means it is loaded).

@@ -1,0 +1,100 @@
+"""What every entry point does at the API edge: the folder opened on every rank,
+the caller's `Stateful` values read, one rank's problem raised on all, the
+communicator the engine runs on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ...comm.agreement import exchange, require_same
+from ...comm.communicator import Communicator, SingleProcess, communicator
+from ...errors import (
+    ShardwiseError,
+)
+from ...storage import Folder, open_folder
+
+
+@dataclass(frozen=True)
+class SaveInfo:
+    """What `save` returns: where the checkpoint is (a `Path`, or the URL) and how
+    long the save took."""
+
+    path: Path | str
+    seconds: float
+
+
+def _distributed(group: Any) -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _agree(
+    problem: BaseException | None, group: Any, arguments: Any = None, what: str = ""
+) -> None:
+    """Raise `problem` (from any rank) on every rank; locally when not distributed.
+    Ranks must also have passed the same `arguments` (path, flags)."""
+    if _distributed(group):
+        require_same(exchange(problem, arguments, group), what)
+    elif problem is not None:
+        raise problem
+
+
+def _unwrap(e: CheckpointException) -> BaseException:
+    """DCP wraps per-rank failures; surface the first real one, same type on every rank."""
+    for failure in e.failures.values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, (ShardwiseError, OSError, ValueError)):
+            return inner
+    return e
+
+
+def _is_stateful(value: Any) -> bool:
+    return not isinstance(value, torch.Tensor) and isinstance(value, Stateful)
+
+
+def _state_dicts_of(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Top-level `Stateful` values (a model, an optimizer wrapper) replaced by
+    their `state_dict()`, as `dcp.save` does, before anything looks inside."""
+    return {k: v.state_dict() if _is_stateful(v) else v for k, v in state_dict.items()}
+
+
+def _user_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], BaseException | None]:
+    """`_state_dicts_of`, with a failure of the caller's `state_dict()` returned, not
+    raised: it rides on the first exchange, so every rank raises it together (a rank
+    raising alone would leave the others waiting in a collective)."""
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        if not _is_stateful(value):
+            out[key] = value
+            continue
+        try:
+            out[key] = value.state_dict()
+        except Exception as e:  # noqa: BLE001 - the caller's own code: raised on every rank
+            return {}, e
+    return out, None
+
+
+def _comm(process_group: Any) -> Communicator:
+    return communicator(process_group) if _distributed(process_group) else SingleProcess()
+
+
+def _folder(
+    path: str | Path | Folder, storage_options: dict[str, Any] | None, process_group: Any
+) -> Folder:
+    """`open_folder`, its refusal (an unknown scheme, a missing backend) raised on every rank."""
+    problem: BaseException | None = None
+    folder: Folder | None = None
+    try:
+        folder = open_folder(path, storage_options)
+    except ShardwiseError as e:
+        problem = e
+    _agree(problem, process_group)
+    assert folder is not None
+    return folder

@@ -1,0 +1,3 @@
+"""Other libraries' values in checkpoints: one module per client (Megatron-Core,
+PhysicsNeMo), registered as value adapters.
+"""

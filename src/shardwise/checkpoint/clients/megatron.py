@@ -1,0 +1,335 @@
+"""Megatron-Core values in `swc.save`/`swc.load`, and checkpoints Megatron opens.
+
+- A value adapter (registered on import) lets `swc.async_save` take Megatron's
+  objects directly (the DCP key is the state dict's key); `swc.save`/`swc.load`
+  take Megatron's values by Megatron key instead (`megatron_returned`).
+- `swc.save(..., megatron=True)` (`prepare_save`, `save_planner`,
+  `write_metadata_json`) writes what Megatron's `dist_checkpointing.load`
+  needs beside the DCP data: tensors under their Megatron key, the common state
+  object, ShardedObjects and `metadata.json`.
+- `swc.load(..., megatron=True)` (`prepare_load`) loads Megatron's own nesting
+  by Megatron key. `read_common_state(path)` reads the common state back, from
+  either writer, without unpickling code.
+
+The conversions themselves are `shardwise.interop.megatron`'s.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultSavePlanner
+
+from ...comm.agreement import exchange
+from ...errors import CheckpointExistsError, InvalidArgumentError, LayoutError
+from ...interop.megatron import (
+    is_main_replica,
+    is_mapping_class,
+    is_mcore_object,
+    is_mcore_piece,
+    is_mcore_value,
+    pieces_of,
+    pieces_problem,
+    to_shardwise,
+)
+from ...storage import LocalFolder
+from ...tensor import ShardedTensor
+from ..engine.adapters import ValueAdapter, register_value_adapter
+from ..offline.opening import open_checkpoint
+
+__all__ = [
+    "COMMON_STATE_KEY",
+    "METADATA_JSON",
+    "metadata_json_problem",
+    "prepare_load",
+    "prepare_save",
+    "read_common_state",
+    "save_planner",
+    "write_metadata_json",
+]
+
+# Megatron's `ShardedObject("common_state", ..., (1,), (0,)).unique_key`: its non-tensor state.
+COMMON_STATE_KEY = "common_state/shard_0_1"
+METADATA_JSON = "metadata.json"
+_BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+
+# -- the value adapter used by swc.save / swc.load ---------------------------------------
+
+
+def _for_save(value: Any) -> ShardedTensor:
+    return to_shardwise(value, replicas=False)
+
+
+def _for_load(
+    value: Any, global_shape: Sequence[int] | None = None, group: Any = None
+) -> tuple[ShardedTensor, Any]:
+    """A target over the pieces' own data (allocated where Megatron left it None);
+    a strided piece is loaded into a contiguous copy and copied back by `finish`.
+    `global_shape` is needed on a rank holding no piece of the key."""
+    pieces = pieces_of(value)
+    for p in pieces:
+        if p.data is None and pieces_problem([p]) is None:
+            p.init_data("cpu", init_fn=torch.zeros if p.allow_shape_mismatch else torch.empty)
+    strided = [p for p in pieces if p.data is not None and not p.data.is_contiguous()]
+    if global_shape is None and pieces:
+        global_shape = pieces[0].global_shape
+    target = to_shardwise(pieces, replicas=True, global_shape=global_shape, group=group)
+    if not strided:
+        return target, None
+    copies = {id(p): shard for p, shard in zip(pieces, target.local_shards())}
+
+    def finish() -> None:
+        for p in strided:
+            p.data.copy_(copies[id(p)].view(tuple(p.local_shape)))
+
+    return target, finish
+
+
+def _adapter_for_load(value: Any) -> tuple[ShardedTensor, Any]:
+    """`_for_load` of one state-dict value; a layout with holes usually means the
+    pieces of one Megatron key sit in several entries (Megatron's own nesting)."""
+    try:
+        return _for_load(value)
+    except LayoutError as e:  # raised alike on every rank, so re-raised alike
+        if "hole" not in str(e):
+            raise
+        key = pieces_of(value)[0].key if pieces_of(value) else "?"
+        raise LayoutError(
+            f"Megatron key '{key}': {e}. If its pieces sit in several state-dict entries (as in "
+            f"Megatron's sharded_state_dict()), load with swc.load, which goes by Megatron key"
+        ) from e
+
+
+register_value_adapter(
+    ValueAdapter(
+        "megatron-core",
+        is_mcore_value,
+        _for_save,
+        _adapter_for_load,
+        hint=(
+            "for Megatron's own nesting (pieces of one key in several entries), use swc.save / "
+            "swc.load, which go by Megatron key"
+        ),
+    )
+)
+
+
+# -- checkpoints Megatron's dist_checkpointing.load opens --------------------------------
+
+
+class _RawBytes(io.BytesIO):
+    """Bytes stored as they are (Megatron stores its objects pre-serialized)."""
+
+
+def save_planner() -> Any:
+    """DCP's default save planner, except that `_RawBytes` objects are written as
+    they are (as Megatron's `MCoreSavePlanner` writes its objects), not re-pickled."""
+
+    class _MegatronSavePlanner(DefaultSavePlanner):
+        def transform_object(self, write_item: Any, object: Any) -> Any:
+            if isinstance(object, _RawBytes):
+                return object
+            return super().transform_object(write_item, object)
+
+    return _MegatronSavePlanner(dedup_save_to_lowest_rank=False)
+
+
+_NONE = object()  # "no part here" in _split's pairs
+
+
+def _split(value: Any) -> tuple[Any, Any]:
+    """(sharded part, common part) of a nested state dict, as Megatron splits it:
+    tensors that are sharded (shardwise or Megatron) vs everything else."""
+    if isinstance(value, Mapping):
+        parts = {k: _split(v) for k, v in value.items()}
+        return (
+            {k: s for k, (s, _) in parts.items() if s is not _NONE},
+            {k: c for k, (_, c) in parts.items() if c is not _NONE},
+        )
+    if isinstance(value, ShardedTensor) or is_mcore_value(value) or is_mcore_object(value):
+        return value, _NONE
+    if isinstance(value, list) and value and all(is_mcore_piece(v) for v in value):
+        return value, _NONE
+    if is_mapping_class(value, "LocalNonpersistentObject"):
+        return _NONE, _NONE  # Megatron does not persist these either
+    if is_mapping_class(value, "ShardedTensorFactory") or _holds_sharded(value):
+        raise TypeError(
+            f"a {type(value).__name__} holding Megatron sharded values: shardwise takes Megatron "
+            f"ShardedTensors in dicts (or lists of pieces of one key); apply Megatron's "
+            f"factories first (dist_checkpointing.mapping.apply_factories) and key other lists "
+            f"by name"
+        )
+    return _NONE, value
+
+
+def _holds_sharded(value: Any) -> bool:
+    """A list or tuple with a sharded value somewhere inside (Megatron's own walk sees it)."""
+    if not isinstance(value, (list, tuple)):
+        return False
+    return any(
+        isinstance(v, ShardedTensor)
+        or is_mcore_value(v)
+        or is_mcore_object(v)
+        or _holds_sharded(v)
+        or (isinstance(v, Mapping) and _split(v)[0])
+        for v in value
+    )
+
+
+def _sharded_entries(sharded: Any, prefix: str = "") -> dict[Any, Any]:
+    """Flat DCP key -> value: shardwise tensors under their dotted path, Megatron
+    pieces under their own key (grouped: pieces of one key make one entry)."""
+    out: dict[Any, Any] = {}  # dotted path, or (kind, Megatron key) for grouped entries
+    for k, v in sharded.items():
+        path = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_sharded_entries(v, path + "."))
+        elif isinstance(v, ShardedTensor):
+            out[path] = v
+        elif is_mcore_object(v):
+            if is_main_replica(v.replica_id):  # Megatron writes main replicas only
+                out.setdefault(("object", v.unique_key), []).append(v.data)
+        else:
+            for piece in pieces_of(v):
+                out.setdefault(("mcore", piece.key), []).append(piece)
+    return out
+
+
+def prepare_save(
+    state_dict: Mapping[str, Any], group: Any = None, *, common_state: bool = True
+) -> dict[str, Any]:
+    """The flat state dict `swc.save(..., megatron=True)` hands to DCP. Collective.
+
+    Sharded tensors under their Megatron key (Megatron pieces grouped by key,
+    every rank taking part for every key, main replicas only), Megatron
+    ShardedObjects under their unique key, everything else in Megatron's
+    common state object, each as `dist_checkpointing.save` writes it.
+    `common_state=False` leaves the rest out (a plain save stores it by path).
+    """
+    sharded, common = _split(state_dict)
+    entries = _sharded_entries(sharded)
+    mcore, shapes = _mcore_keys(entries, group)
+    flat: dict[str, Any] = {k: v for k, v in entries.items() if not isinstance(k, tuple)}
+    for key in sorted(shapes):  # the same order on every rank: one collective per key
+        _refuse_clash(key, flat)
+        flat[key] = to_shardwise(
+            mcore.get(key, []), replicas=False, global_shape=shapes[key], group=group
+        )
+    for key, values in entries.items():  # ShardedObjects: this rank's, as Megatron stores them
+        if isinstance(key, tuple) and key[0] == "object":
+            flat[key[1]] = _serialized(values)
+    if common_state and _rank(group) == 0:  # rank 0's, as Megatron keeps (replica_id: rank)
+        flat[COMMON_STATE_KEY] = _serialized([common])
+    return flat
+
+
+def _mcore_keys(
+    entries: dict[Any, Any], group: Any
+) -> tuple[dict[str, list[Any]], dict[str, tuple[int, ...]]]:
+    """This rank's Megatron pieces by key, and every rank's keys with their global
+    shapes (one exchange), so a rank holding nothing of a key still takes part."""
+    mcore = {
+        key[1]: pieces
+        for key, pieces in entries.items()
+        if isinstance(key, tuple) and key[0] == "mcore"
+    }
+    local = {k: tuple(p[0].global_shape) for k, p in mcore.items()}
+    distributed = dist.is_available() and dist.is_initialized()
+    everyone = exchange(None, local, group) if distributed else [local]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for theirs in everyone:
+        for k, shape in theirs.items():
+            shapes.setdefault(k, shape)
+    return mcore, shapes
+
+
+def _rank(group: Any) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def _refuse_clash(key: str, flat: Mapping[str, Any]) -> None:
+    if key in flat:
+        raise InvalidArgumentError(
+            f"key '{key}' is both a shardwise tensor and a Megatron ShardedTensor key"
+        )
+
+
+def prepare_load(
+    state_dict: Mapping[str, Any], group: Any = None
+) -> tuple[dict[str, Any], list[Any]]:
+    """The flat targets `swc.load(..., megatron=True)` hands to DCP, and the
+    finishers to run after it. Collective.
+
+    Megatron pieces anywhere in `state_dict` (nested as Megatron's
+    `sharded_state_dict()` nests them) are grouped by their Megatron key, one
+    target per key over the pieces' own storage; shardwise ShardedTensors stay
+    under their dotted path. Other values (Megatron's common state, its
+    ShardedObjects) are not filled: `read_common_state(path)` reads the former.
+    """
+    sharded, _ = _split(state_dict)
+    entries = _sharded_entries(sharded)
+    mcore, shapes = _mcore_keys(entries, group)
+    flat: dict[str, Any] = {k: v for k, v in entries.items() if not isinstance(k, tuple)}
+    finishers = []
+    for key in sorted(shapes):  # the same order on every rank: one collective per key
+        _refuse_clash(key, flat)
+        flat[key], finish = _for_load(mcore.get(key, []), shapes[key], group)
+        if finish is not None:
+            finishers.append(finish)
+    return flat, finishers
+
+
+def _serialized(values: list[Any]) -> _RawBytes:
+    buffer = _RawBytes()
+    torch.save(values, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def metadata_json_problem(path: Path) -> BaseException | None:
+    """A `metadata.json` already in the folder that is not Megatron's torch_dist one,
+    or a legacy `common.pt`, which both readers prefer to the new common state."""
+    if (path / "common.pt").exists():
+        return CheckpointExistsError(
+            f"{path / 'common.pt'} exists (a legacy Megatron common state): Megatron and "
+            f"read_common_state would read it instead of this save's; move it away first"
+        )
+    existing = path / METADATA_JSON
+    if not existing.exists():
+        return None
+    try:
+        same = json.loads(existing.read_text()) == _BACKEND
+    except (OSError, ValueError):
+        same = False
+    return (
+        None
+        if same
+        else CheckpointExistsError(
+            f"{existing} exists and is not Megatron's torch_dist metadata: it would be overwritten"
+        )
+    )
+
+
+def write_metadata_json(path: Path) -> None:
+    """Megatron's `metadata.json` (what `verify_checkpoint` looks for), written durably."""
+    if (path / METADATA_JSON).exists():
+        return  # checked identical before the save
+    path.mkdir(parents=True, exist_ok=True)
+    LocalFolder(path).write_durably(METADATA_JSON, json.dumps(_BACKEND).encode())
+
+
+def read_common_state(path: str | Path) -> Any:
+    """Megatron's common (non-tensor) state of a checkpoint, read without running
+    pickled code (`torch.load(weights_only=True)`, as Megatron itself does): from
+    its common state object, or from a legacy `common.pt`."""
+    path = Path(path)
+    if (path / "common.pt").exists():
+        return torch.load(path / "common.pt", map_location="cpu", weights_only=True)
+    data = open_checkpoint(path).object_bytes(COMMON_STATE_KEY)
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)[0]

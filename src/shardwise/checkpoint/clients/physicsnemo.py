@@ -1,0 +1,28 @@
+"""PhysicsNeMo ShardTensors in `swc.save`/`swc.load` state dicts.
+
+`swc.save` writes a ShardTensor as the ShardedTensor over its local tensor, and
+`swc.load` fills a ShardTensor in place through such a ShardedTensor (DCP
+writes into the shared local tensor, so nothing is left to copy back).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...interop.agreed import is_shard_tensor
+from ...interop.physicsnemo import from_shard_tensor
+from ...tensor import ShardedTensor
+from ..engine.adapters import ValueAdapter, register_value_adapter
+
+__all__: list[str] = []
+
+
+def _for_save(value: Any) -> ShardedTensor:
+    return from_shard_tensor(value)
+
+
+def _for_load(value: Any) -> tuple[ShardedTensor, None]:
+    return from_shard_tensor(value), None
+
+
+register_value_adapter(ValueAdapter("physicsnemo", is_shard_tensor, _for_save, _for_load))

@@ -1,0 +1,3 @@
+"""The collective save and load engine: inventory, planning, staging, and the
+save/load pipelines every entry point runs on.
+"""

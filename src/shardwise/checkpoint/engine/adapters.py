@@ -1,0 +1,219 @@
+"""Other libraries' sharded values in `swc.save` / `swc.load` state dicts.
+
+A client library's sharded type (PhysicsNeMo's `ShardTensor`, Megatron-Core's
+wrappers) is swapped for a ShardedTensor before DCP sees the state dict, and
+loaded data is written back after. The built-in adapters
+(`checkpoint.physicsnemo`, `checkpoint.megatron`) register when
+`shardwise.checkpoint` is imported; neither imports its library first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from ...comm.agreement import exchange, odd_ranks, require_same
+from ...errors import InvalidArgumentError
+
+__all__ = [
+    "ValueAdapter",
+    "adapted_for_load",
+    "adapted_for_save",
+    "register_value_adapter",
+    "unregister_value_adapter",
+]
+
+Finish = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class ValueAdapter:
+    """How one foreign type goes through a checkpoint.
+
+    `for_save(value)` gives what DCP saves (usually a ShardedTensor sharing the
+    value's storage). `for_load(value)` gives the target DCP fills and a
+    `finish()` that copies the loaded data into `value` (None when the target
+    shares `value`'s storage, so nothing is left to do). Both are collective when
+    the conversion needs the global layout: every rank holds the same keys.
+    """
+
+    name: str
+    matches: Callable[[Any], bool]
+    for_save: Callable[[Any], Any]
+    for_load: Callable[[Any], tuple[Any, Finish | None]]
+    hint: str = ""  # added to the error when ranks hold different values of this kind
+
+
+_REGISTERED: list[ValueAdapter] = []
+
+
+def register_value_adapter(adapter: ValueAdapter) -> None:
+    """Make `swc.save`/`swc.load` convert values `adapter.matches` (first match wins)."""
+    if any(a.name == adapter.name for a in _REGISTERED):
+        raise InvalidArgumentError(f"a value adapter named {adapter.name!r} is already registered")
+    _REGISTERED.append(adapter)
+
+
+def unregister_value_adapter(name: str) -> None:
+    """Remove the adapter registered under `name`."""
+    for i, a in enumerate(_REGISTERED):
+        if a.name == name:
+            del _REGISTERED[i]
+            return
+    raise KeyError(f"no value adapter named {name!r}")
+
+
+def _adapter_for(value: Any) -> ValueAdapter | None:
+    for adapter in _REGISTERED:
+        if adapter.matches(value):
+            return adapter
+    return None
+
+
+def _children(container: Any) -> list[tuple[Any, Any]]:
+    if isinstance(container, MutableMapping):
+        return list(container.items())
+    if isinstance(container, list):
+        return list(enumerate(container))
+    return []
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    path: tuple[Any, ...]
+    container: Any
+    key: Any
+    value: Any
+    adapter: ValueAdapter
+
+
+def _leaves(container: Any, path: tuple[Any, ...] = ()) -> list[_Leaf]:
+    """Adapted values (dicts and lists walked, as DCP walks them), in an order every
+    rank shares: adapters may be collective, one collective per value."""
+    found = []
+    for key, value in _children(container):
+        if isinstance(value, (MutableMapping, list)):
+            found.extend(_leaves(value, path + (key,)))
+        elif (adapter := _adapter_for(value)) is not None:
+            found.append(_Leaf(path + (key,), container, key, value, adapter))
+    return sorted(found, key=lambda leaf: tuple(map(str, leaf.path)))
+
+
+def _agree_on(
+    leaves: list[_Leaf],
+    group: Any,
+    problem: BaseException | None = None,
+    statefuls: tuple[str, ...] = (),
+) -> None:
+    """Every rank must hold the same adapted values, or the per-value collectives
+    would pair one rank's value with another's: refuse together, naming ranks.
+
+    `problem` (a failure in the caller's own code on this rank, e.g. a `Stateful`'s
+    `state_dict()`) rides on the same exchange, so every rank raises it, as its
+    original type, naming the rank.
+    `statefuls` (this rank's top-level `Stateful` keys) must agree too: after the
+    load each rank calls their `load_state_dict()` and then agrees once more."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if problem is not None:
+            raise problem
+        return
+
+    mine = tuple((".".join(map(str, leaf.path)), leaf.adapter.name) for leaf in leaves)
+    mine += tuple((key, "Stateful") for key in statefuls)
+    everyone = exchange(problem, mine, group)
+    ref, odd = odd_ranks(everyone)
+    if odd:
+        theirs = everyone[odd[0]]
+        differ = sorted(set(theirs) ^ set(everyone[ref]))
+        kinds = sorted({a for _, a in differ})
+        hints = {a.name: a.hint for a in _REGISTERED}
+        hint = "".join(f"; {hints[k]}" for k in kinds if hints.get(k))
+        require_same(
+            everyone,
+            f"the {', '.join(kinds)} values they hold (first difference: '{differ[0][0]}')",
+            shown=lambda held: f"{len(held)} of them",
+            verb="held",
+            fix="every rank must hold every such value, under the same key (a rank holding "
+            f"nothing of it passes an empty one){hint}",
+        )
+
+
+def adapted_for_save(
+    state_dict: Any, group: Any = None, problem: BaseException | None = None
+) -> Any:
+    """A copy of the containers of `state_dict` (dicts and lists, as DCP walks
+    them) with adapted leaves; the caller's containers are left as they are.
+    Collective when distributed (one small exchange, which also raises `problem`,
+    this rank's own failure so far, on every rank)."""
+    leaves = _leaves(state_dict)
+    _agree_on(leaves, group, problem)
+    copies: dict[int, Any] = {}
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, MutableMapping):
+            out: Any = {k: copy(v) for k, v in value.items()}
+        elif isinstance(value, list):
+            out = [copy(v) for v in value]
+        else:
+            return value
+        copies[id(value)] = out
+        return out
+
+    root = copy(state_dict)
+    for leaf in leaves:
+        copies[id(leaf.container)][leaf.key] = leaf.adapter.for_save(leaf.value)
+    return root
+
+
+class adapted_for_load:
+    """Context manager: inside, `state_dict`'s adapted leaves are replaced in place
+    by load targets (DCP writes loaded objects into the caller's own containers);
+    `finish()` copies loaded data into the original values; leaving restores them.
+    Collective when distributed (one small exchange)."""
+
+    def __init__(
+        self,
+        state_dict: Any,
+        group: Any = None,
+        problem: BaseException | None = None,
+        statefuls: tuple[str, ...] = (),
+    ) -> None:
+        self.state_dict = state_dict
+        self.group = group
+        self.problem, self.statefuls = problem, statefuls
+        self._swapped: list[tuple[Any, Any, Any, Any]] = []  # container, key, original, target
+        self._finishers: list[Finish] = []
+
+    def __enter__(self) -> adapted_for_load:
+        try:
+            self._swap(self.state_dict)
+        except BaseException:  # __exit__ does not run when __enter__ raises: restore here
+            self._restore()
+            raise
+        return self
+
+    def _swap(self, container: Any) -> None:
+        leaves = _leaves(container)
+        _agree_on(leaves, self.group, self.problem, self.statefuls)
+        for leaf in leaves:
+            target, finish = leaf.adapter.for_load(leaf.value)
+            leaf.container[leaf.key] = target
+            self._swapped.append((leaf.container, leaf.key, leaf.value, target))
+            if finish is not None:
+                self._finishers.append(finish)
+
+    def finish(self) -> None:
+        """After a successful load: copy loaded data into the original values."""
+        for finish in self._finishers:
+            finish()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for container, key, original, target in reversed(self._swapped):
+            if container[key] is target:  # DCP may have replaced it (a stored object)
+                container[key] = original

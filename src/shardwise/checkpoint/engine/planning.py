@@ -1,0 +1,316 @@
+"""The global plan of a save, computed identically on every rank from the exchanged inventories.
+
+No process group here: `plan_save` is a pure function of every rank's
+`inventory.Entry` list, so each rank derives the same plan after one
+`all_gather_object` and no plan is ever scattered. Its cost is linear in the
+number of entries (plus a sort of the replicated ones). It decides:
+
+* which rank writes each distinct box: a box one rank holds is written by it;
+  a box several ranks hold (a plain tensor, a replicated block) by the holder
+  with the fewest bytes assigned so far, largest boxes first, so replicated
+  state is spread over the ranks deterministically; an object by the lowest
+  rank holding it;
+* where each record goes: rank r writes one file, its records in its own
+  inventory order, so every offset follows from the records' lengths
+  (`record_frame`), known before any byte is written;
+* what is wrong: a key held as a tensor on one rank and an object on another,
+  or with different dtypes or global shapes, boxes out of bounds or
+  overlapping, or not covering the tensor. Stock DCP accepts holes in a
+  one-process save; shardwise never does, whatever the world size: a hole
+  would read back as whatever memory the reader allocated.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...layout import Block
+from ...layout.coverage import analyze
+from ..format.manifest import dtype_from_name
+from ..format.record_write import record_frame
+from .inventory import Box, Entry
+
+__all__ = [
+    "Placement",
+    "SavePlan",
+    "TensorPlan",
+    "first_hole",
+    "holes_in_plans",
+    "place_records",
+    "plan_save",
+]
+
+_PAIRWISE = 16  # up to this many distinct boxes per key, overlap is checked pair by pair
+
+
+@dataclass
+class TensorPlan:
+    dtype: str
+    shape: tuple[int, ...]
+    requires_grad: bool
+    # (offsets, sizes, writing rank, position in that rank's writes), in rank order
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...], int, int]] = field(default_factory=list)
+
+
+@dataclass
+class SavePlan:
+    """What every rank writes and what the checkpoint will hold."""
+
+    tensors: dict[str, TensorPlan]
+    objects: dict[str, tuple[int, int]]  # key -> (writing rank, position in its writes)
+    # per rank: (key, index of the box in that rank's own entry; -1 for an object)
+    writes: list[list[tuple[str, int]]]
+    mappings: dict[str, tuple[Any, ...]]  # DCP's planner_data: flattened key -> path
+    problems: list[str]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one record lies in its rank's data file."""
+
+    offset: int
+    length: int
+    payload: int  # absolute offset of a tensor record's payload (of an object: its offset)
+
+
+def plan_save(inventories: list[list[Entry]]) -> SavePlan:
+    """The plan for every rank's `inventory.describe` entries, in rank order."""
+    tensors: dict[str, TensorPlan] = {}
+    objects: dict[str, tuple[int, int]] = {}
+    mappings: dict[str, tuple[Any, ...]] = {}
+    problems: list[str] = []
+    # key -> (dtype, shape, first rank, {box: holders [(rank, box index)], later its writer})
+    keys: dict[str, tuple[str | None, Any, int, dict[Box, Any] | None]] = {}
+    for rank, entries in enumerate(inventories):
+        for key, path, dtype, shape, requires_grad, held in entries:
+            info = keys.get(key)
+            if info is None:
+                mappings[key] = path
+                if dtype is None:
+                    objects[key] = (rank, -1)
+                    keys[key] = (None, None, rank, None)
+                    continue
+                boxes: dict[Box, Any] | None = {}
+                keys[key] = (dtype, shape, rank, boxes)
+                tensors[key] = TensorPlan(dtype, shape, requires_grad)  # type: ignore[arg-type]
+            elif info[0] != dtype or info[1] != shape:
+                problems.append(_disagreement(key, info[:3], (dtype, shape, rank)))
+                continue
+            else:
+                boxes = info[3]
+            if boxes is None:
+                continue
+            for index, box in enumerate(held):
+                holders = boxes.get(box)
+                if holders is None:
+                    boxes[box] = [(rank, index)]
+                else:
+                    holders.append((rank, index))
+    _assign_writers(keys, len(inventories))
+    writes: list[list[tuple[str, int]]] = [[] for _ in inventories]
+    for rank, entries in enumerate(inventories):  # each rank writes in its own inventory order
+        mine = writes[rank]
+        for key, _path, dtype, shape, _grad, held in entries:
+            dtype_seen, shape_seen, _first, boxes = keys[key]
+            if dtype is None:
+                if objects.get(key) == (rank, -1):
+                    objects[key] = (rank, len(mine))
+                    mine.append((key, -1))
+                continue
+            if boxes is None or dtype_seen != dtype or shape_seen != shape:
+                continue
+            chunks = tensors[key].chunks
+            for index, box in enumerate(held):
+                if boxes[box] == (rank, index):
+                    chunks.append((box[0], box[1], rank, len(mine)))
+                    mine.append((key, index))
+    for key, plan in tensors.items():
+        problem = _check_boxes(key, plan)
+        if problem:
+            problems.append(problem)
+    return SavePlan(tensors, objects, writes, mappings, problems)
+
+
+def _assign_writers(keys: dict[str, Any], world_size: int) -> None:
+    """Replace each box's holders by its writer: a sole holder writes its box; shared
+    boxes go, largest first, to the holder with the fewest bytes so far."""
+    load = [0] * world_size
+    itemsizes: dict[str, int] = {}
+    shared = []
+    for order, (dtype, _shape, _rank, boxes) in enumerate(keys.values()):
+        if boxes is None:
+            continue
+        itemsize = itemsizes.get(dtype)
+        if itemsize is None:
+            itemsize = itemsizes[dtype] = dtype_from_name(dtype).itemsize
+        for box, holders in boxes.items():
+            nbytes = math.prod(box[1]) * itemsize
+            if len(holders) == 1:
+                boxes[box] = holders[0]
+                load[holders[0][0]] += nbytes
+            else:
+                shared.append((-nbytes, order, box, boxes, holders))
+    shared.sort(key=lambda s: s[:3])
+    for minus_nbytes, _order, box, boxes, holders in shared:
+        rank, index = min(holders, key=lambda h: (load[h[0]], h[0]))
+        boxes[box] = (rank, index)
+        load[rank] -= minus_nbytes
+
+
+def _disagreement(key: str, first: tuple[Any, ...], other: tuple[Any, ...]) -> str:
+    def what(kind: tuple[Any, ...]) -> str:
+        dtype, shape, rank = kind
+        if dtype is None:
+            return f"rank {rank} holds a Python object"
+        return f"rank {rank} holds a tensor of dtype {dtype}, shape {tuple(shape)}"
+
+    return f"'{key}': {what(first)} but {what(other)}"
+
+
+def _check_boxes(key: str, plan: TensorPlan) -> str | None:
+    """Out of bounds, overlapping (as stock DCP refuses) or not covering (which stock
+    refuses across ranks only). Plain loops, no generators: this runs once per tensor."""
+    shape = plan.shape
+    chunks = plan.chunks
+    if len(chunks) == 1 and chunks[0][1] == shape and not any(chunks[0][0]):
+        return None  # one chunk, the whole tensor: the common case
+    ndim = len(shape)
+    volume = 0
+    solid = []
+    for offsets, sizes, _rank, _position in chunks:
+        inside = len(offsets) == ndim and len(sizes) == ndim
+        for d in range(ndim if inside else 0):
+            if offsets[d] < 0 or sizes[d] < 0 or offsets[d] + sizes[d] > shape[d]:
+                inside = False
+                break
+        if not inside:
+            return f"'{key}': chunk at offsets {offsets} sizes {sizes} is out of bounds of {shape}"
+        n = math.prod(sizes)
+        volume += n
+        if n:
+            solid.append((offsets, sizes))
+    if len(solid) > _PAIRWISE:
+        found = analyze([Block(o, s) for o, s in solid], shape).overlap
+        if found is not None:
+            return f"'{key}': chunks at offsets {found[0].offsets} and {found[1].offsets} overlap"
+    else:
+        for i, (ao, an) in enumerate(solid):
+            for bo, bn in solid[i + 1 :]:
+                for d in range(ndim):
+                    if ao[d] >= bo[d] + bn[d] or bo[d] >= ao[d] + an[d]:
+                        break  # apart along d: no overlap
+                else:
+                    return f"'{key}': chunks at offsets {ao} and {bo} overlap"
+    if volume != math.prod(shape):
+        hole = _region(first_hole(solid, shape))
+        return (
+            f"'{key}': elements {hole} are held by no rank (the chunks saved cover "
+            f"{volume} of its {math.prod(shape)} elements); every element must be saved: "
+            "give the layout blocks that cover the tensor"
+        )
+    return None
+
+
+def first_hole(
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], shape: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """A region (offsets, sizes) that no box covers, grown from the first uncovered
+    element `coverage.analyze` finds; None when the boxes cover the shape or overlap.
+    `boxes` are in bounds. For the refusal path: O(boxes x ndim) per dimension."""
+    ndim = len(shape)
+    if not ndim:
+        return ((), ()) if not boxes else None
+    solid = [b for b in boxes if math.prod(b[1])]
+    point = analyze([Block(o, s) for o, s in solid], shape).hole if solid else (0,) * ndim
+    if point is None:
+        return None
+    lo, hi = list(point), [p + 1 for p in point]
+    for d in range(ndim):
+        lo[d], hi[d] = _extent(solid, lo, hi, d, shape[d])
+    return tuple(lo), tuple(h - lo_ for lo_, h in zip(lo, hi))
+
+
+def _extent(
+    solid: list[tuple[tuple[int, ...], tuple[int, ...]]],
+    lo: list[int],
+    hi: list[int],
+    d: int,
+    size: int,
+) -> tuple[int, int]:
+    """How far the uncovered region [lo, hi) can grow along dim `d`: up to the nearest
+    box on each side among those it meets in every other dim."""
+    start, end = 0, size
+    for offsets, sizes in solid:
+        if all(
+            offsets[e] < hi[e] and lo[e] < offsets[e] + sizes[e] for e in range(len(lo)) if e != d
+        ):
+            if offsets[d] >= hi[d]:
+                end = min(end, offsets[d])
+            else:  # the region is uncovered, so a box meeting it elsewhere ends before it
+                start = max(start, offsets[d] + sizes[d])
+    return start, end
+
+
+def holes_in_plans(plans: Sequence[Any]) -> list[str]:
+    """The tensors a DCP global plan (every rank's `SavePlan`, after the planner's
+    dedup) leaves partly unwritten, each with its first uncovered region. Stock DCP
+    checks coverage only across ranks; `Writer` refuses holes in a one-process
+    save too. Overlaps are the planner's own check (`_validate_global_plan`)."""
+    found: dict[str, tuple[tuple[int, ...], set[tuple[tuple[int, ...], tuple[int, ...]]]]] = {}
+    for plan in plans:
+        for item in plan.items:
+            data = item.tensor_data
+            if data is None:
+                continue
+            shape = tuple(data.size)
+            boxes = found.setdefault(item.index.fqn, (shape, set()))[1]
+            boxes.add((tuple(data.chunk.offsets), tuple(data.chunk.sizes)))
+    problems = []
+    for key, (shape, boxes) in found.items():
+        volume = sum(math.prod(sizes) for _offsets, sizes in boxes)
+        if volume < math.prod(shape):
+            hole = _region(first_hole(sorted(boxes), shape))
+            problems.append(
+                f"'{key}': elements {hole} are written by no rank (the chunks "
+                f"planned cover {volume} of its {math.prod(shape)} elements); every element "
+                "must be saved"
+            )
+    return problems
+
+
+def _region(region: tuple[tuple[int, ...], tuple[int, ...]] | None) -> str:
+    """`[4:6, 0:8]`: a region as the slice that selects it."""
+    if region is None:
+        return "(somewhere: the chunks also overlap)"
+    offsets, sizes = region
+    return "[" + ", ".join(f"{o}:{o + n}" for o, n in zip(offsets, sizes)) + "]"
+
+
+def place_records(
+    plan: SavePlan,
+    entries: list[Entry],
+    rank: int,
+    serialization_id: str,
+) -> list[Placement]:
+    """Where each record of `rank`'s writes lands in its data file, in write order
+    (`entries`: that rank's inventory)."""
+    boxes = {e[0]: e for e in entries}
+    out = []
+    pos = 0
+    for key, index in plan.writes[rank]:
+        _key, _path, dtype, _shape, _grad, held = boxes[key]
+        if index < 0:
+            n = held[0]  # an object's entry holds its byte length and crc32c
+            out.append(Placement(pos, n, pos))
+            pos += n
+            continue
+        sizes = held[index][1]
+        torch_dtype = dtype_from_name(dtype)  # type: ignore[arg-type]
+        head, tail = record_frame(torch_dtype, sizes, serialization_id)
+        length = len(head) + math.prod(sizes) * torch_dtype.itemsize + len(tail)
+        out.append(Placement(pos, length, pos + len(head)))
+        pos += length
+    return out

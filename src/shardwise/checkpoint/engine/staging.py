@@ -1,0 +1,360 @@
+"""Snapshot a state dict into buffers kept between saves, for `async_save`.
+
+The blocking part of an asynchronous save is this snapshot. Buffers are keyed
+by the value's path in the state dict and reused while its shape and dtype
+stay the same, so from the second save on the snapshot is a memcpy into warm
+memory (pinned host memory for CUDA tensors), not an allocation per save.
+
+How the copies are made, cheapest first:
+
+* The walk over the state only gathers (buffer, source) pairs; the copies are
+  made at its end, in batches, so thousands of small tensors cost one
+  `torch._foreach_copy_` call, not a Python call and a `detach` each, and
+  ShardedTensor / DTensor wrappers are reused while they wrap the same buffers.
+* With `threads > 1`, large contiguous CPU tensors are cut into byte ranges
+  copied by a thread pool the stager keeps (`threads - 1` workers) and by the
+  calling thread once it has made the small copies. A worker copies with
+  `copy_` (which releases the GIL) when torch runs single-threaded, else with
+  `memcpy`, so that no worker starts an OpenMP team of its own on top of the
+  others. `threads` is by default `torch.get_num_threads()` (the cores this
+  process was told it may use), at most 8: memory bandwidth is spent by then.
+  With one thread, torch's own `copy_` makes every copy.
+* A buffer is written in full by the copy made right when it is allocated
+  (by the pool for large ones), so its pages are faulted in then and never at
+  a later snapshot; pinned buffers are resident from the start.
+* CUDA sources are copied with `non_blocking=True` into pinned buffers, first,
+  so that the device copies while the CPU does; `synchronize()` waits for the
+  devices copied from.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import os
+import queue
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+from ...errors import InvalidArgumentError
+from ...interop import from_torch_sharded_tensor
+from ...tensor import ShardedTensor
+
+__all__ = ["Stager"]
+
+_Parameter = torch.nn.Parameter
+# A byte range of one copy: destination and source (flat uint8 views), offset, byte count.
+_Range = tuple[torch.Tensor, torch.Tensor, int, int]
+
+
+def _copy_range(dst: torch.Tensor, src: torch.Tensor, start: int, n: int, memcpy: bool) -> None:
+    if memcpy:
+        ctypes.memmove(dst.data_ptr() + start, src.data_ptr() + start, n)
+    else:
+        dst[start : start + n].copy_(src[start : start + n])
+
+
+def _pieces(copies: list[tuple[torch.Tensor, torch.Tensor]], piece: int) -> list[list[_Range]]:
+    """Cut the concatenation of the (destination, source) byte views in `copies`
+    into consecutive pieces of `piece` bytes (the last one shorter)."""
+    pieces: list[list[_Range]] = []
+    current: list[_Range] = []
+    room = piece
+    for dst, src in copies:
+        nbytes, offset = src.numel(), 0
+        while offset < nbytes:
+            take = min(room, nbytes - offset)
+            current.append((dst, src, offset, take))
+            offset += take
+            room -= take
+            if room == 0:
+                pieces.append(current)
+                current, room = [], piece
+    if current:
+        pieces.append(current)
+    return pieces
+
+
+def _drain(work: queue.SimpleQueue[list[_Range]], memcpy: bool) -> None:
+    """Copy pieces from `work` until it is empty (run by the workers and the caller)."""
+    while True:
+        try:
+            piece = work.get_nowait()
+        except queue.Empty:
+            return
+        for dst, src, start, n in piece:
+            _copy_range(dst, src, start, n, memcpy)
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def _bytewise(t: torch.Tensor) -> bool:
+    """Whether `t`'s bytes, as laid out, are its values (so copying them copies it)."""
+    return (
+        t.layout is torch.strided
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+        and not t.is_quantized
+        and t.dtype.itemsize >= 1
+    )
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous `t`, as a flat uint8 view."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+class _Copies:
+    """The copies one `stage` call makes: gathered by the walk, made at its end."""
+
+    __slots__ = ("threads", "cpu_dst", "cpu_src", "cuda_dst", "cuda_src", "large", "large_bytes")
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.cpu_dst: list[torch.Tensor] = []
+        self.cpu_src: list[torch.Tensor] = []
+        self.cuda_dst: list[torch.Tensor] = []
+        self.cuda_src: list[torch.Tensor] = []
+        # for the pool: (buffer, source) as flat byte views
+        self.large: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.large_bytes = 0
+
+
+class Stager:
+    """Copies state dicts into host buffers it owns. One per process is enough.
+
+    `threads`: how many threads copy large CPU tensors (the caller's included);
+    by default `torch.get_num_threads()`, at most 8, read at each `stage`.
+    """
+
+    # Contiguous CPU tensors from this size on go to the thread pool (smaller
+    # ones are batched in one `_foreach_copy_`); a pool task is at least
+    # `_min_piece_bytes`, so a worker's wake-up is paid for.
+    _pool_min_bytes = 1 << 20
+    _min_piece_bytes = 1 << 20
+
+    def __init__(self, threads: int | None = None) -> None:
+        if threads is not None and threads < 1:
+            raise InvalidArgumentError(f"threads must be at least 1, got {threads}")
+        self.threads = threads
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._pinned: set[tuple[Any, ...]] = set()  # keys whose buffer is pinned
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_workers = 0
+        self._pool_pid = 0
+        self._cuda_devices: set[int] = set()  # copied from since the last synchronize
+        # wrappers last returned, reused while they wrap the same buffers the same way
+        self._staged: dict[tuple[Any, ...], tuple[weakref.ref, ShardedTensor]] = {}
+        self._staged_dtensors: dict[tuple[Any, ...], tuple[torch.Tensor, DTensor]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers.values())
+
+    def _threads(self) -> int:
+        return self.threads if self.threads is not None else max(1, min(8, torch.get_num_threads()))
+
+    def _workers(self, n: int) -> ThreadPoolExecutor:
+        """The kept pool, with at least `n` workers (a new one after a fork or to grow)."""
+        if self._pool is None or self._pool_workers < n or self._pool_pid != os.getpid():
+            if self._pool is not None and self._pool_pid == os.getpid():
+                self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(n, thread_name_prefix="shardwise-staging")
+            self._pool_workers, self._pool_pid = n, os.getpid()
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the copy threads (a later `stage` starts them again); buffers are kept."""
+        if self._pool is not None and self._pool_pid == os.getpid():
+            self._pool.shutdown(wait=True)
+        self._pool, self._pool_workers = None, 0
+
+    def _allocate(self, key: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        self._buffers[key] = buf
+        if t.is_cuda:
+            self._pinned.add(key)
+        else:
+            self._pinned.discard(key)
+        return buf
+
+    def _copy(self, key: tuple[Any, ...], t: torch.Tensor, copies: _Copies) -> torch.Tensor:
+        """The buffer for `key`, with a copy of `t` into it added to `copies`."""
+        buf = self._buffers.get(key)
+        cls = type(t)
+        if (cls is torch.Tensor or cls is _Parameter) and t.is_cpu and t.layout is torch.strided:
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = self._allocate(key, t)
+            if copies.threads > 1 and t.nbytes >= self._pool_min_bytes and _bytewise(t):
+                copies.large.append((_bytes(buf), _bytes(t)))
+                copies.large_bytes += t.nbytes
+            else:
+                copies.cpu_dst.append(buf)
+                copies.cpu_src.append(t)
+            return buf
+        cuda = t.is_cuda
+        if (
+            buf is None
+            or buf.shape != t.shape
+            or buf.dtype != t.dtype
+            or (cuda and key not in self._pinned)  # was a CPU value at this path before
+        ):
+            buf = self._allocate(key, t)
+        if cuda:
+            self._cuda_devices.add(t.get_device())
+            if (cls is torch.Tensor or cls is _Parameter) and t.layout is torch.strided:
+                copies.cuda_dst.append(buf)
+                copies.cuda_src.append(t)
+                return buf
+        # other devices, layouts and tensor subclasses: one copy_ each, as it comes
+        buf.copy_(t.detach(), non_blocking=cuda)
+        return buf
+
+    def stage(self, state: Any, path: tuple[Any, ...] = ()) -> Any:
+        """A copy of `state` whose tensors live in this stager's buffers.
+
+        ShardedTensor and DTensor wrappers around the same buffers, with the same
+        metadata, are the objects an earlier call returned (they held the same data)."""
+        copies = _Copies(self._threads())
+        staged = self._walk(state, path, copies)
+        with torch.no_grad():
+            self._run(copies)
+        return staged
+
+    def _walk(self, state: Any, path: tuple[Any, ...], copies: _Copies) -> Any:
+        cls = type(state)
+        if cls is torch.Tensor or cls is _Parameter:
+            return self._copy(path, state, copies)
+        if isinstance(state, dict):
+            out = {}
+            for k, v in state.items():  # the common leaves inline, without a _walk call
+                vcls = type(v)
+                if vcls is torch.Tensor or vcls is _Parameter:
+                    out[k] = self._copy(path + (k,), v, copies)
+                elif vcls is ShardedTensor:
+                    out[k] = self._sharded(path + (k,), v, copies)
+                else:
+                    out[k] = self._walk(v, path + (k,), copies)
+            return out
+        if isinstance(state, (list, tuple)) and not hasattr(state, "_fields"):
+            return cls(self._walk(v, path + (i,), copies) for i, v in enumerate(state))
+        if isinstance(state, ShardedTensor):
+            return self._sharded(path, state, copies)
+        if isinstance(state, DTensor):
+            return self._dtensor(path, state, copies)
+        if isinstance(state, torch.Tensor):
+            if hasattr(state, "metadata") and hasattr(
+                state, "local_shards"
+            ):  # legacy ShardedTensor
+                return self._walk(from_torch_sharded_tensor(state), path, copies)
+            return self._copy(path, state, copies)
+        return copy.deepcopy(state)
+
+    def _sharded(self, path: tuple[Any, ...], st: ShardedTensor, copies: _Copies) -> Any:
+        local = st.local_shards()
+        if len(local) == 1:
+            shards = [self._copy(path + (0,), local[0], copies)]
+        else:
+            shards = [self._copy(path + (i,), s, copies) for i, s in enumerate(local)]
+        entry = self._staged.get(path)
+        if entry is not None:
+            source, prev = entry
+            if (
+                (
+                    source() is st  # a ShardedTensor's metadata is fixed at its creation
+                    or (
+                        prev.layout_spec == st.layout_spec
+                        and prev.rank == st.rank
+                        and prev.group is st.group
+                        and prev.dtype == st.dtype
+                    )
+                )
+                and not prev.requires_grad
+                and _same(prev.local_shards(), shards)
+            ):
+                return prev
+        staged = ShardedTensor(
+            st.layout_spec,
+            shards,
+            st.rank,
+            dtype=st.dtype,
+            device=torch.device("cpu"),
+            group=st.group,
+        )
+        self._staged[path] = (weakref.ref(st), staged)
+        return staged
+
+    def _dtensor(self, path: tuple[Any, ...], dt: DTensor, copies: _Copies) -> Any:
+        local = dt._local_tensor
+        if isinstance(local, LocalShardsWrapper):
+            shards = [
+                self._copy(path + (i,), s, copies) for i, s in enumerate(local.local_shards())
+            ]
+            offsets = [tuple(o) for o in local.local_offsets()] if shards else []
+            staged: torch.Tensor = LocalShardsWrapper(shards, offsets)
+        else:
+            staged = self._copy(path, local, copies)
+            prev = self._staged_dtensors.get(path)
+            if (
+                prev is not None
+                and prev[0] is staged
+                and prev[1].device_mesh is dt.device_mesh
+                and prev[1].placements == dt.placements
+                and prev[1].shape == dt.shape
+                and prev[1].stride() == dt.stride()
+                and not prev[1].requires_grad
+            ):
+                return prev[1]
+        out = DTensor.from_local(
+            staged,
+            dt.device_mesh,
+            dt.placements,
+            run_check=False,
+            shape=dt.shape,
+            stride=dt.stride(),
+        )
+        if not isinstance(local, LocalShardsWrapper):
+            self._staged_dtensors[path] = (staged, out)  # its local tensor is a view of staged
+        return out
+
+    def _run(self, copies: _Copies) -> None:
+        """Make the gathered copies: CUDA ones first (the device copies while the
+        CPU does), then the small CPU ones by this thread while the pool starts on
+        the large ones, which this thread then helps with."""
+        if copies.cuda_dst:
+            torch._foreach_copy_(copies.cuda_dst, copies.cuda_src, non_blocking=True)
+        threads = copies.threads
+        work: queue.SimpleQueue[list[_Range]] = queue.SimpleQueue()
+        helpers: list[Future] = []
+        memcpy = torch.get_num_threads() > 1  # copy_ would start an OpenMP team per worker
+        if copies.large:
+            piece = max(self._min_piece_bytes, -(-copies.large_bytes // (4 * threads)))
+            pieces = _pieces(copies.large, piece)
+            for p in pieces:
+                work.put(p)
+            if len(pieces) > 1:
+                pool = self._workers(threads - 1)
+                n = min(threads, len(pieces)) - 1
+                helpers = [pool.submit(_drain, work, memcpy) for _ in range(n)]
+        try:
+            if copies.cpu_dst:
+                torch._foreach_copy_(copies.cpu_dst, copies.cpu_src)
+            _drain(work, memcpy)
+        finally:
+            for h in helpers:
+                h.result()
+
+    def synchronize(self) -> None:
+        """Wait for the non-blocking copies from CUDA tensors made so far."""
+        devices, self._cuda_devices = self._cuda_devices, set()
+        if devices and torch.cuda.is_available():
+            for index in sorted(devices):
+                torch.cuda.synchronize(index)

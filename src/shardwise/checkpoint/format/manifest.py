@@ -1,0 +1,394 @@
+"""`shardwise.json`: the plain-JSON description of a checkpoint (see docs/format.md).
+
+It lists every tensor's dtype, global shape and chunks (file, byte ranges,
+checksums) and every stored object, so that loading a shardwise checkpoint
+never unpickles DCP's `.metadata`, and tools can inspect or verify it with a
+JSON parser. It is written last: its presence marks a committed checkpoint.
+Its fields are declared once, in `manifest_fields`; this module adds what
+relates several of them (byte ranges inside files, geometry) and DCP's view.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import operator
+import os
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ...errors import CorruptCheckpointError
+from ...storage import Folder, open_folder
+from .gc_pause import gc_paused
+from .manifest_fields import (
+    FORMAT,
+    READS,
+    TOP,
+    VERSION,
+    ChunkEntry,
+    FieldError,
+    ObjectEntry,
+    TensorEntry,
+    decode,
+    encode,
+)
+from .record_check import check_coverage, check_name, check_ranges
+from .safe_pickle import load_metadata
+from .tiles import tile_count, valid_tile
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "MARKER",
+    "PAGE_SIZE",
+    "READS",
+    "VERSION",
+    "ChunkEntry",
+    "Manifest",
+    "ObjectEntry",
+    "StoredChunk",
+    "StoredObject",
+    "TensorEntry",
+]
+
+MANIFEST = "shardwise.json"
+MARKER = ".shardwise"  # written first: a folder with it but no manifest is incomplete
+METADATA = ".metadata"  # DCP's record, beside the manifest
+PAGE_SIZE = 1 << 20  # payload bytes per checksum page (format versions 1 and 2)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in {MANIFEST}")
+    return dtype
+
+
+@dataclass
+class StoredChunk(_StorageInfo):
+    """DCP's per-chunk storage info plus what ranged, verified reads need.
+
+    It is what `Manifest.to_metadata` puts in `Metadata.storage_data`, so a
+    reader's byte ranges always come from the metadata it was set up with.
+    `crcs` are those of the tiles of shape `tile` (format version 3), else of
+    pages of `page_size` (versions 1 and 2), else (no payload) one of the record."""
+
+    dtype: str = ""
+    sizes: tuple[int, ...] = ()
+    payload: tuple[int, int] | None = None
+    crcs: list[int] | None = None
+    page_size: int = PAGE_SIZE
+    tile: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(cls, chunk: ChunkEntry, dtype: str, page_size: int = PAGE_SIZE) -> StoredChunk:
+        """The storage info of a manifest chunk of a tensor of `dtype` (its name)."""
+        return cls(
+            chunk.file,
+            chunk.record[0],
+            chunk.record[1],
+            chunk.transform,
+            dtype,
+            chunk.sizes,
+            chunk.payload,
+            chunk.crcs,
+            page_size,
+            chunk.tile,
+        )
+
+
+@dataclass
+class StoredObject(_StorageInfo):
+    """DCP's storage info of a pickled object plus its checksum."""
+
+    crc32c: int | None = None
+
+
+def seal(text: str) -> str:
+    """Canonical manifest text ending `"crc32c":0}` with that field set to the crc32c
+    of the text itself: what `Manifest.read` checks."""
+    return f"{text[:-2]}{crc32c.crc32c(text.encode())}}}"
+
+
+def _checksum(doc: dict[str, Any]) -> int:
+    # compact, no indent: json's C encoder (10x faster), and canonical, so re-encoding is exact
+    return crc32c.crc32c(json.dumps(dict(doc, crc32c=0), separators=(",", ":")).encode())
+
+
+# The end of a document as the writer writes it: its checksum is the last field.
+_TAIL = re.compile(rb',"crc32c":(0|[1-9][0-9]{0,9})\}$')
+
+
+def _checksum_matches(text: bytes, doc: dict[str, Any]) -> bool:
+    """Whether `doc`'s "crc32c" is the checksum of its compact form. Text as the writer
+    wrote it is checked as it is (its bytes are that form); anything else (indented,
+    reordered) is encoded again."""
+    found = _TAIL.search(text, max(0, len(text) - 32))
+    if found is not None and int(found.group(1)) == doc.get("crc32c"):
+        if crc32c.crc32c(b"0}", crc32c.crc32c(memoryview(text)[: found.start(1)])) == doc["crc32c"]:
+            return True
+    return _checksum(doc) == doc.get("crc32c")
+
+
+def _check_version(doc: dict[str, Any]) -> int:
+    """Format and version first: they keep their meaning in every version, and
+    which other fields exist depends on them."""
+    if doc.get("format") != FORMAT:
+        raise FieldError("format", f"is {doc.get('format')!r}, not {FORMAT!r}")
+    version = doc.get("version")
+    if type(version) is not int or version not in READS:
+        newer = type(version) is int and version > VERSION
+        raise FieldError(
+            "version",
+            f"format version {version!r} is not supported: this shardwise reads versions "
+            f"{', '.join(map(str, READS))}"
+            + (" (a newer shardwise wrote it: upgrade to read it)" if newer else ""),
+        )
+    return version
+
+
+@dataclass
+class Manifest:
+    world_size: int
+    tensors: dict[str, TensorEntry] = field(default_factory=dict)
+    objects: dict[str, ObjectEntry] = field(default_factory=dict)
+    page_size: int = PAGE_SIZE
+    metadata_crc32c: int = 0  # of DCP's .metadata, for `verify`
+    planner_data: Any = None  # DCP's, when plain JSON (see encode_planner_data)
+    planner_data_pickle: str | None = None  # otherwise: base64 pickle, read with the safe unpickler
+    storage_meta: dict[str, Any] = field(default_factory=dict)  # checkpoint_id, save_id, modules
+    dcp_version: str | None = None
+    version: int = VERSION  # of the file read; writing always writes VERSION
+
+    def to_json(self) -> str:
+        """Canonical JSON whose "crc32c" field checksums the document itself, in this
+        manifest's `version` (a new manifest: the newest)."""
+        return seal(self.unsealed_json())
+
+    def unsealed_json(self) -> str:
+        """`to_json` before its checksum: the text with `"crc32c":0` last (`seal` it)."""
+        with gc_paused():
+            text = json.dumps(encode(TOP, self, self.version), separators=(",", ":"))
+        assert text.endswith(',"crc32c":0}')
+        return text
+
+    @classmethod
+    def from_json(cls, text: str | bytes, source: str | Path = MANIFEST) -> Manifest:
+        """The manifest in `text`, every field and the geometry checked (not the data
+        files: see `read`). `source` names the file in errors."""
+        data = text.encode() if isinstance(text, str) else text
+        with gc_paused():
+            try:
+                doc = json.loads(data)
+                if not isinstance(doc, dict):
+                    raise ValueError("not a JSON object")
+                version = _check_version(doc)
+                if not _checksum_matches(data, doc):
+                    raise FieldError("crc32c", "does not match the contents (damaged)")
+                out = cls(**decode(TOP, doc, version, ""))
+            except ValueError as e:  # FieldError, and JSON's and UTF-8's errors
+                raise CorruptCheckpointError(f"{source}: unreadable manifest: {e}") from e
+            except RecursionError as e:  # nested deeper than any manifest: crafted
+                raise CorruptCheckpointError(
+                    f"{source}: unreadable manifest: nested too deeply ({e})"
+                ) from e
+            del doc  # freed before the collector is back: it would walk all of it once more
+            out._check_geometry(source)
+        return out
+
+    @classmethod
+    def read(cls, folder: Folder | str | os.PathLike, name: str = MANIFEST) -> Manifest:
+        """The manifest `name` in `folder`, checked, its byte ranges inside its files."""
+        folder = open_folder(folder)
+        path = folder.where(name)
+        try:
+            text = folder.read(name)
+        except OSError as e:
+            raise CorruptCheckpointError(f"{path}: unreadable manifest: {e}") from e
+        out = cls.from_json(text, path)
+        out._check_files(folder, path)
+        out.check_coverage(path, holes=name != MANIFEST)
+        return out
+
+    def check_coverage(self, source: str, *, holes: bool = False) -> None:
+        """The chunks of each tensor cover it exactly, each element once (`holes`: a
+        per-rank manifest, its rank's chunks only, still never overlapping)."""
+        for k, t in self.tensors.items():
+            chunks = [(c.offsets, c.sizes) for c in t.chunks]
+            check_coverage(k, t.shape, chunks, source, replicas=False, holes=holes)
+
+    def _check_files(self, folder: Folder, source: str) -> None:
+        """Every file named is one of our data files, plain, inside the folder; every
+        byte range lies inside its file and no two overlap: nothing past the end is
+        read, and no size taken from the manifest is trusted beyond what is stored
+        (one listing)."""
+        ranges = [(k, c.file, *c.record) for k, t in self.tensors.items() for c in t.chunks]
+        ranges += [(k, o.file, o.offset, o.length) for k, o in self.objects.items()]
+        for name, key in {r[1]: r[0] for r in ranges}.items():  # each file named once
+            check_name(folder, key, name, source, shardwise=True)
+        check_ranges(folder, ranges, folder.sizes())
+
+    def files(self) -> set[str]:
+        """Every data file this manifest names."""
+        names = {c.file for t in self.tensors.values() for c in t.chunks}
+        return names | {o.file for o in self.objects.values()}
+
+    def stale(self, folder: Folder, name: str = METADATA) -> bytes | None:
+        """DCP's record `name` beside this manifest when it is not the one this manifest
+        was committed with (stock `dcp.save` replaced the checkpoint in place, or a save
+        died between its two records): what stock readers follow. None when it matches,
+        or when there is none."""
+        try:
+            data = folder.read(name)
+        except FileNotFoundError:
+            return None
+        return None if crc32c.crc32c(data) == self.metadata_crc32c else data
+
+    def _check_geometry(self, path: str | Path) -> None:
+        itemsizes: dict[str, int] = {}
+        for k, t in self.tensors.items():
+            itemsize = itemsizes.get(t.dtype)
+            if itemsize is None:
+                itemsize = itemsizes[t.dtype] = dtype_from_name(t.dtype).itemsize
+            ndim = len(t.shape)
+            for c in t.chunks:
+                if (
+                    len(c.offsets) != ndim
+                    or len(c.sizes) != ndim
+                    or not all(map(operator.le, map(operator.add, c.offsets, c.sizes), t.shape))
+                    or not _consistent(c, itemsize, self.version, self.page_size)
+                ):
+                    raise CorruptCheckpointError(
+                        f"{path}: chunk at offsets {c.offsets} of '{k}' has inconsistent sizes or "
+                        f"byte ranges (file {c.file}, payload {c.payload})"
+                    )
+
+    def set_planner_data(self, value: Any) -> None:
+        """Keep DCP's `planner_data`: as JSON when it is plain, else pickled (in
+        this manifest, not in `.metadata`, so the two records never depend on
+        each other)."""
+        try:
+            self.planner_data, self.planner_data_pickle = encode_planner_data(value), None
+        except ValueError:
+            self.planner_data = None
+            self.planner_data_pickle = base64.b64encode(pickle.dumps(value)).decode()
+
+    def decoded_planner_data(self) -> Any:
+        if self.planner_data_pickle is None:
+            try:
+                return decode_planner_data(self.planner_data)
+            except RecursionError as e:
+                raise CorruptCheckpointError(
+                    f"{MANIFEST}: unreadable planner data: nested too deeply"
+                ) from e
+        try:
+            return load_metadata(io.BytesIO(base64.b64decode(self.planner_data_pickle)))
+        except (ValueError, pickle.UnpicklingError) as e:
+            raise CorruptCheckpointError(f"{MANIFEST}: unreadable planner data: {e}") from e
+
+    def to_metadata(self) -> Metadata:
+        """The DCP `Metadata` this manifest describes, built without unpickling."""
+        state: dict[str, Any] = {}
+        storage: dict[MetadataIndex, _StorageInfo] = {}
+        for k, t in self.tensors.items():
+            state[k] = TensorStorageMetadata(
+                properties=TensorProperties(
+                    dtype=dtype_from_name(t.dtype), requires_grad=t.requires_grad
+                ),
+                size=torch.Size(t.shape),
+                chunks=[
+                    ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
+                    for c in t.chunks
+                ],
+            )
+            for c in t.chunks:
+                storage[MetadataIndex(k, c.offsets)] = StoredChunk.of(c, t.dtype, self.page_size)
+        for k, o in self.objects.items():
+            state[k] = BytesStorageMetadata()
+            storage[MetadataIndex(k)] = StoredObject(
+                o.file, o.offset, o.length, o.transform, o.crc32c
+            )
+        meta = self.storage_meta
+        return Metadata(
+            state_dict_metadata=state,
+            planner_data=self.decoded_planner_data(),
+            storage_data=storage,
+            storage_meta=StorageMeta(
+                # a Path, as FileSystemWriter pickles it (its init_path makes one)
+                checkpoint_id=None
+                if meta.get("checkpoint_id") is None
+                else Path(meta["checkpoint_id"]),
+                save_id=meta.get("save_id"),
+                modules=list(meta.get("modules") or []),
+            ),
+            version=self.dcp_version,
+        )
+
+
+def encode_planner_data(value: Any) -> Any:
+    """DCP's `planner_data` as JSON, tuples tagged so they come back as tuples
+    (the default planner maps keys to tuple paths); `ValueError` when it holds
+    anything else than plain containers, strings and numbers."""
+    kind = type(
+        value
+    )  # exact types: an Enum, namedtuple or OrderedDict would come back as its base
+    if value is None or kind in (bool, int, float, str):
+        return value
+    if kind is tuple:
+        return {"__tuple__": [encode_planner_data(v) for v in value]}
+    if kind is list:
+        return [encode_planner_data(v) for v in value]
+    if kind is dict and all(type(k) is str for k in value) and "__tuple__" not in value:
+        return {k: encode_planner_data(v) for k, v in value.items()}
+    raise ValueError(f"planner data of type {type(value).__name__} is not plain JSON")
+
+
+def decode_planner_data(value: Any) -> Any:
+    if isinstance(value, list):
+        return [decode_planner_data(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"__tuple__"}:
+            return tuple(decode_planner_data(v) for v in value["__tuple__"])
+        return {k: decode_planner_data(v) for k, v in value.items()}
+    return value
+
+
+def _consistent(c: ChunkEntry, itemsize: int, version: int, page_size: int) -> bool:
+    """The byte ranges and checksums of a chunk fit each other and its size."""
+    if c.payload is None:  # transformed: one checksum over the stored record
+        return bool(c.transform) and c.tile is None and len(c.crcs) == 1
+    nbytes = math.prod(c.sizes) * itemsize
+    if not (
+        c.payload[1] == nbytes
+        and c.record[0] <= c.payload[0] <= c.payload[0] + c.payload[1] <= sum(c.record)
+    ):
+        return False
+    if version <= 2:  # pages: at least one (an empty payload has one empty page)
+        return len(c.crcs) == max(1, -(-nbytes // page_size))
+    if c.tile is None:  # no checksums at all: only a transformed chunk has no tiles
+        return False
+    if c.tile == c.sizes:  # one tile, the common case for small chunks
+        return len(c.crcs) == 1
+    return valid_tile(c.sizes, c.tile) and len(c.crcs) == tile_count(c.sizes, c.tile)

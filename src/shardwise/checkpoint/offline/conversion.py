@@ -1,0 +1,244 @@
+"""`convert`: a checkpoint to one consolidated file and back, through a registry of targets.
+
+Each output format is a `Target` in `TARGETS` saying what it can be written
+from (a checkpoint folder, a `.safetensors` file); `convert` looks the format
+up, and the command line offers the same names. Everything streams tensor by
+tensor, so memory holds one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import CheckpointExistsError, InvalidArgumentError, UnsupportedStorageError
+from ...storage import Folder, Sink, is_url, open_folder
+from ...comm.communicator import SingleProcess
+from ..engine.saving import save_state
+from ..format.checksums import byte_view
+from ..format.record_write import write_torch_archive
+from ..io.commit import in_the_way
+from .opening import OpenCheckpoint, open_checkpoint
+
+__all__ = ["TARGETS", "Target", "convert"]
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+_FROM_SAFETENSORS = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+
+# (open checkpoint, output, max_file_size) -> files written
+FromCheckpoint = Callable[[OpenCheckpoint, "_Output", int | None], list[Any]]
+# (open safetensors file, output, overwrite) -> files written
+FromSafetensors = Callable[[Any, "_Output", bool], list[Any]]
+
+
+@dataclass(frozen=True)
+class _Output:
+    """Where a conversion writes: a file (or folder) `name` in `folder`, local or remote."""
+
+    folder: Folder
+    name: str
+    location: Path | str  # as the caller named it, returned in the list of files written
+    storage_options: dict[str, Any] | None = None
+
+    def sibling(self, name: str) -> _Output:
+        where = (
+            Path(self.location).with_name(name)
+            if isinstance(self.location, Path)
+            else f"{self.location.rsplit('/', 1)[0]}/{name}"
+        )
+        return _Output(self.folder, name, where, self.storage_options)
+
+
+def _output(out: str | os.PathLike, storage_options: dict[str, Any] | None) -> _Output:
+    if is_url(out):
+        text = str(out).rstrip("/")
+        parent, name = text.rsplit("/", 1)
+        return _Output(open_folder(parent, storage_options), name, text, storage_options)
+    path = Path(out)
+    return _Output(open_folder(path.parent), path.name, path, storage_options)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One output format: how to write it from each source it accepts (None: not accepted)."""
+
+    from_checkpoint: FromCheckpoint | None = None
+    from_safetensors: FromSafetensors | None = None
+
+
+def convert(
+    path: str | os.PathLike,
+    out: str | os.PathLike,
+    format: str = "safetensors",
+    *,
+    max_file_size: int | None = None,
+    overwrite: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> list[Path | str]:
+    """Convert between a checkpoint and one consolidated file; returns the files written.
+
+    * checkpoint -> `safetensors` (split into `-0000k-of-0000n` files plus an
+      index, as Hugging Face does, when `max_file_size` is exceeded) or `torch`
+      (a file `torch.load(..., weights_only=True)` reads). Tensors only.
+    * a `.safetensors` file -> `shardwise` (a checkpoint folder) or `torch`.
+    Streams tensor by tensor: memory holds one tensor at a time. The formats
+    are the keys of `TARGETS`. `path` and `out` may be fsspec URLs (a
+    `.safetensors` input is read from a local file), `storage_options` their
+    backend's options.
+    """
+    target = _output(out, storage_options)
+    existing = in_the_way(open_folder(out, storage_options), files=True)
+    if existing and not overwrite:
+        raise CheckpointExistsError(existing)
+    source = open_folder(path, storage_options)
+    if source.is_file():
+        local = source.local_path
+        if local is None:
+            raise UnsupportedStorageError(
+                f"cannot convert {path}: a .safetensors input is read from a local file"
+            )
+        from safetensors import safe_open  # an optional extra
+
+        with safe_open(str(local), framework="pt") as f:
+            from_file = _lookup(format, "safetensors", "a safetensors file")
+            return from_file(f, target, overwrite)
+    ckpt = open_checkpoint(source)
+    return _lookup(format, "checkpoint", "a checkpoint")(ckpt, target, max_file_size)
+
+
+def _lookup(format: str, source: str, what: str) -> Callable[..., list[Any]]:
+    """`TARGETS[format]`'s converter from `source`; the error names every format that has one."""
+    target = TARGETS.get(format)
+    found: Callable[..., list[Any]] | None = getattr(target, f"from_{source}", None)
+    if found is None:
+        names = sorted(repr(n) for n, t in TARGETS.items() if getattr(t, f"from_{source}"))
+        raise InvalidArgumentError(
+            f"unknown format {format!r} for {what}; use {' or '.join(names)}"
+        )
+    return found
+
+
+def _write_file(out: _Output, write: Callable[[Sink], object]) -> None:
+    out.folder.make()
+    out.folder.write_atomically(out.name, write, sync=True)
+
+
+def _checkpoint_to_torch(
+    ckpt: OpenCheckpoint, out: _Output, max_file_size: int | None
+) -> list[Path | str]:
+    keys = ckpt.tensor_keys()
+    items = [
+        (k, ckpt.tensor_metadata(k).properties.dtype, tuple(ckpt.tensor_metadata(k).size))
+        for k in keys
+    ]
+    _write_file(out, lambda sink: write_torch_archive(sink, items, lambda i: ckpt.read(keys[i])))
+    return [out.location]
+
+
+def _checkpoint_to_safetensors(
+    ckpt: OpenCheckpoint, out: _Output, max_file_size: int | None
+) -> list[Path | str]:
+    keys = ckpt.tensor_keys()
+    groups: list[list[str]] = [[]]
+    size = 0
+    for key in keys:
+        n = ckpt.tensor_nbytes(key)
+        if max_file_size and groups[-1] and size + n > max_file_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += n
+    files = _safetensors_files(out, groups)
+    for file, group in zip(files, groups):
+        _write_file(file, functools.partial(_write_safetensors, keys=group, ckpt=ckpt))
+    if len(files) > 1:
+        index = {
+            "metadata": {"total_size": sum(ckpt.tensor_nbytes(k) for k in keys)},
+            "weight_map": {k: f.name for f, g in zip(files, groups) for k in g},
+        }
+        index_file = out.sibling(out.name.removesuffix(".safetensors") + ".safetensors.index.json")
+        index_file.folder.write_durably(index_file.name, json.dumps(index, indent=2).encode())
+        files.append(index_file)
+    return [f.location for f in files]
+
+
+def _safetensors_files(out: _Output, groups: list[list[str]]) -> list[_Output]:
+    if len(groups) == 1:
+        return [out]
+    stem = out.name.removesuffix(".safetensors")
+    return [
+        out.sibling(f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors")
+        for i in range(len(groups))
+    ]
+
+
+def _write_safetensors(sink: Sink, keys: list[str], ckpt: OpenCheckpoint) -> None:
+    """The safetensors layout: 8-byte header size, JSON header, tensor bytes in order;
+    written tensor by tensor so memory holds one at a time."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": "shardwise"}}
+    offset = 0
+    for key in keys:
+        md = ckpt.tensor_metadata(key)
+        dtype = md.properties.dtype
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise InvalidArgumentError(f"'{key}' has dtype {dtype}, which safetensors cannot store")
+        n = ckpt.tensor_nbytes(key)
+        header[key] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(md.size),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    sink.write([struct.pack("<Q", len(text)), text])
+    for key in keys:
+        t = ckpt.read(key)
+        if t.numel():
+            sink.write([byte_view(t)])
+
+
+def _safetensors_to_torch(f: Any, out: _Output, overwrite: bool) -> list[Path | str]:
+    keys = list(f.keys())
+    first = {k: f.get_slice(k) for k in keys}
+    items = [
+        (k, _FROM_SAFETENSORS[first[k].get_dtype()], tuple(first[k].get_shape())) for k in keys
+    ]
+    _write_file(out, lambda sink: write_torch_archive(sink, items, lambda i: f.get_tensor(keys[i])))
+    return [out.location]
+
+
+def _safetensors_to_shardwise(f: Any, out: _Output, overwrite: bool) -> list[Path | str]:
+    tensors = {k: f.get_tensor(k) for k in f.keys()}  # mmap-backed: pages load as written
+    # one process: the engine itself, under the path's lease (`convert` checked the target)
+    folder = open_folder(out.location, out.storage_options)
+    save_state(tensors, folder, SingleProcess(), None, ("convert", None), overwrite=overwrite)
+    return [out.location]
+
+
+TARGETS: dict[str, Target] = {
+    "safetensors": Target(from_checkpoint=_checkpoint_to_safetensors),
+    "torch": Target(_checkpoint_to_torch, _safetensors_to_torch),
+    "shardwise": Target(from_safetensors=_safetensors_to_shardwise),
+}

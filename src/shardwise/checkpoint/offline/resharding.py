@@ -1,0 +1,110 @@
+"""`reshard`: rewrite a checkpoint offline into the per-rank files of another layout.
+
+A job of M ranks then reads one contiguous file per rank. Chunks are written
+through `chunk_io`, the same path a save takes, and committed the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import crc32c
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from ...errors import CheckpointExistsError, LayoutError
+from ...layout import Block, Layout
+from ...storage import open_folder
+from ..format.manifest import Manifest, TensorEntry, dtype_name
+from ..io.chunk_writer import DataFile
+from ..io.commit import commit, data_file_name, in_the_way, new_token
+from ..io.lease import Lease
+from .opening import open_checkpoint
+
+__all__ = ["reshard"]
+
+
+def reshard(
+    path: str | os.PathLike,
+    out: str | os.PathLike,
+    world_size: int,
+    *,
+    dim: int = 0,
+    layouts: Mapping[str, Layout] | None = None,
+    overwrite: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    wait: bool | float = False,
+) -> Path | str:
+    """Rewrite a checkpoint into the per-rank files of another layout, offline.
+
+    Each tensor is split as `layouts[key]` when given, else chunked along `dim`
+    (or replicated when it has no such dimension) over `world_size` ranks;
+    rank r's blocks all go to one file `__r_0.sw<token>.distcp`, so a job of
+    `world_size` ranks reads one contiguous file per rank. Memory holds one
+    block at a time. The result is a shardwise checkpoint (stock-readable).
+    `path` and `out` may be fsspec URLs, `storage_options` their backend's options.
+    It holds `out`'s save lease while it writes, as a save does (`CheckpointBusyError`
+    while another save of `out` runs; `wait` as for `swc.save`).
+    """
+    ckpt = open_checkpoint(path, storage_options=storage_options)
+    folder = open_folder(out, storage_options)
+    plan = {}
+    for key in ckpt.tensor_keys():
+        shape = tuple(ckpt.tensor_metadata(key).size)
+        layout = (layouts or {}).get(key)
+        if layout is None:
+            layout = (
+                Layout.chunked(shape, dim, world_size)
+                if len(shape) > dim
+                else Layout.replicated(shape, world_size)
+            )
+        if layout.global_shape != shape or layout.world_size != world_size:
+            raise LayoutError(
+                f"layout for '{key}' is {layout}, not {world_size} ranks over shape {shape}"
+            )
+        plan[key] = layout
+    # one save of a path at a time (the lease makes the folder); the check for a
+    # checkpoint in the way is made once it is held, as a save makes it
+    with Lease(folder).acquire(wait) as lease:
+        existing = in_the_way(folder)
+        if existing and not overwrite:
+            raise CheckpointExistsError(existing)
+        token = new_token()
+        manifest = Manifest(world_size=world_size)
+        written: set[tuple[str, Block]] = set()
+        names = [data_file_name(f"__{rank}_", 0, token) for rank in range(world_size)]
+        for rank, name in enumerate(names):
+            with DataFile(folder, name) as file:
+                if rank == 0:  # objects are copied verbatim, never unpickled
+                    for key in ckpt.object_keys():
+                        manifest.objects[key] = file.write_object(
+                            ckpt.object_bytes(key)
+                        ).object_entry()
+                for key, layout in plan.items():
+                    md = ckpt.tensor_metadata(key)
+                    entry = manifest.tensors.setdefault(
+                        key, TensorEntry(dtype_name(md.properties.dtype), tuple(md.size))
+                    )
+                    for block in layout.blocks_of(rank):
+                        if block.is_empty() or (key, block) in written:
+                            continue  # replicas are stored once
+                        written.add((key, block))
+                        chunk = file.write_tensor(ckpt.read(key, block))
+                        entry.chunks.append(chunk.chunk_entry(block.offsets, block.sizes))
+                file.sync()
+        metadata = pickle.dumps(_stock(manifest.to_metadata()))
+        manifest.metadata_crc32c = crc32c.crc32c(metadata)
+        commit(folder, metadata, manifest.to_json().encode(), set(names), lease=lease)
+    return folder.checkpoint_id
+
+
+def _stock(metadata: Any) -> Any:
+    """`Metadata` whose storage infos are DCP's own class, for the pickled `.metadata`."""
+    metadata.storage_data = {
+        k: _StorageInfo(v.relative_path, v.offset, v.length, v.transform_descriptors)
+        for k, v in metadata.storage_data.items()
+    }
+    return metadata
