@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from shardwise import Layout, ShardedTensor
-from shardwise.checkpoint.engine import staging
-from shardwise.checkpoint.engine.staging import Stager, _pieces
+from shardwise.checkpoint.engine import copies
+from shardwise.checkpoint.engine.copies import _pieces
+from shardwise.checkpoint.engine.staging import Stager
 
 
 def _pooled(threads: int = 3, piece: int = 4096) -> Stager:
@@ -92,7 +93,7 @@ def test_chunked_threaded_copy_of_a_size_not_a_multiple_of_the_piece_count(
 ):
     copied_by: set[int] = set()
     primitives: set[bool] = set()
-    copy_range = staging._copy_range
+    copy_range = copies._copy_range
 
     def recording(dst, src, start, n, memcpy):
         copied_by.add(threading.get_ident())
@@ -100,7 +101,7 @@ def test_chunked_threaded_copy_of_a_size_not_a_multiple_of_the_piece_count(
         time.sleep(0.002)  # lets every worker take pieces
         copy_range(dst, src, start, n, memcpy)
 
-    monkeypatch.setattr(staging, "_copy_range", recording)
+    monkeypatch.setattr(copies, "_copy_range", recording)
     stager = _pooled(threads=3, piece=1 << 16)
     src = torch.randn(1_000_003)  # 4,000,012 bytes: 61 pieces of 64 KiB and a shorter one
     assert src.nbytes % (1 << 16) != 0
@@ -133,7 +134,7 @@ def test_one_thread_uses_no_pool():
     stager = Stager(threads=1)
     src = torch.randn(3, 1 << 20)
     assert torch.equal(stager.stage({"x": src})["x"], src)
-    assert stager._pool is None
+    assert not stager._copy_pool.started
 
 
 def test_pieces_cover_every_byte_once():

@@ -1,6 +1,7 @@
-"""What every entry point does at the API edge: the folder opened on every rank,
-the caller's `Stateful` values read, one rank's problem raised on all, the
-communicator the engine runs on.
+"""What every entry point does at the API edge, before the engine runs: the folder
+opened, the caller's `Stateful` values read, and one exchange (`agree_route`)
+that raises any rank's problem so far on every rank and puts every rank on the
+same route (by Megatron key or by dict path, the same adapted values).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from ...errors import (
     ShardwiseError,
 )
 from ...storage import Folder, open_folder
+from ..clients.megatron_returned import holds_megatron
+from ..engine.adapters import held_adapted, require_same_adapted
 
 
 @dataclass(frozen=True)
@@ -85,16 +88,44 @@ def _comm(process_group: Any) -> Communicator:
     return communicator(process_group) if _distributed(process_group) else SingleProcess()
 
 
-def _folder(
-    path: str | Path | Folder, storage_options: dict[str, Any] | None, process_group: Any
-) -> Folder:
-    """`open_folder`, its refusal (an unknown scheme, a missing backend) raised on every rank."""
-    problem: BaseException | None = None
-    folder: Folder | None = None
+def open_target(
+    path: str | Path | Folder, storage_options: dict[str, Any] | None
+) -> tuple[Folder | None, BaseException | None]:
+    """`open_folder`, its refusal (an unknown scheme, a missing backend) returned for
+    `agree_route` to raise on every rank."""
     try:
-        folder = open_folder(path, storage_options)
+        return open_folder(path, storage_options), None
     except ShardwiseError as e:
-        problem = e
-    _agree(problem, process_group)
-    assert folder is not None
-    return folder
+        return None, e
+
+
+def agree_route(
+    state_dict: Any,
+    megatron: bool,
+    group: Any,
+    problem: BaseException | None,
+    statefuls: tuple[str, ...] = (),
+) -> bool:
+    """The edge's one exchange: whether this save or load goes by Megatron key
+    (`megatron=True`, or a Megatron value on any rank), checked so that every rank
+    takes the same route. On it the ranks' top-level `Stateful` keys must agree; off
+    it, their adapted values too (`engine.adapters`). `problem` (this rank's failure
+    so far: the folder, a `state_dict()`) is raised on every rank by the exchange."""
+    by_key = megatron or holds_megatron(state_dict)
+    if not _distributed(group):
+        if problem is not None:
+            raise problem
+        return by_key
+    held = None if by_key or problem is not None else held_adapted(state_dict, statefuls)
+    everyone = exchange(problem, (by_key, statefuls, held), group)
+    if any(b for b, _s, _h in everyone):
+        require_same(
+            [s for _b, s, _h in everyone],
+            "their Stateful values",
+            shown=str,
+            verb="hold",
+            fix="every rank must pass the same Stateful keys",
+        )
+        return True
+    require_same_adapted([h for _b, _s, h in everyone])
+    return False

@@ -22,7 +22,9 @@ __all__ = [
     "ValueAdapter",
     "adapted_for_load",
     "adapted_for_save",
+    "held_adapted",
     "register_value_adapter",
+    "require_same_adapted",
     "unregister_value_adapter",
 ]
 
@@ -102,28 +104,17 @@ def _leaves(container: Any, path: tuple[Any, ...] = ()) -> list[_Leaf]:
     return sorted(found, key=lambda leaf: tuple(map(str, leaf.path)))
 
 
-def _agree_on(
-    leaves: list[_Leaf],
-    group: Any,
-    problem: BaseException | None = None,
-    statefuls: tuple[str, ...] = (),
-) -> None:
-    """Every rank must hold the same adapted values, or the per-value collectives
-    would pair one rank's value with another's: refuse together, naming ranks.
+def held_adapted(state_dict: Any, statefuls: tuple[str, ...] = ()) -> tuple[Any, ...]:
+    """What this rank holds of adapted values (dotted path, adapter) and top-level
+    `Stateful` keys: what every rank must hold alike, exchanged at the API edge."""
+    mine = tuple((".".join(map(str, leaf.path)), leaf.adapter.name) for leaf in _leaves(state_dict))
+    return mine + tuple((key, "Stateful") for key in statefuls)
 
-    `problem` (a failure in the caller's own code on this rank, e.g. a `Stateful`'s
-    `state_dict()`) rides on the same exchange, so every rank raises it, as its
-    original type, naming the rank.
-    `statefuls` (this rank's top-level `Stateful` keys) must agree too: after the
-    load each rank calls their `load_state_dict()` and then agrees once more."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if problem is not None:
-            raise problem
-        return
 
-    mine = tuple((".".join(map(str, leaf.path)), leaf.adapter.name) for leaf in leaves)
-    mine += tuple((key, "Stateful") for key in statefuls)
-    everyone = exchange(problem, mine, group)
+def require_same_adapted(everyone: list[tuple[Any, ...]]) -> None:
+    """Refuse, naming ranks, unless every rank's `held_adapted` is the same: the
+    per-value collectives of the adapters would pair one rank's value with another's.
+    `everyone` came from one exchange, so every rank raises the same message."""
     ref, odd = odd_ranks(everyone)
     if odd:
         theirs = everyone[odd[0]]
@@ -141,15 +132,37 @@ def _agree_on(
         )
 
 
+def _agree_on(
+    state_dict: Any,
+    group: Any,
+    problem: BaseException | None = None,
+    statefuls: tuple[str, ...] = (),
+) -> None:
+    """`require_same_adapted` over one exchange of its own (for callers that did not
+    agree at their edge); `problem`, this rank's failure so far, rides on it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if problem is not None:
+            raise problem
+        return
+    require_same_adapted(exchange(problem, held_adapted(state_dict, statefuls), group))
+
+
 def adapted_for_save(
-    state_dict: Any, group: Any = None, problem: BaseException | None = None
+    state_dict: Any,
+    group: Any = None,
+    problem: BaseException | None = None,
+    *,
+    agreed: bool = False,
 ) -> Any:
     """A copy of the containers of `state_dict` (dicts and lists, as DCP walks
     them) with adapted leaves; the caller's containers are left as they are.
-    Collective when distributed (one small exchange, which also raises `problem`,
-    this rank's own failure so far, on every rank)."""
+    Collective when distributed: one small exchange, which also raises `problem`,
+    this rank's own failure so far, on every rank, unless the caller `agreed`
+    already (`require_same_adapted` over its own exchange); then the adapters'
+    own collectives only."""
+    if not agreed:
+        _agree_on(state_dict, group, problem)
     leaves = _leaves(state_dict)
-    _agree_on(leaves, group, problem)
     copies: dict[int, Any] = {}
 
     def copy(value: Any) -> Any:
@@ -172,7 +185,7 @@ class adapted_for_load:
     """Context manager: inside, `state_dict`'s adapted leaves are replaced in place
     by load targets (DCP writes loaded objects into the caller's own containers);
     `finish()` copies loaded data into the original values; leaving restores them.
-    Collective when distributed (one small exchange)."""
+    Collective when distributed (one small exchange, none when the caller `agreed`)."""
 
     def __init__(
         self,
@@ -180,8 +193,11 @@ class adapted_for_load:
         group: Any = None,
         problem: BaseException | None = None,
         statefuls: tuple[str, ...] = (),
+        *,
+        agreed: bool = False,
     ) -> None:
         self.state_dict = state_dict
+        self.agreed = agreed
         self.group = group
         self.problem, self.statefuls = problem, statefuls
         self._swapped: list[tuple[Any, Any, Any, Any]] = []  # container, key, original, target
@@ -196,8 +212,9 @@ class adapted_for_load:
         return self
 
     def _swap(self, container: Any) -> None:
+        if not self.agreed:
+            _agree_on(container, self.group, self.problem, self.statefuls)
         leaves = _leaves(container)
-        _agree_on(leaves, self.group, self.problem, self.statefuls)
         for leaf in leaves:
             target, finish = leaf.adapter.for_load(leaf.value)
             leaf.container[leaf.key] = target

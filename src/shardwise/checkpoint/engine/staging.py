@@ -30,11 +30,7 @@ How the copies are made, cheapest first:
 from __future__ import annotations
 
 import copy
-import ctypes
-import os
-import queue
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -44,88 +40,11 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from ...errors import InvalidArgumentError
 from ...interop import from_torch_sharded_tensor
 from ...tensor import ShardedTensor
+from .copies import Copies, CopyPool, bytes_of, bytewise
 
 __all__ = ["Stager"]
 
 _Parameter = torch.nn.Parameter
-# A byte range of one copy: destination and source (flat uint8 views), offset, byte count.
-_Range = tuple[torch.Tensor, torch.Tensor, int, int]
-
-
-def _copy_range(dst: torch.Tensor, src: torch.Tensor, start: int, n: int, memcpy: bool) -> None:
-    if memcpy:
-        ctypes.memmove(dst.data_ptr() + start, src.data_ptr() + start, n)
-    else:
-        dst[start : start + n].copy_(src[start : start + n])
-
-
-def _pieces(copies: list[tuple[torch.Tensor, torch.Tensor]], piece: int) -> list[list[_Range]]:
-    """Cut the concatenation of the (destination, source) byte views in `copies`
-    into consecutive pieces of `piece` bytes (the last one shorter)."""
-    pieces: list[list[_Range]] = []
-    current: list[_Range] = []
-    room = piece
-    for dst, src in copies:
-        nbytes, offset = src.numel(), 0
-        while offset < nbytes:
-            take = min(room, nbytes - offset)
-            current.append((dst, src, offset, take))
-            offset += take
-            room -= take
-            if room == 0:
-                pieces.append(current)
-                current, room = [], piece
-    if current:
-        pieces.append(current)
-    return pieces
-
-
-def _drain(work: queue.SimpleQueue[list[_Range]], memcpy: bool) -> None:
-    """Copy pieces from `work` until it is empty (run by the workers and the caller)."""
-    while True:
-        try:
-            piece = work.get_nowait()
-        except queue.Empty:
-            return
-        for dst, src, start, n in piece:
-            _copy_range(dst, src, start, n, memcpy)
-
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-
-
-def _bytewise(t: torch.Tensor) -> bool:
-    """Whether `t`'s bytes, as laid out, are its values (so copying them copies it)."""
-    return (
-        t.layout is torch.strided
-        and t.is_contiguous()
-        and not t.is_conj()
-        and not t.is_neg()
-        and not t.is_quantized
-        and t.dtype.itemsize >= 1
-    )
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of contiguous `t`, as a flat uint8 view."""
-    return t.detach().reshape(-1).view(torch.uint8)
-
-
-class _Copies:
-    """The copies one `stage` call makes: gathered by the walk, made at its end."""
-
-    __slots__ = ("threads", "cpu_dst", "cpu_src", "cuda_dst", "cuda_src", "large", "large_bytes")
-
-    def __init__(self, threads: int) -> None:
-        self.threads = threads
-        self.cpu_dst: list[torch.Tensor] = []
-        self.cpu_src: list[torch.Tensor] = []
-        self.cuda_dst: list[torch.Tensor] = []
-        self.cuda_src: list[torch.Tensor] = []
-        # for the pool: (buffer, source) as flat byte views
-        self.large: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.large_bytes = 0
 
 
 class Stager:
@@ -147,9 +66,7 @@ class Stager:
         self.threads = threads
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._pinned: set[tuple[Any, ...]] = set()  # keys whose buffer is pinned
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_workers = 0
-        self._pool_pid = 0
+        self._copy_pool = CopyPool()
         self._cuda_devices: set[int] = set()  # copied from since the last synchronize
         # wrappers last returned, reused while they wrap the same buffers the same way
         self._staged: dict[tuple[Any, ...], tuple[weakref.ref, ShardedTensor]] = {}
@@ -162,20 +79,9 @@ class Stager:
     def _threads(self) -> int:
         return self.threads if self.threads is not None else max(1, min(8, torch.get_num_threads()))
 
-    def _workers(self, n: int) -> ThreadPoolExecutor:
-        """The kept pool, with at least `n` workers (a new one after a fork or to grow)."""
-        if self._pool is None or self._pool_workers < n or self._pool_pid != os.getpid():
-            if self._pool is not None and self._pool_pid == os.getpid():
-                self._pool.shutdown(wait=False)
-            self._pool = ThreadPoolExecutor(n, thread_name_prefix="shardwise-staging")
-            self._pool_workers, self._pool_pid = n, os.getpid()
-        return self._pool
-
     def close(self) -> None:
         """Stop the copy threads (a later `stage` starts them again); buffers are kept."""
-        if self._pool is not None and self._pool_pid == os.getpid():
-            self._pool.shutdown(wait=True)
-        self._pool, self._pool_workers = None, 0
+        self._copy_pool.close()
 
     def _allocate(self, key: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
         buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
@@ -186,15 +92,15 @@ class Stager:
             self._pinned.discard(key)
         return buf
 
-    def _copy(self, key: tuple[Any, ...], t: torch.Tensor, copies: _Copies) -> torch.Tensor:
+    def _copy(self, key: tuple[Any, ...], t: torch.Tensor, copies: Copies) -> torch.Tensor:
         """The buffer for `key`, with a copy of `t` into it added to `copies`."""
         buf = self._buffers.get(key)
         cls = type(t)
         if (cls is torch.Tensor or cls is _Parameter) and t.is_cpu and t.layout is torch.strided:
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                 buf = self._allocate(key, t)
-            if copies.threads > 1 and t.nbytes >= self._pool_min_bytes and _bytewise(t):
-                copies.large.append((_bytes(buf), _bytes(t)))
+            if copies.threads > 1 and t.nbytes >= self._pool_min_bytes and bytewise(t):
+                copies.large.append((bytes_of(buf), bytes_of(t)))
                 copies.large_bytes += t.nbytes
             else:
                 copies.cpu_dst.append(buf)
@@ -223,13 +129,13 @@ class Stager:
 
         ShardedTensor and DTensor wrappers around the same buffers, with the same
         metadata, are the objects an earlier call returned (they held the same data)."""
-        copies = _Copies(self._threads())
+        copies = Copies(self._threads())
         staged = self._walk(state, path, copies)
         with torch.no_grad():
-            self._run(copies)
+            self._copy_pool.run(copies, self._min_piece_bytes)
         return staged
 
-    def _walk(self, state: Any, path: tuple[Any, ...], copies: _Copies) -> Any:
+    def _walk(self, state: Any, path: tuple[Any, ...], copies: Copies) -> Any:
         cls = type(state)
         if cls is torch.Tensor or cls is _Parameter:
             return self._copy(path, state, copies)
@@ -258,7 +164,7 @@ class Stager:
             return self._copy(path, state, copies)
         return copy.deepcopy(state)
 
-    def _sharded(self, path: tuple[Any, ...], st: ShardedTensor, copies: _Copies) -> Any:
+    def _sharded(self, path: tuple[Any, ...], st: ShardedTensor, copies: Copies) -> Any:
         local = st.local_shards()
         if len(local) == 1:
             shards = [self._copy(path + (0,), local[0], copies)]
@@ -278,7 +184,8 @@ class Stager:
                     )
                 )
                 and not prev.requires_grad
-                and _same(prev.local_shards(), shards)
+                and len(prev.local_shards()) == len(shards)
+                and all(x is y for x, y in zip(prev.local_shards(), shards))
             ):
                 return prev
         staged = ShardedTensor(
@@ -292,7 +199,7 @@ class Stager:
         self._staged[path] = (weakref.ref(st), staged)
         return staged
 
-    def _dtensor(self, path: tuple[Any, ...], dt: DTensor, copies: _Copies) -> Any:
+    def _dtensor(self, path: tuple[Any, ...], dt: DTensor, copies: Copies) -> Any:
         local = dt._local_tensor
         if isinstance(local, LocalShardsWrapper):
             shards = [
@@ -324,33 +231,6 @@ class Stager:
         if not isinstance(local, LocalShardsWrapper):
             self._staged_dtensors[path] = (staged, out)  # its local tensor is a view of staged
         return out
-
-    def _run(self, copies: _Copies) -> None:
-        """Make the gathered copies: CUDA ones first (the device copies while the
-        CPU does), then the small CPU ones by this thread while the pool starts on
-        the large ones, which this thread then helps with."""
-        if copies.cuda_dst:
-            torch._foreach_copy_(copies.cuda_dst, copies.cuda_src, non_blocking=True)
-        threads = copies.threads
-        work: queue.SimpleQueue[list[_Range]] = queue.SimpleQueue()
-        helpers: list[Future] = []
-        memcpy = torch.get_num_threads() > 1  # copy_ would start an OpenMP team per worker
-        if copies.large:
-            piece = max(self._min_piece_bytes, -(-copies.large_bytes // (4 * threads)))
-            pieces = _pieces(copies.large, piece)
-            for p in pieces:
-                work.put(p)
-            if len(pieces) > 1:
-                pool = self._workers(threads - 1)
-                n = min(threads, len(pieces)) - 1
-                helpers = [pool.submit(_drain, work, memcpy) for _ in range(n)]
-        try:
-            if copies.cpu_dst:
-                torch._foreach_copy_(copies.cpu_dst, copies.cpu_src)
-            _drain(work, memcpy)
-        finally:
-            for h in helpers:
-                h.result()
 
     def synchronize(self) -> None:
         """Wait for the non-blocking copies from CUDA tensors made so far."""
