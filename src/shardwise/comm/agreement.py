@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import ArgumentMismatchError, ShardwiseError
-from .communicator import communicator
+from .communicator import Communicator, communicator
 
-__all__ = ["Problem", "exchange", "odd_ranks", "raise_agreed", "require_same"]
+__all__ = ["Agreement", "Problem", "exchange", "odd_ranks", "raise_agreed", "require_same"]
 
 # (exception type, message) of one rank's problem, or None: picklable by design.
 Problem = tuple[type, str] | None
@@ -82,3 +82,42 @@ def require_same(
             f"ranks disagree on {what}: ranks {odd} {verb} {shown(values[odd[0]])}, "
             f"rank {ref} {verb} {shown(values[ref])}; {fix}"
         )
+
+
+class Agreement:
+    """One collective call's agreement, created at its API edge and carried through:
+    every exchange the call makes goes through it, so a problem found on one rank
+    at any step (kept with `defer` until the next exchange) is raised on every
+    rank, the arguments every rank must pass alike are compared once (on the first
+    exchange), and `exchanges` counts the call's collectives."""
+
+    def __init__(self, comm: Communicator, arguments: tuple[str, Any] | None = None) -> None:
+        self.comm = comm
+        self.arguments = arguments  # (what they are, their value on this rank)
+        self.exchanges = 0
+        self._pending: BaseException | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def defer(self, problem: BaseException | None) -> None:
+        """Keep this rank's `problem` (the first one) for the next exchange to raise."""
+        if self._pending is None:
+            self._pending = problem
+
+    def exchange(self, payload: Any = None) -> list[Any]:
+        """All-gather `payload`; raise on every rank if any rank had a problem, or (on
+        the first exchange) passed different arguments."""
+        problem, self._pending = self._pending, None
+        first = self.exchanges == 0 and self.arguments is not None
+        sent = (payload, self.arguments[1]) if first and self.arguments else (payload, None)
+        everyone = exchange(problem, sent, self.comm)
+        self.exchanges += 1
+        if first and self.arguments is not None:
+            require_same([a for _p, a in everyone], self.arguments[0])
+        return [p for p, _a in everyone]
