@@ -12,8 +12,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 import shardwise.checkpoint as swc
-from shardwise import Layout, ShardedTensor
+from shardwise import InvalidArgumentError, Layout, ShardedTensor
 from shardwise.cli import main
+from shardwise.cli.sizes import parse_size
 from shardwise.testing import run_ranks
 
 pytestmark = pytest.mark.spawned  # the demo and checkpoint commands run ranks
@@ -279,3 +280,10 @@ def test_the_console_entry_point_exits_with_mains_code(monkeypatch, capsys):
     with pytest.raises(SystemExit) as info:
         script.load()()
     assert info.value.code == 2
+
+
+def test_a_size_that_is_no_size_is_an_invalid_argument():
+    """A `ValueError` still, so argparse (`type=parse_size`) reports it as a usage error."""
+    assert parse_size("256MiB") == 256 << 20
+    with pytest.raises(InvalidArgumentError, match="not a size: '12XB'"):
+        parse_size("12XB")

@@ -216,4 +216,5 @@ def f():
         ("shardwise.tensor", 6),
         ("shardwise.tensor.sharded", 6),
         ("shardwise.checkpoint.api", 10),
+        ("shardwise.checkpoint.api.save", 10),  # a submodule of that name, imported too
     ]

@@ -11,6 +11,14 @@ Hierarchy::
     │                                            different arguments or hold different values
     ├── InvalidArgumentError        (ValueError) an argument value no rule above covers:
     │                                            a rank outside the group, an unknown mode
+    ├── InvalidTypeError            (TypeError) an argument of a type the call does not take
+    ├── UsageError                  (RuntimeError) a call its contract rules out here: a
+    │                                            DCP storage method out of order, an
+    │                                            existing checkpoint under DCP's overwrite=False
+    ├── RankFailureError            (RuntimeError) ranks spawned by `testing.run_ranks`
+    │   │                                        died without a result
+    │   ├── RankTimeoutError        (TimeoutError) ... or did not finish in time
+    │   └── testing.RanksFailed     ... or raised (`errors` maps rank to exception)
     ├── CorruptCheckpointError      (OSError) stored bytes fail their checksum
     ├── IncompleteCheckpointError   (OSError) a checkpoint whose commit never finished
     ├── CheckpointBusyError         (OSError) another save of the same path holds its lease
@@ -31,12 +39,20 @@ catch (``ValueError`` for bad geometry, ``OSError`` for damaged files,
 ``pickle.UnpicklingError`` for a refused pickle) keeps ``except ValueError`` and
 friends working for code that predates the tree.
 
-Left as builtins on purpose, as httpx does (``TypeError: Invalid type for url``)
-and as every mapping does: ``TypeError`` for an argument of the wrong type,
-``KeyError`` / ``IndexError`` for a lookup that misses (a checkpoint key, a rank,
-an op that `unregister_op` does not know), ``AttributeError`` for writing to a
-frozen value. Those report a bug in the calling code, which ``except
-ShardwiseError`` should not swallow.
+Left as builtins on purpose, as every mapping does: ``KeyError`` / ``IndexError``
+for a lookup that misses (a checkpoint key, a rank, an op that `unregister_op`
+does not know), ``AttributeError`` for writing to a frozen value,
+``NotImplementedError`` for an op shardwise does not run, and the file system's
+own ``FileExistsError`` from an exclusive create.
+
+`testing.RanksFailed` lives with the harness that raises it, beside
+`testing.RankFailure`, which stands in for a rank's exception that could not be
+pickled back. Two ShardwiseErrors never reach a caller, so they live beside what
+raises them:
+``FieldError`` (a malformed `shardwise.json` field, `checkpoint.format.field_table`)
+and ``RecordError`` (a `torch.save` record that is not one plain tensor,
+`checkpoint.format.zip_format`). Both are ``ValueError``s, caught by their readers
+and raised again as ``CorruptCheckpointError`` naming the file.
 
 The two checkpoint-damage errors carry ``problems``: every problem found, one
 line each (``verify`` lists them all; elsewhere it is the message alone).
@@ -56,11 +72,15 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "InvalidArgumentError",
+    "InvalidTypeError",
     "LayoutError",
+    "RankFailureError",
+    "RankTimeoutError",
     "ShardMismatchError",
     "ShardwiseError",
     "UnsafeMetadataError",
     "UnsupportedStorageError",
+    "UsageError",
 ]
 
 
@@ -89,6 +109,26 @@ class ArgumentMismatchError(ShardwiseError, ValueError):
 class InvalidArgumentError(ShardwiseError, ValueError):
     """An argument value out of range or unknown (a rank outside the group, a mode string,
     a format name) that no more specific error above describes."""
+
+
+class InvalidTypeError(ShardwiseError, TypeError):
+    """An argument of a type the call does not take (a dtype mix, a non-tensor where a
+    tensor goes, a spec class it does not read)."""
+
+
+class UsageError(ShardwiseError, RuntimeError):
+    """A call its contract rules out in this state: a DCP storage method before the one
+    it needs, a method whose implementation was never imported, a checkpoint already
+    in place under DCP's `overwrite=False` (stock raises `RuntimeError` there)."""
+
+
+class RankFailureError(ShardwiseError, RuntimeError):
+    """Ranks spawned by `shardwise.testing.run_ranks` failed: one died without reporting a
+    result (this class), hung (`RankTimeoutError`) or raised (`testing.RanksFailed`)."""
+
+
+class RankTimeoutError(RankFailureError, TimeoutError):
+    """Ranks spawned by `run_ranks` did not finish in time (a hang); all were killed."""
 
 
 class _ListsProblems(Exception):

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from .errors import RankFailureError, RankTimeoutError, ShardwiseError
+
 __all__ = [
     "RankFailure",
     "RanksFailed",
@@ -47,11 +49,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class RankFailure(Exception):
+class RankFailure(ShardwiseError):
     """Stands in for a rank's exception that could not be pickled back."""
 
 
-class RanksFailed(Exception):
+class RanksFailed(RankFailureError):
     """One or more ranks raised; `errors` maps rank to its exception."""
 
     def __init__(self, errors: dict[int, BaseException], tracebacks: dict[int, str]) -> None:
@@ -146,7 +148,7 @@ def run_ranks(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(outcomes))
-                raise TimeoutError(
+                raise RankTimeoutError(
                     f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s "
                     f"(a hang or deadlock); all ranks were killed"
                 )
@@ -163,7 +165,7 @@ def run_ranks(
                     time.sleep(0.2)  # a result may still be in flight
                     if results.empty():
                         if not allow_dead:
-                            raise RuntimeError(
+                            raise RankFailureError(
                                 f"ranks {dead} exited (codes "
                                 f"{[procs[r].exitcode for r in dead]}) without reporting a result"
                             ) from None

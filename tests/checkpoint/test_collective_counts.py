@@ -96,7 +96,7 @@ _HELPERS = {"_agree", "exchange", "all_gather_object", "all_to_all_single"}
 def _site() -> str:
     """Who asked for this collective: the innermost shardwise function past the
     agreement helpers, then DCP's step below it (`_DistWrapper`'s method), e.g.
-    `api._load_through_dcp > dcp.reduce_scatter`."""
+    `loading.load_state`, or `dcp.reduce_scatter` for a call of DCP's own."""
     frames = traceback.extract_stack()[:-2]
     ours = theirs = ""
     for f in reversed(frames):
@@ -201,36 +201,29 @@ def _count(rank: int, world: int, folder: str, entries: list[str]) -> dict[str, 
 # Communicator methods; each of those is also one "dist." call below it. The order
 # (printed on failure, and by running this module) names each exchange.
 PINNED: dict[str, dict[str, int]] = {
-    # api._agree (the folder opens everywhere), megatron_route, adapters' _agree_on,
-    # then saving's three: inventory, checksums report, commit verdict
-    "swc.save": {"dist.all_gather_object": 6, "comm.all_gather_object": 6},
-    # api._agree (folder), _agree_on, api._agree (target check), the async group
-    # (first call only), then saving's three on the background thread
+    # api.edge.agree_route (folder, route, adapted values), then saving's three:
+    # inventory, checksums report, commit verdict
+    "swc.save": {"dist.all_gather_object": 4, "comm.all_gather_object": 4},
+    # adapters' _agree_on (folder, adapted values), api._check_target (staging, target),
+    # the async group (first call only), then saving's three on the background thread
     "swc.async_save": {
-        "dist.all_gather_object": 6,
-        "comm.all_gather_object": 6,
+        "dist.all_gather_object": 5,
+        "comm.all_gather_object": 5,
         "dist.new_group": 1,
     },
-    "swc.async_save(again)": {"dist.all_gather_object": 6, "comm.all_gather_object": 6},
+    "swc.async_save(again)": {"dist.all_gather_object": 5, "comm.all_gather_object": 5},
     # none of shardwise's: DCP's plan (gather + scatter) and finish (gather + broadcast)
     "dcp.save+Writer": {
         "dist.gather_object": 2,
         "dist.scatter_object_list": 1,
         "dist.broadcast_object_list": 1,
     },
-    # api._agree (folder), megatron_route, _agree_on, loading's two (targets fit,
-    # read verdict), then api._agree after the Stateful's load_state_dict
-    "swc.load": {"dist.all_gather_object": 6, "comm.all_gather_object": 6},
-    "swc.load(no Stateful)": {"dist.all_gather_object": 5, "comm.all_gather_object": 5},
-    # as swc.load up to loading's first exchange (which finds no manifest), then
-    # _load_through_dcp's api._agree, dcp.load's plan (gather + scatter) and read
-    # (all_gather), then the Stateful's api._agree
-    "swc.load(stock)": {
-        "dist.all_gather_object": 7,
-        "comm.all_gather_object": 6,
-        "dist.gather_object": 1,
-        "dist.scatter_object_list": 1,
-    },
+    # api.edge.agree_route (folder, route, adapted values), loading's two (targets
+    # fit, read verdict), then api._agree after the Stateful's load_state_dict
+    "swc.load": {"dist.all_gather_object": 4, "comm.all_gather_object": 4},
+    "swc.load(no Stateful)": {"dist.all_gather_object": 3, "comm.all_gather_object": 3},
+    # one load path for every checkpoint: a stock one costs what a shardwise one does
+    "swc.load(stock)": {"dist.all_gather_object": 4, "comm.all_gather_object": 4},
     # none of shardwise's: DCP's plan (gather + scatter) and read (all_gather)
     "dcp.load+Reader": {
         "dist.gather_object": 1,

@@ -17,6 +17,13 @@ import torch
 
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
+from shardwise.checkpoint.format.fast_entries import (
+    dump_chunk,
+    dump_tensor,
+    parse_chunk,
+    parse_tensor,
+    parse_tensors,
+)
 from shardwise.checkpoint.format.manifest import (
     READS,
     VERSION,
@@ -31,11 +38,6 @@ from shardwise.checkpoint.format.manifest_fields import (
     RECORDS,
     TENSOR,
     Field,
-    _dump_chunk,
-    _dump_tensor,
-    _parse_chunk,
-    _parse_tensor,
-    _parse_tensors,
     decode,
     encode,
 )
@@ -555,7 +557,7 @@ def test_the_fast_chunk_path_reads_and_writes_as_the_table(version):
     assert FAST_CHUNK == tuple(f.name for f in CHUNK if f.in_version(VERSION) and f.required)
     accepted = 0
     for c in _chunk_docs():
-        fast = _parse_chunk(c, version)
+        fast = parse_chunk(c, version)
         try:
             slow = ChunkEntry(**decode(CHUNK, c, version, "chunk"))
         except ValueError:
@@ -573,14 +575,14 @@ def test_the_fast_chunk_path_reads_and_writes_as_the_table(version):
         assert (fast is not None) == common, c
         accepted += fast is not None
         if fast is not None:
-            assert _dump_chunk(fast, version) == encode(CHUNK, fast, version)
+            assert dump_chunk(fast, version) == encode(CHUNK, fast, version)
     assert accepted >= (3 if version == VERSION else 0)  # the golden chunks at least
     tensors = json.loads(golden_text(version))["tensors"]
     slow = {k: TensorEntry(**decode(TENSOR, t, version, "tensor")) for k, t in tensors.items()}
-    assert _parse_tensors(tensors, version) == (slow if version == VERSION else None)
+    assert parse_tensors(tensors, version) == (slow if version == VERSION else None)
     for k, t in tensors.items():
-        assert _parse_tensor(t, version) == (slow[k] if version == VERSION else None)
-        assert _dump_tensor(slow[k], version) == (
+        assert parse_tensor(t, version) == (slow[k] if version == VERSION else None)
+        assert dump_tensor(slow[k], version) == (
             encode(TENSOR, slow[k], version) if version == VERSION else None
         )
     if version != VERSION:
@@ -588,15 +590,15 @@ def test_the_fast_chunk_path_reads_and_writes_as_the_table(version):
     bias = tensors["model.bias"]
     for name, value in [("shape", [True]), ("shape", [-1]), ("dtype", "float33"), ("dtype", 3)]:
         broken = dict(tensors, **{"model.bias": dict(bias, **{name: value})})
-        assert _parse_tensors(broken, version) is None, (name, value)
+        assert parse_tensors(broken, version) is None, (name, value)
         with pytest.raises(ValueError):
             decode(TENSOR, broken["model.bias"], version, "tensor")
     for c in _chunk_docs():  # one broken chunk: the whole map goes through the table
         broken = dict(tensors, **{"model.bias": dict(bias, chunks=[c])})
-        if _parse_chunk(c, version) is None:
-            assert _parse_tensors(broken, version) is None, c
+        if parse_chunk(c, version) is None:
+            assert parse_tensors(broken, version) is None, c
     extra = dict(tensors, **{"model.bias": dict(bias, requires_grad=1)})
-    assert _parse_tensors(extra, version) is None
+    assert parse_tensors(extra, version) is None
 
 
 def test_a_chunk_without_tiles_is_never_written():

@@ -11,6 +11,8 @@ import runpy
 import sys
 from pathlib import Path
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["add_parser", "benchmarks_dir", "main"]
 
 
@@ -48,7 +50,9 @@ def main(args: argparse.Namespace) -> int:
     script = benchmarks_dir() / f"bench_{args.name}.py"
     if not script.is_file():
         names = ", ".join(_available()) or "none found"
-        raise ValueError(f"no benchmark {args.name!r} in {benchmarks_dir()} (available: {names})")
+        raise InvalidArgumentError(
+            f"no benchmark {args.name!r} in {benchmarks_dir()} (available: {names})"
+        )
     sys.argv = [str(script), *args.rest]
     runpy.run_path(str(script), run_name="__main__")
     return 0

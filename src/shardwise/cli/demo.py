@@ -27,14 +27,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from .demo_state import ADAM, expected_block, load_layouts, save_layouts, shapes, values
 from .sizes import parse_size
 
 if TYPE_CHECKING:
     from ..tensor import ShardedTensor
 
 __all__ = ["add_parser", "main"]
-
-ADAM: dict[str, Any] = {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -55,96 +54,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
     p.set_defaults(func=main)
-
-
-# -- the state: shapes, layouts, values ---------------------------------------------------
-
-
-def shapes(size: int) -> dict[str, tuple[int, ...]]:
-    """Parameter shapes whose float32 bytes add up to about `size`."""
-    floats = max(size // 4, 4096)
-    dim = 64
-    return {
-        "emb.user": (max(1, floats * 15 // 100 // dim), dim),
-        "emb.item": (max(1, floats * 15 // 100 // dim), dim),
-        "emb.query": (max(1, floats * 30 // 100 // dim), dim),
-        "emb.ads": (max(1, floats * 25 // 100 // (2 * dim)), 2 * dim),
-        "dense.weight": (max(2, int(math.sqrt(floats * 15 // 100))),) * 2,
-        "dense.bias": (max(2, int(math.sqrt(floats * 15 // 100))),),
-    }
-
-
-def _grid(world: int) -> tuple[int, int]:
-    a = max(d for d in range(1, int(math.isqrt(world)) + 1) if world % d == 0)
-    return a, world // a
-
-
-def save_layouts(world: int, size: int) -> dict[str, Any]:
-    from shardwise import Layout
-
-    s = shapes(size)
-    rows = s["emb.query"][0]
-    if world == 1:
-        query = [rows]
-    else:
-        weights = [5] + [0] + [3 + (r % 3) for r in range(world - 2)] if world > 2 else [5, 3]
-        query = [rows * w // sum(weights) for w in weights]
-        query[-1] += rows - sum(query)
-    cols = s["emb.ads"][1]
-    blocks = 2 * world
-    ads = [cols // blocks + (1 if i < cols % blocks else 0) for i in range(blocks)]
-    return {
-        "emb.user": Layout.table_wise(s["emb.user"], 1 % world, world),
-        "emb.item": Layout.table_wise(s["emb.item"], world - 1, world),
-        "emb.query": Layout.row_wise(s["emb.query"], query),
-        "emb.ads": Layout.column_wise(
-            s["emb.ads"], ads, ranks=[i % world for i in range(blocks)], world_size=world
-        ),
-        "dense.weight": Layout.grid(s["dense.weight"], _grid(world)),
-        "dense.bias": Layout.replicated(s["dense.bias"], world),
-    }
-
-
-def load_layouts(world: int, size: int) -> dict[str, Any]:
-    from shardwise import Layout
-
-    s = shapes(size)
-    return {
-        "emb.user": Layout.chunked(s["emb.user"], 0, world),
-        "emb.item": Layout.chunked(s["emb.item"], 1, world),
-        "emb.query": Layout.chunked(s["emb.query"], 1, world),
-        "emb.ads": Layout.chunked(s["emb.ads"], 0, world),
-        "dense.weight": Layout.chunked(s["dense.weight"], 1, world),
-        "dense.bias": Layout.table_wise(s["dense.bias"], 0, world),
-    }
-
-
-def _values(name: str, block: Any, shape: tuple[int, ...], salt: int) -> torch.Tensor:
-    """Deterministic float32 values of `block` of tensor `name`, from global indices."""
-    index = torch.zeros(block.sizes, dtype=torch.int64)
-    stride = 1
-    for d in reversed(range(len(shape))):
-        view = [1] * len(shape)
-        view[d] = block.sizes[d]
-        index += (torch.arange(block.offsets[d], block.ends[d], dtype=torch.int64) * stride).view(
-            view
-        )
-        stride *= shape[d]
-    seed = (sum(map(ord, name)) * 7919 + salt * 104729) % 2**20
-    mixed = (index * 2654435761 + seed) % 2**31
-    return (mixed.to(torch.float64) / 2**31 - 0.5).to(torch.float32)
-
-
-def expected_block(name: str, block: Any, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    """Parameter and Adam moments of `block` after one step: the same elementwise math."""
-    param = torch.nn.Parameter(_values(name, block, shape, 0))
-    param.grad = _values(name, block, shape, 1)
-    opt = torch.optim.Adam([param], foreach=False, **ADAM)
-    opt.step()
-    return {"param": param.detach(), **{k: v for k, v in opt.state[param].items() if k != "step"}}
-
-
-# -- the ranks ------------------------------------------------------------------------------
 
 
 def _timed(fn: Any) -> float:
@@ -172,7 +81,7 @@ def save_rank(rank: int, world: int, path: str, size: int) -> dict[str, Any]:
     with _progress(rank, len(layouts) + 2, "save") as bar:
         params = {}
         for name, layout in layouts.items():
-            shards = [_values(name, b, layout.global_shape, 0) for b in layout.blocks_of(rank)]
+            shards = [values(name, b, layout.global_shape, 0) for b in layout.blocks_of(rank)]
             params[name] = torch.nn.Parameter(
                 ShardedTensor.from_layout(layout, shards, dtype=torch.float32)
             )
@@ -182,7 +91,7 @@ def save_rank(rank: int, world: int, path: str, size: int) -> dict[str, Any]:
             layout = layouts[name]
             p.grad = ShardedTensor.from_layout(
                 layout,
-                [_values(name, b, layout.global_shape, 1) for b in layout.blocks_of(rank)],
+                [values(name, b, layout.global_shape, 1) for b in layout.blocks_of(rank)],
                 dtype=torch.float32,
             )
         opt.step()  # a real optimizer step, shard by shard

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["format_size", "parse_size"]
 
 _UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -13,7 +15,9 @@ def parse_size(text: str) -> int:
     try:
         return int(float(t[:-1]) * _UNITS[t[-1]]) if t and t[-1] in _UNITS else int(t)
     except ValueError:
-        raise ValueError(f"not a size: {text!r} (examples: 256MiB, 2GiB, 1048576)") from None
+        raise InvalidArgumentError(
+            f"not a size: {text!r} (examples: 256MiB, 2GiB, 1048576)"
+        ) from None
 
 
 def format_size(n: float) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import InvalidArgumentError, LayoutError, ShardMismatchError
+from ..errors import InvalidArgumentError, InvalidTypeError, LayoutError, ShardMismatchError
 from ..layout import Layout
 from ..tensor import ShardedTensor
 from .agreement import Problem, exchange, odd_ranks, raise_agreed
@@ -132,7 +132,7 @@ def _local_meta(
 ) -> dict[str, Any]:
     """What the ranks compare, or an exception for this rank's own input (no communication)."""
     if not isinstance(tensor, torch.Tensor) or isinstance(tensor, ShardedTensor):
-        raise TypeError(f"from_local takes this rank's plain tensor, got {_kind(tensor)}")
+        raise InvalidTypeError(f"from_local takes this rank's plain tensor, got {_kind(tensor)}")
     shape = tuple(tensor.shape)
     meta: dict[str, Any] = {"dtype": tensor.dtype, "device": tensor.device.type, "shape": shape}
     if isinstance(layout, Layout):
@@ -161,7 +161,7 @@ def _local_meta(
     try:
         dim = operator.index(layout)
     except TypeError:
-        raise TypeError(
+        raise InvalidTypeError(
             f"from_local needs a shardwise.Layout or a dimension (int), got {_kind(layout)}"
         ) from None
     if tensor.dim() == 0:
@@ -181,7 +181,7 @@ def _local_meta(
         try:
             mode = tuple(operator.index(s) for s in sharding_shapes)
         except TypeError:
-            raise TypeError(
+            raise InvalidTypeError(
                 "sharding_shapes must be 'chunk', 'infer' or a list of ints, got "
                 f"{sharding_shapes!r}"
             ) from None

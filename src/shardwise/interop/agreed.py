@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from ..comm.agreement import Problem, exchange, odd_ranks, raise_agreed
-from ..errors import LayoutError
+from ..errors import InvalidTypeError, LayoutError
 
 if TYPE_CHECKING:
     from ..tensor import ShardedTensor
@@ -100,7 +100,7 @@ def convert_agreed(
     kind = kind_of(value)
     try:
         if kind not in inspectors:
-            raise TypeError(f"{entry} takes {takes}, got {kind}")
+            raise InvalidTypeError(f"{entry} takes {takes}, got {kind}")
         inspection = inspectors[kind](value)
     except Exception as e:  # whatever fails here must reach the exchange, not skip it
         problem = e

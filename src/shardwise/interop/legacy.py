@@ -5,14 +5,15 @@ their checkpoints) calls `sharding_spec()`, `metadata()`, `local_tensor()`,
 `reshard(spec)`, `gather(dst, out=)` and the creation helpers that take a
 spec. The methods are thin ones on `ShardedTensor` (a caller holds the
 tensor), backed by the functions here; the creation helpers and the spec
-bridge are functions (re-exported as `shardwise.legacy`), because they take
-torch's spec types and would otherwise crowd the type's own constructors.
+bridge are functions (re-exported as `shardwise.legacy`; the creation helpers
+are in `legacy_create`), because they take torch's spec types and would
+otherwise crowd the type's own constructors.
 Everything here needs `torch.distributed._shard`, so it sits in interop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,10 +31,10 @@ from torch.distributed._shard.sharding_spec import (
     ShardingSpec,
 )
 
-from ..comm.group import current_rank
 from ..errors import InvalidArgumentError, LayoutError, ShardMismatchError
 from ..layout import Layout
 from ..tensor import ShardedTensor
+from .legacy_create import empty, full, ones, rand, zeros
 
 __all__ = [
     "empty",
@@ -208,107 +209,3 @@ def gather_into(st: ShardedTensor, dst: int = 0, out: torch.Tensor | None = None
     with torch.no_grad():
         out.copy_(full)
     return out
-
-
-# -- creation helpers with a spec, as torch.distributed._shard.sharded_tensor's --
-
-
-def _sizes(size: tuple[Any, ...]) -> tuple[int, ...]:
-    if len(size) == 1 and isinstance(size[0], Sequence):
-        return tuple(int(s) for s in size[0])
-    return tuple(int(s) for s in size)
-
-
-def _create(
-    fill: Callable[[torch.Tensor], Any],
-    spec: ShardingSpec,
-    size: tuple[Any, ...],
-    dtype: torch.dtype | None,
-    requires_grad: bool,
-    process_group: Any,
-) -> ShardedTensor:
-    shape = _sizes(size)
-    world = dist.get_world_size(process_group)
-    layout = Layout.from_sharding_spec(spec, shape, world)
-    rank = current_rank(process_group, layout)
-    me = dist.get_global_rank(process_group, rank) if process_group is not None else rank
-    placements = (
-        spec.placements
-        if isinstance(spec, ChunkShardingSpec)
-        else [m.placement for m in spec.shards]  # type: ignore[attr-defined]
-    )
-    devices = [p.device() for p in placements if not isinstance(p, str) and p.rank() == me]
-    st = ShardedTensor.empty(
-        layout,
-        dtype=dtype,
-        device=devices[0] if devices else "cpu",
-        group=process_group,
-        rank=rank,
-    )
-    with torch.no_grad():
-        for shard in st.local_shards():
-            fill(shard)
-    st.requires_grad_(requires_grad)
-    return st
-
-
-def empty(
-    spec: ShardingSpec,
-    *size: Any,
-    dtype: torch.dtype | None = None,
-    requires_grad: bool = False,
-    process_group: Any = None,
-) -> ShardedTensor:
-    """Uninitialised, as `sharded_tensor.empty(spec, *size)`; shards on their placement devices."""
-    return _create(lambda s: None, spec, size, dtype, requires_grad, process_group)
-
-
-def zeros(
-    spec: ShardingSpec,
-    *size: Any,
-    dtype: torch.dtype | None = None,
-    requires_grad: bool = False,
-    process_group: Any = None,
-) -> ShardedTensor:
-    """Zeros, as `sharded_tensor.zeros(spec, *size)`."""
-    return _create(torch.Tensor.zero_, spec, size, dtype, requires_grad, process_group)
-
-
-def ones(
-    spec: ShardingSpec,
-    *size: Any,
-    dtype: torch.dtype | None = None,
-    requires_grad: bool = False,
-    process_group: Any = None,
-) -> ShardedTensor:
-    """Ones, as `sharded_tensor.ones(spec, *size)`."""
-    return _create(lambda s: s.fill_(1), spec, size, dtype, requires_grad, process_group)
-
-
-def full(
-    spec: ShardingSpec,
-    size: Sequence[int],
-    fill_value: Any,
-    *,
-    dtype: torch.dtype | None = None,
-    requires_grad: bool = False,
-    process_group: Any = None,
-) -> ShardedTensor:
-    """`fill_value` everywhere, as `sharded_tensor.full(spec, size, fill_value)`
-    (the dtype inferred from `fill_value` when not given)."""
-    if dtype is None:
-        dtype = torch.full((), fill_value).dtype
-    return _create(
-        lambda s: s.fill_(fill_value), spec, (size,), dtype, requires_grad, process_group
-    )
-
-
-def rand(
-    spec: ShardingSpec,
-    *size: Any,
-    dtype: torch.dtype | None = None,
-    requires_grad: bool = False,
-    process_group: Any = None,
-) -> ShardedTensor:
-    """Uniform [0, 1) from each rank's own generator, as `sharded_tensor.rand(spec, *size)`."""
-    return _create(lambda s: s.uniform_(0, 1), spec, size, dtype, requires_grad, process_group)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..comm.build import from_local_shards_checked
-from ..errors import ShardMismatchError
+from ..errors import InvalidTypeError, ShardMismatchError
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 
@@ -80,7 +80,7 @@ def pieces_of(value: Any) -> list[Any]:
         return [value._sh_ten]
     if isinstance(value, (list, tuple)) and all(is_mcore_piece(v) for v in value):
         return list(value)
-    raise TypeError(
+    raise InvalidTypeError(
         f"expected a Megatron ShardedTensor, a list of them, a CheckpointableShardedTensor or a "
         f"LocalShardsContainer, got {type(value).__name__}"
     )
@@ -224,7 +224,9 @@ def to_megatron(
     out: dict[str, Any] = {}
     for key, st in state_dict.items():
         if not isinstance(st, ShardedTensor):
-            raise TypeError(f"'{key}' is a {type(st).__name__}, not a shardwise ShardedTensor")
+            raise InvalidTypeError(
+                f"'{key}' is a {type(st).__name__}, not a shardwise ShardedTensor"
+            )
         n = prepend_axis_num if isinstance(prepend_axis_num, int) else prepend_axis_num.get(key, 0)
         pieces = _megatron_pieces(key, st, n)
         if pieces:

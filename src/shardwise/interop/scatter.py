@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..comm import distribute
 from ..comm.agreement import exchange, odd_ranks
-from ..errors import ArgumentMismatchError, InvalidArgumentError, LayoutError
+from ..errors import ArgumentMismatchError, InvalidArgumentError, InvalidTypeError, LayoutError
 from ..layout import Layout
 from ..layout.layout import _chunk_sizes, mesh_coordinates
 from ..tensor import ShardedTensor
@@ -79,7 +79,7 @@ def scatter_tensor(
         if rank == global_src:
             if not isinstance(tensor, torch.Tensor) or isinstance(tensor, ShardedTensor):
                 got = "None" if tensor is None else f"a {type(tensor).__name__}"
-                raise TypeError(f"the source rank must pass a plain tensor, got {got}")
+                raise InvalidTypeError(f"the source rank must pass a plain tensor, got {got}")
             source_meta = (tuple(tensor.shape), tensor.dtype)
     except Exception as e:  # noqa: BLE001 - every rank raises it, through the exchange
         problem = e
@@ -193,7 +193,7 @@ def _plan(
                 )
         layout = _grid_layout(shape, mesh_shape, sharded, sizes)
     else:
-        raise TypeError(
+        raise InvalidTypeError(
             f"sharding_shapes must be 'chunk', 'infer' or {{mesh_dim: sizes}}, got "
             f"{type(sharding_shapes).__name__}"
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from ..errors import LayoutError
+from ..errors import InvalidTypeError, LayoutError
 
 __all__ = ["Block"]
 
@@ -20,7 +20,7 @@ def _int_tuple(values: Iterable[int], what: str) -> tuple[int, ...]:
     for v in values:
         if type(v) is not int:  # the common case stays a single type check
             if isinstance(v, bool) or not hasattr(v, "__index__"):
-                raise TypeError(f"{what} must be integers, got {v!r}")
+                raise InvalidTypeError(f"{what} must be integers, got {v!r}")
             return tuple(v.__index__() for v in values)
     return values
 

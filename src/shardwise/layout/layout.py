@@ -11,41 +11,18 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from itertools import accumulate, chain, product
 from typing import Any
 
 from ..errors import LayoutError
 from .block import Block
-from .coverage import analyze
+from .builders import along_blocks, dtensor_blocks, grid_blocks
+from .layout_json import layout_args, to_json_dict
+from .rules import blocks_by_rank, check_blocks
+from .splits import check_sizes, chunk_sizes, mesh_coordinates, normalize_dim
 
 __all__ = ["Layout", "mesh_coordinates"]
 
-JSON_FORMAT = "shardwise.layout"
-JSON_VERSION = 1
-
-
-def _chunk_sizes(extent: int, parts: int) -> list[int]:
-    """Part sizes exactly as `torch.chunk` (and DTensor `Shard`) produce them."""
-    if parts <= 0:
-        raise LayoutError(f"the number of parts (world size) must be positive, got {parts}")
-    step = -(-extent // parts) if extent else 0
-    sizes = []
-    for i in range(parts):
-        start = min(i * step, extent)
-        sizes.append(min(step, extent - start))
-    return sizes
-
-
-def _check_sizes(sizes: Sequence[int], extent: int, what: str) -> list[int]:
-    sizes = [int(s) for s in sizes]
-    if any(s < 0 for s in sizes):
-        raise LayoutError(f"{what} sizes {sizes} must be non-negative (0 is allowed)")
-    if sum(sizes) != extent:
-        raise LayoutError(
-            f"{what} sizes {sizes} add up to {sum(sizes)}, not the dimension's {extent}; "
-            f"give sizes that add up to {extent} (0 is allowed)"
-        )
-    return sizes
+_chunk_sizes = chunk_sizes  # interop/scatter.py imports it under this name
 
 
 class Layout:
@@ -68,74 +45,11 @@ class Layout:
         *,
         allow_holes: bool = False,
     ) -> None:
-        shape = tuple(int(s) for s in global_shape)
-        if any(s < 0 for s in shape):
-            raise LayoutError(f"global shape {shape} has a negative dimension")
-        if not isinstance(blocks, Mapping):
-            blocks = dict(enumerate(blocks))
-        for rank in blocks:
-            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-                raise LayoutError(f"rank {rank!r} is not a non-negative integer")
-        max_rank = max(blocks, default=-1)
-        if world_size is None:
-            world_size = max_rank + 1
-        if max_rank >= world_size:
-            raise LayoutError(f"rank {max_rank} holds blocks but the world size is {world_size}")
-        self._shape = shape
-        self._blocks: tuple[tuple[Block, ...], ...] = tuple(
-            tuple(blocks.get(rank, ())) for rank in range(world_size)
-        )
+        self._shape, self._blocks = blocks_by_rank(global_shape, blocks, world_size)
         self._allow_holes = bool(allow_holes)
         self._hash: int | None = None
         self._holders: dict[Block, tuple[int, ...]] | None = None
-        self._validate()
-
-    # -- validation -------------------------------------------------------
-
-    def _validate(self) -> None:
-        """Check every rule, raising `LayoutError` for the first broken one."""
-        shape = self._shape
-        ndim = len(shape)
-        # Replicas fold into one key; dict.fromkeys does it at C speed.
-        distinct = list(dict.fromkeys(chain.from_iterable(self._blocks)))
-        for block in distinct:
-            if not isinstance(block, Block):
-                raise TypeError(f"a layout holds Blocks, got {block!r}")
-            if len(block.offsets) != ndim:
-                rank, i = self._locate(block)
-                raise LayoutError(
-                    f"block {i} of rank {rank} {block} is {block.ndim}-d but the "
-                    f"global shape {shape} is {ndim}-d (ndim)"
-                )
-        found = analyze(distinct, shape)
-        if found.out_of_bounds is not None:
-            b = found.out_of_bounds
-            rank, i = self._locate(b)
-            raise LayoutError(
-                f"block {i} of rank {rank} {b} (offsets {b.offsets}) is out of bounds "
-                f"of the global shape {shape}"
-            )
-        if found.overlap is not None:
-            a, b = found.overlap
-            raise LayoutError(
-                f"blocks of rank {self._locate(a)[0]} {a} (offsets {a.offsets}) and rank "
-                f"{self._locate(b)[0]} {b} (offsets {b.offsets}) partly overlap (global "
-                f"shape {shape}); make them disjoint or identical (replicas)"
-            )
-        self._covered = found.covered
-        if found.hole is not None and not self._allow_holes:
-            raise LayoutError(
-                f"the blocks cover {found.covered} of the {math.prod(shape)} elements of "
-                f"global shape {shape}: element {found.hole} is a hole held by no rank; "
-                f"add the missing blocks or pass allow_holes=True"
-            )
-
-    def _locate(self, block: Block) -> tuple[int, int]:
-        """(rank, index) where `block` first appears."""
-        for rank, rank_blocks in enumerate(self._blocks):
-            if block in rank_blocks:
-                return rank, rank_blocks.index(block)
-        raise KeyError(block)
+        self._covered = check_blocks(self._shape, self._blocks, self._allow_holes)
 
     def _holder_map(self) -> dict[Block, tuple[int, ...]]:
         # Built on first use: validation alone does not need it.
@@ -219,26 +133,13 @@ class Layout:
         return f"Layout({shape}, {n} blocks on {self.world_size} ranks)"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_from_json_dict, (self._to_json_dict(),))
+        return (_from_json_dict, (to_json_dict(self),))
 
     # -- JSON ---------------------------------------------------------------
 
-    def _to_json_dict(self) -> dict[str, Any]:
-        return {
-            "format": JSON_FORMAT,
-            "version": JSON_VERSION,
-            "global_shape": list(self._shape),
-            "world_size": self.world_size,
-            "allow_holes": self._allow_holes,
-            "blocks": [
-                [[b.offsets, b.sizes] for b in rank_blocks]  # tuples dump as lists
-                for rank_blocks in self._blocks
-            ],
-        }
-
     def to_json(self) -> str:
         """Plain JSON that `Layout.from_json` turns back into an equal layout."""
-        return json.dumps(self._to_json_dict(), separators=(",", ":"))
+        return json.dumps(to_json_dict(self), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Layout:
@@ -257,8 +158,8 @@ class Layout:
         Ranks past the last non-empty chunk hold nothing.
         """
         shape = tuple(shape)
-        dim = _normalize_dim(dim, len(shape))
-        return cls.along(shape, dim, _chunk_sizes(shape[dim], world_size), None, world_size)
+        dim = normalize_dim(dim, len(shape))
+        return cls.along(shape, dim, chunk_sizes(shape[dim], world_size), None, world_size)
 
     @classmethod
     def row_wise(
@@ -277,7 +178,7 @@ class Layout:
         shape = tuple(shape)
         if len(shape) < 1:
             raise LayoutError(f"row_wise needs a tensor of at least 1 dimension, got shape {shape}")
-        return cls.along(shape, 0, _check_sizes(sizes, shape[0], "row_wise"), ranks, world_size)
+        return cls.along(shape, 0, check_sizes(sizes, shape[0], "row_wise"), ranks, world_size)
 
     @classmethod
     def column_wise(
@@ -295,7 +196,7 @@ class Layout:
                 f"column_wise needs a tensor of at least 2 dimensions, got shape {shape}; "
                 f"use row_wise for a 1-d tensor"
             )
-        return cls.along(shape, 1, _check_sizes(sizes, shape[1], "column_wise"), ranks, world_size)
+        return cls.along(shape, 1, check_sizes(sizes, shape[1], "column_wise"), ranks, world_size)
 
     @classmethod
     def along(
@@ -310,25 +211,7 @@ class Layout:
 
         Block `i` goes to `ranks[i]` (default: rank `i`).
         """
-        shape = tuple(shape)
-        dim = _normalize_dim(dim, len(shape))
-        sizes = _check_sizes(sizes, shape[dim], f"dimension {dim}")
-        if ranks is None:
-            ranks = range(len(sizes))
-        elif len(ranks) != len(sizes):
-            raise LayoutError(
-                f"{len(sizes)} block sizes but {len(ranks)} ranks; give one rank per block"
-            )
-        if world_size is None:
-            world_size = max(ranks, default=-1) + 1
-        blocks: dict[int, list[Block]] = {}
-        start = 0
-        for rank, size in zip(ranks, sizes):
-            if size:
-                offsets = tuple(start if d == dim else 0 for d in range(len(shape)))
-                extent = tuple(size if d == dim else s for d, s in enumerate(shape))
-                blocks.setdefault(rank, []).append(Block(offsets, extent))
-            start += size
+        blocks, world_size = along_blocks(tuple(shape), dim, sizes, ranks, world_size)
         return cls(shape, blocks, world_size)
 
     @classmethod
@@ -343,32 +226,7 @@ class Layout:
         `grid[d]` is the number of parts along dimension `d`; `sizes[d]`, when
         given, lists their sizes (otherwise `torch.chunk` sizes).
         """
-        shape = tuple(shape)
-        grid = tuple(int(g) for g in grid)
-        if len(grid) != len(shape):
-            raise LayoutError(f"grid {grid} must have one entry per dimension of {shape}")
-        if sizes is None:
-            part_sizes = [_chunk_sizes(n, g) for n, g in zip(shape, grid)]
-        else:
-            if len(sizes) != len(shape):
-                raise LayoutError(f"sizes needs one list per dimension of {shape}, got {sizes}")
-            part_sizes = []
-            for d, (n, g, s) in enumerate(zip(shape, grid, sizes)):
-                if len(s) != g:
-                    raise LayoutError(
-                        f"dimension {d}: grid has {g} parts but {len(s)} sizes {list(s)}; "
-                        f"give one size per part"
-                    )
-                part_sizes.append(_check_sizes(s, n, f"grid dimension {d}"))
-        part_offsets = [[0, *accumulate(s[:-1])] for s in part_sizes]
-        world_size = math.prod(grid)
-        blocks: dict[int, list[Block]] = {}
-        # itertools.product walks the grid row-major, which is rank order.
-        parts = [list(zip(o, s)) for o, s in zip(part_offsets, part_sizes)]
-        for rank, cell in enumerate(product(*parts)):
-            block = Block(tuple(c[0] for c in cell), tuple(c[1] for c in cell))
-            if not block.is_empty():
-                blocks[rank] = [block]
+        blocks, world_size = grid_blocks(tuple(shape), grid, sizes)
         return cls(shape, blocks, world_size)
 
     @classmethod
@@ -413,74 +271,14 @@ class Layout:
         mesh dimensions may shard the same tensor dimension, nested in mesh
         order, as DTensor does. Ranks are numbered row-major over the mesh.
         """
-        mesh_shape = tuple(int(m) for m in mesh_shape)
-        shape = tuple(shape)
-        if len(placements) != len(mesh_shape):
-            raise LayoutError(
-                f"{len(placements)} placements for a {len(mesh_shape)}-d mesh {mesh_shape}"
-            )
-        shard_dims: list[int | None] = []
-        for p in placements:
-            if p.is_replicate():
-                shard_dims.append(None)
-            elif p.is_shard():  # False for _StridedShard, whose blocks are not boxes
-                shard_dims.append(_normalize_dim(p.dim, len(shape)))
-            else:
-                raise LayoutError(
-                    f"placement {p!r} has no block layout; only Shard(dim) and Replicate() do"
-                )
-        blocks: dict[int, list[Block]] = {}
-        for rank in range(math.prod(mesh_shape)):
-            coords = mesh_coordinates(rank, mesh_shape)
-            offsets = [0] * len(shape)
-            sizes = list(shape)
-            for mesh_dim, dim in enumerate(shard_dims):
-                if dim is None:
-                    continue
-                parts = _chunk_sizes(sizes[dim], mesh_shape[mesh_dim])
-                c = coords[mesh_dim]
-                offsets[dim] += sum(parts[:c])
-                sizes[dim] = parts[c]
-            block = Block(tuple(offsets), tuple(sizes))
-            if not block.is_empty():
-                blocks[rank] = [block]
-        return cls(shape, blocks, math.prod(mesh_shape))
-
-
-def _normalize_dim(dim: int, ndim: int) -> int:
-    if not -ndim <= dim < ndim:
-        valid = f"valid: {-ndim} to {ndim - 1}" if ndim else "it has no dimension to split"
-        raise LayoutError(f"dimension {dim} is out of range for a {ndim}-d tensor ({valid})")
-    return dim % ndim
-
-
-def mesh_coordinates(index: int, extents: Sequence[int]) -> tuple[int, ...]:
-    """The row-major coordinates of rank `index` in a mesh of shape `extents` (as DeviceMesh)."""
-    coords = []
-    for extent in reversed(extents):
-        index, c = divmod(index, extent)
-        coords.append(c)
-    return tuple(reversed(coords))
+        blocks, world_size = dtensor_blocks(mesh_shape, placements, tuple(shape))
+        return cls(shape, blocks, world_size)
 
 
 def _from_json_dict(data: Any) -> Layout:
-    if not isinstance(data, dict) or data.get("format") != JSON_FORMAT:
-        raise LayoutError(f"not a shardwise layout document (format must be {JSON_FORMAT!r})")
-    if data.get("version") != JSON_VERSION:
-        raise LayoutError(
-            f"layout JSON version {data.get('version')!r} is not supported "
-            f"(this shardwise reads version {JSON_VERSION})"
-        )
+    """The layout a JSON document describes (what `Layout.__reduce__` pickles)."""
+    shape, blocks, world_size, allow_holes = layout_args(data)
     try:
-        blocks = {
-            rank: [Block(tuple(o), tuple(s)) for o, s in rank_blocks]
-            for rank, rank_blocks in enumerate(data["blocks"])
-        }
-        return Layout(
-            data["global_shape"],
-            blocks,
-            data["world_size"],
-            allow_holes=data.get("allow_holes", False),
-        )
+        return Layout(shape, blocks, world_size, allow_holes=allow_holes)
     except (KeyError, TypeError) as e:
         raise LayoutError(f"malformed layout JSON: {e!r}") from e

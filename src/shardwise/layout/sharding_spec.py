@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import LayoutError
+from ..errors import InvalidTypeError, LayoutError
 from .block import Block
 
 __all__ = ["blocks_from_sharding_spec"]
@@ -68,7 +68,7 @@ def blocks_from_sharding_spec(
                 raise LayoutError(f"{where} {block} is {block.ndim}-d but the shape {shape} is not")
             add(_placement_rank(md.placement, where), block, where)
     else:
-        raise TypeError(
+        raise InvalidTypeError(
             f"expected a ChunkShardingSpec or EnumerableShardingSpec, got {type(spec).__name__}"
         )
     return blocks

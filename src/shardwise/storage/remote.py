@@ -4,7 +4,8 @@ Reads are ranged GETs: `prefetch` takes every byte range a load will need,
 merges neighbours only while the bytes between them stay under a tenth of
 the bytes wanted (so at most 1.1x the needed bytes cross the network), cuts
 long ranges into parts, and fetches all of them concurrently
-(`fs.cat_ranges`, which fsspec's async backends run as one gather). The
+(`fs.cat_ranges`, which fsspec's async backends run as one gather; the
+planning is `ranges`, the file handles `remote_files`). The
 reads that follow are served from those bytes; a read nothing prefetched
 costs one GET of exactly its range.
 
@@ -24,119 +25,29 @@ What atomic means depends on the backend (`ATOMIC_PUT`):
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from .folder import Folder, RandomAccess, Sink, plain_name, temporary_name
+from .folder import Folder, Sink, plain_name, temporary_name
+from .ranges import MAX_GAP, PART, WASTE, coalesce, parts
+from .remote_files import RemoteFile, RemoteSink
 
-__all__ = ["ATOMIC_PUT", "FsspecFolder", "RemoteFile", "RemoteSink", "coalesce"]
+__all__ = [
+    "ATOMIC_PUT",
+    "MAX_GAP",
+    "PART",
+    "WASTE",
+    "FsspecFolder",
+    "RemoteFile",
+    "RemoteSink",
+    "coalesce",
+]
+
+_parts = parts  # tests/storage/test_remote.py imports it under this name
 
 # Protocols where a completed upload replaces the object whole, in one step.
 ATOMIC_PUT = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
-WASTE = 0.1  # bytes fetched between two wanted ranges, at most this share of the bytes wanted
-MAX_GAP = 4 << 20  # never merge across more than this, whatever the ranges around it
-PART = 8 << 20  # ranges longer than this are fetched as concurrent parts
-
-
-def coalesce(
-    ranges: Sequence[tuple[int, int]], waste: float = WASTE, max_gap: int = MAX_GAP
-) -> list[tuple[int, int]]:
-    """`(start, end)` ranges merged into fewer GETs: neighbours join while the gap
-    bytes of the merged range stay within `waste` of its wanted bytes (so the
-    whole costs at most `1 + waste` times the bytes wanted); overlaps always join."""
-    out: list[list[int]] = []  # start, end, wanted bytes
-    for start, end in sorted(r for r in ranges if r[1] > r[0]):
-        if out:
-            last = out[-1]
-            gap = start - last[1]
-            if gap <= 0:
-                last[2] += max(0, end - last[1])
-                last[1] = max(last[1], end)
-                continue
-            wanted = last[2] + end - start
-            spent = (last[1] - last[0]) - last[2] + gap
-            if gap <= max_gap and spent <= waste * wanted:
-                last[1], last[2] = end, wanted
-                continue
-        out.append([start, end, end - start])
-    return [(s, e) for s, e, _ in out]
-
-
-def _parts(ranges: list[tuple[int, int]], part: int = PART) -> list[tuple[int, int]]:
-    return [(s, min(s + part, e)) for start, e in ranges for s in range(start, e, part)]
-
-
-class RemoteFile(RandomAccess):
-    """A file of an `FsspecFolder`, read by ranged GETs (or from what was prefetched)."""
-
-    def __init__(self, folder: FsspecFolder, name: str) -> None:
-        self.folder, self.name = folder, name
-        self.where = folder.where(name)
-        self._size = folder.size_of(name)
-
-    def size(self) -> int:
-        return self._size
-
-    def readinto(self, buffers: Sequence[memoryview], offset: int) -> int:
-        total = min(sum(len(b) for b in buffers), max(0, self._size - offset))
-        if total <= 0:
-            return 0
-        source = self.folder.cached(self.name, offset, offset + total)
-        if source is None:
-            source = [memoryview(self.folder.get(self.name, offset, offset + total))]
-        return _scatter(source, buffers)
-
-
-def _scatter(source: list[memoryview], buffers: Sequence[memoryview]) -> int:
-    """Copy the concatenation of `source` into `buffers` in order; the bytes copied."""
-    copied, k, at = 0, 0, 0
-    for piece in source:
-        while len(piece) and k < len(buffers):
-            dest = buffers[k]
-            n = min(len(piece), len(dest) - at)
-            dest[at : at + n] = piece[:n]
-            piece, at, copied = piece[n:], at + n, copied + n
-            if at == len(dest):
-                k, at = k + 1, 0
-    return copied
-
-
-class RemoteSink(Sink):
-    """An upload: visible (on object stores) only once `close` completes it."""
-
-    def __init__(self, folder: FsspecFolder, name: str) -> None:
-        self.folder, self.name = folder, name
-        self.file = folder.fs.open(folder.path_of(name), "wb")
-
-    def write(self, buffers: Sequence[Any]) -> None:
-        for b in buffers:
-            if len(b):
-                self.file.write(b)
-
-    def stream(self) -> Any:
-        return self.file
-
-    def close(self, *, sync: bool = True) -> None:
-        if not self.file.closed:
-            self.file.close()
-
-    def abort(self) -> None:
-        if not self.file.closed:
-            discard = getattr(self.file, "discard", None)
-            if discard is not None:
-                discard()  # an unfinished upload never becomes an object
-                try:  # s3fs's discarded file would otherwise flush again when freed
-                    self.file.closed = True
-                except AttributeError:  # a BytesIO (memory://): nothing to flush
-                    pass
-            else:
-                self.file.close()
-        if self.folder.has(self.name):  # a backend whose files exist while written: our
-            try:  # fresh name, so nobody else's file
-                self.folder.remove(self.name)
-            except OSError:
-                pass
 
 
 class FsspecFolder(Folder):
@@ -236,7 +147,7 @@ class FsspecFolder(Folder):
     def prefetch(self, ranges: dict[str, list[tuple[int, int]]]) -> None:
         paths, starts, ends, names = [], [], [], []
         for name, wanted in ranges.items():
-            for s, e in _parts(coalesce(wanted)):
+            for s, e in parts(coalesce(wanted)):
                 paths.append(self.path_of(name))
                 starts.append(s)
                 ends.append(e)

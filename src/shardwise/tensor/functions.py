@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ..errors import InvalidTypeError
+
 __all__ = [
     "handler_for",
     "register_function_handler",
@@ -46,12 +48,12 @@ def register_function_handler(func: Callable[..., Any], handler: FunctionHandler
     `torch.sum`, `torch.Tensor.sum`, ...); its result is returned as is.
     """
     if not callable(func) or isinstance(func, str):
-        raise TypeError(
+        raise InvalidTypeError(
             f"register_function_handler needs the function itself (e.g. torch.nn.functional.gelu), "
             f"got {func!r}; use register_named_function_handler for a name"
         )
     if not callable(handler):
-        raise TypeError(f"the handler for {func!r} must be callable, got {handler!r}")
+        raise InvalidTypeError(f"the handler for {func!r} must be callable, got {handler!r}")
     _BY_FUNCTION[func] = handler
 
 
@@ -59,12 +61,12 @@ def register_named_function_handler(func_name: str, handler: FunctionHandler) ->
     """As `register_function_handler`, keyed by `str(func)`: a `torch.library.custom_op`
     called as `torch.ops.mylib.op(...)` is matched by its name, `"mylib.op.default"`."""
     if not isinstance(func_name, str):
-        raise TypeError(
+        raise InvalidTypeError(
             f"register_named_function_handler needs a name such as 'mylib.op.default', "
             f"got {func_name!r}; use register_function_handler for a function"
         )
     if not callable(handler):
-        raise TypeError(f"the handler for {func_name!r} must be callable, got {handler!r}")
+        raise InvalidTypeError(f"the handler for {func_name!r} must be callable, got {handler!r}")
     _BY_NAME[func_name] = handler
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import UsageError
+
 __all__ = ["PROVIDERS", "provide", "provided"]
 
 # What each layer provides: the name a method looks up -> the module that installs it.
@@ -52,7 +54,7 @@ def provided(name: str) -> Callable[..., Any]:
     try:
         return _INSTALLED[name]
     except KeyError:
-        raise RuntimeError(
+        raise UsageError(
             f"ShardedTensor's {name!r} is implemented in {PROVIDERS[name]}, which has not been "
             f"imported; `import shardwise` imports it"
         ) from None

@@ -11,42 +11,30 @@ install in `shardwise.tensor.provided` (they sit above this module).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, SupportsIndex
+from typing import Any, SupportsIndex
 
 import torch
 
-from ..errors import LayoutError, ShardMismatchError
-from ..layout import Block, Layout
-from . import dcp_hooks, functions
+from ..layout import Layout
+from . import functions
+from .checkpointable import Checkpointable
+from .construction import check_shards, filled_shards
+from .local_view import LocalView
 from .provided import provided
-
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        MetadataIndex,
-        TensorStorageMetadata,
-    )
-    from torch.distributed.checkpoint.planner import WriteItem
+from .provided_methods import ProvidedMethods
 
 __all__ = ["ShardedTensor"]
 
 
-class ShardedTensor(torch.Tensor):
+class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
     """A tensor split into blocks held by the ranks of a group.
 
     `shape`, `dtype` and `device` are those of the global tensor; the data on
     this rank is `local_shards()`, one tensor per block of
     `layout_spec.blocks_of(rank)`, in that order. Build one with
-    `from_layout`, `empty`, `zeros` or `full`.
+    `from_layout`, `empty`, `zeros` or `full`. Its collective and conversion
+    methods are `ProvidedMethods`, what this rank holds `LocalView`.
     """
-
-    _layout: Layout
-    _rank: int
-    _shards: list[torch.Tensor]
-    _group: Any
-    # Per mesh dimension, this rank's offset along the tensor dimension it shards (PhysicsNeMo's
-    # `offsets()`), when built on a device mesh (`scatter_tensor`, `from_shard_tensor`); else None.
-    _mesh_offsets: tuple[int, ...] | None
 
     @classmethod
     def __torch_function__(
@@ -59,11 +47,6 @@ class ShardedTensor(torch.Tensor):
     # PhysicsNeMo's ShardTensor registration classmethods, under the same names.
     register_function_handler = staticmethod(functions.register_function_handler)
     register_named_function_handler = staticmethod(functions.register_named_function_handler)
-
-    @staticmethod
-    def register_dispatch_handler(op: Any, handler: Any) -> None:
-        """PhysicsNeMo's name for `shardwise.register_op` (aten-level handlers)."""
-        provided("register_dispatch_handler")(op, handler)
 
     @staticmethod
     def __new__(
@@ -115,68 +98,19 @@ class ShardedTensor(torch.Tensor):
         """
         if rank is None:
             rank = provided("current_rank")(group, layout)
-        if not 0 <= rank < layout.world_size:
-            raise ShardMismatchError(
-                f"rank {rank} is outside the layout's world size {layout.world_size}"
-            )
         shards = list(shards)
-        blocks = layout.blocks_of(rank)
-        if len(shards) != len(blocks):
-            raise ShardMismatchError(
-                f"rank {rank} holds {len(blocks)} blocks in the layout but was given "
-                f"{len(shards)} shards"
-            )
-        for i, (shard, block) in enumerate(zip(shards, blocks)):
-            if not isinstance(shard, torch.Tensor) or isinstance(shard, ShardedTensor):
-                raise TypeError(
-                    f"rank {rank}, shard {i}: expected a plain tensor, got {type(shard).__name__}"
-                )
-            if tuple(shard.shape) != block.sizes:
-                raise ShardMismatchError(
-                    f"rank {rank}, shard {i} has shape {tuple(shard.shape)} but its block "
-                    f"{block} has sizes {block.sizes}"
-                )
-        dtypes = {s.dtype for s in shards}
-        if dtype is not None:
-            dtypes.add(dtype)
-        if len(dtypes) > 1:
-            raise TypeError(
-                f"rank {rank}: shards have mixed dtypes {sorted(map(str, dtypes))}; "
-                f"convert them to one dtype"
-            )
-        devices = {s.device for s in shards}
-        if device is not None:
-            devices.add(torch.device(device))
-        if len(devices) > 1:
-            raise ShardMismatchError(
-                f"rank {rank}: shards are on several devices {sorted(map(str, devices))}"
-            )
+        dtype, device = check_shards(layout, shards, rank, dtype, device, ShardedTensor)
         if requires_grad is None:
             requires_grad = any(s.requires_grad for s in shards)
         return cls(
             layout,
             shards,
             rank,
-            dtype=dtypes.pop() if dtypes else torch.get_default_dtype(),
-            device=devices.pop() if devices else torch.device("cpu"),
+            dtype=dtype,
+            device=device,
             group=group,
             requires_grad=requires_grad,
         )
-
-    @classmethod
-    def from_local_shards(
-        cls,
-        shards: Sequence[torch.Tensor],
-        offsets: Sequence[Sequence[int]],
-        global_shape: Sequence[int] | None = None,
-        group: Any = None,
-    ) -> ShardedTensor:
-        """Collective: learn the layout from every rank's shards and offsets.
-
-        See `shardwise.comm.from_local_shards`; a problem on any rank raises the
-        same error on every rank.
-        """
-        return provided("from_local_shards")(shards, offsets, global_shape, group)
 
     @classmethod
     def empty(
@@ -236,13 +170,8 @@ class ShardedTensor(torch.Tensor):
         rank: int | None,
         requires_grad: bool,
     ) -> ShardedTensor:
-        if rank is None:
-            rank = provided("current_rank")(group, layout)
-        dtype = dtype or torch.get_default_dtype()
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        shards = [
-            factory(b.sizes, *extra, dtype=dtype, device=device) for b in layout.blocks_of(rank)
-        ]
+        rank = provided("current_rank")(group, layout) if rank is None else rank
+        shards, dtype, device = filled_shards(factory, extra, layout, rank, dtype, device)
         return cls.from_layout(
             layout,
             shards,
@@ -274,75 +203,8 @@ class ShardedTensor(torch.Tensor):
         out._mesh_offsets = self._mesh_offsets  # same layout, same rank: same mesh offsets
         return out
 
-    # -- what this rank holds ----------------------------------------------
-
-    @property
-    def layout_spec(self) -> Layout:
-        """The global `Layout` (named so to leave `Tensor.layout` alone)."""
-        return self._layout
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def group(self) -> Any:
-        return self._group
-
-    @property
-    def local_blocks(self) -> tuple[Block, ...]:
-        return self._layout.blocks_of(self._rank)
-
-    def local_shards(self) -> list[torch.Tensor]:
-        """The live shard tensors (in-place edits are visible), in block order."""
-        return self._shards
-
-    def local_offsets(self) -> list[torch.Size]:
-        return [torch.Size(b.offsets) for b in self.local_blocks]
-
-    def local_sizes(self) -> list[torch.Size]:
-        return [torch.Size(b.sizes) for b in self.local_blocks]
-
-    def offsets(self, mesh_dim: int | None = None) -> tuple[int, ...] | int:
-        """PhysicsNeMo's `ShardTensor.offsets`: per mesh dimension, this rank's offset along
-        the tensor dimension it shards (0 where it replicates); one int for `mesh_dim`.
-
-        Only a tensor built on a device mesh has them; `local_offsets()` gives every
-        tensor's block offsets per tensor dimension.
-        """
-        if self._mesh_offsets is None:
-            raise LayoutError(
-                f"rank {self._rank}: this ShardedTensor was not built on a device mesh, so it "
-                f"has no per-mesh-dimension offsets; shardwise.scatter_tensor and "
-                f"from_shard_tensor record them, and st.local_offsets() gives its block offsets"
-            )
-        if mesh_dim is None:
-            return self._mesh_offsets
-        return self._mesh_offsets[mesh_dim]
-
-    @property
-    def local_chunks(self) -> list[ChunkStorageMetadata]:
-        """DCP chunks of this rank's blocks, in local-shard order."""
-        return dcp_hooks.chunks_of(self.local_blocks)
-
-    def storage_metadata(self) -> TensorStorageMetadata:
-        """DCP's description of this tensor: global size, this rank's chunks."""
-        return dcp_hooks.storage_metadata(self)
-
-    def is_empty_shard(self) -> bool:
-        """True when this rank holds no element of the tensor."""
-        return all(b.is_empty() for b in self.local_blocks)
-
-    def is_pinned(self, device: Any = None) -> bool:
-        return bool(self._shards) and all(s.is_pinned() for s in self._shards)
-
-    # -- collectives (shardwise.comm) ---------------------------------------
-
-    def full_tensor(self) -> torch.Tensor:
-        """The whole tensor on every rank. Collective; differentiable."""
-        return provided("full_tensor")(self)
-
-    # Shadows torch.Tensor.gather (an indexing op) with the legacy ShardedTensor's collective.
+    # Shadows torch.Tensor.gather (so not in `ProvidedMethods`: mypy checks bases agree).
+    # Its legacy ShardedTensor's collective, not the indexing op.
     def gather(  # type: ignore[override]
         self, dst: int = 0, out: torch.Tensor | None = None
     ) -> torch.Tensor | None:
@@ -352,56 +214,6 @@ class ShardedTensor(torch.Tensor):
         if out is None:
             return provided("gather")(self, dst)
         return provided("gather_into")(self, dst, out)
-
-    def redistribute(self, layout: Layout, *, stats: dict[str, int] | None = None) -> ShardedTensor:
-        """The same values in `layout`. Collective; differentiable."""
-        return provided("redistribute")(self, layout, stats=stats)
-
-    def to_dtensor(self, mesh: Any, placements: Sequence[Any]) -> Any:
-        """A DTensor sharing this rank's shard, when the layout is expressible."""
-        return provided("to_dtensor")(self, mesh, placements)
-
-    def to_shard_tensor(self, mesh: Any, placements: Sequence[Any]) -> Any:
-        """A PhysicsNeMo ShardTensor wrapping this rank's shard (uneven sizes kept),
-        when the layout is a grid `placements` express; see `shardwise.interop.physicsnemo`."""
-        return provided("to_shard_tensor")(self, mesh, placements)
-
-    def to_local(self) -> torch.Tensor:
-        """This rank's single shard; differentiable (see `shardwise.from_local`)."""
-        return provided("to_local")(self)
-
-    # -- the legacy torch.distributed._shard API (shardwise.interop.legacy) --
-
-    def to_torch_sharded_tensor(self, device: Any = None) -> Any:
-        """A legacy `torch.distributed._shard` ShardedTensor sharing these shards."""
-        return provided("to_torch_sharded_tensor")(self, device)
-
-    def sharding_spec(self) -> Any:
-        """The legacy `ChunkShardingSpec` / `EnumerableShardingSpec` of the layout."""
-        return provided("sharding_spec")(self)
-
-    def metadata(self) -> Any:
-        """The legacy `ShardedTensorMetadata`: every shard, its placement."""
-        return provided("metadata")(self)
-
-    def local_tensor(self) -> torch.Tensor:
-        """The one live local shard (error unless exactly one), as the legacy API."""
-        return provided("local_tensor")(self)
-
-    def reshard(self, spec: Any) -> ShardedTensor:
-        """A new tensor in the layout of a legacy spec. Collective."""
-        return provided("reshard")(self, spec)
-
-    # -- DCP's _Checkpointable protocol ------------------------------------
-
-    def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
-        return dcp_hooks.create_write_items(self, fqn)
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return dcp_hooks.create_chunk_list(self)
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        return dcp_hooks.get_tensor_shard(self, index)
 
     # -- ops, printing, pickling ---------------------------------------------
 

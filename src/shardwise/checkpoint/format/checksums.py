@@ -10,7 +10,7 @@ from __future__ import annotations
 import crc32c
 import torch
 
-from .manifest import PAGE_SIZE
+from .manifest_entries import PAGE_SIZE
 
 __all__ = ["bad_page", "byte_view", "frame_crc", "pages_of"]
 

@@ -5,53 +5,44 @@ checksums) and every stored object, so that loading a shardwise checkpoint
 never unpickles DCP's `.metadata`, and tools can inspect or verify it with a
 JSON parser. It is written last: its presence marks a committed checkpoint.
 Its fields are declared once, in `manifest_fields`; this module adds what
-relates several of them (byte ranges inside files, geometry) and DCP's view.
+relates several of them (byte ranges inside files, geometry); DCP's view of it
+is `dcp_view`.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import math
 import operator
 import os
-import pickle
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import crc32c
-import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ...errors import CorruptCheckpointError
 from ...storage import Folder, open_folder
+from .dcp_view import StoredChunk, StoredObject, metadata_of
+from .field_table import FieldError, decode, encode
 from .gc_pause import gc_paused
-from .manifest_fields import (
+from .manifest_entries import (
     FORMAT,
+    MANIFEST,
+    PAGE_SIZE,
     READS,
-    TOP,
     VERSION,
     ChunkEntry,
-    FieldError,
     ObjectEntry,
     TensorEntry,
-    decode,
-    encode,
+    dtype_from_name,
+    dtype_name,
 )
+from .manifest_fields import TOP
+from .planner_data import pickled, unpickled
 from .record_check import check_coverage, check_name, check_ranges
-from .safe_pickle import load_metadata
 from .tiles import tile_count, valid_tile
 
 __all__ = [
@@ -67,63 +58,13 @@ __all__ = [
     "StoredChunk",
     "StoredObject",
     "TensorEntry",
+    "dtype_from_name",
+    "dtype_name",
+    "seal",
 ]
 
-MANIFEST = "shardwise.json"
 MARKER = ".shardwise"  # written first: a folder with it but no manifest is incomplete
 METADATA = ".metadata"  # DCP's record, beside the manifest
-PAGE_SIZE = 1 << 20  # payload bytes per checksum page (format versions 1 and 2)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CorruptCheckpointError(f"unknown dtype {name!r} in {MANIFEST}")
-    return dtype
-
-
-@dataclass
-class StoredChunk(_StorageInfo):
-    """DCP's per-chunk storage info plus what ranged, verified reads need.
-
-    It is what `Manifest.to_metadata` puts in `Metadata.storage_data`, so a
-    reader's byte ranges always come from the metadata it was set up with.
-    `crcs` are those of the tiles of shape `tile` (format version 3), else of
-    pages of `page_size` (versions 1 and 2), else (no payload) one of the record."""
-
-    dtype: str = ""
-    sizes: tuple[int, ...] = ()
-    payload: tuple[int, int] | None = None
-    crcs: list[int] | None = None
-    page_size: int = PAGE_SIZE
-    tile: tuple[int, ...] | None = None
-
-    @classmethod
-    def of(cls, chunk: ChunkEntry, dtype: str, page_size: int = PAGE_SIZE) -> StoredChunk:
-        """The storage info of a manifest chunk of a tensor of `dtype` (its name)."""
-        return cls(
-            chunk.file,
-            chunk.record[0],
-            chunk.record[1],
-            chunk.transform,
-            dtype,
-            chunk.sizes,
-            chunk.payload,
-            chunk.crcs,
-            page_size,
-            chunk.tile,
-        )
-
-
-@dataclass
-class StoredObject(_StorageInfo):
-    """DCP's storage info of a pickled object plus its checksum."""
-
-    crc32c: int | None = None
 
 
 def seal(text: str) -> str:
@@ -203,7 +144,9 @@ class Manifest:
             try:
                 doc = json.loads(data)
                 if not isinstance(doc, dict):
-                    raise ValueError("not a JSON object")
+                    raise CorruptCheckpointError(
+                        f"{source}: unreadable manifest: not a JSON object"
+                    )
                 version = _check_version(doc)
                 if not _checksum_matches(data, doc):
                     raise FieldError("crc32c", "does not match the contents (damaged)")
@@ -286,93 +229,15 @@ class Manifest:
                     )
 
     def set_planner_data(self, value: Any) -> None:
-        """Keep DCP's `planner_data`: as JSON when it is plain, else pickled (in
-        this manifest, not in `.metadata`, so the two records never depend on
-        each other)."""
-        try:
-            self.planner_data, self.planner_data_pickle = encode_planner_data(value), None
-        except ValueError:
-            self.planner_data = None
-            self.planner_data_pickle = base64.b64encode(pickle.dumps(value)).decode()
+        """Keep DCP's `planner_data` (`planner_data.pickled`)."""
+        self.planner_data, self.planner_data_pickle = pickled(value)
 
     def decoded_planner_data(self) -> Any:
-        if self.planner_data_pickle is None:
-            try:
-                return decode_planner_data(self.planner_data)
-            except RecursionError as e:
-                raise CorruptCheckpointError(
-                    f"{MANIFEST}: unreadable planner data: nested too deeply"
-                ) from e
-        try:
-            return load_metadata(io.BytesIO(base64.b64decode(self.planner_data_pickle)))
-        except (ValueError, pickle.UnpicklingError) as e:
-            raise CorruptCheckpointError(f"{MANIFEST}: unreadable planner data: {e}") from e
+        return unpickled(self.planner_data, self.planner_data_pickle)
 
     def to_metadata(self) -> Metadata:
         """The DCP `Metadata` this manifest describes, built without unpickling."""
-        state: dict[str, Any] = {}
-        storage: dict[MetadataIndex, _StorageInfo] = {}
-        for k, t in self.tensors.items():
-            state[k] = TensorStorageMetadata(
-                properties=TensorProperties(
-                    dtype=dtype_from_name(t.dtype), requires_grad=t.requires_grad
-                ),
-                size=torch.Size(t.shape),
-                chunks=[
-                    ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
-                    for c in t.chunks
-                ],
-            )
-            for c in t.chunks:
-                storage[MetadataIndex(k, c.offsets)] = StoredChunk.of(c, t.dtype, self.page_size)
-        for k, o in self.objects.items():
-            state[k] = BytesStorageMetadata()
-            storage[MetadataIndex(k)] = StoredObject(
-                o.file, o.offset, o.length, o.transform, o.crc32c
-            )
-        meta = self.storage_meta
-        return Metadata(
-            state_dict_metadata=state,
-            planner_data=self.decoded_planner_data(),
-            storage_data=storage,
-            storage_meta=StorageMeta(
-                # a Path, as FileSystemWriter pickles it (its init_path makes one)
-                checkpoint_id=None
-                if meta.get("checkpoint_id") is None
-                else Path(meta["checkpoint_id"]),
-                save_id=meta.get("save_id"),
-                modules=list(meta.get("modules") or []),
-            ),
-            version=self.dcp_version,
-        )
-
-
-def encode_planner_data(value: Any) -> Any:
-    """DCP's `planner_data` as JSON, tuples tagged so they come back as tuples
-    (the default planner maps keys to tuple paths); `ValueError` when it holds
-    anything else than plain containers, strings and numbers."""
-    kind = type(
-        value
-    )  # exact types: an Enum, namedtuple or OrderedDict would come back as its base
-    if value is None or kind in (bool, int, float, str):
-        return value
-    if kind is tuple:
-        return {"__tuple__": [encode_planner_data(v) for v in value]}
-    if kind is list:
-        return [encode_planner_data(v) for v in value]
-    if kind is dict and all(type(k) is str for k in value) and "__tuple__" not in value:
-        return {k: encode_planner_data(v) for k, v in value.items()}
-    raise ValueError(f"planner data of type {type(value).__name__} is not plain JSON")
-
-
-def decode_planner_data(value: Any) -> Any:
-    if isinstance(value, list):
-        return [decode_planner_data(v) for v in value]
-    if isinstance(value, dict):
-        if set(value) == {"__tuple__"}:
-            return tuple(decode_planner_data(v) for v in value["__tuple__"])
-        return {k: decode_planner_data(v) for k, v in value.items()}
-    return value
+        return metadata_of(self)
 
 
 def _consistent(c: ChunkEntry, itemsize: int, version: int, page_size: int) -> bool:

@@ -12,9 +12,7 @@ reader trusts those only once this module passed them:
 * every byte range lies inside its file, and ranges of one file never
   overlap (so no chunk claims more bytes than the files hold);
 * every chunk has its tensor's ndim and lies in bounds; the distinct chunks
-  of a tensor cover it exactly (no partial overlap, no hole: nothing a
-  reader returns was left unfilled), checked in O(n log n)
-  (`layout.coverage`);
+  of a tensor cover it exactly (`chunk_coverage`);
 * a stock chunk's record is at least as long as the chunk's elements.
 
 Anything else a tampered record holds (a wrong type, an absurd number) is a
@@ -27,7 +25,7 @@ import io
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -39,11 +37,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...errors import CorruptCheckpointError, LayoutError, UnsafeMetadataError
-from ...layout import Block
-from ...layout.coverage import analyze
+from ...errors import CorruptCheckpointError, UnsafeMetadataError
 from ...storage import Folder
 from ...storage.folder import TEMPORARY
+from .chunk_coverage import check_coverage, checked_ints
 from .safe_pickle import load_metadata
 
 __all__ = [
@@ -67,8 +64,6 @@ _RECORDS = re.compile(
 # fullmatch (a trailing newline is not ours); ASCII, since `\d` alone also matches other
 # scripts' digits (`__٣_0...`), never names we write.
 DATA_FILE = re.compile(r"__(\d+)_(\d+)\.sw([0-9a-f]{12})" + re.escape(DEFAULT_SUFFIX), re.ASCII)
-_LIMIT = 1 << 62  # no real offset, size or length comes near it: int64 arithmetic stays exact
-_INT = {int}  # the only type a number in a record may have (`bool` is refused)
 
 
 def name_problem(name: Any, *, shardwise: bool) -> str | None:
@@ -127,117 +122,6 @@ def check_ranges(
                 )
 
 
-def _ints(values: Any, what: str, key: str, record: str) -> tuple[int, ...]:
-    try:
-        out = tuple(values)
-    except TypeError:
-        out = (values,)
-    if not all(type(v) is int and 0 <= v < _LIMIT for v in out):
-        raise CorruptCheckpointError(f"{record}: '{key}' has an invalid {what} {values!r}")
-    return out
-
-
-def _whole(shape: Any, offsets: Any, sizes: Any) -> bool:
-    """Whether one chunk at `offsets` of `sizes` is all of `shape`, every number valid."""
-    try:
-        return (
-            tuple(sizes) == tuple(shape)
-            and set(map(type, shape)) <= _INT
-            and (not shape or 0 <= min(shape) and max(shape) < _LIMIT)
-            and len(offsets) == len(shape)
-            and set(map(type, offsets)) <= _INT
-            and not any(offsets)
-        )
-    except TypeError:
-        return False
-
-
-def check_coverage(
-    key: str,
-    shape: Sequence[int],
-    chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
-    record: str,
-    *,
-    replicas: bool = True,
-    holes: bool = False,
-) -> None:
-    """The chunks `(offsets, sizes)` of tensor `key` have its ndim, lie in bounds and
-    cover it exactly: no partial overlap, no element left out (unless `holes`: a
-    per-rank record holds its rank's chunks only). Exact duplicates count as
-    replicas unless `replicas` is False (a manifest stores each once)."""
-    if len(chunks) == 1 and _whole(shape, *chunks[0]):
-        return  # the common case: one chunk holding the whole tensor
-    shape = _ints(shape, "shape", key, record)
-    ndim = len(shape)
-    distinct: dict[tuple[int, ...], tuple[int, ...]] = {}
-    for offsets, sizes in chunks:
-        offsets = _ints(offsets, "chunk offset", key, record)
-        sizes = _ints(sizes, "chunk size", key, record)
-        if len(offsets) != ndim or len(sizes) != ndim:
-            raise CorruptCheckpointError(
-                f"{record}: chunk at offsets {offsets} of '{key}' has {len(sizes)} dimensions, "
-                f"the tensor {ndim} (shape {shape})"
-            )
-        if any(o + s > n for o, s, n in zip(offsets, sizes, shape)):
-            raise CorruptCheckpointError(
-                f"{record}: chunk at offsets {offsets} sizes {sizes} of '{key}' lies outside "
-                f"its shape {shape}"
-            )
-        seen = distinct.get(offsets)
-        distinct[offsets] = sizes
-        if seen is not None and (seen != sizes or not replicas):
-            raise CorruptCheckpointError(
-                f"{record}: '{key}' has two chunks at offsets {offsets} (sizes {seen} and "
-                f"{sizes}): damaged or crafted"
-            )
-    blocks = [(o, s) for o, s in distinct.items() if all(s)]
-    problem = _tiles(blocks, shape, holes)
-    if problem is None:
-        return
-    raise CorruptCheckpointError(
-        f"{record}: the chunks of '{key}' (shape {shape}) {problem}: damaged or crafted; "
-        "refused (nothing a chunk does not hold is ever returned)"
-    )
-
-
-def _tiles(
-    blocks: list[tuple[tuple[int, ...], tuple[int, ...]]], shape: tuple[int, ...], holes: bool
-) -> str | None:
-    """Why non-empty distinct `blocks` fail to tile `shape` exactly, or with `holes`
-    overlap (None: they do not).
-    The common layouts (one whole chunk, a cut along one dimension) are checked
-    directly; anything else by `layout.coverage.analyze`."""
-    total = math.prod(shape)
-    if total == 0:
-        return None  # nothing to cover, and a non-empty block of an empty tensor is out of bounds
-    if (len(blocks) == 1 and blocks[0][1] == shape) or (holes and len(blocks) <= 1):
-        return None
-    cut = {d for _, s in blocks for d in range(len(shape)) if s[d] != shape[d]}
-    if len(cut) == 1:
-        (d,) = cut
-        spans = sorted((o[d], o[d] + s[d]) for o, s in blocks)
-        at = 0
-        for start, end in spans:
-            if start > at and not holes:
-                return f"leave elements {at}..{start} of dimension {d} in no chunk"
-            if start < at:
-                return f"overlap in part at {start} along dimension {d}"
-            at = end
-        if at == shape[d] or holes:
-            return None
-        return f"leave elements {at}.. of dimension {d} in no chunk"
-    try:
-        found = analyze([Block(o, s) for o, s in blocks], shape)
-    except (LayoutError, OverflowError, RuntimeError) as e:
-        return f"cannot be analysed ({e})"
-    if found.overlap is not None:
-        a, b = found.overlap
-        return f"overlap in part: {a} and {b}"
-    if found.hole is not None and not holes:
-        return f"leave element {found.hole} in no chunk"
-    return None
-
-
 def check_metadata(metadata: Any, folder: Folder, record: str, *, holes: bool = False) -> None:
     """A stock `Metadata` (unpickled with the safe unpickler) is sound enough to read
     from: see the module docstring. Its data files may have any plain name that is
@@ -285,8 +169,8 @@ def check_metadata(metadata: Any, folder: Folder, record: str, *, holes: bool = 
             raise CorruptCheckpointError(f"{record}: '{key}' has malformed tensor metadata")
         chunks = []
         for c in md.chunks:
-            offsets = _ints(getattr(c, "offsets", None), "chunk offset", key, record)
-            sizes = _ints(getattr(c, "sizes", None), "chunk size", key, record)
+            offsets = checked_ints(getattr(c, "offsets", None), "chunk offset", key, record)
+            sizes = checked_ints(getattr(c, "sizes", None), "chunk size", key, record)
             chunks.append((offsets, sizes))
         check_coverage(key, md.size, chunks, record, holes=holes)
         for offsets, sizes in dict(chunks).items():

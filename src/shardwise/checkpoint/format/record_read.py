@@ -29,7 +29,7 @@ import torch
 
 from ...storage import RandomAccess
 from .byte_runs import c_strides, nbytes
-from .zip_format import LOCAL_HEADER, LOCAL_SIGNATURE, STORED, local_header
+from .zip_format import LOCAL_HEADER, LOCAL_SIGNATURE, STORED, RecordError, local_header
 
 __all__ = ["HEAD_BYTES", "RecordLayout", "read_record_layout"]
 
@@ -100,9 +100,11 @@ class _TensorArgs:
         dtype: object,
         plain: bool,
     ) -> None:
+        if not isinstance(storage, _StorageRef) or not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(
+                "malformed tensor rebuild call in a tensor record: no storage or no dtype"
+            )
         try:
-            if not isinstance(storage, _StorageRef) or not isinstance(dtype, torch.dtype):
-                raise TypeError("no storage or no dtype")
             self.offset = operator.index(offset)
             self.size, self.stride = (
                 tuple(map(operator.index, size)),
@@ -192,8 +194,8 @@ def read_record_layout(file: RandomAccess, offset: int, length: int) -> RecordLa
     """Parse the `torch.save` record at `[offset, offset + length)` of `file`.
 
     Reads the record's first few KiB (its small entries come before the
-    payload) or, failing that, its zip directory. Raises `ValueError` when
-    the record is not a single plain tensor.
+    payload) or, failing that, its zip directory. Raises `RecordError` (a
+    `ValueError`) when the record is not a single plain tensor.
     """
     head = file.pread(min(length, HEAD_BYTES), offset)
     try:
@@ -215,7 +217,7 @@ def _stored_entry_at(head: bytes, pos: int) -> tuple[str, int]:
     """(entry name without the archive folder, data start) of the local header at `pos`."""
     header = local_header(head, pos)
     if header.method != STORED:
-        raise ValueError("not a stored zip entry")
+        raise RecordError("not a stored zip entry")
     at = pos + LOCAL_HEADER.size
     name = head[at : at + header.name_length].decode("utf-8", "replace")
     return name.split("/", 1)[-1], pos + header.data_offset
@@ -250,15 +252,15 @@ def _read_via_directory(file: RandomAccess, offset: int, length: int) -> RecordL
             infos = {i.filename.split("/", 1)[-1]: i for i in archive.infolist()}
             pkl = infos.get("data.pkl")
             if pkl is None:
-                raise ValueError("no data.pkl in the record")
+                raise RecordError("no data.pkl in the record")
             args = _TensorRecordUnpickler(io.BytesIO(archive.read(pkl))).load()
     except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, struct.error, TypeError) as e:
-        raise ValueError(f"not a readable tensor record: {e}") from e
+        raise RecordError(f"not a readable tensor record: {e}") from e
     if not isinstance(args, _TensorArgs):
-        raise ValueError("the record holds something other than a single tensor")
+        raise RecordError("the record holds something other than a single tensor")
     entry = infos.get(f"data/{args.storage.key}")
     if entry is None or entry.compress_type != zipfile.ZIP_STORED:
-        raise ValueError("tensor payload missing or compressed")
+        raise RecordError("tensor payload missing or compressed")
     header = local_header(file.pread(LOCAL_HEADER.size, offset + entry.header_offset))
     data_start = entry.header_offset + header.data_offset
     return _layout(args, offset, data_start, entry.file_size, length)
@@ -268,9 +270,9 @@ def _layout(
     args: object, offset: int, data_start: int, data_size: int, length: int
 ) -> RecordLayout:
     if not isinstance(args, _TensorArgs):
-        raise ValueError("the record holds something other than a single tensor")
+        raise RecordError("the record holds something other than a single tensor")
     if data_start + data_size > length:
-        raise ValueError("tensor payload runs past the end of the record")
+        raise RecordError("tensor payload runs past the end of the record")
     shape = args.size
     contiguous = (
         args.plain

@@ -9,6 +9,8 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
+from ...errors import ShardwiseError
+
 __all__ = [
     "CENTRAL_HEADER",
     "CENTRAL_SIGNATURE",
@@ -21,9 +23,18 @@ __all__ = [
     "ZIP64_EXTRA",
     "ZIP64_LIMIT",
     "LocalHeader",
+    "RecordError",
     "end_of_archive",
     "local_header",
 ]
+
+
+class RecordError(ShardwiseError, ValueError):
+    """A `torch.save` record that is not a single plain tensor, or is damaged.
+    Internal: its readers catch it (as a `ValueError`) and raise
+    `CorruptCheckpointError` naming the tensor and the file, or fall back to
+    loading the record whole."""
+
 
 # signature, version, flags, method, time, date, crc, sizes, name/extra lengths
 LOCAL_HEADER = struct.Struct("<4s5H3I2H")
@@ -59,9 +70,9 @@ class LocalHeader(NamedTuple):
 
 
 def local_header(buf: bytes, pos: int = 0) -> LocalHeader:
-    """The local header at `pos` of `buf`; `ValueError` when there is none."""
+    """The local header at `pos` of `buf`; `RecordError` when there is none."""
     if len(buf) < pos + LOCAL_HEADER.size or buf[pos : pos + 4] != LOCAL_SIGNATURE:
-        raise ValueError("bad zip local header in the record")
+        raise RecordError("bad zip local header in the record")
     fields = LOCAL_HEADER.unpack_from(buf, pos)
     return LocalHeader(fields[3], fields[9], fields[10])
 

@@ -2,7 +2,7 @@
 
 A checkpoint folder can hold files that are not ours (a `model.pt`, notes, a
 previous checkpoint). So a save never renames or deletes the folder; it works
-file by file:
+file by file (the names: `record_names`; collection: `collection`):
 
 1. every rank writes its data under fresh names that carry its save's token
    (`__0_0.sw1a2b3c4d5e6f.distcp`), so nothing committed is overwritten, and
@@ -41,23 +41,27 @@ the old one, both complete; a crash during step 3 leaves only garbage.
 
 from __future__ import annotations
 
-import io
-import json
-import os
-import re
-import uuid
 import warnings
-from dataclasses import dataclass
 
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
-
-from ...storage import Folder, open_folder
-from ...storage.folder import TEMPORARY
-from ..format.manifest import MANIFEST, MARKER
+from ...storage import open_folder
+from ..format.manifest import MARKER
 from ..format.record_check import DATA_FILE
-from ..format.safe_pickle import load_metadata
+from .collection import collect, referenced_files, replaced_files
 from .faults import failpoint
-from .lease import Lease, live_scopes, lock_name
+from .lease import Lease
+from .record_names import (
+    GLOBAL_RECORDS,
+    METADATA,
+    FolderLike,
+    RecordNames,
+    already_exists,
+    data_file_name,
+    holds_checkpoint,
+    in_the_way,
+    leftover_data,
+    new_token,
+    per_rank_records,
+)
 
 __all__ = [
     "METADATA",
@@ -75,89 +79,7 @@ __all__ = [
     "replaced_files",
 ]
 
-METADATA = ".metadata"
-FolderLike = Folder | str | os.PathLike  # a Folder, or what `open_folder` opens
-_DATA = DATA_FILE  # our data files (`record_check`, where records are checked against it)
-# what stock `FileSystemWriter` names its data files: collected only when a replaced
-# record names them (never as leftovers: no token says which save wrote them)
-_STOCK_DATA = re.compile(r"__(\d+)_(\d+)" + re.escape(DEFAULT_SUFFIX), re.ASCII)
-_PER_RANK = re.compile(r"__(\d+)\.(?:metadata|shardwise\.json)", re.ASCII)
-
-
-def new_token() -> str:
-    return uuid.uuid4().hex[:12]
-
-
-def data_file_name(prefix: str, index: int, token: str) -> str:
-    """`__{rank}_{index}.sw{token}.distcp`: `prefix` is DCP's `__{rank}_`."""
-    return f"{prefix}{index}.sw{token}{DEFAULT_SUFFIX}"
-
-
-@dataclass(frozen=True)
-class RecordNames:
-    """The commit records of one checkpoint: the global ones, or one rank's
-    when DCP saves without collectives (`__{rank}.metadata`)."""
-
-    rank: int | None = None
-
-    @property
-    def metadata(self) -> str:
-        return METADATA if self.rank is None else f"__{self.rank}{METADATA}"
-
-    @property
-    def manifest(self) -> str:
-        return MANIFEST if self.rank is None else f"__{self.rank}.{MANIFEST}"
-
-    @property
-    def lock(self) -> str:
-        """The lease's lock record of this scope (`lease.py`): never a checkpoint record."""
-        return lock_name(self.rank)
-
-    def owns(self, data_name: str) -> bool:
-        """Whether a token-named data file is in this record's scope (all ranks, or its rank)."""
-        m = _DATA.fullmatch(data_name)
-        return m is not None and (self.rank is None or int(m.group(1)) == self.rank)
-
-
-def holds_checkpoint(folder: FolderLike, names: RecordNames = RecordNames()) -> bool:
-    """Whether `folder` already holds a checkpoint (stock or ours, committed or not)."""
-    folder = open_folder(folder)
-    candidates = {names.metadata, names.manifest, RecordNames(0).metadata, RecordNames(0).manifest}
-    if names.rank is None:
-        candidates.add(MARKER)
-    return not candidates.isdisjoint(folder.names())
-
-
-def per_rank_records(folder: FolderLike) -> list[RecordNames]:
-    """The per-rank records (`__{rank}.metadata`, saved without collectives) in `folder`."""
-    folder = open_folder(folder)
-    found = {int(m.group(1)) for n in folder.names() if (m := _PER_RANK.fullmatch(n))}
-    return [RecordNames(r) for r in sorted(found)]
-
-
-def already_exists(folder: FolderLike) -> str:
-    """The one message for an output that is already there, naming the fix."""
-    folder = open_folder(folder)
-    if folder.is_file():
-        return f"{folder} already exists; pass overwrite=True"
-    return f"Checkpoint already exists at {folder}; pass overwrite=True to replace it"
-
-
-def in_the_way(
-    folder: FolderLike, names: RecordNames = RecordNames(), *, files: bool = False
-) -> str | None:
-    """`already_exists(folder)` when it holds a checkpoint (or, with `files`, is a
-    file), else None: what a save, reshard or convert without overwrite refuses."""
-    folder = open_folder(folder)
-    if (files and folder.is_file()) or holds_checkpoint(folder, names):
-        return already_exists(folder)
-    return None
-
-
-def leftover_data(folder: FolderLike) -> list[str]:
-    """Token-named data files: what an interrupted save leaves behind."""
-    folder = open_folder(folder)
-    return sorted(n for n in folder.names() if _DATA.fullmatch(n))
+_DATA = DATA_FILE  # our data files; tests/reliability/test_untrusted.py reads it here
 
 
 def commit(
@@ -165,7 +87,7 @@ def commit(
     metadata: bytes | str,
     manifest: bytes,
     referenced: set[str],
-    names: RecordNames = RecordNames(),
+    names: RecordNames = GLOBAL_RECORDS,
     *,
     sync: bool = True,
     lease: Lease | None = None,
@@ -211,144 +133,3 @@ def commit(
         )
         return []
     return collect(folder, referenced, previous, names, lease=lease)
-
-
-def _named_elsewhere(folder: FolderLike, names: RecordNames) -> set[str]:
-    """Files that records of another scope still name (a global checkpoint beside
-    per-rank ones, or the other way round): never collected by this one."""
-    others = [RecordNames()] if names.rank is not None else []
-    others += [r for r in per_rank_records(folder) if r != names]
-    found: set[str] = set()
-    for other in others:
-        found |= referenced_files(folder, other, both=True)
-    return found
-
-
-def _data_rank(name: str) -> int | None:
-    """The rank of a data file named as ours or as stock DCP names them, else None."""
-    m = _DATA.fullmatch(name) or _STOCK_DATA.fullmatch(name)
-    return int(m.group(1)) if m is not None else None
-
-
-def collect(
-    folder: FolderLike,
-    keep: set[str],
-    previous: set[str],
-    names: RecordNames = RecordNames(),
-    *,
-    lease: Lease | None = None,
-) -> list[str]:
-    """Remove, after a commit, what the committed records replaced. A file goes only
-    if it is a plain file (never a link or folder), no committed record of any
-    scope names it (`keep`, and records of other scopes), and it is one of:
-
-    - a data file (our token-named pattern, or stock's `__{rank}_{k}.distcp`) that a
-      replaced record of this scope names (`previous`, from `replaced_files`);
-    - a token-named data file of this scope that no record names: a leftover of a
-      dead save — unless a live lease of another save covering its rank is in the
-      folder (`lease.live_scopes`; this save's own lease keeps same-scope saves out);
-    - a temporary file of this scope's records or lock (`NAME.sw{token}.tmp`).
-
-    Records, the marker, lock records and every other name are never touched. A
-    file that cannot be removed is left for the next save: the commit stands."""
-    folder = open_folder(folder)
-    listed = folder.names()
-    # The leases after the listing, the other scopes' records after the leases: a save
-    # that began after the listing wrote nothing listed, one that ended before the
-    # lease check has committed records that `_named_elsewhere` reads.
-    busy = live_scopes(folder, listed, lease)
-    keep = keep | _named_elsewhere(folder, names)
-    temporaries = {names.metadata, names.manifest, names.lock}
-    if names.rank is None:
-        temporaries.add(MARKER)
-    removed = []
-    for name in listed:
-        if name in keep:
-            continue
-        temp = TEMPORARY.fullmatch(name)
-        leftover = names.owns(name) and not ({None, _data_rank(name)} & busy)
-        ours = (
-            (name in previous and _data_rank(name) is not None)
-            or leftover
-            or (temp is not None and temp.group(1) in temporaries)
-        )
-        if ours and folder.removable(name):
-            try:
-                folder.remove(name)
-            except OSError as e:
-                warnings.warn(
-                    f"could not remove {folder.where(name)} after the commit ({e}); "
-                    "the next save retries",
-                    stacklevel=2,
-                )
-                continue
-            removed.append(name)
-            failpoint("mid-collect")
-    return removed
-
-
-def _record_names(folder: Folder, names: RecordNames, which: str) -> list[str] | None:
-    """Every file name the record `which` (manifest or metadata) of scope `names`
-    holds, as stored; None when it is missing or unreadable."""
-    try:
-        if which == "manifest":
-            doc = json.loads(folder.read(names.manifest))
-            found = [c["file"] for t in doc["tensors"].values() for c in t["chunks"]]
-            return found + [o["file"] for o in doc["objects"].values()]
-        storage = load_metadata(io.BytesIO(folder.read(names.metadata))).storage_data or {}
-        return [info.relative_path for info in storage.values()]
-    except Exception:  # noqa: BLE001 - a record we cannot read names nothing we may delete
-        return None
-
-
-def _plain(name: object) -> bool:
-    return (
-        isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name
-    ) and name not in (".", "..")
-
-
-def referenced_files(
-    folder: FolderLike, names: RecordNames = RecordNames(), *, both: bool = False
-) -> set[str]:
-    """The files the committed records in `folder` name: those of its manifest,
-    else (or also, with `both`) of its `.metadata` (read with the safe unpickler).
-    What must be kept; never on its own a reason to delete (`replaced_files` is)."""
-    folder = open_folder(folder)
-    found = _record_names(folder, names, "manifest")
-    # Without a manifest this is a stock checkpoint (or ours without its manifest,
-    # whose token-named files are collected by name anyway).
-    if both or found is None:
-        found = (found or []) + (_record_names(folder, names, "metadata") or [])
-    return {n for n in found if _plain(n)}
-
-
-def replaced_files(folder: FolderLike, names: RecordNames = RecordNames()) -> set[str]:
-    """The data files a commit of scope `names` may delete as replaced: those its
-    manifest and its `.metadata` name, each record counted only if every name it
-    holds is a data file of that scope (ours or stock-named). A record naming
-    anything else (`notes.txt`, `shardwise.json`, `.metadata`, a path) is corrupt
-    and decides nothing: its files stay, with a warning."""
-    folder = open_folder(folder)
-    out: set[str] = set()
-    for which in ("manifest", "metadata"):
-        found = _record_names(folder, names, which)
-        if found is None:
-            continue
-        record = names.manifest if which == "manifest" else names.metadata
-        odd = [
-            n
-            for n in found
-            if not _plain(n)
-            or _data_rank(n) is None
-            or (names.rank is not None and _data_rank(n) != names.rank)
-        ]
-        if odd:
-            warnings.warn(
-                f"{folder.where(record)} names {odd[0]!r}, which is not a data file of "
-                "its checkpoint: a corrupt record, so none of the files it names are "
-                "removed by this save",
-                stacklevel=3,
-            )
-            continue
-        out |= set(found)
-    return out

@@ -12,7 +12,8 @@ has committed and collected (or failed):
   record scope, taken by whoever commits that scope (the coordinator, or each rank);
 - JSON: the save id, host, pid (with its pid namespace and start time, so a
   reused pid is not mistaken for the holder), when it was taken, and a heartbeat
-  that a daemon thread rewrites every `HEARTBEAT_S` while the lease is held;
+  that a daemon thread rewrites every `HEARTBEAT_S` while the lease is held
+  (`heartbeat`);
 - created with `Folder.create_exclusive`: `link(2)` of a fsynced temporary file
   locally (atomic, NFS included), a conditional PUT (`If-None-Match: *`) on
   object stores that offer it; elsewhere best effort (look, then write). Either
@@ -31,28 +32,36 @@ learns it before committing (`confirm`) and commits nothing.
 
 The lock record is never a checkpoint record: readers, `holds_checkpoint` and
 stock `dcp.load` never look at it, and collection never deletes another scope's.
+The record itself (its name, its fields, reading it) is `lock_record`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import socket
 import threading
 import time
 import uuid
 import warnings
-from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
-from pathlib import Path
 
 from ...errors import CheckpointBusyError
 from ...storage import Folder
+from .heartbeat import Heartbeat
+from .lock_record import (
+    HOST,
+    LOCK,
+    LOCK_NAME,
+    PID_NAMESPACE,
+    Holder,
+    lock_name,
+    process_alive,
+    read_record,
+)
 
 __all__ = [
     "HEARTBEAT_S",
+    "HOST",
     "LOCK",
+    "PID_NAMESPACE",
     "STALE_AFTER_S",
     "Holder",
     "Lease",
@@ -61,123 +70,8 @@ __all__ = [
     "stale_reason",
 ]
 
-LOCK = ".shardwise.lock"
 HEARTBEAT_S = 15.0  # how often a held lease's heartbeat is rewritten
 STALE_AFTER_S = 300.0  # a heartbeat older than this: the holder is taken for dead
-_LOCK_NAME = re.compile(r"(?:__(\d+))?" + re.escape(LOCK), re.ASCII)
-_FORMAT = "shardwise-lease/1"
-# A lock record is a few hundred bytes; a bigger one (a crafted, sparse 100 GB file) is
-# read only this far, so it parses as unreadable instead of filling memory.
-_MAX_RECORD = 1 << 16
-
-
-def _read_record(folder: Folder, name: str) -> bytes:
-    """The lock record `name` (a plain file only), or its first `_MAX_RECORD` bytes.
-
-    Its size comes from a fresh listing: unlike data files, a lock record is
-    rewritten (heartbeats, a new holder), so a size remembered from an earlier
-    listing (object stores) would cut it short."""
-    size = folder.sizes().get(name, _MAX_RECORD)  # not listed: a link, or just created
-    f = folder.open(name)  # refuses a link; FileNotFoundError when it is gone
-    try:
-        return f.pread(min(size, _MAX_RECORD), 0)
-    finally:
-        f.close()
-
-
-def lock_name(rank: int | None) -> str:
-    """The lock record of the global records (`rank` None) or of one rank's."""
-    return LOCK if rank is None else f"__{rank}{LOCK}"
-
-
-def _pid_namespace() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
-def _process_start(pid: int) -> tuple[str, str] | None:
-    """(state, start time in clock ticks) of `pid` from `/proc`; None if it has no
-    entry; ("", "") where `/proc` is not there."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return None if Path("/proc/self/stat").exists() else ("", "")
-    except OSError:
-        return ("", "")
-    fields = stat.rsplit(")", 1)[-1].split()  # the command name may hold spaces
-    return (fields[0], fields[19]) if len(fields) > 19 else ("", "")
-
-
-HOST = socket.gethostname()
-PID_NAMESPACE = _pid_namespace()
-
-
-def _alive(pid: int, started: str) -> bool:
-    """Whether process `pid` of this host and pid namespace is still the holder."""
-    found = _process_start(pid)
-    if found is None:
-        return False
-    state, start = found
-    if state in ("Z", "X"):
-        return False  # a zombie holds nothing
-    if start and started:
-        return start == started  # a reused pid is another process
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@dataclass(frozen=True)
-class Holder:
-    """What a lock record says about the save that holds it."""
-
-    save_id: str
-    host: str
-    pid: int
-    pid_namespace: str
-    process_start: str
-    since: float
-    heartbeat: float
-
-    @classmethod
-    def of_this_process(cls, save_id: str) -> Holder:
-        now = time.time()
-        state = _process_start(os.getpid())
-        start = state[1] if state else ""
-        return cls(save_id, HOST, os.getpid(), PID_NAMESPACE, start, now, now)
-
-    @classmethod
-    def parse(cls, data: bytes) -> Holder | None:
-        try:
-            doc = json.loads(data)
-            return cls(
-                str(doc["save_id"]),
-                str(doc["host"]),
-                int(doc["pid"]),
-                str(doc["pid_namespace"]),
-                str(doc["process_start"]),
-                float(doc["since"]),
-                float(doc["heartbeat"]),
-            )
-        except (ValueError, KeyError, TypeError):
-            return None
-
-    def to_bytes(self) -> bytes:
-        return (json.dumps({"format": _FORMAT, **asdict(self)}, indent=1) + "\n").encode()
-
-    def describe(self) -> str:
-        since = datetime.fromtimestamp(self.since, timezone.utc).isoformat(timespec="seconds")
-        beat = max(0.0, time.time() - self.heartbeat)
-        return (
-            f"save {self.save_id[:12]} of pid {self.pid} on host {self.host}, "
-            f"since {since} (last heartbeat {beat:.0f} s ago)"
-        )
 
 
 _HELD: dict[tuple[str, str], Lease] = {}  # (folder identity, lock name) -> held by this process
@@ -197,7 +91,7 @@ def stale_reason(holder: Holder, where: tuple[str, str] | None = None) -> str | 
                 taking = holder.save_id in _ACQUIRING
             if not taking and (mine is None or mine.save_id != holder.save_id):
                 return "a save of this process left it and no longer holds it"
-        elif not _alive(holder.pid, holder.process_start):
+        elif not process_alive(holder.pid, holder.process_start):
             return f"its process (pid {holder.pid} on this host) is gone"
     age = time.time() - holder.heartbeat
     if age > STALE_AFTER_S:
@@ -213,11 +107,11 @@ def live_scopes(folder: Folder, names: list[str], mine: Lease | None = None) -> 
     An unreadable lock record counts as live."""
     found: set[int | None] = set()
     for name in names:
-        m = _LOCK_NAME.fullmatch(name)
+        m = LOCK_NAME.fullmatch(name)
         if m is None or (mine is not None and mine.held and name == mine.name):
             continue
         try:
-            holder = Holder.parse(_read_record(folder, name))
+            holder = Holder.parse(read_record(folder, name))
         except FileNotFoundError:
             continue
         except OSError:
@@ -239,8 +133,7 @@ class Lease:
         self.save_id = save_id or uuid.uuid4().hex
         self.held = False
         self._made = False
-        self._mutex = threading.Lock()
-        self._stop = threading.Event()
+        self._heartbeat = Heartbeat(folder, self.name, self.save_id)
 
     @property
     def where(self) -> str:
@@ -251,7 +144,7 @@ class Lease:
 
     def _read(self) -> bytes | None:
         try:
-            return _read_record(self.folder, self.name)
+            return read_record(self.folder, self.name)
         except FileNotFoundError:
             return None
 
@@ -347,29 +240,9 @@ class Lease:
 
     def _hold(self) -> None:
         self.held = True
-        self._stop.clear()
         with _HELD_LOCK:
             _HELD[self._key()] = self
-        threading.Thread(target=self._beat, name="shardwise-lease-heartbeat", daemon=True).start()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            self.refresh()
-
-    def refresh(self) -> None:
-        """Rewrite the heartbeat, if the record still names this save."""
-        with self._mutex:
-            if self._stop.is_set() or not self.held:
-                return
-            try:
-                data = self._read()
-                holder = Holder.parse(data) if data is not None else None
-                if holder is None or holder.save_id != self.save_id:
-                    return  # taken over: `confirm` reports it
-                beat = Holder(**{**asdict(holder), "heartbeat": time.time()})
-                self.folder.write_durably(self.name, beat.to_bytes())
-            except OSError:
-                pass  # the next beat tries again; the bound leaves room for many misses
+        self._heartbeat.start(HEARTBEAT_S)
 
     def still_held(self) -> bool:
         """Whether the lock record still names this save (it was not broken as stale)."""
@@ -394,10 +267,10 @@ class Lease:
     def release(self) -> None:
         """Give the lease back (its record removed if it still names this save). A
         folder the lease created is removed again if nothing else is in it."""
-        with self._mutex:
+        with self._heartbeat.lock:
             if not self.held:
                 return
-            self._stop.set()
+            self._heartbeat.stop()
             self.held = False
             with _HELD_LOCK:
                 if _HELD.get(self._key()) is self:

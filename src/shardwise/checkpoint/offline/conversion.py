@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
+from ...comm.communicator import SingleProcess
 from ...errors import CheckpointExistsError, InvalidArgumentError, UnsupportedStorageError
 from ...storage import Folder, Sink, is_url, open_folder
-from ...comm.communicator import SingleProcess
 from ..engine.saving import save_state
 from ..format.checksums import byte_view
 from ..format.record_write import write_torch_archive

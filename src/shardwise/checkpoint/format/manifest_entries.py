@@ -1,0 +1,65 @@
+"""The entries of `shardwise.json` as Python values, and the format versions.
+
+What the field tables (`manifest_fields`) decode a manifest into and encode from;
+kept apart from the tables so the fast path (`fast_entries`) and the readers can
+build them without the table machinery.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ...errors import CorruptCheckpointError
+
+FORMAT = "shardwise.checkpoint"
+VERSION = 3  # the version written
+# the versions read; 2 added transforms, planner data, storage_meta, requires_grad;
+# 3 replaced pages of `page_size` with tiles (a chunk's `tile` and `tiles`)
+READS = (1, 2, 3)
+MANIFEST = "shardwise.json"
+PAGE_SIZE = 1 << 20  # payload bytes per checksum page (format versions 1 and 2)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in {MANIFEST}")
+    return dtype
+
+
+@dataclass
+class ChunkEntry:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    record: tuple[int, int]  # the torch.save record: offset, length (what stock reads)
+    payload: tuple[int, int] | None  # the raw C-order bytes inside it; None when transformed
+    # crc32c of each tile of the payload (`tile` set, v3), or of each page (v1, v2);
+    # when transformed, one crc32c of the whole record
+    crcs: list[int]
+    frame: int = 0  # crc32c of the record's bytes before and after the payload
+    transform: list[str] | None = None  # DCP stream-transform descriptors (e.g. zstd)
+    tile: tuple[int, ...] | None = None  # the tile shape (v3); None: pages, or transformed
+
+
+@dataclass
+class ObjectEntry:
+    file: str
+    offset: int
+    length: int
+    crc32c: int
+    transform: list[str] | None = None
+
+
+@dataclass
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: list[ChunkEntry] = field(default_factory=list)
+    requires_grad: bool = False  # DCP's TensorProperties field, kept for stock parity

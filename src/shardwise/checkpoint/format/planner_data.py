@@ -1,0 +1,73 @@
+"""DCP's `planner_data` in a manifest: plain JSON where it is, else a pickle.
+
+The manifest keeps its own copy (never `.metadata`'s), so the two records never
+depend on each other; a pickle is read back with the unpickler of stock
+`.metadata` (`safe_pickle`).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+from typing import Any
+
+from ...errors import CorruptCheckpointError
+from .field_table import FieldError
+from .manifest_entries import MANIFEST
+from .safe_pickle import load_metadata
+
+__all__ = ["decode_planner_data", "encode_planner_data", "pickled", "unpickled"]
+
+
+def encode_planner_data(value: Any) -> Any:
+    """DCP's `planner_data` as JSON, tuples tagged so they come back as tuples
+    (the default planner maps keys to tuple paths); `FieldError` (a `ValueError`) when it holds
+    anything else than plain containers, strings and numbers."""
+    kind = type(
+        value
+    )  # exact types: an Enum, namedtuple or OrderedDict would come back as its base
+    if value is None or kind in (bool, int, float, str):
+        return value
+    if kind is tuple:
+        return {"__tuple__": [encode_planner_data(v) for v in value]}
+    if kind is list:
+        return [encode_planner_data(v) for v in value]
+    if kind is dict and all(type(k) is str for k in value) and "__tuple__" not in value:
+        return {k: encode_planner_data(v) for k, v in value.items()}
+    raise FieldError(
+        "planner_data", f"planner data of type {type(value).__name__} is not plain JSON"
+    )
+
+
+def decode_planner_data(value: Any) -> Any:
+    if isinstance(value, list):
+        return [decode_planner_data(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"__tuple__"}:
+            return tuple(decode_planner_data(v) for v in value["__tuple__"])
+        return {k: decode_planner_data(v) for k, v in value.items()}
+    return value
+
+
+def pickled(value: Any) -> tuple[Any, str | None]:
+    """(planner_data, planner_data_pickle) of `value`: as JSON when it is plain, else pickled."""
+    try:
+        return encode_planner_data(value), None
+    except FieldError:
+        return None, base64.b64encode(pickle.dumps(value)).decode()
+
+
+def unpickled(planner_data: Any, planner_data_pickle: str | None) -> Any:
+    """The value `pickled` stored."""
+    if planner_data_pickle is None:
+        try:
+            return decode_planner_data(planner_data)
+        except RecursionError as e:
+            raise CorruptCheckpointError(
+                f"{MANIFEST}: unreadable planner data: nested too deeply"
+            ) from e
+    try:
+        return load_metadata(io.BytesIO(base64.b64decode(planner_data_pickle)))
+    except (ValueError, pickle.UnpicklingError) as e:
+        raise CorruptCheckpointError(f"{MANIFEST}: unreadable planner data: {e}") from e

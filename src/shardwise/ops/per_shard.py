@@ -1,0 +1,117 @@
+"""Running an aten op shard by shard: operands picked per shard, results rewrapped.
+
+Every operand ShardedTensor must share the first one's layout and rank; a plain
+tensor broadcasts against the global shape and each shard takes its block of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..errors import LayoutError
+from ..tensor import ShardedTensor
+
+__all__ = ["is_inplace", "per_shard", "pointwise", "sharded_args", "wrap"]
+
+
+def sharded_args(args: tuple, kwargs: dict) -> list[ShardedTensor]:
+    leaves, _ = tree_flatten((args, kwargs))
+    return [x for x in leaves if isinstance(x, ShardedTensor)]
+
+
+def common(func: Any, sharded: list[ShardedTensor]) -> ShardedTensor:
+    """The first operand, after checking that all share its layout and rank."""
+    ref = sharded[0]
+    for other in sharded[1:]:
+        if other._layout != ref._layout or other._rank != ref._rank:
+            raise LayoutError(
+                f"{func} mixes ShardedTensors of different layouts ({ref._layout} on "
+                f"rank {ref._rank} and {other._layout} on rank {other._rank}); "
+                f"redistribute one to the other's layout first"
+            )
+    return ref
+
+
+def piece(func: Any, ref: ShardedTensor, i: int) -> Callable[[Any], Any]:
+    """Map an operand to what shard `i`'s computation needs of it."""
+    block = ref.local_blocks[i]
+    shape = torch.Size(ref._layout.global_shape)
+
+    def pick(x: Any) -> Any:
+        if isinstance(x, ShardedTensor):
+            return x._shards[i]
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            # A plain tensor broadcasts against the global shape; take our block of it.
+            try:
+                full = x.expand(shape)
+            except RuntimeError as e:
+                raise LayoutError(
+                    f"{func}: a plain tensor of shape {tuple(x.shape)} does not broadcast "
+                    f"to the ShardedTensor's global shape {tuple(shape)}"
+                ) from e
+            return full[block.slices()]
+        return x
+
+    return pick
+
+
+def result_meta(func: Any, args: tuple, kwargs: dict) -> tuple[torch.dtype, torch.device]:
+    """dtype/device of `func`'s result, for a rank with no shard to compute on."""
+    ref = sharded_args(args, kwargs)[0]
+
+    def to_meta(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return torch.empty((), dtype=x.dtype, device="meta")
+        return x
+
+    meta_args, meta_kwargs = tree_map(to_meta, (args, kwargs))
+    out = func(*meta_args, **meta_kwargs)
+    first = out[0] if isinstance(out, (tuple, list)) else out
+    return first.dtype, ref.device
+
+
+def per_shard(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    ref = common(func, sharded_args(args, kwargs))
+    results = []
+    for i in range(len(ref._shards)):
+        a, k = tree_map(piece(func, ref, i), (args, kwargs))
+        results.append(func(*a, **k))
+    return results
+
+
+def wrap(func: Any, ref: ShardedTensor, results: list[Any], args: tuple, kwargs: dict) -> Any:
+    """Turn per-shard results into ShardedTensor(s) of `ref`'s layout."""
+    if results and isinstance(results[0], (tuple, list)):
+        return type(results[0])(
+            wrap(func, ref, [r[j] for r in results], args, kwargs) for j in range(len(results[0]))
+        )
+    if results:
+        return ref._with_shards(results)
+    dtype, device = result_meta(func, args, kwargs)
+    return ref._with_shards([], dtype=dtype, device=device)
+
+
+def is_inplace(func: Any) -> bool:
+    return func._schema.name.endswith("_")
+
+
+# -- pointwise -------------------------------------------------------------------
+
+
+def pointwise(func: Any, args: tuple, kwargs: dict) -> Any:
+    if is_inplace(func) and not isinstance(args[0], ShardedTensor):
+        raise NotImplementedError(
+            f"{func} writes into a plain tensor from a ShardedTensor; that needs "
+            f"communication: use st.full_tensor() first"
+        )
+    results = per_shard(func, args, kwargs)
+    if "out" in kwargs:
+        return kwargs["out"]
+    if is_inplace(func):
+        return args[0]
+    ref = sharded_args(args, kwargs)[0]
+    return wrap(func, ref, results, args, kwargs)
