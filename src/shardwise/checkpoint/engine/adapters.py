@@ -23,6 +23,7 @@ __all__ = [
     "adapted_for_load",
     "adapted_for_save",
     "held_adapted",
+    "pieces_in_place",
     "register_value_adapter",
     "require_same_adapted",
     "unregister_value_adapter",
@@ -33,20 +34,36 @@ Finish = Callable[[], None]
 
 @dataclass(frozen=True)
 class ValueAdapter:
-    """How one foreign type goes through a checkpoint.
+    """How one foreign type goes through a checkpoint, in one of two ways.
 
-    `for_save(value)` gives what DCP saves (usually a ShardedTensor sharing the
-    value's storage). `for_load(value)` gives the target DCP fills and a
-    `finish()` that copies the loaded data into `value` (None when the target
-    shares `value`'s storage, so nothing is left to do). Both are collective when
-    the conversion needs the global layout: every rank holds the same keys.
+    Converted: `for_save(value)` gives what the engine saves (usually a
+    ShardedTensor sharing the value's storage); `for_load(value)` gives the target
+    the engine fills and a `finish()` that copies the loaded data into `value`
+    (None when the target shares `value`'s storage). Both are collective when the
+    conversion needs the global layout, so every rank must hold the same such keys
+    (agreed at the API edge, `held_adapted`).
+
+    Described in place: `pieces(value)` gives the (tensor, offsets, sizes) boxes
+    this rank holds of the value's global tensor, read and written where they are
+    (DTensor, `LocalShardsWrapper`). Nothing collective, so nothing to agree on.
     """
 
     name: str
     matches: Callable[[Any], bool]
-    for_save: Callable[[Any], Any]
-    for_load: Callable[[Any], tuple[Any, Finish | None]]
+    for_save: Callable[[Any], Any] | None = None
+    for_load: Callable[[Any], tuple[Any, Finish | None]] | None = None
     hint: str = ""  # added to the error when ranks hold different values of this kind
+    pieces: Callable[[Any], list[Any] | None] | None = None
+
+    def __post_init__(self) -> None:
+        converts = self.for_save is not None and self.for_load is not None
+        if converts == (self.pieces is not None) or (self.for_save is None) != (
+            self.for_load is None
+        ):
+            raise InvalidArgumentError(
+                f"value adapter {self.name!r}: give for_save and for_load (converted), "
+                "or pieces (described in place), not both"
+            )
 
 
 _REGISTERED: list[ValueAdapter] = []
@@ -69,9 +86,19 @@ def unregister_value_adapter(name: str) -> None:
 
 
 def _adapter_for(value: Any) -> ValueAdapter | None:
+    """The first converting adapter that matches `value`."""
     for adapter in _REGISTERED:
-        if adapter.matches(value):
+        if adapter.pieces is None and adapter.matches(value):
             return adapter
+    return None
+
+
+def pieces_in_place(value: Any) -> list[Any] | None:
+    """The boxes this rank holds of `value` by the first in-place adapter matching it
+    (`ValueAdapter.pieces`); None when none does."""
+    for adapter in _REGISTERED:
+        if adapter.pieces is not None and adapter.matches(value):
+            return adapter.pieces(value)
     return None
 
 
@@ -177,6 +204,7 @@ def adapted_for_save(
 
     root = copy(state_dict)
     for leaf in leaves:
+        assert leaf.adapter.for_save is not None  # `_leaves` holds converting adapters only
         copies[id(leaf.container)][leaf.key] = leaf.adapter.for_save(leaf.value)
     return root
 
@@ -216,6 +244,7 @@ class adapted_for_load:
             _agree_on(container, self.group, self.problem, self.statefuls)
         leaves = _leaves(container)
         for leaf in leaves:
+            assert leaf.adapter.for_load is not None  # converting adapters only
             target, finish = leaf.adapter.for_load(leaf.value)
             leaf.container[leaf.key] = target
             self._swapped.append((leaf.container, leaf.key, leaf.value, target))
