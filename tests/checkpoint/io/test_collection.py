@@ -1,4 +1,4 @@
-"""What a save may delete after its commit (`commit.collect` / `replaced_files`): only
+"""What a save may delete after its commit (`collection.collect` / `replaced_files`): only
 data files that a record of the replaced checkpoint names, and leftovers of dead
 saves. A record naming anything else decides nothing, and the new records are never
 deleted, whatever the old records say."""
@@ -18,10 +18,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.io.commit import collect, referenced_files, replaced_files
+from shardwise.checkpoint.io.commit import (
+    RecordNames,
+    collect,
+    referenced_files,
+    replaced_files,
+)
 from shardwise.checkpoint.io.lease import LOCK
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
 
 VICTIM = b"my notes: not a checkpoint file\n" * 3
 
@@ -175,3 +181,25 @@ def test_leftovers_wait_while_another_scopes_save_is_live(tmp_path):
     with Lease(open_folder(tmp_path), 1).acquire():  # a per-rank save of rank 1 in flight
         assert collect(tmp_path, set(), set()) == []
     assert collect(tmp_path, set(), set()) == [leftover]  # once it is gone: a dead save's
+
+
+def test_collect_removes_only_its_own_files(tmp_path):
+    ours = [
+        "__0_0.sw0123456789ab.distcp",
+        "__1_3.swfedcba987654.distcp",
+        "shardwise.json.sw0123456789ab.tmp",
+    ]
+    theirs = [
+        "__0_0.sw0123456789ab.distcp\n",  # a trailing newline: not our name
+        "__0_0.distcp",
+        "__0_0.sw0123456789AB.distcp",
+        "notes.sw0123456789ab.tmp",
+        "x.distcp",
+    ]
+    for name in ours + theirs:
+        (tmp_path / name).write_bytes(b"x")
+    keep = {"__1_3.swfedcba987654.distcp"}
+    assert collect(tmp_path, keep, set()) == sorted(set(ours) - keep)
+    assert sorted(os.listdir(tmp_path)) == sorted(theirs + list(keep))
+    per_rank = collect(tmp_path, set(), set(), RecordNames(0))  # a per-rank commit: only its rank
+    assert per_rank == [] and (tmp_path / "__1_3.swfedcba987654.distcp").exists()

@@ -1,7 +1,6 @@
-"""Issue 20 points 9 and 10: stored objects unpickle only as far as
-`torch.load(weights_only=True)` admits (plus an allowlist) unless the caller
-trusts the checkpoint, on every load path and every rank; and `Reader` honours a
-custom `_extension_registry` on every read path.
+"""Stored objects (`objects`) unpickle only as far as `torch.load(weights_only=True)` admits
+(plus an allowlist) unless the caller trusts the checkpoint, on every load path and every
+rank (issue 20, point 9).
 
 The crafted object is a real pickle that runs `os.system` on load (it touches a
 marker file): each refusal asserts the marker is absent, and a trusted load
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import io
 import os
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +26,8 @@ from torch.testing._internal.distributed.checkpoint_utils import (
 )
 
 import shardwise.checkpoint as swc
-from shardwise import Block, Layout, ShardedTensor, UnsafeMetadataError
+from shardwise import UnsafeMetadataError
+from shardwise.checkpoint.format.objects import load_object, vetted_stream
 from shardwise.testing import run_ranks
 
 pytestmark = [
@@ -60,13 +59,6 @@ def _inner(e: BaseException) -> BaseException:
     assert isinstance(e, CheckpointException), e
     failure = next(iter(e.failures.values()))
     return failure[0] if isinstance(failure, tuple) else failure
-
-
-@pytest.fixture(params=["local", "memory"])
-def where(request, tmp_path: Path) -> str:
-    if request.param == "local":
-        return str(tmp_path / "ckpt")
-    return f"memory://objects-trust-{uuid.uuid4().hex}/ckpt"
 
 
 def _crafted(where: str, marker: Path) -> None:
@@ -221,74 +213,38 @@ def test_refused_object_through_a_stream_extension(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-# -- point 10: Reader(_extension_registry=...) on every read path ---------------------------
+def _torch_saved(value: Any) -> bytes:
+    out = io.BytesIO()
+    torch.save(value, out)
+    return out.getvalue()
 
 
-@pytest.mark.parametrize("writer", ["shardwise", "stock"])
-@pytest.mark.parametrize("verify", [True, False])
-def test_reader_honours_a_custom_extension_on_every_read_path(
-    where: str, writer: str, verify: bool
-) -> None:
-    if writer == "stock" and where.startswith("memory://"):
-        pytest.skip("stock FileSystemWriter writes local folders only")
-    full = torch.arange(48.0).reshape(6, 8)
-    halves = Layout((6, 8), [[Block((0, 0), (3, 8)), Block((3, 0), (3, 8))]])
-    saved = {
-        "plain": full,  # one chunk, read in parts (below)
-        "sharded": ShardedTensor.from_layout(halves, [full[:3], full[3:]], rank=0),
-        "meta": {"epoch": 4, "names": ["a", "b"]},
-    }
-    make = swc.Writer if writer == "shardwise" else dcp.FileSystemWriter
-    dcp.save(saved, storage_writer=make(where, _extensions=[Rot13Example()]))
-    cols = Layout((6, 8), [[Block((0, 0), (6, 5)), Block((0, 5), (6, 3))]])
-    target = {
-        "plain": ShardedTensor.from_layout(cols, [torch.zeros(6, 5), torch.zeros(6, 3)], rank=0),
-        "sharded": torch.zeros(6, 8),
-        "meta": {"epoch": 0, "names": None},
-    }
-    reader = swc.Reader(where, _extension_registry=get_test_extension_registry(), verify=verify)
-    dcp.load(target, storage_reader=reader)
-    got = target["plain"].local_shards()
-    assert torch.equal(got[0], full[:, :5]) and torch.equal(got[1], full[:, 5:])
-    assert torch.equal(target["sharded"], full)
-    assert target["meta"] == {"epoch": 4, "names": ["a", "b"]}
-    # without the registry the same load names the unknown extension
-    with pytest.raises(CheckpointException, match="_extension_registry"):
-        dcp.load({"sharded": torch.zeros(6, 8)}, storage_reader=swc.Reader(where))
-
-
-@pytest.mark.parametrize("writer", ["shardwise", "stock"])
-def test_swc_load_and_read_tensor_take_an_extension_registry(writer: str, tmp_path: Path) -> None:
-    path = tmp_path / "ckpt"
-    full = torch.arange(48.0).reshape(6, 8)
-    make = swc.Writer if writer == "shardwise" else dcp.FileSystemWriter
-    dcp.save(
-        {"w": full, "meta": {"epoch": 4}}, storage_writer=make(path, _extensions=[Rot13Example()])
+def test_load_object_admits_weights_only_values_and_names_the_refused_global(tmp_path: Path):
+    value = {"step": 3, "lr": [0.5], "t": torch.ones(2)}
+    got = load_object(_torch_saved(value), "extra", "ckpt", trust=False)
+    assert got.keys() == value.keys() and got["lr"] == [0.5] and torch.equal(got["t"], value["t"])
+    marker = tmp_path / "PWNED"
+    with pytest.raises(UnsafeMetadataError) as info:
+        load_object(_torch_saved(_Payload(marker)), "evil", "ckpt", trust=False)
+    assert str(info.value).startswith(
+        "object 'evil' in ckpt: refused global posix.system, nothing was run;"
     )
-    registry = get_test_extension_registry()
-    target = {"w": torch.zeros(6, 8), "meta": {"epoch": 0}}
-    swc.load(target, path, extension_registry=registry)
-    assert torch.equal(target["w"], full) and target["meta"] == {"epoch": 4}
-    band = swc.read_tensor(path, "w", Block((1, 2), (3, 4)), extension_registry=registry)
-    assert torch.equal(band, full[1:4, 2:6])
-    # without it: the extension is named, with the fix; not taken for damage
-    for call in (
-        lambda: swc.load({"w": torch.zeros(6, 8)}, path),
-        lambda: swc.read_tensor(path, "w"),
-    ):
-        with pytest.raises(swc.UnsupportedStorageError, match=r"stream\.rot13.*extension_registry"):
-            call()
+    assert not marker.exists()
 
 
-def test_empty_block_target_of_a_transformed_chunk(tmp_path: Path) -> None:
-    """A target rank holding nothing of a key still loads the rest."""
-    path = tmp_path / "ckpt"
-    dcp.save(
-        {"w": torch.arange(6.0)}, storage_writer=swc.Writer(path, _extensions=[Rot13Example()])
-    )
-    layout = Layout((6,), [[Block((2,), (3,))]], allow_holes=True)
-    target = {"w": ShardedTensor.from_layout(layout, [torch.zeros(3)], rank=0)}
-    dcp.load(
-        target, storage_reader=swc.Reader(path, _extension_registry=get_test_extension_registry())
-    )
-    assert torch.equal(target["w"].local_shards()[0], torch.tensor([2.0, 3.0, 4.0]))
+def test_a_damaged_torch_save_stream_is_corrupt():
+    cut = _torch_saved({"a": 1})[:-30]  # no central directory
+    with pytest.raises(swc.CorruptCheckpointError, match=r"^object 'x' in ckpt: cannot decode \("):
+        load_object(cut, "x", "ckpt", trust=False)
+
+
+def test_vetted_stream_is_a_fresh_serialization_unless_trusted(tmp_path: Path):
+    data = _torch_saved(OrderedDict(a=1))
+    trusted = vetted_stream(data, "x", "ckpt", trust=True)
+    assert trusted.getvalue() == data  # the file's own bytes
+    vetted = vetted_stream(data, "x", "ckpt", trust=False)
+    assert vetted.tell() == 0 and torch.load(vetted, weights_only=True) == OrderedDict(a=1)
+    marker = tmp_path / "PWNED"
+    with pytest.raises(UnsafeMetadataError):
+        vetted_stream(_torch_saved(_Payload(marker)), "evil", "ckpt", trust=False)
+    assert not marker.exists()

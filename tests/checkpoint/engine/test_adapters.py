@@ -12,10 +12,13 @@ from shardwise.checkpoint.engine.adapters import (
     ValueAdapter,
     adapted_for_load,
     adapted_for_save,
+    held_adapted,
+    pieces_in_place,
     register_value_adapter,
+    require_same_adapted,
     unregister_value_adapter,
 )
-from shardwise.errors import ArgumentMismatchError
+from shardwise.errors import ArgumentMismatchError, InvalidArgumentError
 
 pytestmark = pytest.mark.spawned
 
@@ -158,3 +161,57 @@ def test_ranks_holding_other_adapted_values_refuse_together(tmp_path):
         "(a rank holding nothing of it passes an empty one)"
     )
     assert results == [(message, False), (message, False)]
+
+
+_BOTH = (
+    "value adapter 'x': give for_save and for_load (converted), or pieces (described in "
+    "place), not both"
+)
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {},
+        {"for_save": id},
+        {"for_save": id, "for_load": id, "pieces": id},
+        {"for_load": id, "pieces": id},
+    ],
+    ids=["neither", "save-only", "all", "load-and-pieces"],
+)
+def test_an_adapter_converts_or_describes_in_place_never_both(given):
+    with pytest.raises(InvalidArgumentError) as info:
+        ValueAdapter("x", bool, **given)
+    assert str(info.value) == _BOTH
+
+
+def test_held_adapted_lists_paths_and_statefuls_in_one_order(holder_adapter):
+    sd = {"b": [Holder(torch.ones(1)), 1], "a": {"h": Holder(torch.ones(1)), "t": torch.ones(1)}}
+    assert held_adapted(sd, ("opt",)) == (("a.h", "holder"), ("b.0", "holder"), ("opt", "Stateful"))
+    assert held_adapted({"t": torch.ones(1)}) == ()
+
+
+def test_require_same_adapted_names_the_odd_ranks_and_the_adapters_hint():
+    register_value_adapter(ValueAdapter("hinted", bool, id, id, hint="pass them on every rank"))
+    try:
+        require_same_adapted([(("a", "hinted"),), (("a", "hinted"),)])  # the same: passes
+        with pytest.raises(ArgumentMismatchError) as info:
+            require_same_adapted([(("a", "hinted"),), (("a", "hinted"),), ()])
+    finally:
+        unregister_value_adapter("hinted")
+    assert str(info.value) == (
+        "ranks disagree on the hinted values they hold (first difference: 'a'): ranks [2] held "
+        "0 of them, rank 0 held 1 of them; every rank must hold every such value, under the same "
+        "key (a rank holding nothing of it passes an empty one); pass them on every rank"
+    )
+
+
+def test_pieces_in_place_asks_the_first_in_place_adapter_that_matches():
+    boxes = [(torch.ones(2), (0,), (2,))]
+    register_value_adapter(ValueAdapter("boxed", lambda v: v == "boxed", pieces=lambda v: boxes))
+    try:
+        assert pieces_in_place("boxed") is boxes
+        assert pieces_in_place(torch.ones(2)) is None
+    finally:
+        unregister_value_adapter("boxed")
+    assert pieces_in_place("boxed") is None

@@ -1,4 +1,4 @@
-"""The save lease (`checkpoint/lease.py`) in one process: exclusive, named in the
+"""The save lease (`lease`) in one process: exclusive, named in the
 refusal, waited for when asked, broken when stale, confirmed before a commit, and
 never taken for a checkpoint record. Two real processes: tests/reliability/test_concurrent_saves.py.
 """
@@ -21,33 +21,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 import shardwise.checkpoint as swc
 from shardwise.checkpoint.io import lease as lease_module
 from shardwise.checkpoint.io.commit import commit, holds_checkpoint, in_the_way
-from shardwise.checkpoint.io.lease import LOCK, Holder, Lease, live_scopes, lock_name
+from shardwise.checkpoint.io.lease import LOCK, Holder, live_scopes, lock_name
 from shardwise.errors import CheckpointBusyError, ShardwiseError
 from shardwise.storage import open_folder
 
+from .leases import new_lease, plant_lock
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-
-
-def _lease(path: Path | str, rank: int | None = None, **kw) -> Lease:
-    return Lease(open_folder(path), rank, **kw)
-
-
-def _plant(folder: Path, **fields) -> bytes:
-    """A lock record as another process would have written it."""
-    record = {
-        "save_id": "0123456789abcdef",
-        "host": "elsewhere",
-        "pid": 4242,
-        "pid_namespace": "",
-        "process_start": "",
-        "since": time.time() - 60,
-        "heartbeat": time.time() - 5,
-        **fields,
-    }
-    folder.mkdir(parents=True, exist_ok=True)
-    data = json.dumps(record).encode()
-    (folder / LOCK).write_bytes(data)
-    return data
 
 
 def _dead_pid() -> int:
@@ -68,11 +48,11 @@ def _exists(pid: int) -> bool:
 
 def test_a_second_lease_fails_fast_naming_the_holder(tmp_path):
     folder = tmp_path / "ckpt"
-    first = _lease(folder).acquire()
+    first = new_lease(folder).acquire()
     try:
         start = time.monotonic()
         with pytest.raises(CheckpointBusyError) as e:
-            _lease(folder).acquire()
+            new_lease(folder).acquire()
         assert time.monotonic() - start < 1.0
         message = str(e.value)
         assert f"pid {os.getpid()}" in message
@@ -84,26 +64,26 @@ def test_a_second_lease_fails_fast_naming_the_holder(tmp_path):
     finally:
         first.release()
     assert not (folder / LOCK).exists()
-    _lease(folder).acquire().release()  # free again
+    new_lease(folder).acquire().release()  # free again
 
 
 def test_wait_seconds_gives_up_after_about_that_long(tmp_path):
-    holder = _lease(tmp_path).acquire()
+    holder = new_lease(tmp_path).acquire()
     try:
         start = time.monotonic()
         with pytest.raises(CheckpointBusyError, match="still held after waiting 0.3 s"):
-            _lease(tmp_path).acquire(wait=0.3)
+            new_lease(tmp_path).acquire(wait=0.3)
         assert 0.3 <= time.monotonic() - start < 1.5
     finally:
         holder.release()
 
 
 def test_wait_true_takes_the_lease_once_it_is_released(tmp_path):
-    holder = _lease(tmp_path).acquire()
+    holder = new_lease(tmp_path).acquire()
     timer = threading.Timer(0.3, holder.release)
     timer.start()
     start = time.monotonic()
-    second = _lease(tmp_path).acquire(wait=True)
+    second = new_lease(tmp_path).acquire(wait=True)
     assert time.monotonic() - start >= 0.25
     assert json.loads((tmp_path / LOCK).read_text())["save_id"] == second.save_id
     second.release()
@@ -112,16 +92,16 @@ def test_wait_true_takes_the_lease_once_it_is_released(tmp_path):
 
 def test_a_dead_holder_on_this_host_is_broken_with_a_warning(tmp_path):
     pid = _dead_pid()
-    _plant(tmp_path, host=lease_module.HOST, pid_namespace=lease_module.PID_NAMESPACE, pid=pid)
+    plant_lock(tmp_path, host=lease_module.HOST, pid_namespace=lease_module.PID_NAMESPACE, pid=pid)
     with pytest.warns(UserWarning, match=rf"breaking the stale save lease .*pid {pid} .*is gone"):
-        taken = _lease(tmp_path).acquire()
+        taken = new_lease(tmp_path).acquire()
     assert json.loads((tmp_path / LOCK).read_text())["save_id"] == taken.save_id
     taken.release()
 
 
 def test_a_reused_pid_is_not_the_holder(tmp_path):
     # a live pid, but another process start time: the holder is gone
-    _plant(
+    plant_lock(
         tmp_path,
         host=lease_module.HOST,
         pid_namespace=lease_module.PID_NAMESPACE,
@@ -131,54 +111,38 @@ def test_a_reused_pid_is_not_the_holder(tmp_path):
     if not Path("/proc/self/stat").exists():
         pytest.skip("no /proc: start times are not known")
     with pytest.warns(UserWarning, match="is gone"):
-        _lease(tmp_path).acquire().release()
+        new_lease(tmp_path).acquire().release()
 
 
 def test_a_lease_this_process_no_longer_holds_is_broken(tmp_path):
-    _plant(
+    plant_lock(
         tmp_path, host=lease_module.HOST, pid_namespace=lease_module.PID_NAMESPACE, pid=os.getpid()
     )
     with pytest.warns(UserWarning, match="a save of this process left it"):
-        _lease(tmp_path).acquire().release()
+        new_lease(tmp_path).acquire().release()
 
 
 def test_a_holder_elsewhere_is_live_until_its_heartbeat_is_old(tmp_path):
-    _plant(tmp_path, heartbeat=time.time() - 30)  # another host: its pid says nothing here
+    plant_lock(tmp_path, heartbeat=time.time() - 30)  # another host: its pid says nothing here
     with pytest.raises(CheckpointBusyError, match="pid 4242 on host elsewhere"):
-        _lease(tmp_path).acquire()
-    _plant(tmp_path, heartbeat=time.time() - lease_module.STALE_AFTER_S - 5)
+        new_lease(tmp_path).acquire()
+    plant_lock(tmp_path, heartbeat=time.time() - lease_module.STALE_AFTER_S - 5)
     with pytest.warns(UserWarning, match=r"heartbeat is \d+ s old"):
-        _lease(tmp_path).acquire().release()
+        new_lease(tmp_path).acquire().release()
 
 
 def test_an_unreadable_lock_record_is_busy_and_names_the_fix(tmp_path):
     (tmp_path / LOCK).write_bytes(b"\x00garbage")
     with pytest.raises(CheckpointBusyError, match=rf"unreadable.*remove {tmp_path / LOCK}"):
-        _lease(tmp_path).acquire()
+        new_lease(tmp_path).acquire()
     assert (tmp_path / LOCK).read_bytes() == b"\x00garbage"
-
-
-def test_the_heartbeat_is_rewritten_while_held(tmp_path, monkeypatch):
-    monkeypatch.setattr(lease_module, "HEARTBEAT_S", 0.05)
-    held = _lease(tmp_path).acquire()
-    try:
-        first = json.loads((tmp_path / LOCK).read_text())
-        deadline = time.monotonic() + 5
-        while json.loads((tmp_path / LOCK).read_text())["heartbeat"] == first["heartbeat"]:
-            assert time.monotonic() < deadline, "no heartbeat"
-            time.sleep(0.02)
-        again = json.loads((tmp_path / LOCK).read_text())
-        assert again["save_id"] == first["save_id"] and again["since"] == first["since"]
-    finally:
-        held.release()
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_a_broken_lease_commits_nothing(tmp_path):
     swc.save({"w": torch.ones(2)}, tmp_path)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    held = _lease(tmp_path).acquire()
-    (tmp_path / LOCK).write_bytes(_plant(tmp_path, save_id="someone-else"))  # taken over
+    held = new_lease(tmp_path).acquire()
+    (tmp_path / LOCK).write_bytes(plant_lock(tmp_path, save_id="someone-else"))  # taken over
     with pytest.raises(CheckpointBusyError, match="was broken while this save ran"):
         commit(tmp_path, b"new metadata", b"{}", set(), lease=held)
     held.release()  # not ours any more: left alone
@@ -188,21 +152,21 @@ def test_a_broken_lease_commits_nothing(tmp_path):
 
 
 def test_a_refused_lease_on_a_new_path_leaves_no_folder(tmp_path):
-    held = _lease(tmp_path / "a").acquire()
+    held = new_lease(tmp_path / "a").acquire()
     held.release()
     assert not (tmp_path / "a").exists()  # the lease made it, and nothing else came
 
 
 def test_the_lock_record_is_no_checkpoint_record(tmp_path):
     folder = tmp_path / "ckpt"
-    with _lease(folder).acquire(), _lease(folder, 0).acquire():
+    with new_lease(folder).acquire(), new_lease(folder, 0).acquire():
         assert sorted(p.name for p in folder.iterdir()) == sorted([LOCK, lock_name(0)])
         assert not holds_checkpoint(folder) and in_the_way(folder) is None
         with pytest.raises(FileNotFoundError):
             swc.Reader(folder).read_metadata()
     state = {"w": torch.arange(4.0)}
     swc.save(state, folder)
-    (folder / LOCK).write_bytes(_plant(folder))  # a save in flight beside a committed one
+    (folder / LOCK).write_bytes(plant_lock(folder))  # a save in flight beside a committed one
     out = {"w": torch.zeros(4)}
     dcp.load(out, storage_reader=FileSystemReader(folder))  # stock readers never look at it
     assert torch.equal(out["w"], state["w"])
@@ -212,9 +176,9 @@ def test_the_lock_record_is_no_checkpoint_record(tmp_path):
 
 
 def test_per_rank_scopes_have_a_lease_each(tmp_path):
-    a, b = _lease(tmp_path, 0).acquire(), _lease(tmp_path, 1).acquire()
+    a, b = new_lease(tmp_path, 0).acquire(), new_lease(tmp_path, 1).acquire()
     with pytest.raises(CheckpointBusyError):
-        _lease(tmp_path, 0).acquire()
+        new_lease(tmp_path, 0).acquire()
     assert live_scopes(open_folder(tmp_path), [LOCK, lock_name(0), lock_name(1)], a) == {1}
     a.release()
     b.release()
@@ -223,7 +187,7 @@ def test_per_rank_scopes_have_a_lease_each(tmp_path):
 def test_a_busy_path_fails_swc_save_and_the_writer_before_any_data(tmp_path):
     swc.save({"w": torch.ones(3)}, tmp_path)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    _plant(tmp_path)
+    plant_lock(tmp_path)
     with pytest.raises(CheckpointBusyError, match="pid 4242 on host elsewhere"):
         swc.save({"w": torch.zeros(3)}, tmp_path, overwrite=True)
     with pytest.raises(CheckpointBusyError, match="pid 4242 on host elsewhere"):
@@ -238,10 +202,10 @@ def test_a_busy_path_fails_swc_save_and_the_writer_before_any_data(tmp_path):
 
 
 def test_save_and_the_writer_wait_for_the_lease_when_asked(tmp_path):
-    holder = _lease(tmp_path).acquire()
+    holder = new_lease(tmp_path).acquire()
     threading.Timer(0.3, holder.release).start()
     swc.save({"w": torch.full((3,), 2.0)}, tmp_path, wait=10)
-    holder = _lease(tmp_path).acquire()
+    holder = new_lease(tmp_path).acquire()
     threading.Timer(0.3, holder.release).start()
     dcp.save({"w": torch.full((3,), 3.0)}, storage_writer=swc.Writer(tmp_path, wait=True))
     out = {"w": torch.zeros(3)}
@@ -250,7 +214,7 @@ def test_save_and_the_writer_wait_for_the_lease_when_asked(tmp_path):
 
 
 def test_overwrite_false_looks_again_once_it_holds_the_lease(tmp_path):
-    holder = _lease(tmp_path).acquire()
+    holder = new_lease(tmp_path).acquire()
 
     def commit_meanwhile() -> None:
         holder.release()
@@ -288,9 +252,9 @@ def test_a_failed_save_gives_the_lease_back(tmp_path, monkeypatch):
 
 def test_memory_urls_take_the_lease_exclusively(memory_root):
     url = f"{memory_root}/ckpt"
-    held = _lease(url).acquire()
+    held = new_lease(url).acquire()
     with pytest.raises(CheckpointBusyError):
-        _lease(url).acquire()
+        new_lease(url).acquire()
     held.release()
     swc.save({"w": torch.ones(2)}, url)
     assert LOCK not in open_folder(url).names()

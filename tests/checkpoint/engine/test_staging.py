@@ -1,31 +1,17 @@
-"""`Stager`: buffers kept between calls, exact values through every copy path
-(batched small copies, ranges copied by the thread pool, per-tensor fallbacks)."""
+"""`Stager` (`staging`): buffers kept between calls, exact values through every copy path,
+the state's structure mirrored, wrappers (ShardedTensor, DTensor) reused while they match."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import namedtuple
 
 import pytest
 import torch
 
 from shardwise import Layout, ShardedTensor
-from shardwise.checkpoint.engine import copies
-from shardwise.checkpoint.engine.copies import _pieces
 from shardwise.checkpoint.engine.staging import Stager
 
-
-def _pooled(threads: int = 3, piece: int = 4096) -> Stager:
-    """A stager that sends every contiguous CPU tensor to its pool, in small pieces."""
-    stager = Stager(threads=threads)
-    stager._pool_min_bytes = 0
-    stager._min_piece_bytes = piece
-    return stager
-
-
-def _stagers() -> list[Stager]:
-    return [Stager(), Stager(threads=1), _pooled()]
+from .stagers import pooled, stagers
 
 
 def _sharded(values: torch.Tensor) -> ShardedTensor:
@@ -39,7 +25,7 @@ def _ptrs(stager: Stager) -> dict:
     return {k: b.data_ptr() for k, b in stager._buffers.items()}
 
 
-@pytest.mark.parametrize("stager", _stagers(), ids=["default", "one-thread", "pooled"])
+@pytest.mark.parametrize("stager", stagers(), ids=["default", "one-thread", "pooled"])
 def test_buffers_are_reused_across_calls_and_hold_the_new_values(stager):
     def state(step: float) -> dict:
         return {
@@ -77,80 +63,7 @@ def test_a_new_shape_or_dtype_gets_a_new_buffer():
     assert stager._buffers[("x",)] is not before
 
 
-@pytest.fixture(params=[1, 2], ids=["torch-1-thread", "torch-2-threads"])
-def torch_threads(request):
-    """Runs a test with torch on 1 thread (workers copy with copy_) and on 2 (memcpy)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    try:
-        yield request.param
-    finally:
-        torch.set_num_threads(before)
-
-
-def test_chunked_threaded_copy_of_a_size_not_a_multiple_of_the_piece_count(
-    monkeypatch, torch_threads
-):
-    copied_by: set[int] = set()
-    primitives: set[bool] = set()
-    copy_range = copies._copy_range
-
-    def recording(dst, src, start, n, memcpy):
-        copied_by.add(threading.get_ident())
-        primitives.add(memcpy)
-        time.sleep(0.002)  # lets every worker take pieces
-        copy_range(dst, src, start, n, memcpy)
-
-    monkeypatch.setattr(copies, "_copy_range", recording)
-    stager = _pooled(threads=3, piece=1 << 16)
-    src = torch.randn(1_000_003)  # 4,000,012 bytes: 61 pieces of 64 KiB and a shorter one
-    assert src.nbytes % (1 << 16) != 0
-    other = torch.randn(77_777, dtype=torch.float64)  # a second tensor in the same stream
-    staged = stager.stage({"x": src, "y": src[1:].clone(), "z": other})
-    assert torch.equal(staged["x"], src)
-    assert torch.equal(staged["y"], src[1:])
-    assert torch.equal(staged["z"], other)
-    assert len(copied_by) > 1  # really copied by more than one thread
-    assert primitives == {torch_threads > 1}  # memcpy only where copy_ would fork OpenMP
-    # and again into the same buffers, with other values
-    src.mul_(-3)
-    again = stager.stage({"x": src, "y": src[1:].clone(), "z": other})
-    assert again["x"].data_ptr() == staged["x"].data_ptr()
-    assert torch.equal(again["x"], src)
-    assert torch.equal(again["y"], src[1:])
-
-
-def test_default_threads_split_a_large_tensor():
-    stager = Stager(threads=2)
-    src = torch.randn(3, 1 << 20)  # 12 MiB, over the pool threshold
-    for _ in range(2):
-        src.add_(1)
-        assert torch.equal(stager.stage({"x": src})["x"], src)
-    stager.close()
-    assert torch.equal(stager.stage({"x": src})["x"], src)  # a closed pool restarts
-
-
-def test_one_thread_uses_no_pool():
-    stager = Stager(threads=1)
-    src = torch.randn(3, 1 << 20)
-    assert torch.equal(stager.stage({"x": src})["x"], src)
-    assert not stager._copy_pool.started
-
-
-def test_pieces_cover_every_byte_once():
-    views = [torch.empty(n, dtype=torch.uint8) for n in (10, 0, 7, 25)]
-    copies = [(v, v) for v in views]
-    pieces = _pieces(copies, 8)
-    assert [sum(n for *_, n in p) for p in pieces] == [8, 8, 8, 8, 8, 2]
-    covered = []
-    for piece in pieces:
-        for dst, src, start, n in piece:
-            assert n > 0 and dst is src
-            covered += [(id(dst), start + i) for i in range(n)]
-    assert covered == [(id(v), i) for v in views for i in range(v.numel())]
-
-
-@pytest.mark.parametrize("stager", _stagers(), ids=["default", "one-thread", "pooled"])
+@pytest.mark.parametrize("stager", stagers(), ids=["default", "one-thread", "pooled"])
 def test_non_contiguous_and_offset_sources(stager):
     base = torch.arange(40 * 70, dtype=torch.float32).reshape(40, 70)
     state = {
@@ -167,28 +80,7 @@ def test_non_contiguous_and_offset_sources(stager):
         base.add_(0.5)
 
 
-@pytest.mark.parametrize("stager", _stagers(), ids=["default", "one-thread", "pooled"])
-@pytest.mark.parametrize(
-    "dtype", [torch.bfloat16, torch.float16, torch.int8, torch.bool, torch.complex64]
-)
-def test_dtypes_copy_exactly(stager, dtype, torch_threads):
-    g = torch.Generator().manual_seed(0)
-    raw = torch.randn(1 << 19, generator=g)  # 512k values
-    if dtype is torch.bool:
-        src = raw > 0
-    elif dtype is torch.int8:
-        src = (raw * 50).to(torch.int8)
-    elif dtype is torch.complex64:
-        src = torch.complex(raw, -raw)
-    else:
-        src = raw.to(dtype)
-    staged = stager.stage({"x": src, "small": src[:7]})
-    assert staged["x"].dtype == dtype
-    assert torch.equal(staged["x"].view(torch.uint8), src.view(torch.uint8))  # bit for bit
-    assert torch.equal(staged["small"], src[:7])
-
-
-@pytest.mark.parametrize("stager", _stagers(), ids=["default", "one-thread", "pooled"])
+@pytest.mark.parametrize("stager", stagers(), ids=["default", "one-thread", "pooled"])
 def test_conjugate_and_negative_views_are_resolved(stager):
     z = torch.complex(torch.arange(6.0), torch.ones(6))
     state = {"conj": z.conj(), "neg": z.conj().imag}  # a conj bit and a neg bit
@@ -198,7 +90,7 @@ def test_conjugate_and_negative_views_are_resolved(stager):
     assert torch.equal(staged["neg"], -torch.ones(6))
 
 
-@pytest.mark.parametrize("stager", _stagers(), ids=["default", "one-thread", "pooled"])
+@pytest.mark.parametrize("stager", stagers(), ids=["default", "one-thread", "pooled"])
 def test_empty_tensors(stager):
     state = {"empty": torch.empty(0, 5), "scalar": torch.tensor(3.5), "bf16": torch.empty(0)}
     state["bf16"] = state["bf16"].to(torch.bfloat16)
@@ -209,7 +101,7 @@ def test_empty_tensors(stager):
         assert staged["scalar"].shape == () and float(staged["scalar"]) == 3.5
 
 
-@pytest.mark.parametrize("stager", _stagers(), ids=["default", "one-thread", "pooled"])
+@pytest.mark.parametrize("stager", stagers(), ids=["default", "one-thread", "pooled"])
 def test_modifying_the_source_after_stage_leaves_the_staged_copy(stager):
     param = torch.nn.Parameter(torch.full((1000, 70), 1.0))
     small = torch.full((16,), 1.0)
@@ -308,7 +200,7 @@ def test_dtensor(one_rank_group):
     mesh = init_device_mesh("cpu", (1,))
     full = torch.arange(64 * 6, dtype=torch.bfloat16).reshape(64, 6)
     dt = distribute_tensor(full.clone(), mesh, (Shard(0),))
-    stager = _pooled(threads=2)
+    stager = pooled(threads=2)
     first = stager.stage({"dt": dt})["dt"]
     dt._local_tensor.add_(1)
     assert torch.equal(first.to_local(), full)  # the staged copy did not follow its source

@@ -1,0 +1,54 @@
+"""The entries of shardwise.json as Python values (`manifest_entries`): dtype names both
+ways, and the defaults an entry built without its optional fields has."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise.checkpoint.format.manifest_entries import (
+    MANIFEST,
+    READS,
+    VERSION,
+    ChunkEntry,
+    ObjectEntry,
+    TensorEntry,
+    dtype_from_name,
+    dtype_name,
+)
+from shardwise.errors import CorruptCheckpointError
+
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.complex128,
+    torch.bool,
+    torch.uint16,
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dtype_names_round_trip(dtype):
+    assert dtype_name(dtype) == str(dtype).removeprefix("torch.")
+    assert dtype_from_name(dtype_name(dtype)) is dtype
+
+
+@pytest.mark.parametrize("name", ["float33", "Tensor", "tensor", "", "__name__"])
+def test_a_name_that_is_no_dtype_is_corrupt(name):
+    with pytest.raises(CorruptCheckpointError) as info:
+        dtype_from_name(name)
+    assert str(info.value) == f"unknown dtype {name!r} in {MANIFEST}"
+
+
+def test_the_version_written_is_read():
+    assert VERSION == max(READS) and READS == (1, 2, 3)
+
+
+def test_entry_defaults():
+    c = ChunkEntry((0,), (4,), "f", (0, 100), (64, 16), [1])
+    assert (c.frame, c.transform, c.tile) == (0, None, None)
+    t = TensorEntry("float32", (4,))
+    assert (t.chunks, t.requires_grad) == ([], False)
+    assert TensorEntry("float32", (4,)).chunks is not t.chunks  # not shared between entries
+    assert ObjectEntry("f", 0, 3, 9).transform is None

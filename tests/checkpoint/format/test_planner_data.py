@@ -1,0 +1,116 @@
+"""DCP's `planner_data` in the manifest (`planner_data`): plain JSON where it is, else a
+pickle read with the safe unpickler; the manifest's own copy, never `.metadata`'s."""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import warnings
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
+
+import shardwise.checkpoint as swc
+from shardwise.checkpoint.format.field_table import FieldError
+from shardwise.checkpoint.format.manifest import Manifest
+from shardwise.checkpoint.format.planner_data import (
+    decode_planner_data,
+    encode_planner_data,
+    pickled,
+    unpickled,
+)
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def test_planner_data_that_is_not_plain_json_is_a_field_error_and_gets_pickled():
+    with pytest.raises(FieldError, match="planner data of type set is not plain JSON"):
+        encode_planner_data({"a": {1, 2}})
+    data, pickle_text = pickled({"a": {1, 2}})
+    assert data is None and unpickled(data, pickle_text) == {"a": {1, 2}}
+    assert pickled({"a": (1, [2])}) == ({"a": {"__tuple__": [1, [2]]}}, None)
+
+
+def test_planner_data_that_is_not_json_does_not_depend_on_metadata(tmp_path):
+    class Planner(DefaultSavePlanner):
+        def create_global_plan(self, plans):
+            plans, metadata = super().create_global_plan(plans)
+            metadata.planner_data = {1: ("a", 2), "od": OrderedDict(x=1)}  # int key, OrderedDict
+            return plans, metadata
+
+    folder = tmp_path / "ckpt"
+    dcp.save({"x": torch.ones(2)}, storage_writer=swc.Writer(folder), planner=Planner())
+    data = swc.Reader(folder).read_metadata().planner_data
+    assert data == {1: ("a", 2), "od": OrderedDict(x=1)} and type(data["od"]) is OrderedDict
+    (folder / ".metadata").write_bytes(b"replaced by a newer save that died before its manifest")
+    data = Manifest.read(folder).decoded_planner_data()  # the manifest holds its own copy
+    assert data == {1: ("a", 2), "od": OrderedDict(x=1)} and type(data["od"]) is OrderedDict
+    # a reader follows `.metadata` (what stock sees) once it differs: unreadable here
+    with pytest.raises(swc.CorruptCheckpointError, match="does not match the manifest"):
+        swc.Reader(folder).read_metadata()
+
+
+def test_tuples_come_back_as_tuples_at_any_depth():
+    value = {"model.w": ("model", ("w", 1)), "list": [("a",), [1.5, None, True]]}
+    encoded = encode_planner_data(value)
+    assert encoded == {
+        "model.w": {"__tuple__": ["model", {"__tuple__": ["w", 1]}]},
+        "list": [{"__tuple__": ["a"]}, [1.5, None, True]],
+    }
+    assert decode_planner_data(encoded) == value
+    assert unpickled(*pickled(value)) == value
+
+
+@pytest.mark.parametrize(
+    "value, kind",
+    [
+        (OrderedDict(a=1), "OrderedDict"),  # would come back as a dict
+        ({1: 2}, "dict"),  # an int key would come back as a string
+        ({"__tuple__": [1]}, "dict"),  # would come back as a tuple
+        (b"x", "bytes"),
+    ],
+    ids=["OrderedDict", "int-key", "tuple-tag", "bytes"],
+)
+def test_what_json_would_change_is_pickled_instead(value, kind):
+    with pytest.raises(FieldError) as info:
+        encode_planner_data(value)
+    assert str(info.value) == f"field planner_data: planner data of type {kind} is not plain JSON"
+    data, pickle_text = pickled(value)
+    assert data is None and unpickled(None, pickle_text) == value
+    assert type(unpickled(None, pickle_text)) is type(value)
+
+
+class _Runs:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+@pytest.mark.parametrize(
+    "pickle_text, reason",
+    [
+        (base64.b64encode(pickle.dumps(_Runs())).decode(), "refused global posix.system"),
+        (base64.b64encode(b"garbage").decode(), "unreadable checkpoint metadata"),
+    ],
+    ids=["hostile", "damaged"],
+)
+def test_an_unreadable_planner_pickle_is_corrupt(pickle_text, reason):
+    with pytest.raises(swc.CorruptCheckpointError) as info:
+        unpickled(None, pickle_text)
+    assert str(info.value).startswith(f"shardwise.json: unreadable planner data: {reason}")
+
+
+def test_planner_data_nested_too_deeply_is_corrupt():
+    deep: list = []
+    inner = deep
+    for _ in range(100_000):
+        inner.append([])
+        inner = inner[0]
+    with pytest.raises(
+        swc.CorruptCheckpointError,
+        match="^shardwise.json: unreadable planner data: nested too deeply$",
+    ):
+        unpickled(deep, None)
