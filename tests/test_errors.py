@@ -270,7 +270,6 @@ PINNED_OS: dict[str, dict[str, int]] = {
 STILL_TO_MOVE: dict[str, dict[str, int]] = {
     "checkpoint/clients/megatron.py": {"TypeError": 1},
     "checkpoint/format/record_write.py": {"TypeError": 1},
-    "checkpoint/dcp/reader.py": {"RuntimeError": 1},
     "checkpoint/dcp/writer.py": {"RuntimeError": 2},
 }
 

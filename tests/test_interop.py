@@ -177,11 +177,11 @@ def _refusal(rank: int, world: int, case: str) -> tuple[str, str]:
             "LayoutError",
             "rank 2: its DTensor's local tensor has shape (2, 6) but its placements",
         ),
-        ("not a dtensor", "TypeError", "rank 1: from_dtensor takes a DTensor"),
+        ("not a dtensor", "InvalidTypeError", "rank 1: from_dtensor takes a DTensor"),
         ("other placements", "LayoutError", "rank 0: it passed placements (Shard(dim=1),)"),
         (
             "other dtype",
-            "TypeError",
+            "InvalidTypeError",
             "rank 1: it passed a torch.float64 value but rank 0 passed a torch.float32",
         ),
     ],

@@ -268,7 +268,7 @@ def test_scatter_tensor_with_every_sharding_shapes_form():
     assert kinds == ["LayoutError", "LayoutError", "InvalidArgumentError", "LayoutError"] + [
         "ArgumentMismatchError",
         "ArgumentMismatchError",
-        "TypeError",
+        "InvalidTypeError",
         "LayoutError",
     ]
     messages = [m for _, m in r0["errors"]]

@@ -137,7 +137,7 @@ def test_two_ranks_convert_redistribute_refuse_and_save(tmp_path):
     errors = results[0][1]
     assert results[1][1] == errors  # the same error on every rank
     kinds = [kind for kind, _ in errors]
-    assert kinds == ["LayoutError", "LayoutError", "TypeError", "TypeError"]
+    assert kinds == ["LayoutError", "LayoutError", "InvalidTypeError", "InvalidTypeError"]
     assert "Partial" in errors[0][1] and errors[0][1].startswith("rank 0:")
     assert "redistribute first" in errors[1][1]
     assert "from_shard_tensor takes a PhysicsNeMo ShardTensor" in errors[2][1]

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise import Block, Layout, ShardedTensor
+from shardwise import Block, InvalidTypeError, Layout, ShardedTensor
 from shardwise.testing import run_ranks, shard_of
 from tests.comm.refusal import refuse
 
@@ -166,7 +166,7 @@ EXPECTED = {
     "overlap": (sw.LayoutError, "overlap"),
     "out-of-bounds": (sw.LayoutError, "out of bounds"),
     "hole": (sw.LayoutError, "hole"),
-    "dtype": (TypeError, "rank 1"),
+    "dtype": (InvalidTypeError, "rank 1"),
     "non-contiguous": (sw.ShardMismatchError, "rank 2"),
     "lengths": (sw.ShardMismatchError, "rank 1"),
     "ndim": (sw.LayoutError, "ndim"),
@@ -224,17 +224,17 @@ REFUSE_TOGETHER = {
         lambda r: ShardedTensor.from_local_shards(
             [torch.zeros(3, 8)], [_on(r, (3 * r, 0), ("3", "0"))]
         ),
-        TypeError,
+        InvalidTypeError,
     ),
     "from_local_shards-shards-not-a-list": (
         lambda r: ShardedTensor.from_local_shards(_on(r, [torch.zeros(3, 8)], None), [(3 * r, 0)]),
-        TypeError,
+        InvalidTypeError,
     ),
     "from_local_shards-global-shape-garbage": (
         lambda r: ShardedTensor.from_local_shards(
             [torch.zeros(3, 8)], [(3 * r, 0)], global_shape=_on(r, SHAPE, "9x8")
         ),
-        TypeError,
+        InvalidTypeError,
     ),
     "from_local_shards-global-shape-differs": (
         lambda r: ShardedTensor.from_local_shards(
@@ -252,7 +252,7 @@ REFUSE_TOGETHER = {
         lambda r: sw.distribute(
             full_tensor() if r == 1 else None, _on(r, Layout.chunked(SHAPE, 0, 3), "rows"), src=1
         ),
-        TypeError,
+        InvalidTypeError,
     ),
     "distribute-src-out-of-range": (
         lambda r: sw.distribute(
@@ -268,7 +268,7 @@ REFUSE_TOGETHER = {
     ),
     "equal-plain-tensor": (
         lambda r: sw.equal(_rows3(r), _on(r, _rows3(r), full_tensor())),
-        TypeError,
+        InvalidTypeError,
     ),
     "gather-dst-out-of-range": (
         lambda r: _rows3(r).gather(_on(r, 0, 3)),
@@ -276,7 +276,7 @@ REFUSE_TOGETHER = {
     ),
     "redistribute-not-a-layout": (
         lambda r: _rows3(r).redistribute(_on(r, Layout.chunked(SHAPE, 1, 3), None)),
-        TypeError,
+        InvalidTypeError,
     ),
 }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise import Layout, LayoutError, ShardedTensor
+from shardwise import InvalidTypeError, Layout, LayoutError, ShardedTensor
 from shardwise.comm import transfer
 from shardwise.testing import shard_of
 
@@ -100,6 +100,6 @@ def test_a_rank_passing_no_layout_fails_every_rank_naming_it() -> None:
         return _redistribute(comm, ROWS, "columns" if comm.rank == 2 else COLS)  # type: ignore[arg-type]
 
     results = world.run(body)
-    assert [type(r) for r in results] == [TypeError] * 3
+    assert [type(r) for r in results] == [InvalidTypeError] * 3
     assert {str(r) for r in results} == {"rank 2: redistribute needs a shardwise.Layout, got str"}
     assert world.calls == ["all_gather_object"]

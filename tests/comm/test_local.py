@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise import Block, Layout
+from shardwise import Block, InvalidTypeError, Layout
 from shardwise.testing import run_ranks
 from tests.comm.refusal import refuse
 
@@ -44,15 +44,15 @@ CASES: dict[str, tuple[Callable[[int], Any], type]] = {
     ),
     "layout-dtype": (
         lambda r: sw.from_local(_piece(r, dtype=_bad(r, torch.float32, torch.float64)), ROWS),
-        TypeError,
+        InvalidTypeError,
     ),
     "layout-not-a-tensor": (
         lambda r: sw.from_local(_bad(r, _piece(r), [[1.0] * 4] * 3), ROWS),
-        TypeError,
+        InvalidTypeError,
     ),
     "layout-sharded-tensor": (
         lambda r: sw.from_local(_bad(r, _piece(r), sw.ShardedTensor.zeros(ROWS)), ROWS),
-        TypeError,
+        InvalidTypeError,
     ),
     "layout-differs": (
         lambda r: sw.from_local(
@@ -64,7 +64,7 @@ CASES: dict[str, tuple[Callable[[int], Any], type]] = {
         lambda r: sw.from_local(_piece(r), _bad(r, ROWS, Layout.row_wise(SHAPE, [3, 6]))),
         sw.ShardMismatchError,
     ),
-    "layout-not-a-layout": (lambda r: sw.from_local(_piece(r), _bad(r, ROWS, "rows")), TypeError),
+    "layout-not-a-layout": (lambda r: sw.from_local(_piece(r), _bad(r, ROWS, "rows")), InvalidTypeError),
     "layout-two-blocks": (
         lambda r: sw.from_local(
             _piece(r, rows=[3, 3, 0][r]),
@@ -81,7 +81,7 @@ CASES: dict[str, tuple[Callable[[int], Any], type]] = {
         lambda r: sw.from_local(_piece(r), _bad(r, 0, 2), "infer"),
         sw.LayoutError,
     ),
-    "dim-not-an-int": (lambda r: sw.from_local(_piece(r), _bad(r, 0, 0.5), "infer"), TypeError),
+    "dim-not-an-int": (lambda r: sw.from_local(_piece(r), _bad(r, 0, 0.5), "infer"), InvalidTypeError),
     "dim-zero-d-tensor": (
         lambda r: sw.from_local(_bad(r, _piece(r), torch.tensor(1.0)), 0, "infer"),
         sw.LayoutError,
@@ -96,11 +96,11 @@ CASES: dict[str, tuple[Callable[[int], Any], type]] = {
     ),
     "infer-dtype": (
         lambda r: sw.from_local(_piece(r, dtype=_bad(r, torch.float32, torch.int64)), 0, "infer"),
-        TypeError,
+        InvalidTypeError,
     ),
     "infer-not-a-tensor": (
         lambda r: sw.from_local(_bad(r, _piece(r), None), 0, "infer"),
-        TypeError,
+        InvalidTypeError,
     ),
     "chunk-other-dims": (
         lambda r: sw.from_local(_piece(r, cols=_bad(r, 4, 3)), 0, "chunk"),
@@ -128,7 +128,7 @@ CASES: dict[str, tuple[Callable[[int], Any], type]] = {
     ),
     "sizes-not-ints": (
         lambda r: sw.from_local(_piece(r), 0, _bad(r, [3, 3, 3], [3, "3", 3])),
-        TypeError,
+        InvalidTypeError,
     ),
     "sizes-other-dims": (
         lambda r: sw.from_local(_piece(r, cols=_bad(r, 4, 5)), 0, [3, 3, 3]),

@@ -25,7 +25,7 @@ from ..errors import (
     UnsafeMetadataError,
     UnsupportedStorageError,
 )
-from .api import SaveInfo, async_save, load, read_tensor, save
+from .api import LoadInfo, SaveInfo, async_save, load, read_tensor, save
 from .clients import megatron, physicsnemo  # noqa: F401  (importing registers their value adapters)
 from .dcp.reader import Reader
 from .dcp.writer import Writer
@@ -47,6 +47,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "InvalidArgumentError",
     "LayoutError",
+    "LoadInfo",
     "OpenCheckpoint",
     "Reader",
     "SaveInfo",

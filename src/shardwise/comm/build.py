@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import LayoutError, ShardMismatchError
+from ..errors import InvalidTypeError, LayoutError, ShardMismatchError
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .agreement import exchange, odd_ranks, raise_agreed
@@ -31,11 +31,13 @@ def _check_local(
     blocks = []
     for i, (shard, offset) in enumerate(zip(shards, offsets)):
         if not isinstance(shard, torch.Tensor) or isinstance(shard, ShardedTensor):
-            return TypeError(f"shard {i} is a {type(shard).__name__}, not a plain tensor"), []
+            return InvalidTypeError(
+                f"shard {i} is a {type(shard).__name__}, not a plain tensor"
+            ), []
         try:
             offset = tuple(operator.index(o) for o in offset)
         except TypeError:
-            return TypeError(
+            return InvalidTypeError(
                 f"the offsets of shard {i} must be a sequence of ints, got {offset!r}"
             ), []
         if len(offset) != shard.dim():
@@ -53,7 +55,7 @@ def _check_local(
                 f"shard {i} is {shard.dim()}-d but shard 0 is {shards[0].dim()}-d (ndim)"
             ), []
         if shard.dtype != shards[0].dtype:
-            return TypeError(
+            return InvalidTypeError(
                 f"shard {i} is {shard.dtype} but shard 0 is {shards[0].dtype}; use one dtype"
             ), []
         if shard.device != shards[0].device:
@@ -90,14 +92,18 @@ def from_local_shards_checked(
         shards, offsets = list(shards), list(offsets)
     except TypeError:
         shards, offsets = [], []
-        problem = problem or TypeError("shards and offsets must be sequences (one entry per shard)")
+        problem = problem or InvalidTypeError(
+            "shards and offsets must be sequences (one entry per shard)"
+        )
     if problem is None:
         problem, blocks = _check_local(shards, offsets)
     if problem is None and global_shape is not None:
         try:
             shape = tuple(operator.index(s) for s in global_shape)
         except TypeError:
-            problem = TypeError(f"global_shape must be a sequence of ints, got {global_shape!r}")
+            problem = InvalidTypeError(
+                f"global_shape must be a sequence of ints, got {global_shape!r}"
+            )
     ok = problem is None
     meta = {
         "blocks": blocks,
@@ -115,7 +121,7 @@ def from_local_shards_checked(
         for r, m in holders[1:]:
             if m["dtype"] != ref["dtype"] and problems[r] is None:
                 problems[r] = (
-                    TypeError,
+                    InvalidTypeError,
                     f"its shards are {m['dtype']} but rank {ref_rank}'s are {ref['dtype']}",
                 )
             elif m["device_type"] != ref["device_type"] and problems[r] is None:

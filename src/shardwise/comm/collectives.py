@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import InvalidArgumentError, LayoutError
+from ..errors import InvalidArgumentError, InvalidTypeError, LayoutError
 from ..layout import Layout
 from ..tensor import ShardedTensor
 from .agreement import exchange, odd_ranks
@@ -119,7 +119,9 @@ def distribute(
     # Every check is local and ends in the one exchange below: a rank that
     # raised here alone would leave the others waiting in it.
     if not isinstance(layout, Layout):
-        problem = TypeError(f"distribute needs a shardwise.Layout, got a {type(layout).__name__}")
+        problem = InvalidTypeError(
+            f"distribute needs a shardwise.Layout, got a {type(layout).__name__}"
+        )
     elif isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
         problem = InvalidArgumentError(f"source rank {src!r} is outside the group of {world} ranks")
     elif layout.world_size != world:
@@ -129,7 +131,7 @@ def distribute(
     elif rank == src:
         if not isinstance(tensor, torch.Tensor) or isinstance(tensor, ShardedTensor):
             got = "None" if tensor is None else f"a {type(tensor).__name__}"
-            problem = TypeError(f"the source rank {src} must pass a plain tensor, got {got}")
+            problem = InvalidTypeError(f"the source rank {src} must pass a plain tensor, got {got}")
         elif tuple(tensor.shape) != layout.global_shape:
             problem = LayoutError(
                 f"the source tensor has shape {tuple(tensor.shape)} but the layout's global "
@@ -172,7 +174,7 @@ def equal(a: ShardedTensor, b: ShardedTensor) -> bool:
     problem: BaseException | None = None
     fingerprint = None
     if not (isinstance(a, ShardedTensor) and isinstance(b, ShardedTensor)):
-        problem = TypeError(
+        problem = InvalidTypeError(
             f"sw.equal compares two ShardedTensors, got {type(a).__name__} and {type(b).__name__}; "
             f"torch.equal compares a ShardedTensor with a plain tensor locally"
         )

@@ -247,7 +247,7 @@ def _disagreements(everyone: list[dict[str, Any]]) -> list[Problem]:
         return problems  # the other fields mean nothing across different requests
     flag(
         "dtype",
-        TypeError,
+        InvalidTypeError,
         lambda m, ref, rr: (
             f"its tensor is {m['dtype']} but rank {rr}'s is {ref['dtype']}; convert them to one "
             "dtype"

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..errors import LayoutError
+from ..errors import InvalidTypeError, LayoutError
 from ..layout import Block, Layout, Transfer, plan_transfers
 from ..tensor import ShardedTensor
 from .agreement import exchange
@@ -73,7 +73,7 @@ def _check(st: ShardedTensor, dst: Any, what: str) -> BaseException | None:
     """This rank's problem with moving `st` to `dst`, if any (no communication)."""
     src = st.layout_spec
     if not isinstance(dst, Layout):
-        return TypeError(f"{what} needs a shardwise.Layout, got {type(dst).__name__}")
+        return InvalidTypeError(f"{what} needs a shardwise.Layout, got {type(dst).__name__}")
     if src.global_shape != dst.global_shape:
         return LayoutError(f"cannot {what} global shape {src.global_shape} to {dst.global_shape}")
     group_size = communicator(st.group).world_size

@@ -93,7 +93,7 @@ def convert_agreed(
 
     `inspectors` maps the kinds `entry` (the public function's name) takes to
     their inspection, `takes` says so in words; any other value is refused with
-    a TypeError on every rank.
+    an InvalidTypeError (a TypeError) on every rank.
     """
     problem: BaseException | None = None
     inspection: Inspection | None = None
@@ -132,11 +132,11 @@ def _disagreements(everyone: list[dict[str, Any]]) -> list[Problem]:
                     "same",
                 )
 
-    flag("kind", TypeError, str)
+    flag("kind", InvalidTypeError, str)
     if any(problems):
         return problems  # the other fields mean nothing across kinds
     flag("key", LayoutError, _words)
-    flag("dtype", TypeError, lambda d: f"a {d} value")
+    flag("dtype", InvalidTypeError, lambda d: f"a {d} value")
     flag("device", LayoutError, lambda d: f"a value on {d}")
     return problems
 

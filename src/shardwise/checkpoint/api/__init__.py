@@ -6,7 +6,7 @@ state to the engine (`checkpoint.engine`).
 """
 
 from .edge import SaveInfo
-from .load import load, read_tensor
+from .load import LoadInfo, load, read_tensor
 from .save import async_save, save
 
-__all__ = ["SaveInfo", "async_save", "load", "read_tensor", "save"]
+__all__ = ["LoadInfo", "SaveInfo", "async_save", "load", "read_tensor", "save"]

@@ -2,78 +2,34 @@
 
 from __future__ import annotations
 
-import pickle
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ...errors import (
-    CheckpointMismatchError,
-    ShardwiseError,
-)
 from ...layout import Block
 from ...storage import Folder
-from ..clients.megatron_returned import load_targets, megatron_route
-from ..dcp.reader import Reader
+from ..clients.megatron_returned import load_targets
 from ..engine.adapters import adapted_for_load
 from ..engine.loading import load_state
 from ..format.gc_pause import gc_paused
-from ..io.commit import per_rank_records
+from ..format.manifest import Manifest
 from ..offline.opening import open_checkpoint
-from .edge import (
-    _agree,
-    _comm,
-    _distributed,
-    _folder,
-    _is_stateful,
-    _state_dicts_of,
-    _unwrap,
-    _user_state,
-)
+from .edge import _agree, _comm, _is_stateful, _user_state, agree_route, open_target
 
 
-def _mismatches(state_dict: dict[str, Any], metadata: Any, strict: bool, cast: bool) -> list[str]:
-    flat, _ = flatten_state_dict(_state_dicts_of(state_dict))
-    stored = metadata.state_dict_metadata
-    problems = []
-    for key, value in flat.items():
-        md = stored.get(key)
-        if md is None:
-            if strict:
-                problems.append(f"'{key}' is missing from the checkpoint")
-            continue
-        if isinstance(md, TensorStorageMetadata) and not _fills_as_tensor(value):
-            # dcp.load refuses this too (strict or not): the value would stay as it was
-            problems.append(
-                f"'{key}' is a Python {type(value).__name__} here but a tensor in the checkpoint"
-            )
-        if isinstance(value, torch.Tensor):
-            if not isinstance(md, TensorStorageMetadata):
-                problems.append(f"'{key}' is a tensor here but a Python object in the checkpoint")
-                continue
-            if tuple(value.shape) != tuple(md.size):
-                problems.append(
-                    f"'{key}' shape {tuple(value.shape)} here, {tuple(md.size)} in the checkpoint"
-                )
-            if value.dtype != md.properties.dtype and not cast:
-                problems.append(
-                    f"'{key}' dtype {value.dtype} here, {md.properties.dtype} in the checkpoint"
-                )
-    # Keys stored but not asked for are fine, as with `dcp.load`: loading only the
-    # model from a model + optimizer checkpoint is a partial state dict, not an error.
-    return problems
+@dataclass(frozen=True)
+class LoadInfo:
+    """What `load` returns: where the checkpoint is (a `Path`, or the URL), how long
+    the load took, the bytes this rank read from data files, and the manifest it
+    followed (None for a stock DCP checkpoint, whose `.metadata` it followed)."""
 
-
-def _fills_as_tensor(value: Any) -> bool:
-    """A target DCP fills from stored chunks: a tensor or a `_Checkpointable`."""
-    return isinstance(value, torch.Tensor) or hasattr(type(value), "__create_chunk_list__")
+    path: Path | str
+    seconds: float
+    bytes_read: int
+    manifest: Manifest | None
 
 
 def load(
@@ -88,7 +44,7 @@ def load(
     storage_options: dict[str, Any] | None = None,
     trust_objects: bool = False,
     extension_registry: Any = None,
-) -> Reader:
+) -> LoadInfo:
     """Fill `state_dict`'s tensors and objects in place from `path`. Collective.
 
     Targets may use any layout and world size: each rank reads only the byte
@@ -113,27 +69,31 @@ def load(
     `CheckpointMismatchError`, as with `dcp.load`. `extension_registry` (DCP's
     `ExtensionRegistry`, as `FileSystemReader`'s `_extension_registry`) decodes
     records written through custom stream extensions.
-    Returns the reader (its `bytes_read` says what this rank read).
+    Returns a `LoadInfo` (its `bytes_read` says what this rank read).
 
-    Collective: five small `all_gather_object` per rank, whatever the number of
-    tensors (the folder opens everywhere, the Megatron route, the adapted values,
-    then `loading`'s targets-fit check and read verdict), six when the state holds
-    a `Stateful` (one more after its `load_state_dict()`). A checkpoint without
-    `shardwise.json` (stock DCP) leaves after the targets-fit check: one more
-    agreement, then `dcp.load`'s own three (`gather_object` + `scatter_object_list`
-    to plan, `all_gather_object` to read).
+    Collective: three small `all_gather_object` per rank, whatever the number of
+    tensors or the kind of checkpoint (shardwise, stock DCP, per-rank records): the
+    edge's one exchange (`agree_route`: the folder opens everywhere, the Megatron
+    route, the adapted values), then `loading`'s targets-fit check and read verdict;
+    four when the state holds a `Stateful` (one more after its `load_state_dict()`).
     """
-    path = _folder(path, storage_options, process_group)
+    started = time.perf_counter()
+    folder, problem = open_target(path, storage_options)
     # Stateful values as their state dicts first (as dcp.load does), so that what they
     # hold is adapted too; filled back through load_state_dict after.
     statefuls = {k: v for k, v in state_dict.items() if _is_stateful(v)}
-    plain, problem = _user_state(state_dict) if statefuls else (state_dict, None)
-    # the exchange raises `problem` everywhere and makes every rank take the same route
+    plain, user_problem = _user_state(state_dict) if statefuls else (state_dict, None)
+    # the one exchange at the edge: raises either problem everywhere, one route for all
+    by_key = agree_route(
+        plain, megatron, process_group, problem or user_problem, tuple(sorted(statefuls))
+    )
+    assert folder is not None  # else `agree_route` raised its problem on every rank
+    problem = None
 
-    def read(targets: dict[str, Any]) -> Reader:
+    def read(targets: dict[str, Any]) -> tuple[int, Manifest | None]:
         return _load_adapted(
             targets,
-            path,
+            folder,
             strict,
             verify,
             cast_dtype,
@@ -142,16 +102,16 @@ def load(
             extension_registry,
         )
 
-    if megatron_route(plain, megatron, process_group, problem, tuple(sorted(statefuls))):
+    if by_key:
         # by Megatron key, as sharded_state_dict() nests it; megatron=True: rest left as is
         targets, finishers = load_targets(plain, process_group, megatron)
-        reader = read(targets)
+        done = read(targets)
         for finish in finishers:
             finish()
     else:
-        # other libraries' values as ShardedTensors; every rank agrees on the Stateful keys
-        with adapted_for_load(plain, process_group, None, tuple(sorted(statefuls))) as adapted:
-            reader = read(plain)
+        # other libraries' values as ShardedTensors (agreed on by `agree_route`)
+        with adapted_for_load(plain, process_group, agreed=True) as adapted:
+            done = read(plain)
             adapted.finish()
     # As dcp.load ends: Stateful values load their state, every other top-level value
     # is assigned back (`state_dict[key] = ...`, which a dict subclass may observe).
@@ -165,7 +125,7 @@ def load(
             state_dict[key] = plain[key]
     if statefuls:  # every rank has the same Stateful keys (agreed above): all get here
         _agree(problem, process_group)
-    return reader
+    return LoadInfo(folder.checkpoint_id, time.perf_counter() - started, *done)
 
 
 def _load_adapted(
@@ -175,16 +135,15 @@ def _load_adapted(
     verify: bool,
     cast_dtype: bool,
     process_group: Any,
-    trust_objects: bool = False,
-    extension_registry: Any = None,
-) -> Reader:
-    reader = Reader(path, extension_registry, verify=verify, trust_objects=trust_objects)
+    trust_objects: bool,
+    extension_registry: Any,
+) -> tuple[int, Manifest | None]:
     arguments = (
         "load path, strict, cast_dtype and trust_objects",
         (path.identity, strict, cast_dtype, trust_objects),
     )
     with gc_paused():
-        read = load_state(
+        return load_state(
             state_dict,
             path,
             _comm(process_group),
@@ -193,54 +152,8 @@ def _load_adapted(
             verify=verify,
             cast_dtype=cast_dtype,
             trust_objects=trust_objects,
+            extension_registry=extension_registry,
         )
-    if read is not None:
-        reader.bytes_read, reader.manifest = read
-        return reader
-    return _load_through_dcp(reader, state_dict, path, strict, cast_dtype, process_group)
-
-
-def _load_through_dcp(
-    reader: Reader,
-    state_dict: dict[str, Any],
-    path: Folder,
-    strict: bool,
-    cast_dtype: bool,
-    process_group: Any,
-) -> Reader:
-    """Stock checkpoints, per-rank records, transformed chunks: `dcp.load` with `Reader`."""
-    problem: BaseException | None = None
-    try:
-        try:
-            metadata = reader.read_metadata()
-        except FileNotFoundError:
-            if not per_rank_records(path):
-                raise
-            # saved with use_collectives=False: each rank reads its own records, as dcp.load does
-            metadata = reader.read_metadata(
-                rank=dist.get_rank(process_group) if _distributed(process_group) else 0
-            )
-        found = _mismatches(state_dict, metadata, strict, cast_dtype)
-        if found:
-            problem = CheckpointMismatchError(f"{path}: " + "; ".join(found))
-    except (ShardwiseError, OSError, ValueError, pickle.UnpicklingError) as e:
-        problem = e
-    _agree(
-        problem,
-        process_group,
-        (path.identity, strict, cast_dtype, reader.trust_objects),
-        "load path, strict, cast_dtype and trust_objects",
-    )
-    try:
-        dcp.load(
-            state_dict,
-            storage_reader=reader,
-            planner=DefaultLoadPlanner(allow_partial_load=not strict),
-            process_group=process_group,
-        )
-    except CheckpointException as e:
-        raise _unwrap(e) from e
-    return reader
 
 
 def read_tensor(

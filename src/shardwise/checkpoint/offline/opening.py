@@ -1,29 +1,29 @@
 """Reading a checkpoint in one process, with no process group: what every offline tool builds on.
 
-`open_checkpoint` reads the metadata once; `read` fetches a tensor or a
-region of it through `Reader` (only the bytes of the region, widened to whole
-checksum tiles when verifying; `bytes_read` counts them), and
-`object_bytes` a stored object, verified and never unpickled. Works on
-shardwise and stock DCP checkpoints alike.
+`open_checkpoint` reads the records once (`engine.stored_view`, as `swc.load`
+does); `read` fetches a tensor or a region of it and `object_bytes` a stored
+object's bytes, verified and never unpickled, both through the one read executor
+(only the bytes of the region, widened to whole checksum tiles when verifying;
+`bytes_read` counts them). Works on shardwise and stock DCP checkpoints alike.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-import crc32c
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ...errors import CorruptCheckpointError, LayoutError
 from ...layout import Block
 from ...storage import Folder, open_folder
-from ..dcp.reader import Reader
+from ..engine.stored_view import StoredView, read_records
 from ..format.byte_runs import nbytes
 from ..format.manifest import Manifest
+from ..io.read_executor import ReadExecutor
+from ..io.read_requests import ChunkRead, RecordRead
 
 __all__ = ["OpenCheckpoint", "open_checkpoint"]
 
@@ -41,19 +41,19 @@ class OpenCheckpoint:
     ) -> None:
         self.folder = open_folder(path, storage_options)
         self.path: Path | str = self.folder.checkpoint_id
-        self.reader = Reader(self.folder, extension_registry, verify=verify)
-        self.metadata = self.reader.read_metadata()
-        self.reader.set_up_storage_reader(self.metadata, True)
+        self._view = StoredView(self.folder, *read_records(self.folder))
+        self.metadata = self._view.metadata()
+        self._executor = ReadExecutor(self.folder, verify=verify, registry=extension_registry)
 
     @property
     def manifest(self) -> Manifest | None:
-        return self.reader.manifest
+        return self._view.manifest
 
     @property
     def bytes_read(self) -> int:
         """Bytes read from data files so far: of each region, its byte runs, widened
         (when verifying) to the checksum tiles that cover them."""
-        return self.reader.bytes_read
+        return self._executor.bytes_read
 
     def tensor_keys(self) -> list[str]:
         return [
@@ -91,23 +91,24 @@ class OpenCheckpoint:
             region = Block((0,) * len(shape), shape)
         if region.ndim != len(shape) or any(e > s for e, s in zip(region.ends, shape)):
             raise LayoutError(f"region {region} is out of bounds of '{fqn}' with shape {shape}")
-        items = []
+        out = torch.empty(region.sizes, dtype=md.properties.dtype)
+        reads: list[ChunkRead | RecordRead] = []
         filled = 0
-        for chunk in dict.fromkeys(  # exact replicas read once
-            Block(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks
-        ):
-            overlap = chunk.intersect(region)
+        boxes = {(offsets, sizes): info for offsets, sizes, info in self._view.chunks(fqn)}
+        for (offsets, sizes), info in boxes.items():  # exact replicas read once
+            overlap = Block(offsets, sizes).intersect(region)
             if overlap is None:
                 continue
             filled += overlap.numel
-            items.append(
-                ReadItem(
-                    type=LoadItemType.TENSOR,
-                    dest_index=MetadataIndex(fqn, region.offsets),
-                    dest_offsets=torch.Size(overlap.relative_to(region).offsets),
-                    storage_index=MetadataIndex(fqn, torch.Size(chunk.offsets)),
-                    storage_offsets=torch.Size(overlap.relative_to(chunk).offsets),
-                    lengths=torch.Size(overlap.sizes),
+            reads.append(
+                ChunkRead(
+                    fqn,
+                    info,
+                    sizes,
+                    md.properties.dtype,
+                    overlap.relative_to(Block(offsets, sizes)).offsets,
+                    overlap.sizes,
+                    out[overlap.relative_to(region).slices()],
                 )
             )
         if filled != region.numel:  # the records were checked: never, but never a hole either
@@ -115,26 +116,16 @@ class OpenCheckpoint:
                 f"'{fqn}' in {self.path}: the stored chunks fill {filled} of the "
                 f"{region.numel} elements of {region}; refused (a hole is never returned)"
             )
-        out = torch.empty(region.sizes, dtype=md.properties.dtype)
-        # Tensor items only: the planner calls made are the two `_IntoTensor` has.
-        self.reader.read_data(LoadPlan(items), cast(LoadPlanner, _IntoTensor(out))).wait()
+        self._executor.run(reads)
         return out
 
     def object_bytes(self, fqn: str) -> bytes:
         """The stored bytes of object `fqn`, verified, not unpickled."""
-        info = self.reader.storage_data[MetadataIndex(fqn)]
-        f = self.folder.open(info.relative_path)
-        try:
-            data = f.pread(info.length, info.offset)
-        finally:
-            f.close()
-        self.reader.bytes_read += len(data)
-        entry = self.manifest.objects.get(fqn) if self.manifest else None
-        if len(data) != info.length or (entry is not None and crc32c.crc32c(data) != entry.crc32c):
-            raise CorruptCheckpointError(
-                f"object '{fqn}' in {self.folder.where(info.relative_path)} is damaged"
-            )
-        return data
+        if not self._view.is_object(fqn):
+            raise KeyError(f"no object '{fqn}' in {self.path}")
+        got: list[bytes] = []
+        self._executor.run([RecordRead(fqn, self._view.object_info(fqn), got.append)])
+        return got[0]
 
 
 def open_checkpoint(
@@ -153,16 +144,3 @@ def open_checkpoint(
         storage_options=storage_options,
         extension_registry=extension_registry,
     )
-
-
-class _IntoTensor:
-    """The two LoadPlanner calls `Reader.read_data` makes, aimed at one tensor."""
-
-    def __init__(self, out: torch.Tensor) -> None:
-        self.out = out
-
-    def resolve_tensor(self, req: ReadItem) -> torch.Tensor:
-        return self.out[tuple(slice(o, o + n) for o, n in zip(req.dest_offsets, req.lengths))]
-
-    def commit_tensor(self, req: ReadItem, tensor: torch.Tensor) -> None:
-        pass

@@ -6,23 +6,27 @@ tiles, or pages in older checkpoints); every problem is listed at once.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import crc32c
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ...errors import CorruptCheckpointError, IncompleteCheckpointError
 from ...layout import Block
 from ...layout.coverage import analyze
-from ...storage import Folder, RandomAccess
-from ..format.checksums import bad_page, frame_crc
-from ..format.manifest import ChunkEntry, dtype_from_name
-from ..format.tiles import payload_tiles
+from ...storage import Folder
+from ..format.checksums import frame_crc
+from ..format.manifest import ChunkEntry, StoredChunk, dtype_from_name
+from ..io.read_executor import ReadExecutor
+from ..io.read_requests import ChunkRead, RecordRead
 from .opening import open_checkpoint
 
-_BLOCK = 4 << 20  # contiguous tiles are read and checked this many bytes at a time
+_BLOCK = 4 << 20  # whole tiles (or pages) are read and checked this many bytes at a time
 
 __all__ = ["verify"]
 
@@ -107,9 +111,8 @@ def _find_problems(
         problems.append(f"{metadata}: {e}")
     page = ckpt.manifest.page_size
     for key, entry in ckpt.manifest.tensors.items():
-        itemsize = dtype_from_name(entry.dtype).itemsize
         for chunk in entry.chunks:
-            problems += _verify_chunk(ckpt.folder, key, chunk, itemsize, page, progress)
+            problems += _verify_chunk(ckpt.folder, key, chunk, entry.dtype, page, progress)
     for key in ckpt.manifest.objects:
         try:
             ckpt.object_bytes(key)
@@ -122,130 +125,97 @@ def _verify_chunk(
     folder: Folder,
     key: str,
     chunk: ChunkEntry,
-    itemsize: int,
+    dtype: str,
     page: int,
     progress: Callable[[int], None] | None,
 ) -> list[str]:
-    path = folder.where(chunk.file)
+    """A chunk's problem, if any: its record framing, then every checksum tile (or page)
+    of its payload, read and checked by the read executor as a load reads and checks
+    them (`box_read`), `_BLOCK` bytes at a time."""
     where = f"'{key}' chunk at {chunk.offsets}"
-    record_start, record_length = chunk.record
-    record_end = record_start + record_length
-    if chunk.payload is None:  # stored through a transform (e.g. zstd): one checksum over it
-        try:
-            data = _read(folder, chunk.file, record_length, record_start)
-        except OSError as e:
-            return [f"{where}: {e}"]
-        if progress:
-            progress(len(data))
-        if len(data) != record_length or crc32c.crc32c(data) != chunk.crcs[0]:
-            return [f"{where}: bytes {record_start}..{record_end} of {path} fail their checksum"]
-        return []
-    start, length = chunk.payload
+    info = StoredChunk.of(chunk, dtype, page)
+    reader = ReadExecutor(folder)
     try:
-        f = folder.open(chunk.file)
-        try:
-            head = f.pread(start - record_start, record_start)
-            tail = f.pread(record_end - start - length, start + length)
-            if frame_crc(head, tail) != chunk.frame:
-                return [
-                    f"{where}: the torch.save record framing in {path} "
-                    f"(bytes {record_start}..{record_end}) fails its checksum"
-                ]
-            if chunk.tile is not None:
-                problem = _verify_tiles(f, path, where, chunk, itemsize, progress)
-            else:
-                problem = _verify_pages(f, path, where, chunk, page, progress)
-        finally:
-            f.close()
-    except OSError as e:
-        return [f"{where}: {e}"]
-    return [] if problem is None else [problem]
-
-
-def _read(folder: Folder, name: str, n: int, offset: int) -> bytes:
-    f = folder.open(name)
-    try:
-        return f.pread(n, offset)
-    finally:
-        f.close()
-
-
-def _verify_pages(
-    f: RandomAccess,
-    path: str,
-    where: str,
-    chunk: ChunkEntry,
-    page: int,
-    progress: Callable[[int], None] | None,
-) -> str | None:
-    """Format versions 1 and 2: one crc32c per `page` bytes of the payload."""
-    assert chunk.payload is not None
-    start, length = chunk.payload
-    for i in range(len(chunk.crcs)):
-        lo = start + i * page
-        data = f.pread(min(page, length - i * page), lo)
-        if len(data) != min(page, length - i * page):
-            return f"{where}: {path} is truncated at byte {lo + len(data)}"
-        if bad_page(data, i * page, page, chunk.crcs) is not None:
-            return f"{where}: bytes {lo}..{lo + len(data)} of {path} fail their checksum"
-        if progress:
-            progress(len(data))
-    return None
-
-
-def _verify_tiles(
-    f: RandomAccess,
-    path: str,
-    where: str,
-    chunk: ChunkEntry,
-    itemsize: int,
-    progress: Callable[[int], None] | None,
-) -> str | None:
-    """Format version 3: one crc32c per tile. Tiles that follow each other in the
-    payload (all those the writer makes) are read `_BLOCK` bytes at a time; a tile
-    of any other shape run by run."""
-    assert chunk.payload is not None and chunk.tile is not None
-    start = chunk.payload[0]
-    batch: list[tuple[int, int, int]] = []  # (index, payload offset, length), back to back
-
-    def check_batch() -> str | None:
-        if not batch:
-            return None
-        lo, hi = batch[0][1], batch[-1][1] + batch[-1][2]
-        data = memoryview(f.pread(hi - lo, start + lo))
-        if len(data) != hi - lo:
-            return f"{where}: {path} is truncated at byte {start + lo + len(data)}"
-        for index, at, n in batch:
-            if crc32c.crc32c(data[at - lo : at - lo + n]) != chunk.crcs[index]:
-                return (
-                    f"{where}: bytes {start + at}..{start + at + n} of {path} fail their checksum"
+        if chunk.payload is None:  # stored through a transform (e.g. zstd): one checksum over it
+            reader.run([RecordRead(key, info, _counted(progress), decode=False)])
+            return []
+        (start, length), (record_start, record_length) = chunk.payload, chunk.record
+        frames: list[bytes] = []
+        reader.run(
+            [
+                RecordRead(key, _StorageInfo(chunk.file, at, n), frames.append, decode=False)
+                for at, n in (
+                    (record_start, start - record_start),
+                    (start + length, record_start + record_length - start - length),
                 )
-        if progress:
-            progress(len(data))
-        batch.clear()
-        return None
+            ]
+        )
+        if frame_crc(*frames) != chunk.frame:
+            return [
+                f"{where}: the torch.save record framing in {folder.where(chunk.file)} "
+                f"(bytes {record_start}..{record_start + record_length}) fails its checksum"
+            ]
+        reader.run(_payload_reads(key, info, progress))
+    except (OSError, ValueError) as e:
+        own = f"'{key}': "  # the read path's wording names the key: `where` does here
+        return [f"{where}: {str(e).removeprefix(own)}"]
+    return []
 
-    for index, spans in payload_tiles(chunk.sizes, itemsize, chunk.tile):
-        if len(spans) == 1:
-            at, n = spans[0]
-            if batch and (batch[-1][1] + batch[-1][2] != at or at + n - batch[0][1] > _BLOCK):
-                problem = check_batch()
-                if problem:
-                    return problem
-            batch.append((index, at, n))
-            continue
-        problem = check_batch()
-        if problem:
-            return problem
-        crc = 0
-        for at, n in spans:
-            data = f.pread(n, start + at)
-            if len(data) != n:
-                return f"{where}: {path} is truncated at byte {start + at + len(data)}"
-            crc = crc32c.crc32c(data, crc)
-            if progress:
-                progress(n)
-        if crc != chunk.crcs[index]:
-            lo, hi = start + spans[0][0], start + spans[-1][0] + spans[-1][1]
-            return f"{where}: bytes {lo}..{hi} of {path} fail their checksum"
-    return check_batch()
+
+def _payload_reads(
+    key: str, info: StoredChunk, progress: Callable[[int], None] | None
+) -> list[ChunkRead | RecordRead]:
+    """Reads of a chunk's whole payload in boxes of whole tiles (or, paged, of whole
+    pages of its bytes) of at most `_BLOCK` bytes each (or one tile), into scratch."""
+    assert info.payload is not None
+    shape: tuple[int, ...]
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+    if info.tile is None:  # pages: the payload as bytes, cut at page boundaries
+        n, step = info.payload[1], max(info.page_size, _BLOCK // info.page_size * info.page_size)
+        shape, dtype = (n,), torch.uint8
+        boxes = [((at,), (min(step, n - at),)) for at in range(0, n, step)] or [((0,), (0,))]
+    else:
+        shape, dtype = info.sizes, dtype_from_name(info.dtype)
+        boxes = list(_tile_boxes(shape, info.tile, dtype.itemsize))
+    return [
+        ChunkRead(key, info, shape, dtype, at, sizes, _scratch(sizes, dtype), _counted(progress))
+        for at, sizes in boxes
+    ]
+
+
+def _tile_boxes(
+    shape: tuple[int, ...], tile: tuple[int, ...], itemsize: int
+) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Boxes of whole tiles covering a chunk in C order, each at most `_BLOCK` bytes or
+    one tile: whole trailing dimensions where they fit, else split tile by tile."""
+
+    def walk(d: int, at: tuple[int, ...], sizes: tuple[int, ...]) -> Iterator[Any]:
+        rest = math.prod(shape[d + 1 :]) * math.prod(sizes) * itemsize
+        step = max(tile[d], 1)
+        if step * rest <= _BLOCK or d == len(shape) - 1:
+            step = max(step, _BLOCK // max(rest, 1) // step * step)
+            for lo in range(0, shape[d], step):
+                yield (
+                    at + (lo,) + (0,) * len(shape[d + 1 :]),
+                    (sizes + (min(step, shape[d] - lo),) + shape[d + 1 :]),
+                )
+            return
+        for lo in range(0, shape[d], step):
+            yield from walk(d + 1, at + (lo,), sizes + (min(step, shape[d] - lo),))
+
+    if not shape or not math.prod(shape):
+        yield (0,) * len(shape), shape
+        return
+    yield from walk(0, (), ())
+
+
+def _scratch(sizes: tuple[int, ...], dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    return lambda: torch.empty(sizes, dtype=dtype)
+
+
+def _counted(progress: Callable[[int], None] | None) -> Callable[[Any], None]:
+    def done(value: Any) -> None:
+        if progress:
+            progress(value.nbytes if isinstance(value, torch.Tensor) else len(value))
+
+    return done

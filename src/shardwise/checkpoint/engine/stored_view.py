@@ -1,0 +1,145 @@
+"""What a checkpoint stores, as every reader sees it: one view of shardwise and stock records.
+
+`StoredView.read` finds a checkpoint's records once — `shardwise.json` (never
+unpickling `.metadata`), or a stock `.metadata` through an unpickler that admits
+only DCP's classes (also when stock `dcp.save` replaced a shardwise checkpoint in
+place), or a rank's own records (`use_collectives=False`) — and answers, per key,
+what a load needs: a tensor's shape, dtype and stored chunks (with their storage
+info: checksums and payload offsets for shardwise chunks, none for stock ones), or
+an object's storage info. The load engine plans from it; `Reader.read_metadata`
+is its `metadata()`. Built per key on demand: a load of a few keys of a large
+manifest builds nothing for the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+
+from ...errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from ...storage import Folder
+from ..format.manifest import MARKER, Manifest, StoredChunk, StoredObject, dtype_from_name
+from ..format.record_check import follow_replaced, read_stock
+from ..io.commit import RecordNames, leftover_data, per_rank_records
+
+__all__ = ["StoredBox", "StoredView", "read_records"]
+
+StoredBox = tuple[tuple[int, ...], tuple[int, ...], _StorageInfo]  # offsets, sizes, storage
+
+
+def read_records(
+    folder: Folder, rank: int | None = None
+) -> tuple[Manifest | None, Metadata | None]:
+    """(the manifest, None) for a shardwise checkpoint whose manifest is current, else
+    (None, DCP's metadata), read safely and checked; `rank`: that rank's own records.
+    Raises `CheckpointNotFoundError` where there is no checkpoint (also where only
+    per-rank records are: what `dcp.load` expects before it retries per rank) and
+    `IncompleteCheckpointError` where a save never committed."""
+    names = RecordNames(rank)
+    present = set(folder.names())
+    if names.manifest in present:
+        manifest = Manifest.read(folder, names.manifest)
+        replaced = manifest.stale(folder, names.metadata)
+        if replaced is None:
+            return manifest, None
+        # what stock readers see now: never the data it replaced
+        return None, follow_replaced(
+            folder, names.metadata, replaced, manifest.files(), holes=rank is not None
+        )
+    if rank is None and MARKER in present:
+        raise IncompleteCheckpointError(
+            f"{folder} is a shardwise checkpoint without its {names.manifest}: "
+            "the save did not commit"
+        )
+    if names.metadata in present:
+        return None, read_stock(folder, names.metadata, holes=rank is not None)
+    if rank is None and per_rank_records(folder):
+        raise CheckpointNotFoundError(
+            f"{folder} holds per-rank checkpoint records only "
+            "(saved with use_collectives=False): read them with read_metadata(rank=...)"
+        )
+    if rank is None and leftover_data(folder):
+        raise IncompleteCheckpointError(
+            f"a save to {folder} started but never committed ({leftover_data(folder)[0]} is left)"
+        )
+    raise CheckpointNotFoundError(f"no checkpoint at {folder}")
+
+
+class StoredView:
+    """A checkpoint's keys as a load plans them, from its manifest or DCP's metadata."""
+
+    def __init__(self, folder: Folder, manifest: Manifest | None, metadata: Metadata | None):
+        self.folder = folder
+        self.manifest = manifest
+        self._metadata = metadata
+
+    @classmethod
+    def read(cls, folder: Folder, rank: int) -> StoredView:
+        """The checkpoint at `folder`; where it holds per-rank records only, `rank`'s own."""
+        try:
+            return cls(folder, *read_records(folder))
+        except FileNotFoundError:
+            if not per_rank_records(folder):
+                raise
+            return cls(folder, *read_records(folder, rank))
+
+    def metadata(self) -> Metadata:
+        """DCP's `Metadata` of the checkpoint (built from the manifest once, when asked)."""
+        if self._metadata is None:
+            assert self.manifest is not None
+            self._metadata = self.manifest.to_metadata()
+        if getattr(self._metadata, "storage_meta", None) is None:  # absent from old pickles
+            self._metadata.storage_meta = StorageMeta()
+        return self._metadata
+
+    def tensor(self, key: str) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """(shape, dtype) of stored tensor `key`; None when it is not a stored tensor."""
+        if self.manifest is not None:
+            entry = self.manifest.tensors.get(key)
+            return None if entry is None else (tuple(entry.shape), dtype_from_name(entry.dtype))
+        md = self.metadata().state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            return None
+        return tuple(md.size), md.properties.dtype
+
+    def is_object(self, key: str) -> bool:
+        if self.manifest is not None:
+            return key in self.manifest.objects
+        md = self.metadata().state_dict_metadata.get(key)
+        return md is not None and not isinstance(md, TensorStorageMetadata)
+
+    def chunks(self, key: str) -> list[StoredBox]:
+        """The stored chunks of tensor `key`, each with what reading it needs."""
+        if self.manifest is not None:
+            entry, page = self.manifest.tensors[key], self.manifest.page_size
+            return [
+                (c.offsets, c.sizes, StoredChunk.of(c, entry.dtype, page)) for c in entry.chunks
+            ]
+        metadata = self.metadata()
+        md = metadata.state_dict_metadata[key]
+        assert isinstance(md, TensorStorageMetadata)
+        return [
+            (tuple(c.offsets), tuple(c.sizes), _storage(metadata, MetadataIndex(key, c.offsets)))
+            for c in md.chunks
+        ]
+
+    def object_info(self, key: str) -> _StorageInfo:
+        if self.manifest is not None:
+            o = self.manifest.objects[key]
+            return StoredObject(o.file, o.offset, o.length, o.transform, o.crc32c)
+        return _storage(self.metadata(), MetadataIndex(key))
+
+
+def _storage(metadata: Metadata, index: MetadataIndex) -> Any:
+    info = (metadata.storage_data or {}).get(index)
+    if info is None:  # `check_metadata` refused this already: never, but never unchecked
+        raise CorruptCheckpointError(f"'{index.fqn}' (at {index.offset}) has no storage entry")
+    return info

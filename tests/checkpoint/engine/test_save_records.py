@@ -1,0 +1,62 @@
+"""`SaveRecords`: the one builder of `shardwise.json` and `.metadata`.
+
+Both records come from the same entries, so they describe the same checkpoint:
+the manifest's own DCP view equals the pickled `.metadata`, checksums filled in
+late are encoded as if they were there from the start, and the plan's records
+(`plan_records`) match what the engine wrote.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import crc32c
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+from shardwise.checkpoint.engine.save_records import SaveRecords
+from shardwise.checkpoint.format.manifest import Manifest, ObjectEntry, TensorEntry
+from shardwise.checkpoint.format.manifest_fields import ChunkEntry
+
+META = StorageMeta(checkpoint_id="/ck", save_id="s1")
+
+
+def _records() -> tuple[SaveRecords, ChunkEntry]:
+    records = SaveRecords(2, META, {"w": ("model", "w"), "step": ("step",)})
+    w = records.tensors["w"] = TensorEntry("float32", (4, 2), requires_grad=True)
+    late = ChunkEntry((2, 0), (2, 2), "__1_0.distcp", (0, 900), (800, 16), [], 0, None, None)
+    w.chunks += [
+        ChunkEntry((0, 0), (2, 2), "__0_0.distcp", (0, 900), (800, 16), [7], 9, None, (2, 2)),
+        late,
+    ]
+    records.objects["step"] = ObjectEntry("__0_0.distcp", 900, 30, 1234)
+    return records, late
+
+
+def test_late_checksums_are_fields_filled_before_encoding() -> None:
+    records, late = _records()
+    SaveRecords.fill(late, ((2, 2), [5], 6))
+    text = records.manifest(99)
+    manifest = Manifest.from_json(text)
+    assert manifest.to_json().encode() == text  # canonical
+    assert manifest.metadata_crc32c == 99
+    chunk = manifest.tensors["w"].chunks[1]
+    assert (chunk.tile, chunk.crcs, chunk.frame) == ((2, 2), [5], 6)
+    assert manifest.storage_meta == {"checkpoint_id": "/ck", "save_id": "s1", "modules": []}
+
+
+def test_metadata_is_what_the_manifest_describes() -> None:
+    records, late = _records()
+    SaveRecords.fill(late, ((2, 2), [5], 6))
+    data = records.metadata()
+    stored = pickle.loads(data)
+    seen = Manifest.from_json(records.manifest(crc32c.crc32c(data))).to_metadata()
+    assert stored.state_dict_metadata == seen.state_dict_metadata
+    assert stored.planner_data == seen.planner_data == {"w": ("model", "w"), "step": ("step",)}
+    assert stored.storage_meta == META
+    infos = {(k.fqn, tuple(k.offset or ())): v for k, v in stored.storage_data.items()}
+    assert (infos[("w", (2, 0))].relative_path, infos[("w", (2, 0))].offset) == (
+        "__1_0.distcp",
+        0,
+    )
+    assert (infos[("step", ())].offset, infos[("step", ())].length) == (900, 30)
+    assert type(infos[("step", ())]).__name__ == "_StorageInfo"  # DCP's own class: stock reads it
