@@ -269,8 +269,6 @@ PINNED_OS: dict[str, dict[str, int]] = {
 # Still to move into the tree (modules of other parts of issue 21's work).
 STILL_TO_MOVE: dict[str, dict[str, int]] = {
     "checkpoint/clients/megatron.py": {"TypeError": 1},
-    "checkpoint/format/record_write.py": {"TypeError": 1},
-    "checkpoint/dcp/writer.py": {"RuntimeError": 2},
 }
 
 

@@ -18,10 +18,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from shardwise import Block, Layout, ShardedTensor, ShardMismatchError
-from shardwise.checkpoint.engine.inventory import describe
+from shardwise.checkpoint.engine.inventory import describe, serialize_objects
 from shardwise.checkpoint.engine.loading import load_state
 from shardwise.checkpoint.engine.planning import place_records, plan_save
-from shardwise.checkpoint.engine.saving import save_state, serialize_objects
+from shardwise.checkpoint.engine.saving import save_state
 from shardwise.checkpoint.format.manifest import Manifest
 from shardwise.checkpoint.format.record_write import record_frame
 from shardwise.checkpoint.format.tiles import checksum_payload
@@ -36,9 +36,7 @@ ARGS = ("save path", ("p",))
 
 
 def _entries(state: dict, objects: dict | None = None) -> list:
-    described = describe(state, {k: (k,) for k in state}, objects or {})
-    assert described is not None
-    return described[0]
+    return describe(state, {k: (k,) for k in state}, objects or {})[0]
 
 
 def _sharded(rank: int, layout: Layout = ROWS, full: torch.Tensor = FULL) -> ShardedTensor:
@@ -139,7 +137,7 @@ def test_two_thread_ranks_save_what_stock_dcp_loads(tmp_path: Path) -> None:
             "opt": {"lr": [0.1, 0.01]},
         }
 
-    assert _save_two_ranks(path, state) == [True, True]
+    assert _save_two_ranks(path, state) == [None, None]
     names = sorted(os.listdir(path))
     data = [n for n in names if n.endswith(".distcp")]
     assert len(data) == 2 and names == sorted([".metadata", ".shardwise", "shardwise.json", *data])
@@ -156,7 +154,7 @@ def test_two_thread_ranks_save_what_stock_dcp_loads(tmp_path: Path) -> None:
 
 def test_two_thread_ranks_load_into_another_layout(tmp_path: Path) -> None:
     path = tmp_path / "ck"
-    assert _save_two_ranks(path, lambda r: {"emb": _sharded(r), "n": r + 7}) == [True, True]
+    assert _save_two_ranks(path, lambda r: {"emb": _sharded(r), "n": r + 7}) == [None, None]
 
     def load(comm: ThreadedRank) -> tuple:
         target = {"emb": ShardedTensor.zeros(COLS, rank=comm.rank), "n": 0}
@@ -174,7 +172,7 @@ def test_two_thread_ranks_load_into_another_layout(tmp_path: Path) -> None:
 
 def test_a_rank_whose_target_mismatches_fails_every_rank_before_reading(tmp_path: Path) -> None:
     path = tmp_path / "ck"
-    assert _save_two_ranks(path, lambda r: {"emb": _sharded(r)}) == [True, True]
+    assert _save_two_ranks(path, lambda r: {"emb": _sharded(r)}) == [None, None]
 
     def load(comm: ThreadedRank) -> object:
         shape = (6, 8) if comm.rank == 0 else (6, 9)
@@ -197,7 +195,7 @@ def test_disagreeing_ranks_write_nothing(tmp_path: Path) -> None:
 
 def test_corruption_found_by_one_rank_fails_both(tmp_path: Path) -> None:
     path = tmp_path / "ck"
-    assert _save_two_ranks(path, lambda r: {"emb": _sharded(r)}) == [True, True]
+    assert _save_two_ranks(path, lambda r: {"emb": _sharded(r)}) == [None, None]
     chunk = json.loads((path / "shardwise.json").read_text())["tensors"]["emb"]["chunks"][1]
     with open(path / chunk["file"], "r+b") as f:  # rank 1's rows
         f.seek(chunk["payload"][0] + 3)
@@ -219,22 +217,22 @@ def test_corruption_found_by_one_rank_fails_both(tmp_path: Path) -> None:
 def test_dtypes_round_trip_through_the_engine(tmp_path: Path, dtype: torch.dtype) -> None:
     value = (torch.arange(40) - 20).to(dtype).reshape(5, 8)
     path = tmp_path / "ck"
-    assert _save_two_ranks(path, lambda r: {"v": value}) == [True, True]
+    assert _save_two_ranks(path, lambda r: {"v": value}) == [None, None]
     target = {"v": torch.zeros(5, 8, dtype=dtype)}
     dcp.load(target, checkpoint_id=path, no_dist=True)
     assert torch.equal(target["v"], value)
 
 
-def test_manifest_text_spliced_from_the_skeleton_is_canonical(tmp_path: Path) -> None:
-    """Rank 0 encodes the manifest before the checksums arrive and splices them in:
-    the result must be exactly what encoding the finished manifest gives."""
+def test_manifest_with_late_checksums_is_canonical(tmp_path: Path) -> None:
+    """Rank 0 builds the manifest's entries before the checksums arrive and fills them
+    in: the result must be exactly what encoding the finished manifest gives."""
     big = torch.arange(4 * 32768, dtype=torch.float32).reshape(4, 32768)  # 512 KiB: 8 tiles
     path = tmp_path / "ck"
 
     def state(rank: int) -> dict:
         return {"emb": _sharded(rank), "big": big, "scalar": torch.tensor(2.5), "note": "hi"}
 
-    assert _save_two_ranks(path, state) == [True, True]
+    assert _save_two_ranks(path, state) == [None, None]
     text = (path / "shardwise.json").read_text()
     manifest = Manifest.read(path)
     assert manifest.to_json() == text

@@ -2,29 +2,24 @@
 
 from __future__ import annotations
 
-import pickle
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.api import CheckpointException
 
 from ...errors import (
     CheckpointExistsError,
     UnsupportedStorageError,
 )
 from ...storage import Folder
-from ..clients.megatron import metadata_json_problem, save_planner, write_metadata_json
-from ..clients.megatron_returned import megatron_route, save_targets
-from ..dcp.writer import Writer
+from ..clients.megatron import metadata_json_problem, write_metadata_json
+from ..clients.megatron_returned import save_targets
 from ..engine.adapters import adapted_for_save
+from ..engine.inventory import serialize_objects
 from ..engine.saving import save_state
 from ..engine.staging import Stager
 from ..format.gc_pause import gc_paused
@@ -34,9 +29,9 @@ from .edge import (
     _agree,
     _comm,
     _distributed,
-    _folder,
-    _unwrap,
     _user_state,
+    agree_route,
+    open_target,
 )
 
 
@@ -73,26 +68,13 @@ def _check_target(
     path: Folder,
     overwrite: bool,
     process_group: Any,
-    state_dict: dict[str, Any] | None = None,
     megatron: bool = False,
     local_problem: BaseException | None = None,
 ) -> None:
     """Collective pre-save check: same path and flags everywhere, nothing in the
-    way (`_target_problem`), objects picklable; `local_problem` (found by the
-    caller on this rank) raised on every rank with the rest."""
-    problem: BaseException | None = local_problem
-    if state_dict is not None and problem is None:
-        flat, _ = flatten_state_dict(state_dict)
-        for key, value in flat.items():
-            if not isinstance(value, torch.Tensor):
-                try:
-                    pickle.dumps(value)
-                except Exception as e:  # noqa: BLE001 - any pickling failure
-                    problem = TypeError(
-                        f"object '{key}' cannot be pickled ({type(e).__name__}: {e})"
-                    )
-                    break
-    problem = problem or _target_problem(path, overwrite, process_group, megatron)
+    way (`_target_problem`); `local_problem` (found by the caller on this rank)
+    raised on every rank with the rest."""
+    problem = local_problem or _target_problem(path, overwrite, process_group, megatron)
     what, arguments = _save_arguments(path, overwrite, megatron)
     _agree(problem, process_group, arguments, what)
 
@@ -133,39 +115,58 @@ def save(
     `wait=True` (or `wait=` seconds), waits for it to finish. A lease whose
     holder died is broken, with a warning.
 
-    Collective: six small `all_gather_object` per rank, whatever the number of
-    tensors: the folder opens everywhere, the Megatron route, the adapted values,
-    then `saving`'s inventory, checksums report and commit verdict. A state only
-    DCP's own machinery saves leaves after the inventory for `dcp.save`, which adds
-    its own four (`gather_object` + `scatter_object_list` to plan,
-    `gather_object` + `broadcast_object_list` to finish).
+    Collective: four small `all_gather_object` per rank, whatever the number of
+    tensors: the edge's one (the folder opens everywhere, one route, the same
+    adapted values: `edge.agree_route`), then `saving`'s inventory, checksums
+    report and commit verdict. By Megatron key, `save_targets`' own exchanges, the
+    target check and (`megatron=True`) Megatron's `metadata.json` come before
+    `saving`'s three.
     """
-    path = _folder(path, storage_options, process_group)
+    folder, problem = open_target(path, storage_options)
     if _ASYNC.pending is not None:  # one save at a time: the next commit collects unnamed files
         wait_for([_ASYNC.pending])
-    state_dict, problem = _user_state(state_dict)
-    if megatron_route(state_dict, megatron, process_group, problem):  # raises `problem` everywhere
+    state_dict, user_problem = _user_state(state_dict)
+    by_key = agree_route(state_dict, megatron, process_group, problem or user_problem)
+    assert folder is not None  # else `agree_route` raised its problem on every rank
+    path = folder
+    if by_key:
         # by Megatron key (as sharded_state_dict() returns it); megatron=True adds Megatron's files
         state_dict = save_targets(state_dict, process_group, megatron)
-        _check_target(path, overwrite, process_group, state_dict, megatron)
+        _check_target(path, overwrite, process_group, megatron)
         if megatron:
             _write_megatron_metadata(path, process_group)
-        return _save_checked(state_dict, path, overwrite, process_group, save_planner(), wait)
-    state_dict = adapted_for_save(state_dict, process_group)
-    start = time.perf_counter()
+        # overwrite=True: _check_target refused a checkpoint in the way, and
+        # Megatron's metadata.json is now in place
+        return _save(state_dict, path, process_group, (path, overwrite, megatron), wait, True)
+    state_dict = adapted_for_save(state_dict, process_group, agreed=True)
     problem = _target_problem(path, overwrite, process_group)
+    return _save(
+        state_dict, path, process_group, (path, overwrite, False), wait, overwrite, problem
+    )
+
+
+def _save(
+    state_dict: dict[str, Any],
+    path: Folder,
+    group: Any,
+    arguments: tuple[Folder, bool, bool],
+    wait: bool | float,
+    overwrite: bool,
+    problem: BaseException | None = None,
+) -> SaveInfo:
+    """The engine's save (`saving.save_state`), timed; `arguments` (path, overwrite,
+    megatron) as the caller passed them, which every rank must pass alike."""
+    start = time.perf_counter()
     with gc_paused():
-        saved = save_state(
+        save_state(
             state_dict,
             path,
-            _comm(process_group),
+            _comm(group),
             problem,
-            _save_arguments(path, overwrite, False),
+            _save_arguments(*arguments),
             wait=wait,
             overwrite=overwrite,
         )
-    if not saved:  # a value only DCP's own machinery saves: its target check already ran
-        return _save_checked(state_dict, path, overwrite, process_group, wait=wait)
     return SaveInfo(path.checkpoint_id, time.perf_counter() - start)
 
 
@@ -183,31 +184,6 @@ def _write_megatron_metadata(path: Folder, process_group: Any) -> None:
         except OSError as e:
             problem = e
     _agree(problem, process_group)
-
-
-def _save_checked(
-    state_dict: dict[str, Any],
-    path: Folder,
-    overwrite: bool,
-    process_group: Any,
-    planner: Any = None,
-    wait: bool | float = False,
-) -> SaveInfo:
-    start = time.perf_counter()
-    # overwrite=True: _check_target (or save_state, under the lease) refused the rest
-    writer = Writer(path, overwrite=True, wait=wait)
-    try:
-        dcp.save(
-            state_dict,
-            storage_writer=writer,
-            planner=planner or DefaultSavePlanner(dedup_save_to_lowest_rank=False),
-            process_group=process_group,
-        )
-    except CheckpointException as e:
-        raise _unwrap(e) from e
-    finally:
-        writer.release_lease()  # held still if the save failed on another rank
-    return SaveInfo(path.checkpoint_id, time.perf_counter() - start)
 
 
 class _AsyncSaver:
@@ -250,22 +226,27 @@ def async_save(
     `path`, `storage_options` and `wait` as for `save` (the lease is taken in the
     background: `.result()` raises its `CheckpointBusyError`).
 
-    Collective: three small `all_gather_object` per rank before it returns (the
-    folder, the adapted values, the target check; the first call also creates its
-    gloo group, `dist.new_group`), then `saving`'s three in the background.
+    Collective: two small `all_gather_object` per rank before it returns (the
+    folder and the adapted values; the staging, objects and target check; the first
+    call also creates its gloo group, `dist.new_group`), then `saving`'s three in
+    the background.
     """
-    path = _folder(path, storage_options, process_group)
+    folder, problem = open_target(path, storage_options)
     if _ASYNC.pending is not None:  # its error is its future's: never every later save's
         wait_for([_ASYNC.pending])
-    state_dict, problem = _user_state(state_dict)
-    state_dict = adapted_for_save(state_dict, process_group, problem)
+    state_dict, user_problem = _user_state(state_dict)
+    state_dict = adapted_for_save(state_dict, process_group, problem or user_problem)
+    assert folder is not None  # else `adapted_for_save` raised its problem on every rank
+    path = folder
     staged: Any = None
     try:  # a value that cannot be staged on one rank fails every rank, not only that one
         staged = _ASYNC.stager.stage(state_dict)
         _ASYNC.stager.synchronize()
     except Exception as e:  # noqa: BLE001 - raised on every rank by _check_target
         problem = e
-    _check_target(path, overwrite, process_group, state_dict, local_problem=problem)
+    if problem is None:  # objects as the engine stores them: one unpicklable fails here
+        problem = serialize_objects(flatten_state_dict(staged)[0])[1]
+    _check_target(path, overwrite, process_group, local_problem=problem)
     group = _ASYNC.group_for(process_group)
     _ASYNC.pending = _ASYNC.executor.submit(_save_staged, staged, path, overwrite, group, wait)
     return _ASYNC.pending
@@ -275,8 +256,4 @@ def _save_staged(
     state_dict: dict[str, Any], path: Folder, overwrite: bool, group: Any, wait: bool | float
 ) -> SaveInfo:
     """The background part of `async_save`, on its own group (targets already checked)."""
-    start = time.perf_counter()
-    arguments = _save_arguments(path, overwrite, False)
-    if save_state(state_dict, path, _comm(group), None, arguments, wait=wait, overwrite=overwrite):
-        return SaveInfo(path.checkpoint_id, time.perf_counter() - start)
-    return _save_checked(state_dict, path, overwrite, group, wait=wait)
+    return _save(state_dict, path, group, (path, overwrite, False), wait, overwrite)

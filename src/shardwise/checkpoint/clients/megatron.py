@@ -3,7 +3,7 @@
 - A value adapter (registered on import) lets `swc.async_save` take Megatron's
   objects directly (the DCP key is the state dict's key); `swc.save`/`swc.load`
   take Megatron's values by Megatron key instead (`megatron_returned`).
-- `swc.save(..., megatron=True)` (`prepare_save`, `save_planner`,
+- `swc.save(..., megatron=True)` (`prepare_save`,
   `write_metadata_json`) writes what Megatron's `dist_checkpointing.load`
   needs beside the DCP data: tensors under their Megatron key, the common state
   object, ShardedObjects and `metadata.json`.
@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import DefaultSavePlanner
 
 from ...comm.agreement import exchange
 from ...errors import CheckpointExistsError, InvalidArgumentError, LayoutError
@@ -41,6 +40,7 @@ from ...interop.megatron import (
 from ...storage import LocalFolder
 from ...tensor import ShardedTensor
 from ..engine.adapters import ValueAdapter, register_value_adapter
+from ..engine.inventory import Serialized
 from ..offline.opening import open_checkpoint
 
 __all__ = [
@@ -50,7 +50,6 @@ __all__ = [
     "prepare_load",
     "prepare_save",
     "read_common_state",
-    "save_planner",
     "write_metadata_json",
 ]
 
@@ -123,23 +122,6 @@ register_value_adapter(
 # -- checkpoints Megatron's dist_checkpointing.load opens --------------------------------
 
 
-class _RawBytes(io.BytesIO):
-    """Bytes stored as they are (Megatron stores its objects pre-serialized)."""
-
-
-def save_planner() -> Any:
-    """DCP's default save planner, except that `_RawBytes` objects are written as
-    they are (as Megatron's `MCoreSavePlanner` writes its objects), not re-pickled."""
-
-    class _MegatronSavePlanner(DefaultSavePlanner):
-        def transform_object(self, write_item: Any, object: Any) -> Any:
-            if isinstance(object, _RawBytes):
-                return object
-            return super().transform_object(write_item, object)
-
-    return _MegatronSavePlanner(dedup_save_to_lowest_rank=False)
-
-
 _NONE = object()  # "no part here" in _split's pairs
 
 
@@ -204,7 +186,7 @@ def _sharded_entries(sharded: Any, prefix: str = "") -> dict[Any, Any]:
 def prepare_save(
     state_dict: Mapping[str, Any], group: Any = None, *, common_state: bool = True
 ) -> dict[str, Any]:
-    """The flat state dict `swc.save(..., megatron=True)` hands to DCP. Collective.
+    """The flat state dict `swc.save(..., megatron=True)` saves. Collective.
 
     Sharded tensors under their Megatron key (Megatron pieces grouped by key,
     every rank taking part for every key, main replicas only), Megatron
@@ -285,11 +267,11 @@ def prepare_load(
     return flat, finishers
 
 
-def _serialized(values: list[Any]) -> _RawBytes:
-    buffer = _RawBytes()
+def _serialized(values: list[Any]) -> Serialized:
+    """`values` as Megatron-Core stores an object (`torch.save` of a list), stored as is."""
+    buffer = io.BytesIO()
     torch.save(values, buffer)
-    buffer.seek(0)
-    return buffer
+    return Serialized(buffer.getvalue())
 
 
 def metadata_json_problem(path: Path) -> BaseException | None:

@@ -3,7 +3,7 @@
 Stock `FileSystemWriter` planning, constructor and `.metadata`, and data
 files in its format, so stock `dcp.load` reads the result. Every rank writes
 its items under fresh token-named files (`__0_0.sw<token>.distcp`) through
-`chunk_io`, then fsyncs them; the coordinator then commits (`commit.py`):
+`chunk_writer`, then fsyncs them; the coordinator then commits (`commit.py`):
 `.metadata`, `shardwise.json`, the marker, each renamed into place, and
 collects the files of the checkpoint it replaced. Other files in the folder
 are never touched. The coordinator (every rank, without collectives) holds the
@@ -17,55 +17,37 @@ Call order (DCP's): reset -> set_up_storage_writer -> prepare plans
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
-import pickle
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import crc32c
-import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import (
-    CURRENT_DCP_VERSION,
     SerializationFormat,
     _split_by_size_and_type,
-    _StorageInfo,
     _StoragePrefix,
-    _write_item,
 )
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
-    StorageMeta,
-    TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ...errors import InvalidArgumentError, ShardMismatchError
+from ...errors import InvalidArgumentError, ShardMismatchError, UsageError
 from ...storage import Folder, open_folder
-from ..engine.planning import holes_in_plans
-from ..format.manifest import Manifest, TensorEntry, dtype_name
-from ..io.chunk_writer import DataFile, Written
+from ..engine.holes import holes_in_plans
 from ..io.commit import RecordNames, commit, data_file_name, in_the_way, new_token
 from ..io.faults import failpoint
 from ..io.lease import Lease
 from .folder_backed import FolderBacked
+from .write_items import ItemResult, records_of, write_file
 
 __all__ = ["Writer"]
-
-
-@dataclass
-class _Result:
-    """A stock `_StorageInfo` plus what the manifest needs; unwrapped in `finish`."""
-
-    stock: _StorageInfo
-    written: Written
 
 
 class Writer(FolderBacked, FileSystemWriter):
@@ -73,10 +55,11 @@ class Writer(FolderBacked, FileSystemWriter):
 
     A drop-in for `FileSystemWriter`, with its constructor: `overwrite=True`
     (the default, as stock) replaces a checkpoint already in the folder;
-    `False` raises `RuntimeError("Checkpoint already exists ...")` when the
-    folder holds one. Either way, files in the folder that no checkpoint wrote
-    are left alone. `thread_count` writes that many files per rank in
-    parallel; `single_file_per_rank=False` writes a file per item;
+    `False` raises `UsageError("Checkpoint already exists ...")` (a
+    `RuntimeError`, as stock's) when the folder holds one. Either way, files
+    in the folder that no checkpoint wrote are left alone. `thread_count`
+    writes that many files per rank in parallel; `single_file_per_rank=False`
+    writes a file per item;
     `sync_files=False` skips fsync (then a crash may lose the new checkpoint,
     as with stock); `_extensions` (e.g. ZStandard) transform each item's
     stream as stock does, and such items are read back whole.
@@ -171,13 +154,13 @@ class Writer(FolderBacked, FileSystemWriter):
         existing = in_the_way(self.folder, self._records())  # committed while this one waited
         if not self.overwrite and existing:
             _release(self._lease)
-            raise RuntimeError(f"Checkpoint already exists and self.overwrite=False: {existing}")
+            raise UsageError(f"Checkpoint already exists and self.overwrite=False: {existing}")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # The folder is created in write_data: a save refused in planning leaves no folder.
         existing = in_the_way(self.folder, self._records())
         if not self.overwrite and existing:
-            raise RuntimeError(f"Checkpoint already exists and self.overwrite=False: {existing}")
+            raise UsageError(f"Checkpoint already exists and self.overwrite=False: {existing}")
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
@@ -196,90 +179,44 @@ class Writer(FolderBacked, FileSystemWriter):
             (data_file_name(plan.storage_data.prefix, k, token), items)
             for k, items in enumerate(buckets)
         ]
-        write = self._write_transformed if self.transforms.extensions else self._write_file
+        serialization_id = self.save_id.replace("-", "")[:40].ljust(40, "0")  # torch.save's field
+
+        def write(name: str, items: list[WriteItem]) -> list[WriteResult]:
+            return write_file(
+                self.folder,
+                name,
+                items,
+                planner,
+                serialization_id,
+                self.transforms,
+                self.sync_files,
+            )
+
         if self.thread_count > 1 and len(jobs) > 1:
             with ThreadPoolExecutor(
                 self.thread_count, thread_name_prefix="shardwise-write"
             ) as pool:
-                parts = list(pool.map(lambda job: write(job[0], job[1], planner), jobs))
+                parts = list(pool.map(lambda job: write(*job), jobs))
         else:
-            parts = [write(name, items, planner) for name, items in jobs]
+            parts = [write(name, items) for name, items in jobs]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result([r for part in parts for r in part])
         return fut
 
-    def _write_file(
-        self, name: str, items: list[WriteItem], planner: SavePlanner
-    ) -> list[WriteResult]:
-        """Objects as pickled bytes, tensors as torch.save records (`chunk_io`); then fsync."""
-        serialization_id = self.save_id.replace("-", "")[:40].ljust(40, "0")  # torch.save's field
-        results = []
-        with DataFile(self.folder, name) as out:
-            for item in items:
-                data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    written = out.write_object(cast(io.BytesIO, data).getbuffer())
-                else:
-                    tensor = cast(torch.Tensor, data).detach().cpu().contiguous()
-                    written = out.write_tensor(tensor, serialization_id)
-                stock = _StorageInfo(name, written.offset, written.length)
-                results.append(WriteResult(item.index, written.length, _Result(stock, written)))
-                failpoint("mid-data")
-            if self.sync_files:
-                out.sync()
-            failpoint("after-data")
-        return results
-
-    def _write_transformed(
-        self, name: str, items: list[WriteItem], planner: SavePlanner
-    ) -> list[WriteResult]:
-        """Items through the writer's stream transforms (stock's own item writer);
-        each stored range gets one checksum, computed from the written bytes."""
-        stock = []
-        with self.folder.create(name) as sink:  # never an existing file
-            stream = sink.stream()
-            for item in items:
-                data = planner.resolve_data(item)
-                if item.type != WriteItemType.BYTE_IO:
-                    data = cast(torch.Tensor, data).detach().cpu()
-                stock.append(
-                    _write_item(
-                        self.transforms, stream, data, item, name, SerializationFormat.TORCH_SAVE
-                    )
-                )
-                failpoint("mid-data")
-            sink.close(sync=self.sync_files)
-        failpoint("after-data")
-        results = []
-        f = self.folder.open(name)
-        try:
-            for r in stock:
-                info: _StorageInfo = r.storage_data
-                crc = crc32c.crc32c(f.pread(info.length, info.offset))
-                written = Written(info.relative_path, info.offset, info.length, [crc])
-                results.append(WriteResult(r.index, r.size_in_bytes, _Result(info, written)))
-        finally:
-            f.close()
-        return results
-
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Build `.metadata` and the manifest, then commit them (coordinator, or
-        every rank on its own without collectives)."""
-        stored: dict[MetadataIndex, _Result] = {}
+        """Build `.metadata` and the manifest (`SaveRecords`), then commit them
+        (coordinator, or every rank on its own without collectives)."""
+        stored: dict[MetadataIndex, ItemResult] = {}
         for rank_results in results:
             stored.update({r.index: r.storage_data for r in rank_results})
-        metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data = {index: r.stock for index, r in stored.items()}
-        metadata.storage_meta = self.storage_meta()
-        metadata_bytes = pickle.dumps(metadata)
-        manifest = _manifest(metadata, stored, len(results))
-        manifest.metadata_crc32c = crc32c.crc32c(metadata_bytes)
+        records = records_of(metadata, stored, len(results), self.storage_meta())
+        metadata_bytes = records.metadata()
         keep = {r.stock.relative_path for r in stored.values()}
         try:
             commit(
                 self.folder,
                 metadata_bytes,
-                manifest.to_json().encode(),
+                records.manifest(crc32c.crc32c(metadata_bytes)),
                 keep,
                 self._records(),
                 sync=self.sync_files,
@@ -293,41 +230,3 @@ def _release(held: list[Lease]) -> None:
     """Give back the lease a writer holds, if any."""
     while held:
         held.pop().release()
-
-
-def _manifest(
-    metadata: Metadata, stored: dict[MetadataIndex, _Result], world_size: int
-) -> Manifest:
-    meta = metadata.storage_meta or StorageMeta()
-    manifest = Manifest(
-        world_size=world_size,
-        storage_meta={
-            "checkpoint_id": None if meta.checkpoint_id is None else str(meta.checkpoint_id),
-            "save_id": meta.save_id,
-            "modules": list(meta.modules),
-        },
-        dcp_version=metadata.version,
-    )
-    manifest.set_planner_data(metadata.planner_data)
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            entry = manifest.tensors[fqn] = TensorEntry(
-                dtype_name(md.properties.dtype),
-                tuple(md.size),
-                requires_grad=bool(md.properties.requires_grad),
-            )
-            for chunk in md.chunks:
-                r = stored[MetadataIndex(fqn, chunk.offsets)]
-                entry.chunks.append(
-                    r.written.chunk_entry(
-                        tuple(chunk.offsets), tuple(chunk.sizes), _descriptors(r.stock)
-                    )
-                )
-        else:
-            r = stored[MetadataIndex(fqn)]
-            manifest.objects[fqn] = r.written.object_entry(_descriptors(r.stock))
-    return manifest
-
-
-def _descriptors(info: _StorageInfo) -> list[str] | None:
-    return list(info.transform_descriptors) if info.transform_descriptors else None

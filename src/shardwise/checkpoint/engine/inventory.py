@@ -7,27 +7,40 @@ or the byte length of a serialized object — and keeps the tensors beside
 that description. One `all_gather_object` of these tuples is the whole
 planning exchange of a save.
 
-Values it understands: shardwise `ShardedTensor`, plain tensors (replicated:
-one piece, the whole tensor), DTensor (plain local tensor or
-`LocalShardsWrapper`), and any other non-tensor value (a Python object).
-Any other tensor subclass makes `describe` return None: the caller then takes
-DCP's own path for the whole call.
+Values: shardwise `ShardedTensor`, plain tensors (replicated: one piece, the
+whole tensor), DTensor (plain local tensor or `LocalShardsWrapper`), any other
+tensor type through DCP's own per-item protocol (`dcp_pieces`), and any other
+value as an object: its `torch.save` bytes, or its own bytes when it comes
+`Serialized` (Megatron's pre-serialized common state).
 """
 
 from __future__ import annotations
 
+import io
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import crc32c
 import torch
+from torch.distributed.checkpoint.planner_helpers import _create_write_items
+from torch.distributed.checkpoint.utils import find_tensor_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ...errors import InvalidTypeError
 from ...tensor import ShardedTensor
 from ..format.manifest import dtype_name
 
-__all__ = ["Entry", "Piece", "describe", "pieces_of"]
+__all__ = [
+    "Entry",
+    "Piece",
+    "Serialized",
+    "dcp_pieces",
+    "describe",
+    "pieces_of",
+    "serialize_objects",
+]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in global coordinates
 
@@ -46,6 +59,14 @@ class Piece(NamedTuple):
 # crc32c)) for an object, whose bytes every rank serializes before the exchange
 # for an object. Tuples of builtins: they pickle fast and compare exactly.
 Entry = tuple[str, tuple[Any, ...], str | None, tuple[int, ...] | None, bool, Any]
+
+
+@dataclass(frozen=True)
+class Serialized:
+    """An object its owner serialized already (Megatron's common state, `torch.save`d
+    as Megatron-Core stores it): stored as these bytes, never pickled again."""
+
+    data: bytes
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -92,12 +113,45 @@ def pieces_of(value: Any) -> list[Piece] | None:
     return None
 
 
+def dcp_pieces(key: str, value: torch.Tensor) -> list[Piece]:
+    """The pieces of a tensor type `pieces_of` leaves to DCP, through DCP's own per-item
+    protocol: its write items (a `_Checkpointable`'s `__create_write_items__`; any other
+    tensor, whole), each resolved as `DefaultSavePlanner.resolve_data` resolves it
+    (`__get_tensor_shard__`)."""
+    pieces = []
+    for item in _create_write_items(key, value):
+        assert item.tensor_data is not None  # a tensor's items are never bytes
+        chunk = item.tensor_data.chunk
+        shard = find_tensor_shard(value, item.index)
+        pieces.append(Piece(shard, tuple(chunk.offsets), tuple(chunk.sizes)))
+    return pieces
+
+
+def serialize_objects(flat: dict[str, Any]) -> tuple[dict[str, bytes], BaseException | None]:
+    """Each non-tensor value as the bytes DCP stores (`torch.save`; a `Serialized`
+    value's own bytes), or the first failure."""
+    objects: dict[str, bytes] = {}
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, Serialized):
+            objects[key] = value.data
+            continue
+        buffer = io.BytesIO()
+        try:
+            torch.save(value, buffer)
+        except Exception as e:  # noqa: BLE001 - any pickling failure is the caller's to fix
+            why = f"object '{key}' cannot be pickled ({type(e).__name__}: {e})"
+            return objects, InvalidTypeError(why)
+        objects[key] = buffer.getvalue()
+    return objects, None
+
+
 def describe(
     flat: dict[str, Any], mappings: dict[str, tuple[Any, ...]], objects: dict[str, bytes]
-) -> tuple[list[Entry], dict[str, list[Piece]]] | None:
-    """`(entries, pieces by key)` for a flattened state dict, or None when a value
-    is a tensor type only DCP's own machinery handles. `objects` holds the
-    serialized bytes of each non-tensor value."""
+) -> tuple[list[Entry], dict[str, list[Piece]]]:
+    """`(entries, pieces by key)` for a flattened state dict. `objects` holds the
+    serialized bytes of each non-tensor value (`serialize_objects`)."""
     entries: list[Entry] = []
     pieces: dict[str, list[Piece]] = {}
     for key, value in flat.items():
@@ -105,7 +159,7 @@ def describe(
         if isinstance(value, torch.Tensor):
             held = pieces_of(value)
             if held is None:
-                return None
+                held = dcp_pieces(key, value)
             pieces[key] = held
             shape = tuple(value.shape)
             if len(held) == 1 and held[0].sizes == shape:  # whole (a plain tensor): no copies

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ...errors import InvalidTypeError
 from ...storage import Sink
 from .byte_runs import c_strides
 from .checksums import byte_view
@@ -74,7 +75,7 @@ def _rebuild_expr(dtype: torch.dtype, shape: tuple[int, ...], key: str) -> bytes
     `_rebuild_tensor_v2` over a typed storage where the dtype has one, else
     `_rebuild_tensor_v3` over an untyped storage counted in bytes, then the dtype."""
     if dtype not in _SAVABLE:
-        raise TypeError(f"a plain torch.save record cannot hold dtype {dtype}")
+        raise InvalidTypeError(f"a plain torch.save record cannot hold dtype {dtype}")
     if dtype in _STORAGE_NAMES:
         rebuild, storage, numel, tail = (
             b"_rebuild_tensor_v2",

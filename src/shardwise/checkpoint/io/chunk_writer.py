@@ -1,32 +1,39 @@
-"""Writing a data file item by item: the one path by which `Writer` and `reshard` store chunks.
+"""Writing a data file record by record: the one place chunk and object bytes are
+framed, written and checksummed, for `saving`, `Writer` and `reshard` alike.
 
-Both frame each tensor as a `torch.save` record, write it straight from the
-tensor's memory, checksum its tiles while they are in cache, and record where
-it went; doing that in one place keeps their files and manifests identical.
+A tensor is framed as the `torch.save` record stock DCP reads, its payload
+written straight from the tensor's memory and checksummed tile by tile while in
+cache; records are queued and written many per `writev`, host copies of non-CPU
+tensors held up to `_BATCH_BYTES` at a time. One writer keeps every producer's
+files and manifests byte-identical.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import crc32c
 import torch
 
+from ...errors import InvalidArgumentError
 from ...storage import Folder, open_folder
 from ..format.checksums import byte_view, frame_crc
 from ..format.manifest import ChunkEntry, ObjectEntry
 from ..format.record_write import tensor_record
 from ..format.tiles import checksum_payload
+from .faults import failpoint
 
 __all__ = ["DataFile", "Written", "payload_checksums"]
 
+_BATCH_BYTES = 64 << 20  # host copies (of non-CPU tensors, objects) held before a write
+_BATCH_BUFFERS = 1023  # buffers per write (a `writev`: IOV_MAX is 1024)
 
-@dataclass(frozen=True)
-class Written:
-    """Where one item went in a data file, and its checksums: what the manifest records."""
+
+class Written(NamedTuple):
+    """Where one item went in a data file, and its checksums: what the manifest records
+    (a NamedTuple: a save makes one per record, 100,000 of them at scale)."""
 
     file: str
     offset: int
@@ -60,22 +67,31 @@ def payload_checksums(tensor: torch.Tensor) -> tuple[tuple[int, ...], list[int]]
     """(tile shape, crc32c of each tile) of a contiguous CPU tensor's payload, read in
     place: what the manifest records for the chunk it is stored as."""
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
-        raise ValueError("payload_checksums needs a contiguous CPU tensor")
+        raise InvalidArgumentError("payload_checksums needs a contiguous CPU tensor")
     plain = tensor.resolve_conj().resolve_neg()  # the values, as `tensor_record` stores them
     payload = byte_view(plain) if plain.numel() else memoryview(b"")
     return checksum_payload(payload, tuple(plain.shape), plain.element_size())
 
 
 class DataFile:
-    """A new data file in `folder`, filled with items in order, then synced and closed.
+    """A new data file in `folder`, filled with records in order, then `finish`ed
+    (synced when asked) and closed; leaving its `with` block on an error removes it.
 
     It is created exclusively: a save never changes a file it did not write. On an
-    object store it becomes visible only when closed without an error."""
+    object store it becomes visible only when closed without an error. Records are
+    queued and written in batches: `Written` says where each will be.
+
+    Failpoints (`faults`): "mid-data" after the file's first write, "after-data"
+    once `finish` has closed it."""
 
     def __init__(self, folder: Folder | str | os.PathLike, name: str) -> None:
         self.name = name
         self.pos = 0
         self._sink = open_folder(folder).create(name)
+        self._pending: list[Any] = []
+        self._held = 0  # bytes of host copies in `_pending`
+        self._wrote = False
+        self._closed = False
 
     def __enter__(self) -> DataFile:
         return self
@@ -87,29 +103,58 @@ class DataFile:
         traceback: TracebackType | None,
     ) -> None:
         if kind is None:
-            self._sink.close(sync=False)  # a no-op after `sync`
+            if not self._closed:
+                self._flush()
+                self._sink.close(sync=False)
         else:
-            self._sink.abort()
+            self._sink.abort()  # nothing half-written stays
 
-    def sync(self) -> None:
-        """Make the file durable (fsync; on an object store, complete the upload)."""
-        self._sink.close(sync=True)
+    def finish(self, sync: bool = True) -> None:
+        """Write what is queued and close the file, durable (fsync; on an object store,
+        the upload completed) when `sync`."""
+        self._flush()
+        self._sink.close(sync=sync)
+        self._closed = True
+        failpoint("after-data")
 
     def write_object(self, data: Any) -> Written:
         """Bytes stored as they are (a pickled object), with one checksum."""
-        self._sink.write([data])
+        return self.write_record(data)
+
+    def write_record(self, data: Any) -> Written:
+        """An already-encoded record (an object's bytes, a stream-transformed chunk)
+        stored as it is, with one checksum of the whole range."""
+        self._queue((data,), len(data))
         return self._advance(len(data), [crc32c.crc32c(data)])
 
     def write_tensor(self, tensor: torch.Tensor, serialization_id: str = "0" * 40) -> Written:
-        """A contiguous CPU tensor as the `torch.save` record stock DCP reads, its
-        payload written from the tensor's memory (`writev`, no copy) and checksummed
+        """A tensor (any device, any strides) as the `torch.save` record stock DCP reads,
+        its payload written from a contiguous CPU tensor's own memory and checksummed
         tile by tile (`tiles`)."""
+        source = tensor.detach()
+        tensor = source.cpu().contiguous()
+        copied = tensor.nbytes if tensor.data_ptr() != source.data_ptr() else 0
         head, payload, tail = tensor_record(tensor, serialization_id)
-        self._sink.write([head, payload, tail])
         tile, crcs = checksum_payload(payload, tuple(tensor.shape), tensor.element_size())
+        self._queue((head, payload, tail), copied)
         payload_at = (self.pos + len(head), len(payload))
         length = len(head) + len(payload) + len(tail)
         return self._advance(length, crcs, payload_at, frame_crc(head, tail), tile)
+
+    def _queue(self, buffers: tuple[Any, ...], held: int) -> None:
+        self._pending += buffers
+        self._held += held
+        if self._held >= _BATCH_BYTES or len(self._pending) >= _BATCH_BUFFERS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending and self._wrote:
+            return
+        self._sink.write(self._pending)
+        self._pending, self._held = [], 0
+        if not self._wrote:
+            self._wrote = True
+            failpoint("mid-data")
 
     def _advance(
         self,

@@ -1,24 +1,25 @@
 """`reshard`: rewrite a checkpoint offline into the per-rank files of another layout.
 
 A job of M ranks then reads one contiguous file per rank. Chunks are written
-through `chunk_io`, the same path a save takes, and committed the same way.
+through `chunk_writer`, its records built by `SaveRecords` and committed as a
+save's are.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import crc32c
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from ...errors import CheckpointExistsError, LayoutError
 from ...layout import Block, Layout
 from ...storage import open_folder
-from ..format.manifest import Manifest, TensorEntry, dtype_name
+from ..engine.save_records import SaveRecords
+from ..format.manifest import TensorEntry, dtype_name
 from ..io.chunk_writer import DataFile
 from ..io.commit import commit, data_file_name, in_the_way, new_token
 from ..io.lease import Lease
@@ -73,19 +74,21 @@ def reshard(
         if existing and not overwrite:
             raise CheckpointExistsError(existing)
         token = new_token()
-        manifest = Manifest(world_size=world_size)
+        records = SaveRecords(
+            world_size, StorageMeta(checkpoint_id=folder.checkpoint_id, save_id=token), None
+        )
         written: set[tuple[str, Block]] = set()
         names = [data_file_name(f"__{rank}_", 0, token) for rank in range(world_size)]
         for rank, name in enumerate(names):
             with DataFile(folder, name) as file:
                 if rank == 0:  # objects are copied verbatim, never unpickled
                     for key in ckpt.object_keys():
-                        manifest.objects[key] = file.write_object(
+                        records.objects[key] = file.write_object(
                             ckpt.object_bytes(key)
                         ).object_entry()
                 for key, layout in plan.items():
                     md = ckpt.tensor_metadata(key)
-                    entry = manifest.tensors.setdefault(
+                    entry = records.tensors.setdefault(
                         key, TensorEntry(dtype_name(md.properties.dtype), tuple(md.size))
                     )
                     for block in layout.blocks_of(rank):
@@ -94,17 +97,8 @@ def reshard(
                         written.add((key, block))
                         chunk = file.write_tensor(ckpt.read(key, block))
                         entry.chunks.append(chunk.chunk_entry(block.offsets, block.sizes))
-                file.sync()
-        metadata = pickle.dumps(_stock(manifest.to_metadata()))
-        manifest.metadata_crc32c = crc32c.crc32c(metadata)
-        commit(folder, metadata, manifest.to_json().encode(), set(names), lease=lease)
+                file.finish()
+        metadata = records.metadata()
+        manifest = records.manifest(crc32c.crc32c(metadata))
+        commit(folder, metadata, manifest, set(names), lease=lease)
     return folder.checkpoint_id
-
-
-def _stock(metadata: Any) -> Any:
-    """`Metadata` whose storage infos are DCP's own class, for the pickled `.metadata`."""
-    metadata.storage_data = {
-        k: _StorageInfo(v.relative_path, v.offset, v.length, v.transform_descriptors)
-        for k, v in metadata.storage_data.items()
-    }
-    return metadata

@@ -1,0 +1,164 @@
+"""The one builder of a save's two records: `shardwise.json` and DCP's `.metadata`.
+
+`save`, `Writer` and `reshard` describe what they stored as plain manifest
+entries (each chunk's and object's place and checksums) and get both records
+from here, so the two always describe the same checkpoint. Checksums a writer
+reports late are fields of those entries, filled in before `manifest` encodes
+them (`format.manifest_fields`). `.metadata` needs no checksums: it can be
+built as soon as the places are known. Like objects are shared in its pickle
+(tensor properties, shapes, boxes), so it stays small and fast at 100,000 tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ..format.manifest import Manifest, ObjectEntry, TensorEntry
+from ..format.manifest_fields import ChunkEntry
+from .planning import Placement, SavePlan
+
+__all__ = ["Checksums", "SaveRecords", "plan_records"]
+
+# One record's checksums as its writer reports them: (tile shape or None, crcs, frame crc)
+# for a tensor, (None, [], 0) for an object (its crc32c is known before it is written).
+Checksums = tuple[tuple[int, ...] | None, list[int], int]
+
+
+class SaveRecords:
+    """What a new checkpoint holds, as manifest entries: add them to `tensors` and
+    `objects` (chunks in the order `.metadata` lists them), then build the records."""
+
+    def __init__(self, world_size: int, storage_meta: StorageMeta, planner_data: Any) -> None:
+        self.world_size = world_size
+        self.storage_meta = storage_meta
+        self.planner_data = planner_data  # DCP's: flattened key -> path, as its planner keeps
+        self.tensors: dict[str, TensorEntry] = {}
+        self.objects: dict[str, ObjectEntry] = {}
+        self._draft: Manifest | None = None
+
+    @staticmethod
+    def fill(chunk: ChunkEntry, checksums: Checksums) -> None:
+        """A chunk's checksums, reported by its writer after the entry was made."""
+        chunk.tile, chunk.crcs, chunk.frame = checksums
+
+    def draft(self) -> Manifest:
+        """The manifest of these entries (the same objects: checksums filled later are
+        in it), made once; a caller with time to spare makes it early (`saving`'s
+        rank 0 while the others write), which encodes the planner data then."""
+        if self._draft is None:
+            meta = self.storage_meta
+            stored_meta = {
+                "checkpoint_id": None if meta.checkpoint_id is None else str(meta.checkpoint_id),
+                "save_id": meta.save_id,
+                "modules": list(meta.modules),
+            }
+            self._draft = Manifest(
+                world_size=self.world_size,
+                tensors=self.tensors,
+                objects=self.objects,
+                storage_meta=stored_meta,
+                dcp_version=CURRENT_DCP_VERSION,
+            )
+            self._draft.set_planner_data(self.planner_data)
+        return self._draft
+
+    def manifest(self, metadata_crc32c: int) -> bytes:
+        """`shardwise.json`, sealed; `metadata_crc32c`: of the `.metadata` it goes with."""
+        manifest = self.draft()
+        manifest.metadata_crc32c = metadata_crc32c
+        return manifest.to_json().encode()
+
+    def metadata(self) -> bytes:
+        """The pickled DCP `Metadata` stock `dcp.load` reads."""
+        sizes: dict[tuple[int, ...], torch.Size] = {}
+
+        def size(t: tuple[int, ...]) -> torch.Size:
+            s = sizes.get(t)
+            if s is None:
+                s = sizes[t] = torch.Size(t)
+            return s
+
+        # Like boxes share one ChunkStorageMetadata (pickled once, then by reference):
+        # 10,000 tensors sharded alike have as many chunk objects as one of them.
+        boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], ChunkStorageMetadata] = {}
+        properties: dict[tuple[str, bool], TensorProperties] = {}
+        state: dict[str, Any] = {}
+        storage: dict[MetadataIndex, _StorageInfo] = {}
+        for key, t in self.tensors.items():
+            prop = properties.get((t.dtype, t.requires_grad))
+            if prop is None:
+                prop = properties[(t.dtype, t.requires_grad)] = TensorProperties(
+                    dtype=getattr(torch, t.dtype), requires_grad=t.requires_grad
+                )
+            chunks = []
+            for i, c in enumerate(t.chunks):
+                chunk = boxes.get((c.offsets, c.sizes))
+                if chunk is None:
+                    chunk = boxes[(c.offsets, c.sizes)] = ChunkStorageMetadata(
+                        size(c.offsets), size(c.sizes)
+                    )
+                chunks.append(chunk)
+                index = MetadataIndex(key, None, i)
+                # the shared torch.Size, as MetadataIndex.__init__ would store a copy of it:
+                # pickled once and then by reference
+                object.__setattr__(index, "offset", chunk.offsets)
+                storage[index] = _StorageInfo(c.file, c.record[0], c.record[1], c.transform)
+            state[key] = TensorStorageMetadata(properties=prop, size=size(t.shape), chunks=chunks)
+        for key, o in self.objects.items():
+            state[key] = BytesStorageMetadata()
+            storage[MetadataIndex(key)] = _StorageInfo(o.file, o.offset, o.length, o.transform)
+        metadata = Metadata(
+            state_dict_metadata=state,
+            planner_data=self.planner_data,
+            storage_data=storage,
+            storage_meta=self.storage_meta,
+            version=CURRENT_DCP_VERSION,
+        )
+        return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def plan_records(
+    plan: SavePlan,
+    placements: list[list[Placement]],
+    files: list[str],
+    storage_meta: StorageMeta,
+    object_crcs: dict[str, int],
+) -> tuple[SaveRecords, list[tuple[int, int, ChunkEntry]]]:
+    """The records of the engine's save (`saving`), all known from its plan but the
+    chunks' checksums: the records, and each chunk's (writing rank, position in its
+    writes, entry) for `SaveRecords.fill` once the writers report."""
+    records = SaveRecords(len(placements), storage_meta, plan.mappings)
+    slots = []
+    itemsizes: dict[str, int] = {}
+    for key, t in plan.tensors.items():
+        entry = records.tensors[key] = TensorEntry(t.dtype, t.shape, requires_grad=t.requires_grad)
+        itemsize = itemsizes.get(t.dtype)
+        if itemsize is None:
+            itemsize = itemsizes[t.dtype] = getattr(torch, t.dtype).itemsize
+        for offsets, lengths, rank, position in t.chunks:
+            place = placements[rank][position]
+            payload = (place.payload, math.prod(lengths) * itemsize)
+            record = (place.offset, place.length)
+            chunk = ChunkEntry(offsets, lengths, files[rank], record, payload, [], 0, None, None)
+            entry.chunks.append(chunk)
+            slots.append((rank, position, chunk))
+    for key, (rank, position) in plan.objects.items():
+        place = placements[rank][position]
+        records.objects[key] = ObjectEntry(
+            files[rank], place.offset, place.length, object_crcs[key]
+        )
+    return records, slots
