@@ -282,7 +282,7 @@ def test_megatron_checkpoint_offline(megatron_ckpt: str) -> None:
         swc.read_tensor(megatron_ckpt, "layers.weight", region),
         full("layers.weight")[region.slices()],
     )
-    from shardwise.checkpoint.clients.megatron import read_common_state
+    from shardwise.checkpoint.megatron import read_common_state
 
     assert read_common_state(megatron_ckpt) == COMMON
 
@@ -323,7 +323,7 @@ def test_megatron_objects_through_swc_load_and_save(megatron_ckpt: str, tmp_path
         }, rank
     for key in SHAPES:  # Megatron's pieces saved by swc: main replicas only, every key whole
         assert torch.equal(swc.read_tensor(out, key), full(key)), key
-    from shardwise.checkpoint.clients.megatron import read_common_state
+    from shardwise.checkpoint.megatron import read_common_state
 
     assert read_common_state(out)["iteration"] == 7
     # and Megatron's own load opens it, into another layout, common state included
@@ -363,7 +363,7 @@ def test_megatron_save_keeps_a_foreign_metadata_json_and_writes_its_own(tmp_path
         "sharded_backend_version": 1,
     }
     assert torch.equal(swc.read_tensor(fresh, "w"), torch.arange(8.0).reshape(4, 2))
-    from shardwise.checkpoint.clients.megatron import read_common_state
+    from shardwise.checkpoint.megatron import read_common_state
 
     assert read_common_state(fresh) == {"step": 3}
 

@@ -25,8 +25,8 @@ from ..errors import (
     UnsafeMetadataError,
     UnsupportedStorageError,
 )
+from . import clients  # noqa: F401  (importing registers the clients' value adapters)
 from .api import LoadInfo, SaveInfo, async_save, load, read_tensor, save
-from .clients import megatron, physicsnemo  # noqa: F401  (importing registers their value adapters)
 from .dcp.reader import Reader
 from .dcp.writer import Writer
 from .format.objects import allow_object_globals

@@ -59,7 +59,7 @@ def load(
     found anywhere and loaded by their Megatron key (ShardedObjects' `data` by
     their unique key), the way Megatron and `swc.save` store them; other values
     by their dotted path, or, with `megatron=True` (a Megatron-format
-    checkpoint), left as they are (`shardwise.checkpoint.clients.megatron.read_common_state`).
+    checkpoint), left as they are (`shardwise.checkpoint.megatron.read_common_state`).
     `path` may be an fsspec URL, `storage_options` its backend's options (as for `save`).
     A checkpoint is untrusted input: non-tensor values unpickle only as far as
     `torch.load(weights_only=True)` allows (plus `allow_object_globals`); anything

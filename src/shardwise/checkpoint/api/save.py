@@ -16,7 +16,7 @@ from ...errors import (
     UnsupportedStorageError,
 )
 from ...storage import Folder
-from ..clients.megatron import metadata_json_problem, write_metadata_json
+from ..clients.megatron_format import metadata_json_problem, write_metadata_json
 from ..clients.megatron_returned import save_targets
 from ..engine.adapters import adapted_for_save
 from ..engine.inventory import serialize_objects

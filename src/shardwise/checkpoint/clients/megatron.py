@@ -3,13 +3,12 @@
 - A value adapter (registered on import) lets `swc.async_save` take Megatron's
   objects directly (the DCP key is the state dict's key); `swc.save`/`swc.load`
   take Megatron's values by Megatron key instead (`megatron_returned`).
-- `swc.save(..., megatron=True)` (`prepare_save`,
-  `write_metadata_json`) writes what Megatron's `dist_checkpointing.load`
-  needs beside the DCP data: tensors under their Megatron key, the common state
-  object, ShardedObjects and `metadata.json`.
+- `swc.save(..., megatron=True)` (`prepare_save`) stores what Megatron's
+  `dist_checkpointing.load` needs beside the DCP data: tensors under their
+  Megatron key, the common state object and ShardedObjects (its files:
+  `megatron_format`).
 - `swc.load(..., megatron=True)` (`prepare_load`) loads Megatron's own nesting
-  by Megatron key. `read_common_state(path)` reads the common state back, from
-  either writer, without unpickling code.
+  by Megatron key.
 
 The conversions themselves are `shardwise.interop.megatron`'s.
 """
@@ -17,16 +16,14 @@ The conversions themselves are `shardwise.interop.megatron`'s.
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ...comm.agreement import exchange
-from ...errors import CheckpointExistsError, InvalidArgumentError, LayoutError
+from ...errors import InvalidArgumentError, LayoutError
 from ...interop.megatron import (
     is_main_replica,
     is_mapping_class,
@@ -37,26 +34,13 @@ from ...interop.megatron import (
     pieces_problem,
     to_shardwise,
 )
-from ...storage import LocalFolder
 from ...tensor import ShardedTensor
 from ..engine.adapters import ValueAdapter, register_value_adapter
 from ..engine.inventory import Serialized
-from ..offline.opening import open_checkpoint
+from .megatron_format import COMMON_STATE_KEY
 
-__all__ = [
-    "COMMON_STATE_KEY",
-    "METADATA_JSON",
-    "metadata_json_problem",
-    "prepare_load",
-    "prepare_save",
-    "read_common_state",
-    "write_metadata_json",
-]
+__all__ = ["prepare_load", "prepare_save"]
 
-# Megatron's `ShardedObject("common_state", ..., (1,), (0,)).unique_key`: its non-tensor state.
-COMMON_STATE_KEY = "common_state/shard_0_1"
-METADATA_JSON = "metadata.json"
-_BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 
 # -- the value adapter used by swc.save / swc.load ---------------------------------------
 
@@ -272,46 +256,3 @@ def _serialized(values: list[Any]) -> Serialized:
     buffer = io.BytesIO()
     torch.save(values, buffer)
     return Serialized(buffer.getvalue())
-
-
-def metadata_json_problem(path: Path) -> BaseException | None:
-    """A `metadata.json` already in the folder that is not Megatron's torch_dist one,
-    or a legacy `common.pt`, which both readers prefer to the new common state."""
-    if (path / "common.pt").exists():
-        return CheckpointExistsError(
-            f"{path / 'common.pt'} exists (a legacy Megatron common state): Megatron and "
-            f"read_common_state would read it instead of this save's; move it away first"
-        )
-    existing = path / METADATA_JSON
-    if not existing.exists():
-        return None
-    try:
-        same = json.loads(existing.read_text()) == _BACKEND
-    except (OSError, ValueError):
-        same = False
-    return (
-        None
-        if same
-        else CheckpointExistsError(
-            f"{existing} exists and is not Megatron's torch_dist metadata: it would be overwritten"
-        )
-    )
-
-
-def write_metadata_json(path: Path) -> None:
-    """Megatron's `metadata.json` (what `verify_checkpoint` looks for), written durably."""
-    if (path / METADATA_JSON).exists():
-        return  # checked identical before the save
-    path.mkdir(parents=True, exist_ok=True)
-    LocalFolder(path).write_durably(METADATA_JSON, json.dumps(_BACKEND).encode())
-
-
-def read_common_state(path: str | Path) -> Any:
-    """Megatron's common (non-tensor) state of a checkpoint, read without running
-    pickled code (`torch.load(weights_only=True)`, as Megatron itself does): from
-    its common state object, or from a legacy `common.pt`."""
-    path = Path(path)
-    if (path / "common.pt").exists():
-        return torch.load(path / "common.pt", map_location="cpu", weights_only=True)
-    data = open_checkpoint(path).object_bytes(COMMON_STATE_KEY)
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)[0]

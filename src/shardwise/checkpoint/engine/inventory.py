@@ -8,8 +8,8 @@ that description. One `all_gather_object` of these tuples is the whole
 planning exchange of a save.
 
 Values: shardwise `ShardedTensor`, plain tensors (replicated: one piece, the
-whole tensor), DTensor (plain local tensor or `LocalShardsWrapper`), any other
-tensor type through DCP's own per-item protocol (`dcp_pieces`), and any other
+whole tensor), types a client describes in place (DTensor, `clients.dtensor`),
+any other tensor type through DCP's own per-item protocol (`dcp_pieces`), and any other
 value as an object: its `torch.save` bytes, or its own bytes when it comes
 `Serialized` (Megatron's pre-serialized common state).
 """
@@ -24,13 +24,11 @@ import crc32c
 import torch
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.checkpoint.utils import find_tensor_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ...errors import InvalidTypeError
 from ...tensor import ShardedTensor
 from ..format.manifest import dtype_name
+from .adapters import pieces_in_place
 
 __all__ = [
     "Entry",
@@ -85,7 +83,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def pieces_of(value: Any) -> list[Piece] | None:
-    """The pieces this rank holds of a tensor value; None for a type we leave to DCP."""
+    """The pieces this rank holds of a tensor value: a plain tensor or a ShardedTensor
+    here, other types by the client that describes them in place (`clients.dtensor`);
+    None for a type only DCP's own write items describe (`dcp_pieces`)."""
     if type(value) in _PLAIN:
         return [Piece(value, (0,) * value.dim(), tuple(value.shape))]
     if isinstance(value, ShardedTensor):
@@ -93,24 +93,7 @@ def pieces_of(value: Any) -> list[Piece] | None:
             Piece(shard, block.offsets, block.sizes)
             for shard, block in zip(value.local_shards(), value.local_blocks)
         ]
-    if isinstance(value, DTensor):
-        local = value._local_tensor
-        if isinstance(local, LocalShardsWrapper):
-            return [
-                Piece(shard, tuple(offsets), tuple(shard.shape))
-                for shard, offsets in zip(local.local_shards(), local.local_offsets())
-            ]
-        if not _plain_tensor(local):
-            return None
-        if value.device_mesh.get_coordinate() is None:  # this rank is not in the mesh
-            return []
-        sizes, offsets = compute_local_shape_and_global_offset(
-            value.shape, value.device_mesh, value.placements
-        )
-        return [Piece(local, tuple(offsets), tuple(sizes))]
-    if _plain_tensor(value):
-        return [Piece(value, (0,) * value.dim(), tuple(value.shape))]
-    return None
+    return pieces_in_place(value)  # DTensor and other clients' types; None: DCP's items
 
 
 def dcp_pieces(key: str, value: torch.Tensor) -> list[Piece]:

@@ -158,7 +158,7 @@ def _save_leased(
         if rank == world - 1:  # .metadata: built by the last rank while rank 0 still writes
             metadata = _write_metadata(records, path, sync)
         if rank == 0:
-            records.draft()  # all of the manifest that is known, ahead of the checksums
+            records.prepare()  # all of the manifest that is known, ahead of the checksums
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
     reports = exchange(problem, (checksums, metadata), comm)
