@@ -224,6 +224,7 @@ FAILURES: dict[str, tuple[type[Exception], Callable[[Path, Path], object]]] = {
     ),
 }
 
+
 @pytest.mark.parametrize("case", FAILURES)
 def test_callers_can_catch_everything_as_shardwise_error(case, saved, tmp_path):
     expected, fail = FAILURES[case]

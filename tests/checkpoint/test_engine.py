@@ -25,6 +25,7 @@ from shardwise.checkpoint.engine.saving import save_state
 from shardwise.checkpoint.format.manifest import Manifest
 from shardwise.checkpoint.format.record_write import record_frame
 from shardwise.checkpoint.format.tiles import checksum_payload
+from shardwise.comm.agreement import Agreement
 from shardwise.testing import shard_of
 
 from ..comm.threaded_world import ThreadedRank, ThreadedWorld
@@ -124,7 +125,7 @@ def test_unpicklable_object_is_named() -> None:
 
 def _save_two_ranks(path: Path, state_of) -> list:
     world = ThreadedWorld(2)
-    return world.run(lambda comm: save_state(state_of(comm.rank), path, comm, None, ARGS))
+    return world.run(lambda comm: save_state(state_of(comm.rank), path, Agreement(comm, ARGS)))
 
 
 def test_two_thread_ranks_save_what_stock_dcp_loads(tmp_path: Path) -> None:
@@ -158,7 +159,9 @@ def test_two_thread_ranks_load_into_another_layout(tmp_path: Path) -> None:
 
     def load(comm: ThreadedRank) -> tuple:
         target = {"emb": ShardedTensor.zeros(COLS, rank=comm.rank), "n": 0}
-        read = load_state(target, path, comm, ARGS, strict=True, verify=True, cast_dtype=False)
+        read = load_state(
+            target, path, Agreement(comm, ARGS), strict=True, verify=True, cast_dtype=False
+        )
         return read, target
 
     results = ThreadedWorld(2).run(load)
@@ -177,7 +180,7 @@ def test_a_rank_whose_target_mismatches_fails_every_rank_before_reading(tmp_path
     def load(comm: ThreadedRank) -> object:
         shape = (6, 8) if comm.rank == 0 else (6, 9)
         target = {"emb": torch.full(shape, -1.0)}
-        load_state(target, path, comm, ARGS, strict=True, verify=True, cast_dtype=False)
+        load_state(target, path, Agreement(comm, ARGS), strict=True, verify=True, cast_dtype=False)
         return target["emb"]
 
     results = ThreadedWorld(2).run(load)
@@ -205,7 +208,9 @@ def test_corruption_found_by_one_rank_fails_both(tmp_path: Path) -> None:
 
     def load(comm: ThreadedRank) -> object:
         target = {"emb": _sharded(comm.rank)}
-        return load_state(target, path, comm, ARGS, strict=True, verify=True, cast_dtype=False)
+        return load_state(
+            target, path, Agreement(comm, ARGS), strict=True, verify=True, cast_dtype=False
+        )
 
     results = ThreadedWorld(2).run(load)
     for result in results:

@@ -64,7 +64,10 @@ CASES: dict[str, tuple[Callable[[int], Any], type]] = {
         lambda r: sw.from_local(_piece(r), _bad(r, ROWS, Layout.row_wise(SHAPE, [3, 6]))),
         sw.ShardMismatchError,
     ),
-    "layout-not-a-layout": (lambda r: sw.from_local(_piece(r), _bad(r, ROWS, "rows")), InvalidTypeError),
+    "layout-not-a-layout": (
+        lambda r: sw.from_local(_piece(r), _bad(r, ROWS, "rows")),
+        InvalidTypeError,
+    ),
     "layout-two-blocks": (
         lambda r: sw.from_local(
             _piece(r, rows=[3, 3, 0][r]),
@@ -81,7 +84,10 @@ CASES: dict[str, tuple[Callable[[int], Any], type]] = {
         lambda r: sw.from_local(_piece(r), _bad(r, 0, 2), "infer"),
         sw.LayoutError,
     ),
-    "dim-not-an-int": (lambda r: sw.from_local(_piece(r), _bad(r, 0, 0.5), "infer"), InvalidTypeError),
+    "dim-not-an-int": (
+        lambda r: sw.from_local(_piece(r), _bad(r, 0, 0.5), "infer"),
+        InvalidTypeError,
+    ),
     "dim-zero-d-tensor": (
         lambda r: sw.from_local(_bad(r, _piece(r), torch.tensor(1.0)), 0, "infer"),
         sw.LayoutError,

@@ -105,6 +105,11 @@ class Agreement:
     def world_size(self) -> int:
         return self.comm.world_size
 
+    @property
+    def pending(self) -> BaseException | None:
+        """This rank's problem kept for the next exchange, if any."""
+        return self._pending
+
     def defer(self, problem: BaseException | None) -> None:
         """Keep this rank's `problem` (the first one) for the next exchange to raise."""
         if self._pending is None:
@@ -114,6 +119,10 @@ class Agreement:
         """All-gather `payload`; raise on every rank if any rank had a problem, or (on
         the first exchange) passed different arguments."""
         problem, self._pending = self._pending, None
+        if self.comm.world_size == 1:  # alone: the problem itself, its traceback and all
+            if problem is not None:
+                raise problem
+            return [payload]
         first = self.exchanges == 0 and self.arguments is not None
         sent = (payload, self.arguments[1]) if first and self.arguments else (payload, None)
         everyone = exchange(problem, sent, self.comm)

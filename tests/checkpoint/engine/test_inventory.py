@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from shardwise.checkpoint.engine.inventory import Serialized, describe, serialize_objects
 from shardwise.checkpoint.engine.saving import save_state
 from shardwise.checkpoint.format.manifest import Manifest
+from shardwise.comm.agreement import Agreement
 
 from ...comm.threaded_world import ThreadedWorld
 
@@ -75,7 +76,7 @@ def test_the_engine_saves_checkpointable_tensors_and_raw_bytes(tmp_path: Path) -
     def save(comm: Any) -> None:
         state = {"w": RowBlock(FULL[2 * comm.rank : 2 * comm.rank + 2], 2 * comm.rank)}
         state["common"] = Serialized(raw.getvalue())
-        save_state(state, tmp_path, comm, None, ("args", ()))
+        save_state(state, tmp_path, Agreement(comm, ("args", ())))
 
     assert world.run(save) == [None, None]
     target = {"w": torch.zeros(4, 2), "common": None}

@@ -12,10 +12,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ...comm.agreement import exchange, require_same
+from ...comm.agreement import Agreement, require_same
 from ...comm.communicator import Communicator, SingleProcess, communicator
 from ...errors import (
     ShardwiseError,
@@ -36,26 +35,6 @@ class SaveInfo:
 
 def _distributed(group: Any) -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _agree(
-    problem: BaseException | None, group: Any, arguments: Any = None, what: str = ""
-) -> None:
-    """Raise `problem` (from any rank) on every rank; locally when not distributed.
-    Ranks must also have passed the same `arguments` (path, flags)."""
-    if _distributed(group):
-        require_same(exchange(problem, arguments, group), what)
-    elif problem is not None:
-        raise problem
-
-
-def _unwrap(e: CheckpointException) -> BaseException:
-    """DCP wraps per-rank failures; surface the first real one, same type on every rank."""
-    for failure in e.failures.values():
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, (ShardwiseError, OSError, ValueError)):
-            return inner
-    return e
 
 
 def _is_stateful(value: Any) -> bool:
@@ -99,25 +78,36 @@ def open_target(
         return None, e
 
 
+def agreement(group: Any, arguments: tuple[str, Any]) -> Agreement:
+    """The agreement of one collective call, made at its edge and carried through the
+    engine: `arguments` (what they are, this rank's value) must be the same on every
+    rank, checked at the first exchange."""
+    return Agreement(_comm(group), arguments)
+
+
 def agree_route(
     state_dict: Any,
     megatron: bool,
-    group: Any,
+    agreement: Agreement,
     problem: BaseException | None,
     statefuls: tuple[str, ...] = (),
+    *,
+    by_megatron_key: bool = True,
 ) -> bool:
     """The edge's one exchange: whether this save or load goes by Megatron key
     (`megatron=True`, or a Megatron value on any rank), checked so that every rank
     takes the same route. On it the ranks' top-level `Stateful` keys must agree; off
     it, their adapted values too (`engine.adapters`). `problem` (this rank's failure
-    so far: the folder, a `state_dict()`) is raised on every rank by the exchange."""
-    by_key = megatron or holds_megatron(state_dict)
-    if not _distributed(group):
-        if problem is not None:
-            raise problem
+    so far: the folder, a `state_dict()`) is raised on every rank by the exchange,
+    and the call's arguments are compared there (`agreement`). `by_megatron_key=False`
+    (`async_save`): Megatron's values go by dict path, through their value adapter."""
+    by_key = by_megatron_key and (megatron or holds_megatron(state_dict))
+    agreement.defer(problem)
+    if agreement.world_size == 1:
+        agreement.exchange()  # raises `problem`; nothing to compare with another rank
         return by_key
     held = None if by_key or problem is not None else held_adapted(state_dict, statefuls)
-    everyone = exchange(problem, (by_key, statefuls, held), group)
+    everyone = agreement.exchange((by_key, statefuls, held))
     if any(b for b, _s, _h in everyone):
         require_same(
             [s for _b, s, _h in everyone],

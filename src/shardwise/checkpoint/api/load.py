@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ...comm.agreement import Agreement
 from ...layout import Block
 from ...storage import Folder
 from ..clients.megatron_returned import load_targets
@@ -17,7 +18,7 @@ from ..engine.loading import load_state
 from ..format.gc_pause import gc_paused
 from ..format.manifest import Manifest
 from ..offline.opening import open_checkpoint
-from .edge import _agree, _comm, _is_stateful, _user_state, agree_route, open_target
+from .edge import _is_stateful, _user_state, agree_route, agreement, open_target
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,16 @@ def load(
     # hold is adapted too; filled back through load_state_dict after.
     statefuls = {k: v for k, v in state_dict.items() if _is_stateful(v)}
     plain, user_problem = _user_state(state_dict) if statefuls else (state_dict, None)
-    # the one exchange at the edge: raises either problem everywhere, one route for all
-    by_key = agree_route(
-        plain, megatron, process_group, problem or user_problem, tuple(sorted(statefuls))
+    where = folder.identity if folder is not None else repr(path)
+    call = agreement(
+        process_group,
+        (
+            "load path, strict, cast_dtype and trust_objects",
+            (where, strict, cast_dtype, trust_objects),
+        ),
     )
+    # the one exchange at the edge: raises either problem everywhere, one route for all
+    by_key = agree_route(plain, megatron, call, problem or user_problem, tuple(sorted(statefuls)))
     assert folder is not None  # else `agree_route` raised its problem on every rank
     problem = None
 
@@ -94,10 +101,10 @@ def load(
         return _load_adapted(
             targets,
             folder,
+            call,
             strict,
             verify,
             cast_dtype,
-            process_group,
             trust_objects,
             extension_registry,
         )
@@ -124,30 +131,26 @@ def load(
         elif key in plain:
             state_dict[key] = plain[key]
     if statefuls:  # every rank has the same Stateful keys (agreed above): all get here
-        _agree(problem, process_group)
+        call.defer(problem)
+        call.exchange()
     return LoadInfo(folder.checkpoint_id, time.perf_counter() - started, *done)
 
 
 def _load_adapted(
     state_dict: dict[str, Any],
     path: Folder,
+    call: Agreement,
     strict: bool,
     verify: bool,
     cast_dtype: bool,
-    process_group: Any,
     trust_objects: bool,
     extension_registry: Any,
 ) -> tuple[int, Manifest | None]:
-    arguments = (
-        "load path, strict, cast_dtype and trust_objects",
-        (path.identity, strict, cast_dtype, trust_objects),
-    )
     with gc_paused():
         return load_state(
             state_dict,
             path,
-            _comm(process_group),
-            arguments,
+            call,
             strict=strict,
             verify=verify,
             cast_dtype=cast_dtype,

@@ -11,6 +11,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
+from ...comm.agreement import Agreement
 from ...errors import (
     CheckpointExistsError,
     UnsupportedStorageError,
@@ -24,23 +25,15 @@ from ..engine.saving import save_state
 from ..engine.staging import Stager
 from ..format.gc_pause import gc_paused
 from ..io.commit import in_the_way
-from .edge import (
-    SaveInfo,
-    _agree,
-    _comm,
-    _distributed,
-    _user_state,
-    agree_route,
-    open_target,
-)
+from .edge import SaveInfo, _comm, _user_state, agree_route, agreement, open_target
 
 
 def _target_problem(
-    path: Folder, overwrite: bool, process_group: Any, megatron: bool = False
+    path: Folder, overwrite: bool, call: Agreement, megatron: bool = False
 ) -> BaseException | None:
     """What rank 0 finds in the way of a save: a checkpoint (unless `overwrite`; other
     files are fine), a file, or a foreign `metadata.json` (for a Megatron-readable save)."""
-    if _distributed(process_group) and dist.get_rank(process_group) != 0:
+    if call.rank != 0:
         return None
     if path.is_file():
         return CheckpointExistsError(
@@ -60,23 +53,22 @@ def _target_problem(
     return None
 
 
-def _save_arguments(path: Folder, overwrite: bool, megatron: bool) -> tuple[str, Any]:
-    return ("save path, overwrite and megatron", (path.identity, overwrite, megatron))
+def _save_arguments(where: str, overwrite: bool, megatron: bool) -> tuple[str, Any]:
+    return ("save path, overwrite and megatron", (where, overwrite, megatron))
 
 
 def _check_target(
     path: Folder,
     overwrite: bool,
-    process_group: Any,
+    call: Agreement,
     megatron: bool = False,
     local_problem: BaseException | None = None,
 ) -> None:
-    """Collective pre-save check: same path and flags everywhere, nothing in the
-    way (`_target_problem`); `local_problem` (found by the caller on this rank)
-    raised on every rank with the rest."""
-    problem = local_problem or _target_problem(path, overwrite, process_group, megatron)
-    what, arguments = _save_arguments(path, overwrite, megatron)
-    _agree(problem, process_group, arguments, what)
+    """Collective pre-save check, one exchange of `call`: nothing in the way
+    (`_target_problem`); `local_problem` (found by the caller on this rank) raised on
+    every rank with the rest."""
+    call.defer(local_problem or _target_problem(path, overwrite, call, megatron))
+    call.exchange()
 
 
 def save(
@@ -126,64 +118,47 @@ def save(
     if _ASYNC.pending is not None:  # one save at a time: the next commit collects unnamed files
         wait_for([_ASYNC.pending])
     state_dict, user_problem = _user_state(state_dict)
-    by_key = agree_route(state_dict, megatron, process_group, problem or user_problem)
+    where = folder.identity if folder is not None else repr(path)
+    call = agreement(process_group, _save_arguments(where, overwrite, megatron))
+    by_key = agree_route(state_dict, megatron, call, problem or user_problem)
     assert folder is not None  # else `agree_route` raised its problem on every rank
-    path = folder
     if by_key:
         # by Megatron key (as sharded_state_dict() returns it); megatron=True adds Megatron's files
         state_dict = save_targets(state_dict, process_group, megatron)
-        _check_target(path, overwrite, process_group, megatron)
+        _check_target(folder, overwrite, call, megatron)
         if megatron:
-            _write_megatron_metadata(path, process_group)
+            _write_megatron_metadata(folder, call)
         # overwrite=True: _check_target refused a checkpoint in the way, and
         # Megatron's metadata.json is now in place
-        return _save(state_dict, path, process_group, (path, overwrite, megatron), wait, True)
+        return _save(state_dict, folder, call, wait, True)
     state_dict = adapted_for_save(state_dict, process_group, agreed=True)
-    problem = _target_problem(path, overwrite, process_group)
-    return _save(
-        state_dict, path, process_group, (path, overwrite, False), wait, overwrite, problem
-    )
+    call.defer(_target_problem(folder, overwrite, call))
+    return _save(state_dict, folder, call, wait, overwrite)
 
 
 def _save(
-    state_dict: dict[str, Any],
-    path: Folder,
-    group: Any,
-    arguments: tuple[Folder, bool, bool],
-    wait: bool | float,
-    overwrite: bool,
-    problem: BaseException | None = None,
+    state_dict: dict[str, Any], path: Folder, call: Agreement, wait: bool | float, overwrite: bool
 ) -> SaveInfo:
-    """The engine's save (`saving.save_state`), timed; `arguments` (path, overwrite,
-    megatron) as the caller passed them, which every rank must pass alike."""
+    """The engine's save (`saving.save_state`) on the call's agreement, timed."""
     start = time.perf_counter()
     with gc_paused():
-        save_state(
-            state_dict,
-            path,
-            _comm(group),
-            problem,
-            _save_arguments(*arguments),
-            wait=wait,
-            overwrite=overwrite,
-        )
+        save_state(state_dict, path, call, wait=wait, overwrite=overwrite)
     return SaveInfo(path.checkpoint_id, time.perf_counter() - start)
 
 
-def _write_megatron_metadata(path: Folder, process_group: Any) -> None:
+def _write_megatron_metadata(path: Folder, call: Agreement) -> None:
     """Megatron's `metadata.json`, written by rank 0 before the data: its content
     never changes, so a crash at any later point leaves the old checkpoint as it
     was (only marked Megatron's, which Megatron refuses cleanly if it was not) or
     no `.metadata` (refused by both); never new data that only one of them opens."""
-    problem: BaseException | None = None
-    if not _distributed(process_group) or dist.get_rank(process_group) == 0:
+    if call.rank == 0:
         try:
             local = path.local_path
             assert local is not None  # refused by _target_problem otherwise
             write_metadata_json(local)
         except OSError as e:
-            problem = e
-    _agree(problem, process_group)
+            call.defer(e)
+    call.exchange()
 
 
 class _AsyncSaver:
@@ -235,8 +210,11 @@ def async_save(
     if _ASYNC.pending is not None:  # its error is its future's: never every later save's
         wait_for([_ASYNC.pending])
     state_dict, user_problem = _user_state(state_dict)
-    state_dict = adapted_for_save(state_dict, process_group, problem or user_problem)
-    assert folder is not None  # else `adapted_for_save` raised its problem on every rank
+    where = folder.identity if folder is not None else repr(path)
+    call = agreement(process_group, _save_arguments(where, overwrite, False))
+    agree_route(state_dict, False, call, problem or user_problem, by_megatron_key=False)
+    assert folder is not None  # else `agree_route` raised its problem on every rank
+    state_dict = adapted_for_save(state_dict, process_group, agreed=True)
     path = folder
     staged: Any = None
     try:  # a value that cannot be staged on one rank fails every rank, not only that one
@@ -246,7 +224,7 @@ def async_save(
         problem = e
     if problem is None:  # objects as the engine stores them: one unpicklable fails here
         problem = serialize_objects(flatten_state_dict(staged)[0])[1]
-    _check_target(path, overwrite, process_group, local_problem=problem)
+    _check_target(path, overwrite, call, local_problem=problem)
     group = _ASYNC.group_for(process_group)
     _ASYNC.pending = _ASYNC.executor.submit(_save_staged, staged, path, overwrite, group, wait)
     return _ASYNC.pending
@@ -255,5 +233,6 @@ def async_save(
 def _save_staged(
     state_dict: dict[str, Any], path: Folder, overwrite: bool, group: Any, wait: bool | float
 ) -> SaveInfo:
-    """The background part of `async_save`, on its own group (targets already checked)."""
-    return _save(state_dict, path, group, (path, overwrite, False), wait, overwrite)
+    """The background part of `async_save`, on its own group (targets and arguments
+    already checked in the foreground)."""
+    return _save(state_dict, path, Agreement(_comm(group)), wait, overwrite)

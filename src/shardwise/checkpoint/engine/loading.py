@@ -31,8 +31,7 @@ from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 
-from ...comm.agreement import exchange, require_same
-from ...comm.communicator import Communicator
+from ...comm.agreement import Agreement
 from ...errors import CheckpointMismatchError, ShardwiseError
 from ...storage import Folder, open_folder
 from ..format.manifest import Manifest
@@ -49,8 +48,7 @@ __all__ = ["load_state", "mismatches"]
 def load_state(
     state_dict: dict[str, Any],
     path: Folder | str | os.PathLike,
-    comm: Communicator,
-    arguments: Any,
+    agreement: Agreement,
     *,
     strict: bool,
     verify: bool,
@@ -67,14 +65,14 @@ def load_state(
     problem: BaseException | None = None
     view: StoredView | None = None
     try:
-        view = StoredView.read(folder, comm.rank)
+        view = StoredView.read(folder, agreement.rank)
         found = mismatches(flat, view, strict, cast_dtype)
         if found:
             problem = CheckpointMismatchError(f"{folder}: " + "; ".join(found))
     except (ShardwiseError, OSError, ValueError, pickle.UnpicklingError) as e:
         problem = e
-    everyone = exchange(problem, arguments, comm)
-    require_same(everyone, arguments[0], shown=lambda a: repr(a[1]))
+    agreement.defer(problem)
+    agreement.exchange()
     assert view is not None
     objects: dict[str, Any] = {}
     executor = ReadExecutor(folder, verify=verify, registry=extension_registry)
@@ -83,7 +81,8 @@ def load_state(
         executor.run(_plan(flat, view, objects, trust_objects))
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
-    exchange(problem, None, comm)
+    agreement.defer(problem)
+    agreement.exchange()
     for key, value in objects.items():
         set_element(state_dict, mappings[key], value)
     return executor.bytes_read, view.manifest

@@ -45,8 +45,7 @@ import crc32c
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from ...comm.agreement import exchange, require_same
-from ...comm.communicator import Communicator
+from ...comm.agreement import Agreement
 from ...errors import CheckpointExistsError, ShardMismatchError
 from ...storage import Folder, open_folder
 from ..io.chunk_writer import DataFile
@@ -63,18 +62,15 @@ __all__ = ["save_state"]
 def save_state(
     state_dict: dict[str, Any],
     path: Folder | str | os.PathLike,
-    comm: Communicator,
-    local_problem: BaseException | None,
-    arguments: Any,
+    agreement: Agreement,
     *,
     sync: bool = True,
     wait: bool | float = False,
     overwrite: bool = True,
 ) -> None:
-    """Save `state_dict` (values already adapted) to `path`. Collective over `comm`.
-
-    `local_problem` (found by the caller's own checks) and `arguments` (which
-    every rank must pass alike) ride on the first exchange.
+    """Save `state_dict` (values already adapted) to `path`. Collective: its three
+    exchanges go through the caller's `agreement`, whose deferred problem (the
+    caller's own checks) rides on the first.
     `wait`: how long rank 0 waits for the path's lease (`lease.Lease.acquire`);
     with `overwrite=False` it looks for a checkpoint again once it holds it.
     """
@@ -82,23 +78,23 @@ def save_state(
     objects: dict[str, bytes] = {}
     entries: list[Entry] = []
     pieces: dict[str, list[Piece]] = {}
-    problem = local_problem
+    problem: BaseException | None = None
     try:  # whatever fails here fails every rank at the first exchange, never this one alone
         flat, mappings = flatten_state_dict(state_dict)
         objects, problem = serialize_objects(flat)
-        problem = local_problem or problem
         if problem is None:
             entries, pieces = describe(flat, mappings, objects)
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
-        problem = local_problem or e
+        problem = e
+    agreement.defer(problem)
+    problem = agreement.pending
     token, save_id = new_token(), str(uuid.uuid4())
     lease = None
-    if comm.rank == 0 and problem is None:
+    if agreement.rank == 0 and problem is None:
         lease, problem = _take_lease(path, save_id, wait, overwrite)
+        agreement.defer(problem)
     try:
-        _save_leased(
-            path, comm, problem, arguments, sync, lease, pieces, objects, (entries, token, save_id)
-        )
+        _save_leased(path, agreement, sync, lease, pieces, objects, (entries, token, save_id))
     finally:
         if lease is not None:
             lease.release()
@@ -122,9 +118,7 @@ def _take_lease(
 
 def _save_leased(
     path: Folder,
-    comm: Communicator,
-    problem: BaseException | None,
-    arguments: Any,
+    agreement: Agreement,
     sync: bool,
     lease: Lease | None,
     pieces: dict[str, list[Piece]],
@@ -133,13 +127,12 @@ def _save_leased(
 ) -> None:
     """`save_state` from its first exchange on, rank 0 holding `lease`."""
     entries, token, save_id = mine
-    everyone = exchange(problem, (entries, token, save_id, arguments), comm)
-    _same_arguments([e[3] for e in everyone])
+    everyone = agreement.exchange((entries, token, save_id))
     inventories: list[list[Entry]] = [e[0] for e in everyone]
     plan = plan_save(inventories)
     if plan.problems:
         raise ShardMismatchError(f"cannot save to {path}: " + "; ".join(plan.problems))
-    rank, world = comm.rank, comm.world_size
+    rank, world = agreement.rank, agreement.world_size
     save_id = everyone[0][2]
     serialization_id = save_id.replace("-", "")[:40].ljust(40, "0")
     files = [data_file_name(f"__{r}_", 0, everyone[r][1]) for r in range(world)]
@@ -161,7 +154,8 @@ def _save_leased(
             records.prepare()  # all of the manifest that is known, ahead of the checksums
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
-    reports = exchange(problem, (checksums, metadata), comm)
+    agreement.defer(problem)
+    reports = agreement.exchange((checksums, metadata))
     problem = None
     if rank == 0:
         try:
@@ -180,12 +174,8 @@ def _save_leased(
             )
         except Exception as e:  # noqa: BLE001 - the other ranks wait for the verdict
             problem = e
-    exchange(problem, None, comm)
-
-
-def _same_arguments(arguments: list[Any]) -> None:
-    """Each rank's (name, value) of the arguments that must agree: refuse a difference."""
-    require_same(arguments, arguments[0][0], shown=lambda a: repr(a[1]))
+    agreement.defer(problem)
+    agreement.exchange()
 
 
 def _object_crcs(inventories: list[list[Entry]]) -> dict[str, int]:

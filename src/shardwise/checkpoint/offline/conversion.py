@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ...comm.agreement import Agreement
 from ...comm.communicator import SingleProcess
 from ...errors import CheckpointExistsError, InvalidArgumentError, UnsupportedStorageError
 from ...storage import Folder, Sink, is_url, open_folder
@@ -233,7 +234,7 @@ def _safetensors_to_shardwise(f: Any, out: _Output, overwrite: bool) -> list[Pat
     tensors = {k: f.get_tensor(k) for k in f.keys()}  # mmap-backed: pages load as written
     # one process: the engine itself, under the path's lease (`convert` checked the target)
     folder = open_folder(out.location, out.storage_options)
-    save_state(tensors, folder, SingleProcess(), None, ("convert", None), overwrite=overwrite)
+    save_state(tensors, folder, Agreement(SingleProcess()), overwrite=overwrite)
     return [out.location]
 
 
