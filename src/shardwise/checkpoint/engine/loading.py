@@ -7,7 +7,7 @@ corruption found by one rank is raised on all. `swc.load` makes one small
 `all_gather_object` before them (`api.edge.agree_route`: the folder opens on every
 rank, the Megatron route, the adapted values) and, when the state holds a
 `Stateful`, one after its `load_state_dict()`: three per rank, four with a
-`Stateful`. Pinned by tests/checkpoint/test_collective_counts.py.
+`Stateful`. Pinned by tests/checkpoint/api/test_collective_counts.py.
 
 In between each rank plans and reads alone — there is nothing to coordinate. It
 reads the checkpoint's records once (`StoredView`: `shardwise.json`, or DCP's

@@ -8,7 +8,7 @@ pre-serialized objects another (`inventory.Serialized`); nothing falls back to
 route, the adapted values): four per rank in all. `async_save` makes two before
 it returns (the adapted values, its target check; its first call also creates
 its own gloo group), then these three in the background: five. Pinned by
-tests/checkpoint/test_collective_counts.py. The three here:
+tests/checkpoint/api/test_collective_counts.py. The three here:
 
 1. every rank describes what it holds (`inventory`), checks what it can
    alone (objects serialize, the folder is free) and all-gathers that;

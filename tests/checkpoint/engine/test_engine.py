@@ -28,7 +28,7 @@ from shardwise.checkpoint.format.tiles import checksum_payload
 from shardwise.comm.agreement import Agreement
 from shardwise.testing import shard_of
 
-from ..comm.threaded_world import ThreadedRank, ThreadedWorld
+from ...comm.threaded_world import ThreadedRank, ThreadedWorld
 
 FULL = torch.arange(48, dtype=torch.float32).reshape(6, 8)
 ROWS = Layout.row_wise((6, 8), [4, 2])

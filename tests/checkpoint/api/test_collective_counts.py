@@ -204,8 +204,9 @@ PINNED: dict[str, dict[str, int]] = {
     # api.edge.agree_route (folder, route, adapted values), then saving's three:
     # inventory, checksums report, commit verdict
     "swc.save": {"dist.all_gather_object": 4, "comm.all_gather_object": 4},
-    # adapters' _agree_on (folder, adapted values), api._check_target (staging, target),
-    # the async group (first call only), then saving's three on the background thread
+    # api.edge.agree_route (folder, adapted values), api.save._check_target (staging,
+    # objects, target), the async group (first call only), then saving's three on the
+    # background thread
     "swc.async_save": {
         "dist.all_gather_object": 5,
         "comm.all_gather_object": 5,
@@ -219,10 +220,11 @@ PINNED: dict[str, dict[str, int]] = {
         "dist.broadcast_object_list": 1,
     },
     # api.edge.agree_route (folder, route, adapted values), loading's two (targets
-    # fit, read verdict), then api._agree after the Stateful's load_state_dict
+    # fit, read verdict), then the call's agreement after the Stateful's load_state_dict
     "swc.load": {"dist.all_gather_object": 4, "comm.all_gather_object": 4},
     "swc.load(no Stateful)": {"dist.all_gather_object": 3, "comm.all_gather_object": 3},
-    # one load path for every checkpoint: a stock one costs what a shardwise one does
+    # one load path for every checkpoint: a stock one (here with a Stateful) costs what
+    # a shardwise one does
     "swc.load(stock)": {"dist.all_gather_object": 4, "comm.all_gather_object": 4},
     # none of shardwise's: DCP's plan (gather + scatter) and read (all_gather)
     "dcp.load+Reader": {
@@ -255,7 +257,7 @@ def test_collective_count_is_pinned(counted, entry):
     assert counted[0][entry][1] == counted[1][entry][1]
 
 
-if __name__ == "__main__":  # print the table: python -m tests.checkpoint.test_collective_counts
+if __name__ == "__main__":  # print the table: python -m tests.checkpoint.api.test_collective_counts
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:

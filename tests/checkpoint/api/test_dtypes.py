@@ -21,7 +21,7 @@ from shardwise import Block, Layout, ShardedTensor
 from shardwise.checkpoint.format.record_read import read_record_layout
 from shardwise.checkpoint.format.record_write import tensor_record
 from shardwise.storage.local import LocalFile
-from tests.checkpoint.test_records import saved_record
+from tests.checkpoint.format.test_records import saved_record
 
 V3 = torch.storage._new_dtypes()
 DTYPES = [
