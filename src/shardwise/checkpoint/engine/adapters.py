@@ -13,10 +13,12 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ...comm.agreement import exchange, odd_ranks, require_same
 from ...errors import InvalidArgumentError
+from ...tensor import ShardedTensor
 
 __all__ = [
     "ValueAdapter",
@@ -119,11 +121,17 @@ class _Leaf:
     adapter: ValueAdapter
 
 
+# Values no client converts: plain tensors and shardwise's own, skipped by type alone.
+_NEVER_ADAPTED = frozenset({torch.Tensor, torch.nn.Parameter, ShardedTensor})
+
+
 def _leaves(container: Any, path: tuple[Any, ...] = ()) -> list[_Leaf]:
     """Adapted values (dicts and lists walked, as DCP walks them), in an order every
     rank shares: adapters may be collective, one collective per value."""
     found = []
     for key, value in _children(container):
+        if type(value) in _NEVER_ADAPTED:  # most of a state at scale: no matcher asked
+            continue
         if isinstance(value, (MutableMapping, list)):
             found.extend(_leaves(value, path + (key,)))
         elif (adapter := _adapter_for(value)) is not None:

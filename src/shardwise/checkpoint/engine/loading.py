@@ -30,6 +30,7 @@ import torch
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ...comm.agreement import Agreement
 from ...errors import CheckpointMismatchError, ShardwiseError
@@ -116,19 +117,31 @@ def _plan(
             chunk = (
                 exact.get((piece.offsets, piece.sizes))
                 if exact is not None
-                else next((c for c in chunks if c[:2] == (piece.offsets, piece.sizes)), None)
+                else _same_box(chunks, piece)
             )
             if chunk is not None:
-                reads.append(_read(key, chunk, dtype, (0,) * len(shape), chunk[1], piece.tensor))
+                info = view.storage(key, chunk[2])
+                reads.append(
+                    _read(key, chunk, info, dtype, (0,) * len(shape), chunk[1], piece.tensor)
+                )
             else:
-                reads += _part_reads(key, chunks, dtype, piece)
+                reads += _part_reads(key, view, chunks, dtype, piece)
     if by_dcp:
         reads += planned_reads(by_dcp, view.metadata(), view.folder, trust_objects=trust)
     return reads
 
 
+def _same_box(chunks: list[StoredBox], piece: Piece) -> StoredBox | None:
+    """The stored chunk that is exactly `piece`'s box, if any: a scan, for the few
+    chunks most tensors have (beats building an index)."""
+    for c in chunks:
+        if c[0] == piece.offsets and c[1] == piece.sizes:
+            return c
+    return None
+
+
 def _part_reads(
-    key: str, chunks: list[StoredBox], dtype: torch.dtype, piece: Piece
+    key: str, view: StoredView, chunks: list[StoredBox], dtype: torch.dtype, piece: Piece
 ) -> list[ChunkRead | RecordRead]:
     """The parts of stored chunks that overlap `piece`, each one read."""
     target = piece.tensor
@@ -142,19 +155,21 @@ def _part_reads(
         lengths = tuple(h - lo_ for lo_, h in zip(lo, hi))
         in_chunk = tuple(a - o for a, o in zip(lo, offsets))
         dest = target[tuple(slice(a - o, a - o + n) for a, o, n in zip(lo, piece.offsets, lengths))]
-        reads.append(_read(key, chunk, dtype, in_chunk, lengths, dest))
+        info = view.storage(key, chunk[2])
+        reads.append(_read(key, chunk, info, dtype, in_chunk, lengths, dest))
     return reads
 
 
 def _read(
     key: str,
     chunk: StoredBox,
+    info: _StorageInfo,
     dtype: torch.dtype,
     offsets: tuple[int, ...],
     lengths: tuple[int, ...],
     dest: torch.Tensor,
 ) -> ChunkRead:
-    return ChunkRead(key, chunk[2], chunk[1], dtype, offsets, lengths, dest.detach())
+    return ChunkRead(key, info, chunk[1], dtype, offsets, lengths, dest.detach())
 
 
 def _keep(objects: dict[str, Any], key: str, view: StoredView, info: Any, trust: bool) -> Any:

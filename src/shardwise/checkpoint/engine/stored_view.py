@@ -27,12 +27,14 @@ from torch.distributed.checkpoint.metadata import (
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ...storage import Folder
 from ..format.manifest import MARKER, Manifest, StoredChunk, StoredObject, dtype_from_name
+from ..format.manifest_entries import ChunkEntry
 from ..format.record_check import follow_replaced, read_stock
 from ..io.commit import RecordNames, leftover_data, per_rank_records
 
 __all__ = ["StoredBox", "StoredView", "read_records"]
 
-StoredBox = tuple[tuple[int, ...], tuple[int, ...], _StorageInfo]  # offsets, sizes, storage
+# offsets, sizes, and the stored chunk (its manifest entry, or DCP's storage info)
+StoredBox = tuple[tuple[int, ...], tuple[int, ...], Any]
 
 
 def read_records(
@@ -117,12 +119,10 @@ class StoredView:
         return md is not None and not isinstance(md, TensorStorageMetadata)
 
     def chunks(self, key: str) -> list[StoredBox]:
-        """The stored chunks of tensor `key`, each with what reading it needs."""
+        """The stored chunks of tensor `key`: their boxes, and what `storage` turns into
+        what reading one needs (only for the chunks a load reads: most it never touches)."""
         if self.manifest is not None:
-            entry, page = self.manifest.tensors[key], self.manifest.page_size
-            return [
-                (c.offsets, c.sizes, StoredChunk.of(c, entry.dtype, page)) for c in entry.chunks
-            ]
+            return [(c.offsets, c.sizes, c) for c in self.manifest.tensors[key].chunks]
         metadata = self.metadata()
         md = metadata.state_dict_metadata[key]
         assert isinstance(md, TensorStorageMetadata)
@@ -130,6 +130,14 @@ class StoredView:
             (tuple(c.offsets), tuple(c.sizes), _storage(metadata, MetadataIndex(key, c.offsets)))
             for c in md.chunks
         ]
+
+    def storage(self, key: str, stored: Any) -> _StorageInfo:
+        """DCP's storage info of a chunk of `chunks(key)`, with the manifest's checksums."""
+        if isinstance(stored, ChunkEntry):
+            assert self.manifest is not None
+            dtype = self.manifest.tensors[key].dtype
+            return StoredChunk.of(stored, dtype, self.manifest.page_size)
+        return stored
 
     def object_info(self, key: str) -> _StorageInfo:
         if self.manifest is not None:

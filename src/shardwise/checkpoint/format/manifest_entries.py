@@ -26,10 +26,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_DTYPES: dict[str, torch.dtype] = {}  # one lookup per tensor of a load: 100,000 at scale
+
+
 def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CorruptCheckpointError(f"unknown dtype {name!r} in {MANIFEST}")
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        found = getattr(torch, name, None)
+        if not isinstance(found, torch.dtype):
+            raise CorruptCheckpointError(f"unknown dtype {name!r} in {MANIFEST}")
+        dtype = _DTYPES[name] = found
     return dtype
 
 

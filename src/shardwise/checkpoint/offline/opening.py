@@ -103,7 +103,7 @@ class OpenCheckpoint:
             reads.append(
                 ChunkRead(
                     fqn,
-                    info,
+                    self._view.storage(fqn, info),
                     sizes,
                     md.properties.dtype,
                     overlap.relative_to(Block(offsets, sizes)).offsets,
