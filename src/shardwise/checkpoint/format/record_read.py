@@ -271,6 +271,8 @@ def _layout(
 ) -> RecordLayout:
     if not isinstance(args, _TensorArgs):
         raise RecordError("the record holds something other than a single tensor")
+    if data_size < 0:
+        raise RecordError(f"tensor payload of {data_size} bytes")
     if data_start + data_size > length:
         raise RecordError("tensor payload runs past the end of the record")
     shape = args.size
@@ -282,4 +284,9 @@ def _layout(
             or all(st == c for st, c, s in zip(args.stride, c_strides(shape), shape) if s > 1)
         )
     )
+    if contiguous and data_size < nbytes(shape, args.dtype):  # the storage must hold them all
+        raise RecordError(
+            f"tensor payload of {data_size} bytes, fewer than its {tuple(shape)} "
+            f"{args.dtype} elements need ({nbytes(shape, args.dtype)})"
+        )
     return RecordLayout(offset + data_start, data_size, args.dtype, shape, contiguous)

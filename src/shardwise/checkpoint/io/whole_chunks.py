@@ -76,9 +76,14 @@ def read_span(
         )
         dest = target if direct else torch.empty(layout.shape, dtype=layout.dtype)
         view = byte_view(dest) if dest.numel() else memoryview(b"")
+        if layout.payload_length < len(view):  # `record_read` refuses it: never trusted here
+            raise CorruptCheckpointError(
+                f"'{read.name}' in {where}: its payload holds {layout.payload_length} bytes, "
+                f"its chunk needs {len(view)}"
+            )
         buffers.append(view)
         placed.append((read, target, dest, view))
-        pos = at + layout.payload_length
+        pos = at + len(view)  # exactly the chunk's bytes: the target's size, not the record's
     got = file.readinto(buffers, lo) if pos > lo else 0
     if got != pos - lo:
         raise CorruptCheckpointError(f"{where}: short read of bytes {lo}..{pos}: truncated")
