@@ -10,17 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..engine.adapters import ValueAdapter, register_value_adapter
-from ..engine.inventory import Piece
+from ..engine.inventory import Piece, is_plain_tensor
 
 __all__: list[str] = []
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -36,7 +33,7 @@ def _pieces(value: Any) -> list[Piece] | None:
             Piece(shard, tuple(offsets), tuple(shard.shape))
             for shard, offsets in zip(local.local_shards(), local.local_offsets())
         ]
-    if type(local) not in _PLAIN:
+    if not is_plain_tensor(local):
         return None
     if value.device_mesh.get_coordinate() is None:  # this rank is not in the mesh
         return []

@@ -36,6 +36,7 @@ __all__ = [
     "Serialized",
     "dcp_pieces",
     "describe",
+    "is_plain_tensor",
     "pieces_of",
     "serialize_objects",
 ]
@@ -71,7 +72,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
-def _plain_tensor(value: Any) -> bool:
+def is_plain_tensor(value: Any) -> bool:
+    """A tensor (or Parameter) of no subclass: its memory is its values, read and
+    written as they are."""
     return type(value) in _PLAIN
 
 
