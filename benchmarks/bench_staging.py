@@ -102,7 +102,6 @@ def _rank(
 
     def stage() -> None:
         stager.stage(state)
-        stager.synchronize()
 
     for name, fn in (("stage", stage), ("bare copy", bare_copy)):
         samples = []

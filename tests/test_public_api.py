@@ -72,6 +72,7 @@ CHECKPOINT = [
     "LoadInfo",
     "OpenCheckpoint",
     "Reader",
+    "SaveFuture",
     "SaveInfo",
     "TensorInfo",
     "UnsafeMetadataError",

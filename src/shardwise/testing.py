@@ -86,6 +86,8 @@ def _rank_main(
     os.environ["SHARDWISE_RANK"] = str(rank)  # lets failpoints target one rank
     torch.set_num_threads(1)  # N ranks share this machine's cores
     try:
+        if "nccl" in backend:  # one GPU per rank, as torchrun's LOCAL_RANK would pick
+            torch.cuda.set_device(rank)
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",
@@ -125,7 +127,8 @@ def run_ranks(
     without reporting (killed, `os._exit`) gets a `RankFailure` in its slot
     while the others are still waited for. The process group's own timeout is
     set a little below `timeout`, so a stuck collective raises inside the
-    ranks first; anything still alive at `timeout` is killed.
+    ranks first; anything still alive at `timeout` is killed. `backend` is any
+    `init_process_group` backend; with NCCL each rank uses GPU `rank`.
     """
     ctx = _context()
     results = ctx.Queue()

@@ -26,7 +26,7 @@ from ..errors import (
     UnsupportedStorageError,
 )
 from . import clients  # noqa: F401  (importing registers the clients' value adapters)
-from .api import LoadInfo, SaveInfo, async_save, load, read_tensor, save
+from .api import LoadInfo, SaveFuture, SaveInfo, async_save, load, read_tensor, save
 from .dcp.reader import Reader
 from .dcp.writer import Writer
 from .format.objects import allow_object_globals
@@ -50,6 +50,7 @@ __all__ = [
     "LoadInfo",
     "OpenCheckpoint",
     "Reader",
+    "SaveFuture",
     "SaveInfo",
     "TensorInfo",
     "UnsafeMetadataError",

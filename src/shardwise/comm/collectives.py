@@ -18,6 +18,7 @@ from ..errors import InvalidArgumentError, InvalidTypeError, LayoutError
 from ..layout import Layout
 from ..tensor import ShardedTensor
 from .agreement import exchange, odd_ranks
+from .communicator import communicator
 from .transfer import agree, move
 
 __all__ = ["distribute", "equal", "full_tensor", "gather", "redistribute"]
@@ -202,6 +203,5 @@ def equal(a: ShardedTensor, b: ShardedTensor) -> bool:
     if b.layout_spec != a.layout_spec:
         b = _wrap(a.layout_spec, move(b, a.layout_spec, checked=True), b)
     same = all(torch.equal(x, y) for x, y in zip(a.local_shards(), b.local_shards()))
-    flag = torch.tensor([1 if same else 0], device=a.device if a.device.type != "meta" else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=a.group)
-    return bool(flag.item())
+    # an object collective: a CPU bool on any backend, never a device tensor
+    return all(communicator(a.group).all_gather_object(same))

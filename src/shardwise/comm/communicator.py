@@ -5,12 +5,17 @@ Transfers need `all_to_all_single` and the agreement rule needs
 process group (None: the default group). The interface also lets tests run
 several ranks as threads of one process (`tests/comm/threaded_world.py`), so
 planning, packing and agreement are checked without spawning processes.
+
+Object collectives carry only metadata, so on a group without a CPU backend
+(NCCL) they run over a gloo group of the same ranks instead of pickling into
+GPU memory and synchronising the device; tensors keep the group's backend.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -22,6 +27,8 @@ __all__ = [
     "SingleProcess",
     "Waitable",
     "communicator",
+    "object_group",
+    "timeout_of",
 ]
 
 
@@ -81,7 +88,7 @@ class ProcessGroupCommunicator(Communicator):
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, obj, group=self.group)
+        dist.all_gather_object(gathered, obj, group=object_group(self.group))
         return gathered
 
     def all_to_all_single(
@@ -96,6 +103,53 @@ class ProcessGroupCommunicator(Communicator):
         )
         assert work is not None  # async_op=True always returns a handle
         return work
+
+
+# (the default group they were made under, the gloo group) by global ranks.
+_SIDE_GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
+
+
+def object_group(group: Any) -> Any:
+    """The group object collectives on `group` (None: the default) run over.
+
+    `group` itself when it has a CPU backend ("gloo", "cpu:gloo,cuda:nccl": torch
+    then pickles on the CPU already), else one gloo group per set of ranks,
+    made on first use and kept. Making it is collective over those ranks, and
+    safe here: every rank of `group` reaches its first object collective
+    together. A whole-world group is made as every rank's next group (all
+    ranks are members); a smaller one with `use_local_synchronization`, so
+    ranks outside it need not take part.
+    """
+    pg: Any = group if group is not None else dist.group.WORLD
+    if not _needs_side_group(pg):
+        return group
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    world = dist.group.WORLD
+    cached = _SIDE_GROUPS.get(ranks)
+    if cached is None or cached[0] is not world:  # none yet, or made before a re-init
+        whole = len(ranks) == dist.get_world_size()
+        # a group made with sort_ranks=False keeps its order (rank i is ranks[i])
+        order: dict[str, Any] = {} if list(ranks) == sorted(ranks) else {"sort_ranks": False}
+        side = dist.new_group(
+            list(ranks),
+            timeout=timeout_of(pg),
+            backend="gloo",
+            use_local_synchronization=not whole,
+            **order,
+        )
+        cached = _SIDE_GROUPS[ranks] = (world, side)
+    return cached[1]
+
+
+def _needs_side_group(pg: Any) -> bool:
+    """No CPU backend on `pg`: torch would pickle objects into device memory."""
+    devices = pg._device_types
+    return bool(devices) and torch.device("cpu") not in devices and dist.is_gloo_available()
+
+
+def timeout_of(pg: Any) -> timedelta:
+    """`pg`'s collective timeout, which its side group keeps."""
+    return pg._get_backend(pg._device_types[0]).options._timeout
 
 
 class SingleProcess(Communicator):

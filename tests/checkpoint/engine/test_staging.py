@@ -8,7 +8,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from shardwise import Layout, ShardedTensor
+from shardwise import Block, Layout, ShardedTensor
 from shardwise.checkpoint.engine.staging import Stager
 
 from .stagers import pooled, stagers
@@ -216,11 +216,16 @@ def test_dtensor(one_rank_group):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_sources_go_to_pinned_buffers():
+def test_cuda_values_are_kept_for_the_save_to_copy():
+    """The snapshot copies host values only: CUDA values (plain, sharded) stay where they
+    are, and their devices are listed for the caller to mark its streams."""
     stager = Stager()
     src = torch.randn(1 << 20, device="cuda")
-    small = torch.randn(10, device="cuda", dtype=torch.bfloat16)
-    staged = stager.stage({"x": src, "small": small})
-    stager.synchronize()
-    assert staged["x"].is_pinned() and staged["x"].device.type == "cpu"
-    assert torch.equal(staged["x"], src.cpu()) and torch.equal(staged["small"], small.cpu())
+    st = ShardedTensor.from_layout(
+        Layout((4,), [[Block((0,), (4,))]]), [torch.zeros(4, device="cuda")], rank=0
+    )
+    staged = stager.stage({"x": src, "st": st, "host": torch.ones(3)})
+    assert staged["x"] is src and staged["st"] is st
+    assert stager.cuda_devices == {src.get_device()}
+    assert staged["host"].data_ptr() != 0 and torch.equal(staged["host"], torch.ones(3))
+    assert stager.nbytes == 12  # one buffer, for the host value

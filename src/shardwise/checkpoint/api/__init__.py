@@ -5,8 +5,9 @@ the caller's `Stateful` values, agree on problems); `save` and `load` hand the
 state to the engine (`checkpoint.engine`).
 """
 
+from .async_save import SaveFuture, async_save
 from .edge import SaveInfo
 from .load import LoadInfo, load, read_tensor
-from .save import async_save, save
+from .save import save
 
-__all__ = ["LoadInfo", "SaveInfo", "async_save", "load", "read_tensor", "save"]
+__all__ = ["LoadInfo", "SaveFuture", "SaveInfo", "async_save", "load", "read_tensor", "save"]

@@ -3,29 +3,36 @@
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
 from ...comm.agreement import Agreement
 from ...errors import (
     CheckpointExistsError,
+    InvalidArgumentError,
     UnsupportedStorageError,
 )
 from ...storage import Folder
 from ..clients.megatron_format import metadata_json_problem, write_metadata_json
 from ..clients.megatron_returned import save_targets
 from ..engine.adapters import adapted_for_save
-from ..engine.inventory import serialize_objects
+from ..engine.rank_file import Staging
 from ..engine.saving import save_state
-from ..engine.staging import Stager
 from ..format.gc_pause import gc_paused
 from ..io.commit import in_the_way
-from .edge import SaveInfo, _comm, _user_state, agree_route, agreement, open_target
+from ..io.host_slabs import staging_bytes as budget_of
+from .edge import SaveInfo, _user_state, agree_route, agreement, open_target
+
+
+class _Pending:
+    """The asynchronous save in flight, if any: a later save of this process waits for it."""
+
+    future: Future | None = None
+
+
+PENDING = _Pending()
 
 
 def _target_problem(
@@ -80,6 +87,7 @@ def save(
     megatron: bool = False,
     storage_options: dict[str, Any] | None = None,
     wait: bool | float = False,
+    staging_bytes: int | None = None,
 ) -> SaveInfo:
     """Save `state_dict` to `path`. Collective.
 
@@ -107,6 +115,11 @@ def save(
     `wait=True` (or `wait=` seconds), waits for it to finish. A lease whose
     holder died is broken, with a warning.
 
+    CUDA tensors are copied to the host through at most `staging_bytes` of pinned
+    memory per rank (default: `SHARDWISE_STAGING_BYTES`, else 1 GiB), on a side
+    stream that follows the caller's current stream, while earlier copies are
+    checksummed and written; a larger state goes in waves.
+
     Collective: four small `all_gather_object` per rank, whatever the number of
     tensors: the edge's one (the folder opens everywhere, one route, the same
     adapted values: `edge.agree_route`), then `saving`'s inventory, checksums
@@ -115,12 +128,13 @@ def save(
     `saving`'s three.
     """
     folder, problem = open_target(path, storage_options)
-    if _ASYNC.pending is not None:  # one save at a time: the next commit collects unnamed files
-        wait_for([_ASYNC.pending])
+    if PENDING.future is not None:  # one save at a time: the next commit collects unnamed files
+        wait_for([PENDING.future])
     state_dict, user_problem = _user_state(state_dict)
+    staging, staging_problem = _staging(staging_bytes)
     where = folder.identity if folder is not None else repr(path)
     call = agreement(process_group, _save_arguments(where, overwrite, megatron))
-    by_key = agree_route(state_dict, megatron, call, problem or user_problem)
+    by_key = agree_route(state_dict, megatron, call, problem or user_problem or staging_problem)
     assert folder is not None  # else `agree_route` raised its problem on every rank
     if by_key:
         # by Megatron key (as sharded_state_dict() returns it); megatron=True adds Megatron's files
@@ -130,19 +144,32 @@ def save(
             _write_megatron_metadata(folder, call)
         # overwrite=True: _check_target refused a checkpoint in the way, and
         # Megatron's metadata.json is now in place
-        return _save(state_dict, folder, call, wait, True)
+        return _save(state_dict, folder, call, wait, True, staging)
     state_dict = adapted_for_save(state_dict, process_group, agreed=True)
     call.defer(_target_problem(folder, overwrite, call))
-    return _save(state_dict, folder, call, wait, overwrite)
+    return _save(state_dict, folder, call, wait, overwrite, staging)
+
+
+def _staging(given: int | None) -> tuple[Staging, BaseException | None]:
+    """The staging budget asked for, or the problem every rank raises at the first exchange."""
+    try:
+        return Staging(budget_of(given)), None
+    except InvalidArgumentError as e:
+        return Staging(), e
 
 
 def _save(
-    state_dict: dict[str, Any], path: Folder, call: Agreement, wait: bool | float, overwrite: bool
+    state_dict: dict[str, Any],
+    path: Folder,
+    call: Agreement,
+    wait: bool | float,
+    overwrite: bool,
+    staging: Staging,
 ) -> SaveInfo:
     """The engine's save (`saving.save_state`) on the call's agreement, timed."""
     start = time.perf_counter()
     with gc_paused():
-        save_state(state_dict, path, call, wait=wait, overwrite=overwrite)
+        save_state(state_dict, path, call, wait=wait, overwrite=overwrite, staging=staging)
     return SaveInfo(path.checkpoint_id, time.perf_counter() - start)
 
 
@@ -159,80 +186,3 @@ def _write_megatron_metadata(path: Folder, call: Agreement) -> None:
         except OSError as e:
             call.defer(e)
     call.exchange()
-
-
-class _AsyncSaver:
-    """One background thread and one gloo group of its own, so the save's
-    collectives never interleave with the training loop's on the default group."""
-
-    def __init__(self) -> None:
-        self.stager = Stager()
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="shardwise-async-save")
-        self.groups: dict[Any, Any] = {}
-        self.pending: Future | None = None
-
-    def group_for(self, process_group: Any) -> Any:
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        if process_group not in self.groups:  # collective: every rank gets here together
-            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-            self.groups[process_group] = dist.new_group(ranks=ranks, backend="gloo")
-        return self.groups[process_group]
-
-
-_ASYNC = _AsyncSaver()
-
-
-def async_save(
-    state_dict: dict[str, Any],
-    path: str | Path | Folder,
-    *,
-    overwrite: bool = False,
-    process_group: Any = None,
-    storage_options: dict[str, Any] | None = None,
-    wait: bool | float = False,
-) -> Future:
-    """Stage `state_dict` and save it in the background. Collective.
-
-    Returns once the state is copied into staging buffers (kept between calls),
-    so the caller may modify it right away; `.result()` on the returned future
-    waits for the commit and returns `SaveInfo` (or raises the save's error).
-    A previous pending save is waited for first: its buffers are reused.
-    `path`, `storage_options` and `wait` as for `save` (the lease is taken in the
-    background: `.result()` raises its `CheckpointBusyError`).
-
-    Collective: two small `all_gather_object` per rank before it returns (the
-    folder and the adapted values; the staging, objects and target check; the first
-    call also creates its gloo group, `dist.new_group`), then `saving`'s three in
-    the background.
-    """
-    folder, problem = open_target(path, storage_options)
-    if _ASYNC.pending is not None:  # its error is its future's: never every later save's
-        wait_for([_ASYNC.pending])
-    state_dict, user_problem = _user_state(state_dict)
-    where = folder.identity if folder is not None else repr(path)
-    call = agreement(process_group, _save_arguments(where, overwrite, False))
-    agree_route(state_dict, False, call, problem or user_problem, by_megatron_key=False)
-    assert folder is not None  # else `agree_route` raised its problem on every rank
-    state_dict = adapted_for_save(state_dict, process_group, agreed=True)
-    path = folder
-    staged: Any = None
-    try:  # a value that cannot be staged on one rank fails every rank, not only that one
-        staged = _ASYNC.stager.stage(state_dict)
-        _ASYNC.stager.synchronize()
-    except Exception as e:  # noqa: BLE001 - raised on every rank by _check_target
-        problem = e
-    if problem is None:  # objects as the engine stores them: one unpicklable fails here
-        problem = serialize_objects(flatten_state_dict(staged)[0])[1]
-    _check_target(path, overwrite, call, local_problem=problem)
-    group = _ASYNC.group_for(process_group)
-    _ASYNC.pending = _ASYNC.executor.submit(_save_staged, staged, path, overwrite, group, wait)
-    return _ASYNC.pending
-
-
-def _save_staged(
-    state_dict: dict[str, Any], path: Folder, overwrite: bool, group: Any, wait: bool | float
-) -> SaveInfo:
-    """The background part of `async_save`, on its own group (targets and arguments
-    already checked in the foreground)."""
-    return _save(state_dict, path, Agreement(_comm(group)), wait, overwrite)

@@ -1,5 +1,5 @@
 """The copies of one snapshot, made in bulk: batched small copies, large CPU tensors cut
-into byte ranges for a kept thread pool, CUDA copies non-blocking (see `staging`).
+into byte ranges for a kept thread pool (see `staging`).
 
 Split from `staging` so that the walk over a state (what to copy where) and the
 machinery that moves the bytes (how) read separately.
@@ -79,14 +79,12 @@ def bytes_of(t: torch.Tensor) -> torch.Tensor:
 class Copies:
     """The copies one `stage` call makes: gathered by the walk, made at its end."""
 
-    __slots__ = ("threads", "cpu_dst", "cpu_src", "cuda_dst", "cuda_src", "large", "large_bytes")
+    __slots__ = ("threads", "cpu_dst", "cpu_src", "large", "large_bytes")
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
         self.cpu_dst: list[torch.Tensor] = []
         self.cpu_src: list[torch.Tensor] = []
-        self.cuda_dst: list[torch.Tensor] = []
-        self.cuda_src: list[torch.Tensor] = []
         # for the pool: (buffer, source) as flat byte views
         self.large: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.large_bytes = 0
@@ -121,11 +119,8 @@ class CopyPool:
         self._pool, self._pool_workers = None, 0
 
     def run(self, copies: Copies, min_piece_bytes: int) -> None:
-        """Make the gathered copies: CUDA ones first (the device copies while the
-        CPU does), then the small CPU ones by this thread while the pool starts on
-        the large ones, which this thread then helps with."""
-        if copies.cuda_dst:
-            torch._foreach_copy_(copies.cuda_dst, copies.cuda_src, non_blocking=True)
+        """Make the gathered copies: the small ones by this thread while the pool
+        starts on the large ones, which this thread then helps with."""
         threads = copies.threads
         work: queue.SimpleQueue[list[_Range]] = queue.SimpleQueue()
         helpers: list[Future] = []

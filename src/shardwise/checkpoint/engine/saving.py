@@ -48,13 +48,12 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from ...comm.agreement import Agreement
 from ...errors import CheckpointExistsError, ShardMismatchError
 from ...storage import Folder, open_folder
-from ..io.chunk_writer import DataFile
 from ..io.commit import METADATA, RecordNames, commit, data_file_name, in_the_way, new_token
-from ..io.faults import failpoint
 from ..io.lease import Lease
 from .inventory import Entry, Piece, describe, serialize_objects
-from .planning import SavePlan, place_records, plan_save
-from .save_records import Checksums, SaveRecords, plan_records
+from .planning import place_records, plan_save
+from .rank_file import Once, Staging, write_rank_file
+from .save_records import SaveRecords, plan_records
 
 __all__ = ["save_state"]
 
@@ -67,13 +66,33 @@ def save_state(
     sync: bool = True,
     wait: bool | float = False,
     overwrite: bool = True,
+    staging: Staging | None = None,
 ) -> None:
     """Save `state_dict` (values already adapted) to `path`. Collective: its three
     exchanges go through the caller's `agreement`, whose deferred problem (the
     caller's own checks) rides on the first.
     `wait`: how long rank 0 waits for the path's lease (`lease.Lease.acquire`);
     with `overwrite=False` it looks for a checkpoint again once it holds it.
+    `staging`: how device tensors are copied out (`Staging`).
     """
+    staging = staging or Staging()
+    staged = Once(staging.on_staged)
+    try:
+        _save(state_dict, path, agreement, sync, wait, overwrite, staging, staged)
+    finally:
+        staged()  # the save is over: the state is free whatever happened
+
+
+def _save(
+    state_dict: dict[str, Any],
+    path: Folder | str | os.PathLike,
+    agreement: Agreement,
+    sync: bool,
+    wait: bool | float,
+    overwrite: bool,
+    staging: Staging,
+    staged: Once,
+) -> None:
     path = open_folder(path)
     objects: dict[str, bytes] = {}
     entries: list[Entry] = []
@@ -94,7 +113,15 @@ def save_state(
         lease, problem = _take_lease(path, save_id, wait, overwrite)
         agreement.defer(problem)
     try:
-        _save_leased(path, agreement, sync, lease, pieces, objects, (entries, token, save_id))
+        _save_leased(
+            path,
+            agreement,
+            (sync, staging, staged),
+            lease,
+            pieces,
+            objects,
+            (entries, token, save_id),
+        )
     finally:
         if lease is not None:
             lease.release()
@@ -119,7 +146,7 @@ def _take_lease(
 def _save_leased(
     path: Folder,
     agreement: Agreement,
-    sync: bool,
+    how: tuple[bool, Staging, Once],
     lease: Lease | None,
     pieces: dict[str, list[Piece]],
     objects: dict[str, bytes],
@@ -127,6 +154,7 @@ def _save_leased(
 ) -> None:
     """`save_state` from its first exchange on, rank 0 holding `lease`."""
     entries, token, save_id = mine
+    sync, staging, staged = how
     everyone = agreement.exchange((entries, token, save_id))
     inventories: list[list[Entry]] = [e[0] for e in everyone]
     plan = plan_save(inventories)
@@ -139,9 +167,15 @@ def _save_leased(
     problem, checksums, metadata = None, [], None
     try:
         if plan.writes[rank]:
-            checksums = _write_file(
-                path, files[rank], plan, rank, pieces, objects, serialization_id, sync
+            mine_ = [
+                objects[key] if index < 0 else pieces[key][index].tensor
+                for key, index in plan.writes[rank]
+            ]
+            checksums = write_rank_file(
+                path, files[rank], mine_, serialization_id, sync, staging, staged
             )
+        else:
+            staged()  # this rank writes nothing: the state is not read again
         if rank in (0, world - 1):  # the records: known from the plan but the checksums
             placements = [
                 place_records(plan, inventories[r], r, serialization_id) for r in range(world)
@@ -194,30 +228,3 @@ def _write_metadata(records: SaveRecords, path: Folder, sync: bool) -> tuple[str
     data = records.metadata()
     path.make()
     return path.write_temporary(METADATA, data, sync=sync), crc32c.crc32c(data)
-
-
-def _write_file(
-    folder: Folder,
-    name: str,
-    plan: SavePlan,
-    rank: int,
-    pieces: dict[str, list[Piece]],
-    objects: dict[str, bytes],
-    serialization_id: str,
-    sync: bool,
-) -> list[Checksums]:
-    """This rank's records, in plan order, into a new file (`DataFile`). Returns each
-    record's checksums (an object's crc32c went with the inventory)."""
-    failpoint("before-write")
-    folder.make()
-    out: list[Checksums] = []
-    with DataFile(folder, name) as file:
-        for key, index in plan.writes[rank]:
-            if index < 0:
-                file.write_object(objects[key])
-                out.append((None, [], 0))
-                continue
-            written = file.write_tensor(pieces[key][index].tensor, serialization_id)
-            out.append((written.tile, written.crcs, written.frame))
-        file.finish(sync)
-    return out

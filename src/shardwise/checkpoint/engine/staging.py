@@ -1,9 +1,15 @@
-"""Snapshot a state dict into buffers kept between saves, for `async_save`.
+"""Snapshot a state dict's host values into buffers kept between saves, for `async_save`.
 
-The blocking part of an asynchronous save is this snapshot. Buffers are keyed
-by the value's path in the state dict and reused while its shape and dtype
-stay the same, so from the second save on the snapshot is a memcpy into warm
-memory (pinned host memory for CUDA tensors), not an allocation per save.
+The blocking part of an asynchronous save of host state is this snapshot.
+Buffers are keyed by the value's path in the state dict and reused while its
+shape and dtype stay the same, so from the second save on the snapshot is a
+memcpy into warm memory, not an allocation per save.
+
+CUDA tensors are not copied here: they stay where they are, and the save
+copies them through its bounded pinned slabs on a side stream while it writes
+(`rank_file`, `io.staged_writer`), signalling when the state is free again.
+`cuda_devices` lists the devices they live on, so the caller can mark its
+streams before it returns.
 
 How the copies are made, cheapest first:
 
@@ -22,9 +28,6 @@ How the copies are made, cheapest first:
 * A buffer is written in full by the copy made right when it is allocated
   (by the pool for large ones), so its pages are faulted in then and never at
   a later snapshot; pinned buffers are resident from the start.
-* CUDA sources are copied with `non_blocking=True` into pinned buffers, first,
-  so that the device copies while the CPU does; `synchronize()` waits for the
-  devices copied from.
 """
 
 from __future__ import annotations
@@ -65,9 +68,8 @@ class Stager:
             raise InvalidArgumentError(f"threads must be at least 1, got {threads}")
         self.threads = threads
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
-        self._pinned: set[tuple[Any, ...]] = set()  # keys whose buffer is pinned
         self._copy_pool = CopyPool()
-        self._cuda_devices: set[int] = set()  # copied from since the last synchronize
+        self.cuda_devices: set[int] = set()  # of the CUDA values the last `stage` kept
         # wrappers last returned, reused while they wrap the same buffers the same way
         self._staged: dict[tuple[Any, ...], tuple[weakref.ref, ShardedTensor]] = {}
         self._staged_dtensors: dict[tuple[Any, ...], tuple[torch.Tensor, DTensor]] = {}
@@ -84,12 +86,7 @@ class Stager:
         self._copy_pool.close()
 
     def _allocate(self, key: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
-        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-        self._buffers[key] = buf
-        if t.is_cuda:
-            self._pinned.add(key)
-        else:
-            self._pinned.discard(key)
+        buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype)
         return buf
 
     def _copy(self, key: tuple[Any, ...], t: torch.Tensor, copies: Copies) -> torch.Tensor:
@@ -106,22 +103,14 @@ class Stager:
                 copies.cpu_dst.append(buf)
                 copies.cpu_src.append(t)
             return buf
-        cuda = t.is_cuda
-        if (
-            buf is None
-            or buf.shape != t.shape
-            or buf.dtype != t.dtype
-            or (cuda and key not in self._pinned)  # was a CPU value at this path before
-        ):
+        if t.is_cuda:  # copied by the save itself, through its pinned slabs
+            self._buffers.pop(key, None)
+            self.cuda_devices.add(t.get_device())
+            return t
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = self._allocate(key, t)
-        if cuda:
-            self._cuda_devices.add(t.get_device())
-            if (cls is torch.Tensor or cls is _Parameter) and t.layout is torch.strided:
-                copies.cuda_dst.append(buf)
-                copies.cuda_src.append(t)
-                return buf
         # other devices, layouts and tensor subclasses: one copy_ each, as it comes
-        buf.copy_(t.detach(), non_blocking=cuda)
+        buf.copy_(t.detach())
         return buf
 
     def stage(self, state: Any, path: tuple[Any, ...] = ()) -> Any:
@@ -130,6 +119,7 @@ class Stager:
         ShardedTensor and DTensor wrappers around the same buffers, with the same
         metadata, are the objects an earlier call returned (they held the same data)."""
         copies = Copies(self._threads())
+        self.cuda_devices = set()
         staged = self._walk(state, path, copies)
         with torch.no_grad():
             self._copy_pool.run(copies, self._min_piece_bytes)
@@ -170,6 +160,8 @@ class Stager:
             shards = [self._copy(path + (0,), local[0], copies)]
         else:
             shards = [self._copy(path + (i,), s, copies) for i, s in enumerate(local)]
+        if shards and all(x is y for x, y in zip(shards, local)):  # kept on its device
+            return st
         entry = self._staged.get(path)
         if entry is not None:
             source, prev = entry
@@ -202,13 +194,16 @@ class Stager:
     def _dtensor(self, path: tuple[Any, ...], dt: DTensor, copies: Copies) -> Any:
         local = dt._local_tensor
         if isinstance(local, LocalShardsWrapper):
-            shards = [
-                self._copy(path + (i,), s, copies) for i, s in enumerate(local.local_shards())
-            ]
+            held = local.local_shards()
+            shards = [self._copy(path + (i,), s, copies) for i, s in enumerate(held)]
+            if shards and all(x is y for x, y in zip(shards, held)):  # kept on its device
+                return dt
             offsets = [tuple(o) for o in local.local_offsets()] if shards else []
             staged: torch.Tensor = LocalShardsWrapper(shards, offsets)
         else:
             staged = self._copy(path, local, copies)
+            if staged is local:  # kept on its device
+                return dt
             prev = self._staged_dtensors.get(path)
             if (
                 prev is not None
@@ -231,10 +226,3 @@ class Stager:
         if not isinstance(local, LocalShardsWrapper):
             self._staged_dtensors[path] = (staged, out)  # its local tensor is a view of staged
         return out
-
-    def synchronize(self) -> None:
-        """Wait for the non-blocking copies from CUDA tensors made so far."""
-        devices, self._cuda_devices = self._cuda_devices, set()
-        if devices and torch.cuda.is_available():
-            for index in sorted(devices):
-                torch.cuda.synchronize(index)

@@ -10,6 +10,7 @@ files and manifests byte-identical.
 
 from __future__ import annotations
 
+import math
 import os
 from types import TracebackType
 from typing import Any, NamedTuple
@@ -21,11 +22,12 @@ from ...errors import InvalidArgumentError
 from ...storage import Folder, open_folder
 from ..format.checksums import byte_view, frame_crc
 from ..format.manifest import ChunkEntry, ObjectEntry
-from ..format.record_write import tensor_record
+from ..format.record_write import record_frame, tensor_record
+from ..format.tile_stream import TileHasher
 from ..format.tiles import checksum_payload
 from .faults import failpoint
 
-__all__ = ["DataFile", "Written", "payload_checksums"]
+__all__ = ["DataFile", "TensorRecord", "Written", "payload_checksums"]
 
 _BATCH_BYTES = 64 << 20  # host copies (of non-CPU tensors, objects) held before a write
 _BATCH_BUFFERS = 1023  # buffers per write (a `writev`: IOV_MAX is 1024)
@@ -141,6 +143,25 @@ class DataFile:
         length = len(head) + len(payload) + len(tail)
         return self._advance(length, crcs, payload_at, frame_crc(head, tail), tile)
 
+    def begin_tensor(
+        self,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        serialization_id: str = "0" * 40,
+        hasher: TileHasher | None = None,
+    ) -> TensorRecord:
+        """A tensor record whose payload comes in pieces (`TensorRecord.add`): a device
+        tensor staged through host buffers, written the same bytes `write_tensor` would.
+        Its place in the file is taken now; nothing else is written until it `end`s."""
+        head, tail = record_frame(dtype, shape, serialization_id)
+        record = TensorRecord(self, dtype, shape, head, tail, hasher)
+        self._queue((head,), 0)
+        return record
+
+    def flush(self) -> None:
+        """Write what is queued now: the queued buffers may then be reused."""
+        self._flush()
+
     def _queue(self, buffers: tuple[Any, ...], held: int) -> None:
         self._pending += buffers
         self._held += held
@@ -167,3 +188,46 @@ class DataFile:
         written = Written(self.name, self.pos, length, crcs, payload, frame, tile)
         self.pos += length
         return written
+
+
+class TensorRecord:
+    """One tensor record of a `DataFile` being written piece by piece, in order. The
+    pieces are queued, not copied: keep them unchanged until the file is `flush`ed.
+    Checksums are taken by the `hasher`, fed by the caller (possibly on another
+    thread, overlapping the writes) before `written` is asked."""
+
+    def __init__(
+        self,
+        file: DataFile,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        head: bytes,
+        tail: bytes,
+        hasher: TileHasher | None = None,
+    ) -> None:
+        self.file, self.head, self.tail = file, head, tail
+        self.at = file.pos
+        self.nbytes = math.prod(shape) * dtype.itemsize
+        self.hasher = hasher or TileHasher(shape, dtype.itemsize)
+        self._added = 0
+
+    def add(self, piece: memoryview) -> None:
+        self._added += len(piece)
+        self.file._queue((piece,), 0)
+
+    def end(self) -> None:
+        """The payload is complete: queue the record's tail and move the file past it."""
+        if self._added != self.nbytes:
+            raise InvalidArgumentError(
+                f"a record of {self.nbytes} payload bytes ended after {self._added}"
+            )
+        self.file._queue((self.tail,), 0)
+        self.file.pos += len(self.head) + self.nbytes + len(self.tail)
+
+    def written(self) -> Written:
+        """Where the record went and its checksums (the hasher fed the whole payload)."""
+        tile, crcs = self.hasher.result()
+        length = len(self.head) + self.nbytes + len(self.tail)
+        payload = (self.at + len(self.head), self.nbytes)
+        frame = frame_crc(self.head, self.tail)
+        return Written(self.file.name, self.at, length, crcs, payload, frame, tile)

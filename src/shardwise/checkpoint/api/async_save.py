@@ -1,0 +1,171 @@
+"""`async_save`: a collective save whose writing runs in the background, its device
+copies overlapping the caller's next steps (`SaveFuture.staged`)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+from ...comm.agreement import Agreement
+from ...errors import InvalidArgumentError
+from ...storage import Folder
+from ..engine.adapters import adapted_for_save
+from ..engine.inventory import serialize_objects
+from ..engine.rank_file import Staging
+from ..engine.staging import Stager
+from .edge import _comm, _user_state, agree_route, agreement, open_target
+from .save import PENDING, _check_target, _save, _save_arguments, _staging
+
+__all__ = ["SaveFuture", "async_save"]
+
+
+class SaveFuture(Future):
+    """An asynchronous save: `.result()` is its `SaveInfo` once committed (or raises
+    its error); `.staged` completes once the state may be modified again.
+
+    `staging_completion` / `upload_completion` name the same two futures as DCP's
+    `AsyncSaveResponse`. `.staged` completes also when the save fails: the state
+    is then no longer read, and the error is `.result()`'s.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.staged: Future = Future()
+
+    @property
+    def staging_completion(self) -> Future:
+        return self.staged
+
+    @property
+    def upload_completion(self) -> Future:
+        return self
+
+    def _mark_staged(self) -> None:
+        if not self.staged.done():
+            self.staged.set_result(None)
+
+
+class _AsyncSaver:
+    """One background thread and one gloo group of its own, so the save's
+    collectives never interleave with the training loop's on the default group."""
+
+    def __init__(self) -> None:
+        self.stager = Stager()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="shardwise-async-save")
+        self.groups: dict[Any, Any] = {}
+
+    def group_for(self, process_group: Any) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if process_group not in self.groups:  # collective: every rank gets here together
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            self.groups[process_group] = dist.new_group(ranks=ranks, backend="gloo")
+        return self.groups[process_group]
+
+
+_ASYNC = _AsyncSaver()
+_MODES = ("blocking", "background")
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    path: str | Path | Folder,
+    *,
+    overwrite: bool = False,
+    process_group: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    wait: bool | float = False,
+    staging: str = "blocking",
+    staging_bytes: int | None = None,
+) -> SaveFuture:
+    """Save `state_dict` in the background. Collective.
+
+    Host tensors and objects are copied into buffers kept between calls before it
+    returns. CUDA tensors are copied by the background save itself, through at
+    most `staging_bytes` of pinned memory (as `save`), on a side stream that
+    follows the caller's stream as it was at the call. `staging`:
+
+    * "blocking" (default): return once every CUDA byte is on the host
+      (`.staged` is done): the state may be modified right away;
+    * "background": return once the copies are set going (milliseconds). The
+      state must not change until `.staged` is done — in a training loop, save
+      after `optimizer.step()`, let the next forward and backward run while the
+      copies do, and wait for `.staged` before the next `optimizer.step()`.
+
+    `.result()` on the returned `SaveFuture` waits for the commit and returns
+    `SaveInfo` (or raises the save's error). A previous pending save is waited
+    for first. `path`, `storage_options` and `wait` as for `save` (the lease is
+    taken in the background: `.result()` raises its `CheckpointBusyError`).
+
+    Collective: two small `all_gather_object` per rank before it returns (the
+    folder and the adapted values; the staging, objects and target check; the first
+    call also creates its gloo group, `dist.new_group`), then `saving`'s three in
+    the background.
+    """
+    folder, problem = open_target(path, storage_options)
+    if PENDING.future is not None:  # its error is its future's: never every later save's
+        wait_for([PENDING.future])
+    state_dict, user_problem = _user_state(state_dict)
+    spec, staging_problem = _staging(staging_bytes)
+    if staging not in _MODES:
+        staging_problem = InvalidArgumentError(f"staging must be one of {_MODES}, got {staging!r}")
+    where = folder.identity if folder is not None else repr(path)
+    call = agreement(process_group, _save_arguments(where, overwrite, False))
+    problem = problem or user_problem or staging_problem
+    agree_route(state_dict, False, call, problem, by_megatron_key=False)
+    assert folder is not None  # else `agree_route` raised its problem on every rank
+    state_dict = adapted_for_save(state_dict, process_group, agreed=True)
+    staged: Any = None
+    try:  # a value that cannot be staged on one rank fails every rank, not only that one
+        staged = _ASYNC.stager.stage(state_dict)
+        spec.after = _marks(_ASYNC.stager.cuda_devices)
+    except Exception as e:  # noqa: BLE001 - raised on every rank by _check_target
+        problem = e
+    if problem is None:  # objects as the engine stores them: one unpicklable fails here
+        problem = serialize_objects(flatten_state_dict(staged)[0])[1]
+    _check_target(folder, overwrite, call, local_problem=problem)
+    group = _ASYNC.group_for(process_group)
+    future = SaveFuture()
+    spec.on_staged = future._mark_staged
+    PENDING.future = future
+    _ASYNC.executor.submit(_save_staged, future, staged, folder, overwrite, group, wait, spec)
+    if staging == "blocking":
+        future.staged.result()
+    return future
+
+
+def _marks(devices: set[int]) -> dict[int, torch.cuda.Event]:
+    """An event on each device's current stream: the background copies follow it."""
+    marks = {}
+    for index in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(index))
+        marks[index] = event
+    return marks
+
+
+def _save_staged(
+    future: SaveFuture,
+    state_dict: dict[str, Any],
+    path: Folder,
+    overwrite: bool,
+    group: Any,
+    wait: bool | float,
+    staging: Staging,
+) -> None:
+    """The background part of `async_save`, on its own group (targets and arguments
+    already checked in the foreground); its outcome goes to `future`."""
+    try:
+        info = _save(state_dict, path, Agreement(_comm(group)), wait, overwrite, staging)
+    except BaseException as e:  # noqa: BLE001 - the caller's `.result()` raises it
+        future._mark_staged()
+        future.set_exception(e)
+    else:
+        future._mark_staged()
+        future.set_result(info)

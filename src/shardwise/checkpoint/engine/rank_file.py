@@ -1,0 +1,101 @@
+"""One rank's data file of a save: its records in plan order, device tensors staged.
+
+Split from `saving` (the collective steps) so that how bytes leave the device —
+bounded pinned slabs, side streams, the staged signal — reads on its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...storage import Folder
+from ..io.chunk_writer import DataFile
+from ..io.device_copies import Copier, DeviceCopier, HostCopier
+from ..io.faults import failpoint
+from ..io.host_slabs import slabs_for, staging_bytes
+from ..io.staged_writer import write_records
+from .save_records import Checksums
+
+__all__ = ["Once", "Staging", "write_rank_file"]
+
+
+@dataclass
+class Staging:
+    """How a save's device tensors reach its files (`io.staged_writer`).
+
+    `budget`: host bytes per rank for staging (None: `host_slabs.staging_bytes`).
+    `after`: per CUDA device, an event on the caller's stream the copies follow
+    (None: the caller's current stream, when the save runs on the caller's thread).
+    `on_staged`: called once this rank no longer reads the state (every byte it
+    writes is on the host, or the save failed), from any thread.
+    `host`: stage host tensors too (tests run the device pipeline on CPU this way).
+    """
+
+    budget: int | None = None
+    after: dict[int, torch.cuda.Event] | None = None
+    on_staged: Callable[[], None] | None = None
+    host: bool = False
+
+
+class Once:
+    """A callback called at most once, from whichever thread gets there first."""
+
+    def __init__(self, fn: Callable[[], None] | None) -> None:
+        self._fn, self._lock = fn, threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
+def write_rank_file(
+    folder: Folder,
+    name: str,
+    records: list[Any],
+    serialization_id: str,
+    sync: bool,
+    staging: Staging,
+    staged: Once,
+) -> list[Checksums]:
+    """This rank's records (tensors, objects' bytes), in plan order, into a new file:
+    device tensors through the staging slabs (`staged_writer`), host tensors
+    straight from their memory. Returns each record's checksums (an object's crc32c
+    went with the inventory)."""
+    failpoint("before-write")
+    folder.make()
+    slabs = slabs_for("save", staging_bytes(staging.budget))
+    with slabs.lease(), DataFile(folder, name) as file:
+        written = write_records(
+            file,
+            records,
+            serialization_id,
+            slabs,
+            _copier(records, staging),
+            stage=_always if staging.host else _on_device,
+            on_staged=staged,
+        )
+        file.finish(sync)
+    return [
+        (w.tile, w.crcs, w.frame) if isinstance(r, torch.Tensor) else (None, [], 0)
+        for r, w in zip(records, written)
+    ]
+
+
+def _copier(records: list[Any], staging: Staging) -> Copier:
+    cuda = any(isinstance(r, torch.Tensor) and r.is_cuda for r in records)
+    return DeviceCopier(staging.after) if cuda else HostCopier()
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    return t.device.type != "cpu"
+
+
+def _always(t: torch.Tensor) -> bool:
+    return True

@@ -1,0 +1,186 @@
+"""`staged_writer.write_records`: records from device memory through bounded host slabs.
+
+On CPU the pipeline runs through `HostCopier` (CPU tensors staged as device
+tensors would be), so its logic — waves, cut and packed records, order, the
+staged signal, a failure mid-way — is checked here; the CUDA form in
+tests/checkpoint/api/test_gpu_save_load.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardwise.checkpoint.format.record_write import tensor_record
+from shardwise.checkpoint.io import staged_writer
+from shardwise.checkpoint.io.chunk_writer import DataFile
+from shardwise.checkpoint.io.device_copies import HostCopier
+from shardwise.checkpoint.io.host_slabs import HostSlabs
+
+SID = "7" * 40
+
+
+def _records() -> list:
+    g = torch.Generator().manual_seed(3)
+    return [
+        torch.randn(700, 700, generator=g),  # 1.9 MiB: cut across 1 MiB slabs
+        b"an object's bytes",
+        torch.arange(10, dtype=torch.int16),  # packed
+        torch.randn(3, 5, generator=g).t(),  # not contiguous
+        torch.randn(50_000, generator=g).to(torch.bfloat16),  # packed, 100 KB
+        torch.zeros(0, 4),  # empty: nothing to stage
+        torch.randn(2, 600_000, generator=g),  # 4.6 MiB: more than the whole budget
+        torch.randn(4, 4, dtype=torch.complex64).conj(),
+    ]
+
+
+def _expected(records: list) -> bytes:
+    out = b""
+    for r in records:
+        if isinstance(r, torch.Tensor):
+            head, payload, tail = tensor_record(r.resolve_conj().contiguous(), SID)
+            out += head + bytes(payload) + tail
+        else:
+            out += r
+    return out
+
+
+def _direct(tmp_path: Path, records: list) -> list:
+    with DataFile(tmp_path, "direct") as f:
+        written = [
+            f.write_tensor(r, SID) if isinstance(r, torch.Tensor) else f.write_object(r)
+            for r in records
+        ]
+        f.finish()
+    return [w._replace(file="") for w in written]
+
+
+def test_staged_records_are_the_bytes_and_checksums_of_direct_writes(tmp_path: Path) -> None:
+    records = _records()
+    slabs = HostSlabs(4 << 20, pin=False)  # four 1 MiB slabs for 8 MiB of tensors: waves
+    calls: list[str] = []
+    with slabs.lease(), DataFile(tmp_path, "staged") as f:
+        written = staged_writer.write_records(
+            f,
+            records,
+            SID,
+            slabs,
+            HostCopier(),
+            stage=lambda t: True,
+            on_staged=lambda: calls.append("staged"),
+        )
+        f.finish()
+    assert (tmp_path / "staged").read_bytes() == _expected(records)
+    assert [w._replace(file="") for w in written] == _direct(tmp_path, records)
+    assert calls == ["staged"]
+    assert slabs.free == 4 and slabs.allocated == 4 << 20
+
+
+def test_host_tensors_not_picked_are_written_from_their_memory(tmp_path: Path) -> None:
+    records = _records()
+    slabs = HostSlabs(4 << 20, pin=False)
+    calls: list[str] = []
+    with slabs.lease(), DataFile(tmp_path, "f") as f:
+        staged_writer.write_records(
+            f,
+            records,
+            SID,
+            slabs,
+            HostCopier(),
+            stage=lambda t: False,
+            on_staged=lambda: calls.append("x"),
+        )
+        f.finish()
+    assert (tmp_path / "f").read_bytes() == _expected(records)
+    assert calls == ["x"]  # nothing to stage: staged at once
+    assert slabs.allocated == 0  # no slab was needed
+
+
+def test_a_slab_is_refilled_only_after_its_bytes_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The order of events: at most `count` slabs in flight, each given back after the
+    write that took its bytes."""
+    records = [torch.full((300_000,), float(i)) for i in range(6)]  # 1.14 MiB each
+    slabs = HostSlabs(2 << 20, pin=False)  # two 1 MiB slabs (the minimum slab)
+    assert (slabs.size, slabs.count) == (1 << 20, 2)
+    events: list[str] = []
+    take, give = slabs.take, slabs.give
+
+    def spy_take():
+        got = take()
+        events.append(f"take {got}")
+        return got
+
+    def spy_give(i):
+        events.append(f"give {i}")
+        give(i)
+
+    monkeypatch.setattr(slabs, "take", spy_take)
+    monkeypatch.setattr(slabs, "give", spy_give)
+    with slabs.lease(), DataFile(tmp_path, "f") as f:
+        flush = f.flush
+        monkeypatch.setattr(f, "flush", lambda: (events.append("write"), flush()))
+        staged_writer.write_records(f, records, SID, slabs, HostCopier(), stage=lambda t: True)
+        f.finish()
+    assert (tmp_path / "f").read_bytes() == _expected(records)
+    in_flight = 0
+    for e in events:
+        in_flight += e.startswith("take") and not e.endswith("None")
+        in_flight -= e.startswith("give")
+        assert 0 <= in_flight <= 2
+    # 6.9 MiB through 1 MiB slabs: 7 fills, each written before it is given back
+    assert sum(e.startswith("give") for e in events) == 7
+    for k, e in enumerate(events):
+        if e.startswith("give"):
+            assert events[k - 1] == "write"
+
+
+def test_a_failure_mid_way_leaves_no_slab_out_and_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = [torch.full((300_000,), float(i)) for i in range(6)]
+    slabs = HostSlabs(2 << 20, pin=False)
+    staged: list[str] = []
+    with pytest.raises(OSError, match="disk full"):
+        with slabs.lease(), DataFile(tmp_path, "f") as f:
+            writes = 0
+            flush = f.flush
+
+            def failing_flush():
+                nonlocal writes
+                writes += 1
+                if writes == 3:
+                    raise OSError("disk full")
+                flush()
+
+            monkeypatch.setattr(f, "flush", failing_flush)
+            staged_writer.write_records(
+                f,
+                records,
+                SID,
+                slabs,
+                HostCopier(),
+                stage=lambda t: True,
+                on_staged=lambda: staged.append("s"),
+            )
+    assert not (tmp_path / "f").exists()  # the DataFile's block removed it
+    assert slabs.free == 2  # the lease gave every slab back
+    assert staged == []  # the last copy was never issued: the caller signals it
+
+
+def test_budget_rules() -> None:
+    from shardwise.checkpoint.io.host_slabs import staging_bytes
+
+    assert [
+        (HostSlabs(b, False).size, HostSlabs(b, False).count) for b in (1 << 30, 8 << 30, 5 << 20)
+    ] == [
+        (256 << 20, 4),
+        (256 << 20, 32),
+        (1 << 20, 5),
+    ]
+    assert staging_bytes(3 << 20) == 3 << 20
+    with pytest.raises(ValueError, match="at least"):
+        staging_bytes(1000)
