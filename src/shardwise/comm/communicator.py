@@ -114,11 +114,12 @@ def object_group(group: Any) -> Any:
 
     `group` itself when it has a CPU backend ("gloo", "cpu:gloo,cuda:nccl": torch
     then pickles on the CPU already), else one gloo group per set of ranks,
-    made on first use and kept. Making it is collective over those ranks, and
-    safe here: every rank of `group` reaches its first object collective
-    together. A whole-world group is made as every rank's next group (all
-    ranks are members); a smaller one with `use_local_synchronization`, so
-    ranks outside it need not take part.
+    made on first use and kept (groups of the same ranks share it: object
+    collectives block, so each rank still calls them in one order). Making it
+    is collective over those ranks, and safe here: every rank of `group`
+    reaches its first object collective together. A whole-world group is made
+    as every rank's next group (all ranks are members); a smaller one with
+    `use_local_synchronization`, so ranks outside it need not take part.
     """
     pg: Any = group if group is not None else dist.group.WORLD
     if not _needs_side_group(pg):

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ...comm.agreement import Agreement
+from ...errors import InvalidArgumentError
 from ...layout import Block
 from ...storage import Folder
 from ..clients.megatron_returned import load_targets
@@ -17,6 +18,7 @@ from ..engine.adapters import adapted_for_load
 from ..engine.loading import load_state
 from ..format.gc_pause import gc_paused
 from ..format.manifest import Manifest
+from ..io.host_slabs import staging_bytes as budget_of
 from ..offline.opening import open_checkpoint
 from .edge import _is_stateful, _user_state, agree_route, agreement, open_target
 
@@ -45,6 +47,7 @@ def load(
     storage_options: dict[str, Any] | None = None,
     trust_objects: bool = False,
     extension_registry: Any = None,
+    staging_bytes: int | None = None,
 ) -> LoadInfo:
     """Fill `state_dict`'s tensors and objects in place from `path`. Collective.
 
@@ -70,6 +73,9 @@ def load(
     `CheckpointMismatchError`, as with `dcp.load`. `extension_registry` (DCP's
     `ExtensionRegistry`, as `FileSystemReader`'s `_extension_registry`) decodes
     records written through custom stream extensions.
+    CUDA targets are filled through at most `staging_bytes` of pinned host memory
+    per rank (as `save`), reads overlapping the copies to the device on a side
+    stream; when `load` returns, the copies are done.
     Returns a `LoadInfo` (its `bytes_read` says what this rank read).
 
     Collective: three small `all_gather_object` per rank, whatever the number of
@@ -80,6 +86,10 @@ def load(
     """
     started = time.perf_counter()
     folder, problem = open_target(path, storage_options)
+    try:
+        budget = budget_of(staging_bytes)
+    except InvalidArgumentError as e:  # raised on every rank by `agree_route`
+        budget, problem = 0, problem or e
     # Stateful values as their state dicts first (as dcp.load does), so that what they
     # hold is adapted too; filled back through load_state_dict after.
     statefuls = {k: v for k, v in state_dict.items() if _is_stateful(v)}
@@ -106,7 +116,7 @@ def load(
             verify,
             cast_dtype,
             trust_objects,
-            extension_registry,
+            (extension_registry, budget),
         )
 
     if by_key:
@@ -144,8 +154,10 @@ def _load_adapted(
     verify: bool,
     cast_dtype: bool,
     trust_objects: bool,
-    extension_registry: Any,
+    reading: tuple[Any, int],
 ) -> tuple[int, Manifest | None]:
+    """The engine's load; `reading`: (extension registry, staging budget)."""
+    extension_registry, budget = reading
     with gc_paused():
         return load_state(
             state_dict,
@@ -156,6 +168,7 @@ def _load_adapted(
             cast_dtype=cast_dtype,
             trust_objects=trust_objects,
             extension_registry=extension_registry,
+            staging_bytes=budget,
         )
 
 

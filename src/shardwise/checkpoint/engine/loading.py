@@ -56,6 +56,7 @@ def load_state(
     cast_dtype: bool,
     trust_objects: bool = False,
     extension_registry: ExtensionRegistry | None = None,
+    staging_bytes: int | None = None,
 ) -> tuple[int, Manifest | None]:
     """Fill `state_dict` (values already adapted) from the checkpoint at `path`.
     Collective. Returns the bytes this rank read and the manifest it followed (None:
@@ -76,7 +77,9 @@ def load_state(
     agreement.exchange()
     assert view is not None
     objects: dict[str, Any] = {}
-    executor = ReadExecutor(folder, verify=verify, registry=extension_registry)
+    executor = ReadExecutor(
+        folder, verify=verify, registry=extension_registry, staging_bytes=staging_bytes
+    )
     problem = None
     try:
         executor.run(_plan(flat, view, objects, trust_objects))

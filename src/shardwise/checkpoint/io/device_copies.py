@@ -76,9 +76,11 @@ class Copier(ABC):
     def mark(self) -> Mark:
         """Close the batch of copies issued since the last mark."""
 
+    @abstractmethod
     def join(self) -> None:
         """Order the caller's later work after every copy made so far."""
 
+    @abstractmethod
     def close(self) -> None:
         """Free what the copies kept between batches."""
 
@@ -97,6 +99,12 @@ class HostCopier(Copier):
 
     def mark(self) -> Mark:
         return Mark()
+
+    def join(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
 
 
 class DeviceCopier(Copier):

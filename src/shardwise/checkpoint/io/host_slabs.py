@@ -24,7 +24,7 @@ import torch
 
 from ...errors import InvalidArgumentError
 
-__all__ = ["DEFAULT_STAGING_BYTES", "HostSlabs", "slabs_for", "staging_bytes"]
+__all__ = ["DEFAULT_STAGING_BYTES", "HostSlabs", "slab_size", "slabs_for", "staging_bytes"]
 
 DEFAULT_STAGING_BYTES = 1 << 30
 _MIN_SLAB = 1 << 20
@@ -49,7 +49,7 @@ def staging_bytes(given: int | None = None) -> int:
     return given
 
 
-def _slab_size(budget: int) -> int:
+def slab_size(budget: int) -> int:
     """The largest power of two that cuts `budget` into at least 4 slabs, within bounds."""
     quarter = max(_MIN_SLAB, budget // 4)
     return max(_MIN_SLAB, min(_MAX_SLAB, 1 << (quarter.bit_length() - 1)))
@@ -59,7 +59,7 @@ class HostSlabs:
     """`count` host buffers of `size` bytes (pinned when `pin`), handed out and given back."""
 
     def __init__(self, budget: int, pin: bool) -> None:
-        self.size = _slab_size(budget)
+        self.size = slab_size(budget)
         self.count = max(1, budget // self.size)
         self.pin = pin
         self._buffers: list[torch.Tensor | None] = [None] * self.count
@@ -121,5 +121,5 @@ def slabs_for(purpose: str, budget: int) -> HostSlabs:
 
 
 def _rounded(budget: int) -> int:
-    size = _slab_size(budget)
+    size = slab_size(budget)
     return size * max(1, budget // size)

@@ -16,7 +16,11 @@ before any target is touched). Then
 * a chunk stored through stream extensions, or a strided stock record, is read
   whole and decoded (`record_decode`), its box copied;
 * objects are read first, so one refused (an untrusted pickle) stops the load
-  before it writes into any target.
+  before it writes into any target;
+* a device target's bytes land in a pinned stand-in and go on to the device on
+  a side stream while the next read runs (`device_landing`; a chunk larger than
+  a staging slab piece by piece, `streamed_read`); when `run` returns, every
+  copy is done.
 
 On an object store (`Folder.wants_prefetch`) every read is planned first and its
 byte ranges fetched concurrently, a window at a time (`prefetch_window`), after
@@ -39,12 +43,16 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from ...errors import CorruptCheckpointError
 from ...storage import Folder, RandomAccess
 from ..format.manifest import StoredChunk, StoredObject
-from ..format.record_read import HEAD_BYTES, RecordLayout, read_record_layout
+from ..format.record_read import RecordLayout
 from .box_read import box_ranges, check_record, read_box
+from .device_landing import DeviceLanding
+from .host_slabs import staging_bytes as budget_of
 from .prefetch_window import Job as _Job
 from .prefetch_window import run_windowed
+from .read_locate import locate, open_files
 from .read_requests import ChunkRead, RecordRead, end_of
 from .record_decode import CONTAINER_ROOM, load_record, untransform
+from .streamed_read import can_stream, read_streamed
 from .whole_chunks import Whole, read_span, spans
 
 __all__ = ["ReadExecutor"]
@@ -54,22 +62,31 @@ _Ranges = dict[str, list[tuple[int, int]]]
 
 class ReadExecutor:
     """Runs reads against one folder; `bytes_read` counts every byte read from data files.
-    `verify=False` skips checksums; `registry` decodes stream extensions."""
+    `verify=False` skips checksums; `registry` decodes stream extensions;
+    `staging_bytes` bounds the pinned memory device targets are filled through
+    (`host_slabs.staging_bytes`)."""
 
     def __init__(
-        self, folder: Folder, *, verify: bool = True, registry: ExtensionRegistry | None = None
+        self,
+        folder: Folder,
+        *,
+        verify: bool = True,
+        registry: ExtensionRegistry | None = None,
+        staging_bytes: int | None = None,
     ) -> None:
         self.folder = folder
         self.verify = verify
         self.registry = registry
         self.bytes_read = 0
         self._files: dict[str, RandomAccess] = {}
+        self._landing = DeviceLanding(budget_of(staging_bytes))
+        self._told: list[tuple[ChunkRead, torch.Tensor]] = []  # device targets' `done`, at the end
 
     def run(self, reads: Sequence[ChunkRead | RecordRead]) -> None:
         try:
-            self._open(reads)
+            open_files(self.folder, reads, self._files)
             chunks = [r for r in reads if isinstance(r, ChunkRead)]
-            layouts = self._locate(chunks)
+            layouts = locate(self.folder, self._files, chunks)
             jobs = [self._record_job(r) for r in reads if isinstance(r, RecordRead)]
             wholes: dict[str, list[Whole]] = defaultdict(list)
             for read in chunks:
@@ -80,90 +97,22 @@ class ReadExecutor:
                     wholes[read.info.relative_path].append((read, layout))
                 else:
                     jobs.append(self._box_job(read, layout))
+            limit = self._landing.slab_bytes
             for name, batch in wholes.items():
-                for lo, hi, span in spans(batch):
+                for lo, hi, span in spans(batch, limit):
                     jobs.append(({name: [(lo, hi)]}, _bind(self._read_span, name, span, lo)))
             run_windowed(self.folder, jobs)
         finally:
-            for f in self._files.values():
-                f.close()
-            self._files.clear()
-
-    # -- opening and locating -------------------------------------------------------------------
-
-    def _open(self, reads: Sequence[ChunkRead | RecordRead]) -> None:
-        """Open every file read, once; refuse a missing one, or one too short for a range."""
-        last: dict[str, ChunkRead | RecordRead] = {}
-        for r in reads:
-            name = r.info.relative_path
-            seen = last.get(name)
-            if seen is None or end_of(r.info) > end_of(seen.info):
-                last[name] = r
-        for name, r in last.items():
             try:
-                f = self._files[name] = self.folder.open(name)
-            except FileNotFoundError as e:
-                raise CorruptCheckpointError(
-                    f"data file {self.folder.where(name)} is missing"
-                ) from e
-            size = f.size()
-            if end_of(r.info) > size:
-                raise CorruptCheckpointError(
-                    f"'{r.name}': bytes {r.info.offset}..{end_of(r.info)} of "
-                    f"{self.folder.where(name)} lie past its end ({size} bytes): "
-                    "the file is truncated"
-                )
-
-    def _locate(self, reads: list[ChunkRead]) -> dict[int, RecordLayout]:
-        """Where each chunk's payload is, by `id` of its read: from its manifest entry, else
-        (stock records) from the record's head, all heads fetched at once on a store.
-        Transformed chunks have none."""
-        layouts: dict[int, RecordLayout] = {}
-        heads: _Ranges = defaultdict(list)
-        pending: list[ChunkRead] = []
-        for r in reads:
-            info = r.info
-            if info.transform_descriptors:
-                continue
-            if isinstance(info, StoredChunk) and info.payload is not None:
-                at, n = info.payload
-                layouts[id(r)] = RecordLayout(at, n, r.dtype, r.shape, True)
-            else:
-                pending.append(r)
-                heads[info.relative_path].append(
-                    (info.offset, info.offset + min(info.length, HEAD_BYTES))
-                )
-        if not pending:
-            return layouts
-        if self.folder.wants_prefetch:
-            self.folder.prefetch(heads)
-        try:
-            found: dict[tuple[str, int], RecordLayout] = {}
-            for r in pending:
-                name, at = r.info.relative_path, r.info.offset
-                layout = found.get((name, at))
-                if layout is None:
-                    layout = found[(name, at)] = self._record_layout(r)
-                layouts[id(r)] = layout
-        finally:
-            if self.folder.wants_prefetch:
-                self.folder.release()
-        return layouts
-
-    def _record_layout(self, r: ChunkRead) -> RecordLayout:
-        where = self.folder.where(r.info.relative_path)
-        try:
-            layout = read_record_layout(
-                self._files[r.info.relative_path], r.info.offset, r.info.length
-            )
-        except ValueError as e:
-            raise CorruptCheckpointError(f"'{r.name}' in {where}: {e}") from e
-        if layout.shape != r.shape:
-            raise CorruptCheckpointError(
-                f"'{r.name}' in {where}: the record holds shape {layout.shape}, "
-                f"its chunk is {r.shape}"
-            )
-        return layout
+                self._landing.finish()  # every device copy done, even after a failed read
+            finally:
+                for f in self._files.values():
+                    f.close()
+                self._files.clear()
+        told, self._told = self._told, []
+        for read, target in told:
+            assert read.done is not None
+            read.done(target)
 
     # -- running --------------------------------------------------------------------------------
 
@@ -188,10 +137,26 @@ class ReadExecutor:
         return target
 
     def _fill(self, read: ChunkRead, target: torch.Tensor, got: torch.Tensor) -> None:
-        if got is not target:
+        if got is target:
+            pass
+        elif target.device.type != "cpu" and self._landing.owns(got):
+            self._landing.send(target, got)
+        else:
             target.copy_(got)
         if read.done is not None:
-            read.done(target)
+            if target.device.type == "cpu":
+                read.done(target)
+            else:  # told once its copy is done
+                self._told.append((read, target))
+
+    def _scratch(self, target: torch.Tensor, layout: RecordLayout) -> torch.Tensor:
+        """Where a chunk bound for `target` is read when not into it: a pinned stand-in
+        for a device target (host memory otherwise, or when it exceeds a slab)."""
+        if target.device.type != "cpu":
+            host = self._landing.stand_in(layout.shape, layout.dtype)
+            if host is not None:
+                return host
+        return torch.empty(layout.shape, dtype=layout.dtype)
 
     def _record_job(self, read: RecordRead | ChunkRead) -> _Job:
         """A whole stored record read: an object's, a transformed or strided chunk's."""
@@ -251,6 +216,9 @@ class ReadExecutor:
     def _read_box(self, read: ChunkRead, chunk: StoredChunk | None, layout: RecordLayout) -> None:
         name = read.info.relative_path
         target = self._resolve(read)
+        dest = target
+        if target.device.type != "cpu":  # read into a stand-in when the box fits a slab
+            dest = self._landing.stand_in(read.lengths, layout.dtype) or target
         got, n = read_box(
             self._files[name],
             self.folder.where(name),
@@ -259,15 +227,36 @@ class ReadExecutor:
             layout,
             read.offsets,
             read.lengths,
-            target,
+            dest,
             self.verify,
         )
         self.bytes_read += n
+        if dest is not target and got is not dest:  # read elsewhere: the stand-in is unused
+            self._landing.drop(dest)
         self._fill(read, target, got)
 
     def _read_span(self, name: str, span: list[Whole], lo: int) -> None:
         where = self.folder.where(name)
-        got, placed = read_span(self._files[name], where, span, lo, self._resolve, self.verify)
+        if len(span) == 1 and span[0][1].payload_length > self._landing.slab_bytes:
+            read, layout = span[0]
+            target = self._resolve(read)
+            chunk = read.info if isinstance(read.info, StoredChunk) else None
+            if target.device.type != "cpu" and can_stream(chunk, layout, target, self.verify):
+                self.bytes_read += read_streamed(
+                    self._files[name],
+                    where,
+                    read.name,
+                    chunk,
+                    layout,
+                    target,
+                    self._landing,
+                    self.verify,
+                )
+                self._fill(read, target, target)
+                return
+        got, placed = read_span(
+            self._files[name], where, span, lo, self._resolve, self.verify, self._scratch
+        )
         self.bytes_read += got
         for read, target, dest in placed:
             self._fill(read, target, dest)

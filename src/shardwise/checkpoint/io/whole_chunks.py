@@ -2,7 +2,8 @@
 
 The fast path of every load: a target piece that is exactly a stored chunk takes
 the chunk's payload bytes in its own memory (when it is contiguous, on the CPU
-and of the stored dtype; else scratch it is copied from). Chunks closer than
+and of the stored dtype; else scratch it is copied from: a pinned stand-in for
+a device target, `device_landing`). Chunks closer than
 `GAP` in a file share one read, the small frames between them landing in
 scratch. Each payload is then verified against its checksums by the same
 functions a ranged read uses (`box_read.check_whole`).
@@ -32,10 +33,11 @@ Whole = tuple[ChunkRead, RecordLayout]
 Placed = tuple[ChunkRead, torch.Tensor, torch.Tensor]  # read, its target, what took the bytes
 
 
-def spans(batch: list[Whole]) -> list[tuple[int, int, list[Whole]]]:
+def spans(batch: list[Whole], limit: int) -> list[tuple[int, int, list[Whole]]]:
     """Whole chunks of one file as `(start, end, chunks)` spans, by offset: neighbours
-    within `GAP` share one, a chunk far from (or overlapping: damaged) the last starts
-    the next."""
+    within `GAP` share one while it stays within `limit` bytes (what one staging slab
+    holds, for device targets), a chunk far from (or overlapping: damaged) the last
+    starts the next."""
     batch = sorted(batch, key=lambda b: b[1].payload_offset)
     out = []
     start = 0
@@ -44,7 +46,7 @@ def spans(batch: list[Whole]) -> list[tuple[int, int, list[Whole]]]:
         lo = pos = batch[start][1].payload_offset
         while end < len(batch) and end - start < (_IOVECS - 1) // 2:
             at, n = batch[end][1].payload_offset, batch[end][1].payload_length
-            if end > start and (at < pos or at - pos > GAP):
+            if end > start and (at < pos or at - pos > GAP or at + n - lo > limit):
                 break
             pos = at + n
             end += 1
@@ -60,9 +62,11 @@ def read_span(
     lo: int,
     resolve: Callable[[ChunkRead], torch.Tensor],
     verify: bool,
+    scratch: Callable[[torch.Tensor, RecordLayout], torch.Tensor],
 ) -> tuple[int, list[Placed]]:
     """Read one span (`resolve` gives each chunk's target), verify each payload; the
-    bytes read, and where each chunk's bytes went (its target, or scratch to copy)."""
+    bytes read, and where each chunk's bytes went (its target, or `scratch` — a
+    stand-in for a device target — to copy from)."""
     buffers: list[memoryview] = []
     placed: list[tuple[ChunkRead, torch.Tensor, torch.Tensor, memoryview]] = []
     pos = lo
@@ -74,7 +78,7 @@ def read_span(
         direct = (
             target.device.type == "cpu" and target.is_contiguous() and target.dtype == layout.dtype
         )
-        dest = target if direct else torch.empty(layout.shape, dtype=layout.dtype)
+        dest = target if direct else scratch(target, layout)
         view = byte_view(dest) if dest.numel() else memoryview(b"")
         if layout.payload_length < len(view):  # `record_read` refuses it: never trusted here
             raise CorruptCheckpointError(
