@@ -94,9 +94,14 @@ def _options(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _budget(args: argparse.Namespace) -> int:
-    """The staging budget the default-budget cases run with (the library's default:
-    SHARDWISE_STAGING_BYTES, else 1 GiB)."""
-    return parse_size(args.staging_bytes or os.environ.get("SHARDWISE_STAGING_BYTES") or "1GiB")
+    """The staging budget the default-budget cases run with: `--staging-bytes`, else
+    the library's default (SHARDWISE_STAGING_BYTES, else 1 GiB)."""
+    given = parse_size(args.staging_bytes) if args.staging_bytes else None
+    try:
+        from shardwise.checkpoint.io.host_slabs import staging_bytes
+    except ImportError:  # before the staging pipeline: its documented default
+        return given or parse_size(os.environ.get("SHARDWISE_STAGING_BYTES") or "1GiB")
+    return staging_bytes(given)
 
 
 def _api() -> dict[str, bool]:
@@ -138,7 +143,12 @@ def _run_cases(
     out: dict[str, dict | None] = {}
 
     def stock_async(path: Path):
-        resp: Any = dcp.async_save(state, checkpoint_id=str(path), async_stager=stager)
+        # a fresh stager per call: torch 2.11's DefaultStager cannot be reused
+        # (pytorch/pytorch#183413, fixed by #183424), so each call pins anew there
+        fresh = (
+            DefaultStager(StagingOptions(pinned, True, True, pinned)) if reuse_broken else stager
+        )
+        resp: Any = dcp.async_save(state, checkpoint_id=str(path), async_stager=fresh)
         return (
             (resp.staging_completion, resp.upload_completion)
             if hasattr(resp, "staging_completion")
@@ -157,6 +167,7 @@ def _run_cases(
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         stager = DefaultStager(StagingOptions(pinned, True, True, pinned))
+    reuse_broken = torch.__version__.startswith("2.11")
     runs = {
         STOCK_SAVE: lambda p: cases.sync_save(
             lambda q: dcp.save(state, checkpoint_id=str(q)), p, device
@@ -207,11 +218,7 @@ def _measure_state(
     build = cases.llm_state if kind == "large" else cases.small_state
     state, what = build(args.size if kind == "large" else args.small, device)
     nbytes = cases.state_bytes(state)
-    free = shutil.disk_usage(folder).free
-    if free < nbytes * 1.2:
-        raise SystemExit(
-            f"{folder}: {format_size(free)} free, the {kind} state needs {format_size(nbytes * 1.2)}; pass --dir"
-        )
+    cases.check_room(folder, nbytes, kind)
     print(f"\n== {kind}: {what}, {nbytes / 2**30:.2f} GiB in {len(state):,} tensors", flush=True)
     p = cases.probes(state, folder, args.device == "cuda", args.probe_threads)
     for key, name in PROBES:
@@ -235,6 +242,8 @@ def _measure_state(
 def main(argv: list[str] | None = None) -> int:
     args = _options(argv)
     device = torch.device(args.device)
+    if args.device == "cpu":  # a smoke run: intra-op threads on a busy small box stall for ms
+        torch.set_num_threads(1)
     api = _api()
     budget = _budget(args)
     name = (
@@ -247,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "api": api,
+        "args": vars(args),
+        "staging_budget_bytes": budget,
         "states": {},
     }
     print(

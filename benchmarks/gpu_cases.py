@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from gpu_measure import HostPeak, Step
 
+from shardwise.cli.sizes import format_size
+
 MiB = 2**20
 _CHUNK = 64 * MiB  # bytes per write/read system call of the probes
 State = dict[str, torch.Tensor]
@@ -187,6 +189,23 @@ def clean(path: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def check_room(folder: Path, nbytes: int, kind: str) -> None:
+    """Room for one checkpoint at a time (+20%) in `folder`, and for stock DefaultStager's
+    shared-memory copy of the state in /dev/shm (the same space when `folder` is there)."""
+    shm = Path("/dev/shm")
+    same = shm.is_dir() and os.stat(shm).st_dev == os.stat(folder).st_dev
+    need = nbytes * (2.2 if same else 1.2)
+    if shutil.disk_usage(folder).free < need:
+        raise SystemExit(
+            f"{folder}: {format_size(shutil.disk_usage(folder).free)} free, the {kind} state "
+            f"needs {format_size(need)} (a checkpoint{' and stock staging' if same else ''}); pass --dir"
+        )
+    if shm.is_dir() and not same and shutil.disk_usage(shm).free < nbytes * 1.1:
+        print(
+            f"warning: /dev/shm has under {format_size(nbytes * 1.1)} free: stock DefaultStager's shared-memory staging may fail"
+        )
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -219,8 +238,9 @@ def _async_call(
     steps = step.while_pending(staged) if step is not None else []
     done.result()
     now = time.perf_counter() - start  # a done callback may still be on its way
+    total = done_at[0] if done_at else now
     staged_s = staged_at[0] if staged_at else (now if staged is not None else blocking)
-    return blocking, min(staged_s, now), done_at[0] if done_at else now, steps
+    return blocking, min(staged_s, total), total, steps  # staged: never after the commit
 
 
 def async_save(
@@ -238,16 +258,19 @@ def async_save(
         base = step.baseline()
         blocking, staged, total, steps = _async_call(start_save, path, step)
         clean(path)
-    ratio = (sum(steps) / len(steps)) / (sum(base) / len(base)) if steps else None
+    during, before = (sum(steps) / len(steps) if steps else None), sum(base) / len(base)
     return {
         "blocking_s": blocking,
         "staged_s": staged,
         "total_s": total,
         "rss": mem.growth,
         "first_blocking_s": first,
-        "step_ratio": ratio,
+        "step_ratio": None if during is None else during / before,
         "steps_while_staging": len(steps),
-        "step_baseline_s": sum(base) / len(base),
+        "step_s": during,
+        "step_baseline_s": before,
+        "step_times_s": steps,
+        "step_baseline_times_s": base,
     }
 
 

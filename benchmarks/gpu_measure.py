@@ -106,7 +106,9 @@ class Step:
         self.k = 1
         for _ in range(3):  # warm: cuBLAS handles, clocks
             self.run()
-        self.k = max(1, round(ms / 1e3 / min(self.run() for _ in range(5))))
+        while self.run() < ms / 4e3 and self.k < 1 << 14:  # steps long enough to time
+            self.k *= 2
+        self.k = max(1, round(self.k * ms / 1e3 / min(self.run() for _ in range(3))))
 
     def run(self) -> float:
         """One step's seconds."""

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, UnsupportedStorageError
 
 __all__ = ["TEMPORARY", "Folder", "RandomAccess", "Sink", "plain_name", "temporary_name"]
 
@@ -76,10 +76,17 @@ class Sink(ABC):
     never read before a commit record names them)."""
 
     name: str
+    #: whether `write_at` works here, from several threads at once (local files)
+    positional: bool = False
 
     @abstractmethod
     def write(self, buffers: Sequence[Any]) -> None:
         """Append every byte of `buffers` (bytes-like), in order."""
+
+    def write_at(self, buffers: Sequence[Any], offset: int) -> None:
+        """Write every byte of `buffers` from byte `offset` on (only where `positional`;
+        a file written this way is written only this way)."""
+        raise UnsupportedStorageError(f"{type(self).__name__} writes front to back only")
 
     @abstractmethod
     def stream(self) -> io.RawIOBase | io.BufferedIOBase | Any:

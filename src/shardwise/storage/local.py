@@ -48,6 +48,20 @@ def open_plain(path: Path) -> int:
     return fd
 
 
+def write_all_at(fd: int, buffers: Sequence[Any], offset: int) -> None:
+    """`pwritev` from `offset` until every byte is written (one call may write less)."""
+    pending = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+    while pending:
+        n = os.pwritev(fd, pending[:_IOV_MAX], offset)
+        offset += n
+        while n:
+            if n >= len(pending[0]):
+                n -= len(pending.pop(0))
+            else:
+                pending[0] = pending[0][n:]
+                n = 0
+
+
 def write_all(fd: int, buffers: Sequence[Any]) -> None:
     """`writev` until every byte is written (one call may write less)."""
     pending = [memoryview(b).cast("B") for b in buffers if len(memoryview(b).cast("B"))]
@@ -93,7 +107,10 @@ class LocalFile(RandomAccess):
 
 
 class LocalSink(Sink):
-    """A new file created exclusively (`O_EXCL`) and filled with `writev`."""
+    """A new file created exclusively (`O_EXCL`) and filled with `writev`, or with
+    `pwritev` at given offsets from several threads (`write_at`)."""
+
+    positional = True
 
     def __init__(self, path: Path) -> None:
         self.name = path.name
@@ -123,6 +140,9 @@ class LocalSink(Sink):
                     rest.append(v[skip:])
                     skip = 0
                 write_all(fd, rest)
+
+    def write_at(self, buffers: Sequence[Any], offset: int) -> None:
+        write_all_at(self.file.fileno(), buffers, offset)
 
     def stream(self) -> io.BufferedWriter:
         if self._buffered is None:

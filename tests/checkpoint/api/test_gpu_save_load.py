@@ -16,13 +16,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import shardwise.checkpoint as swc
-from shardwise import CorruptCheckpointError, Layout, ShardedTensor
+from shardwise import Block, CorruptCheckpointError, Layout, ShardedTensor
 from shardwise.checkpoint.io.host_slabs import slabs_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 MIB = 1 << 20
-COLS = Layout.column_wise((64, 40), [15, 25])
+COLS = Layout((64, 40), [[Block((0, 0), (64, 15)), Block((0, 15), (64, 25))]])  # both on rank 0
 
 
 def _values(seed: int) -> dict:

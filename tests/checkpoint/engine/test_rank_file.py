@@ -100,12 +100,18 @@ def test_a_failure_on_one_rank_mid_staging_fails_every_rank_and_keeps_the_last_c
     class FailingFile(DataFile):
         writes = 0
 
-        def flush(self) -> None:
-            if self.name.startswith("__1_"):  # rank 1's file, at its second slab
-                FailingFile.writes += 1
-                if FailingFile.writes == 2:
-                    raise OSError("disk full on rank 1")
-            super().flush()
+        def __init__(self, folder, name) -> None:
+            super().__init__(folder, name)
+            if name.startswith("__1_"):  # rank 1's file fails at its second slab's write
+                write_at = self._sink.write_at
+
+                def failing(buffers, at) -> None:
+                    FailingFile.writes += 1
+                    if FailingFile.writes == 2:
+                        raise OSError("disk full on rank 1")
+                    write_at(buffers, at)
+
+                self._sink.write_at = failing  # type: ignore[method-assign]
 
     monkeypatch.setattr(rank_file, "DataFile", FailingFile)
     calls: list[int] = []

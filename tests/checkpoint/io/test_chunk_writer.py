@@ -37,8 +37,12 @@ def spied(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
 
         def spy_create(name):
             sink = create(name)
-            write = sink.write
+            write, write_at = sink.write, sink.write_at
             sink.write = lambda buffers: (events.append(("write", len(buffers))), write(buffers))
+            sink.write_at = lambda buffers, at: (
+                events.append(("write", len(buffers))),
+                write_at(buffers, at),
+            )
             return sink
 
         f.create = spy_create

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from ...comm.agreement import Agreement
 from ...errors import InvalidArgumentError
@@ -128,7 +127,7 @@ def async_save(
     except Exception as e:  # noqa: BLE001 - raised on every rank by _check_target
         problem = e
     if problem is None:  # objects as the engine stores them: one unpicklable fails here
-        problem = serialize_objects(flatten_state_dict(staged)[0])[1]
+        problem = serialize_objects(_ASYNC.stager.objects)[1]
     _check_target(folder, overwrite, call, local_problem=problem)
     group = _ASYNC.group_for(process_group)
     future = SaveFuture()

@@ -198,6 +198,8 @@ def adapted_for_save(
     if not agreed:
         _agree_on(state_dict, group, problem)
     leaves = _leaves(state_dict)
+    if not leaves:  # nothing to replace: the caller's containers serve as they are
+        return state_dict
     copies: dict[int, Any] = {}
 
     def copy(value: Any) -> Any:

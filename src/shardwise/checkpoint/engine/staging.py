@@ -70,6 +70,7 @@ class Stager:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._copy_pool = CopyPool()
         self.cuda_devices: set[int] = set()  # of the CUDA values the last `stage` kept
+        self.objects: dict[str, Any] = {}  # its other leaves (copied), by dotted path
         # wrappers last returned, reused while they wrap the same buffers the same way
         self._staged: dict[tuple[Any, ...], tuple[weakref.ref, ShardedTensor]] = {}
         self._staged_dtensors: dict[tuple[Any, ...], tuple[torch.Tensor, DTensor]] = {}
@@ -119,7 +120,7 @@ class Stager:
         ShardedTensor and DTensor wrappers around the same buffers, with the same
         metadata, are the objects an earlier call returned (they held the same data)."""
         copies = Copies(self._threads())
-        self.cuda_devices = set()
+        self.cuda_devices, self.objects = set(), {}
         staged = self._walk(state, path, copies)
         with torch.no_grad():
             self._copy_pool.run(copies, self._min_piece_bytes)
@@ -134,7 +135,11 @@ class Stager:
             for k, v in state.items():  # the common leaves inline, without a _walk call
                 vcls = type(v)
                 if vcls is torch.Tensor or vcls is _Parameter:
-                    out[k] = self._copy(path + (k,), v, copies)
+                    if v.is_cuda:  # the save copies it itself
+                        self.cuda_devices.add(v.get_device())
+                        out[k] = v
+                    else:
+                        out[k] = self._copy(path + (k,), v, copies)
                 elif vcls is ShardedTensor:
                     out[k] = self._sharded(path + (k,), v, copies)
                 else:
@@ -152,7 +157,9 @@ class Stager:
             ):  # legacy ShardedTensor
                 return self._walk(from_torch_sharded_tensor(state), path, copies)
             return self._copy(path, state, copies)
-        return copy.deepcopy(state)
+        value = copy.deepcopy(state)
+        self.objects[".".join(map(str, path))] = value
+        return value
 
     def _sharded(self, path: tuple[Any, ...], st: ShardedTensor, copies: Copies) -> Any:
         local = st.local_shards()

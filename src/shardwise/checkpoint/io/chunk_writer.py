@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -92,6 +94,8 @@ class DataFile:
         self._sink = open_folder(folder).create(name)
         self._pending: list[Any] = []
         self._held = 0  # bytes of host copies in `_pending`
+        self._at = 0  # where the first pending byte goes
+        self._behind: list[Future] = []  # writes running on other threads (`flush_behind`)
         self._wrote = False
         self._closed = False
 
@@ -104,17 +108,26 @@ class DataFile:
         value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if kind is None:
-            if not self._closed:
+        if kind is None and not self._closed:
+            try:
                 self._flush()
+                self._wait_behind()
                 self._sink.close(sync=False)
-        else:
-            self._sink.abort()  # nothing half-written stays
+            except BaseException:
+                self._abort()
+                raise
+        elif kind is not None:
+            self._abort()
+
+    def _abort(self) -> None:
+        wait_for(self._behind)  # no thread still writes into what is removed
+        self._sink.abort()  # nothing half-written stays
 
     def finish(self, sync: bool = True) -> None:
         """Write what is queued and close the file, durable (fsync; on an object store,
         the upload completed) when `sync`."""
         self._flush()
+        self._wait_behind()
         self._sink.close(sync=sync)
         self._closed = True
         failpoint("after-data")
@@ -162,6 +175,21 @@ class DataFile:
         """Write what is queued now: the queued buffers may then be reused."""
         self._flush()
 
+    def flush_behind(self, pool: ThreadPoolExecutor) -> Future:
+        """Write what is queued on one of `pool`'s threads, at its place in the file, while
+        this thread goes on: the returned future is done once the queued buffers may be
+        reused. Where the storage appends only (object stores), it writes now."""
+        if not self._sink.positional:
+            self._flush()
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        buffers, at = self._take_pending()
+        future = pool.submit(self._sink.write_at, buffers, at)
+        self._behind.append(future)
+        self._first_write()
+        return future
+
     def _queue(self, buffers: tuple[Any, ...], held: int) -> None:
         self._pending += buffers
         self._held += held
@@ -171,11 +199,30 @@ class DataFile:
     def _flush(self) -> None:
         if not self._pending and self._wrote:
             return
-        self._sink.write(self._pending)
+        if self._sink.positional:
+            buffers, at = self._take_pending()
+            self._sink.write_at(buffers, at)
+        else:
+            self._sink.write(self._pending)
+            self._pending, self._held = [], 0
+        self._first_write()
+
+    def _take_pending(self) -> tuple[list[Any], int]:
+        buffers, at = self._pending, self._at
+        self._at += sum(memoryview(b).nbytes for b in buffers)
         self._pending, self._held = [], 0
+        return buffers, at
+
+    def _first_write(self) -> None:
         if not self._wrote:
             self._wrote = True
             failpoint("mid-data")
+
+    def _wait_behind(self) -> None:
+        """Every write handed to another thread done; the first failure raised."""
+        behind, self._behind = self._behind, []
+        for future in behind:
+            future.result()
 
     def _advance(
         self,

@@ -14,6 +14,7 @@ the load returns, the targets hold the data.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -49,6 +50,7 @@ class DeviceLanding:
         self._current: _Slab | None = None
         self._of: dict[int, _Slab] = {}  # stand-in data_ptr -> its slab
         self._retiring: deque[_Slab] = deque()  # closed, every stand-in sent, in order
+        self._lock = threading.RLock()  # reads run on several threads
 
     @property
     def slab_bytes(self) -> int:
@@ -57,7 +59,8 @@ class DeviceLanding:
 
     def owns(self, t: torch.Tensor) -> bool:
         """Whether `t` is a stand-in not yet sent."""
-        return (t.data_ptr() if t.numel() else id(t)) in self._of
+        with self._lock:
+            return (t.data_ptr() if t.numel() else id(t)) in self._of
 
     def _slabs(self) -> HostSlabs:
         if self._pool is None:
@@ -68,7 +71,12 @@ class DeviceLanding:
 
     def stand_in(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A pinned host tensor of `shape` and `dtype` to read into, or None when it
-        does not fit a slab (the caller reads in pieces, or through scratch)."""
+        does not fit a slab, or every slab is taken by reads still running (the caller
+        reads in pieces, or through scratch)."""
+        with self._lock:
+            return self._stand_in(shape, dtype)
+
+    def _stand_in(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         pool = self._slabs()
         n = dtype.itemsize
         for s in shape:
@@ -91,17 +99,19 @@ class DeviceLanding:
 
     def send(self, target: torch.Tensor, host: torch.Tensor) -> None:
         """Copy stand-in `host` into device `target` (same shape) on the side stream."""
-        assert self._copier is not None
-        if host.numel():
-            self._copier.to_device(target, host)
-        self.drop(host)
+        with self._lock:
+            assert self._copier is not None
+            if host.numel():
+                self._copier.to_device(target, host)
+            self.drop(host)
 
     def drop(self, host: torch.Tensor) -> None:
         """Stand-in `host` is done with (sent, or never used)."""
-        slab = self._of.pop(host.data_ptr() if host.numel() else id(host))
-        slab.out -= 1
-        if slab.closed and slab.out == 0:
-            self._retire(slab)
+        with self._lock:
+            slab = self._of.pop(host.data_ptr() if host.numel() else id(host))
+            slab.out -= 1
+            if slab.closed and slab.out == 0:
+                self._retire(slab)
 
     def finish(self) -> None:
         """Wait for every copy, order the caller's streams after them, give the slabs back."""

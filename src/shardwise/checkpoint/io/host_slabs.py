@@ -28,7 +28,7 @@ __all__ = ["DEFAULT_STAGING_BYTES", "HostSlabs", "slab_size", "slabs_for", "stag
 
 DEFAULT_STAGING_BYTES = 1 << 30
 _MIN_SLAB = 1 << 20
-_MAX_SLAB = 256 << 20  # larger slabs only delay the first write; 4+ of them keep copies flowing
+_MAX_SLAB = 64 << 20  # larger slabs only delay the first write; 16 of them keep writers busy
 _ENV = "SHARDWISE_STAGING_BYTES"
 
 

@@ -31,6 +31,7 @@ just run.
 from __future__ import annotations
 
 import math
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -81,6 +82,7 @@ class ReadExecutor:
         self._files: dict[str, RandomAccess] = {}
         self._landing = DeviceLanding(budget_of(staging_bytes))
         self._told: list[tuple[ChunkRead, torch.Tensor]] = []  # device targets' `done`, at the end
+        self._lock = threading.Lock()  # reads run on several threads (`prefetch_window`)
 
     def run(self, reads: Sequence[ChunkRead | RecordRead]) -> None:
         try:
@@ -88,6 +90,7 @@ class ReadExecutor:
             chunks = [r for r in reads if isinstance(r, ChunkRead)]
             layouts = locate(self.folder, self._files, chunks)
             jobs = [self._record_job(r) for r in reads if isinstance(r, RecordRead)]
+            records = len(jobs)  # objects first: one refused stops the load before any target
             wholes: dict[str, list[Whole]] = defaultdict(list)
             for read in chunks:
                 layout = layouts.get(id(read))
@@ -101,7 +104,7 @@ class ReadExecutor:
             for name, batch in wholes.items():
                 for lo, hi, span in spans(batch, limit):
                     jobs.append(({name: [(lo, hi)]}, _bind(self._read_span, name, span, lo)))
-            run_windowed(self.folder, jobs)
+            run_windowed(self.folder, jobs, ordered=records)
         finally:
             try:
                 self._landing.finish()  # every device copy done, even after a failed read
@@ -118,13 +121,17 @@ class ReadExecutor:
 
     def _pread(self, info: _StorageInfo, name: str) -> bytes:
         data = self._files[info.relative_path].pread(info.length, info.offset)
-        self.bytes_read += len(data)
+        self._count(len(data))
         if len(data) != info.length:
             raise CorruptCheckpointError(
                 f"'{name}': short read of bytes {info.offset}..{end_of(info)} of "
                 f"{self.folder.where(info.relative_path)}: truncated"
             )
         return data
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
 
     def _resolve(self, read: ChunkRead) -> torch.Tensor:
         given = read.target
@@ -218,7 +225,8 @@ class ReadExecutor:
         target = self._resolve(read)
         dest = target
         if target.device.type != "cpu":  # read into a stand-in when the box fits a slab
-            dest = self._landing.stand_in(read.lengths, layout.dtype) or target
+            host = self._landing.stand_in(read.lengths, layout.dtype)
+            dest = target if host is None else host
         got, n = read_box(
             self._files[name],
             self.folder.where(name),
@@ -230,7 +238,7 @@ class ReadExecutor:
             dest,
             self.verify,
         )
-        self.bytes_read += n
+        self._count(n)
         if dest is not target and got is not dest:  # read elsewhere: the stand-in is unused
             self._landing.drop(dest)
         self._fill(read, target, got)
@@ -242,22 +250,24 @@ class ReadExecutor:
             target = self._resolve(read)
             chunk = read.info if isinstance(read.info, StoredChunk) else None
             if target.device.type != "cpu" and can_stream(chunk, layout, target, self.verify):
-                self.bytes_read += read_streamed(
-                    self._files[name],
-                    where,
-                    read.name,
-                    chunk,
-                    layout,
-                    target,
-                    self._landing,
-                    self.verify,
+                self._count(
+                    read_streamed(
+                        self._files[name],
+                        where,
+                        read.name,
+                        chunk,
+                        layout,
+                        target,
+                        self._landing,
+                        self.verify,
+                    )
                 )
                 self._fill(read, target, target)
                 return
         got, placed = read_span(
             self._files[name], where, span, lo, self._resolve, self.verify, self._scratch
         )
-        self.bytes_read += got
+        self._count(got)
         for read, target, dest in placed:
             self._fill(read, target, dest)
 

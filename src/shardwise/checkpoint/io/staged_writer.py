@@ -7,8 +7,10 @@ One pipeline, one thread driving it, three engines kept busy at once:
   in slab-sized pieces, small ones packed on the device and copied in one go;
 * a checksum thread: each slab's large pieces are checksummed tile by tile
   (`TileHasher`, crc32c releases the GIL) while
-* this thread queues the slab's bytes in the data file and writes them (one
-  `writev`); only then is the slab given back and filled again.
+* writer threads: this thread queues the slab's bytes in the data file and
+  hands them to a writer (`DataFile.flush_behind`: `pwritev` at their place in
+  the file, several slabs at once on a local disk); once written and
+  checksummed the slab is given back and filled again.
 
 Records keep their order (the plan placed every offset before a byte was
 written); objects and host tensors are written as they come, between the
@@ -22,10 +24,12 @@ records in order.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from typing import Any
 
 import torch
@@ -42,7 +46,7 @@ _Segment = tuple[int, int, int]  # (record index, offset in the slab, bytes)
 
 
 class _Slab:
-    __slots__ = ("index", "segments", "mark", "next", "hashing")
+    __slots__ = ("index", "segments", "mark", "next", "hashing", "written")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -50,6 +54,20 @@ class _Slab:
         self.mark: Mark | None = None
         self.next = 0  # segments handed to the file so far
         self.hashing: Future | None = None
+        self.written: Future | None = None
+
+
+_WRITERS: list = [None, 0]  # the kept writer pool and the pid it belongs to
+
+
+def _writers() -> ThreadPoolExecutor:
+    """Threads that write slabs at their offsets: a local disk (or tmpfs) takes
+    several writes at once faster than one."""
+    pool, pid = _WRITERS
+    if pool is None or pid != os.getpid():
+        pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="shardwise-write")
+        _WRITERS[:] = [pool, os.getpid()]
+    return pool
 
 
 class _Pipeline:
@@ -70,6 +88,7 @@ class _Pipeline:
         self.pack: list[torch.Tensor] = []
         self.pack_at = 0
         self.ready: deque[_Slab] = deque()  # copies issued, in record order
+        self.writing: deque[_Slab] = deque()  # handed to a writer, in order
         self.hasher_thread = ThreadPoolExecutor(1, thread_name_prefix="shardwise-checksum")
 
     # -- producing: copies into free slabs --------------------------------------------------
@@ -80,6 +99,9 @@ class _Pipeline:
         while self.todo:
             if self.filling is None:
                 index = self.slabs.take()
+                if index is None and self.writing:
+                    self._reclaim(self.writing.popleft())
+                    index = self.slabs.take()
                 if index is None:
                     return
                 self.filling, self.used = _Slab(index), 0
@@ -169,12 +191,20 @@ class _Pipeline:
         record.end()
 
     def _finish(self, slab: _Slab) -> None:
-        self.file.flush()  # the slab's bytes are written: it may be filled again
-        assert slab.hashing is not None
-        slab.hashing.result()
+        """Every byte of `slab` is queued: write it behind, fill what is free again."""
+        slab.written = self.file.flush_behind(_writers())
         self.ready.popleft()
-        self.slabs.give(slab.index)
+        self.writing.append(slab)
+        while self.writing and _done(self.writing[0]):
+            self._reclaim(self.writing.popleft())
         self.fill()
+
+    def _reclaim(self, slab: _Slab) -> None:
+        """Give `slab` back once its bytes are written and checksummed."""
+        assert slab.written is not None and slab.hashing is not None
+        slab.written.result()
+        slab.hashing.result()
+        self.slabs.give(slab.index)
 
     def drain(self) -> None:
         """Wait for every copy issued and every checksum started (on success or failure:
@@ -187,6 +217,7 @@ class _Pipeline:
         for slab in self.ready:
             if slab.mark is not None:
                 slab.mark.wait()
+        wait_for([s.written for s in self.writing if s.written is not None])
         self.hasher_thread.shutdown(wait=True)
         self.copier.close()
 
@@ -228,6 +259,10 @@ def write_records(
     finally:
         pipeline.drain()
     return [w.written() if isinstance(w, TensorRecord) else w for w in out]
+
+
+def _done(slab: _Slab) -> bool:
+    return bool(slab.written and slab.written.done() and slab.hashing and slab.hashing.done())
 
 
 def _bytes(buf: torch.Tensor, at: int, n: int) -> memoryview:
