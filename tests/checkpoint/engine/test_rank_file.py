@@ -65,10 +65,7 @@ def _stock(path: Path) -> dict:
 def _chunks(path: Path) -> dict:
     manifest = json.loads((path / "shardwise.json").read_text())
     return {
-        k: [
-            (c.get("tiles", c.get("crcs")), c.get("tile"), c["payload"])
-            for c in v["chunks"]
-        ]
+        k: [(c.get("tiles", c.get("crcs")), c.get("tile"), c["payload"]) for c in v["chunks"]]
         for k, v in manifest["tensors"].items()
     }
 
