@@ -124,3 +124,39 @@ def test_a_failure_on_one_rank_mid_staging_fails_every_rank_and_keeps_the_last_c
     assert torch.equal(_stock(path)["w"], FULL)
     pool = slabs_for("save", staging_bytes(BUDGET))
     assert pool.free == pool.count
+
+
+def test_a_large_share_is_spread_over_several_files_that_every_reader_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past `SPLIT_BYTES` a rank writes `file_count` files at once (one writer per file
+    is what file systems allow); the checkpoint stays one DCP checkpoint."""
+    from shardwise.checkpoint.engine import planning
+
+    assert [planning.file_count(n) for n in (0, 511 << 20, 512 << 20, 1 << 30, 64 << 30)] == [
+        1,
+        1,
+        2,
+        4,
+        8,
+    ]
+    monkeypatch.setattr(planning, "SPLIT_BYTES", 1 << 20)
+    monkeypatch.setattr(planning, "FILE_BYTES", 1 << 20)
+    staged = {r: Staging(BUDGET, host=True) for r in (0, 1)}
+    assert _save(tmp_path / "ck", 0.0, staged) == [None, None]
+    names = sorted(p.name.split(".")[0] for p in (tmp_path / "ck").glob("*.distcp"))
+    # rank 0 writes its 1.2 MB of `w` and the small values: 1 file (1.2 MB // 1 MiB);
+    # rank 1 its 0.5 MB of `w` and the replicated 3.2 MB `big`: 3 files, two used
+    assert names == ["__0_0", "__1_0", "__1_1"]
+    got = _stock(tmp_path / "ck")
+    assert torch.equal(got["w"], FULL) and got["step"] == 3
+    assert torch.equal(got["big"], torch.arange(400_000, dtype=torch.float64))
+    assert all(
+        torch.equal(got["small"][f"b{i}"], torch.full((100 + i,), float(i))) for i in range(20)
+    )
+    files = {
+        c["file"].split(".")[0]
+        for v in json.loads((tmp_path / "ck" / "shardwise.json").read_text())["tensors"].values()
+        for c in v["chunks"]
+    }
+    assert files == set(names)

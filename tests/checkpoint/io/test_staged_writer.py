@@ -47,8 +47,8 @@ def _expected(records: list) -> bytes:
     return out
 
 
-def _direct(tmp_path: Path, records: list) -> list:
-    with DataFile(tmp_path, "direct") as f:
+def _direct(tmp_path: Path, records: list, name: str = "direct") -> list:
+    with DataFile(tmp_path, name) as f:
         written = [
             f.write_tensor(r, SID) if isinstance(r, torch.Tensor) else f.write_object(r)
             for r in records
@@ -63,8 +63,8 @@ def test_staged_records_are_the_bytes_and_checksums_of_direct_writes(tmp_path: P
     calls: list[str] = []
     with slabs.lease(), DataFile(tmp_path, "staged") as f:
         written = staged_writer.write_records(
-            f,
-            records,
+            [f],
+            (records, [0] * len(records)),
             SID,
             slabs,
             HostCopier(),
@@ -84,8 +84,8 @@ def test_host_tensors_not_picked_are_written_from_their_memory(tmp_path: Path) -
     calls: list[str] = []
     with slabs.lease(), DataFile(tmp_path, "f") as f:
         staged_writer.write_records(
-            f,
-            records,
+            [f],
+            (records, [0] * len(records)),
             SID,
             slabs,
             HostCopier(),
@@ -130,7 +130,9 @@ def test_a_slab_is_refilled_only_after_its_bytes_are_written(
             return future
 
         monkeypatch.setattr(f, "flush_behind", spy_behind)
-        staged_writer.write_records(f, records, SID, slabs, HostCopier(), stage=lambda t: True)
+        staged_writer.write_records(
+            [f], (records, [0] * len(records)), SID, slabs, HostCopier(), stage=lambda t: True
+        )
         f.finish()
     assert (tmp_path / "f").read_bytes() == _expected(records)
     in_flight = 0
@@ -167,8 +169,8 @@ def test_a_failure_mid_way_leaves_no_slab_out_and_no_file(
 
             monkeypatch.setattr(f._sink, "write_at", failing_write_at)
             staged_writer.write_records(
-                f,
-                records,
+                [f],
+                (records, [0] * len(records)),
                 SID,
                 slabs,
                 HostCopier(),
@@ -193,3 +195,24 @@ def test_budget_rules() -> None:
     assert staging_bytes(3 << 20) == 3 << 20
     with pytest.raises(ValueError, match="at least"):
         staging_bytes(1000)
+
+
+def test_records_spread_over_files_keep_each_files_order(tmp_path: Path) -> None:
+    """Records interleaved over two files (as `planning.place_records` spreads a large
+    share): each file holds its records, in order, as direct writes would."""
+    records = _records()
+    which = [k % 2 for k in range(len(records))]
+    slabs = HostSlabs(4 << 20, pin=False)
+    with slabs.lease(), DataFile(tmp_path, "a") as a, DataFile(tmp_path, "b") as b:
+        written = staged_writer.write_records(
+            [a, b], (records, which), SID, slabs, HostCopier(), stage=lambda t: True
+        )
+        a.finish()
+        b.finish()
+    for name, k in (("a", 0), ("b", 1)):
+        mine = [r for r, w in zip(records, which) if w == k]
+        assert (tmp_path / name).read_bytes() == _expected(mine)
+        assert [w.file for w, x in zip(written, which) if x == k] == [name] * len(mine)
+        assert [w._replace(file="") for w, x in zip(written, which) if x == k] == _direct(
+            tmp_path, mine, f"direct-{name}"
+        )

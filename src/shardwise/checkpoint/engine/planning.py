@@ -33,7 +33,7 @@ from ..format.record_write import record_frame
 from .holes import first_hole, region
 from .inventory import Box, Entry
 
-__all__ = ["Placement", "SavePlan", "TensorPlan", "place_records", "plan_save"]
+__all__ = ["Placement", "SavePlan", "TensorPlan", "file_count", "place_records", "plan_save"]
 
 _PAIRWISE = 16  # up to this many distinct boxes per key, overlap is checked pair by pair
 
@@ -61,11 +61,26 @@ class SavePlan:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one record lies in its rank's data file."""
+    """Where one record lies: which of its rank's data files, and where in it."""
 
     offset: int
     length: int
     payload: int  # absolute offset of a tensor record's payload (of an object: its offset)
+    file: int = 0  # index of the rank's data file
+
+
+# A rank writing this much or more spreads its records over several data files (up to
+# `MAX_FILES`, one per `FILE_BYTES`): file systems take one writer per file at a time
+# (tmpfs, ext4 and XFS lock a file for a buffered write), so one file caps a rank at
+# one stream's speed. DCP's `FileSystemWriter` splits by `thread_count` the same way.
+SPLIT_BYTES = 512 << 20
+FILE_BYTES = 256 << 20
+MAX_FILES = 8
+
+
+def file_count(total: int) -> int:
+    """How many data files a rank writing `total` bytes of records uses."""
+    return 1 if total < SPLIT_BYTES else min(MAX_FILES, total // FILE_BYTES)
 
 
 def plan_save(inventories: list[list[Entry]]) -> SavePlan:
@@ -212,19 +227,18 @@ def place_records(
     rank: int,
     serialization_id: str,
 ) -> list[Placement]:
-    """Where each record of `rank`'s writes lands in its data file, in write order
-    (`entries`: that rank's inventory)."""
+    """Where each record of `rank`'s writes lands, in write order (`entries`: that
+    rank's inventory): one data file, or `file_count` of them for a large share, each
+    record in the one holding the fewest bytes so far (so consecutive large records
+    go to different files and are written at once)."""
     boxes = {e[0]: e for e in entries}
     # (dtype, sizes) -> lengths of the record's head and of the whole record
     frames: dict[tuple[str | None, tuple[int, ...]], tuple[int, int]] = {}
-    out = []
-    pos = 0
+    sized: list[tuple[int, int]] = []  # (length, head length; -1 for an object)
     for key, index in plan.writes[rank]:
         _key, _path, dtype, _shape, _grad, held = boxes[key]
         if index < 0:
-            n = held[0]  # an object's entry holds its byte length and crc32c
-            out.append(Placement(pos, n, pos))
-            pos += n
+            sized.append((held[0], -1))  # an object's entry holds its byte length and crc32c
             continue
         sizes = held[index][1]
         known = frames.get((dtype, sizes))
@@ -233,6 +247,13 @@ def place_records(
             head, tail = record_frame(torch_dtype, sizes, serialization_id)
             nbytes = math.prod(sizes) * torch_dtype.itemsize
             known = frames[(dtype, sizes)] = (len(head), len(head) + nbytes + len(tail))
-        out.append(Placement(pos, known[1], pos + known[0]))
-        pos += known[1]
+        sized.append((known[1], known[0]))
+    count = file_count(sum(n for n, _ in sized))
+    ends = [0] * count  # each file's length so far; a record goes to the shortest
+    out = []
+    for n, at in sized:
+        k = 0 if count == 1 else min(range(count), key=ends.__getitem__)
+        pos = ends[k]
+        out.append(Placement(pos, n, pos + at if at >= 0 else pos, k))
+        ends[k] = pos + n
     return out

@@ -1,4 +1,4 @@
-"""One rank's data file of a save: its records in plan order, device tensors staged.
+"""One rank's data files of a save: its records in plan order, device tensors staged.
 
 Split from `saving` (the collective steps) so that how bytes leave the device —
 bounded pinned slabs, side streams, the staged signal — reads on its own.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,34 +58,37 @@ class Once:
 
 def write_rank_file(
     folder: Folder,
-    name: str,
-    records: list[Any],
+    names: list[str],
+    records: tuple[list[Any], list[int]],
     serialization_id: str,
     sync: bool,
     staging: Staging,
     staged: Once,
 ) -> list[Checksums]:
-    """This rank's records (tensors, objects' bytes), in plan order, into a new file:
-    device tensors through the staging slabs (`staged_writer`), host tensors
-    straight from their memory. Returns each record's checksums (an object's crc32c
-    went with the inventory)."""
+    """This rank's records (tensors, objects' bytes), in plan order, each into the new
+    file of `names` its index says (`planning.place_records`): device tensors through
+    the staging slabs (`staged_writer`), host tensors straight from their memory.
+    Returns each record's checksums (an object's crc32c went with the inventory)."""
     failpoint("before-write")
     folder.make()
+    values, which = records
     slabs = slabs_for("save", staging_bytes(staging.budget))
-    with slabs.lease(), DataFile(folder, name) as file:
+    with slabs.lease(), ExitStack() as stack:
+        files = [stack.enter_context(DataFile(folder, name)) for name in names]
         written = write_records(
-            file,
-            records,
+            files,
+            (values, which),
             serialization_id,
             slabs,
-            _copier(records, staging),
+            _copier(values, staging),
             stage=_always if staging.host else _on_device,
             on_staged=staged,
         )
-        file.finish(sync)
+        for file in files:
+            file.finish(sync)
     return [
         (w.tile, w.crcs, w.frame) if isinstance(r, torch.Tensor) else (None, [], 0)
-        for r, w in zip(records, written)
+        for r, w in zip(values, written)
     ]
 
 

@@ -143,13 +143,14 @@ class SaveRecords:
 def plan_records(
     plan: SavePlan,
     placements: list[list[Placement]],
-    files: list[str],
+    files: list[list[str]],
     storage_meta: StorageMeta,
     object_crcs: dict[str, int],
 ) -> tuple[SaveRecords, list[tuple[int, int, ChunkEntry]]]:
     """The records of the engine's save (`saving`), all known from its plan but the
     chunks' checksums: the records, and each chunk's (writing rank, position in its
-    writes, entry) for `SaveRecords.fill` once the writers report."""
+    writes, entry) for `SaveRecords.fill` once the writers report. `files`: each
+    rank's data file names, by `Placement.file`."""
     records = SaveRecords(len(placements), storage_meta, plan.mappings)
     slots = []
     itemsizes: dict[str, int] = {}
@@ -162,12 +163,13 @@ def plan_records(
             place = placements[rank][position]
             payload = (place.payload, math.prod(lengths) * itemsize)
             record = (place.offset, place.length)
-            chunk = ChunkEntry(offsets, lengths, files[rank], record, payload, [], 0, None, None)
+            name = files[rank][place.file]
+            chunk = ChunkEntry(offsets, lengths, name, record, payload, [], 0, None, None)
             entry.chunks.append(chunk)
             slots.append((rank, position, chunk))
     for key, (rank, position) in plan.objects.items():
         place = placements[rank][position]
         records.objects[key] = ObjectEntry(
-            files[rank], place.offset, place.length, object_crcs[key]
+            files[rank][place.file], place.offset, place.length, object_crcs[key]
         )
     return records, slots

@@ -51,7 +51,7 @@ from ...storage import Folder, open_folder
 from ..io.commit import METADATA, RecordNames, commit, data_file_name, in_the_way, new_token
 from ..io.lease import Lease
 from .inventory import Entry, Piece, describe, serialize_objects
-from .planning import place_records, plan_save
+from .planning import Placement, place_records, plan_save
 from .rank_file import Once, Staging, write_rank_file
 from .save_records import SaveRecords, plan_records
 
@@ -163,16 +163,23 @@ def _save_leased(
     rank, world = agreement.rank, agreement.world_size
     save_id = everyone[0][2]
     serialization_id = save_id.replace("-", "")[:40].ljust(40, "0")
-    files = [data_file_name(f"__{r}_", 0, everyone[r][1]) for r in range(world)]
+    tokens = [e[1] for e in everyone]
     problem, checksums, metadata = None, [], None
     try:
         if plan.writes[rank]:
+            placed = place_records(plan, inventories[rank], rank, serialization_id)
             mine_ = [
                 objects[key] if index < 0 else pieces[key][index].tensor
                 for key, index in plan.writes[rank]
             ]
             checksums = write_rank_file(
-                path, files[rank], mine_, serialization_id, sync, staging, staged
+                path,
+                _file_names(rank, placed, tokens[rank]),
+                (mine_, [p.file for p in placed]),
+                serialization_id,
+                sync,
+                staging,
+                staged,
             )
         else:
             staged()  # this rank writes nothing: the state is not read again
@@ -180,6 +187,7 @@ def _save_leased(
             placements = [
                 place_records(plan, inventories[r], r, serialization_id) for r in range(world)
             ]
+            files = [_file_names(r, placements[r], tokens[r]) for r in range(world)]
             meta = StorageMeta(checkpoint_id=path.checkpoint_id, save_id=save_id)
             records, slots = plan_records(plan, placements, files, meta, _object_crcs(inventories))
         if rank == world - 1:  # .metadata: built by the last rank while rank 0 still writes
@@ -196,7 +204,7 @@ def _save_leased(
             metadata_file, metadata_crc = reports[-1][1]
             for writer, position, chunk in slots:
                 SaveRecords.fill(chunk, reports[writer][0][position])
-            keep = {files[r] for r in range(world) if plan.writes[r]}
+            keep = {name for r in range(world) if plan.writes[r] for name in files[r]}
             commit(
                 path,
                 metadata_file,
@@ -210,6 +218,12 @@ def _save_leased(
             problem = e
     agreement.defer(problem)
     agreement.exchange()
+
+
+def _file_names(rank: int, placed: list[Placement], token: str) -> list[str]:
+    """The names of `rank`'s data files, as many as its placements use."""
+    count = 1 + max((p.file for p in placed), default=0)
+    return [data_file_name(f"__{rank}_", k, token) for k in range(count)]
 
 
 def _object_crcs(inventories: list[list[Entry]]) -> dict[str, int]:

@@ -171,6 +171,11 @@ class DataFile:
         self._queue((head,), 0)
         return record
 
+    @property
+    def pending(self) -> bool:
+        """Whether buffers are queued, not yet written."""
+        return bool(self._pending)
+
     def flush(self) -> None:
         """Write what is queued now: the queued buffers may then be reused."""
         self._flush()

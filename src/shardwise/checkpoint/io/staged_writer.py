@@ -47,6 +47,7 @@ _Segment = tuple[int, int, int]  # (record index, offset in the slab, bytes)
 
 class _Slab:
     __slots__ = ("index", "segments", "mark", "next", "hashing", "written")
+    written: list[Future]
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -54,7 +55,7 @@ class _Slab:
         self.mark: Mark | None = None
         self.next = 0  # segments handed to the file so far
         self.hashing: Future | None = None
-        self.written: Future | None = None
+        self.written = []
 
 
 _WRITERS: list = [None, 0]  # the kept writer pool and the pid it belongs to
@@ -73,13 +74,13 @@ def _writers() -> ThreadPoolExecutor:
 class _Pipeline:
     def __init__(
         self,
-        file: DataFile,
+        files: Sequence[DataFile],
         staged: dict[int, tuple[torch.Tensor, TileHasher]],
         slabs: HostSlabs,
         copier: Copier,
         on_staged: Callable[[], None] | None,
     ) -> None:
-        self.file, self.staged, self.slabs, self.copier = file, staged, slabs, copier
+        self.files, self.staged, self.slabs, self.copier = files, staged, slabs, copier
         self.on_staged = on_staged
         self.todo = deque(sorted(staged))  # staged records not yet fully copied
         self.placed = 0  # bytes of todo[0] already copied
@@ -192,7 +193,7 @@ class _Pipeline:
 
     def _finish(self, slab: _Slab) -> None:
         """Every byte of `slab` is queued: write it behind, fill what is free again."""
-        slab.written = self.file.flush_behind(_writers())
+        slab.written = [f.flush_behind(_writers()) for f in self.files if f.pending]
         self.ready.popleft()
         self.writing.append(slab)
         while self.writing and _done(self.writing[0]):
@@ -201,8 +202,9 @@ class _Pipeline:
 
     def _reclaim(self, slab: _Slab) -> None:
         """Give `slab` back once its bytes are written and checksummed."""
-        assert slab.written is not None and slab.hashing is not None
-        slab.written.result()
+        assert slab.hashing is not None
+        for future in slab.written:
+            future.result()
         slab.hashing.result()
         self.slabs.give(slab.index)
 
@@ -217,14 +219,14 @@ class _Pipeline:
         for slab in self.ready:
             if slab.mark is not None:
                 slab.mark.wait()
-        wait_for([s.written for s in self.writing if s.written is not None])
+        wait_for([f for s in self.writing for f in s.written])
         self.hasher_thread.shutdown(wait=True)
         self.copier.close()
 
 
 def write_records(
-    file: DataFile,
-    records: Sequence[Any],
+    files: Sequence[DataFile],
+    records: tuple[Sequence[Any], Sequence[int]],
     serialization_id: str,
     slabs: HostSlabs,
     copier: Copier,
@@ -232,22 +234,25 @@ def write_records(
     stage: Callable[[torch.Tensor], bool],
     on_staged: Callable[[], None] | None = None,
 ) -> list[Written]:
-    """Write `records` (tensors, or an object's bytes) into `file` in order; tensors
-    `stage` picks go through `slabs` by `copier`, the others straight from memory.
-    `on_staged` is called (from another thread, possibly) once the staged tensors'
-    bytes are all on the host; never when a copy could not be issued."""
+    """Write `records` — (tensors or objects' bytes, index of the file each goes to) —
+    into `files`, each file's in order; tensors `stage` picks go through `slabs` by
+    `copier`, the others straight from memory. `on_staged` is called (from another
+    thread, possibly) once the staged tensors' bytes are all on the host; never
+    when a copy could not be issued."""
+    values, which = records
     staged: dict[int, tuple[torch.Tensor, TileHasher]] = {}
-    for i, r in enumerate(records):
+    for i, r in enumerate(values):
         if isinstance(r, torch.Tensor) and r.numel() and stage(r):
             staged[i] = (device_bytes(r), TileHasher(tuple(r.shape), r.element_size()))
     if not staged and on_staged is not None:
         on_staged()
         on_staged = None
-    pipeline = _Pipeline(file, staged, slabs, copier, on_staged)
+    pipeline = _Pipeline(files, staged, slabs, copier, on_staged)
     out: list[Written | TensorRecord] = []
     try:
         pipeline.fill()
-        for i, r in enumerate(records):
+        for i, r in enumerate(values):
+            file = files[which[i]]
             if i in staged:
                 record = file.begin_tensor(r.dtype, tuple(r.shape), serialization_id, staged[i][1])
                 pipeline.write(i, record)
@@ -262,7 +267,7 @@ def write_records(
 
 
 def _done(slab: _Slab) -> bool:
-    return bool(slab.written and slab.written.done() and slab.hashing and slab.hashing.done())
+    return all(f.done() for f in slab.written) and bool(slab.hashing and slab.hashing.done())
 
 
 def _bytes(buf: torch.Tensor, at: int, n: int) -> memoryview:
