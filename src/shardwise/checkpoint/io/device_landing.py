@@ -15,6 +15,7 @@ the load returns, the targets hold the data.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -27,6 +28,7 @@ from .host_slabs import HostSlabs, slab_size, slabs_for
 __all__ = ["DeviceLanding"]
 
 _ALIGN = 64
+_WAIT_S = 0.05  # how long a read waits for a slab others hold before it uses scratch
 
 
 class _Slab:
@@ -50,7 +52,7 @@ class DeviceLanding:
         self._current: _Slab | None = None
         self._of: dict[int, _Slab] = {}  # stand-in data_ptr -> its slab
         self._retiring: deque[_Slab] = deque()  # closed, every stand-in sent, in order
-        self._lock = threading.RLock()  # reads run on several threads
+        self._lock = threading.Condition(threading.RLock())  # reads run on several threads
 
     @property
     def slab_bytes(self) -> int:
@@ -73,8 +75,19 @@ class DeviceLanding:
         """A pinned host tensor of `shape` and `dtype` to read into, or None when it
         does not fit a slab, or every slab is taken by reads still running (the caller
         reads in pieces, or through scratch)."""
+        n = dtype.itemsize
+        for s in shape:
+            n *= s
+        if n > slab_size(self.budget):
+            return None
         with self._lock:
-            return self._stand_in(shape, dtype)
+            deadline = time.monotonic() + _WAIT_S
+            while (host := self._stand_in(shape, dtype)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:  # other reads hold every slab: the caller uses scratch
+                    return None
+                self._lock.wait(left)  # until a slab is sent and retired
+            return host
 
     def _stand_in(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         pool = self._slabs()
@@ -115,21 +128,22 @@ class DeviceLanding:
 
     def finish(self) -> None:
         """Wait for every copy, order the caller's streams after them, give the slabs back."""
-        if self._pool is None:
-            return
-        try:
-            if self._current is not None:
-                self._close(self._current)
-            assert self._copier is not None
-            for slab in self._retiring:
-                if slab.mark is not None:
-                    slab.mark.wait()
-            self._copier.mark().wait()  # stand-ins never sent (a failed read) included
-            self._copier.join()
-            self._copier.close()
-        finally:
-            self._pool, self._current, self._retiring, self._of = None, None, deque(), {}
-            self._lease.close()
+        with self._lock:
+            if self._pool is None:
+                return
+            try:
+                if self._current is not None:
+                    self._close(self._current)
+                assert self._copier is not None
+                for slab in self._retiring:
+                    if slab.mark is not None:
+                        slab.mark.wait()
+                self._copier.mark().wait()  # stand-ins never sent (a failed read) included
+                self._copier.join()
+                self._copier.close()
+            finally:
+                self._pool, self._current, self._retiring, self._of = None, None, deque(), {}
+                self._lease.close()
 
     def _close(self, slab: _Slab) -> None:
         slab.closed = True
@@ -140,6 +154,7 @@ class DeviceLanding:
         assert self._copier is not None
         slab.mark = self._copier.mark()  # after every copy out of it
         self._retiring.append(slab)
+        self._lock.notify_all()
 
     def _next_slab(self) -> _Slab | None:
         pool = self._slabs()
