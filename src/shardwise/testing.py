@@ -214,6 +214,8 @@ def seconds_across_ranks(
 
     if warmup:
         fn()
+    # an NCCL-only group reduces CUDA tensors; any group with a CPU backend, CPU ones
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     times = []
     for _ in range(repeat):
         if before is not None:
@@ -221,7 +223,7 @@ def seconds_across_ranks(
         dist.barrier()
         start = time.perf_counter()
         fn()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed))
     return (pick or statistics.median)(times)

@@ -241,7 +241,11 @@ def main(args: argparse.Namespace) -> int:
 def _main_torchrun(args: argparse.Namespace, size: int) -> int:
     import torch.distributed as dist
 
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():  # NCCL for CUDA tensors, gloo for the CPU ones this demo reduces
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     base = args.dir or Path(tempfile.gettempdir()) / "shardwise-demo"
     path = str(base / "step_1")
