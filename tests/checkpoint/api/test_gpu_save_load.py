@@ -92,20 +92,27 @@ def test_a_save_from_cuda_goes_in_waves_and_reads_back_everywhere(tmp_path: Path
 
 
 def test_copies_follow_the_callers_stream(tmp_path: Path) -> None:
+    """Also for a transposed tensor, whose contiguous copy the save makes itself."""
     x = torch.zeros(4 * MIB, device="cuda")
-    torch.cuda._sleep(200_000_000)  # the fill below runs late on the caller's stream
+    base = torch.zeros(1024, 1536, device="cuda")
+    torch.cuda._sleep(200_000_000)  # the fills below run late on the caller's stream
     x.fill_(3.0)
-    swc.save({"x": x}, tmp_path / "sync", staging_bytes=2 * MIB)
+    base.fill_(3.0)
+    state = {"x": x, "xt": base.t()}
+    swc.save(state, tmp_path / "sync", staging_bytes=2 * MIB)
     torch.cuda._sleep(200_000_000)
     x.fill_(5.0)
-    fut = swc.async_save({"x": x}, tmp_path / "async", staging="background", staging_bytes=2 * MIB)
+    base.fill_(5.0)
+    fut = swc.async_save(state, tmp_path / "async", staging="background", staging_bytes=2 * MIB)
     fut.staged.result(timeout=60)
     x.fill_(7.0)  # after staged: never in the checkpoint
+    base.fill_(7.0)
     fut.result(timeout=60)
     for name, value in (("sync", 3.0), ("async", 5.0)):
-        got = {"x": torch.zeros(4 * MIB)}
+        got = {"x": torch.zeros(4 * MIB), "xt": torch.zeros(1536, 1024)}
         swc.load(got, tmp_path / name)
         assert torch.equal(got["x"], torch.full((4 * MIB,), value)), name
+        assert torch.equal(got["xt"], torch.full((1536, 1024), value)), name
 
 
 def test_background_async_save_returns_before_staged_and_keeps_the_values_of_the_call(

@@ -461,3 +461,29 @@ def _sharded_optimizer(rank: int, world: int, folder: str) -> bool:
 def test_load_sharded_optimizer_state_dict_through_reader(tmp_path):
     """DCP's FSDP-era helper reads `planner_data` from `read_metadata()`."""
     assert run_ranks(_sharded_optimizer, 2, str(tmp_path / "ckpt"), timeout=60) == [True, True]
+
+
+def test_a_planners_callbacks_run_on_the_callers_thread(tmp_path):
+    """DCP calls `resolve_tensor` / `commit_tensor` from one thread; under `Reader` they
+    stay there, though large local reads otherwise run on reader threads."""
+    import threading
+
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    threads: set[str] = set()
+
+    class Watching(DefaultLoadPlanner):
+        def resolve_tensor(self, read_item):
+            threads.add(threading.current_thread().name)
+            return super().resolve_tensor(read_item)
+
+        def commit_tensor(self, read_item, tensor):
+            threads.add(threading.current_thread().name)
+            super().commit_tensor(read_item, tensor)
+
+    state = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(4)}  # 4 MiB chunks
+    dcp.save(state, storage_writer=swc.Writer(tmp_path), no_dist=True)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(target, storage_reader=swc.Reader(tmp_path), planner=Watching(), no_dist=True)
+    assert threads == {threading.current_thread().name}
+    assert all(torch.equal(target[k], v) for k, v in state.items())

@@ -29,10 +29,23 @@ from ..format.tile_stream import TileHasher
 from ..format.tiles import checksum_payload
 from .faults import failpoint
 
-__all__ = ["DataFile", "TensorRecord", "Written", "payload_checksums"]
+__all__ = ["DataFile", "TensorRecord", "Written", "payload_checksums", "writer_pool"]
 
 _BATCH_BYTES = 64 << 20  # host copies (of non-CPU tensors, objects) held before a write
 _BATCH_BUFFERS = 1023  # buffers per write (a `writev`: IOV_MAX is 1024)
+
+
+_WRITERS: list = [None, 0]  # the kept writer pool and the pid it belongs to
+
+
+def writer_pool() -> ThreadPoolExecutor:
+    """Threads that write slabs at their offsets: a local disk (or tmpfs) takes
+    several writes at once faster than one."""
+    pool, pid = _WRITERS
+    if pool is None or pid != os.getpid():
+        pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="shardwise-write")
+        _WRITERS[:] = [pool, os.getpid()]
+    return pool
 
 
 class Written(NamedTuple):
@@ -225,6 +238,7 @@ class DataFile:
 
     def _wait_behind(self) -> None:
         """Every write handed to another thread done; the first failure raised."""
+        wait_for(self._behind)  # all of them ended before any failure is raised
         behind, self._behind = self._behind, []
         for future in behind:
             future.result()

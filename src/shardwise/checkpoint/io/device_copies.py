@@ -61,6 +61,11 @@ class Copier(ABC):
     """Copies into and out of host slabs; `mark()` closes a batch."""
 
     @abstractmethod
+    def bytes_of(self, t: torch.Tensor) -> torch.Tensor:
+        """`device_bytes(t)`, any copy it needs made in the copies' order (after what
+        they wait for)."""
+
+    @abstractmethod
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """`dst` (host bytes) takes `src`'s bytes (a flat uint8 view of the same size)."""
 
@@ -76,6 +81,10 @@ class Copier(ABC):
     def mark(self) -> Mark:
         """Close the batch of copies issued since the last mark."""
 
+    def mark_all(self) -> Mark:
+        """A mark after every copy issued so far, on every device."""
+        return self.mark()
+
     @abstractmethod
     def join(self) -> None:
         """Order the caller's later work after every copy made so far."""
@@ -87,6 +96,9 @@ class Copier(ABC):
 
 class HostCopier(Copier):
     """Copies made at once, marks already done: the pipelines' CPU form."""
+
+    def bytes_of(self, t: torch.Tensor) -> torch.Tensor:
+        return device_bytes(t)
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
@@ -133,6 +145,12 @@ class DeviceCopier(Copier):
                 stream.wait_stream(torch.cuda.current_stream(index))
         return stream
 
+    def bytes_of(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_contiguous() and not (t.is_conj() or t.is_neg()):  # a view: no kernel
+            return t.detach().reshape(-1).view(torch.uint8)
+        with torch.cuda.stream(self._stream(t.device)):  # its copy follows `after`
+            return device_bytes(t)
+
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.cuda.stream(self._stream(src.device)):
             dst.copy_(src, non_blocking=True)
@@ -161,6 +179,10 @@ class DeviceCopier(Copier):
             events.append(event)
         self._used.clear()
         return Mark(events)
+
+    def mark_all(self) -> Mark:
+        self._used.update(self._streams)
+        return self.mark()
 
     def join(self) -> None:
         """Make this thread's current streams wait for every copy: a load's targets are

@@ -110,6 +110,25 @@ class DeviceLanding:
         self._of[host.data_ptr() if n else id(host)] = slab
         return host
 
+    def follow_caller(self) -> None:
+        """Order the copies after the work on the calling thread's current streams (call
+        it there): reads on other threads then never overtake the caller's kernels."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            after = {}
+            for index in range(torch.cuda.device_count()):
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(index))
+                after[index] = event
+            self._make_copier = lambda: DeviceCopier(after)
+
+    def copy(self, target: torch.Tensor, host: torch.Tensor) -> None:
+        """Copy any host tensor into device `target` in the copies' order (scratch that
+        is no stand-in: pageable memory, copied before this returns)."""
+        with self._lock:
+            self._slabs()
+            assert self._copier is not None
+            self._copier.to_device(target, host)
+
     def send(self, target: torch.Tensor, host: torch.Tensor) -> None:
         """Copy stand-in `host` into device `target` (same shape) on the side stream."""
         with self._lock:

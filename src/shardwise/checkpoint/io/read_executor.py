@@ -85,6 +85,7 @@ class ReadExecutor:
         self._lock = threading.Lock()  # reads run on several threads (`prefetch_window`)
 
     def run(self, reads: Sequence[ChunkRead | RecordRead]) -> None:
+        self._landing.follow_caller()
         try:
             open_files(self.folder, reads, self._files)
             chunks = [r for r in reads if isinstance(r, ChunkRead)]
@@ -104,7 +105,12 @@ class ReadExecutor:
             for name, batch in wholes.items():
                 for lo, hi, span in spans(batch, limit):
                     jobs.append(({name: [(lo, hi)]}, _bind(self._read_span, name, span, lo)))
-            run_windowed(self.folder, jobs, ordered=records)
+            # a caller's callbacks (DCP's planner resolving and committing targets) are
+            # called from one thread, as DCP calls them
+            called = any(
+                r.done is not None or not isinstance(r.target, torch.Tensor) for r in chunks
+            )
+            run_windowed(self.folder, jobs, ordered=records, threads=1 if called else 8)
         finally:
             try:
                 self._landing.finish()  # every device copy done, even after a failed read
@@ -148,6 +154,8 @@ class ReadExecutor:
             pass
         elif target.device.type != "cpu" and self._landing.owns(got):
             self._landing.send(target, got)
+        elif target.device.type != "cpu":
+            self._landing.copy(target, got)
         else:
             target.copy_(got)
         if read.done is not None:
@@ -207,8 +215,7 @@ class ReadExecutor:
             raise CorruptCheckpointError(
                 f"'{read.name}' in {where}: stored chunk has the wrong size"
             )
-        target.copy_(piece)
-        self._fill(read, target, target)
+        self._fill(read, target, piece.contiguous() if target.device.type != "cpu" else piece)
 
     def _box_job(self, read: ChunkRead, layout: RecordLayout) -> _Job:
         name = read.info.relative_path

@@ -24,7 +24,6 @@ records in order.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -35,8 +34,8 @@ from typing import Any
 import torch
 
 from ..format.tile_stream import TileHasher
-from .chunk_writer import DataFile, TensorRecord, Written
-from .device_copies import PACK_BYTES, Copier, Mark, device_bytes
+from .chunk_writer import DataFile, TensorRecord, Written, writer_pool
+from .device_copies import PACK_BYTES, Copier, Mark
 from .host_slabs import HostSlabs
 
 __all__ = ["SMALL_BYTES", "write_records"]
@@ -58,19 +57,6 @@ class _Slab:
         self.written = []
 
 
-_WRITERS: list = [None, 0]  # the kept writer pool and the pid it belongs to
-
-
-def _writers() -> ThreadPoolExecutor:
-    """Threads that write slabs at their offsets: a local disk (or tmpfs) takes
-    several writes at once faster than one."""
-    pool, pid = _WRITERS
-    if pool is None or pid != os.getpid():
-        pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="shardwise-write")
-        _WRITERS[:] = [pool, os.getpid()]
-    return pool
-
-
 class _Pipeline:
     def __init__(
         self,
@@ -84,6 +70,7 @@ class _Pipeline:
         self.on_staged = on_staged
         self.todo = deque(sorted(staged))  # staged records not yet fully copied
         self.placed = 0  # bytes of todo[0] already copied
+        self.source: torch.Tensor | None = None  # todo[0]'s bytes where it lives, if large
         self.filling: _Slab | None = None
         self.used = 0
         self.pack: list[torch.Tensor] = []
@@ -108,23 +95,29 @@ class _Pipeline:
                 self.filling, self.used = _Slab(index), 0
             slab, buf = self.filling, self.slabs.buffer(self.filling.index)
             i = self.todo[0]
-            src, _hasher = self.staged[i]
-            n = src.numel()
+            tensor = self.staged[i][0]
+            n = _nbytes(tensor)
             room = size - self.used
             if n < SMALL_BYTES:  # packed whole, never cut
                 if n > room:
                     self._close()
                     continue
-                if self.pack and self.used - self.pack_at + n > PACK_BYTES:
+                if self.pack and (
+                    self.used - self.pack_at + n > PACK_BYTES
+                    or tensor.device != self.pack[0].device
+                ):
                     self._issue_pack(buf)
                 if not self.pack:
                     self.pack_at = self.used
-                self.pack.append(src)
+                self.pack.append(self.copier.bytes_of(tensor))
                 slab.segments.append((i, self.used, n))
                 self.used += n
                 self.todo.popleft()
             else:
                 self._issue_pack(buf)
+                if self.source is None:  # made on the copy stream, dropped once copied
+                    self.source = self.copier.bytes_of(tensor)
+                src = self.source
                 take = min(n - self.placed, room)
                 self.copier.to_host(
                     buf[self.used : self.used + take], src[self.placed : self.placed + take]
@@ -134,7 +127,7 @@ class _Pipeline:
                 self.placed += take
                 if self.placed == n:
                     self.todo.popleft()
-                    self.placed = 0
+                    self.placed, self.source = 0, None
             if self.used == size:
                 self._close()
         if self.filling is not None:
@@ -153,7 +146,7 @@ class _Pipeline:
         self.ready.append(slab)
         self.filling = None
         if not self.todo and self.on_staged is not None:  # the last copy is issued
-            _when_done(slab.mark, self.on_staged)
+            _when_done(self.copier.mark_all(), self.on_staged)  # every device's copies
             self.on_staged = None
 
     # -- consuming: checksums and writes, slab by slab --------------------------------------
@@ -167,16 +160,16 @@ class _Pipeline:
             large = [
                 (self.staged[i][1], _bytes(buf, at, n))
                 for i, at, n in slab.segments
-                if self.staged[i][0].numel() >= SMALL_BYTES
+                if _nbytes(self.staged[i][0]) >= SMALL_BYTES
             ]
             slab.hashing = self.hasher_thread.submit(_hash, large)
         return slab
 
     def write(self, i: int, record: TensorRecord) -> None:
         """Queue record `i`'s payload from the slabs it was copied into."""
-        src, hasher = self.staged[i]
-        small = src.numel() < SMALL_BYTES
-        left = src.numel()
+        tensor, hasher = self.staged[i]
+        left = _nbytes(tensor)
+        small = left < SMALL_BYTES
         while left:
             slab = self._current()
             j, at, n = slab.segments[slab.next]
@@ -193,7 +186,7 @@ class _Pipeline:
 
     def _finish(self, slab: _Slab) -> None:
         """Every byte of `slab` is queued: write it behind, fill what is free again."""
-        slab.written = [f.flush_behind(_writers()) for f in self.files if f.pending]
+        slab.written = [f.flush_behind(writer_pool()) for f in self.files if f.pending]
         self.ready.popleft()
         self.writing.append(slab)
         while self.writing and _done(self.writing[0]):
@@ -243,7 +236,7 @@ def write_records(
     staged: dict[int, tuple[torch.Tensor, TileHasher]] = {}
     for i, r in enumerate(values):
         if isinstance(r, torch.Tensor) and r.numel() and stage(r):
-            staged[i] = (device_bytes(r), TileHasher(tuple(r.shape), r.element_size()))
+            staged[i] = (r.detach(), TileHasher(tuple(r.shape), r.element_size()))
     if not staged and on_staged is not None:
         on_staged()
         on_staged = None
@@ -264,6 +257,10 @@ def write_records(
     finally:
         pipeline.drain()
     return [w.written() if isinstance(w, TensorRecord) else w for w in out]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _done(slab: _Slab) -> bool:

@@ -70,7 +70,7 @@ def read_streamed(
         if staged:
             landing.send(flat[at : at + n], host)
         else:
-            flat[at : at + n].copy_(host)
+            landing.copy(flat[at : at + n], host)
         at += n
     if hasher is not None and chunk is not None and chunk.crcs is not None:
         _check(hasher, chunk, layout, where, name)
