@@ -114,12 +114,10 @@ class DeviceLanding:
         """Order the copies after the work on the calling thread's current streams (call
         it there): reads on other threads then never overtake the caller's kernels."""
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            after = {}
-            for index in range(torch.cuda.device_count()):
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(index))
-                after[index] = event
-            self._make_copier = lambda: DeviceCopier(after)
+            index = torch.cuda.current_device()  # the others: never touched unless used
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(index))
+            self._make_copier = lambda: DeviceCopier({index: event})
 
     def copy(self, target: torch.Tensor, host: torch.Tensor) -> None:
         """Copy any host tensor into device `target` in the copies' order (scratch that
