@@ -50,16 +50,22 @@ def open_plain(path: Path) -> int:
 
 def write_all_at(fd: int, buffers: Sequence[Any], offset: int) -> None:
     """`pwritev` from `offset` until every byte is written (one call may write less)."""
-    pending = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
-    while pending:
-        n = os.pwritev(fd, pending[:_IOV_MAX], offset)
-        offset += n
-        while n:
-            if n >= len(pending[0]):
-                n -= len(pending.pop(0))
-            else:
-                pending[0] = pending[0][n:]
-                n = 0
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+    for k in range(0, len(views), _IOV_MAX):
+        part = views[k : k + _IOV_MAX]
+        total = sum(len(v) for v in part)
+        done = os.pwritev(fd, part, offset)
+        while done < total:  # a short write: go on from where it stopped
+            rest, skip = [], done
+            for v in part:
+                if skip >= len(v):
+                    skip -= len(v)
+                    continue
+                rest.append(v[skip:])
+                skip = 0
+            part, offset, total = rest, offset + done, total - done
+            done = os.pwritev(fd, part, offset)
+        offset += done
 
 
 def write_all(fd: int, buffers: Sequence[Any]) -> None:

@@ -72,6 +72,7 @@ def write_rank_file(
     failpoint("before-write")
     folder.make()
     values, which = records
+    on_device = _any_on_device(values)  # host-only states skip the staging machinery
     slabs = slabs_for("save", staging_bytes(staging.budget))
     with slabs.lease(), ExitStack() as stack:
         files = [stack.enter_context(DataFile(folder, name)) for name in names]
@@ -80,8 +81,8 @@ def write_rank_file(
             (values, which),
             serialization_id,
             slabs,
-            _copier(values, staging),
-            stage=_always if staging.host else _on_device,
+            _copier(values, staging, on_device),
+            stage=_always if staging.host else (_on_device if on_device else None),
             on_staged=staged,
         )
         for file in files:
@@ -92,8 +93,12 @@ def write_rank_file(
     ]
 
 
-def _copier(records: list[Any], staging: Staging) -> Copier:
-    cuda = any(isinstance(r, torch.Tensor) and r.is_cuda for r in records)
+def _any_on_device(records: list[Any]) -> bool:
+    return any(isinstance(r, torch.Tensor) and r.device.type != "cpu" for r in records)
+
+
+def _copier(records: list[Any], staging: Staging, on_device: bool) -> Copier:
+    cuda = on_device and any(isinstance(r, torch.Tensor) and r.is_cuda for r in records)
     return DeviceCopier(staging.after) if cuda else HostCopier()
 
 

@@ -165,6 +165,7 @@ def _save_leased(
     serialization_id = save_id.replace("-", "")[:40].ljust(40, "0")
     tokens = [e[1] for e in everyone]
     problem, checksums, metadata = None, [], None
+    placed: list[Placement] = []
     try:
         if plan.writes[rank]:
             placed = place_records(plan, inventories[rank], rank, serialization_id)
@@ -184,8 +185,11 @@ def _save_leased(
         else:
             staged()  # this rank writes nothing: the state is not read again
         if rank in (0, world - 1):  # the records: known from the plan but the checksums
-            placements = [
-                place_records(plan, inventories[r], r, serialization_id) for r in range(world)
+            placements = [  # this rank's own, placed above, not again
+                placed
+                if r == rank and plan.writes[rank]
+                else place_records(plan, inventories[r], r, serialization_id)
+                for r in range(world)
             ]
             files = [_file_names(r, placements[r], tokens[r]) for r in range(world)]
             meta = StorageMeta(checkpoint_id=path.checkpoint_id, save_id=save_id)

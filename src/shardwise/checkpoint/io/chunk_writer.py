@@ -29,23 +29,10 @@ from ..format.tile_stream import TileHasher
 from ..format.tiles import checksum_payload
 from .faults import failpoint
 
-__all__ = ["DataFile", "TensorRecord", "Written", "payload_checksums", "writer_pool"]
+__all__ = ["DataFile", "TensorRecord", "Written", "payload_checksums"]
 
 _BATCH_BYTES = 64 << 20  # host copies (of non-CPU tensors, objects) held before a write
 _BATCH_BUFFERS = 1023  # buffers per write (a `writev`: IOV_MAX is 1024)
-
-
-_WRITERS: list = [None, 0]  # the kept writer pool and the pid it belongs to
-
-
-def writer_pool() -> ThreadPoolExecutor:
-    """Threads that write slabs at their offsets: a local disk (or tmpfs) takes
-    several writes at once faster than one."""
-    pool, pid = _WRITERS
-    if pool is None or pid != os.getpid():
-        pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="shardwise-write")
-        _WRITERS[:] = [pool, os.getpid()]
-    return pool
 
 
 class Written(NamedTuple):
@@ -108,6 +95,7 @@ class DataFile:
         self._pending: list[Any] = []
         self._held = 0  # bytes of host copies in `_pending`
         self._at = 0  # where the first pending byte goes
+        self._queued = 0  # bytes pending
         self._behind: list[Future] = []  # writes running on other threads (`flush_behind`)
         self._wrote = False
         self._closed = False
@@ -152,7 +140,7 @@ class DataFile:
     def write_record(self, data: Any) -> Written:
         """An already-encoded record (an object's bytes, a stream-transformed chunk)
         stored as it is, with one checksum of the whole range."""
-        self._queue((data,), len(data))
+        self._queue((data,), len(data), len(data))
         return self._advance(len(data), [crc32c.crc32c(data)])
 
     def write_tensor(self, tensor: torch.Tensor, serialization_id: str = "0" * 40) -> Written:
@@ -164,7 +152,7 @@ class DataFile:
         copied = tensor.nbytes if tensor.data_ptr() != source.data_ptr() else 0
         head, payload, tail = tensor_record(tensor, serialization_id)
         tile, crcs = checksum_payload(payload, tuple(tensor.shape), tensor.element_size())
-        self._queue((head, payload, tail), copied)
+        self._queue((head, payload, tail), copied, len(head) + len(payload) + len(tail))
         payload_at = (self.pos + len(head), len(payload))
         length = len(head) + len(payload) + len(tail)
         return self._advance(length, crcs, payload_at, frame_crc(head, tail), tile)
@@ -181,7 +169,7 @@ class DataFile:
         Its place in the file is taken now; nothing else is written until it `end`s."""
         head, tail = record_frame(dtype, shape, serialization_id)
         record = TensorRecord(self, dtype, shape, head, tail, hasher)
-        self._queue((head,), 0)
+        self._queue((head,), 0, len(head))
         return record
 
     @property
@@ -208,8 +196,9 @@ class DataFile:
         self._first_write()
         return future
 
-    def _queue(self, buffers: tuple[Any, ...], held: int) -> None:
-        self._pending += buffers
+    def _queue(self, buffers: tuple[Any, ...], held: int, nbytes: int) -> None:
+        self._pending += buffers  # `nbytes` in all, `held` of them in host copies
+        self._queued += nbytes
         self._held += held
         if self._held >= _BATCH_BYTES or len(self._pending) >= _BATCH_BUFFERS:
             self._flush()
@@ -222,13 +211,13 @@ class DataFile:
             self._sink.write_at(buffers, at)
         else:
             self._sink.write(self._pending)
-            self._pending, self._held = [], 0
+            self._pending, self._held, self._queued = [], 0, 0
         self._first_write()
 
     def _take_pending(self) -> tuple[list[Any], int]:
         buffers, at = self._pending, self._at
-        self._at += sum(memoryview(b).nbytes for b in buffers)
-        self._pending, self._held = [], 0
+        self._at += self._queued
+        self._pending, self._held, self._queued = [], 0, 0
         return buffers, at
 
     def _first_write(self) -> None:
@@ -279,7 +268,7 @@ class TensorRecord:
 
     def add(self, piece: memoryview) -> None:
         self._added += len(piece)
-        self.file._queue((piece,), 0)
+        self.file._queue((piece,), 0, len(piece))
 
     def end(self) -> None:
         """The payload is complete: queue the record's tail and move the file past it."""
@@ -287,7 +276,7 @@ class TensorRecord:
             raise InvalidArgumentError(
                 f"a record of {self.nbytes} payload bytes ended after {self._added}"
             )
-        self.file._queue((self.tail,), 0)
+        self.file._queue((self.tail,), 0, len(self.tail))
         self.file.pos += len(self.head) + self.nbytes + len(self.tail)
 
     def written(self) -> Written:

@@ -11,19 +11,18 @@ several reads in flight), smaller ones on the caller's thread; the first
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
 
 from ...storage import Folder
+from .io_threads import reader_pool
 
 __all__ = ["PARALLEL_BYTES", "WINDOW", "Job", "run_windowed"]
 
 WINDOW = 64 << 20  # bytes fetched ahead at once from an object store (8 parts in flight)
 PARALLEL_BYTES = 4 << 20  # local jobs from this size on go to reader threads
-_READERS: list = [None, 0]  # the kept reader pool and the pid it belongs to
 
 Job = tuple[dict[str, list[tuple[int, int]]], Callable[[], None]]  # (ranges by file, the read)
 
@@ -57,7 +56,7 @@ def run_windowed(folder: Folder, jobs: list[Job], ordered: int = 0, threads: int
 def _run_local(jobs: list[Job], ordered: int, threads: int) -> None:
     for _ranges, read in jobs[:ordered]:
         read()
-    pool = _readers() if threads > 1 else None
+    pool = reader_pool() if threads > 1 else None
     started: list[Future] = []
     try:
         for ranges, read in jobs[ordered:]:
@@ -76,11 +75,3 @@ def _run_local(jobs: list[Job], ordered: int, threads: int) -> None:
 
 def _size(ranges: dict[str, list[tuple[int, int]]]) -> int:
     return sum(e - s for spans in ranges.values() for s, e in spans)
-
-
-def _readers() -> ThreadPoolExecutor:
-    pool, pid = _READERS
-    if pool is None or pid != os.getpid():
-        pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="shardwise-read")
-        _READERS[:] = [pool, os.getpid()]
-    return pool

@@ -34,9 +34,10 @@ from typing import Any
 import torch
 
 from ..format.tile_stream import TileHasher
-from .chunk_writer import DataFile, TensorRecord, Written, writer_pool
+from .chunk_writer import DataFile, TensorRecord, Written
 from .device_copies import PACK_BYTES, Copier, Mark
 from .host_slabs import HostSlabs
+from .io_threads import writer_pool
 
 __all__ = ["SMALL_BYTES", "write_records"]
 
@@ -224,17 +225,19 @@ def write_records(
     slabs: HostSlabs,
     copier: Copier,
     *,
-    stage: Callable[[torch.Tensor], bool],
+    stage: Callable[[torch.Tensor], bool] | None,
     on_staged: Callable[[], None] | None = None,
 ) -> list[Written]:
     """Write `records` — (tensors or objects' bytes, index of the file each goes to) —
-    into `files`, each file's in order; tensors `stage` picks go through `slabs` by
-    `copier`, the others straight from memory. `on_staged` is called (from another
+    into `files`, each file's in order; tensors `stage` picks (None: none) go through
+    `slabs` by `copier`, the others straight from memory. `on_staged` is called (from another
     thread, possibly) once the staged tensors' bytes are all on the host; never
     when a copy could not be issued."""
     values, which = records
     staged: dict[int, tuple[torch.Tensor, TileHasher]] = {}
     for i, r in enumerate(values):
+        if stage is None:
+            break
         if isinstance(r, torch.Tensor) and r.numel() and stage(r):
             staged[i] = (r.detach(), TileHasher(tuple(r.shape), r.element_size()))
     if not staged and on_staged is not None:
