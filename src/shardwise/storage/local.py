@@ -48,6 +48,18 @@ def open_plain(path: Path) -> int:
     return fd
 
 
+def _rest(views: list[memoryview], done: int) -> list[memoryview]:
+    """What of `views` is left to write once their first `done` bytes are written."""
+    rest, skip = [], done
+    for v in views:
+        if skip >= len(v):
+            skip -= len(v)
+            continue
+        rest.append(v[skip:])
+        skip = 0
+    return rest
+
+
 def write_all_at(fd: int, buffers: Sequence[Any], offset: int) -> None:
     """`pwritev` from `offset` until every byte is written (one call may write less)."""
     views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
@@ -56,29 +68,17 @@ def write_all_at(fd: int, buffers: Sequence[Any], offset: int) -> None:
         total = sum(len(v) for v in part)
         done = os.pwritev(fd, part, offset)
         while done < total:  # a short write: go on from where it stopped
-            rest, skip = [], done
-            for v in part:
-                if skip >= len(v):
-                    skip -= len(v)
-                    continue
-                rest.append(v[skip:])
-                skip = 0
-            part, offset, total = rest, offset + done, total - done
+            part, offset, total = _rest(part, done), offset + done, total - done
             done = os.pwritev(fd, part, offset)
         offset += done
 
 
 def write_all(fd: int, buffers: Sequence[Any]) -> None:
     """`writev` until every byte is written (one call may write less)."""
-    pending = [memoryview(b).cast("B") for b in buffers if len(memoryview(b).cast("B"))]
+    pending = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
     while pending:
-        n = os.writev(fd, pending[:_IOV_MAX])
-        while n:
-            if n >= len(pending[0]):
-                n -= len(pending.pop(0))
-            else:
-                pending[0] = pending[0][n:]
-                n = 0
+        part = pending[:_IOV_MAX]
+        pending = _rest(part, os.writev(fd, part)) + pending[_IOV_MAX:]
 
 
 class LocalFile(RandomAccess):
@@ -138,14 +138,7 @@ class LocalSink(Sink):
             n = os.writev(fd, part)
             total = sum(len(v) for v in part)
             if n < total:  # a short write: finish from where it stopped
-                rest, skip = [], n
-                for v in part:
-                    if skip >= len(v):
-                        skip -= len(v)
-                        continue
-                    rest.append(v[skip:])
-                    skip = 0
-                write_all(fd, rest)
+                write_all(fd, _rest(part, n))
 
     def write_at(self, buffers: Sequence[Any], offset: int) -> None:
         write_all_at(self.file.fileno(), buffers, offset)

@@ -57,20 +57,20 @@ def _direct(tmp_path: Path, records: list, name: str = "direct") -> list:
     return [w._replace(file="") for w in written]
 
 
+def _write(f: DataFile, records: list, slabs: HostSlabs, stage, on_staged=None) -> list:
+    """`write_records` of `records` into the one file `f`, through `HostCopier`."""
+    one_file = (records, [0] * len(records))
+    return staged_writer.write_records(
+        [f], one_file, SID, slabs, HostCopier(), stage=stage, on_staged=on_staged
+    )
+
+
 def test_staged_records_are_the_bytes_and_checksums_of_direct_writes(tmp_path: Path) -> None:
     records = _records()
     slabs = HostSlabs(4 << 20, pin=False)  # four 1 MiB slabs for 8 MiB of tensors: waves
     calls: list[str] = []
     with slabs.lease(), DataFile(tmp_path, "staged") as f:
-        written = staged_writer.write_records(
-            [f],
-            (records, [0] * len(records)),
-            SID,
-            slabs,
-            HostCopier(),
-            stage=lambda t: True,
-            on_staged=lambda: calls.append("staged"),
-        )
+        written = _write(f, records, slabs, lambda t: True, lambda: calls.append("staged"))
         f.finish()
     assert (tmp_path / "staged").read_bytes() == _expected(records)
     assert [w._replace(file="") for w in written] == _direct(tmp_path, records)
@@ -83,15 +83,7 @@ def test_host_tensors_not_picked_are_written_from_their_memory(tmp_path: Path) -
     slabs = HostSlabs(4 << 20, pin=False)
     calls: list[str] = []
     with slabs.lease(), DataFile(tmp_path, "f") as f:
-        staged_writer.write_records(
-            [f],
-            (records, [0] * len(records)),
-            SID,
-            slabs,
-            HostCopier(),
-            stage=lambda t: False,
-            on_staged=lambda: calls.append("x"),
-        )
+        _write(f, records, slabs, lambda t: False, lambda: calls.append("x"))
         f.finish()
     assert (tmp_path / "f").read_bytes() == _expected(records)
     assert calls == ["x"]  # nothing to stage: staged at once
@@ -130,9 +122,7 @@ def test_a_slab_is_refilled_only_after_its_bytes_are_written(
             return future
 
         monkeypatch.setattr(f, "flush_behind", spy_behind)
-        staged_writer.write_records(
-            [f], (records, [0] * len(records)), SID, slabs, HostCopier(), stage=lambda t: True
-        )
+        _write(f, records, slabs, lambda t: True)
         f.finish()
     assert (tmp_path / "f").read_bytes() == _expected(records)
     in_flight = 0
@@ -168,15 +158,7 @@ def test_a_failure_mid_way_leaves_no_slab_out_and_no_file(
                 write_at(buffers, at)
 
             monkeypatch.setattr(f._sink, "write_at", failing_write_at)
-            staged_writer.write_records(
-                [f],
-                (records, [0] * len(records)),
-                SID,
-                slabs,
-                HostCopier(),
-                stage=lambda t: True,
-                on_staged=lambda: staged.append("s"),
-            )
+            _write(f, records, slabs, lambda t: True, lambda: staged.append("s"))
     assert not (tmp_path / "f").exists()  # the DataFile's block removed it
     assert slabs.free == 2  # the lease gave every slab back
     assert staged == []  # the last copy was never issued: the caller signals it
