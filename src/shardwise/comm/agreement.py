@@ -9,8 +9,10 @@ message, naming the faulty rank, and the process group stays usable.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ArgumentMismatchError, ShardwiseError
@@ -84,6 +86,20 @@ def require_same(
         )
 
 
+@dataclass(frozen=True)
+class _Failed:
+    """What a rank with a problem routes to every rank instead of its payloads."""
+
+    kind: type
+    message: str
+
+
+def _digest(value: Any) -> int:
+    """63 bits of a hash of `value`'s repr (how `require_same` compares values)."""
+    data = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
+    return int.from_bytes(data, "little") >> 1
+
+
 class Agreement:
     """One collective call's agreement, created at its API edge and carried through:
     every exchange the call makes goes through it, so a problem found on one rank
@@ -130,3 +146,69 @@ class Agreement:
         if first and self.arguments is not None:
             require_same([a for _p, a in everyone], self.arguments[0])
         return [p for p, _a in everyone]
+
+    def _take(self) -> BaseException | None:
+        """This rank's pending problem, for an exchange other than the call's first
+        (which compares the call's arguments: `exchange` only)."""
+        alone = self.comm.world_size == 1
+        assert self.exchanges or self.arguments is None or alone, "the first is `exchange`"
+        problem, self._pending = self._pending, None
+        self.exchanges += 1
+        return problem
+
+    def agree(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of every rank's `values`: a fixed-size exchange
+        (one `all_reduce`), whatever the world size. A problem on any rank is raised on
+        every rank; only then are the problems gathered, to name every faulty rank. As
+        a call's first exchange it compares the call's arguments by a hash, gathering
+        them only when they differ (to name the ranks that differ)."""
+        first = self.exchanges == 0 and self.arguments is not None
+        if self.comm.world_size == 1:
+            self.exchange()  # raises this rank's problem, if any
+            return list(values)
+        digest = _digest(self.arguments[1]) if first and self.arguments else 0
+        problem = self._pending
+        out = self.comm.all_reduce_max([int(problem is not None), digest, -digest, *values])
+        if out[0] or out[1] != -out[2]:
+            self.exchange()  # the slow path, on every rank: raises the problems or mismatch
+        else:
+            self._pending = None
+            self.exchanges += 1
+        return out[3:]
+
+    def route(self, objs: list[Any]) -> list[Any]:
+        """`objs[r]` to rank r (one `all_to_all`): what each rank sent this one. Each
+        rank receives only what is addressed to it; a rank with a problem sends it to
+        every rank instead, and every rank raises them all."""
+        problem = self._take()
+        if self.comm.world_size == 1:
+            if problem is not None:
+                raise problem
+            return list(objs)
+        if problem is not None:
+            objs = [_Failed(type(problem), str(problem))] * self.comm.world_size
+        got = self.comm.all_to_all_object(objs)
+        failed = [(o.kind, o.message) if isinstance(o, _Failed) else None for o in got]
+        try:
+            raise_agreed(failed)
+        except Exception as agreed:
+            if problem is not None:
+                raise agreed from problem
+            raise
+        return got
+
+    def gather(self, payload: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's `payload` on rank `dst` (one `gather`), None elsewhere. Not a
+        verdict: a problem stays pending until the next exchange, where every rank
+        raises it (on `dst`, with every other rank's problem sent here)."""
+        problem = self._take()
+        mine: Problem = None if problem is None else (type(problem), str(problem))
+        got = self.comm.gather_object((mine, payload), dst)
+        self._pending = problem
+        if got is None:
+            return None
+        try:
+            raise_agreed([p for p, _ in got])
+        except Exception as agreed:  # noqa: BLE001 - raised by the next exchange
+            self._pending = agreed
+        return [o for _, o in got]

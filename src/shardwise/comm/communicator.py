@@ -1,8 +1,11 @@
-"""The two collectives the engine needs, behind one small interface.
+"""The collectives the engine needs, behind one small interface.
 
-Transfers need `all_to_all_single` and the agreement rule needs
-`all_gather_object`; `communicator(group)` gives them over a torch.distributed
-process group (None: the default group). The interface also lets tests run
+Transfers need `all_to_all_single`, the agreement rule `all_gather_object`;
+checkpoint planning, whose cost per rank must not grow with the world size,
+routes objects to the ranks that need them (`all_to_all_object`,
+`gather_object`) and agrees on fixed-size verdicts (`all_reduce_max`).
+`communicator(group)` gives them over a torch.distributed process group
+(None: the default group). The interface also lets tests run
 several ranks as threads of one process (`tests/comm/threaded_world.py`), so
 planning, packing and agreement are checked without spawning processes.
 
@@ -13,6 +16,7 @@ GPU memory and synchronising the device; tensors keep the group's backend.
 
 from __future__ import annotations
 
+import pickle
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from datetime import timedelta
@@ -67,6 +71,19 @@ class Communicator(ABC):
         """Start sending `input`'s pieces to each rank and filling `output` from
         each rank (sizes in elements, pieces in rank order); wait() finishes it."""
 
+    @abstractmethod
+    def all_to_all_object(self, objs: list[Any]) -> list[Any]:
+        """`objs[r]` sent to rank r; what every rank sent this one, in rank order."""
+
+    @abstractmethod
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's `obj` in rank order on rank `dst`; None on the others."""
+
+    @abstractmethod
+    def all_reduce_max(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of every rank's `values` (int64, the same length on
+        every rank): a fixed-size agreement, whatever the world size."""
+
 
 class ProcessGroupCommunicator(Communicator):
     """A torch.distributed process group (gloo, NCCL, ...)."""
@@ -103,6 +120,32 @@ class ProcessGroupCommunicator(Communicator):
         )
         assert work is not None  # async_op=True always returns a handle
         return work
+
+    def all_to_all_object(self, objs: list[Any]) -> list[Any]:
+        group = object_group(self.group)
+        data = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
+        sizes = torch.tensor([len(d) for d in data], dtype=torch.int64)
+        theirs = torch.empty_like(sizes)
+        dist.all_to_all_single(theirs, sizes, group=group)
+        received = torch.empty(int(theirs.sum()), dtype=torch.uint8)
+        sent = torch.frombuffer(bytearray(b"".join(data)), dtype=torch.uint8)
+        counts = theirs.tolist()
+        dist.all_to_all_single(received, sent, counts, sizes.tolist(), group=group)
+        flat, out, at = received.numpy().tobytes(), [], 0
+        for n in counts:
+            out.append(pickle.loads(flat[at : at + n]))
+            at += n
+        return out
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        gathered: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, gathered, group=object_group(self.group), group_dst=dst)
+        return gathered
+
+    def all_reduce_max(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=object_group(self.group))
+        return t.tolist()
 
 
 # (the default group they were made under, the gloo group) by global ranks.
@@ -176,6 +219,15 @@ class SingleProcess(Communicator):
     ) -> Waitable:
         output.copy_(input)
         return _Done()
+
+    def all_to_all_object(self, objs: list[Any]) -> list[Any]:
+        return list(objs)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        return [obj]
+
+    def all_reduce_max(self, values: list[int]) -> list[int]:
+        return list(values)
 
 
 class _Done:

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import shardwise.checkpoint as swc
 from shardwise import Layout, ShardedTensor
+from shardwise.checkpoint.engine import plan_cache
 from shardwise.comm.communicator import ProcessGroupCommunicator
 from shardwise.testing import run_ranks, shard_of
 
@@ -58,7 +59,13 @@ _DIST = (
     "send",
     "send_object_list",
 )
-_COMM = ("all_gather_object", "all_to_all_single")
+_COMM = (
+    "all_gather_object",
+    "all_to_all_single",
+    "all_to_all_object",
+    "gather_object",
+    "all_reduce_max",
+)
 
 SHAPE = (8, 6)
 FULL = torch.arange(48, dtype=torch.float32).reshape(SHAPE)
@@ -90,7 +97,7 @@ def _state(rank: int, scale: float = 1.0) -> dict[str, Any]:
 
 # DCP's `_DistWrapper` helpers around one dist call, and shardwise's agreement helpers
 _DCP_SENDS = {"gather_object", "scatter_object", "broadcast_object", "all_gather_object"}
-_HELPERS = {"_agree", "exchange", "all_gather_object", "all_to_all_single"}
+_HELPERS = {"_agree", "exchange", "agree", "route", "gather", *_COMM}
 
 
 def _site() -> str:
@@ -161,8 +168,11 @@ def _prepare(rank: int, world: int, folder: str) -> None:
 def _call(entry: str, rank: int, folder: str) -> None:
     root = Path(folder)
     state = _state(rank, 2.0)
-    if entry == "swc.save":
+    if entry == "swc.save":  # a first save: nothing planned before
+        plan_cache.forget()
         swc.save(state, str(root / "saved"))
+    elif entry == "swc.save(again)":  # a training loop's next save: the plan is reused
+        swc.save(state, str(root / "saved again"))
     elif entry == "swc.async_save":
         swc.async_save(state, str(root / "async")).result()
     elif entry == "swc.async_save(again)":
@@ -200,19 +210,48 @@ def _count(rank: int, world: int, folder: str, entries: list[str]) -> dict[str, 
 # Per rank, per entry point: {collective: calls}. "comm." counts shardwise's own
 # Communicator methods; each of those is also one "dist." call below it. The order
 # (printed on failure, and by running this module) names each exchange.
+_AGAIN = {
+    "comm.all_gather_object": 1,
+    "dist.all_gather_object": 1,
+    "comm.all_reduce_max": 2,
+    "dist.all_reduce": 2,
+    "comm.all_to_all_object": 1,
+    "dist.all_to_all_single": 2,
+    "comm.gather_object": 1,
+    "dist.gather_object": 1,
+}
 PINNED: dict[str, dict[str, int]] = {
-    # api.edge.agree_route (folder, route, adapted values), then saving's three:
-    # inventory, checksums report, commit verdict
-    "swc.save": {"dist.all_gather_object": 4, "comm.all_gather_object": 4},
-    # api.edge.agree_route (folder, adapted values), api.save._check_target (staging,
-    # objects, target), the async group (first call only), then saving's three on the
-    # background thread
-    "swc.async_save": {
-        "dist.all_gather_object": 5,
-        "comm.all_gather_object": 5,
-        "dist.new_group": 1,
+    # api.edge.agree_route (folder, route, adapted values), then saving's (engine.saving):
+    # agree (all_reduce), plan by key owners (2 routes), reports to owners (route), the
+    # owners' record parts to rank 0 (gather), the verdict (all_reduce). A route is two
+    # all_to_all_single: the sizes, then the bytes.
+    "swc.save": {
+        "comm.all_gather_object": 1,
+        "dist.all_gather_object": 1,
+        "comm.all_reduce_max": 2,
+        "dist.all_reduce": 2,
+        "comm.all_to_all_object": 3,
+        "dist.all_to_all_single": 6,
+        "comm.gather_object": 1,
+        "dist.gather_object": 1,
     },
-    "swc.async_save(again)": {"dist.all_gather_object": 5, "comm.all_gather_object": 5},
+    # the same structure again: the plan is reused (engine.plan_cache), no planning route
+    "swc.save(again)": _AGAIN,
+    # api.edge.agree_route (folder, adapted values), api.save._check_target (staging,
+    # objects, target), the async group (first call only), then saving's on the
+    # background thread (a first save on that group)
+    "swc.async_save": {
+        "comm.all_gather_object": 2,
+        "dist.all_gather_object": 2,
+        "dist.new_group": 1,
+        "comm.all_reduce_max": 2,
+        "dist.all_reduce": 2,
+        "comm.all_to_all_object": 3,
+        "dist.all_to_all_single": 6,
+        "comm.gather_object": 1,
+        "dist.gather_object": 1,
+    },
+    "swc.async_save(again)": {**_AGAIN, "comm.all_gather_object": 2, "dist.all_gather_object": 2},
     # none of shardwise's: DCP's plan (gather + scatter) and finish (gather + broadcast)
     "dcp.save+Writer": {
         "dist.gather_object": 2,

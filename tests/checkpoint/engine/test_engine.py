@@ -75,7 +75,7 @@ def test_sharded_chunks_stay_with_their_holder_and_count_toward_its_load() -> No
 def test_record_placement_follows_record_lengths() -> None:
     entries = _entries({"x": torch.zeros(3, 5), "y": torch.zeros(7, dtype=torch.bfloat16)})
     plan = plan_save([entries])
-    places = place_records(plan, entries, 0, "0" * 40)
+    places = place_records(plan.writes[0], entries, "0" * 40)
     hx, tx = record_frame(torch.float32, (3, 5))
     hy, ty = record_frame(torch.bfloat16, (7,))
     x_len = len(hx) + 60 + len(tx)

@@ -37,7 +37,7 @@ def _state(rank: int, shift: float = 0.0) -> dict:
     return {
         "w": ShardedTensor.from_layout(LAYOUT, [FULL[block.slices()] + shift], rank=rank),
         "small": {f"b{i}": torch.full((100 + i,), float(i) + shift) for i in range(20)},
-        "big": torch.arange(400_000, dtype=torch.float64) + shift,  # replicated: rank 0 writes it
+        "big": torch.arange(400_000, dtype=torch.float64) + shift,  # replicated: one rank writes it
         "step": 3,
     }
 
@@ -145,9 +145,10 @@ def test_a_large_share_is_spread_over_several_files_that_every_reader_reads(
     staged = {r: Staging(BUDGET, host=True) for r in (0, 1)}
     assert _save(tmp_path / "ck", 0.0, staged) == [None, None]
     names = sorted(p.name.split(".")[0] for p in (tmp_path / "ck").glob("*.distcp"))
-    # rank 0 writes its 1.2 MB of `w` and the small values: 1 file (1.2 MB // 1 MiB);
-    # rank 1 its 0.5 MB of `w` and the replicated 3.2 MB `big`: 3 files, two used
-    assert names == ["__0_0", "__1_0", "__1_1"]
+    # rank 0 writes its 1.2 MB of `w`: 1 file (1.2 MB // 1 MiB); rank 1, holding the
+    # smaller shard (0.5 MB), is given every replicated value by their owners (the
+    # 3.2 MB `big` and the small ones): 3 files, each record in the shortest one
+    assert names == ["__0_0", "__1_0", "__1_1", "__1_2"]
     got = _stock(tmp_path / "ck")
     assert torch.equal(got["w"], FULL) and got["step"] == 3
     assert torch.equal(got["big"], torch.arange(400_000, dtype=torch.float64))

@@ -8,6 +8,7 @@ late are encoded as if they were there from the start, and the plan's records
 
 from __future__ import annotations
 
+import io
 import pickle
 
 import crc32c
@@ -16,6 +17,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from shardwise.checkpoint.engine.save_records import SaveRecords
 from shardwise.checkpoint.format.manifest import Manifest, ObjectEntry, TensorEntry
 from shardwise.checkpoint.format.manifest_fields import ChunkEntry
+from shardwise.checkpoint.format.safe_pickle import load_metadata
 
 META = StorageMeta(checkpoint_id="/ck", save_id="s1")
 
@@ -60,3 +62,35 @@ def test_metadata_is_what_the_manifest_describes() -> None:
     )
     assert (infos[("step", ())].offset, infos[("step", ())].length) == (900, 30)
     assert type(infos[("step", ())]).__name__ == "_StorageInfo"  # DCP's own class: stock reads it
+
+
+def _split() -> tuple[SaveRecords, list[SaveRecords]]:
+    """`_records()` whole, and its entries split between two owners' records."""
+    whole, late = _records()
+    SaveRecords.fill(late, ((2, 2), [5], 6))
+    owners = [SaveRecords(2, META, {}) for _ in range(2)]
+    owners[0].tensors["w"] = whole.tensors["w"]
+    owners[1].objects["step"] = whole.objects["step"]
+    return whole, owners
+
+
+def test_records_joined_from_owners_parts_are_the_whole_records() -> None:
+    """Each owner encodes its keys; the coordinator joins bytes (`format.record_parts`):
+    the same `.metadata` objects and the same manifest, byte for byte."""
+    whole, owners = _split()
+    frame = SaveRecords(2, META, whole.planner_data)
+    metadata, manifest = frame.join([o.parts() for o in owners])
+    assert pickle.loads(metadata) == pickle.loads(whole.metadata())
+    assert load_metadata(io.BytesIO(metadata)) == pickle.loads(metadata)  # and the safe reader
+    assert manifest == whole.manifest(crc32c.crc32c(metadata))
+    assert Manifest.from_json(manifest).tensors["w"].chunks[1].crcs == [5]
+
+
+def test_planner_data_that_spells_a_splice_mark_is_pickled_whole() -> None:
+    whole, owners = _split()
+    planner = {"\x00shardwise part: state\x00": None}  # what the frame's hole pickles as
+    frame = SaveRecords(2, META, planner)
+    metadata, _ = frame.join([o.parts() for o in owners])
+    got = pickle.loads(metadata)
+    assert got.planner_data == planner
+    assert got.state_dict_metadata == pickle.loads(whole.metadata()).state_dict_metadata

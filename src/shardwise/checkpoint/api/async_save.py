@@ -104,8 +104,8 @@ def async_save(
 
     Collective: two small `all_gather_object` per rank before it returns (the
     folder and the adapted values; the staging, objects and target check; the first
-    call also creates its gloo group, `dist.new_group`), then `saving`'s three in
-    the background.
+    call also creates its gloo group, `dist.new_group`), then `saving`'s in the
+    background (six, or four when the plan is reused: `engine.saving`).
     """
     folder, problem = open_target(path, storage_options)
     if PENDING.future is not None:  # its error is its future's: never every later save's

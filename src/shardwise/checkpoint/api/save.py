@@ -120,12 +120,13 @@ def save(
     stream that follows the caller's current stream, while earlier copies are
     checksummed and written; a larger state goes in waves.
 
-    Collective: four small `all_gather_object` per rank, whatever the number of
-    tensors: the edge's one (the folder opens everywhere, one route, the same
-    adapted values: `edge.agree_route`), then `saving`'s inventory, checksums
-    report and commit verdict. By Megatron key, `save_targets`' own exchanges, the
-    target check and (`megatron=True`) Megatron's `metadata.json` come before
-    `saving`'s three.
+    Collective, whatever the number of tensors: the edge's one small
+    `all_gather_object` (the folder opens everywhere, one route, the same adapted
+    values: `edge.agree_route`), then `saving`'s six (a save of a structure this
+    group saved before: four, its plan reused), each rank's traffic O(what it holds
+    and the keys it owns) whatever the world size (`engine.saving`). By Megatron
+    key, `save_targets`' own exchanges, the target check and (`megatron=True`)
+    Megatron's `metadata.json` come before `saving`'s.
     """
     folder, problem = open_target(path, storage_options)
     if PENDING.future is not None:  # one save at a time: the next commit collects unnamed files

@@ -1,18 +1,19 @@
-"""The global plan of a save, computed identically on every rank from the exchanged inventories.
+"""The plan of a save's keys, from what every rank holds of them.
 
-No process group here: `plan_save` is a pure function of every rank's
-`inventory.Entry` list, so each rank derives the same plan after one
-`all_gather_object` and no plan is ever scattered. Its cost is linear in the
-number of entries (plus a sort of the replicated ones). It decides:
+No process group here: `plan_save` is a pure function of the ranks'
+`inventory.Entry` lists. In a collective save each rank runs it over the keys
+it owns (`key_owners`), fed every rank's entries of those keys; its cost is
+linear in the number of entries (plus a sort of the replicated ones). It decides:
 
 * which rank writes each distinct box: a box one rank holds is written by it;
   a box several ranks hold (a plain tensor, a replicated block) by the holder
-  with the fewest bytes assigned so far, largest boxes first, so replicated
-  state is spread over the ranks deterministically; an object by the lowest
-  rank holding it;
-* where each record goes: rank r writes one file, its records in its own
-  inventory order, so every offset follows from the records' lengths
-  (`record_frame`), known before any byte is written;
+  with the fewest bytes assigned so far by this plan, largest boxes first, ties
+  to the holder nearest after rank `first` (each owner passes its own rank, so
+  owners spread replicated state over different ranks deterministically); an
+  object by the lowest rank holding it;
+* where each record goes (`place_records`, on the writing rank): its records
+  in its own inventory order, so every offset follows from the records'
+  lengths (`record_frame`), known before any byte is written;
 * what is wrong: a key held as a tensor on one rank and an object on another,
   or with different dtypes or global shapes, boxes out of bounds or
   overlapping, or not covering the tensor. Stock DCP accepts holes in a
@@ -83,8 +84,13 @@ def file_count(total: int) -> int:
     return 1 if total < SPLIT_BYTES else min(MAX_FILES, total // FILE_BYTES)
 
 
-def plan_save(inventories: list[list[Entry]]) -> SavePlan:
-    """The plan for every rank's `inventory.describe` entries, in rank order."""
+def plan_save(
+    inventories: list[list[Entry]], first: int = 0, loads: list[int] | None = None
+) -> SavePlan:
+    """The plan for every rank's `inventory.describe` entries, in rank order. `first`:
+    where ties between the holders of a shared box start; `loads`: the bytes each rank
+    holds in all (when `inventories` are a part of what they hold), the load shared
+    boxes are balanced against."""
     tensors: dict[str, TensorPlan] = {}
     objects: dict[str, tuple[int, int]] = {}
     mappings: dict[str, tuple[Any, ...]] = {}
@@ -116,7 +122,7 @@ def plan_save(inventories: list[list[Entry]]) -> SavePlan:
                     boxes[box] = [(rank, index)]
                 else:
                     holders.append((rank, index))
-    _assign_writers(keys, len(inventories))
+    _assign_writers(keys, len(inventories), first, loads)
     writes: list[list[tuple[str, int]]] = [[] for _ in inventories]
     for rank, entries in enumerate(inventories):  # each rank writes in its own inventory order
         mine = writes[rank]
@@ -141,10 +147,13 @@ def plan_save(inventories: list[list[Entry]]) -> SavePlan:
     return SavePlan(tensors, objects, writes, mappings, problems)
 
 
-def _assign_writers(keys: dict[str, Any], world_size: int) -> None:
+def _assign_writers(
+    keys: dict[str, Any], world_size: int, first: int, loads: list[int] | None
+) -> None:
     """Replace each box's holders by its writer: a sole holder writes its box; shared
-    boxes go, largest first, to the holder with the fewest bytes so far."""
-    load = [0] * world_size
+    boxes go, largest first, to the holder with the fewest bytes so far (with `loads`:
+    the fewest bytes held, plus those assigned)."""
+    load = [0] * world_size if loads is None else list(loads)
     itemsizes: dict[str, int] = {}
     shared = []
     for order, (dtype, _shape, _rank, boxes) in enumerate(keys.values()):
@@ -157,12 +166,13 @@ def _assign_writers(keys: dict[str, Any], world_size: int) -> None:
             nbytes = math.prod(box[1]) * itemsize
             if len(holders) == 1:
                 boxes[box] = holders[0]
-                load[holders[0][0]] += nbytes
+                if loads is None:
+                    load[holders[0][0]] += nbytes
             else:
                 shared.append((-nbytes, order, box, boxes, holders))
     shared.sort(key=lambda s: s[:3])
     for minus_nbytes, _order, box, boxes, holders in shared:
-        rank, index = min(holders, key=lambda h: (load[h[0]], h[0]))
+        rank, index = min(holders, key=lambda h: (load[h[0]], (h[0] - first) % world_size))
         boxes[box] = (rank, index)
         load[rank] -= minus_nbytes
 
@@ -222,20 +232,18 @@ def _check_boxes(key: str, plan: TensorPlan) -> str | None:
 
 
 def place_records(
-    plan: SavePlan,
-    entries: list[Entry],
-    rank: int,
-    serialization_id: str,
+    writes: list[tuple[str, int]], entries: list[Entry], serialization_id: str
 ) -> list[Placement]:
-    """Where each record of `rank`'s writes lands, in write order (`entries`: that
-    rank's inventory): one data file, or `file_count` of them for a large share, each
-    record in the one holding the fewest bytes so far (so consecutive large records
-    go to different files and are written at once)."""
+    """Where each record of a rank's `writes` ((key, box index), -1 for an object)
+    lands, in write order (`entries`: that rank's inventory): one data file, or
+    `file_count` of them for a large share, each record in the one holding the
+    fewest bytes so far (so consecutive large records go to different files and
+    are written at once)."""
     boxes = {e[0]: e for e in entries}
     # (dtype, sizes) -> lengths of the record's head and of the whole record
     frames: dict[tuple[str | None, tuple[int, ...]], tuple[int, int]] = {}
     sized: list[tuple[int, int]] = []  # (length, head length; -1 for an object)
-    for key, index in plan.writes[rank]:
+    for key, index in writes:
         _key, _path, dtype, _shape, _grad, held = boxes[key]
         if index < 0:
             sized.append((held[0], -1))  # an object's entry holds its byte length and crc32c

@@ -7,20 +7,22 @@ reports late are fields of those entries, filled in before `manifest` encodes
 them (`format.manifest_fields`). `.metadata` needs no checksums: it can be
 built as soon as the places are known. Like objects are shared in its pickle
 (tensor properties, shapes, boxes), so it stays small and fast at 100,000 tensors.
+A collective save builds the records of each key on its owner (`key_owners`):
+`parts` encodes them there, `format.record_parts` joins every owner's parts.
 """
 
 from __future__ import annotations
 
 import math
-import pickle
+from collections.abc import Callable
 from typing import Any
 
+import crc32c
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
-    Metadata,
     MetadataIndex,
     StorageMeta,
     TensorProperties,
@@ -30,6 +32,14 @@ from torch.distributed.checkpoint.metadata import (
 from ..format.manifest import Manifest, ObjectEntry, TensorEntry
 from ..format.manifest_fields import ChunkEntry
 from ..format.manifest_template import ManifestTemplate
+from ..format.record_parts import (
+    ManifestPart,
+    MetadataPart,
+    manifest_from_parts,
+    manifest_part,
+    metadata_from_parts,
+    pickled_items,
+)
 from .planning import Placement, SavePlan
 
 __all__ = ["Checksums", "SaveRecords", "plan_records"]
@@ -93,6 +103,26 @@ class SaveRecords:
 
     def metadata(self) -> bytes:
         """The pickled DCP `Metadata` stock `dcp.load` reads."""
+        return metadata_from_parts([self.metadata_part()], self.planner_data, self.storage_meta)
+
+    def parts(self) -> tuple[MetadataPart, ManifestPart]:
+        """These entries' share of `.metadata` and of the manifest, for
+        `format.record_parts` to join with other ranks' shares."""
+        return self.metadata_part(), manifest_part(
+            Manifest(world_size=self.world_size, tensors=self.tensors, objects=self.objects)
+        )
+
+    def join(self, parts: list[tuple[MetadataPart, ManifestPart]]) -> tuple[bytes, bytes]:
+        """`.metadata` and the sealed manifest of every rank's `parts`, in order, with
+        this object's fields around them (its own entries: none)."""
+        assert not self.tensors and not self.objects, "the frame holds no entries"
+        metadata = metadata_from_parts([p[0] for p in parts], self.planner_data, self.storage_meta)
+        frame = self.draft()
+        frame.metadata_crc32c = crc32c.crc32c(metadata)
+        return metadata, manifest_from_parts(frame, [p[1] for p in parts])
+
+    def metadata_part(self) -> MetadataPart:
+        """The items of `.metadata`'s two dicts for these entries (`pickled_items`)."""
         sizes: dict[tuple[int, ...], torch.Size] = {}
 
         def size(t: tuple[int, ...]) -> torch.Size:
@@ -130,27 +160,20 @@ class SaveRecords:
         for key, o in self.objects.items():
             state[key] = BytesStorageMetadata()
             storage[MetadataIndex(key)] = _StorageInfo(o.file, o.offset, o.length, o.transform)
-        metadata = Metadata(
-            state_dict_metadata=state,
-            planner_data=self.planner_data,
-            storage_data=storage,
-            storage_meta=self.storage_meta,
-            version=CURRENT_DCP_VERSION,
-        )
-        return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        return pickled_items(state), pickled_items(storage)
 
 
 def plan_records(
     plan: SavePlan,
     placements: list[list[Placement]],
-    files: list[list[str]],
+    file_name: Callable[[int, int], str],
     storage_meta: StorageMeta,
     object_crcs: dict[str, int],
 ) -> tuple[SaveRecords, list[tuple[int, int, ChunkEntry]]]:
-    """The records of the engine's save (`saving`), all known from its plan but the
-    chunks' checksums: the records, and each chunk's (writing rank, position in its
-    writes, entry) for `SaveRecords.fill` once the writers report. `files`: each
-    rank's data file names, by `Placement.file`."""
+    """The records of `plan`'s keys (an owner's share of a save, `key_owners`), all
+    known from the plan but the chunks' checksums: the records, and each chunk's
+    (writing rank, position in its writes, entry) for `SaveRecords.fill` once the
+    writers report. `file_name(rank, k)`: the name of a rank's k-th data file."""
     records = SaveRecords(len(placements), storage_meta, plan.mappings)
     slots = []
     itemsizes: dict[str, int] = {}
@@ -163,13 +186,13 @@ def plan_records(
             place = placements[rank][position]
             payload = (place.payload, math.prod(lengths) * itemsize)
             record = (place.offset, place.length)
-            name = files[rank][place.file]
+            name = file_name(rank, place.file)
             chunk = ChunkEntry(offsets, lengths, name, record, payload, [], 0, None, None)
             entry.chunks.append(chunk)
             slots.append((rank, position, chunk))
     for key, (rank, position) in plan.objects.items():
         place = placements[rank][position]
         records.objects[key] = ObjectEntry(
-            files[rank][place.file], place.offset, place.length, object_crcs[key]
+            file_name(rank, place.file), place.offset, place.length, object_crcs[key]
         )
     return records, slots

@@ -3,28 +3,30 @@
 Every value goes through it: a tensor type only DCP's own protocol describes
 is one branch of the inventory (`inventory.dcp_pieces`), Megatron's
 pre-serialized objects another (`inventory.Serialized`); nothing falls back to
-`dcp.save`. Three exchanges here per save, whatever the number of tensors.
-`swc.save` makes one before them (`api.edge.agree_route`: the folder, the
-route, the adapted values): four per rank in all. `async_save` makes two before
-it returns (the adapted values, its target check; its first call also creates
-its own gloo group), then these three in the background: five. Pinned by
-tests/checkpoint/api/test_collective_counts.py. The three here:
+`dcp.save`. No step makes a rank hold or process every rank's description:
+each rank's work and traffic is O(what it holds + the keys it owns), whatever
+the world size W (`key_owners`). The exchanges:
 
-1. every rank describes what it holds (`inventory`), checks what it can
-   alone (objects serialize, the folder is free) and all-gathers that;
-   every rank then derives the same plan (`planning.plan_save`) — no plan
-   is pickled per item, scattered or validated twice;
-2. each rank writes its records into one fresh token-named file
-   (`chunk_writer.DataFile`: many small tensors per `writev`, each payload
-   checksummed while it is in cache), fsyncs it, and all-gathers its
-   checksums; rank 0 and the last rank build the records' entries from the
-   plan (`save_records.plan_records`), and the last rank writes `.metadata`
-   (every offset was known from the plan) into a temporary file, in
-   parallel with rank 0's writes;
-3. rank 0 fills the reported checksums into the entries, encodes
-   `shardwise.json` and commits (`commit.commit`: `.metadata` renamed into
-   place, then the manifest and marker, once every rank's data is durable),
-   then everyone learns the outcome.
+1. `agree` (one fixed-size `all_reduce`): any rank's problem so far (its
+   state, the path's lease), this save's token and id from rank 0, and whether
+   every rank holds this structure's plan from an earlier save (`plan_cache`);
+2. only when it does not: two `all_to_all`s plan the save, each key on its
+   owner (`key_owners.plan_by_owners`), and each rank places its own records
+   (`planning.place_records`);
+3. each rank writes its records into fresh token-named files
+   (`rank_file.write_rank_file`), fsyncs them, and routes each record's place
+   and checksums to the key's owner (one `all_to_all`);
+4. each owner encodes its keys' share of `.metadata` and the manifest
+   (`SaveRecords.parts`), gathered on rank 0 (one `gather`), which joins them
+   (`format.record_parts`: bytes, not entries) and commits (`commit.commit`:
+   `.metadata` renamed into place, then the manifest and marker);
+5. the verdict (one fixed-size `all_reduce`).
+
+So a first save makes six collectives here and a repeated one four; `swc.save`
+makes one before them (`api.edge.agree_route`): seven and five per rank.
+`async_save` makes two before it returns (the adapted values, its target check;
+its first call also creates its own gloo group), then these. Pinned by
+tests/checkpoint/api/test_collective_counts.py.
 
 Rank 0 takes the path's lease (`lease.py`) before the first exchange, so a
 busy path fails on every rank before any data is written; it gives it back
@@ -38,22 +40,24 @@ stock `dcp.load` reads it.
 from __future__ import annotations
 
 import os
+import secrets
 import uuid
 from typing import Any
 
-import crc32c
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from ...comm.agreement import Agreement
 from ...errors import CheckpointExistsError, ShardMismatchError
 from ...storage import Folder, open_folder
-from ..io.commit import METADATA, RecordNames, commit, data_file_name, in_the_way, new_token
+from ..io.commit import METADATA, RecordNames, commit, in_the_way
 from ..io.lease import Lease
+from . import plan_cache
 from .inventory import Entry, Piece, describe, serialize_objects
-from .planning import Placement, place_records, plan_save
+from .key_owners import Report, file_name, owned_records, plan_by_owners, reports_for
+from .planning import place_records
 from .rank_file import Once, Staging, write_rank_file
-from .save_records import SaveRecords, plan_records
+from .save_records import SaveRecords
 
 __all__ = ["save_state"]
 
@@ -68,7 +72,7 @@ def save_state(
     overwrite: bool = True,
     staging: Staging | None = None,
 ) -> None:
-    """Save `state_dict` (values already adapted) to `path`. Collective: its three
+    """Save `state_dict` (values already adapted) to `path`. Collective: its
     exchanges go through the caller's `agreement`, whose deferred problem (the
     caller's own checks) rides on the first.
     `wait`: how long rank 0 waits for the path's lease (`lease.Lease.acquire`);
@@ -106,25 +110,23 @@ def _save(
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
     agreement.defer(problem)
-    problem = agreement.pending
-    token, save_id = new_token(), str(uuid.uuid4())
+    # rank 0's random words: this save's token and id, sent to every rank by `agree`
+    words = [secrets.randbits(62) for _ in range(3)] if agreement.rank == 0 else [0, 0, 0]
     lease = None
-    if agreement.rank == 0 and problem is None:
-        lease, problem = _take_lease(path, save_id, wait, overwrite)
+    if agreement.rank == 0 and agreement.pending is None:
+        lease, problem = _take_lease(path, _save_id(words), wait, overwrite)
         agreement.defer(problem)
     try:
         _save_leased(
-            path,
-            agreement,
-            (sync, staging, staged),
-            lease,
-            pieces,
-            objects,
-            (entries, token, save_id),
+            path, agreement, (sync, staging, staged), lease, pieces, objects, entries, words
         )
     finally:
         if lease is not None:
             lease.release()
+
+
+def _save_id(words: list[int]) -> str:
+    return str(uuid.UUID(int=((words[1] << 62) | words[2]) & ((1 << 128) - 1)))
 
 
 def _take_lease(
@@ -150,99 +152,86 @@ def _save_leased(
     lease: Lease | None,
     pieces: dict[str, list[Piece]],
     objects: dict[str, bytes],
-    mine: tuple[list[Entry], str, str],
+    entries: list[Entry],
+    words: list[int],
 ) -> None:
     """`save_state` from its first exchange on, rank 0 holding `lease`."""
-    entries, token, save_id = mine
     sync, staging, staged = how
-    everyone = agreement.exchange((entries, token, save_id))
-    inventories: list[list[Entry]] = [e[0] for e in everyone]
-    plan = plan_save(inventories)
-    if plan.problems:
-        raise ShardMismatchError(f"cannot save to {path}: " + "; ".join(plan.problems))
     rank, world = agreement.rank, agreement.world_size
-    save_id = everyone[0][2]
+    group = agreement.comm.key
+    sig = plan_cache.signature(entries, world, rank, type(path).__name__)
+    kept = plan_cache.lookup(group, sig) if agreement.pending is None else None
+    kept_id = 0 if kept is None else kept.plan_id
+    agreed = agreement.agree([int(kept is None), kept_id, -kept_id, *words])
+    token, save_id = f"{agreed[3] & 0xFFFFFFFFFFFF:012x}", _save_id(agreed[3:])
     serialization_id = save_id.replace("-", "")[:40].ljust(40, "0")
-    tokens = [e[1] for e in everyone]
-    problem, checksums, metadata = None, [], None
-    placed: list[Placement] = []
+    if kept is None or agreed[0] or agreed[1] != -agreed[2]:
+        mine, owned, problems = plan_by_owners(entries, agreement)
+        if problems:
+            raise ShardMismatchError(f"cannot save to {path}: " + "; ".join(problems))
+        placed = place_records(mine.writes, entries, serialization_id)
+        kept = plan_cache.Planned(agreed[3] | 1, mine, placed, owned)
+        plan_cache.keep(group, sig, kept)
+    problem, files = None, 0
+    reports: list[list[Report]] = [[] for _ in range(world)]
+    mine, placed = kept.mine, kept.placed
     try:
-        if plan.writes[rank]:
-            placed = place_records(plan, inventories[rank], rank, serialization_id)
-            mine_ = [
+        if mine.writes:
+            files = 1 + max(p.file for p in placed)
+            values = [
                 objects[key] if index < 0 else pieces[key][index].tensor
-                for key, index in plan.writes[rank]
+                for key, index in mine.writes
             ]
             checksums = write_rank_file(
                 path,
-                _file_names(rank, placed, tokens[rank]),
-                (mine_, [p.file for p in placed]),
+                [file_name(rank, k, token) for k in range(files)],
+                (values, [p.file for p in placed]),
                 serialization_id,
                 sync,
                 staging,
                 staged,
             )
+            crcs = {e[0]: e[5][1] for e in entries if e[2] is None}
+            reports = reports_for(mine, placed, checksums, crcs)
         else:
             staged()  # this rank writes nothing: the state is not read again
-        if rank in (0, world - 1):  # the records: known from the plan but the checksums
-            placements = [  # this rank's own, placed above, not again
-                placed
-                if r == rank and plan.writes[rank]
-                else place_records(plan, inventories[r], r, serialization_id)
-                for r in range(world)
-            ]
-            files = [_file_names(r, placements[r], tokens[r]) for r in range(world)]
-            meta = StorageMeta(checkpoint_id=path.checkpoint_id, save_id=save_id)
-            records, slots = plan_records(plan, placements, files, meta, _object_crcs(inventories))
-        if rank == world - 1:  # .metadata: built by the last rank while rank 0 still writes
-            metadata = _write_metadata(records, path, sync)
-        if rank == 0:
-            records.prepare()  # all of the manifest that is known, ahead of the checksums
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
     agreement.defer(problem)
-    reports = agreement.exchange((checksums, metadata))
-    problem = None
-    if rank == 0:
-        try:
-            metadata_file, metadata_crc = reports[-1][1]
-            for writer, position, chunk in slots:
-                SaveRecords.fill(chunk, reports[writer][0][position])
-            keep = {name for r in range(world) if plan.writes[r] for name in files[r]}
-            commit(
-                path,
-                metadata_file,
-                records.manifest(metadata_crc),
-                keep,
-                RecordNames(),
-                sync=sync,
-                lease=lease,
-            )
-        except Exception as e:  # noqa: BLE001 - the other ranks wait for the verdict
-            problem = e
+    meta = StorageMeta(checkpoint_id=path.checkpoint_id, save_id=save_id)
+    received = agreement.route(reports)
+    problem, part = None, None
+    try:
+        records = owned_records(kept.owned, received, token, meta)
+        part = (files, records.parts(), kept.owned.mappings)
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the verdict
+        problem = e
     agreement.defer(problem)
-    agreement.exchange()
+    parts = agreement.gather(part)
+    if parts is not None and agreement.pending is None:
+        agreement.defer(_commit(path, parts, meta, token, sync, lease))
+    agreement.agree([])  # the verdict
 
 
-def _file_names(rank: int, placed: list[Placement], token: str) -> list[str]:
-    """The names of `rank`'s data files, as many as its placements use."""
-    count = 1 + max((p.file for p in placed), default=0)
-    return [data_file_name(f"__{rank}_", k, token) for k in range(count)]
-
-
-def _object_crcs(inventories: list[list[Entry]]) -> dict[str, int]:
-    """Each object's crc32c as its writer (the lowest rank holding it) serialized it."""
-    crcs: dict[str, int] = {}
-    for entries in inventories:
-        for key, _path, dtype, _shape, _grad, held in entries:
-            if dtype is None:
-                crcs.setdefault(key, held[1])
-    return crcs
-
-
-def _write_metadata(records: SaveRecords, path: Folder, sync: bool) -> tuple[str, int]:
-    """`.metadata` into a temporary file that the coordinator renames into place at
-    the commit: its name and crc32c."""
-    data = records.metadata()
-    path.make()
-    return path.write_temporary(METADATA, data, sync=sync), crc32c.crc32c(data)
+def _commit(
+    path: Folder,
+    parts: list[Any],
+    meta: StorageMeta,
+    token: str,
+    sync: bool,
+    lease: Lease | None,
+) -> BaseException | None:
+    """Rank 0: join every owner's share of the records and commit them; the problem."""
+    try:
+        planner_data = {k: v for _f, _p, mappings in parts for k, v in mappings.items()}
+        frame = SaveRecords(len(parts), meta, planner_data)
+        metadata, manifest = frame.join([p for _f, p, _m in parts])
+        path.make()
+        metadata_file = path.write_temporary(METADATA, metadata, sync=sync)
+        keep = {
+            file_name(r, k, token) for r, (files, _p, _m) in enumerate(parts) for k in range(files)
+        }
+        commit(path, metadata_file, manifest, keep, RecordNames(), sync=sync, lease=lease)
+    except Exception as e:  # noqa: BLE001 - the other ranks wait for the verdict
+        return e
+    return None

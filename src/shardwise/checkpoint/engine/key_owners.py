@@ -1,0 +1,147 @@
+"""Each key of a save planned by one rank, its owner: per-rank cost O(N), not O(W × N).
+
+Why owners, not a coordinator: a coordinator receives every rank's inventory
+(W × N entries, 75 MB at 1,024 ranks × 1,000 tensors) and plans it alone, so
+its time grows with the world; stock DCP's `create_global_plan` is that
+design. Here key k belongs to rank crc32c(k) mod W. Each rank routes each of
+its entries to the key's owner (one `all_to_all`); each owner runs
+`planning.plan_save` — the same checks, the same choice of writers — over the
+entries of its keys, and routes back to each rank only which of its boxes it
+writes (a second `all_to_all`). After writing, each rank reports the places
+and checksums of its records to their owners, which build their keys' share
+of the records (`owned_records`). A rank thus receives what the world holds of
+the keys it owns (N/W keys × W pieces ≈ N in an FSDP layout) and one decision
+per box it holds: O(N) bytes and work, whatever W.
+
+An owner's problems (disagreeing dtypes or shapes, overlaps, holes) go to
+every rank with the decisions: every rank raises the same error, listing them
+in owner order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import crc32c
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+from ...comm.agreement import Agreement
+from ..format.manifest import dtype_from_name
+from ..io.record_names import data_file_name
+from .inventory import Entry
+from .planning import Placement, SavePlan, plan_save
+from .save_records import Checksums, SaveRecords, plan_records
+
+__all__ = [
+    "MyWrites",
+    "Report",
+    "file_name",
+    "held_bytes",
+    "owned_records",
+    "owner_of",
+    "plan_by_owners",
+    "reports_for",
+]
+
+# One record as its writer reports it to the key's owner: its place (`Placement`'s
+# fields) and its checksums (a tensor's), or its crc32c (an object's).
+Report = tuple[tuple[int, int, int, int], Checksums | int]
+
+
+def file_name(rank: int, k: int, token: str) -> str:
+    """The name of `rank`'s k-th data file in the save of `token`."""
+    return data_file_name(f"__{rank}_", k, token)
+
+
+def owner_of(key: str, world_size: int) -> int:
+    """The rank that plans `key`: the same in every process and run (not `hash`)."""
+    return crc32c.crc32c(key.encode()) % world_size
+
+
+@dataclass(frozen=True)
+class MyWrites:
+    """What this rank writes: `writes` ((key, box index; -1 for an object), in its
+    inventory order) and, per owner, the positions in `writes` of that owner's
+    records, in the order the owner expects their reports."""
+
+    writes: list[tuple[str, int]]
+    for_owner: list[list[int]]
+
+
+def plan_by_owners(
+    entries: list[Entry], agreement: Agreement
+) -> tuple[MyWrites, SavePlan, list[str]]:
+    """This rank's writes, the plan of the keys it owns, and every owner's problems
+    (the same list on every rank). Two `all_to_all`s."""
+    world, rank = agreement.world_size, agreement.rank
+    sent: list[list[Entry]] = [[] for _ in range(world)]
+    where: list[list[int]] = [[] for _ in range(world)]  # positions in `entries`
+    for position, entry in enumerate(entries):
+        owner = owner_of(entry[0], world)
+        sent[owner].append(entry)
+        where[owner].append(position)
+    total = held_bytes(entries)
+    received = agreement.route([(total, theirs) for theirs in sent])
+    # received[r]: what r holds in all, and its entries of the keys this rank owns
+    plan = plan_save([e for _n, e in received], first=rank, loads=[n for n, _e in received])
+    replies = []
+    for r, (_n, theirs) in enumerate(received):
+        at = {e[0]: i for i, e in enumerate(theirs)}
+        replies.append(([(at[key], index) for key, index in plan.writes[r]], plan.problems))
+    back = agreement.route(replies)
+    chosen = sorted(
+        (where[owner][i], index, owner, j)
+        for owner, (decisions, _problems) in enumerate(back)
+        for j, (i, index) in enumerate(decisions)
+    )
+    for_owner = [[0] * len(decisions) for decisions, _problems in back]
+    writes = []
+    for w, (position, index, owner, j) in enumerate(chosen):
+        writes.append((entries[position][0], index))
+        for_owner[owner][j] = w
+    return MyWrites(writes, for_owner), plan, [p for _d, problems in back for p in problems]
+
+
+def held_bytes(entries: list[Entry]) -> int:
+    """The bytes of the shards in `entries` (boxes smaller than their tensor): the load
+    a rank carries before replicated values, which owners balance against it. A whole
+    tensor may be a replica every rank holds, so it does not count."""
+    total = 0
+    for _key, _path, dtype, shape, _grad, held in entries:
+        if dtype is None or (len(held) == 1 and held[0][1] == shape):
+            continue
+        itemsize = dtype_from_name(dtype).itemsize
+        total += sum(math.prod(sizes) for _offsets, sizes in held) * itemsize
+    return total
+
+
+def reports_for(
+    mine: MyWrites, placed: list[Placement], checksums: list[Checksums], crcs: dict[str, int]
+) -> list[list[Report]]:
+    """Per owner, the reports of its records in the order it planned them. `crcs`:
+    each object's crc32c, known before it was written."""
+    out = []
+    for order in mine.for_owner:
+        reports: list[Report] = []
+        for w in order:
+            p = placed[w]
+            key, index = mine.writes[w]
+            sums = crcs[key] if index < 0 else checksums[w]
+            reports.append(((p.offset, p.length, p.payload, p.file), sums))
+        out.append(reports)
+    return out
+
+
+def owned_records(
+    plan: SavePlan, reports: list[list[Report]], token: str, storage_meta: StorageMeta
+) -> SaveRecords:
+    """The records of the keys this rank owns, from their writers' `reports`."""
+    placements = [[Placement(*place) for place, _sums in theirs] for theirs in reports]
+    crcs: dict[str, int] = {key: reports[r][j][1] for key, (r, j) in plan.objects.items()}  # type: ignore[misc]
+    records, slots = plan_records(
+        plan, placements, lambda rank, k: file_name(rank, k, token), storage_meta, crcs
+    )
+    for r, j, chunk in slots:
+        SaveRecords.fill(chunk, reports[r][j][1])  # type: ignore[arg-type]
+    return records

@@ -1,0 +1,78 @@
+"""A save's plan kept for the next save of the same structure: repeated saves plan for free.
+
+A training loop saves one structure again and again: the same keys, dtypes,
+shapes, layouts and world. Each rank keeps what the last plans of its group
+decided for it — its writes and their places, and as an owner its keys' plan
+(`key_owners`) — under a signature of what it described (its `inventory.Entry`
+list with objects by length, the world size, its rank, the kind of storage).
+The next save computes its signature and every rank learns in one fixed-size
+`all_reduce` (`Agreement.agree`) whether every rank found its own signature
+kept under the same plan id, the way nvidia-resiliency-ext decides to reuse
+last save's metadata; that works after a restart too, where nothing is kept
+and the ranks simply plan. Any difference on any rank replans everywhere: a
+key, a layout, a dtype, a shape, the world size, the storage, or the length of
+an object (offsets follow from lengths). Names and ids that change with each
+save (its token, `save_id`, the folder) are never part of a plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from .inventory import Entry
+from .key_owners import MyWrites
+from .planning import Placement, SavePlan
+
+__all__ = ["Planned", "forget", "keep", "lookup", "signature"]
+
+KEEP = 4  # plans kept per group: a model's and an optimizer's state saved in turn both hit
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One rank's share of a plan: what it writes and where, and its keys' plan."""
+
+    plan_id: int
+    mine: MyWrites
+    placed: list[Placement]
+    owned: SavePlan
+
+
+_KEPT: dict[Hashable, OrderedDict[bytes, Planned]] = {}
+
+
+def signature(entries: list[Entry], world_size: int, rank: int, storage: str) -> bytes:
+    """What a plan depends on, hashed: every field of every entry but an object's
+    crc32c (its bytes may change, its length may not)."""
+    shapes = [e if e[2] is not None else (*e[:5], e[5][0]) for e in entries]
+    data = pickle.dumps((world_size, rank, storage, shapes), protocol=pickle.HIGHEST_PROTOCOL)
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def lookup(group: Hashable, sig: bytes) -> Planned | None:
+    """The plan kept for `sig` on this rank of `group`, if any."""
+    kept = _KEPT.get(group)
+    found = None if kept is None else kept.get(sig)
+    if found is not None:
+        kept.move_to_end(sig)  # type: ignore[union-attr]
+    return found
+
+
+def keep(group: Hashable, sig: bytes, planned: Planned) -> None:
+    """Keep `planned` for `sig`, dropping the least recently used beyond `KEEP`."""
+    kept = _KEPT.setdefault(group, OrderedDict())
+    kept[sig] = planned
+    while len(kept) > KEEP:
+        kept.popitem(last=False)
+
+
+def forget(group: Hashable | None = None) -> None:
+    """Drop the plans kept for `group` (None: every group)."""
+    if group is None:
+        _KEPT.clear()
+    else:
+        _KEPT.pop(group, None)
