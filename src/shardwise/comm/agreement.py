@@ -2,9 +2,11 @@
 
 A collective that fails on one rank and proceeds on the others hangs the job.
 So each entry point checks its local input first, then exchanges the verdict
-(and whatever metadata it needs) in one `all_gather_object`; if any rank
-found a problem, every rank raises the same exception type with the same
-message, naming the faulty rank, and the process group stays usable.
+(and whatever metadata it needs); if any rank found a problem, every rank
+raises the same exception type with the same message, naming the faulty rank,
+and the process group stays usable. A verdict alone, or values every rank must
+share, cost one fixed-size `all_reduce` (`agree`, `verdict`): the ranks'
+problems and values are gathered only when something is wrong, to name it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from typing import Any
 from ..errors import ArgumentMismatchError, ShardwiseError
 from .communicator import Communicator, communicator
 
-__all__ = ["Agreement", "Problem", "exchange", "odd_ranks", "raise_agreed", "require_same"]
+__all__ = [
+    "Agreement",
+    "Problem",
+    "digest",
+    "exchange",
+    "odd_ranks",
+    "raise_agreed",
+    "require_same",
+]
 
 # (exception type, message) of one rank's problem, or None: picklable by design.
 Problem = tuple[type, str] | None
@@ -94,7 +104,7 @@ class _Failed:
     message: str
 
 
-def _digest(value: Any) -> int:
+def digest(value: Any) -> int:
     """63 bits of a hash of `value`'s repr (how `require_same` compares values)."""
     data = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
     return int.from_bytes(data, "little") >> 1
@@ -166,15 +176,19 @@ class Agreement:
         if self.comm.world_size == 1:
             self.exchange()  # raises this rank's problem, if any
             return list(values)
-        digest = _digest(self.arguments[1]) if first and self.arguments else 0
+        mine = digest(self.arguments[1]) if first and self.arguments else 0
         problem = self._pending
-        out = self.comm.all_reduce_max([int(problem is not None), digest, -digest, *values])
+        out = self.comm.all_reduce_max([int(problem is not None), mine, -mine, *values])
         if out[0] or out[1] != -out[2]:
             self.exchange()  # the slow path, on every rank: raises the problems or mismatch
         else:
             self._pending = None
             self.exchanges += 1
         return out[3:]
+
+    def verdict(self) -> None:
+        """Raise any rank's problem on every rank, or go on: one fixed-size `all_reduce`."""
+        self.agree([])
 
     def route(self, objs: list[Any]) -> list[Any]:
         """`objs[r]` to rank r (one `all_to_all`): what each rank sent this one. Each

@@ -102,7 +102,7 @@ def async_save(
     for first. `path`, `storage_options` and `wait` as for `save` (the lease is
     taken in the background: `.result()` raises its `CheckpointBusyError`).
 
-    Collective: two small `all_gather_object` per rank before it returns (the
+    Collective: two fixed-size `all_reduce` per rank before it returns (the
     folder and the adapted values; the staging, objects and target check; the first
     call also creates its gloo group, `dist.new_group`), then `saving`'s in the
     background (six, or four when the plan is reused: `engine.saving`).

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ...comm.agreement import Agreement, require_same
+from ...comm.agreement import Agreement, digest, require_same
 from ...comm.communicator import Communicator, SingleProcess, communicator
 from ...errors import (
     ShardwiseError,
@@ -94,7 +94,8 @@ def agree_route(
     *,
     by_megatron_key: bool = True,
 ) -> bool:
-    """The edge's one exchange: whether this save or load goes by Megatron key
+    """The edge's one exchange (one fixed-size `all_reduce`; the values gathered only
+    when they differ, to name the ranks): whether this save or load goes by Megatron key
     (`megatron=True`, or a Megatron value on any rank), checked so that every rank
     takes the same route. On it the ranks' top-level `Stateful` keys must agree; off
     it, their adapted values too (`engine.adapters`). `problem` (this rank's failure
@@ -107,7 +108,11 @@ def agree_route(
         agreement.exchange()  # raises `problem`; nothing to compare with another rank
         return by_key
     held = None if by_key or problem is not None else held_adapted(state_dict, statefuls)
-    everyone = agreement.exchange((by_key, statefuls, held))
+    mine = digest((statefuls, held))
+    agreed = agreement.agree([int(by_key), mine, -mine])
+    if agreed[1] == -agreed[2]:  # every rank holds the same: one all_reduce said so
+        return bool(agreed[0])
+    everyone = agreement.exchange((by_key, statefuls, held))  # to name what differs
     if any(b for b, _s, _h in everyone):
         require_same(
             [s for _b, s, _h in everyone],

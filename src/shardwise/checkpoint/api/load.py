@@ -78,7 +78,7 @@ def load(
     stream; when `load` returns, the copies are done.
     Returns a `LoadInfo` (its `bytes_read` says what this rank read).
 
-    Collective: three small `all_gather_object` per rank, whatever the number of
+    Collective: three fixed-size `all_reduce` per rank, whatever the number of
     tensors or the kind of checkpoint (shardwise, stock DCP, per-rank records): the
     edge's one exchange (`agree_route`: the folder opens everywhere, the Megatron
     route, the adapted values), then `loading`'s targets-fit check and read verdict;
@@ -142,7 +142,7 @@ def load(
             state_dict[key] = plain[key]
     if statefuls:  # every rank has the same Stateful keys (agreed above): all get here
         call.defer(problem)
-        call.exchange()
+        call.verdict()
     return LoadInfo(folder.checkpoint_id, time.perf_counter() - started, *done)
 
 

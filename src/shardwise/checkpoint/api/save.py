@@ -75,7 +75,7 @@ def _check_target(
     (`_target_problem`); `local_problem` (found by the caller on this rank) raised on
     every rank with the rest."""
     call.defer(local_problem or _target_problem(path, overwrite, call, megatron))
-    call.exchange()
+    call.verdict()
 
 
 def save(
@@ -120,8 +120,8 @@ def save(
     stream that follows the caller's current stream, while earlier copies are
     checksummed and written; a larger state goes in waves.
 
-    Collective, whatever the number of tensors: the edge's one small
-    `all_gather_object` (the folder opens everywhere, one route, the same adapted
+    Collective, whatever the number of tensors: the edge's one fixed-size
+    `all_reduce` (the folder opens everywhere, one route, the same adapted
     values: `edge.agree_route`), then `saving`'s six (a save of a structure this
     group saved before: four, its plan reused), each rank's traffic O(what it holds
     and the keys it owns) whatever the world size (`engine.saving`). By Megatron
@@ -186,4 +186,4 @@ def _write_megatron_metadata(path: Folder, call: Agreement) -> None:
             write_metadata_json(local)
         except OSError as e:
             call.defer(e)
-    call.exchange()
+    call.verdict()

@@ -1,13 +1,13 @@
 """The collective load engine behind `swc.load`, for every checkpoint it can read.
 
-Two exchanges here per load, whatever the number of tensors or the kind of
-checkpoint: one to agree that the targets fit the checkpoint (every problem
-listed, on every rank, before any target is touched), one after reading so that
-corruption found by one rank is raised on all. `swc.load` makes one small
-`all_gather_object` before them (`api.edge.agree_route`: the folder opens on every
-rank, the Megatron route, the adapted values) and, when the state holds a
-`Stateful`, one after its `load_state_dict()`: three per rank, four with a
-`Stateful`. Pinned by tests/checkpoint/api/test_collective_counts.py.
+Two exchanges here per load, whatever the number of tensors, ranks or the kind
+of checkpoint, each one fixed-size `all_reduce` (`Agreement.verdict`): one to
+agree that the targets fit the checkpoint (every problem listed, on every rank,
+before any target is touched), one after reading so that corruption found by one
+rank is raised on all. `swc.load` makes one before them (`api.edge.agree_route`:
+the folder opens on every rank, the Megatron route, the adapted values) and,
+when the state holds a `Stateful`, one after its `load_state_dict()`: three per
+rank, four with a `Stateful`. Pinned by tests/checkpoint/api/test_collective_counts.py.
 
 In between each rank plans and reads alone — there is nothing to coordinate. It
 reads the checkpoint's records once (`StoredView`: `shardwise.json`, or DCP's
@@ -74,7 +74,7 @@ def load_state(
     except (ShardwiseError, OSError, ValueError, pickle.UnpicklingError) as e:
         problem = e
     agreement.defer(problem)
-    agreement.exchange()
+    agreement.verdict()
     assert view is not None
     objects: dict[str, Any] = {}
     executor = ReadExecutor(
@@ -86,7 +86,7 @@ def load_state(
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
     agreement.defer(problem)
-    agreement.exchange()
+    agreement.verdict()
     for key, value in objects.items():
         set_element(state_dict, mappings[key], value)
     return executor.bytes_read, view.manifest
