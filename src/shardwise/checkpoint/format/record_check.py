@@ -99,16 +99,15 @@ def check_ranges(
     by_file: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
     for key, name, offset, length in ranges:
         size = sizes.get(name)
-        where = folder.where(name)
         if size is None:
             raise CorruptCheckpointError(
-                f"'{key}': data file {where} is missing or not a plain file "
+                f"'{key}': data file {folder.where(name)} is missing or not a plain file "
                 "(links and folders are refused)"
             )
         if offset + length > size:
             raise CorruptCheckpointError(
                 f"'{key}': bytes {offset}..{offset + length} lie past the end of "
-                f"{where} ({size} bytes): truncated or damaged"
+                f"{folder.where(name)} ({size} bytes): truncated or damaged"
             )
         if length:
             by_file[name].append((offset, offset + length, key))
