@@ -210,19 +210,3 @@ class Agreement:
                 raise agreed from problem
             raise
         return got
-
-    def gather(self, payload: Any, dst: int = 0) -> list[Any] | None:
-        """Every rank's `payload` on rank `dst` (one `gather`), None elsewhere. Not a
-        verdict: a problem stays pending until the next exchange, where every rank
-        raises it (on `dst`, with every other rank's problem sent here)."""
-        problem = self._take()
-        mine: Problem = None if problem is None else (type(problem), str(problem))
-        got = self.comm.gather_object((mine, payload), dst)
-        self._pending = problem
-        if got is None:
-            return None
-        try:
-            raise_agreed([p for p, _ in got])
-        except Exception as agreed:  # noqa: BLE001 - raised by the next exchange
-            self._pending = agreed
-        return [o for _, o in got]

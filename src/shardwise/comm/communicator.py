@@ -2,10 +2,9 @@
 
 Transfers need `all_to_all_single`, the agreement rule `all_gather_object`;
 checkpoint planning, whose cost per rank must not grow with the world size,
-routes objects to the ranks that need them (`all_to_all_object`,
-`gather_object`) and agrees on fixed-size verdicts (`all_reduce_max`).
-`communicator(group)` gives them over a torch.distributed process group
-(None: the default group). The interface also lets tests run
+routes objects to the ranks that need them (`all_to_all_object`) and agrees
+on fixed-size verdicts (`all_reduce_max`). `communicator(group)` gives them over
+a torch.distributed process group (None: the default group). The interface also lets tests run
 several ranks as threads of one process (`tests/comm/threaded_world.py`), so
 planning, packing and agreement are checked without spawning processes.
 
@@ -76,10 +75,6 @@ class Communicator(ABC):
         """`objs[r]` sent to rank r; what every rank sent this one, in rank order."""
 
     @abstractmethod
-    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
-        """Every rank's `obj` in rank order on rank `dst`; None on the others."""
-
-    @abstractmethod
     def all_reduce_max(self, values: list[int]) -> list[int]:
         """The element-wise maximum of every rank's `values` (int64, the same length on
         every rank): a fixed-size agreement, whatever the world size."""
@@ -136,11 +131,6 @@ class ProcessGroupCommunicator(Communicator):
             out.append(pickle.loads(flat[at : at + n]))
             at += n
         return out
-
-    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
-        gathered: list[Any] | None = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, gathered, group=object_group(self.group), group_dst=dst)
-        return gathered
 
     def all_reduce_max(self, values: list[int]) -> list[int]:
         t = torch.tensor(values, dtype=torch.int64)
@@ -222,9 +212,6 @@ class SingleProcess(Communicator):
 
     def all_to_all_object(self, objs: list[Any]) -> list[Any]:
         return list(objs)
-
-    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
-        return [obj]
 
     def all_reduce_max(self, values: list[int]) -> list[int]:
         return list(values)

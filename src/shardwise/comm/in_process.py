@@ -102,13 +102,6 @@ class ThreadedRank(Communicator):
         self._count(sum(_size(o) for r, o in enumerate(mine) if r != self._rank))
         return mine
 
-    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
-        everyone = self._post_and_read("gather_object", obj)
-        if self._rank != dst:
-            return None
-        self._count(sum(_size(o) for r, o in enumerate(everyone) if r != self._rank))
-        return everyone
-
     def all_reduce_max(self, values: list[int]) -> list[int]:
         everyone = self._post_and_read("all_reduce", list(values))
         self._count(8 * len(values))  # a reduction delivers one vector, whatever the world

@@ -63,7 +63,6 @@ _COMM = (
     "all_gather_object",
     "all_to_all_single",
     "all_to_all_object",
-    "gather_object",
     "all_reduce_max",
 )
 
@@ -97,7 +96,7 @@ def _state(rank: int, scale: float = 1.0) -> dict[str, Any]:
 
 # DCP's `_DistWrapper` helpers around one dist call, and shardwise's agreement helpers
 _DCP_SENDS = {"gather_object", "scatter_object", "broadcast_object", "all_gather_object"}
-_HELPERS = {"_agree", "exchange", "agree", "route", "gather", *_COMM}
+_HELPERS = {"_agree", "exchange", "agree", "verdict", "route", *_COMM}
 
 
 def _site() -> str:
@@ -211,28 +210,24 @@ def _count(rank: int, world: int, folder: str, entries: list[str]) -> dict[str, 
 # Communicator methods; each of those is also one "dist." call below it. The order
 # (printed on failure, and by running this module) names each exchange.
 _AGAIN = {
-    "comm.all_reduce_max": 3,
-    "dist.all_reduce": 3,
+    "comm.all_reduce_max": 4,
+    "dist.all_reduce": 4,
     "comm.all_to_all_object": 1,
     "dist.all_to_all_single": 2,
-    "comm.gather_object": 1,
-    "dist.gather_object": 1,
 }
 # No entry point of shardwise's gathers every rank's values when nothing is wrong: its
 # verdicts and the values every rank must share are one fixed-size all_reduce each
-# (`Agreement.agree`); only the planning routes and the records' gather carry payloads.
+# (`Agreement.agree`); only the planning routes and the reports to owners carry payloads.
 PINNED: dict[str, dict[str, int]] = {
     # api.edge.agree_route (folder, route, adapted values), then saving's (engine.saving):
     # agree (all_reduce), plan by key owners (2 routes), reports to owners (route), the
-    # owners' record parts to rank 0 (gather), the verdict (all_reduce). A route is two
-    # all_to_all_single: the sizes, then the bytes.
+    # owners' record parts written (all_reduce), the verdict (all_reduce). A route is
+    # two all_to_all_single: the sizes, then the bytes.
     "swc.save": {
-        "comm.all_reduce_max": 3,
-        "dist.all_reduce": 3,
+        "comm.all_reduce_max": 4,
+        "dist.all_reduce": 4,
         "comm.all_to_all_object": 3,
         "dist.all_to_all_single": 6,
-        "comm.gather_object": 1,
-        "dist.gather_object": 1,
     },
     # the same structure again: the plan is reused (engine.plan_cache), no planning route
     "swc.save(again)": _AGAIN,
@@ -240,15 +235,13 @@ PINNED: dict[str, dict[str, int]] = {
     # objects, target), the async group (first call only), then saving's on the
     # background thread (a first save on that group)
     "swc.async_save": {
-        "comm.all_reduce_max": 4,
-        "dist.all_reduce": 4,
+        "comm.all_reduce_max": 5,
+        "dist.all_reduce": 5,
         "dist.new_group": 1,
         "comm.all_to_all_object": 3,
         "dist.all_to_all_single": 6,
-        "comm.gather_object": 1,
-        "dist.gather_object": 1,
     },
-    "swc.async_save(again)": {**_AGAIN, "comm.all_reduce_max": 4, "dist.all_reduce": 4},
+    "swc.async_save(again)": {**_AGAIN, "comm.all_reduce_max": 5, "dist.all_reduce": 5},
     # none of shardwise's: DCP's plan (gather + scatter) and finish (gather + broadcast)
     "dcp.save+Writer": {
         "dist.gather_object": 2,

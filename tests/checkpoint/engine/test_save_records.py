@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import io
 import pickle
+from pathlib import Path
 
 import crc32c
+import pytest
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from shardwise import CorruptCheckpointError
 from shardwise.checkpoint.engine.save_records import SaveRecords
 from shardwise.checkpoint.format.manifest import Manifest, ObjectEntry, TensorEntry
 from shardwise.checkpoint.format.manifest_fields import ChunkEntry
 from shardwise.checkpoint.format.safe_pickle import load_metadata
+from shardwise.checkpoint.io.record_join import join_records, part_name, write_part
+from shardwise.storage import open_folder
 
 META = StorageMeta(checkpoint_id="/ck", save_id="s1")
 
@@ -65,32 +70,47 @@ def test_metadata_is_what_the_manifest_describes() -> None:
 
 
 def _split() -> tuple[SaveRecords, list[SaveRecords]]:
-    """`_records()` whole, and its entries split between two owners' records."""
+    """`_records()` whole, and its entries split between three owners' records (the
+    last owning nothing)."""
     whole, late = _records()
     SaveRecords.fill(late, ((2, 2), [5], 6))
-    owners = [SaveRecords(2, META, {}) for _ in range(2)]
+    owners = [SaveRecords(2, META, {}) for _ in range(3)]
     owners[0].tensors["w"] = whole.tensors["w"]
     owners[1].objects["step"] = whole.objects["step"]
     return whole, owners
 
 
-def test_records_joined_from_owners_parts_are_the_whole_records() -> None:
-    """Each owner encodes its keys; the coordinator joins bytes (`format.record_parts`):
-    the same `.metadata` objects and the same manifest, byte for byte."""
+def _joined(tmp_path: Path, owners: list[SaveRecords]) -> tuple[bytes, bytes]:
+    folder = open_folder(tmp_path)
+    planner = [{"w": ("model", "w")}, {"step": ("step",)}, {}]
+    for rank, (owner, mine) in enumerate(zip(owners, planner)):
+        write_part(folder, "0123456789ab", rank, owner.part(mine))
+    frame = SaveRecords(2, META, {}).draft()
+    frame.set_planner_data({})
+    names = join_records(folder, len(owners), "0123456789ab", META, frame, sync=False)
+    return tuple((tmp_path / n).read_bytes() for n in names)  # type: ignore[return-value]
+
+
+def test_records_joined_from_owners_parts_are_the_whole_records(tmp_path: Path) -> None:
+    """Each owner writes its keys' part; the committing rank joins bytes
+    (`io.record_join`): the same `.metadata` objects and the same manifest, byte for
+    byte, as one rank encoding every entry."""
     whole, owners = _split()
-    frame = SaveRecords(2, META, whole.planner_data)
-    metadata, manifest = frame.join([o.parts() for o in owners])
+    metadata, manifest = _joined(tmp_path, owners)
     assert pickle.loads(metadata) == pickle.loads(whole.metadata())
     assert load_metadata(io.BytesIO(metadata)) == pickle.loads(metadata)  # and the safe reader
     assert manifest == whole.manifest(crc32c.crc32c(metadata))
     assert Manifest.from_json(manifest).tensors["w"].chunks[1].crcs == [5]
 
 
-def test_planner_data_that_spells_a_splice_mark_is_pickled_whole() -> None:
-    whole, owners = _split()
-    planner = {"\x00shardwise part: state\x00": None}  # what the frame's hole pickles as
-    frame = SaveRecords(2, META, planner)
-    metadata, _ = frame.join([o.parts() for o in owners])
-    got = pickle.loads(metadata)
-    assert got.planner_data == planner
-    assert got.state_dict_metadata == pickle.loads(whole.metadata()).state_dict_metadata
+def test_a_part_cut_short_is_refused_naming_it(tmp_path: Path) -> None:
+    _, owners = _split()
+    folder = open_folder(tmp_path)
+    name = part_name("0123456789ab", 1)
+    write_part(folder, "0123456789ab", 1, owners[1].part({"step": ("step",)})[:-3])
+    frame = SaveRecords(2, META, {}).draft()
+    frame.set_planner_data({})
+    for rank in (0, 2):
+        write_part(folder, "0123456789ab", rank, owners[rank].part({}))
+    with pytest.raises(CorruptCheckpointError, match=f"{name}: a record part whose sections"):
+        join_records(folder, 3, "0123456789ab", META, frame, sync=False)

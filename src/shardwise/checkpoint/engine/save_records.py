@@ -8,21 +8,22 @@ them (`format.manifest_fields`). `.metadata` needs no checksums: it can be
 built as soon as the places are known. Like objects are shared in its pickle
 (tensor properties, shapes, boxes), so it stays small and fast at 100,000 tensors.
 A collective save builds the records of each key on its owner (`key_owners`):
-`parts` encodes them there, `format.record_parts` joins every owner's parts.
+`part` encodes them there, `io.record_join` joins every owner's part.
 """
 
 from __future__ import annotations
 
 import math
+import pickle
 from collections.abc import Callable
 from typing import Any
 
-import crc32c
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
+    Metadata,
     MetadataIndex,
     StorageMeta,
     TensorProperties,
@@ -32,14 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..format.manifest import Manifest, ObjectEntry, TensorEntry
 from ..format.manifest_fields import ChunkEntry
 from ..format.manifest_template import ManifestTemplate
-from ..format.record_parts import (
-    ManifestPart,
-    MetadataPart,
-    manifest_from_parts,
-    manifest_part,
-    metadata_from_parts,
-    pickled_items,
-)
+from ..format.record_parts import encode_part, manifest_sections, metadata_sections
 from .planning import Placement, SavePlan
 
 __all__ = ["Checksums", "SaveRecords", "plan_records"]
@@ -103,26 +97,28 @@ class SaveRecords:
 
     def metadata(self) -> bytes:
         """The pickled DCP `Metadata` stock `dcp.load` reads."""
-        return metadata_from_parts([self.metadata_part()], self.planner_data, self.storage_meta)
+        state, storage = self._metadata_items()
+        metadata = Metadata(
+            state_dict_metadata=state,
+            planner_data=self.planner_data,
+            storage_data=storage,
+            storage_meta=self.storage_meta,
+            version=CURRENT_DCP_VERSION,
+        )
+        return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
 
-    def parts(self) -> tuple[MetadataPart, ManifestPart]:
-        """These entries' share of `.metadata` and of the manifest, for
-        `format.record_parts` to join with other ranks' shares."""
-        return self.metadata_part(), manifest_part(
-            Manifest(world_size=self.world_size, tensors=self.tensors, objects=self.objects)
+    def part(self, planner_data: dict[str, Any]) -> bytes:
+        """These entries (an owner's keys) and their `planner_data` as a part of a
+        collective save's records (`format.record_parts`)."""
+        state, storage = self._metadata_items()
+        entries = Manifest(world_size=self.world_size, tensors=self.tensors, objects=self.objects)
+        return encode_part(
+            metadata_sections(state, planner_data, storage)
+            + manifest_sections(entries, planner_data)
         )
 
-    def join(self, parts: list[tuple[MetadataPart, ManifestPart]]) -> tuple[bytes, bytes]:
-        """`.metadata` and the sealed manifest of every rank's `parts`, in order, with
-        this object's fields around them (its own entries: none)."""
-        assert not self.tensors and not self.objects, "the frame holds no entries"
-        metadata = metadata_from_parts([p[0] for p in parts], self.planner_data, self.storage_meta)
-        frame = self.draft()
-        frame.metadata_crc32c = crc32c.crc32c(metadata)
-        return metadata, manifest_from_parts(frame, [p[1] for p in parts])
-
-    def metadata_part(self) -> MetadataPart:
-        """The items of `.metadata`'s two dicts for these entries (`pickled_items`)."""
+    def _metadata_items(self) -> tuple[dict[str, Any], dict[MetadataIndex, _StorageInfo]]:
+        """`.metadata`'s `state_dict_metadata` and `storage_data` of these entries."""
         sizes: dict[tuple[int, ...], torch.Size] = {}
 
         def size(t: tuple[int, ...]) -> torch.Size:
@@ -160,7 +156,7 @@ class SaveRecords:
         for key, o in self.objects.items():
             state[key] = BytesStorageMetadata()
             storage[MetadataIndex(key)] = _StorageInfo(o.file, o.offset, o.length, o.transform)
-        return pickled_items(state), pickled_items(storage)
+        return state, storage
 
 
 def plan_records(

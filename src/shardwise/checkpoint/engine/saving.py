@@ -16,10 +16,11 @@ the world size W (`key_owners`). The exchanges:
 3. each rank writes its records into fresh token-named files
    (`rank_file.write_rank_file`), fsyncs them, and routes each record's place
    and checksums to the key's owner (one `all_to_all`);
-4. each owner encodes its keys' share of `.metadata` and the manifest
-   (`SaveRecords.parts`), gathered on rank 0 (one `gather`), which joins them
-   (`format.record_parts`: bytes, not entries) and commits (`commit.commit`:
-   `.metadata` renamed into place, then the manifest and marker);
+4. each owner writes its keys' share of `.metadata` and the manifest as a part
+   file (`SaveRecords.part`); after one verdict (a fixed-size `all_reduce`)
+   rank 0 streams the parts into the two records (`io.record_join`: bytes,
+   not entries; nothing received) and commits (`commit.commit`: `.metadata`
+   renamed into place, then the manifest and marker);
 5. the verdict (one fixed-size `all_reduce`).
 
 So a first save makes six collectives here and a repeated one four; `swc.save`
@@ -45,13 +46,16 @@ import uuid
 from typing import Any
 
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from ...comm.agreement import Agreement
 from ...errors import CheckpointExistsError, ShardMismatchError
 from ...storage import Folder, open_folder
-from ..io.commit import METADATA, RecordNames, commit, in_the_way
+from ..format.manifest import Manifest
+from ..io.commit import RecordNames, commit, in_the_way
 from ..io.lease import Lease
+from ..io.record_join import join_records, write_part
 from . import plan_cache
 from .inventory import Entry, Piece, describe, serialize_objects
 from .key_owners import Report, file_name, owned_records, plan_by_owners, reports_for
@@ -200,38 +204,35 @@ def _save_leased(
     agreement.defer(problem)
     meta = StorageMeta(checkpoint_id=path.checkpoint_id, save_id=save_id)
     received = agreement.route(reports)
-    problem, part = None, None
+    problem = None
     try:
         records = owned_records(kept.owned, received, token, meta)
-        part = (files, records.parts(), kept.owned.mappings)
+        write_part(path, token, rank, records.part(kept.owned.mappings))
     except Exception as e:  # noqa: BLE001 - raised on every rank by the verdict
         problem = e
     agreement.defer(problem)
-    parts = agreement.gather(part)
-    if parts is not None and agreement.pending is None:
-        agreement.defer(_commit(path, parts, meta, token, sync, lease))
-    agreement.agree([])  # the verdict
+    agreement.verdict()  # every part is written
+    if rank == 0:
+        agreement.defer(_commit(path, world, meta, token, sync, lease))
+    agreement.verdict()
 
 
 def _commit(
-    path: Folder,
-    parts: list[Any],
-    meta: StorageMeta,
-    token: str,
-    sync: bool,
-    lease: Lease | None,
+    path: Folder, world: int, meta: StorageMeta, token: str, sync: bool, lease: Lease | None
 ) -> BaseException | None:
-    """Rank 0: join every owner's share of the records and commit them; the problem."""
+    """Rank 0: join every owner's part of the records and commit them; the problem."""
     try:
-        planner_data = {k: v for _f, _p, mappings in parts for k, v in mappings.items()}
-        frame = SaveRecords(len(parts), meta, planner_data)
-        metadata, manifest = frame.join([p for _f, p, _m in parts])
-        path.make()
-        metadata_file = path.write_temporary(METADATA, metadata, sync=sync)
-        keep = {
-            file_name(r, k, token) for r, (files, _p, _m) in enumerate(parts) for k in range(files)
-        }
-        commit(path, metadata_file, manifest, keep, RecordNames(), sync=sync, lease=lease)
+        metadata, manifest = join_records(path, world, token, meta, _frame(world, meta), sync)
+        suffix = f".sw{token}{DEFAULT_SUFFIX}"  # this save's data files, and only they
+        keep = {n for n in path.names() if n.startswith("__") and n.endswith(suffix)}
+        commit(path, metadata, manifest, keep, RecordNames(), sync=sync, lease=lease)
     except Exception as e:  # noqa: BLE001 - the other ranks wait for the verdict
         return e
     return None
+
+
+def _frame(world: int, meta: StorageMeta) -> Manifest:
+    """The manifest's fields but its entries and planner data (`record_join`)."""
+    frame = SaveRecords(world, meta, {}).draft()
+    frame.set_planner_data({})
+    return frame

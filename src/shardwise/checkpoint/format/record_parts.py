@@ -2,16 +2,22 @@
 
 A save's records list every chunk of every rank: O(W × N) entries, 1,000,000
 at 1,024 ranks × 1,000 tensors. Encoding them on one rank puts seconds of
-pickling and JSON on its critical path, so each key's owner (`engine.key_owners`)
-encodes the entries of its own keys and the committing rank only joins bytes.
+pickling and JSON on its critical path, and gathering them there puts the
+whole records in its memory. So each key's owner (`engine.key_owners`) encodes
+the entries of its own keys into a part (`encode_part`), writes it beside the
+checkpoint, and the committing rank only copies bytes: a fixed frame with
+three holes in each record, the parts' sections poured into them in order
+(`io.record_join`).
 
-`.metadata` parts are protocol-2 pickle fragments: a dict's items with their
+`.metadata` sections are protocol-2 pickle fragments: a dict's items with their
 own memo, whose `BINPUT`/`BINGET` carry explicit indices. Concatenated inside an
 empty dict, each fragment re-stores the memo slots it uses before it reads
 them, so no fragment ever sees another's objects. The frame around them is
 pickled without a memo (`Pickler.fast`), so nothing after a fragment reads a
 slot it overwrote. Any unpickler reads the result: stock `dcp.load`'s
-`pickle.load` and shardwise's safe one alike.
+`pickle.load` and shardwise's safe one alike. Manifest sections are the
+members of its three objects ("planner_data", "tensors", "objects"), joined
+by commas.
 """
 
 from __future__ import annotations
@@ -19,31 +25,38 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import struct
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from ...errors import CorruptCheckpointError
 from .field_table import encode
-from .manifest import Manifest, seal
+from .manifest import Manifest
 from .manifest_entries import VERSION
 from .manifest_fields import TOP
+from .planner_data import encode_planner_data
 
 __all__ = [
-    "ManifestPart",
-    "MetadataPart",
-    "manifest_from_parts",
-    "manifest_part",
-    "metadata_from_parts",
+    "HEADER_SIZE",
+    "SECTIONS",
+    "encode_part",
+    "manifest_frame",
+    "manifest_sections",
+    "metadata_frame",
+    "metadata_sections",
     "pickled_items",
+    "section_spans",
 ]
 
-MetadataPart = tuple[bytes, bytes]  # the items of `state_dict_metadata`, of `storage_data`
-ManifestPart = tuple[str, str]  # the members of "tensors", of "objects" (JSON, no braces)
-
+# A part's sections, in the order the frames' holes take them.
+SECTIONS = 6  # .metadata: state, planner, storage; manifest: planner, tensors, objects
+_HEADER = struct.Struct(f"<{SECTIONS}Q")
+HEADER_SIZE = _HEADER.size
 _HEAD = b"\x80\x02}q\x00"  # PROTO 2, EMPTY_DICT, BINPUT 0
-_MARKS = ("\x00shardwise part: state\x00", "\x00shardwise part: storage\x00")
-_TAIL = '"tensors":{},"objects":{},"crc32c":0}'
+_MARKS = tuple(f"\x00shardwise part: {n}\x00" for n in ("state", "planner", "storage"))
+_TAIL = '"planner_data":{},"tensors":{},"objects":{},"crc32c":0}'
 
 
 def pickled_items(items: dict[Any, Any]) -> bytes:
@@ -59,14 +72,49 @@ def _hole(mark: str) -> bytes:
     return b"}X" + len(text).to_bytes(4, "little") + text + b"Ns"
 
 
-def metadata_from_parts(
-    parts: list[MetadataPart], planner_data: Any, storage_meta: StorageMeta
-) -> bytes:
-    """DCP's pickled `Metadata` whose two dicts hold every part's items, in order."""
+def metadata_sections(
+    state: dict[str, Any], planner_data: dict[str, Any], storage: dict[Any, Any]
+) -> list[bytes]:
+    """A part's three `.metadata` sections."""
+    return [pickled_items(state), pickled_items(planner_data), pickled_items(storage)]
+
+
+def manifest_sections(manifest: Manifest, planner_data: dict[str, Any]) -> list[bytes]:
+    """A part's three manifest sections: the members of "planner_data" (plain JSON:
+    DCP's flattened paths), "tensors" and "objects"."""
+    doc = encode(TOP, manifest, VERSION)
+    members = [encode_planner_data(planner_data), doc["tensors"], doc["objects"]]
+    return [json.dumps(m, separators=(",", ":"))[1:-1].encode() for m in members]
+
+
+def encode_part(sections: list[bytes]) -> bytes:
+    """One part file: the sections' lengths, then the sections."""
+    assert len(sections) == SECTIONS
+    return _HEADER.pack(*map(len, sections)) + b"".join(sections)
+
+
+def section_spans(header: bytes, size: int, where: str) -> list[tuple[int, int]]:
+    """Each section's (offset, length) in a part file of `size` bytes whose first bytes
+    are `header`; refused unless they fill it exactly."""
+    if len(header) < _HEADER.size:
+        raise CorruptCheckpointError(f"{where}: a record part cut short ({size} bytes)")
+    lengths = _HEADER.unpack_from(header)
+    if _HEADER.size + sum(lengths) != size:
+        raise CorruptCheckpointError(f"{where}: a record part whose sections do not fill it")
+    spans, at = [], _HEADER.size
+    for n in lengths:
+        spans.append((at, n))
+        at += n
+    return spans
+
+
+def metadata_frame(storage_meta: StorageMeta) -> list[bytes]:
+    """DCP's pickled `Metadata` cut at its three holes (state, planner data, storage):
+    four pieces, each part's `.metadata` sections going between them in order."""
     frame = Metadata(
-        state_dict_metadata={_MARKS[0]: None},  # type: ignore[dict-item]  # holes, spliced below
-        planner_data=planner_data,
-        storage_data={_MARKS[1]: None},
+        state_dict_metadata={_MARKS[0]: None},  # type: ignore[dict-item]  # holes
+        planner_data={_MARKS[1]: None},
+        storage_data={_MARKS[2]: None},
         storage_meta=storage_meta,
         version=CURRENT_DCP_VERSION,
     )
@@ -74,39 +122,25 @@ def metadata_from_parts(
     pickler = pickle.Pickler(buffer, protocol=2)
     pickler.fast = True  # no memo in the frame: see the module's docstring
     pickler.dump(frame)
-    out = buffer.getvalue()
-    for which, mark in enumerate(_MARKS):
-        before, hole, after = out.partition(_hole(mark))
-        if not hole or _hole(mark) in after:  # the caller's planner data spells a mark
-            return _whole(parts, planner_data, storage_meta)
-        out = before + b"}" + b"".join(p[which] for p in parts) + after
-    return out
+    pieces, rest = [], buffer.getvalue()
+    for mark in _MARKS:
+        before, hole, rest = rest.partition(_hole(mark))
+        assert hole and _hole(mark) not in rest, "the frame holds nothing of the caller's"
+        pieces.append(before + b"}")
+    return [*pieces, rest]
 
 
-def _whole(parts: list[MetadataPart], planner_data: Any, storage_meta: StorageMeta) -> bytes:
-    """The same `Metadata`, its parts decoded and pickled again in one piece."""
-    state, storage = (
-        pickle.loads(_HEAD + b"".join(p[which] for p in parts) + b".")  # our own fragments
-        for which in (0, 1)
-    )
-    metadata = Metadata(state, planner_data, storage, storage_meta, CURRENT_DCP_VERSION)
-    return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def manifest_part(manifest: Manifest) -> ManifestPart:
-    """The encoded members of `manifest`'s "tensors" and "objects"."""
-    doc = encode(TOP, manifest, VERSION)
-    return tuple(  # type: ignore[return-value]
-        json.dumps(doc[name], separators=(",", ":"))[1:-1] for name in ("tensors", "objects")
-    )
-
-
-def manifest_from_parts(frame: Manifest, parts: list[ManifestPart]) -> bytes:
-    """`shardwise.json`, sealed: `frame`'s fields (its tensors and objects empty) and
-    every part's members, in order."""
+def manifest_frame(frame: Manifest) -> list[bytes]:
+    """`frame`'s manifest text (no entries, no planner data) cut at its holes: four
+    pieces, each part's manifest sections going between them, comma-separated. The
+    last piece ends `"crc32c":0}`: the writer seals it (`manifest.seal`)."""
+    assert not frame.tensors and not frame.objects and frame.planner_data == {}
     text = frame.unsealed_json()
-    assert text.endswith(_TAIL) and not frame.tensors and not frame.objects
-    tensors = ",".join(p[0] for p in parts if p[0])
-    objects = ",".join(p[1] for p in parts if p[1])
-    body = f'{text[: -len(_TAIL)]}"tensors":{{{tensors}}},"objects":{{{objects}}},"crc32c":0}}'
-    return seal(body).encode()
+    assert text.endswith(_TAIL)
+    head = text[: -len(_TAIL)]
+    return [
+        f'{head}"planner_data":{{'.encode(),
+        b'},"tensors":{',
+        b'},"objects":{',
+        b'},"crc32c":0}',
+    ]

@@ -85,7 +85,7 @@ _DATA = DATA_FILE  # our data files; tests/reliability/test_untrusted.py reads i
 def commit(
     folder: FolderLike,
     metadata: bytes | str,
-    manifest: bytes,
+    manifest: bytes | str,
     referenced: set[str],
     names: RecordNames = GLOBAL_RECORDS,
     *,
@@ -94,8 +94,9 @@ def commit(
 ) -> list[str]:
     """Make a checkpoint whose data is durable visible; collect what it replaces.
 
-    `metadata` is `.metadata`'s bytes, or the name of a file beside it already
-    holding them (`Folder.write_temporary`, written by another rank), moved into place.
+    `metadata` and `manifest` are the records' bytes, or the names of files beside
+    them already holding them, durably (`Folder.write_temporary`, written by
+    another rank; `record_join`), moved into place.
     `referenced`: the data files the new records name. Returns the names removed.
     With `sync=False` nothing is fsynced (as stock's `sync_files=False`): a
     power loss may then lose the new checkpoint and the one it replaced.
@@ -117,7 +118,10 @@ def commit(
     if sync:
         folder.sync()
     failpoint("between-records")
-    folder.write_durably(names.manifest, manifest, sync=sync)
+    if isinstance(manifest, str):
+        folder.replace(manifest, names.manifest)
+    else:
+        folder.write_durably(names.manifest, manifest, sync=sync)
     # The marker comes last: before the manifest exists it would make a folder
     # whose `.metadata` is complete (stock's, or this save's) read as incomplete.
     if names.rank is None and not folder.has(MARKER):

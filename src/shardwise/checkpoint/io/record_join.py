@@ -1,0 +1,129 @@
+"""A collective save's records, joined on the committing rank from every owner's part.
+
+Each key's owner writes its share of `.metadata` and of the manifest as a part
+file beside the checkpoint (`write_part`); after one verdict the committing rank
+streams the frames and every part's sections into two temporary files
+(`join_records`), checksumming as it goes, and `commit` renames them into
+place. Its work is copying bytes: no entry is decoded or encoded, nothing is
+received over the network, and its memory holds one section at a time — the
+records themselves grow with W × N (1,024 ranks × 1,000 tensors: 300 MB), so
+holding or encoding them on one rank would not scale.
+
+A part is named as a temporary of the manifest (`NAME.sw{12 hex}.tmp`, derived
+from the save's token and the rank): the commit's collection removes it, and a
+dead save's part is collected by the next commit like any leftover of ours.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+import crc32c
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+from ...storage import Folder
+from ...storage.folder import Sink, temporary_name
+from ..format.manifest import MANIFEST, METADATA, Manifest
+from ..format.record_parts import (
+    HEADER_SIZE,
+    manifest_frame,
+    metadata_frame,
+    section_spans,
+)
+
+__all__ = ["join_records", "part_name", "write_part"]
+
+
+def part_name(token: str, rank: int) -> str:
+    """The name of `rank`'s part in the save of `token`."""
+    tag = hashlib.blake2b(f"{token}:{rank}".encode(), digest_size=6).hexdigest()
+    return f"{MANIFEST}.sw{tag}.tmp"
+
+
+def write_part(folder: Folder, token: str, rank: int, data: bytes) -> None:
+    """`rank`'s part (`SaveRecords.part`): read once by the committing rank, which fails
+    the save if it is not whole; never fsynced (the records made from it are)."""
+    sink = folder.create(part_name(token, rank))
+    try:
+        sink.write([data])
+        sink.close(sync=False)
+    except BaseException:
+        sink.abort()
+        raise
+
+
+class _Crc:
+    """A sink that keeps the crc32c of what it was given."""
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink, self.crc = sink, 0
+
+    def write(self, data: bytes) -> None:
+        if data:
+            self.sink.write([data])
+            self.crc = crc32c.crc32c(data, self.crc)
+
+
+def join_records(
+    folder: Folder,
+    world_size: int,
+    token: str,
+    storage_meta: StorageMeta,
+    frame: Manifest,
+    sync: bool,
+) -> tuple[str, str]:
+    """`.metadata` and the manifest of the save of `token`, from its `world_size` parts
+    and `frame` (the manifest's fields, no entries), each in a temporary file: their
+    names, for `commit`."""
+    parts = [folder.open(part_name(token, r)) for r in range(world_size)]
+    try:
+        spans = [section_spans(p.pread(HEADER_SIZE, 0), p.size(), p.where) for p in parts]
+
+        def pour(out: _Crc, pieces: list[bytes], first: int, comma: bool) -> None:
+            for hole, piece in enumerate(pieces):
+                out.write(piece)
+                if hole == len(pieces) - 1:
+                    break
+                wrote = False
+                for p, part in zip(parts, spans):
+                    offset, length = part[first + hole]
+                    if length:
+                        out.write(b"," if comma and wrote else b"")
+                        out.write(p.pread(length, offset))
+                        wrote = True
+
+        metadata = _written(
+            folder, METADATA, sync, lambda out: pour(out, metadata_frame(storage_meta), 0, False)
+        )
+        frame.metadata_crc32c = metadata[1]
+        pieces = manifest_frame(frame)
+        last = pieces[-1]
+        assert last.endswith(b"0}")
+
+        def manifest(out: _Crc) -> None:
+            pour(out, pieces[:-1] + [b""], 3, True)
+            out.crc = crc32c.crc32c(
+                last, out.crc
+            )  # the seal: this text's crc32c, in place of its 0
+            out.sink.write([last[:-2] + str(out.crc).encode() + b"}"])
+
+        return metadata[0], _written(folder, MANIFEST, sync, manifest)[0]
+    finally:
+        for p in parts:
+            p.close()
+
+
+def _written(
+    folder: Folder, name: str, sync: bool, fill: Callable[[_Crc], None]
+) -> tuple[str, int]:
+    """A temporary file beside `name` filled by `fill(out)`: its name and crc32c."""
+    sink = folder.create(temporary_name(name))
+    out = _Crc(sink)
+    try:
+        fill(out)
+        sink.close(sync=sync)
+    except BaseException:
+        sink.abort()
+        raise
+    return sink.name, out.crc
