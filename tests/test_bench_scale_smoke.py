@@ -1,0 +1,41 @@
+"""`shardwise bench scale` in its quick mode, ranks as threads only: every phase runs,
+loads are checked bit-exact by the bench itself, and every target reaches the table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.spawned
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = [
+    "16x100: first save, slowest rank's CPU",
+    "16x100: first save, most bytes a rank receives",
+    "16x100: the records' join (rank 0's CPU)",
+    "16x100: stock create_global_plan / shardwise rank 0",
+    "16x100: repeated save, slowest rank's CPU",
+    "16x100: repeated save, most bytes a rank receives",
+    "16x100: peak RSS growth per rank (process / W)",
+    "16x100: load, slowest rank's CPU",
+]
+
+
+def test_the_quick_scale_bench_prints_every_phase_and_target(tmp_path: Path) -> None:
+    script = ROOT / "benchmarks" / "bench_scale.py"
+    args = ["--quick", "--skip-processes", "--kinds", "fsdp", "--dir", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    for phase in ("save", "save_again", "load", "reshard_load"):
+        assert f"fsdp 16x100       {phase} " in out
+    table = out.split("== targets (issue 22)\n", 1)[1].splitlines()
+    assert [line[: len(t)] for line, t in zip(table, TARGETS)] == TARGETS
+    assert table[len(TARGETS)].startswith("targets met: ")
+    assert table[len(TARGETS)].endswith(f" of {len(TARGETS)}")
+    assert list(tmp_path.iterdir()) == []  # the bench removes what it wrote
