@@ -190,6 +190,10 @@ class SingleProcess(Communicator):
     """The world of one process with no process group: collectives return at once."""
 
     @property
+    def key(self) -> Hashable:
+        return ("single process",)  # every one is the same world
+
+    @property
     def rank(self) -> int:
         return 0
 

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardwise import Layout, ShardedTensor, ShardMismatchError
+from shardwise import InvalidArgumentError, Layout, ShardedTensor, ShardMismatchError
 from shardwise.checkpoint.engine import plan_cache
 from shardwise.checkpoint.engine.key_owners import owner_of
 from shardwise.checkpoint.engine.saving import save_state
 from shardwise.comm.agreement import Agreement
+from shardwise.comm.communicator import SingleProcess
 
 from ...comm.threaded_world import ThreadedWorld
 
@@ -75,3 +76,40 @@ def test_the_traffic_of_a_rank_does_not_grow_with_the_world(tmp_path: Path) -> N
     small = _planning_bytes(4, 256, tmp_path / "4")
     large = _planning_bytes(16, 256, tmp_path / "16")
     assert large < 1.5 * small, (small, large)
+
+
+def test_a_key_no_codec_can_encode_has_an_owner(tmp_path: Path) -> None:
+    """A lone surrogate (a file name decoded with `surrogateescape`) is a valid key:
+    hashing it never raises on one rank while the others wait in a collective."""
+    odd = "b\udc80"
+
+    def state(rank: int) -> dict:
+        return {"a": torch.ones(2), **({odd: torch.full((3,), 5.0)} if rank == 1 else {})}
+
+    world = ThreadedWorld(2)
+    assert world.run(lambda comm: save_state(state(comm.rank), tmp_path, Agreement(comm))) == [
+        None,
+        None,
+    ]
+    got = dcp_load({"a": torch.zeros(2), odd: torch.zeros(3)}, tmp_path)
+    assert torch.equal(got[odd], torch.full((3,), 5.0))
+
+
+def test_a_state_keyed_tuple_saves_unless_its_planner_data_would_read_back_wrong(
+    tmp_path: Path,
+) -> None:
+    both = {"__tuple__": torch.ones(2), "b": torch.zeros(1)}
+    save_state(both, tmp_path / "both", Agreement(SingleProcess()))
+    assert torch.equal(
+        dcp_load({"__tuple__": torch.zeros(2)}, tmp_path / "both")["__tuple__"], torch.ones(2)
+    )
+    with pytest.raises(InvalidArgumentError, match="whose only key is '__tuple__'"):
+        save_state({"__tuple__": torch.ones(2)}, tmp_path / "one", Agreement(SingleProcess()))
+    assert not (tmp_path / "one" / "shardwise.json").exists()
+
+
+def dcp_load(target: dict, path: Path) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(target, checkpoint_id=path, no_dist=True)
+    return target

@@ -21,6 +21,7 @@ from shardwise.checkpoint.engine.inventory import describe
 from shardwise.checkpoint.engine.loading import load_state
 from shardwise.checkpoint.engine.saving import save_state
 from shardwise.comm.agreement import Agreement
+from shardwise.comm.communicator import SingleProcess
 from shardwise.testing import shard_of
 
 from ...comm.threaded_world import ThreadedRank, ThreadedWorld
@@ -169,3 +170,13 @@ def test_the_signature_covers_world_size_rank_and_storage() -> None:
         for w, r, kind in [(2, 0, "Local"), (3, 0, "Local"), (2, 1, "Local"), (2, 0, "Remote")]
     }
     assert len(sigs) == 4
+
+
+def test_saves_without_a_process_group_share_one_group_of_plans(tmp_path: Path) -> None:
+    """Each call makes its own `SingleProcess`: they are one world, so a repeated save
+    reuses its plan and the kept plans do not grow with the number of saves."""
+    state = {"w": torch.ones(3), "step": 1}
+    for i in range(3):
+        save_state(state, tmp_path / str(i), Agreement(SingleProcess()))
+    assert list(plan_cache._KEPT) == [("single process",)]
+    assert len(plan_cache._KEPT[("single process",)]) == 1

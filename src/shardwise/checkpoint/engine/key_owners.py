@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import crc32c
 from torch.distributed.checkpoint.metadata import StorageMeta
@@ -56,7 +57,7 @@ def file_name(rank: int, k: int, token: str) -> str:
 
 def owner_of(key: str, world_size: int) -> int:
     """The rank that plans `key`: the same in every process and run (not `hash`)."""
-    return crc32c.crc32c(key.encode()) % world_size
+    return crc32c.crc32c(key.encode("utf-8", "surrogatepass")) % world_size  # never raises
 
 
 @dataclass(frozen=True)
@@ -84,11 +85,16 @@ def plan_by_owners(
     total = held_bytes(entries)
     received = agreement.route([(total, theirs) for theirs in sent])
     # received[r]: what r holds in all, and its entries of the keys this rank owns
-    plan = plan_save([e for _n, e in received], first=rank, loads=[n for n, _e in received])
-    replies = []
-    for r, (_n, theirs) in enumerate(received):
-        at = {e[0]: i for i, e in enumerate(theirs)}
-        replies.append(([(at[key], index) for key, index in plan.writes[r]], plan.problems))
+    plan = SavePlan({}, {}, [[] for _ in range(world)], {}, [])
+    replies: list[Any] = [([], [])] * world
+    try:  # a failure here would leave the others in the next route: it rides on it
+        plan = plan_save([e for _n, e in received], first=rank, loads=[n for n, _e in received])
+        replies = []
+        for r, (_n, theirs) in enumerate(received):
+            at = {e[0]: i for i, e in enumerate(theirs)}
+            replies.append(([(at[key], index) for key, index in plan.writes[r]], plan.problems))
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the route below
+        agreement.defer(e)
     back = agreement.route(replies)
     chosen = sorted(
         (where[owner][i], index, owner, j)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -30,6 +31,10 @@ from .planning import Placement, SavePlan
 __all__ = ["Planned", "forget", "keep", "lookup", "signature"]
 
 KEEP = 4  # plans kept per group: a model's and an optimizer's state saved in turn both hit
+# Groups kept, least recently used dropped: a group made for one save is never seen again.
+# A process is one rank of a few groups; the in-process communicator runs 1,024 ranks,
+# each a group of its own (`bench scale`).
+GROUPS = 1024
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class Planned:
 
 
 _KEPT: dict[Hashable, OrderedDict[bytes, Planned]] = {}
+_LOCK = threading.Lock()  # async saves (and thread ranks) keep plans from other threads
 
 
 def signature(entries: list[Entry], world_size: int, rank: int, storage: str) -> bytes:
@@ -55,24 +61,30 @@ def signature(entries: list[Entry], world_size: int, rank: int, storage: str) ->
 
 def lookup(group: Hashable, sig: bytes) -> Planned | None:
     """The plan kept for `sig` on this rank of `group`, if any."""
-    kept = _KEPT.get(group)
-    found = None if kept is None else kept.get(sig)
-    if found is not None:
-        kept.move_to_end(sig)  # type: ignore[union-attr]
-    return found
+    with _LOCK:
+        kept = _KEPT.get(group)
+        found = None if kept is None else kept.get(sig)
+        if found is not None:
+            kept.move_to_end(sig)  # type: ignore[union-attr]
+        return found
 
 
 def keep(group: Hashable, sig: bytes, planned: Planned) -> None:
     """Keep `planned` for `sig`, dropping the least recently used beyond `KEEP`."""
-    kept = _KEPT.setdefault(group, OrderedDict())
-    kept[sig] = planned
-    while len(kept) > KEEP:
-        kept.popitem(last=False)
+    with _LOCK:
+        kept = _KEPT.pop(group, None) or OrderedDict()
+        _KEPT[group] = kept  # the most recently used group last
+        while len(_KEPT) > GROUPS:
+            del _KEPT[next(iter(_KEPT))]
+        kept[sig] = planned
+        while len(kept) > KEEP:
+            kept.popitem(last=False)
 
 
 def forget(group: Hashable | None = None) -> None:
     """Drop the plans kept for `group` (None: every group)."""
-    if group is None:
-        _KEPT.clear()
-    else:
-        _KEPT.pop(group, None)
+    with _LOCK:
+        if group is None:
+            _KEPT.clear()
+        else:
+            _KEPT.pop(group, None)

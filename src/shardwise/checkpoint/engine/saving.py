@@ -46,7 +46,6 @@ import uuid
 from typing import Any
 
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from ...comm.agreement import Agreement
@@ -163,8 +162,13 @@ def _save_leased(
     sync, staging, staged = how
     rank, world = agreement.rank, agreement.world_size
     group = agreement.comm.key
-    sig = plan_cache.signature(entries, world, rank, type(path).__name__)
-    kept = plan_cache.lookup(group, sig) if agreement.pending is None else None
+    sig, kept = b"", None
+    if agreement.pending is None:
+        try:
+            sig = plan_cache.signature(entries, world, rank, type(path).__name__)
+            kept = plan_cache.lookup(group, sig)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by `agree`
+            agreement.defer(e)
     kept_id = 0 if kept is None else kept.plan_id
     agreed = agreement.agree([int(kept is None), kept_id, -kept_id, *words])
     token, save_id = f"{agreed[3] & 0xFFFFFFFFFFFF:012x}", _save_id(agreed[3:])
@@ -173,9 +177,14 @@ def _save_leased(
         mine, owned, problems = plan_by_owners(entries, agreement)
         if problems:
             raise ShardMismatchError(f"cannot save to {path}: " + "; ".join(problems))
-        placed = place_records(mine.writes, entries, serialization_id)
+        placed = []
+        try:
+            placed = place_records(mine.writes, entries, serialization_id)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by the next route
+            agreement.defer(e)
         kept = plan_cache.Planned(agreed[3] | 1, mine, placed, owned)
-        plan_cache.keep(group, sig, kept)
+        if agreement.pending is None:
+            plan_cache.keep(group, sig, kept)
     problem, files = None, 0
     reports: list[list[Report]] = [[] for _ in range(world)]
     mine, placed = kept.mine, kept.placed
@@ -211,20 +220,28 @@ def _save_leased(
     except Exception as e:  # noqa: BLE001 - raised on every rank by the verdict
         problem = e
     agreement.defer(problem)
-    agreement.verdict()  # every part is written
+    most = agreement.agree([files])[0]  # every part is written; the most files a rank wrote
     if rank == 0:
-        agreement.defer(_commit(path, world, meta, token, sync, lease))
+        agreement.defer(_commit(path, (world, most), meta, token, sync, lease))
     agreement.verdict()
 
 
 def _commit(
-    path: Folder, world: int, meta: StorageMeta, token: str, sync: bool, lease: Lease | None
+    path: Folder,
+    files: tuple[int, int],
+    meta: StorageMeta,
+    token: str,
+    sync: bool,
+    lease: Lease | None,
 ) -> BaseException | None:
-    """Rank 0: join every owner's part of the records and commit them; the problem."""
+    """Rank 0: join every owner's part of the records and commit them; the problem.
+    `files`: the world size and the most data files a rank wrote: every name this
+    save may have written is kept by the commit's collection (a superset, from the
+    names alone: never a listing, which a shared file system may show late)."""
+    world, most = files
     try:
         metadata, manifest = join_records(path, world, token, meta, _frame(world, meta), sync)
-        suffix = f".sw{token}{DEFAULT_SUFFIX}"  # this save's data files, and only they
-        keep = {n for n in path.names() if n.startswith("__") and n.endswith(suffix)}
+        keep = {file_name(r, k, token) for r in range(world) for k in range(most)}
         commit(path, metadata, manifest, keep, RecordNames(), sync=sync, lease=lease)
     except Exception as e:  # noqa: BLE001 - the other ranks wait for the verdict
         return e

@@ -80,10 +80,11 @@ def metadata_sections(
 
 
 def manifest_sections(manifest: Manifest, planner_data: dict[str, Any]) -> list[bytes]:
-    """A part's three manifest sections: the members of "planner_data" (plain JSON:
-    DCP's flattened paths), "tensors" and "objects"."""
+    """A part's three manifest sections: the members of "planner_data" (key: DCP's
+    flattened path, a tuple of names and indices: plain JSON), "tensors" and "objects"."""
     doc = encode(TOP, manifest, VERSION)
-    members = [encode_planner_data(planner_data), doc["tensors"], doc["objects"]]
+    paths = {key: encode_planner_data(path) for key, path in planner_data.items()}
+    members = [paths, doc["tensors"], doc["objects"]]
     return [json.dumps(m, separators=(",", ":"))[1:-1].encode() for m in members]
 
 
