@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..format.manifest import Manifest, ObjectEntry, TensorEntry
 from ..format.manifest_fields import ChunkEntry
-from ..format.manifest_template import ManifestTemplate
 from ..format.record_parts import encode_part, manifest_sections, metadata_sections
 from .planning import Placement, SavePlan
 
@@ -54,18 +53,11 @@ class SaveRecords:
         self.tensors: dict[str, TensorEntry] = {}
         self.objects: dict[str, ObjectEntry] = {}
         self._draft: Manifest | None = None
-        self._template: ManifestTemplate | None = None
 
     @staticmethod
     def fill(chunk: ChunkEntry, checksums: Checksums) -> None:
         """A chunk's checksums, reported by its writer after the entry was made."""
         chunk.tile, chunk.crcs, chunk.frame = checksums
-
-    def prepare(self) -> None:
-        """Encode all of the manifest but its checksums now (`format.manifest_template`),
-        so that `manifest` only fills them in: for a caller with time to spare before the
-        checksums arrive (`saving`'s rank 0, while the others write)."""
-        self._template = ManifestTemplate(self.draft())
 
     def draft(self) -> Manifest:
         """The manifest of these entries (the same objects: checksums filled later are
@@ -91,8 +83,6 @@ class SaveRecords:
         """`shardwise.json`, sealed; `metadata_crc32c`: of the `.metadata` it goes with."""
         manifest = self.draft()
         manifest.metadata_crc32c = metadata_crc32c
-        if self._template is not None:
-            return self._template.fill().encode()
         return manifest.to_json().encode()
 
     def metadata(self) -> bytes:
