@@ -82,7 +82,11 @@ def plan_by_owners(
         owner = owner_of(entry[0], world)
         sent[owner].append(entry)
         where[owner].append(position)
-    total = held_bytes(entries)
+    total = 0
+    try:  # a dtype no record can hold (a quantized one) is refused on every rank, by the route
+        total = held_bytes(entries)
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the route below
+        agreement.defer(e)
     received = agreement.route([(total, theirs) for theirs in sent])
     # received[r]: what r holds in all, and its entries of the keys this rank owns
     plan = SavePlan({}, {}, [[] for _ in range(world)], {}, [])
