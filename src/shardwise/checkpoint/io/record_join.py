@@ -109,9 +109,8 @@ def join_records(
 
         def manifest(out: _Crc) -> None:
             pour(out, pieces[:-1] + [b""], 3, True)
-            out.crc = crc32c.crc32c(
-                last, out.crc
-            )  # the seal: this text's crc32c, in place of its 0
+            # the seal (`manifest.seal`): the crc32c of the text ending `0}`, in place of the 0
+            out.crc = crc32c.crc32c(last, out.crc)
             out.sink.write([last[:-2] + str(out.crc).encode() + b"}"])
 
         return metadata[0], _written(folder, MANIFEST, sync, manifest)[0]
