@@ -206,7 +206,12 @@ class Folder(ABC):
     def write_temporary(self, name: str, data: bytes, *, sync: bool = True) -> str:
         """`data` under a fresh temporary name beside `name` (one `commit` recognises
         as a leftover of ours), durable; returns that name, for `replace`."""
-        sink = self.create(temporary_name(name))
+        return self.write_new(temporary_name(name), data, sync=sync)
+
+    def write_new(self, name: str, data: bytes, *, sync: bool = True) -> str:
+        """A new file `name` (`create`: never an existing file's) holding `data`, or
+        nothing if writing fails; returns its name."""
+        sink = self.create(name)
         try:
             sink.write([data])
             sink.close(sync=sync)

@@ -47,13 +47,7 @@ def part_name(token: str, rank: int) -> str:
 def write_part(folder: Folder, token: str, rank: int, data: bytes) -> None:
     """`rank`'s part (`SaveRecords.part`): read once by the committing rank, which fails
     the save if it is not whole; never fsynced (the records made from it are)."""
-    sink = folder.create(part_name(token, rank))
-    try:
-        sink.write([data])
-        sink.close(sync=False)
-    except BaseException:
-        sink.abort()
-        raise
+    folder.write_new(part_name(token, rank), data, sync=False)
 
 
 class _Crc:
