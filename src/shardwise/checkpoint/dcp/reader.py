@@ -80,7 +80,7 @@ class Reader(FolderBacked, FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         self.manifest, self.storage_data, self._set_up_for = None, {}, None
-        self.manifest, metadata = read_records(self.folder, kwargs.get("rank"))
+        self.manifest, metadata = read_records(self.folder, kwargs.get("rank"), whole=True)
         if self.manifest is not None:
             metadata = self.manifest.to_metadata()
         assert metadata is not None

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import crc32c
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import (
     SerializationFormat,
@@ -44,6 +43,7 @@ from ..engine.holes import holes_in_plans
 from ..io.commit import RecordNames, commit, data_file_name, in_the_way, new_token
 from ..io.faults import failpoint
 from ..io.lease import Lease
+from ..io.record_names import index_file_name
 from .folder_backed import FolderBacked
 from .write_items import ItemResult, records_of, write_file
 
@@ -210,14 +210,16 @@ class Writer(FolderBacked, FileSystemWriter):
         for rank_results in results:
             stored.update({r.index: r.storage_data for r in rank_results})
         records = records_of(metadata, stored, len(results), self.storage_meta())
-        metadata_bytes = records.metadata()
         keep = {r.stock.relative_path for r in stored.values()}
+        index_name = index_file_name(keep, self.rank or 0, self._token)
+        metadata_bytes, manifest, index = records.records(index_name)
         try:
+            self.folder.write_new(index_name, index, sync=self.sync_files)
             commit(
                 self.folder,
                 metadata_bytes,
-                records.manifest(crc32c.crc32c(metadata_bytes)),
-                keep,
+                manifest,
+                keep | {index_name},
                 self._records(),
                 sync=self.sync_files,
                 lease=self._lease[0] if self._lease else None,

@@ -96,51 +96,39 @@ def _plan(
     flat: dict[str, Any], view: StoredView, objects: dict[str, Any], trust: bool
 ) -> list[ChunkRead | RecordRead]:
     """This rank's reads: objects (unpickled into `objects`), the stored chunks its
-    pieces overlap, and DCP's own plan for values only DCP knows how to fill."""
+    pieces overlap (from a version 4 index: only its tensors' sections, only the rows
+    it reads), and DCP's own plan for values only DCP knows how to fill."""
     reads: list[ChunkRead | RecordRead] = []
     by_dcp: dict[str, Any] = {}
+    held: dict[str, list[Piece]] = {}
     for key, value in flat.items():
         if not isinstance(value, torch.Tensor) and view.is_object(key):
             info = view.object_info(key)
             reads.append(RecordRead(key, info, _keep(objects, key, view, info, trust)))
             continue
-        stored = view.tensor(key)
-        if stored is None:
+        if view.tensor(key) is None:
             continue
-        held = pieces_of(value) if isinstance(value, torch.Tensor) else None
-        if held is None:  # a `_Checkpointable` or an unknown tensor subclass
+        pieces = pieces_of(value) if isinstance(value, torch.Tensor) else None
+        if pieces is None:  # a `_Checkpointable` or an unknown tensor subclass
             by_dcp[key] = value
             continue
-        shape, dtype = stored
-        chunks = view.chunks(key)
-        exact = {(c[0], c[1]): c for c in chunks} if len(chunks) > 8 else None
-        for piece in held:
-            if not piece.tensor.numel():
-                continue
-            chunk = (
-                exact.get((piece.offsets, piece.sizes))
-                if exact is not None
-                else _same_box(chunks, piece)
-            )
-            if chunk is not None:
+        pieces = [p for p in pieces if p.tensor.numel()]
+        if pieces:
+            held[key] = pieces
+    for key, stored in view.stored_chunks(list(held)):
+        dtype = view.tensor(key)[1]  # type: ignore[index]  # a stored tensor
+        for piece in held[key]:
+            found = stored.covering(piece.offsets, piece.sizes)
+            if len(found) == 1 and found[0][:2] == (piece.offsets, piece.sizes):
+                chunk = found[0]
                 info = view.storage(key, chunk[2])
-                reads.append(
-                    _read(key, chunk, info, dtype, (0,) * len(shape), chunk[1], piece.tensor)
-                )
+                zero = (0,) * len(piece.offsets)
+                reads.append(_read(key, chunk, info, dtype, zero, chunk[1], piece.tensor))
             else:
-                reads += _part_reads(key, view, chunks, dtype, piece)
+                reads += _part_reads(key, view, found, dtype, piece)
     if by_dcp:
         reads += planned_reads(by_dcp, view.metadata(), view.folder, trust_objects=trust)
     return reads
-
-
-def _same_box(chunks: list[StoredBox], piece: Piece) -> StoredBox | None:
-    """The stored chunk that is exactly `piece`'s box, if any: a scan, for the few
-    chunks most tensors have (beats building an index)."""
-    for c in chunks:
-        if c[0] == piece.offsets and c[1] == piece.sizes:
-            return c
-    return None
 
 
 def _part_reads(

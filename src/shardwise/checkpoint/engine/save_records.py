@@ -30,8 +30,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..format.manifest import Manifest, ObjectEntry, TensorEntry
+from ..format.manifest import IndexRef, Manifest, ObjectEntry, TensorEntry
 from ..format.manifest_fields import ChunkEntry
+from ..format.manifest_index import write_sections
 from ..format.record_parts import encode_part, manifest_sections, metadata_sections
 from .planning import Placement, SavePlan
 
@@ -79,11 +80,12 @@ class SaveRecords:
             self._draft.set_planner_data(self.planner_data)
         return self._draft
 
-    def manifest(self, metadata_crc32c: int) -> bytes:
-        """`shardwise.json`, sealed; `metadata_crc32c`: of the `.metadata` it goes with."""
-        manifest = self.draft()
-        manifest.metadata_crc32c = metadata_crc32c
-        return manifest.to_json().encode()
+    def records(self, index_file: str) -> tuple[bytes, bytes, bytes]:
+        """`.metadata`, `shardwise.json` (sealed) and the index file, to be written as
+        `index_file` (a data file of the save) before the records are committed."""
+        metadata = self.metadata()
+        manifest, index = self.draft().indexed(index_file, metadata)
+        return metadata, manifest, index
 
     def metadata(self) -> bytes:
         """The pickled DCP `Metadata` stock `dcp.load` reads."""
@@ -97,14 +99,22 @@ class SaveRecords:
         )
         return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
 
-    def part(self, planner_data: dict[str, Any]) -> bytes:
+    def part(self, planner_data: dict[str, Any], block: int) -> bytes:
         """These entries (an owner's keys) and their `planner_data` as a part of a
-        collective save's records (`format.record_parts`)."""
+        collective save's records (`format.record_parts`), their chunk sections as
+        block `block` of its index."""
         state, storage = self._metadata_items()
-        entries = Manifest(world_size=self.world_size, tensors=self.tensors, objects=self.objects)
+        index = write_sections(self.tensors, block)
+        entries = Manifest(
+            world_size=self.world_size,
+            tensors=self.tensors,
+            objects=self.objects,
+            index=IndexRef("", []),  # the frame's: only the entries are encoded here
+        )
         return encode_part(
             metadata_sections(state, planner_data, storage)
             + manifest_sections(entries, planner_data)
+            + [index]
         )
 
     def _metadata_items(self) -> tuple[dict[str, Any], dict[MetadataIndex, _StorageInfo]]:

@@ -216,7 +216,7 @@ def _save_leased(
     problem = None
     try:
         records = owned_records(kept.owned, received, token, meta)
-        write_part(path, token, rank, records.part(kept.owned.mappings))
+        write_part(path, token, rank, records.part(kept.owned.mappings, rank))
     except Exception as e:  # noqa: BLE001 - raised on every rank by the verdict
         problem = e
     agreement.defer(problem)
@@ -240,8 +240,10 @@ def _commit(
     names alone: never a listing, which a shared file system may show late)."""
     world, most = files
     try:
-        metadata, manifest = join_records(path, world, token, meta, _frame(world, meta), sync)
-        keep = {file_name(r, k, token) for r in range(world) for k in range(most)}
+        index = file_name(0, most, token)  # past every data file of rank 0
+        records = join_records(path, (world, index), token, meta, _frame(world, meta), sync)
+        metadata, manifest = records
+        keep = {file_name(r, k, token) for r in range(world) for k in range(most)} | {index}
         commit(path, metadata, manifest, keep, RecordNames(), sync=sync, lease=lease)
     except Exception as e:  # noqa: BLE001 - the other ranks wait for the verdict
         return e

@@ -13,7 +13,8 @@ manifest builds nothing for the rest.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -26,8 +27,16 @@ from torch.distributed.checkpoint.metadata import (
 
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ...storage import Folder
-from ..format.manifest import MARKER, Manifest, StoredChunk, StoredObject, dtype_from_name
+from ..format.manifest import (
+    MANIFEST,
+    MARKER,
+    Manifest,
+    StoredChunk,
+    StoredObject,
+    dtype_from_name,
+)
 from ..format.manifest_entries import ChunkEntry
+from ..format.manifest_index import TensorChunks, read_sections
 from ..format.record_check import follow_replaced, read_stock
 from ..io.commit import RecordNames, leftover_data, per_rank_records
 
@@ -38,21 +47,26 @@ StoredBox = tuple[tuple[int, ...], tuple[int, ...], Any]
 
 
 def read_records(
-    folder: Folder, rank: int | None = None
+    folder: Folder, rank: int | None = None, *, whole: bool = False
 ) -> tuple[Manifest | None, Metadata | None]:
     """(the manifest, None) for a shardwise checkpoint whose manifest is current, else
     (None, DCP's metadata), read safely and checked; `rank`: that rank's own records.
+    A version 4 manifest comes without its chunks (a load reads the sections it needs)
+    unless `whole`.
     Raises `CheckpointNotFoundError` where there is no checkpoint (also where only
     per-rank records are: what `dcp.load` expects before it retries per rank) and
     `IncompleteCheckpointError` where a save never committed."""
     names = RecordNames(rank)
     present = set(folder.names())
     if names.manifest in present:
-        manifest = Manifest.read(folder, names.manifest)
+        manifest = Manifest.read_head(folder, names.manifest)
         replaced = manifest.stale(folder, names.metadata)
         if replaced is None:
+            if manifest.index is None or whole:  # before version 4: every chunk, checked
+                manifest.resolve(folder, names.manifest)
             return manifest, None
         # what stock readers see now: never the data it replaced
+        manifest.resolve(folder, names.manifest)  # the files it names, to refuse them
         return None, follow_replaced(
             folder, names.metadata, replaced, manifest.files(), holes=rank is not None
         )
@@ -78,10 +92,17 @@ def read_records(
 class StoredView:
     """A checkpoint's keys as a load plans them, from its manifest or DCP's metadata."""
 
-    def __init__(self, folder: Folder, manifest: Manifest | None, metadata: Metadata | None):
+    def __init__(
+        self,
+        folder: Folder,
+        manifest: Manifest | None,
+        metadata: Metadata | None,
+        name: str = MANIFEST,
+    ):
         self.folder = folder
         self.manifest = manifest
         self._metadata = metadata
+        self._name = name  # the manifest's, in errors
 
     @classmethod
     def read(cls, folder: Folder, rank: int) -> StoredView:
@@ -91,12 +112,13 @@ class StoredView:
         except FileNotFoundError:
             if not per_rank_records(folder):
                 raise
-            return cls(folder, *read_records(folder, rank))
+            return cls(folder, *read_records(folder, rank), RecordNames(rank).manifest)
 
     def metadata(self) -> Metadata:
         """DCP's `Metadata` of the checkpoint (built from the manifest once, when asked)."""
         if self._metadata is None:
             assert self.manifest is not None
+            self.manifest.resolve(self.folder, self._name)
             self._metadata = self.manifest.to_metadata()
         if getattr(self._metadata, "storage_meta", None) is None:  # absent from old pickles
             self._metadata.storage_meta = StorageMeta()
@@ -117,6 +139,21 @@ class StoredView:
             return key in self.manifest.objects
         md = self.metadata().state_dict_metadata.get(key)
         return md is not None and not isinstance(md, TensorStorageMetadata)
+
+    def stored_chunks(self, keys: list[str]) -> Iterator[tuple[str, Covering]]:
+        """Each of the stored tensors `keys` as what `covering` a box finds in it: from
+        a version 4 index, the sections of these keys only, read in index order."""
+        manifest = self.manifest
+        if manifest is None or manifest.index is None:
+            for key in keys:
+                yield key, _Listed(self.chunks(key))
+            return
+        sizes = self.folder.sizes()
+        where = self.folder.where(self._name)
+        wanted = [(key, manifest.tensors[key]) for key in keys]
+        for key, table in read_sections(self.folder, manifest.index, wanted, where):
+            chunks = TensorChunks(key, manifest.tensors[key], table, sizes, self.folder)
+            yield key, _Sectioned(chunks)
 
     def chunks(self, key: str) -> list[StoredBox]:
         """The stored chunks of tensor `key`: their boxes, and what `storage` turns into
@@ -151,3 +188,41 @@ def _storage(metadata: Metadata, index: MetadataIndex) -> Any:
     if info is None:  # `check_metadata` refused this already: never, but never unchecked
         raise CorruptCheckpointError(f"'{index.fqn}' (at {index.offset}) has no storage entry")
     return info
+
+
+class Covering(Protocol):
+    def covering(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox]:
+        """The stored chunks overlapping the non-empty box (`offsets`, `sizes`)."""
+        ...
+
+
+class _Sectioned:
+    """A tensor's chunks from its section (`manifest_index.TensorChunks`)."""
+
+    def __init__(self, chunks: TensorChunks) -> None:
+        self.chunks = chunks
+
+    def covering(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox]:
+        return [(c.offsets, c.sizes, c) for c in self.chunks.covering(offsets, sizes)]
+
+
+class _Listed:
+    """A tensor's chunks as a list, checked when the records were read."""
+
+    def __init__(self, chunks: list[StoredBox]) -> None:
+        self.chunks = chunks
+        # many chunks (a tensor sharded over many ranks): a box read whole is found at once
+        self.exact = {(c[0], c[1]): c for c in chunks} if len(chunks) > 8 else None
+
+    def covering(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox]:
+        if self.exact is not None:
+            same = self.exact.get((offsets, sizes))
+            if same is not None:
+                return [same]
+        found = []
+        for c in self.chunks:
+            if c[0] == offsets and c[1] == sizes:
+                return [c]
+            if all(o < a + n and a < o + m and m for a, n, o, m in zip(offsets, sizes, c[0], c[1])):
+                found.append(c)
+        return found

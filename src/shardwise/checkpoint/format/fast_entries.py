@@ -1,9 +1,11 @@
 """The common chunk and tensor of `shardwise.json`, parsed and written fast.
 
-A checkpoint of 100,000 small tensors has 100,000 chunks like these: the newest
-version, no transform, every integer checked by a few C-level calls instead of one
-Python call each. They accept exactly what the tables accept (a test holds them to
-it); anything else goes through the tables, which name what is wrong.
+A checkpoint of 100,000 small tensors has 100,000 chunks like these: version 3
+(the last listing chunks in the manifest), no transform, every integer checked by
+a few C-level calls instead of one Python call each; from version 4 a tensor is
+its dtype, shape and section (`_heads`). They accept exactly what the tables
+accept (a test holds them to it); anything else goes through the tables, which
+name what is wrong.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from .field_kinds import is_dtype_name, is_file_name
 from .field_table import FieldError
-from .manifest_entries import VERSION, ChunkEntry, TensorEntry
+from .manifest_entries import INLINE, VERSION, ChunkEntry, TensorEntry
 
 FAST_CHUNK = ("offsets", "sizes", "file", "record", "payload", "tile", "tiles", "frame")
 _FAST_CHUNK_KEYS = frozenset(FAST_CHUNK)
@@ -33,7 +35,7 @@ def parse_chunk(doc: Any, version: int) -> ChunkEntry | None:
 
 
 def dump_chunk(c: ChunkEntry, version: int) -> dict[str, Any] | None:
-    if version != VERSION or c.transform is not None:
+    if version != INLINE or c.transform is not None:
         return None
     if c.tile is None and c.payload is not None:  # a writer's bug: no reader would take it
         raise FieldError("tile", f"chunk at {c.offsets} in {c.file} has a payload but no tiles")
@@ -52,7 +54,9 @@ def dump_chunk(c: ChunkEntry, version: int) -> dict[str, Any] | None:
 def parse_tensors(value: Any, version: int) -> dict[str, TensorEntry] | None:
     """Every tensor of a manifest at once, when all are common: the integers, crc32cs,
     file and dtype names of all chunks are gathered and each kind checked in one pass."""
-    if version != VERSION or type(value) is not dict:
+    if version == VERSION:
+        return _heads(value)
+    if version != INLINE or type(value) is not dict:
         return None
     counts: list[Any] = []  # every value that must be a non-negative integer
     crcs: list[Any] = []  # every value that must be a crc32c
@@ -127,8 +131,46 @@ def parse_tensor(doc: Any, version: int) -> TensorEntry | None:
     return None if out is None else out[""]
 
 
+def _heads(value: Any) -> dict[str, TensorEntry] | None:
+    """Every tensor of a version 4 manifest at once: dtype, shape and section each."""
+    if type(value) is not dict:
+        return None
+    counts: list[Any] = []
+    dtypes: set[str] = set()
+    out = {}
+    for key, t in value.items():
+        if type(t) is not dict:
+            return None
+        dtype, shape, section = t.get("dtype"), t.get("shape"), t.get("section")
+        requires_grad = t.get("requires_grad", False)
+        if not (
+            len(t) == 3 + ("requires_grad" in t)
+            and type(dtype) is str
+            and type(shape) is list
+            and type(section) is list
+            and len(section) == 5
+            and type(requires_grad) is bool
+        ):
+            return None
+        counts += shape
+        counts += section
+        dtypes.add(dtype)
+        out[key] = TensorEntry(dtype, tuple(shape), [], requires_grad, tuple(section))
+    if counts and not _counts(counts):
+        return None
+    if not all(map(is_dtype_name, dtypes)) or any(t.section[4] >= 1 << 32 for t in out.values()):
+        return None
+    return out
+
+
 def dump_tensor(t: TensorEntry, version: int) -> dict[str, Any] | None:
-    if version != VERSION:
+    if version == VERSION and not t.transforms and t.section is not None:
+        head: dict[str, Any] = {"dtype": t.dtype, "shape": t.shape}
+        if t.requires_grad:
+            head["requires_grad"] = True
+        head["section"] = t.section
+        return head
+    if version != INLINE:
         return None
     chunks = []
     for c in t.chunks:

@@ -12,7 +12,6 @@ is `dcp_view`.
 from __future__ import annotations
 
 import json
-import math
 import operator
 import os
 import re
@@ -25,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ...errors import CorruptCheckpointError
 from ...storage import Folder, open_folder
+from .chunk_table import chunk_consistent
 from .dcp_view import StoredChunk, StoredObject, metadata_of
 from .field_table import FieldError, decode, encode
 from .gc_pause import gc_paused
@@ -35,15 +35,16 @@ from .manifest_entries import (
     READS,
     VERSION,
     ChunkEntry,
+    IndexRef,
     ObjectEntry,
     TensorEntry,
     dtype_from_name,
     dtype_name,
 )
 from .manifest_fields import TOP
+from .manifest_index import resolve_sections, write_sections
 from .planner_data import pickled, unpickled
 from .record_check import check_coverage, check_name, check_ranges
-from .tiles import tile_count, valid_tile
 
 __all__ = [
     "FORMAT",
@@ -53,6 +54,7 @@ __all__ = [
     "READS",
     "VERSION",
     "ChunkEntry",
+    "IndexRef",
     "Manifest",
     "ObjectEntry",
     "StoredChunk",
@@ -61,10 +63,17 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "seal",
+    "tail_of",
 ]
 
 MARKER = ".shardwise"  # written first: a folder with it but no manifest is incomplete
 METADATA = ".metadata"  # DCP's record, beside the manifest
+TAIL = 4096  # the last bytes of `.metadata` a load checks: its save id is there
+
+
+def tail_of(metadata: bytes) -> tuple[int, int]:
+    """What a version 4 manifest keeps of its `.metadata`: size, crc32c of its `TAIL`."""
+    return len(metadata), crc32c.crc32c(memoryview(metadata)[-TAIL:])
 
 
 def seal(text: str) -> str:
@@ -122,11 +131,23 @@ class Manifest:
     storage_meta: dict[str, Any] = field(default_factory=dict)  # checkpoint_id, save_id, modules
     dcp_version: str | None = None
     version: int = VERSION  # of the file read; writing always writes VERSION
+    metadata_tail: tuple[int, int] = (0, 0)  # v4: .metadata's size, crc32c of its `TAIL`
+    index: IndexRef | None = None  # v4: the index file of the tensors' chunk sections
+    resolved: bool = field(default=False, compare=False, repr=False)  # v4: chunks read
 
     def to_json(self) -> str:
         """Canonical JSON whose "crc32c" field checksums the document itself, in this
-        manifest's `version` (a new manifest: the newest)."""
+        manifest's `version` (from version 4: once `indexed` set its sections)."""
         return seal(self.unsealed_json())
+
+    def indexed(self, index_file: str, metadata: bytes) -> tuple[bytes, bytes]:
+        """This manifest as one writer saves it: (its text, its index file's bytes),
+        the index to be written as `index_file`, `metadata` the `.metadata` beside it."""
+        sections = write_sections(self.tensors, 0)
+        self.index = IndexRef(index_file, [0])
+        self.metadata_crc32c = crc32c.crc32c(metadata)
+        self.metadata_tail = tail_of(metadata)
+        return self.to_json().encode(), sections
 
     def unsealed_json(self) -> str:
         """`to_json` before its checksum: the text with `"crc32c":0` last (`seal` it)."""
@@ -163,17 +184,35 @@ class Manifest:
 
     @classmethod
     def read(cls, folder: Folder | str | os.PathLike, name: str = MANIFEST) -> Manifest:
-        """The manifest `name` in `folder`, checked, its byte ranges inside its files."""
+        """The manifest `name` in `folder` with every chunk (from version 4, read from
+        its index), checked, its byte ranges inside its files."""
         folder = open_folder(folder)
+        out = cls.read_head(folder, name)
+        out.resolve(folder, name)
+        return out
+
+    def resolve(self, folder: Folder, name: str = MANIFEST) -> None:
+        """Read every chunk (version 4: from the index; once) and check them all."""
+        path = folder.where(name)
+        if self.index is not None:
+            if self.resolved:
+                return
+            resolve_sections(folder, self.index, self.tensors, path)
+            self._check_geometry(path)
+            self.resolved = True
+        self._check_files(folder, path)
+        self.check_coverage(path, holes=name != MANIFEST)
+
+    @classmethod
+    def read_head(cls, folder: Folder, name: str = MANIFEST) -> Manifest:
+        """The manifest `name` in `folder` as the file holds it: from version 4 without
+        chunks (a load reads the sections it needs: `manifest_index`), checked alone."""
         path = folder.where(name)
         try:
             text = folder.read(name)
         except OSError as e:
             raise CorruptCheckpointError(f"{path}: unreadable manifest: {e}") from e
-        out = cls.from_json(text, path)
-        out._check_files(folder, path)
-        out.check_coverage(path, holes=name != MANIFEST)
-        return out
+        return cls.from_json(text, path)
 
     def check_coverage(self, source: str, *, holes: bool = False) -> None:
         """The chunks of each tensor cover it exactly, each element once (`holes`: a
@@ -194,8 +233,10 @@ class Manifest:
         check_ranges(folder, ranges, folder.sizes())
 
     def files(self) -> set[str]:
-        """Every data file this manifest names."""
+        """Every data file this manifest names (from version 4 once `read` whole)."""
         names = {c.file for t in self.tensors.values() for c in t.chunks}
+        if self.index is not None:
+            names.add(self.index.file)
         return names | {o.file for o in self.objects.values()}
 
     def stale(self, folder: Folder, name: str = METADATA) -> bytes | None:
@@ -203,6 +244,17 @@ class Manifest:
         was committed with (stock `dcp.save` replaced the checkpoint in place, or a save
         died between its two records): what stock readers follow. None when it matches,
         or when there is none."""
+        if self.version >= 4:  # its size and its last bytes: no rank reads all of it
+            size = folder.sizes().get(name)
+            if size is None:
+                return None
+            file = folder.open(name)
+            try:
+                end = file.pread(min(size, TAIL), max(0, size - TAIL))
+            finally:
+                file.close()
+            if (size, crc32c.crc32c(end)) == self.metadata_tail:
+                return None
         try:
             data = folder.read(name)
         except FileNotFoundError:
@@ -221,7 +273,7 @@ class Manifest:
                     len(c.offsets) != ndim
                     or len(c.sizes) != ndim
                     or not all(map(operator.le, map(operator.add, c.offsets, c.sizes), t.shape))
-                    or not _consistent(c, itemsize, self.version, self.page_size)
+                    or not chunk_consistent(c, itemsize, self.version, self.page_size)
                 ):
                     raise CorruptCheckpointError(
                         f"{path}: chunk at offsets {c.offsets} of '{k}' has inconsistent sizes or "
@@ -238,22 +290,3 @@ class Manifest:
     def to_metadata(self) -> Metadata:
         """The DCP `Metadata` this manifest describes, built without unpickling."""
         return metadata_of(self)
-
-
-def _consistent(c: ChunkEntry, itemsize: int, version: int, page_size: int) -> bool:
-    """The byte ranges and checksums of a chunk fit each other and its size."""
-    if c.payload is None:  # transformed: one checksum over the stored record
-        return bool(c.transform) and c.tile is None and len(c.crcs) == 1
-    nbytes = math.prod(c.sizes) * itemsize
-    if not (
-        c.payload[1] == nbytes
-        and c.record[0] <= c.payload[0] <= c.payload[0] + c.payload[1] <= sum(c.record)
-    ):
-        return False
-    if version <= 2:  # pages: at least one (an empty payload has one empty page)
-        return len(c.crcs) == max(1, -(-nbytes // page_size))
-    if c.tile is None:  # no checksums at all: only a transformed chunk has no tiles
-        return False
-    if c.tile == c.sizes:  # one tile, the common case for small chunks
-        return len(c.crcs) == 1
-    return valid_tile(c.sizes, c.tile) and len(c.crcs) == tile_count(c.sizes, c.tile)

@@ -14,10 +14,12 @@ import torch
 from ...errors import CorruptCheckpointError
 
 FORMAT = "shardwise.checkpoint"
-VERSION = 3  # the version written
+VERSION = 4  # the version written
 # the versions read; 2 added transforms, planner data, storage_meta, requires_grad;
-# 3 replaced pages of `page_size` with tiles (a chunk's `tile` and `tiles`)
-READS = (1, 2, 3)
+# 3 replaced pages of `page_size` with tiles (a chunk's `tile` and `tiles`);
+# 4 moved the chunks into binary sections of an index file (`chunk_table`)
+READS = (1, 2, 3, 4)
+INLINE = 3  # the newest version listing chunks in the manifest itself (`Manifest.to_json`)
 MANIFEST = "shardwise.json"
 PAGE_SIZE = 1 << 20  # payload bytes per checksum page (format versions 1 and 2)
 
@@ -69,3 +71,16 @@ class TensorEntry:
     shape: tuple[int, ...]
     chunks: list[ChunkEntry] = field(default_factory=list)
     requires_grad: bool = False  # DCP's TensorProperties field, kept for stock parity
+    # v4: where its chunks are in the index (block, offset, length, rows, crc32c), and
+    # the transforms its rows name by position; `chunks` is filled only when read whole
+    section: tuple[int, int, int, int, int] | None = None
+    transforms: list[list[str]] = field(default_factory=list)
+
+
+@dataclass
+class IndexRef:
+    """v4: the index file holding the tensors' sections, and where each block of it
+    (one per writer of sections: an owner of keys) starts."""
+
+    file: str
+    blocks: list[int]

@@ -31,6 +31,7 @@ from .field_kinds import (
     is_dtype_name,
     is_int,
     is_nonneg_list,
+    is_range,
     is_str,
     list_of,
 )
@@ -46,11 +47,20 @@ from .field_table import (
     record_list,
     record_map,
 )
-from .manifest_entries import FORMAT, READS, VERSION, ChunkEntry, ObjectEntry, TensorEntry
+from .manifest_entries import (
+    FORMAT,
+    READS,
+    VERSION,
+    ChunkEntry,
+    IndexRef,
+    ObjectEntry,
+    TensorEntry,
+)
 
 __all__ = [
     "CHUNK",
     "FAST_CHUNK",
+    "INDEX_REF",
     "FORMAT",
     "OBJECT",
     "READS",
@@ -61,6 +71,7 @@ __all__ = [
     "VERSION",
     "ChunkEntry",
     "Field",
+    "IndexRef",
     "FieldError",
     "Kind",
     "ObjectEntry",
@@ -136,6 +147,34 @@ TENSOR = (
         "chunks",
         record_list("a list of chunks", CHUNK, ChunkEntry, (parse_chunk, dump_chunk)),
         "the stored blocks",
+        until=3,
+    ),
+    Field(
+        "section",
+        leaf(
+            "[block, offset, length, rows, crc32c]: non-negative integers",
+            lambda v: is_nonneg_list(v) and len(v) == 5 and v[4] < 1 << 32,
+            tuple,
+        ),
+        "where its chunks are in the index: the block (`index.blocks`), the offset in it, "
+        "the length, the number of chunk rows and the section's crc32c (see Index)",
+        since=4,
+    ),
+    Field(
+        "transforms",
+        leaf("a list of transforms", list_of(TRANSFORM.ok)),  # type: ignore[arg-type]
+        "the transforms its chunk rows name by position",
+        default=[],
+        since=4,
+    ),
+)
+
+INDEX_REF = (
+    Field("file", FILE, "the index file: a data file of the save"),
+    Field(
+        "blocks",
+        leaf("a list of non-negative integers", is_nonneg_list),
+        "where each block of sections starts in the file (one per writer of sections)",
     ),
 )
 
@@ -160,6 +199,19 @@ TOP = (
     ),
     Field("page_size", POSITIVE, "bytes of payload per checksum page", until=2),
     Field("metadata_crc32c", CRC, "crc32c of DCP's `.metadata` (checked by `verify`)"),
+    Field(
+        "metadata_tail",
+        leaf("[size, crc32c]", lambda v: is_range(v) and v[1] < 1 << 32, tuple),
+        "`.metadata`'s size and the crc32c of its last 4 KiB, where its save id is: what a "
+        "load checks (`metadata_crc32c` would make every rank read all of it)",
+        since=4,
+    ),
+    Field(
+        "index",
+        record(INDEX_REF, IndexRef),
+        "the index file holding the tensors' chunk sections",
+        since=4,
+    ),
     Field("dcp_version", STR_OR_NULL, "DCP's `Metadata.version`", since=2),
     Field("storage_meta", record(STORAGE_META, dict), "DCP's `StorageMeta`", since=2),
     Field(
@@ -209,4 +261,5 @@ RECORDS = {
     "tensor": TENSOR,
     "chunk": CHUNK,
     "object": OBJECT,
+    "index": INDEX_REF,
 }

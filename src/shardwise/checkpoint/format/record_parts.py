@@ -17,7 +17,9 @@ pickled without a memo (`Pickler.fast`), so nothing after a fragment reads a
 slot it overwrote. Any unpickler reads the result: stock `dcp.load`'s
 `pickle.load` and shardwise's safe one alike. Manifest sections are the
 members of its three objects ("planner_data", "tensors", "objects"), joined
-by commas.
+by commas. The seventh section is the owner's block of the index (format
+version 4: its keys' chunk sections, `manifest_index`), which the committing rank
+copies into the index file; the manifest's members point into the block.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ __all__ = [
     "section_spans",
 ]
 
-# A part's sections, in the order the frames' holes take them.
-SECTIONS = 6  # .metadata: state, planner, storage; manifest: planner, tensors, objects
+# A part's sections, in the order the frames' holes take them, then its index block.
+SECTIONS = 7  # .metadata: state, planner, storage; manifest: planner, tensors, objects; index
 _HEADER = struct.Struct(f"<{SECTIONS}Q")
 HEADER_SIZE = _HEADER.size
 _HEAD = b"\x80\x02}q\x00"  # PROTO 2, EMPTY_DICT, BINPUT 0

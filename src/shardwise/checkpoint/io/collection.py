@@ -8,7 +8,6 @@ never one that a committed record of any scope still names (see `collect`).
 from __future__ import annotations
 
 import io
-import json
 import re
 import warnings
 
@@ -16,7 +15,8 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 
 from ...storage import Folder, open_folder
 from ...storage.folder import TEMPORARY
-from ..format.manifest import MARKER
+from ..format.manifest import MARKER, Manifest
+from ..format.manifest_index import read_sections
 from ..format.record_check import DATA_FILE
 from ..format.safe_pickle import load_metadata
 from .faults import failpoint
@@ -109,9 +109,14 @@ def _record_names(folder: Folder, names: RecordNames, which: str) -> list[str] |
     holds, as stored; None when it is missing or unreadable."""
     try:
         if which == "manifest":
-            doc = json.loads(folder.read(names.manifest))
-            found = [c["file"] for t in doc["tensors"].values() for c in t["chunks"]]
-            return found + [o["file"] for o in doc["objects"].values()]
+            head = Manifest.read_head(folder, names.manifest)
+            found = [o.file for o in head.objects.values()]
+            if head.index is None:  # before version 4: the chunks are in the manifest
+                return found + [c.file for t in head.tensors.values() for c in t.chunks]
+            where = folder.where(names.manifest)
+            for _, table in read_sections(folder, head.index, [*head.tensors.items()], where):
+                found += table.files()
+            return [*found, head.index.file]
         storage = load_metadata(io.BytesIO(folder.read(names.metadata))).storage_data or {}
         return [info.relative_path for info in storage.values()]
     except Exception:  # noqa: BLE001 - a record we cannot read names nothing we may delete

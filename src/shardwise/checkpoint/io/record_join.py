@@ -27,9 +27,10 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from ...errors import InvalidArgumentError
 from ...storage import Folder
 from ...storage.folder import RandomAccess, Sink, temporary_name
-from ..format.manifest import MANIFEST, METADATA, Manifest
+from ..format.manifest import MANIFEST, METADATA, TAIL, IndexRef, Manifest
 from ..format.record_parts import (
     HEADER_SIZE,
+    SECTIONS,
     manifest_frame,
     metadata_frame,
     section_spans,
@@ -51,28 +52,32 @@ def write_part(folder: Folder, token: str, rank: int, data: bytes) -> None:
 
 
 class _Crc:
-    """A sink that keeps the crc32c of what it was given."""
+    """A sink that keeps the crc32c of what it was given, and its last `TAIL` bytes."""
 
     def __init__(self, sink: Sink) -> None:
-        self.sink, self.crc = sink, 0
+        self.sink, self.crc, self.size, self.tail = sink, 0, 0, b""
 
     def write(self, data: bytes) -> None:
         if data:
             self.sink.write([data])
             self.crc = crc32c.crc32c(data, self.crc)
+            self.size += len(data)
+            self.tail = (self.tail + data[-TAIL:])[-TAIL:]
 
 
 def join_records(
     folder: Folder,
-    world_size: int,
+    world: tuple[int, str],
     token: str,
     storage_meta: StorageMeta,
     frame: Manifest,
     sync: bool,
 ) -> tuple[str, str]:
-    """`.metadata` and the manifest of the save of `token`, from its `world_size` parts
-    and `frame` (the manifest's fields, no entries), each in a temporary file: their
+    """`.metadata` and the manifest of the save of `token`, from its parts (`world`:
+    their number, and the name of the index file to write from their blocks) and
+    `frame` (the manifest's fields, no entries), each in a temporary file: their
     names, for `commit`."""
+    world_size, index = world
     parts = []
     try:
         for r in range(world_size):
@@ -93,10 +98,11 @@ def join_records(
                         out.write(p.pread(length, offset))
                         wrote = True
 
+        frame.index = IndexRef(index, _index(folder, index, parts, spans, sync))
         metadata = _written(
             folder, METADATA, sync, lambda out: pour(out, metadata_frame(storage_meta), 0, False)
         )
-        frame.metadata_crc32c = metadata[1]
+        frame.metadata_crc32c, frame.metadata_tail = metadata[1]
         pieces = manifest_frame(frame)
         last = pieces[-1]
         assert last.endswith(b"0}")
@@ -128,10 +134,31 @@ def _require_plain_planner_data(parts: list[RandomAccess], spans: list[Any]) -> 
         )
 
 
+def _index(
+    folder: Folder, name: str, parts: list[RandomAccess], spans: list[Any], sync: bool
+) -> list[int]:
+    """The index file `name` (a new data file) from every part's block: where each
+    block starts in it."""
+    blocks = []
+    sink = folder.create(name)
+    out = _Crc(sink)
+    try:
+        for p, part in zip(parts, spans):
+            offset, length = part[SECTIONS - 1]
+            blocks.append(out.size)
+            out.write(p.pread(length, offset))
+        sink.close(sync=sync)
+    except BaseException:
+        sink.abort()
+        raise
+    return blocks
+
+
 def _written(
     folder: Folder, name: str, sync: bool, fill: Callable[[_Crc], None]
-) -> tuple[str, int]:
-    """A temporary file beside `name` filled by `fill(out)`: its name and crc32c."""
+) -> tuple[str, tuple[int, tuple[int, int]]]:
+    """A temporary file beside `name` filled by `fill(out)`: its name, crc32c, and size
+    with the crc32c of its tail."""
     sink = folder.create(temporary_name(name))
     out = _Crc(sink)
     try:
@@ -140,4 +167,4 @@ def _written(
     except BaseException:
         sink.abort()
         raise
-    return sink.name, out.crc
+    return sink.name, (out.crc, (out.size, crc32c.crc32c(out.tail)))

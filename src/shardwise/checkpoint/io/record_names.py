@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
@@ -29,6 +30,7 @@ __all__ = [
     "data_file_name",
     "holds_checkpoint",
     "in_the_way",
+    "index_file_name",
     "leftover_data",
     "new_token",
     "per_rank_records",
@@ -46,6 +48,17 @@ def new_token() -> str:
 def data_file_name(prefix: str, index: int, token: str) -> str:
     """`__{rank}_{index}.sw{token}.distcp`: `prefix` is DCP's `__{rank}_`."""
     return f"{prefix}{index}.sw{token}{DEFAULT_SUFFIX}"
+
+
+def index_file_name(written: Iterable[str], rank: int, token: str) -> str:
+    """The name of a save's index file (format version 4): the next data file of
+    `rank` in the save of `token`, given the data files it `written`."""
+    ks = [
+        int(m.group(2))
+        for m in map(DATA_FILE.fullmatch, written)
+        if m is not None and int(m.group(1)) == rank and m.group(3) == token
+    ]
+    return data_file_name(f"__{rank}_", 1 + max(ks, default=-1), token)
 
 
 @dataclass(frozen=True)

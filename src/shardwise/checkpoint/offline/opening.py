@@ -41,7 +41,7 @@ class OpenCheckpoint:
     ) -> None:
         self.folder = open_folder(path, storage_options)
         self.path: Path | str = self.folder.checkpoint_id
-        self._view = StoredView(self.folder, *read_records(self.folder))
+        self._view = StoredView(self.folder, *read_records(self.folder, whole=True))
         self.metadata = self._view.metadata()
         self._executor = ReadExecutor(self.folder, verify=verify, registry=extension_registry)
 

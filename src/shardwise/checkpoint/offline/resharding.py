@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import crc32c
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from ...errors import CheckpointExistsError, LayoutError
@@ -23,6 +22,7 @@ from ..format.manifest import TensorEntry, dtype_name
 from ..io.chunk_writer import DataFile
 from ..io.commit import commit, data_file_name, in_the_way, new_token
 from ..io.lease import Lease
+from ..io.record_names import index_file_name
 from .opening import open_checkpoint
 
 __all__ = ["reshard"]
@@ -98,7 +98,8 @@ def reshard(
                         chunk = file.write_tensor(ckpt.read(key, block))
                         entry.chunks.append(chunk.chunk_entry(block.offsets, block.sizes))
                 file.finish()
-        metadata = records.metadata()
-        manifest = records.manifest(crc32c.crc32c(metadata))
-        commit(folder, metadata, manifest, set(names), lease=lease)
+        index_name = index_file_name(names, 0, token)
+        metadata, manifest, index = records.records(index_name)
+        folder.write_new(index_name, index)
+        commit(folder, metadata, manifest, {*names, index_name}, lease=lease)
     return folder.checkpoint_id

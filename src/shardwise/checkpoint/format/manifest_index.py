@@ -1,0 +1,139 @@
+"""The index of a version 4 checkpoint: its tensors' chunk sections, written and read.
+
+A save writes every tensor's section (`chunk_table`) into one data file of its
+own, the index, block by block (one block per writer of sections: each owner of
+keys in a collective save, `io.record_join`), and the manifest points at each
+section. Readers take what they need from it:
+
+- a load (`StoredView`) reads the sections of the tensors it loads, in windows
+  of adjacent sections (one read per window, never the whole index at once), and
+  decodes only the rows that overlap its pieces (`TensorChunks`): for each piece
+  the rows it reads are checked as a manifest's chunks are — in bounds,
+  consistent sizes and checksums, inside their data files, not overlapping each
+  other, covering the piece exactly once;
+- tools (`Manifest.read`) resolve every section into the entries a version 3
+  manifest lists, then check them all together.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterator, Sequence
+
+import crc32c
+
+from ...errors import CorruptCheckpointError
+from ...storage import Folder
+from .chunk_table import ChunkTable, chunk_consistent, encode_section
+from .manifest_entries import ChunkEntry, IndexRef, TensorEntry, dtype_from_name
+from .record_check import check_coverage, check_name, check_ranges
+
+__all__ = ["TensorChunks", "read_sections", "resolve_sections", "write_sections"]
+
+WINDOW = 8 << 20  # bytes of adjacent sections read at once
+
+
+def write_sections(tensors: dict[str, TensorEntry], block: int) -> bytes:
+    """The sections of `tensors` as block `block` of an index: each tensor's `section`
+    and `transforms` set to point into it."""
+    out, at = [], 0
+    for t in tensors.values():
+        t.transforms = []
+        data = encode_section(t.chunks, len(t.shape), t.transforms)
+        t.section = (block, at, len(data), len(t.chunks), crc32c.crc32c(data))
+        out.append(data)
+        at += len(data)
+    return b"".join(out)
+
+
+def read_sections(
+    folder: Folder, index: IndexRef, tensors: Sequence[tuple[str, TensorEntry]], source: str
+) -> Iterator[tuple[str, ChunkTable]]:
+    """Each of `tensors`' chunk tables, checked, in index order: adjacent sections read
+    together, a window of at most `WINDOW` bytes (or one section) at a time."""
+    check_name(folder, "index", index.file, source, shardwise=True)
+    where = folder.where(index.file)
+    spans = []
+    for key, t in tensors:
+        assert t.section is not None
+        block, offset, length, count, crc = t.section
+        if block >= len(index.blocks):
+            raise CorruptCheckpointError(f"{source}: '{key}' names block {block} of its index")
+        spans.append((index.blocks[block] + offset, length, count, crc, key, t))
+    spans.sort(key=operator.itemgetter(0))
+    file = folder.open(index.file)
+    try:
+        size = file.size()
+        i = 0
+        while i < len(spans):
+            start = spans[i][0]
+            j = i + 1
+            while j < len(spans) and spans[j][0] + spans[j][1] - start <= WINDOW:
+                j += 1
+            end = max(s[0] + s[1] for s in spans[i:j])
+            if end > size:
+                raise CorruptCheckpointError(
+                    f"{source}: sections up to byte {end} of {where} ({size} bytes): truncated"
+                )
+            window = file.pread(end - start, start)
+            for at, length, count, crc, key, t in spans[i:j]:
+                data = window[at - start : at - start + length]
+                if crc32c.crc32c(data) != crc:
+                    raise CorruptCheckpointError(
+                        f"{where}: the section of '{key}' does not match its checksum (damaged)"
+                    )
+                yield key, ChunkTable(data, len(t.shape), count, t.transforms, f"{where} '{key}'")
+            i = j
+    finally:
+        file.close()
+
+
+def resolve_sections(
+    folder: Folder, index: IndexRef, tensors: dict[str, TensorEntry], source: str
+) -> None:
+    """Every tensor's chunk entries, from its section (for tools: `Manifest.read`)."""
+    for key, table in read_sections(folder, index, list(tensors.items()), source):
+        tensors[key].chunks = table.entries()
+
+
+class TensorChunks:
+    """One tensor's stored chunks as a load reads them from its section: the entries
+    overlapping each piece, checked (see the module's docstring)."""
+
+    def __init__(
+        self,
+        key: str,
+        entry: TensorEntry,
+        table: ChunkTable,
+        sizes: dict[str, int],
+        folder: Folder,
+    ) -> None:
+        self.key, self.entry, self.table = key, entry, table
+        self.sizes, self.folder = sizes, folder
+        self.itemsize = dtype_from_name(entry.dtype).itemsize
+
+    def covering(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[ChunkEntry]:
+        """The stored chunks overlapping the non-empty box (`offsets`, `sizes`)."""
+        shape, where = self.entry.shape, self.table.where
+        found = [self.table.entry(i) for i in self.table.overlapping(offsets, sizes)]
+        for c in found:
+            if not (
+                all(map(operator.le, map(operator.add, c.offsets, c.sizes), shape))
+                and chunk_consistent(c, self.itemsize, 4, 0)
+            ):
+                raise CorruptCheckpointError(
+                    f"{where}: chunk at offsets {c.offsets} has inconsistent sizes or byte "
+                    f"ranges (file {c.file}, payload {c.payload})"
+                )
+        check_ranges(self.folder, [(self.key, c.file, *c.record) for c in found], self.sizes)
+        clipped = []
+        for c in found:
+            lo = [max(a, b) for a, b in zip(offsets, c.offsets)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, c.offsets, c.sizes)]
+            clipped.append(
+                (tuple(x - a for x, a in zip(lo, offsets)), tuple(h - x for x, h in zip(lo, hi)))
+            )
+        if math.prod(sizes):
+            check_coverage(f"{self.key} (at {offsets})", sizes, clipped, where, replicas=False)
+        return found
