@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import shardwise.checkpoint as swc
 from shardwise import InvalidArgumentError, Layout, ShardedTensor
+from shardwise.checkpoint.format.manifest import Manifest
 from shardwise.cli import main
 from shardwise.cli.sizes import parse_size
 from shardwise.testing import run_ranks
@@ -52,7 +53,7 @@ def stock(tmp_path_factory) -> Path:
 def test_inspect_table_and_json(ckpt, stock, capsys):
     assert main(["inspect", str(ckpt)]) == 0
     out = capsys.readouterr().out
-    assert "shardwise checkpoint, format version 3, saved by 1 ranks" in out
+    assert "shardwise checkpoint, format version 4, saved by 1 ranks" in out
     assert "row-wise, 2 parts (uneven)" in out and "trainer.step" in out
     for path, kind in ((ckpt, "shardwise"), (stock, "stock DCP")):
         assert main(["inspect", str(path), "--json"]) == 0
@@ -68,11 +69,12 @@ def test_verify_passes_then_prints_each_flipped_byte(ckpt, tmp_path, capsys):
 
     bad = tmp_path / "bad"
     shutil.copytree(ckpt, bad)
-    tensors = json.loads((bad / "shardwise.json").read_text())["tensors"]
-    chunks = [tensors["emb.weight"]["chunks"][1], tensors["dense.bias"]["chunks"][0]]
+    tensors = Manifest.read(bad).tensors
+    chunks = [tensors["emb.weight"].chunks[1], tensors["dense.bias"].chunks[0]]
     for chunk in chunks:
-        with open(bad / chunk["file"], "r+b") as f:
-            f.seek(chunk["payload"][0] + 3)
+        assert chunk.payload is not None
+        with open(bad / chunk.file, "r+b") as f:
+            f.seek(chunk.payload[0] + 3)
             b = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([b[0] ^ 1]))
@@ -81,7 +83,7 @@ def test_verify_passes_then_prints_each_flipped_byte(ckpt, tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and all(line.startswith("shardwise verify: ") for line in lines)
     emb, bias = sorted(lines, key=lambda line: "'dense.bias'" in line)
-    assert "'emb.weight'" in emb and "checksum" in emb and chunks[0]["file"] in emb
+    assert "'emb.weight'" in emb and "checksum" in emb and chunks[0].file in emb
     assert "'dense.bias'" in bias and "checksum" in bias
 
 
@@ -156,10 +158,11 @@ def test_reshard_offline_then_load_on_m_ranks(source, ckpt, stock, tmp_path):
     files = sorted(p.name for p in out.glob("*.distcp"))
     token = files[0].split(".")[1]  # the save's token: sw + 12 hex digits
     assert re.fullmatch(r"sw[0-9a-f]{12}", token)
-    assert files == [f"__{r}_0.{token}.distcp" for r in range(3)]  # one file per rank
-    manifest = json.loads((out / "shardwise.json").read_text())
-    emb = manifest["tensors"]["emb.weight"]["chunks"]
-    assert sorted(c["file"] for c in emb) == files
+    manifest = Manifest.read(out)
+    assert manifest.index is not None and manifest.index.file == f"__0_1.{token}.distcp"
+    data = [f"__{r}_0.{token}.distcp" for r in range(3)]  # one file per rank
+    assert files == sorted([*data, manifest.index.file])
+    assert sorted(c.file for c in manifest.tensors["emb.weight"].chunks) == data
     if source == "stock":
         return  # a stock source has no Python objects to compare
     assert run_ranks(_load_resharded, 3, str(out), timeout=60) == [True] * 3
@@ -171,8 +174,8 @@ def test_reshard_with_a_layout_file(ckpt, tmp_path):
     spec.write_text(json.dumps({"emb.weight": json.loads(layout.to_json())}))
     out = tmp_path / "custom"
     assert main(["reshard", str(ckpt), str(out), "--world-size", "2", "--layout", str(spec)]) == 0
-    chunks = json.loads((out / "shardwise.json").read_text())["tensors"]["emb.weight"]["chunks"]
-    assert [c["sizes"] for c in chunks] == [[10, 10], [50, 10]]
+    chunks = Manifest.read(out).tensors["emb.weight"].chunks
+    assert [c.sizes for c in chunks] == [(10, 10), (50, 10)]
 
 
 BAD = {

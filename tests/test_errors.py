@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import io
-import json
 import os
 import pickle
 import pkgutil
@@ -21,6 +20,7 @@ import shardwise
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor, errors
 from shardwise.checkpoint.engine.staging import Stager
+from shardwise.checkpoint.format.manifest import Manifest
 from shardwise.checkpoint.format.safe_pickle import load_metadata
 from shardwise.comm.agreement import require_same
 
@@ -143,9 +143,10 @@ def saved(tmp_path_factory) -> Path:
 def _corrupt(saved: Path, tmp: Path) -> Path:
     bad = tmp / "corrupt"
     shutil.copytree(saved, bad)
-    chunk = json.loads((bad / "shardwise.json").read_text())["tensors"]["w"]["chunks"][0]
-    with open(bad / chunk["file"], "r+b") as f:
-        f.seek(chunk["payload"][0])
+    chunk = Manifest.read(bad).tensors["w"].chunks[0]
+    assert chunk.payload is not None
+    with open(bad / chunk.file, "r+b") as f:
+        f.seek(chunk.payload[0])
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 1]))

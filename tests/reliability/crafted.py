@@ -59,7 +59,10 @@ class Place:
         self.folder.write_durably("notes.txt", NOTES)
 
     def data_file(self) -> str:
-        (name,) = [n for n in self.folder.names() if n.endswith(".distcp")]
+        """The one data file of the tensors (not the index of a version 4 save)."""
+        index = Manifest.read(self.folder).index
+        skip = index.file if index is not None else None
+        (name,) = [n for n in self.folder.names() if n.endswith(".distcp") and n != skip]
         return name
 
     def victims(self) -> dict[str, str]:
@@ -72,9 +75,12 @@ class Place:
     # -- rewriting records -------------------------------------------------------------------
 
     def manifest(self) -> Manifest:
-        return Manifest.from_json(self.folder.read("shardwise.json"))
+        """The manifest with every chunk (read from the index from version 4)."""
+        return Manifest.read(self.folder)
 
     def write_manifest(self, m: Manifest) -> None:
+        """`m` written as version 3, its chunks inline: what a crafted entry edits."""
+        m.version, m.index = 3, None
         self.folder.write_durably("shardwise.json", m.to_json().encode())
 
     def metadata(self) -> Any:

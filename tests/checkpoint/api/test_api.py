@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import struct
 from pathlib import Path
 
+import crc32c
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,7 +18,10 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
+from shardwise.checkpoint.format.manifest import ChunkEntry, Manifest, seal
+from shardwise.storage import open_folder
 from shardwise.testing import run_ranks, shard_of
+from tests.inline_manifest import inline_manifest
 
 pytestmark = pytest.mark.spawned
 
@@ -156,7 +161,7 @@ def test_manifest_and_stock_reader(saved):
     manifest = json.loads((Path(saved) / "shardwise.json").read_text())
     assert manifest["format"] == "shardwise.checkpoint" and manifest["world_size"] == 2
     assert manifest["tensors"]["emb"]["shape"] == [64, 32]
-    assert len(manifest["tensors"]["bias"]["chunks"]) == 1  # replicated: written once
+    assert len(Manifest.read(saved).tensors["bias"].chunks) == 1  # replicated: written once
     assert "extra.step" in manifest["objects"]
     full = reference()
     plain = {k: torch.zeros_like(v) for k, v in full.items()}
@@ -283,19 +288,17 @@ def _full_targets() -> dict:
 
 def test_flipped_byte_is_caught_naming_tensor_file_and_range(saved, tmp_path):
     bad = _copy(saved, tmp_path / "bad")
-    manifest = json.loads((bad / "shardwise.json").read_text())
-    chunk = manifest["tensors"]["emb"]["chunks"][0]
-    with open(bad / chunk["file"], "r+b") as f:
-        f.seek(chunk["payload"][0] + 100)
+    chunk = Manifest.read(bad).tensors["emb"].chunks[0]
+    assert chunk.payload is not None
+    with open(bad / chunk.file, "r+b") as f:
+        f.seek(chunk.payload[0] + 100)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(swc.CorruptCheckpointError) as info:
         swc.load(_full_targets(), bad)
     assert (
-        "'emb'" in str(info.value)
-        and chunk["file"] in str(info.value)
-        and "bytes" in str(info.value)
+        "'emb'" in str(info.value) and chunk.file in str(info.value) and "bytes" in str(info.value)
     )
     state = _full_targets()
     swc.load(state, bad, verify=False)  # the caller can opt out
@@ -303,7 +306,7 @@ def test_flipped_byte_is_caught_naming_tensor_file_and_range(saved, tmp_path):
 
 def test_truncated_file_is_caught(saved, tmp_path):
     bad = _copy(saved, tmp_path / "trunc")
-    data = sorted(bad.glob("*.distcp"))[0]
+    data = bad / Manifest.read(bad).tensors["emb"].chunks[0].file
     os.truncate(data, data.stat().st_size // 2)
     with pytest.raises(swc.CorruptCheckpointError, match="truncated"):
         swc.load(_full_targets(), bad)
@@ -322,9 +325,10 @@ def test_incomplete_checkpoints(saved, tmp_path):
         swc.load(_full_targets(), tmp_path / "nothing")
 
 
-def _flip(folder: Path, chunk: dict, at: int) -> None:
-    with open(folder / chunk["file"], "r+b") as f:
-        f.seek(chunk["payload"][0] + at)
+def _flip(folder: Path, chunk: ChunkEntry, at: int) -> None:
+    assert chunk.payload is not None
+    with open(folder / chunk.file, "r+b") as f:
+        f.seek(chunk.payload[0] + at)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
@@ -333,15 +337,15 @@ def _flip(folder: Path, chunk: dict, at: int) -> None:
 def test_verify_raises_listing_every_problem(saved, tmp_path):
     assert swc.verify(saved) == [] and swc.verify(saved, raise_on_error=False) == []
     bad = _copy(saved, tmp_path / "two")
-    tensors = json.loads((bad / "shardwise.json").read_text())["tensors"]
-    damaged = [("emb", tensors["emb"]["chunks"][0]), ("grid", tensors["grid"]["chunks"][1])]
+    tensors = Manifest.read(bad).tensors
+    damaged = [("emb", tensors["emb"].chunks[0]), ("grid", tensors["grid"].chunks[1])]
     for _, chunk in damaged:
         _flip(bad, chunk, 4)
     with pytest.raises(swc.CorruptCheckpointError) as info:
         swc.verify(bad)
     problems = info.value.problems
     assert sorted(p.split(":")[0] for p in problems) == [
-        f"'{k}' chunk at {tuple(c['offsets'])}" for k, c in damaged
+        f"'{k}' chunk at {c.offsets}" for k, c in damaged
     ]
     assert all(p in str(info.value) for p in problems) and "2 problems" in str(info.value)
     assert (
@@ -382,16 +386,78 @@ def test_malicious_stock_metadata_runs_nothing(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "field, value",
-    [("file", "../../etc/passwd"), ("payload", [-1, 4]), ("sizes", [10**12, 32])],
+    "field, value, refusal",
+    [
+        ("file", "../../etc/passwd", r"chunks\[0\]\.file: expected a file name \(no `/`"),
+        ("payload", [-1, 4], r"chunks\[0\]\.payload: expected \[offset, length\]"),
+        ("sizes", [10**12, 32], r"chunk at offsets \(0, 0\) of 'emb' has inconsistent sizes"),
+    ],
     ids=["path-traversal", "negative-offset", "absurd-size"],
 )
-def test_hostile_manifest_fields(saved, tmp_path, field, value):
+def test_hostile_manifest_fields(saved, tmp_path, field, value, refusal):
     bad = _copy(saved, tmp_path / field)
+    inline_manifest(bad)  # version 3: chunks listed in the manifest
     manifest = json.loads((bad / "shardwise.json").read_text())
     manifest["tensors"]["emb"]["chunks"][0][field] = value
-    (bad / "shardwise.json").write_text(json.dumps(manifest))
-    with pytest.raises(swc.CorruptCheckpointError):
+    manifest["crc32c"] = 0  # sealed again: the field itself is what is refused
+    (bad / "shardwise.json").write_text(seal(json.dumps(manifest, separators=(",", ":"))))
+    with pytest.raises(swc.CorruptCheckpointError, match=refusal):
+        swc.load(_full_targets(), bad)
+
+
+def _section(folder: Path, key: str) -> tuple[Manifest, int, int]:
+    """The manifest (as loads read it: no chunks) of the checkpoint in `folder`, and
+    where `key`'s chunk section lies in its index file: first byte, length."""
+    head = Manifest.read_head(open_folder(folder))
+    assert head.index is not None and head.tensors[key].section is not None
+    block, offset, length, _, _ = head.tensors[key].section
+    return head, head.index.blocks[block] + offset, length
+
+
+def test_a_damaged_section_is_refused_and_read_only_by_loads_of_its_tensor(saved, tmp_path):
+    bad = _copy(saved, tmp_path / "section")
+    head, start, length = _section(bad, "grid")
+    assert head.index is not None
+    with open(bad / head.index.file, "r+b") as f:
+        f.seek(start + length // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(
+        swc.CorruptCheckpointError,
+        match=f"{head.index.file}: the section of 'grid' does not match its checksum",
+    ):
+        swc.load(_full_targets(), bad)
+    others = {k: v for k, v in _full_targets().items() if k != "grid"}
+    swc.load(others, bad)  # the other tensors' sections are whole
+    full = reference()
+    assert all(torch.equal(others[k], full[k]) for k in ("emb", "bias", "half"))
+
+
+@pytest.mark.parametrize(
+    "column, value, refusal",
+    [
+        (2, 10**12, r"chunk at offsets \(0, 0\) has inconsistent sizes or byte ranges"),
+        (6, 7, r"'emb': data file .*__7_0\.sw[0-9a-f]{12}\.distcp is missing"),
+        (8, -5, "a chunk row holds an impossible value"),
+    ],
+    ids=["absurd-size", "missing-file", "negative"],
+)
+def test_hostile_section_rows(saved, tmp_path, column, value, refusal):
+    """A section's row, its checksums made to match: refused by what it holds.
+    Columns of a 2-d tensor: offsets 0-1, sizes 2-3, tile 4-5, rank 6, k 7, token 8."""
+    bad = _copy(saved, tmp_path / f"row{column}")
+    head, start, length = _section(bad, "emb")
+    assert head.index is not None
+    index = bytearray((bad / head.index.file).read_bytes())
+    struct.pack_into("<q", index, start + 8 * column, value)  # the first row
+    (bad / head.index.file).write_bytes(index)
+    entry = head.tensors["emb"]
+    assert entry.section is not None
+    block, offset, _, rows, _ = entry.section
+    entry.section = (block, offset, length, rows, crc32c.crc32c(index[start : start + length]))
+    (bad / "shardwise.json").write_text(head.to_json())
+    with pytest.raises(swc.CorruptCheckpointError, match=refusal):
         swc.load(_full_targets(), bad)
 
 
@@ -414,17 +480,17 @@ def test_corruption_found_by_one_rank_raises_on_every_rank(saved, tmp_path):
     from tests.reliability.reads import touches
 
     bad = _copy(saved, tmp_path / "bad2")
-    manifest = json.loads((bad / "shardwise.json").read_text())
     # emb was saved as rows 0..40 | 40..64: corrupt the second chunk. Row-split targets
     # (rows 0..32 | 32..64) make rank 1 alone need it (column-wise ones would make both).
-    chunk = next(c for c in manifest["tensors"]["emb"]["chunks"] if c["offsets"] == [40, 0])
-    with open(bad / chunk["file"], "r+b") as f:
-        f.seek(chunk["payload"][0] + 8)
+    chunk = next(c for c in Manifest.read(bad).tensors["emb"].chunks if c.offsets == (40, 0))
+    assert chunk.payload is not None
+    with open(bad / chunk.file, "r+b") as f:
+        f.seek(chunk.payload[0] + 8)
         f.write(b"\x00\x01\x02\x03")
     results = run_ranks(_load_corrupt, 2, str(bad), timeout=60)
     assert [kind for kind, _ in results] == ["CorruptCheckpointError"] * 2, results
     readers = [
-        r for r, (_, reads) in enumerate(results) if touches(reads, chunk["file"], *chunk["record"])
+        r for r, (_, reads) in enumerate(results) if touches(reads, chunk.file, *chunk.record)
     ]
     assert readers == [1], (chunk, results)  # only rank 1 read any byte of that chunk
 

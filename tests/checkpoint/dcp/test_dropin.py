@@ -19,7 +19,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import shardwise.checkpoint as swc
 from shardwise import Layout, ShardedTensor
+from shardwise.checkpoint.format.manifest import Manifest
 from shardwise.checkpoint.io.commit import referenced_files
+from shardwise.storage import open_folder
 from shardwise.testing import run_ranks, shard_of
 
 pytestmark = pytest.mark.spawned
@@ -56,6 +58,13 @@ def _files(folder: Path) -> set[str]:
     return set(os.listdir(folder))
 
 
+def _index(folder: Path) -> str:
+    """The index file of the checkpoint in `folder` (a data file of its save)."""
+    index = Manifest.read_head(open_folder(folder)).index
+    assert index is not None
+    return index.file
+
+
 # -- (1) an overwrite never deletes what the checkpoint did not write ------------------------
 
 
@@ -72,12 +81,11 @@ def test_overwrite_keeps_foreign_files_and_collects_the_old_checkpoint(tmp_path,
 
     save(_state(1))
     first = referenced_files(folder)
-    assert len(first) == 1 and _foreign_intact(folder)
+    assert len(first) == 2 and _index(folder) in first and _foreign_intact(folder)  # data, index
     save(_state(2))
     second = referenced_files(folder)
-    assert len(second) == 1 and not (
-        first & second
-    )  # fresh names: nothing committed was overwritten
+    assert len(second) == 2 and _index(folder) in second
+    assert not (first & second)  # fresh names: nothing committed was overwritten
     assert _files(folder) == set(FOREIGN) | second | {".metadata", "shardwise.json", ".shardwise"}
     assert _foreign_intact(folder)
     loaded = _targets()
@@ -349,7 +357,8 @@ def test_stock_writer_arguments(tmp_path, kwargs, files):
     folder = tmp_path / "ckpt"
     state = {f"t{i}": torch.full((100 * (i + 1),), float(i)) for i in range(4)} | {"obj": "hello"}
     dcp.save(state, storage_writer=swc.Writer(folder, **kwargs))
-    assert len(list(folder.glob("*.distcp"))) == files
+    written = {p.name for p in folder.glob("*.distcp")}
+    assert _index(folder) in written and len(written - {_index(folder)}) == files
     loaded = {f"t{i}": torch.zeros(100 * (i + 1)) for i in range(4)} | {"obj": None}
     swc.load(loaded, folder)
     assert (

@@ -8,7 +8,6 @@ and stock `dcp.load` reads what it wrote.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -140,17 +139,20 @@ def test_two_thread_ranks_save_what_stock_dcp_loads(tmp_path: Path) -> None:
 
     assert _save_two_ranks(path, state) == [None, None]
     names = sorted(os.listdir(path))
-    data = [n for n in names if n.endswith(".distcp")]
-    assert len(data) == 2 and names == sorted([".metadata", ".shardwise", "shardwise.json", *data])
+    manifest = Manifest.read(path)
+    assert manifest.index is not None
+    index = manifest.index.file
+    data = [n for n in names if n.endswith(".distcp") and n != index]
+    assert len(data) == 2
+    assert names == sorted([".metadata", ".shardwise", "shardwise.json", index, *data])
     target = {"model": {"emb": torch.zeros(6, 8), "bias": torch.zeros(5)}, "step": 0, "opt": {}}
     target["opt"] = {"lr": [0.0, 0.0]}
     dcp.load(target, checkpoint_id=path, no_dist=True)
     assert torch.equal(target["model"]["emb"], FULL)
     assert torch.equal(target["model"]["bias"], torch.arange(5.0))
     assert target["step"] == 12 and target["opt"]["lr"] == [0.1, 0.01]
-    manifest = json.loads((path / "shardwise.json").read_text())
-    assert manifest["world_size"] == 2
-    assert [c["offsets"] for c in manifest["tensors"]["model.emb"]["chunks"]] == [[0, 0], [4, 0]]
+    assert manifest.world_size == 2
+    assert [c.offsets for c in manifest.tensors["model.emb"].chunks] == [(0, 0), (4, 0)]
 
 
 def test_two_thread_ranks_load_into_another_layout(tmp_path: Path) -> None:
@@ -199,11 +201,12 @@ def test_disagreeing_ranks_write_nothing(tmp_path: Path) -> None:
 def test_corruption_found_by_one_rank_fails_both(tmp_path: Path) -> None:
     path = tmp_path / "ck"
     assert _save_two_ranks(path, lambda r: {"emb": _sharded(r)}) == [None, None]
-    chunk = json.loads((path / "shardwise.json").read_text())["tensors"]["emb"]["chunks"][1]
-    with open(path / chunk["file"], "r+b") as f:  # rank 1's rows
-        f.seek(chunk["payload"][0] + 3)
+    chunk = Manifest.read(path).tensors["emb"].chunks[1]
+    assert chunk.payload is not None
+    with open(path / chunk.file, "r+b") as f:  # rank 1's rows
+        f.seek(chunk.payload[0] + 3)
         byte = f.read(1)
-        f.seek(chunk["payload"][0] + 3)
+        f.seek(chunk.payload[0] + 3)
         f.write(bytes([byte[0] ^ 0xFF]))
 
     def load(comm: ThreadedRank) -> object:
@@ -215,7 +218,7 @@ def test_corruption_found_by_one_rank_fails_both(tmp_path: Path) -> None:
     results = ThreadedWorld(2).run(load)
     for result in results:
         assert type(result).__name__ == "CorruptCheckpointError"
-        assert "rank 1: 'emb': bytes" in str(result) and chunk["file"] in str(result)
+        assert "rank 1: 'emb': bytes" in str(result) and chunk.file in str(result)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64, torch.int8, torch.complex64])

@@ -20,6 +20,7 @@ from shardwise.checkpoint.engine import plan_cache
 from shardwise.checkpoint.engine.inventory import describe
 from shardwise.checkpoint.engine.loading import load_state
 from shardwise.checkpoint.engine.saving import save_state
+from shardwise.checkpoint.format.manifest import Manifest
 from shardwise.comm.agreement import Agreement
 from shardwise.comm.communicator import SingleProcess
 from shardwise.testing import shard_of
@@ -112,7 +113,10 @@ def test_the_records_of_a_reused_plan_name_the_new_save(tmp_path: Path) -> None:
     assert a.storage_meta.save_id != b.storage_meta.save_id
     files = {n: {i.relative_path for i in m.storage_data.values()} for n, m in zip("ab", (a, b))}
     assert len(files["a"]) == len(files["b"]) == 2 and not files["a"] & files["b"]
-    assert {p.name for p in (tmp_path / "b").glob("*.distcp")} == files["b"]
+    index = Manifest.read(tmp_path / "b").index
+    assert index is not None  # named in the new save, as its data files are
+    assert {n.split(".")[1] for n in files["b"]} == {index.file.split(".")[1]}
+    assert {p.name for p in (tmp_path / "b").glob("*.distcp")} == files["b"] | {index.file}
 
 
 def _spoiled(state: dict) -> dict:

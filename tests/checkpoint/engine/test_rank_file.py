@@ -9,7 +9,6 @@ on any machine. Ranks are threads (ThreadedWorld).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from shardwise import Layout, ShardedTensor
 from shardwise.checkpoint.engine import rank_file
 from shardwise.checkpoint.engine.rank_file import Staging
 from shardwise.checkpoint.engine.saving import save_state
+from shardwise.checkpoint.format.manifest import Manifest
 from shardwise.checkpoint.io.chunk_writer import DataFile
 from shardwise.checkpoint.io.host_slabs import slabs_for, staging_bytes
 from shardwise.comm.agreement import Agreement
@@ -63,11 +63,8 @@ def _stock(path: Path) -> dict:
 
 
 def _chunks(path: Path) -> dict:
-    manifest = json.loads((path / "shardwise.json").read_text())
-    return {
-        k: [(c.get("tiles", c.get("crcs")), c.get("tile"), c["payload"]) for c in v["chunks"]]
-        for k, v in manifest["tensors"].items()
-    }
+    manifest = Manifest.read(path)
+    return {k: [(c.crcs, c.tile, c.payload) for c in v.chunks] for k, v in manifest.tensors.items()}
 
 
 def test_a_staged_save_is_the_direct_save_byte_for_byte(tmp_path: Path) -> None:
@@ -144,7 +141,12 @@ def test_a_large_share_is_spread_over_several_files_that_every_reader_reads(
     monkeypatch.setattr(planning, "FILE_BYTES", 1 << 20)
     staged = {r: Staging(BUDGET, host=True) for r in (0, 1)}
     assert _save(tmp_path / "ck", 0.0, staged) == [None, None]
+    manifest = Manifest.read(tmp_path / "ck")
+    assert manifest.index is not None
+    index = manifest.index.file
     names = sorted(p.name.split(".")[0] for p in (tmp_path / "ck").glob("*.distcp"))
+    names.remove(index.split(".")[0])
+    assert index.split(".")[0] == "__0_3"  # rank 0's, past the most data files any rank wrote
     # rank 0 writes its 1.2 MB of `w`: 1 file (1.2 MB // 1 MiB); rank 1, holding the
     # smaller shard (0.5 MB), is given every replicated value by their owners (the
     # 3.2 MB `big` and the small ones): 3 files, each record in the shortest one
@@ -155,9 +157,5 @@ def test_a_large_share_is_spread_over_several_files_that_every_reader_reads(
     assert all(
         torch.equal(got["small"][f"b{i}"], torch.full((100 + i,), float(i))) for i in range(20)
     )
-    files = {
-        c["file"].split(".")[0]
-        for v in json.loads((tmp_path / "ck" / "shardwise.json").read_text())["tensors"].values()
-        for c in v["chunks"]
-    }
+    files = {c.file.split(".")[0] for v in manifest.tensors.values() for c in v.chunks}
     assert files == set(names)

@@ -1,7 +1,8 @@
-"""The golden manifest (tests/checkpoint/golden): what a save of `golden_state` writes once
-normalised, and ways to break one field of it; shared by the tests of `manifest`,
-`manifest_fields` and `fast_entries`. `python -m tests.checkpoint.format.golden_manifest`
-regenerates the golden file of the current version."""
+"""The golden manifests (tests/checkpoint/golden): what a save of `golden_state` writes once
+normalised, its index, and manifests with every optional field or none; shared by the tests
+of `manifest`, `manifest_fields`, `fast_entries` and `manifest_index`.
+`python -m tests.checkpoint.format.golden_manifest` regenerates the golden file of the
+current version."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import crc32c
-import pytest
 import torch
 
 import shardwise.checkpoint as swc
@@ -24,32 +24,16 @@ from shardwise.checkpoint.format.manifest import (
     Manifest,
     ObjectEntry,
     TensorEntry,
+    tail_of,
 )
+from shardwise.checkpoint.format.manifest_entries import INLINE
+from shardwise.checkpoint.format.manifest_index import write_sections
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 DOC = Path(__file__).resolve().parents[3] / "docs" / "format.md"
 
 
 SOURCE = "ckpt/shardwise.json"  # the file name errors must carry
-
-
-# Where each record type sits in the golden manifest (the first of its kind).
-WHERE: dict[str, tuple[Any, ...]] = {
-    "top level": (),
-    "storage_meta": ("storage_meta",),
-    "tensor": ("tensors", "model.w"),
-    "chunk": ("tensors", "model.w", "chunks", 0),
-    "object": ("objects", "extra.step"),
-}
-
-
-PATH = {  # the same places as the reader names them in its errors
-    "top level": "",
-    "storage_meta": "storage_meta.",
-    "tensor": "tensors['model.w'].",
-    "chunk": "tensors['model.w'].chunks[0].",
-    "object": "objects['extra.step'].",
-}
 
 
 def checksummed(doc: dict[str, Any]) -> dict[str, Any]:
@@ -66,106 +50,92 @@ def golden_text(version: int = VERSION) -> str:
     return compact(json.loads((GOLDEN / f"manifest_v{version}.json").read_text()))
 
 
-def full_manifest() -> Manifest:
+# The fields that legitimately differ between two saves of the same state. Each is
+# checked against what it stands for, then replaced by the golden's fixed value:
+#   chunk and object files, index.file      the save's random token: __0_{k}.sw<12 hex>.distcp
+#   storage_meta.checkpoint_id              the path saved to
+#   storage_meta.save_id                    DCP's random uuid of the save
+#   a chunk's frame                         crc32c of record bytes holding a save_id-derived id
+#   metadata_crc32c, metadata_tail          of .metadata, which holds all of the above: 0, [0, 0]
+#   a tensor's section crc32c               of its rows, which hold the token and frames:
+#                                           recomputed once the rows are normalised
+#   crc32c                                  of the document: recomputed once normalised
+FILE = "__0_0.sw000000000000.distcp"
+INDEX_FILE = "__0_1.sw000000000000.distcp"  # swc.save's index: rank 0's next data file
+
+
+CHECKPOINT_ID = "ckpt/step_100"
+
+
+SAVE_ID = "00000000-0000-0000-0000-000000000000"
+
+
+METADATA = b"a .metadata"  # what the manifests built here were committed with
+
+
+def golden_chunks() -> dict[str, TensorEntry]:
+    """The golden checkpoint's tensors with their chunks: the version 3 golden lists them."""
+    return Manifest.from_json(golden_text(INLINE)).tensors
+
+
+def golden_index() -> bytes:
+    """The golden checkpoint's index file (version 4): the version 3 golden's chunks as
+    sections, in one block."""
+    return write_sections(golden_chunks(), 0)
+
+
+def golden_folder(path: Path, head: str | None = None) -> Path:
+    """The golden checkpoint, readable: `head` (the version 4 golden by default) as its
+    manifest, the golden index, and a data file of zeros as long as its byte ranges need."""
+    ends = [sum(c.record) for t in golden_chunks().values() for c in t.chunks]
+    ends += [o.offset + o.length for o in Manifest.from_json(golden_text()).objects.values()]
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "shardwise.json").write_text(golden_text() if head is None else head)
+    (path / INDEX_FILE).write_bytes(golden_index())
+    (path / FILE).write_bytes(bytes(max(ends)))
+    return path
+
+
+def full_manifest(version: int = INLINE) -> Manifest:
     """Every optional field set: what the writer emits must be the whole table."""
-    m = Manifest(world_size=2, metadata_crc32c=5, dcp_version="1.0.0")
+    m = Manifest(world_size=2, metadata_crc32c=5, dcp_version="1.0.0", version=version)
     m.storage_meta = {"checkpoint_id": "c", "save_id": "s", "modules": ["m"]}
     m.set_planner_data({"odd": {1: 2}})  # not plain JSON: pickled
     m.tensors["t"] = TensorEntry("int16", (2, 3), requires_grad=True)
     m.tensors["t"].chunks.append(
-        ChunkEntry((0, 0), (2, 3), "f", (0, 99), None, [7], 0, ["stream.zstd/1"])
+        ChunkEntry((0, 0), (2, 3), FILE, (0, 99), None, [7], 0, ["stream.zstd/1"])
     )
-    m.objects["o"] = ObjectEntry("f", 99, 3, 9, ["stream.zstd/1"])
+    m.objects["o"] = ObjectEntry(FILE, 99, 3, 9, ["stream.zstd/1"])
     return m
 
 
-def minimal_manifest() -> Manifest:
-    m = Manifest(world_size=1)
+def minimal_manifest(version: int = INLINE) -> Manifest:
+    m = Manifest(world_size=1, version=version)
     m.tensors["t"] = TensorEntry("int16", (2, 3))
     m.tensors["t"].chunks.append(
-        ChunkEntry((0, 0), (2, 3), "f", (0, 40), (20, 12), [1, 2], 3, None, (1, 3))
+        ChunkEntry((0, 0), (2, 3), FILE, (0, 40), (20, 12), [1, 2], 3, None, (1, 3))
     )
-    m.objects["o"] = ObjectEntry("f", 40, 3, 9)
+    m.objects["o"] = ObjectEntry(FILE, 40, 3, 9)
     return m
 
 
-REMOVE = object()
-
-
-def mutate(doc: dict[str, Any], record: str, name: str, value: Any) -> dict[str, Any]:
-    """`doc` with field `name` of the first `record` set to `value`, or removed."""
-    target = doc
-    for step in WHERE[record]:
-        target = target[step]
-    if value is REMOVE:
-        del target[name]
+def written(m: Manifest, folder: Path | None = None) -> tuple[str, bytes]:
+    """What a writer saves of `m` in its version: its text and (version 4) its index, whose
+    sections it points at (committed with `METADATA`); into `folder` when given, with a
+    data file of zeros as long as its byte ranges need."""
+    if m.version <= INLINE:
+        text, index = m.to_json(), b""
     else:
-        target[name] = value
-    return doc
-
-
-def refused(doc: dict[str, Any], checksum: bool = True) -> str:
-    text = compact(checksummed(doc) if checksum else doc)
-    with pytest.raises(swc.CorruptCheckpointError) as info:
-        Manifest.from_json(text, SOURCE)
-    message = str(info.value)
-    assert message.startswith(f"{SOURCE}: unreadable manifest: field "), message
-    return message
-
-
-BAD = {
-    "world_size-string": ("top level", "world_size", "2", "expected a positive integer"),
-    "world_size-zero": ("top level", "world_size", 0, "expected a positive integer"),
-    "page_size-in-v3": ("top level", "page_size", 1048576, "unexpected (format version 3 "),
-    "metadata_crc32c-negative": ("top level", "metadata_crc32c", -1, "expected a crc32c"),
-    "metadata_crc32c-too-big": ("top level", "metadata_crc32c", 1 << 32, "expected a crc32c"),
-    "checksum-md5": ("top level", "checksum", "md5", "expected \"crc32c\", got 'md5'"),
-    "dcp_version-int": ("top level", "dcp_version", 1, "expected a string or null"),
-    "planner_data_pickle-not-base64": (
-        "top level",
-        "planner_data_pickle",
-        "not base64!",
-        "expected base64 text",
-    ),
-    "tensors-list": ("top level", "tensors", [], "expected an object, got []"),
-    "objects-null": ("top level", "objects", None, "expected an object, got None"),
-    "unexpected-top-level": ("top level", "compression", "zstd", "unexpected"),
-    "storage_meta-string": ("top level", "storage_meta", "x", "expected an object"),
-    "storage_meta-modules": ("storage_meta", "modules", "m", "expected a list of strings"),
-    "storage_meta-checkpoint_id": ("storage_meta", "checkpoint_id", 3, "a string or null"),
-    "unexpected-storage_meta": ("storage_meta", "rank", 0, "unexpected"),
-    "dtype-unknown": ("tensor", "dtype", "float33", "expected a torch dtype name"),
-    "dtype-not-a-dtype": ("tensor", "dtype", "tensor", "expected a torch dtype name"),
-    "shape-string": ("tensor", "shape", "6x4", "expected a list of non-negative integers"),
-    "shape-negative": ("tensor", "shape", [6, -4], "expected a list of non-negative integers"),
-    "requires_grad-string": ("tensor", "requires_grad", "yes", "expected true or false"),
-    "chunks-object": ("tensor", "chunks", {}, "expected a list"),
-    "unexpected-tensor": ("tensor", "layout", "strided", "unexpected"),
-    "sizes-negative": ("chunk", "sizes", [-2, 4], "expected a list of non-negative integers"),
-    "offsets-float": ("chunk", "offsets", [0.0, 0], "expected a list of non-negative integers"),
-    "file-traversal": (
-        "chunk",
-        "file",
-        "../../etc/passwd",
-        "expected a file name (no `/`, no `..`)",
-    ),
-    "file-empty": ("chunk", "file", "", "expected a file name (no `/`, no `..`)"),
-    "record-three": ("chunk", "record", [0, 1, 2], "expected [offset, length]"),
-    "payload-negative": ("chunk", "payload", [-1, 64], "expected [offset, length] or null"),
-    "pages-in-v3": ("chunk", "pages", [1], "unexpected (format version 3 "),
-    "tiles-too-big": ("chunk", "tiles", [1 << 32], "expected a list of crc32c"),
-    "tiles-bool": ("chunk", "tiles", [True], "expected a list of crc32c"),
-    "tile-negative": ("chunk", "tile", [-1, 4], "expected a list of non-negative integers or null"),
-    "tile-float": ("chunk", "tile", [4.0, 4], "expected a list of non-negative integers or null"),
-    "tile-string": ("chunk", "tile", "4x4", "expected a list of non-negative integers or null"),
-    "frame-float": ("chunk", "frame", 1.5, "expected a crc32c"),
-    "transform-empty": ("chunk", "transform", [], "expected a non-empty list of strings"),
-    "unexpected-chunk": ("chunk", "compression", "zstd", "unexpected"),
-    "object-offset-negative": ("object", "offset", -1, "expected a non-negative integer"),
-    "object-length-bool": ("object", "length", True, "expected a non-negative integer"),
-    "object-crc32c-null": ("object", "crc32c", None, "expected a crc32c"),
-    "unexpected-object": ("object", "dtype", "float32", "unexpected"),
-}
+        raw, index = m.indexed(INDEX_FILE, METADATA)
+        text = raw.decode()
+    if folder is not None:
+        ends = [sum(c.record) for t in m.tensors.values() for c in t.chunks]
+        ends += [o.offset + o.length for o in m.objects.values()]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "shardwise.json").write_text(text)
+        (folder / INDEX_FILE).write_bytes(index)
+        (folder / FILE).write_bytes(bytes(max(ends)))
+    return text, index
 
 
 def golden_state() -> dict[str, Any]:
@@ -198,46 +168,46 @@ def readable(value: Any, indent: int = 0) -> str:
     return "[\n" + ",\n".join(items) + "\n" + " " * indent + "]"
 
 
-# The fields that legitimately differ between two saves of the same state. Each is
-# checked against what it stands for, then replaced by the golden's fixed value:
-#   tensors[].chunks[].file, objects[].file   the save's random token: __0_0.sw<12 hex>.distcp
-#   storage_meta.checkpoint_id                the path saved to
-#   storage_meta.save_id                      DCP's random uuid of the save
-#   tensors[].chunks[].frame                  crc32c of record bytes holding a save_id-derived id
-#   metadata_crc32c                           crc32c of .metadata, which holds all of the above
-#   crc32c                                    of the document: recomputed once normalised
-FILE = "__0_0.sw000000000000.distcp"
-
-
-CHECKPOINT_ID = "ckpt/step_100"
-
-
-SAVE_ID = "00000000-0000-0000-0000-000000000000"
-
-
-def normalised(folder: Path) -> str:
-    written = (folder / "shardwise.json").read_text()
-    doc = json.loads(written)
-    assert compact(doc) == written  # the writer writes the compact, canonical form
-    token = re.compile(r"__0_0\.sw[0-9a-f]{12}\.distcp")
-    chunks = [c for t in doc["tensors"].values() for c in t["chunks"]]
-    names = {entry["file"] for entry in chunks + list(doc["objects"].values())}
-    assert len(names) == 1 and token.fullmatch(next(iter(names)))  # one file, one token
-    data = (folder / next(iter(names))).read_bytes()
-    for entry in chunks + list(doc["objects"].values()):
+def normalised(folder: Path) -> tuple[str, bytes]:
+    """The manifest a save of the golden state wrote in `folder`, and its index file's
+    bytes, each normalised (see above)."""
+    written_text = (folder / "shardwise.json").read_text()
+    doc = json.loads(written_text)
+    assert compact(doc) == written_text  # the writer writes the compact, canonical form
+    m = Manifest.read(folder)  # every section read, its checksum and rows checked
+    (name,) = {c.file for t in m.tensors.values() for c in t.chunks} | {
+        o.file for o in m.objects.values()
+    }  # one data file
+    token = re.fullmatch(r"__0_0\.sw([0-9a-f]{12})\.distcp", name)
+    assert token is not None and m.index is not None
+    assert (m.index.file, m.index.blocks) == (f"__0_1.sw{token.group(1)}.distcp", [0])
+    data = (folder / name).read_bytes()
+    for t in m.tensors.values():
+        for c in t.chunks:
+            assert c.payload is not None
+            (start, length), (at, size) = c.record, c.payload
+            assert c.frame == crc32c.crc32c(
+                data[at + size : start + length], crc32c.crc32c(data[start:at])
+            )
+            c.file, c.frame = FILE, 0
+    saved = {k: t.section for k, t in m.tensors.items()}
+    index = write_sections(m.tensors, 0)  # the same rows, normalised: new crc32cs only
+    assert len(index) == len((folder / m.index.file).read_bytes())
+    for k, t in m.tensors.items():
+        assert saved[k] is not None and t.section is not None
+        assert saved[k][:4] == t.section[:4], k
+        doc["tensors"][k]["section"] = list(t.section)
+    doc["index"]["file"] = INDEX_FILE
+    for entry in doc["objects"].values():
         entry["file"] = FILE
-    for c in chunks:
-        (start, length), (at, size) = c["record"], c["payload"]
-        assert c["frame"] == crc32c.crc32c(
-            data[at + size : start + length], crc32c.crc32c(data[start:at])
-        )
-        c["frame"] = 0
-    assert doc["metadata_crc32c"] == crc32c.crc32c((folder / ".metadata").read_bytes())
-    doc["metadata_crc32c"] = 0
+    metadata = (folder / ".metadata").read_bytes()
+    assert doc["metadata_crc32c"] == crc32c.crc32c(metadata)
+    assert doc["metadata_tail"] == list(tail_of(metadata))
+    doc["metadata_crc32c"], doc["metadata_tail"] = 0, [0, 0]
     meta = doc["storage_meta"]
     assert meta["checkpoint_id"] == str(folder) and uuid.UUID(meta["save_id"])
     meta["checkpoint_id"], meta["save_id"] = CHECKPOINT_ID, SAVE_ID
-    return compact(checksummed(doc))
+    return compact(checksummed(doc)), index
 
 
 def save_golden(folder: Path) -> None:
@@ -251,5 +221,5 @@ if __name__ == "__main__":  # regenerate the golden file of the current version
 
     with tempfile.TemporaryDirectory() as tmp:
         save_golden(Path(tmp) / "step_100")
-        doc = json.loads(normalised(Path(tmp) / "step_100"))
+        doc = json.loads(normalised(Path(tmp) / "step_100")[0])
     (GOLDEN / f"manifest_v{VERSION}.json").write_text(readable(doc) + "\n")

@@ -16,14 +16,17 @@ from shardwise.checkpoint.format.fast_entries import (
     parse_tensors,
 )
 from shardwise.checkpoint.format.manifest import READS, VERSION, ChunkEntry, Manifest, TensorEntry
+from shardwise.checkpoint.format.manifest_entries import INLINE
 from shardwise.checkpoint.format.manifest_fields import CHUNK, FAST_CHUNK, TENSOR, decode, encode
 
-from .golden_manifest import BAD, golden_text, minimal_manifest
+from .broken_fields import BAD, BAD_V4
+from .golden_manifest import FILE, golden_text, minimal_manifest
 
 
 def _chunk_docs() -> list[Any]:
-    """The golden chunks, and each with one field broken in every way the tests know."""
-    doc = json.loads(golden_text())
+    """The golden chunks (version 3: the last listing them), and each with one field broken
+    in every way the tests know."""
+    doc = json.loads(golden_text(INLINE))
     chunks = [c for t in doc["tensors"].values() for c in t["chunks"]]
     broken = []
     for record, name, value, _ in BAD.values():
@@ -42,7 +45,7 @@ def _chunk_docs() -> list[Any]:
 def test_the_fast_chunk_path_reads_and_writes_as_the_table(version):
     """The fast path for the common chunk never accepts what the table refuses, and
     what it accepts is the table's entry; what it writes is the table's JSON."""
-    assert FAST_CHUNK == tuple(f.name for f in CHUNK if f.in_version(VERSION) and f.required)
+    assert FAST_CHUNK == tuple(f.name for f in CHUNK if f.in_version(INLINE) and f.required)
     accepted = 0
     for c in _chunk_docs():
         fast = parse_chunk(c, version)
@@ -55,7 +58,7 @@ def test_the_fast_chunk_path_reads_and_writes_as_the_table(version):
         # the fast path takes every current chunk the table takes, but for a transformed one
         # (a transform, a null payload or tile: the geometry check refuses the latter alone)
         common = (
-            version == VERSION
+            version == INLINE
             and set(c) == set(FAST_CHUNK)
             and c["payload"] is not None
             and c["tile"] is not None
@@ -64,16 +67,18 @@ def test_the_fast_chunk_path_reads_and_writes_as_the_table(version):
         accepted += fast is not None
         if fast is not None:
             assert dump_chunk(fast, version) == encode(CHUNK, fast, version)
-    assert accepted >= (3 if version == VERSION else 0)  # the golden chunks at least
+    # the 4 golden chunks, and 9 broken ones whose fields are each well-formed: offsets,
+    # sizes, tile or tiles of another length, a file "x" (geometry is checked afterwards)
+    assert accepted == (13 if version == INLINE else 0)
+    # the fast tensor path: version 3 (chunks listed) and 4 (a head: dtype, shape, section)
+    fast = version in (INLINE, VERSION)
     tensors = json.loads(golden_text(version))["tensors"]
     slow = {k: TensorEntry(**decode(TENSOR, t, version, "tensor")) for k, t in tensors.items()}
-    assert parse_tensors(tensors, version) == (slow if version == VERSION else None)
+    assert parse_tensors(tensors, version) == (slow if fast else None)
     for k, t in tensors.items():
-        assert parse_tensor(t, version) == (slow[k] if version == VERSION else None)
-        assert dump_tensor(slow[k], version) == (
-            encode(TENSOR, slow[k], version) if version == VERSION else None
-        )
-    if version != VERSION:
+        assert parse_tensor(t, version) == (slow[k] if fast else None)
+        assert dump_tensor(slow[k], version) == (encode(TENSOR, slow[k], version) if fast else None)
+    if version != INLINE:
         return
     bias = tensors["model.bias"]
     for name, value in [("shape", [True]), ("shape", [-1]), ("dtype", "float33"), ("dtype", 3)]:
@@ -92,9 +97,56 @@ def test_the_fast_chunk_path_reads_and_writes_as_the_table(version):
 def test_a_chunk_without_tiles_is_never_written():
     m = minimal_manifest()
     m.tensors["t"].chunks[0].tile = None  # page checksums, in a version 3 manifest
-    with pytest.raises(ValueError, match=r"chunk at \(0, 0\) in f has a payload but no tiles"):
+    with pytest.raises(ValueError, match=rf"chunk at \(0, 0\) in {FILE} has a payload but no"):
         m.to_json()
     m.version = 2  # what they are: a version 2 manifest (pages of page_size)
     m.page_size = 8
     m.storage_meta = {"checkpoint_id": None, "save_id": None, "modules": []}
     assert Manifest.from_json(m.to_json()) == m
+
+
+def _head_docs() -> list[Any]:
+    """The golden version 4 tensors, and each with one field broken in every way the
+    tests know, or with a field the fast path leaves to the table."""
+    tensors = list(json.loads(golden_text())["tensors"].values())
+    w = tensors[0]
+    broken = [
+        dict(w, **{n: value}) for record, n, value, _ in BAD_V4.values() if record == "tensor"
+    ]
+    for name in ("dtype", "shape", "section", "requires_grad"):
+        broken.append({k: v for k, v in w.items() if k != name})
+        for value in (None, True, 1.0, -1, "x", [], [None], [1.5], [-1], [1, 2, 3], {}):
+            broken.append(dict(w, **{name: value}))
+    broken.append(dict(w, section=[0, 0, 264, 2, (1 << 32) - 1]))
+    broken.append(dict(w, transforms=[["stream.zstd/1"]]))
+    broken.append(dict(w, transforms=[]))
+    broken.append(dict(w, requires_grad=False))
+    broken.append(dict(w, chunks=[]))
+    return tensors + broken + ["not a tensor", None, []]
+
+
+def test_the_fast_head_path_reads_and_writes_as_the_table():
+    """Version 4: the fast path for a tensor's head never accepts what the table refuses,
+    and what it accepts is the table's entry, written back as the table writes it."""
+    accepted = 0
+    for t in _head_docs():
+        fast = parse_tensor(t, VERSION)
+        try:
+            slow = TensorEntry(**decode(TENSOR, t, VERSION, "tensor"))
+        except ValueError:
+            assert fast is None, t
+            continue
+        assert fast is None or fast == slow, t
+        # it takes every head the table takes, but one with transforms (a table field)
+        assert (fast is not None) == ("transforms" not in t), t
+        accepted += fast is not None
+        assert dump_tensor(slow, VERSION) in (None, encode(TENSOR, slow, VERSION)), t
+        if fast is not None:
+            assert parse_tensors({"a": t, "b": t}, VERSION) == {"a": slow, "b": slow}
+    # the 3 golden heads; shapes [] and [1, 2, 3] (the geometry is the section's to check),
+    # no requires_grad (as the golden), requires_grad true or false, a crc32c of 2**32 - 1
+    assert accepted == 9
+    tensors = json.loads(golden_text())["tensors"]
+    for t in _head_docs()[3:]:  # one broken tensor: the whole map goes through the table
+        if parse_tensor(t, VERSION) is None:
+            assert parse_tensors(dict(tensors, **{"model.bias": t}), VERSION) is None, t

@@ -13,63 +13,87 @@ import torch
 
 import shardwise
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.format.manifest import READS, ChunkEntry, Manifest, TensorEntry
+from shardwise.checkpoint.format.manifest import READS, ChunkEntry, IndexRef, Manifest, TensorEntry
+from shardwise.checkpoint.format.manifest_entries import INLINE
 
+from .broken_fields import mutate, refused
 from .golden_manifest import (
     CHECKPOINT_ID,
     DOC,
     FILE,
+    INDEX_FILE,
     SAVE_ID,
     SOURCE,
     checksummed,
     compact,
     full_manifest,
+    golden_chunks,
+    golden_folder,
+    golden_index,
     golden_text,
     minimal_manifest,
-    mutate,
     normalised,
-    refused,
     save_golden,
+    written,
 )
 
 
 def test_written_manifest_is_the_golden_one(tmp_path):
     save_golden(tmp_path / "step_100")
-    assert normalised(tmp_path / "step_100") == golden_text(), (
+    head, index = normalised(tmp_path / "step_100")
+    assert head == golden_text(), (
         "the manifest format changed: if on purpose, bump VERSION when old readers would "
         "misread it (docs/format.md, Versioning) and regenerate the golden file with "
         "`python -m tests.checkpoint.format.golden_manifest`"
     )
+    assert index == golden_index()  # its sections: the chunks the version 3 golden lists
 
 
-def test_golden_round_trips():
-    text = golden_text()
+@pytest.mark.parametrize("version", READS)
+def test_golden_round_trips(version):
+    text = golden_text(version)
     assert Manifest.from_json(text).to_json() == text
 
 
-def test_golden_values():
-    m = Manifest.from_json(golden_text())
-    assert (m.version, m.world_size, m.dcp_version) == (3, 1, "1.0.0")
-    assert m.storage_meta == {"checkpoint_id": CHECKPOINT_ID, "save_id": SAVE_ID, "modules": []}
-    assert m.decoded_planner_data() == {
+def test_golden_values(tmp_path):
+    head = Manifest.from_json(golden_text())
+    assert (head.version, head.world_size, head.dcp_version) == (4, 1, "1.0.0")
+    assert (head.metadata_crc32c, head.metadata_tail) == (0, (0, 0))
+    assert head.index == IndexRef(INDEX_FILE, [0])
+    assert head.storage_meta == {"checkpoint_id": CHECKPOINT_ID, "save_id": SAVE_ID, "modules": []}
+    assert head.decoded_planner_data() == {
         "model.w": ("model", "w"),
         "model.bias": ("model", "bias"),
         "model.scale": ("model", "scale"),
         "extra.step": ("extra", "step"),
     }
+    # the head alone lists no chunk: each tensor's section of the index, back to back
+    assert [(k, t.section[:4], t.chunks, t.transforms) for k, t in head.tensors.items()] == [
+        ("model.w", (0, 0, 264, 2), [], []),  # 2 rows of 3 * 2 + 10 int64, 2 uint32
+        ("model.bias", (0, 264, 108, 1), [], []),  # 1 row of 13 int64, 1 uint32
+        ("model.scale", (0, 372, 84, 1), [], []),  # 0-d: 1 row of 10 int64, 1 uint32
+    ]
+    index = golden_index()
+    assert len(index) == 456
+    assert [t.section[4] for t in head.tensors.values()] == [
+        crc32c.crc32c(index[:264]),
+        crc32c.crc32c(index[264:372]),
+        crc32c.crc32c(index[372:]),
+    ]
+    m = Manifest.read(golden_folder(tmp_path))  # the chunks, from the index
     w, bias, scale = m.tensors.values()
     assert (w.dtype, w.shape, w.requires_grad) == ("float32", (6, 4), False)
-    assert [(c.offsets, c.sizes, c.payload[1]) for c in w.chunks] == [
-        ((0, 0), (4, 4), 64),
-        ((4, 0), (2, 4), 32),
+    assert [(c.offsets, c.sizes, c.payload) for c in w.chunks] == [
+        ((0, 0), (4, 4), (448, 64)),
+        ((4, 0), (2, 4), (1753, 32)),
     ]
-    assert (bias.dtype, bias.shape, bias.requires_grad, bias.chunks[0].payload[1]) == (
+    assert (bias.dtype, bias.shape, bias.requires_grad, bias.chunks[0].payload) == (
         "bfloat16",
         (3,),
         True,
-        6,
+        (3058, 6),
     )
-    assert (scale.shape, scale.chunks[0].offsets, scale.chunks[0].payload[1]) == ((), (), 8)
+    assert (scale.shape, scale.chunks[0].offsets, scale.chunks[0].payload) == ((), (), (4299, 8))
     # chunks of at most 256 KiB are one tile: crc32c of the payload, the elements in C order
     data = torch.arange(24, dtype=torch.float32).numpy().tobytes()
     assert [c.tile for c in w.chunks] == [(4, 4), (2, 4)]
@@ -81,22 +105,37 @@ def test_golden_values():
     ranges = [c.record for t in (w, bias, scale) for c in t.chunks] + [(step.offset, 1261)]
     assert [start for start, _ in ranges] == [0, 1305, 2610, 3851, 5092]
     assert all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:]))
+    assert m.files() == {FILE, INDEX_FILE}
+
+
+def test_the_golden_sections_decode_to_the_chunks_of_the_version_3_golden(tmp_path):
+    m = Manifest.read(golden_folder(tmp_path))
+    v3 = golden_chunks()
+    assert [(k, t.chunks) for k, t in m.tensors.items()] == [(k, t.chunks) for k, t in v3.items()]
+    assert [t.chunks[0].file for t in m.tensors.values()] == [FILE] * 3
+    assert m.to_json() == golden_text()  # read whole, still written as the head
 
 
 @pytest.mark.parametrize("version", READS)
-def test_every_readable_version_has_a_golden_file_that_reads(version):
+def test_every_readable_version_has_a_golden_file_that_reads(version, tmp_path):
     m = Manifest.from_json(golden_text(version))
     assert m.version == version
-    current = Manifest.from_json(golden_text())
+    if version > INLINE:  # its chunks are in the index
+        assert all(t.chunks == [] for t in m.tensors.values())
+        m = Manifest.read(golden_folder(tmp_path, golden_text(version)))
+    current = Manifest.read(golden_folder(tmp_path / "current"))
     if version == 1:  # before DCP's metadata was kept: defaults
         assert (m.storage_meta, m.planner_data, m.dcp_version) == ({}, None, None)
         assert m.tensors["model.bias"].requires_grad is False
         current.tensors["model.bias"].requires_grad = False
-    if version < 3:  # pages of 1 MiB: one each here, the same crc32c as the one tile
-        assert m.page_size == 1 << 20
-        for t in current.tensors.values():
-            for c in t.chunks:
+    for t in current.tensors.values():
+        if version <= INLINE:  # no sections
+            t.section = None
+        for c in t.chunks:
+            if version < 3:  # pages of 1 MiB: one each here, the same crc32c as the one tile
                 c.tile = None
+    if version < 3:
+        assert m.page_size == 1 << 20
     assert m.tensors == current.tensors and m.objects == current.objects
     # an older manifest is written back in its own version, byte for byte
     assert m.to_json() == golden_text(version)
@@ -109,26 +148,25 @@ def _doc_example() -> str:
 
 def test_doc_example_reads_with_the_real_reader(tmp_path):
     text = _doc_example()
-    (tmp_path / "shardwise.json").write_text(text)
     doc = json.loads(text)
-    ends: dict[str, int] = {}  # data files exactly as long as the example's byte ranges need
-    for t in doc["tensors"].values():
-        for c in t["chunks"]:
-            ends[c["file"]] = max(ends.get(c["file"], 0), sum(c["record"]))
-    for o in doc["objects"].values():
-        ends[o["file"]] = max(ends.get(o["file"], 0), o["offset"] + o["length"])
-    for name, size in ends.items():
-        (tmp_path / name).write_bytes(bytes(size))
-    assert Manifest.read(tmp_path).to_json() == compact(doc)
     assert compact(doc) == golden_text()  # the example is what the writer writes
+    head = Manifest.from_json(text)  # a head: dtype, shape and section of each tensor
+    assert [len(t.section) for t in head.tensors.values()] == [5, 5, 5]
+    assert all(t.chunks == [] for t in head.tensors.values())
+    # with the golden index and data files beside it, the whole checkpoint reads
+    m = Manifest.read(golden_folder(tmp_path, text))
+    assert sum(len(t.chunks) for t in m.tensors.values()) == 4
+    assert m.to_json() == compact(doc)
 
 
+@pytest.mark.parametrize("version", [INLINE, 4])
 @pytest.mark.parametrize(
     "build", [full_manifest, minimal_manifest], ids=["all-optional-fields", "minimal"]
 )
-def test_round_trip_keeps_every_value(build):
-    m = build()
-    again = Manifest.from_json(m.to_json())
+def test_round_trip_keeps_every_value(build, version, tmp_path):
+    m = build(version)
+    text, _ = written(m, tmp_path)
+    again = Manifest.from_json(text) if version <= INLINE else Manifest.read(tmp_path)
     m.storage_meta = {"checkpoint_id": None, "save_id": None, "modules": []} | m.storage_meta
     assert again == m and again.decoded_planner_data() == m.decoded_planner_data()
 
@@ -136,14 +174,15 @@ def test_round_trip_keeps_every_value(build):
 @pytest.mark.parametrize(
     "version, reason",
     [
-        (4, "format version 4 is not supported: this shardwise reads versions 1, 2, 3 (a newer"),
-        (0, "format version 0 is not supported: this shardwise reads versions 1, 2, 3"),
-        ("2", "format version '2' is not supported: this shardwise reads versions 1, 2, 3"),
+        (5, "format version 5 is not supported: this shardwise reads versions 1, 2, 3, 4 (a new"),
+        (0, "format version 0 is not supported: this shardwise reads versions 1, 2, 3, 4"),
+        ("2", "format version '2' is not supported: this shardwise reads versions 1, 2, 3, 4"),
     ],
 )
 def test_an_unknown_version_names_found_and_supported(version, reason):
     message = refused(mutate(json.loads(golden_text()), "top level", "version", version))
     assert f"field version: {reason}" in message
+    assert ("a newer shardwise wrote it" in message) == (version == 5)
 
 
 def test_not_a_shardwise_manifest():
@@ -186,7 +225,7 @@ def test_a_damaged_document_fails_its_checksum():
     ],
 )
 def test_cross_field_checks(name, value):
-    doc = mutate(json.loads(golden_text()), "chunk", name, value)
+    doc = mutate(json.loads(golden_text(INLINE)), "chunk", name, value)
     with pytest.raises(swc.CorruptCheckpointError) as info:
         Manifest.from_json(compact(checksummed(doc)), SOURCE)
     assert str(info.value).startswith(f"{SOURCE}: chunk at offsets ") and "of 'model.w'" in str(
@@ -201,7 +240,7 @@ def test_cross_field_checks_of_pages_in_version_2():
 
 
 def test_a_tiled_chunk_has_one_crc32c_per_tile_of_its_grid():
-    doc = json.loads(golden_text())
+    doc = json.loads(golden_text(INLINE))
     chunk = doc["tensors"]["model.w"]["chunks"][0]  # sizes [4, 4]
     for tile, count in [([1, 4], 4), ([3, 3], 4), ([4, 1], 4), ([2, 3], 4), ([1, 1], 16)]:
         chunk["tile"], chunk["tiles"] = tile, list(range(count))
@@ -213,7 +252,11 @@ def test_a_tiled_chunk_has_one_crc32c_per_tile_of_its_grid():
 
 
 def test_a_manifest_of_many_small_tensors_round_trips():
-    m = Manifest(world_size=1, storage_meta={"checkpoint_id": None, "save_id": None, "modules": []})
+    m = Manifest(
+        world_size=1,
+        version=INLINE,
+        storage_meta={"checkpoint_id": None, "save_id": None, "modules": []},
+    )
     for i in range(2000):
         m.tensors[f"layer.{i}.w"] = TensorEntry("float32", (4, i % 7))
         chunk = ChunkEntry((0, 0), (4, i % 7), "f", (i, 200), (i + 100, 16 * (i % 7)), [i], 5)
@@ -225,21 +268,6 @@ def test_a_manifest_of_many_small_tensors_round_trips():
     assert doc["crc32c"] == crc32c.crc32c(compact(dict(doc, crc32c=0)).encode())
     # a document that is not in the writer's compact form still checks against that form
     assert Manifest.from_json(json.dumps(doc, indent=1)) == m
-
-
-def test_read_checks_the_data_files(tmp_path):
-    save_golden(tmp_path)
-    (data,) = tmp_path.glob("*.distcp")
-    assert Manifest.read(tmp_path).world_size == 1
-    data.write_bytes(data.read_bytes()[:-1])
-    with pytest.raises(swc.CorruptCheckpointError, match=rf"past the end of .*{data.name}"):
-        Manifest.read(tmp_path)
-    data.unlink()
-    with pytest.raises(swc.CorruptCheckpointError, match=rf"data file .*{data.name} is missing"):
-        Manifest.read(tmp_path)
-    (tmp_path / "shardwise.json").write_text("{")
-    with pytest.raises(swc.CorruptCheckpointError, match="shardwise.json: unreadable manifest"):
-        Manifest.read(tmp_path)
 
 
 def test_a_manifest_that_is_no_json_object_is_corrupt():

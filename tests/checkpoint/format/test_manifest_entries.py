@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from shardwise.checkpoint.format.manifest_entries import (
+    INLINE,
     MANIFEST,
     READS,
     VERSION,
     ChunkEntry,
+    IndexRef,
     ObjectEntry,
     TensorEntry,
     dtype_from_name,
@@ -42,13 +44,16 @@ def test_a_name_that_is_no_dtype_is_corrupt(name):
 
 
 def test_the_version_written_is_read():
-    assert VERSION == max(READS) and READS == (1, 2, 3)
+    assert VERSION == max(READS) and READS == (1, 2, 3, 4)
+    assert INLINE == 3  # the last version listing chunks in the manifest itself
 
 
 def test_entry_defaults():
     c = ChunkEntry((0,), (4,), "f", (0, 100), (64, 16), [1])
     assert (c.frame, c.transform, c.tile) == (0, None, None)
     t = TensorEntry("float32", (4,))
-    assert (t.chunks, t.requires_grad) == ([], False)
+    assert (t.chunks, t.requires_grad, t.section, t.transforms) == ([], False, None, [])
     assert TensorEntry("float32", (4,)).chunks is not t.chunks  # not shared between entries
+    assert TensorEntry("float32", (4,)).transforms is not t.transforms
+    assert IndexRef("f", [0]) == IndexRef("f", [0]) != IndexRef("f", [0, 8])
     assert ObjectEntry("f", 0, 3, 9).transform is None

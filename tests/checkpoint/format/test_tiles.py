@@ -5,7 +5,6 @@ pages (format versions 1 and 2): test_checksums."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import crc32c
@@ -17,6 +16,7 @@ from hypothesis import strategies as st
 import shardwise.checkpoint as swc
 from shardwise import Block
 from shardwise.checkpoint.format.checksums import byte_view
+from shardwise.checkpoint.format.manifest import Manifest
 from shardwise.checkpoint.format.tiles import (
     RUN_BYTES,
     TILE_BYTES,
@@ -203,12 +203,12 @@ def test_a_box_that_is_not_tile_aligned_is_refused():
 
 def test_the_manifest_records_tiles(wide):
     path, full = wide
-    chunks = json.loads((path / "shardwise.json").read_text())["tensors"]["w"]["chunks"]
-    assert [(c["sizes"], c["tile"], len(c["tiles"])) for c in chunks] == [
-        ([40, 65536], [1, 16384], 160),
-        ([24, 65536], [1, 16384], 96),
+    chunks = Manifest.read(path).tensors["w"].chunks  # from the index (format version 4)
+    assert [(c.sizes, c.tile, len(c.crcs)) for c in chunks] == [
+        ((40, 65536), (1, 16384), 160),
+        ((24, 65536), (1, 16384), 96),
     ]
-    assert chunks[0]["tiles"][5] == _crc_of(full[1, 16384:32768])
+    assert chunks[0].crcs[5] == _crc_of(full[1, 16384:32768])
 
 
 @pytest.mark.parametrize(
@@ -247,9 +247,10 @@ def test_a_flipped_byte_fails_the_reads_that_cover_it_and_verify(wide, tmp_path)
     path, full = wide
     bad = tmp_path / "bad"
     shutil.copytree(path, bad)
-    chunk = json.loads((bad / "shardwise.json").read_text())["tensors"]["w"]["chunks"][0]
-    data = bad / chunk["file"]
-    flip_byte(data, chunk["payload"][0] + (3 * 65536 + 50000) * 4)  # row 3, tile column 3
+    chunk = Manifest.read(bad).tensors["w"].chunks[0]
+    assert chunk.payload is not None
+    data = bad / chunk.file
+    flip_byte(data, chunk.payload[0] + (3 * 65536 + 50000) * 4)  # row 3, tile column 3
     band = Block((0, 16384), (64, 16384))
     assert torch.equal(swc.read_tensor(bad, "w", band), full[band.slices()])  # not read
     with pytest.raises(swc.CorruptCheckpointError) as info:
@@ -257,7 +258,7 @@ def test_a_flipped_byte_fails_the_reads_that_cover_it_and_verify(wide, tmp_path)
     assert "'w'" in str(info.value) and str(data) in str(info.value)
     problems = swc.verify(bad, raise_on_error=False)
     assert len(problems) == 1 and "'w'" in problems[0] and "fail their checksum" in problems[0]
-    lo = chunk["payload"][0] + (3 * 65536 + 49152) * 4
+    lo = chunk.payload[0] + (3 * 65536 + 49152) * 4
     assert f"bytes {lo}..{lo + 65536} " in problems[0]
 
 

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import shardwise.checkpoint as swc
+from shardwise.checkpoint.format.manifest import Manifest, seal
 from shardwise.checkpoint.io.commit import (
     RecordNames,
     collect,
@@ -25,6 +26,7 @@ from shardwise.checkpoint.io.commit import (
     replaced_files,
 )
 from shardwise.checkpoint.io.lease import LOCK
+from tests.inline_manifest import inline_manifest
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -51,10 +53,13 @@ def _loads(folder: Path, seed: float) -> bool:
 
 
 def _name_in_manifest(folder: Path, name: str) -> None:
-    """The old manifest says the 0-element tensor `e` lives in `name`."""
+    """The old manifest (rewritten as version 3: chunks inline) says the 0-element
+    tensor `e` lives in `name`, sealed: a crafted record, not a damaged one."""
+    inline_manifest(folder)
     doc = json.loads((folder / "shardwise.json").read_text())
     doc["tensors"]["e"]["chunks"][0]["file"] = name
-    (folder / "shardwise.json").write_text(json.dumps(doc))
+    doc["crc32c"] = 0
+    (folder / "shardwise.json").write_text(seal(json.dumps(doc, separators=(",", ":"))))
 
 
 def _name_in_metadata(folder: Path, name: str) -> None:
@@ -112,11 +117,14 @@ def test_an_old_record_naming_a_record_never_deletes_the_new_one(tmp_path, how, 
 
 def test_a_corrupt_record_decides_nothing_and_says_so(tmp_path):
     swc.save(_state(1), tmp_path)
+    index = Manifest.read(tmp_path).index
+    assert index is not None
     old = referenced_files(tmp_path)
+    assert len(old) == 2 and index.file in old
     _name_in_manifest(tmp_path, "notes.txt")
     with pytest.warns(UserWarning, match=r"shardwise.json names 'notes.txt'.*corrupt record"):
         found = replaced_files(tmp_path)
-    assert found == old  # `.metadata` still names the data file alone: it counts
+    assert found == old - {index.file}  # `.metadata` still names the data file alone: it counts
     _name_in_metadata(tmp_path, "../outside.distcp")
     with pytest.warns(UserWarning, match="corrupt record"):
         assert replaced_files(tmp_path) == set()
@@ -165,9 +173,11 @@ def test_a_per_rank_record_naming_another_ranks_file_decides_nothing(tmp_path):
     from shardwise.checkpoint.io.commit import RecordNames
 
     data = "__1_0.sw0123456789ab.distcp"
+    swc.save({"x": torch.zeros(0)}, tmp_path / "src")
+    m = inline_manifest(tmp_path / "src")  # a sound record (version 3), sealed, but for its name
+    m.tensors["x"].chunks[0].file = data
     (tmp_path / data).write_bytes(b"rank 1's")
-    doc = {"tensors": {"x": {"chunks": [{"file": data}]}}, "objects": {}}
-    (tmp_path / "__0.shardwise.json").write_text(json.dumps(doc))
+    (tmp_path / "__0.shardwise.json").write_text(m.to_json())
     with pytest.warns(UserWarning, match="corrupt record"):
         assert replaced_files(tmp_path, RecordNames(0)) == set()
 

@@ -11,7 +11,7 @@ import torch
 
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
-from shardwise.checkpoint.format.manifest import StoredChunk
+from shardwise.checkpoint.format.manifest import Manifest, StoredChunk
 from shardwise.checkpoint.io import prefetch_window
 from shardwise.checkpoint.io.read_executor import ReadExecutor
 from shardwise.checkpoint.io.read_requests import ChunkRead
@@ -26,7 +26,9 @@ def test_one_missing_file_error_for_every_reader(tmp_path, via):
     were read) by the executor as it opens the files: the same words either way."""
     path = tmp_path / "ck"
     swc.save({"w": FULL}, path)
-    (data,) = path.glob("*.distcp")
+    index = Manifest.read(path).index
+    assert index is not None
+    (data,) = [p for p in path.glob("*.distcp") if p.name != index.file]
     opened = swc.open_checkpoint(path)
     os.remove(data)
     with pytest.raises(swc.CorruptCheckpointError, match=rf"data file .*{data.name} is missing"):

@@ -43,7 +43,6 @@ from ..engine.holes import holes_in_plans
 from ..io.commit import RecordNames, commit, data_file_name, in_the_way, new_token
 from ..io.faults import failpoint
 from ..io.lease import Lease
-from ..io.record_names import index_file_name
 from .folder_backed import FolderBacked
 from .write_items import ItemResult, records_of, write_file
 
@@ -108,6 +107,7 @@ class Writer(FolderBacked, FileSystemWriter):
         self.storage_options = storage_options
         self._use(folder)
         self._token = new_token()
+        self._index_name = ""  # set by `write_data`
         self.wait = wait
         # the lease this writer holds, released by `finish`, by the next save's set-up
         # (a save that failed on another rank never reaches `finish`) or when the
@@ -179,6 +179,8 @@ class Writer(FolderBacked, FileSystemWriter):
             (data_file_name(plan.storage_data.prefix, k, token), items)
             for k, items in enumerate(buckets)
         ]
+        # past this rank's data files: where its index goes if it is the one to commit
+        self._index_name = data_file_name(plan.storage_data.prefix, len(jobs), token)
         serialization_id = self.save_id.replace("-", "")[:40].ljust(40, "0")  # torch.save's field
 
         def write(name: str, items: list[WriteItem]) -> list[WriteResult]:
@@ -211,7 +213,7 @@ class Writer(FolderBacked, FileSystemWriter):
             stored.update({r.index: r.storage_data for r in rank_results})
         records = records_of(metadata, stored, len(results), self.storage_meta())
         keep = {r.stock.relative_path for r in stored.values()}
-        index_name = index_file_name(keep, self.rank or 0, self._token)
+        index_name = self._index_name
         metadata_bytes, manifest, index = records.records(index_name)
         try:
             self.folder.write_new(index_name, index, sync=self.sync_files)

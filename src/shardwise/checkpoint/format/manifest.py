@@ -30,6 +30,7 @@ from .field_table import FieldError, decode, encode
 from .gc_pause import gc_paused
 from .manifest_entries import (
     FORMAT,
+    INLINE,
     MANIFEST,
     PAGE_SIZE,
     READS,
@@ -151,6 +152,10 @@ class Manifest:
 
     def unsealed_json(self) -> str:
         """`to_json` before its checksum: the text with `"crc32c":0` last (`seal` it)."""
+        if self.version > INLINE and (
+            self.index is None or any(t.section is None for t in self.tensors.values())
+        ):
+            raise FieldError("section", "not set: write the sections first (`indexed`)")
         with gc_paused():
             text = json.dumps(encode(TOP, self, self.version), separators=(",", ":"))
         assert text.endswith(',"crc32c":0}')

@@ -62,9 +62,14 @@ def read_sections(
             raise CorruptCheckpointError(f"{source}: '{key}' names block {block} of its index")
         spans.append((index.blocks[block] + offset, length, count, crc, key, t))
     spans.sort(key=operator.itemgetter(0))
+    size = folder.sizes().get(index.file)  # plain files only: never a link or a folder
+    if size is None:
+        raise CorruptCheckpointError(
+            f"{source}: index file {where} is missing or not a plain file "
+            "(links and folders are refused)"
+        )
     file = folder.open(index.file)
     try:
-        size = file.size()
         i = 0
         while i < len(spans):
             start = spans[i][0]
