@@ -10,7 +10,6 @@ which prints the table.
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from shardwise import Layout, ShardedTensor, distribute, equal, from_local
 from shardwise.checkpoint import load, save
+from shardwise.checkpoint.format.manifest import ChunkEntry, Manifest
 from shardwise.testing import run_ranks, shard_of
 
 __all__ = ["CASES", "Case", "prepare", "run_case"]
@@ -110,11 +110,11 @@ def _load(rank: int, folder: Path, target: dict | None = None, path: Any = None,
     )
 
 
-def corrupt_chunk(folder: Path) -> dict[str, Any]:
+def corrupt_chunk(folder: Path) -> ChunkEntry:
     """The manifest entry of the reference checkpoint's "w" chunk at rows `CORRUPT_ROWS`."""
-    manifest = json.loads((folder / "ref" / "shardwise.json").read_text())
-    (chunk,) = [c for c in manifest["tensors"]["w"]["chunks"] if c["offsets"][0] == CORRUPT_ROWS[0]]
-    assert chunk["sizes"][0] == CORRUPT_ROWS[1] - CORRUPT_ROWS[0], chunk
+    manifest = Manifest.read(folder / "ref")  # from version 4 its chunks are in the index
+    (chunk,) = [c for c in manifest.tensors["w"].chunks if c.offsets[0] == CORRUPT_ROWS[0]]
+    assert chunk.sizes[0] == CORRUPT_ROWS[1] - CORRUPT_ROWS[0], chunk
     return chunk
 
 
@@ -124,8 +124,9 @@ def _corrupt_rank1_chunk(folder: Path) -> Path:
     if not bad.exists():
         shutil.copytree(folder / "ref", bad)
         chunk = corrupt_chunk(folder)
-        with open(bad / chunk["file"], "r+b") as f:
-            f.seek(chunk["payload"][0])
+        assert chunk.payload is not None
+        with open(bad / chunk.file, "r+b") as f:
+            f.seek(chunk.payload[0])
             f.write(b"\xff\xff\xff\xff")
     return bad
 

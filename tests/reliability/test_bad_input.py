@@ -66,6 +66,6 @@ def test_only_rank_1_reads_the_corrupt_chunk_and_every_rank_raises(folder):
     results = run_ranks(_corrupt_case_with_reads, 2, str(folder), timeout=HARNESS_TIMEOUT_S)
     assert [kind for kind, _ in results] == ["CorruptCheckpointError"] * 2, results
     readers = [
-        r for r, (_, reads) in enumerate(results) if touches(reads, chunk["file"], *chunk["record"])
+        r for r, (_, reads) in enumerate(results) if touches(reads, chunk.file, *chunk.record)
     ]
     assert readers == [1], (chunk, results)

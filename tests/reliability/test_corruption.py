@@ -5,6 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
+
+import shardwise.checkpoint as swc
+from shardwise.checkpoint.format.manifest import TAIL
+from shardwise.errors import CorruptCheckpointError
 
 from . import chaos
 
@@ -25,3 +30,36 @@ def test_damage_is_always_detected(reference, tmp_path, kind):
         outcome = chaos.corrupt_and_load(reference, tmp_path / "scratch", rng, kind)
         assert outcome.ok, outcome
         assert not outcome.load.startswith("loaded WRONG"), outcome
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["before the tail", "in the tail"])
+def test_metadata_damage_a_load_never_reads_is_for_verify(tmp_path, before):
+    """A version 4 load checks `.metadata`'s size and last `TAIL` bytes (its save id), never
+    all of it (every rank would read it): a flip before them leaves what shardwise reads
+    intact, so the load is right and `verify`, checking the full checksum, reports it; a
+    flip in them is refused by the load (and by `verify`) as damage, never followed."""
+    state = {f"t{i}": torch.full((2,), float(i)) for i in range(200)}
+    swc.save(state, tmp_path)
+    data = bytearray((tmp_path / ".metadata").read_bytes())
+    assert len(data) > 2 * TAIL
+    data[len(data) - TAIL - 100 if before else len(data) - 100] ^= 0x01
+    (tmp_path / ".metadata").write_bytes(bytes(data))
+    where = tmp_path / ".metadata"
+    damaged = (
+        f"{where} fails the manifest's checksum but names the same data files: it is "
+        "damaged (restore it, or save the checkpoint again)"
+    )
+    got = {k: torch.zeros(2) for k in state}
+    if before:
+        swc.load(got, tmp_path)
+        assert all(torch.equal(got[k], v) for k, v in state.items())
+        assert swc.verify(tmp_path, raise_on_error=False) == [
+            f"{where} does not match the manifest's checksum: damaged, or a save was "
+            "interrupted between its two records; stock DCP readers see something else "
+            "than shardwise readers"
+        ]
+    else:
+        with pytest.raises(CorruptCheckpointError) as info:
+            swc.load(got, tmp_path)
+        assert str(info.value) == damaged
+        assert swc.verify(tmp_path, raise_on_error=False) == [f"{tmp_path}: {damaged}"]

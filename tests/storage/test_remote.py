@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import shardwise.checkpoint as swc
 from shardwise import Block
+from shardwise.checkpoint.format.manifest import TAIL, Manifest
 from shardwise.checkpoint.io.commit import referenced_files
 from shardwise.storage import FsspecFolder, open_folder
 from shardwise.storage.remote import PART, WASTE, _parts, coalesce
@@ -30,6 +31,27 @@ def url():
 def _ls(url: str) -> list[str]:
     folder = open_folder(url)
     return folder.names()
+
+
+def _files(url: str) -> tuple[str, str]:
+    """The save's one data file and its index file (version 4: one more data file)."""
+    m = Manifest.read(url)
+    assert m.index is not None
+    (data,) = m.files() - {m.index.file}
+    return data, m.index.file
+
+
+def _opening_bytes(url: str, *keys: str) -> int:
+    """What a load reads before any tile: the last `TAIL` bytes of `.metadata` (its
+    size checked) and the index sections of `keys`."""
+    folder = open_folder(url)
+    m = Manifest.read_head(folder)
+    lengths = []
+    for k in keys:
+        section = m.tensors[k].section
+        assert section is not None
+        lengths.append(section[2])  # (block, offset, length, rows, crc32c)
+    return min(folder.sizes()[".metadata"], TAIL) + sum(lengths)
 
 
 # -- coalescing -----------------------------------------------------------------------------
@@ -64,9 +86,7 @@ def test_long_ranges_are_fetched_as_parts():
 def test_a_save_writes_the_records_last_and_loads_back_bit_for_bit(url):
     w = torch.randn(256, 512)
     swc.save({"w": w, "step": 3}, url)
-    names = _ls(url)
-    assert names[:3] == [".metadata", ".shardwise"] + [n for n in names if n.endswith(".distcp")]
-    assert names[-1] == "shardwise.json" and len(names) == 4
+    assert _ls(url) == [".metadata", ".shardwise", *sorted(_files(url)), "shardwise.json"]
     out = {"w": torch.zeros(256, 512), "step": 0}
     swc.load(out, url)
     assert out["step"] == 3 and torch.equal(out["w"], w)
@@ -95,7 +115,8 @@ def test_an_unaligned_band_costs_at_most_its_enclosing_tiles(url):
     ckpt = swc.open_checkpoint(folder)
     band = ckpt.read("w", Block((0, 1000), (32, 20000)))
     assert torch.equal(band, w[:, 1000:21000])
-    assert folder.range_bytes == 32 * 2 * 65536  # two 64 KiB tiles per row
+    # two 64 KiB tiles per row, after the tail of `.metadata` and the section of 'w'
+    assert folder.range_bytes == _opening_bytes(url, "w") + 32 * 2 * 65536
     unverified = swc.open_checkpoint(url, verify=False)
     before = unverified.folder.range_bytes
     unverified.read("w", Block((0, 1000), (32, 20000)))
@@ -141,11 +162,12 @@ def test_an_overwrite_keeps_foreign_objects_and_collects_the_old_data(url):
     fs.pipe_file(f"{root}/__9_9.distcp", b"not ours")
     swc.save({"w": torch.ones(8)}, url)
     first = referenced_files(url)
+    assert first == set(_files(url))
     with pytest.raises(FileExistsError, match="pass overwrite=True"):
         swc.save({"w": torch.zeros(8)}, url)
     swc.save({"w": torch.full((8,), 2.0)}, url, overwrite=True)
     second = referenced_files(url)
-    assert first.isdisjoint(second) and len(second) == 1
+    assert first.isdisjoint(second) and second == set(_files(url))  # data and index
     assert (
         set(_ls(url))
         == {"notes.txt", "__9_9.distcp", ".metadata", ".shardwise", "shardwise.json"} | second
@@ -166,7 +188,7 @@ def test_leftovers_of_an_interrupted_save_are_collected_by_the_next(url):
     assert (
         "__0_0.sw0123456789ab.distcp" not in names and ".metadata.swabcdef012345.tmp" not in names
     )
-    assert len([n for n in names if n.endswith(".distcp")]) == 1
+    assert {n for n in names if n.endswith(".distcp")} == set(_files(url))
 
 
 def test_a_failed_upload_leaves_no_object(url):
@@ -189,7 +211,7 @@ def test_marker_without_manifest_reads_as_incomplete(url):
 def test_corruption_is_found_on_a_remote_folder(url):
     swc.save({"w": torch.arange(100000.0)}, url)
     folder = open_folder(url)
-    data = next(n for n in _ls(url) if n.endswith(".distcp"))
+    data, _ = _files(url)
     raw = bytearray(folder.read(data))
     raw[len(raw) // 2] ^= 0x10
     folder.write_durably(data, bytes(raw))

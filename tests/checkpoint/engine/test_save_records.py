@@ -1,9 +1,9 @@
-"""`SaveRecords`: the one builder of `shardwise.json` and `.metadata`.
+"""`SaveRecords`: the one builder of `shardwise.json`, its index and `.metadata`.
 
-Both records come from the same entries, so they describe the same checkpoint:
-the manifest's own DCP view equals the pickled `.metadata`, checksums filled in
-late are encoded as if they were there from the start, and the plan's records
-(`plan_records`) match what the engine wrote.
+The records come from the same entries, so they describe the same checkpoint:
+the manifest's own DCP view (its chunks read from the index) equals the pickled
+`.metadata`, checksums filled in late are encoded as if they were there from the
+start, and records joined from owners' parts hold what one writer's do.
 """
 
 from __future__ import annotations
