@@ -7,8 +7,9 @@
    reshard load on W/2 ranks in another layout; per rank its own CPU, bytes
    received and collectives, beside stock's `create_local_plan`,
    `create_global_plan` and load planning on the same states. Loads run only at
-   `--load-worlds` (default 64): each of W threads parses every chunk, so at
-   larger W one process runs out of memory on this machine.
+   `--load-worlds` (default 64): a rank reads only its tensors' index sections,
+   but the reshard load's W/2 x 1,000 x W part reads take minutes of one
+   process's CPU beyond 64.
 2. Real processes (`scale_processes`): 32 gloo ranks save and load 1,000
    row-sharded tensors of 64 KiB with stock and shardwise, then 24 ranks load
    shardwise's checkpoint by columns, bit-exact.
