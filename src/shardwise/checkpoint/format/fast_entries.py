@@ -136,6 +136,7 @@ def _heads(value: Any) -> dict[str, TensorEntry] | None:
     if type(value) is not dict:
         return None
     counts: list[Any] = []
+    crcs: list[Any] = []
     dtypes: set[str] = set()
     out = {}
     for key, t in value.items():
@@ -154,11 +155,12 @@ def _heads(value: Any) -> dict[str, TensorEntry] | None:
             return None
         counts += shape
         counts += section
+        crcs.append(section[4])
         dtypes.add(dtype)
         out[key] = TensorEntry(dtype, tuple(shape), [], requires_grad, tuple(section))
     if counts and not _counts(counts):
         return None
-    if not all(map(is_dtype_name, dtypes)) or any(t.section[4] >= 1 << 32 for t in out.values()):
+    if not all(map(is_dtype_name, dtypes)) or (crcs and max(crcs) >= 1 << 32):
         return None
     return out
 
