@@ -68,7 +68,7 @@ def read_records(
         # what stock readers see now: never the data it replaced
         manifest.resolve(folder, names.manifest)  # the files it names, to refuse them
         return None, follow_replaced(
-            folder, names.metadata, replaced, manifest.files(), holes=rank is not None
+            folder, names.metadata, replaced, manifest.data_files(), holes=rank is not None
         )
     if rank is None and MARKER in present:
         raise IncompleteCheckpointError(

@@ -239,9 +239,11 @@ class Manifest:
 
     def files(self) -> set[str]:
         """Every data file this manifest names (from version 4 once `read` whole)."""
+        return self.data_files() | ({self.index.file} if self.index is not None else set())
+
+    def data_files(self) -> set[str]:
+        """The data files of its chunks and objects: what `.metadata` names too."""
         names = {c.file for t in self.tensors.values() for c in t.chunks}
-        if self.index is not None:
-            names.add(self.index.file)
         return names | {o.file for o in self.objects.values()}
 
     def stale(self, folder: Folder, name: str = METADATA) -> bytes | None:
