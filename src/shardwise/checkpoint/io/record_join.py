@@ -2,7 +2,9 @@
 
 Each key's owner writes its share of `.metadata` and of the manifest as a part
 file beside the checkpoint (`write_part`); after one verdict the committing rank
-streams the frames and every part's sections into two temporary files
+copies every part's index block into the save's index file (a new data file,
+format version 4), then streams the frames and every part's sections into two
+temporary files
 (`join_records`), checksumming as it goes, and `commit` renames them into
 place. Its work is copying bytes: no entry is decoded or encoded, nothing is
 received over the network, and its memory holds one section at a time — the
