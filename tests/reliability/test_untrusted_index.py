@@ -238,8 +238,8 @@ def test_one_chunk_stored_twice_is_refused(ckpt):
     ckpt.chunks_as(lambda c: [*c, c[1]])
     _refused(
         ckpt,
-        f"'w' and 'w' claim overlapping bytes of {ckpt.where(ckpt.data)} "
-        f"(at {ckpt.chunks[1].record[0]}): damaged or crafted records",
+        f"{ckpt.at}: 'w (at (0, 0))' has two chunks at offsets (2, 0) (sizes (2, 8) and "
+        "(2, 8)): damaged or crafted",
     )
 
 

@@ -13,7 +13,11 @@ import pytest
 
 import shardwise.checkpoint as swc
 from shardwise.checkpoint.format.manifest import ChunkEntry, IndexRef, Manifest, TensorEntry
-from shardwise.checkpoint.format.manifest_index import TensorChunks, read_sections
+from shardwise.checkpoint.format.manifest_index import (
+    TensorChunks,
+    check_read_ranges,
+    read_sections,
+)
 from shardwise.storage import open_folder
 
 from .golden_manifest import (
@@ -201,7 +205,7 @@ def test_a_load_reads_only_the_sections_of_its_tensors(tmp_path):
     wanted = [(k, head.tensors[k]) for k in ("model.scale", "model.bias")]
     tables = dict(read_sections(f, head.index, wanted, "src"))
     assert list(tables) == ["model.bias", "model.scale"]  # in index order
-    bias = TensorChunks("model.bias", head.tensors["model.bias"], tables["model.bias"], {}, f)
+    bias = TensorChunks("model.bias", head.tensors["model.bias"], tables["model.bias"], set())
     assert bias.table.entries() == golden_chunks()["model.bias"].chunks
 
 
@@ -211,15 +215,19 @@ def test_a_piece_gets_the_rows_overlapping_it_each_checked(tmp_path):
     head = Manifest.read_head(f)
     assert head.index is not None
     ((_, table),) = read_sections(f, head.index, [("model.w", head.tensors["model.w"])], "src")
-    chunks = TensorChunks("model.w", head.tensors["model.w"], table, f.sizes(), f)
+    ranges: set[tuple[str, str, int, int]] = set()
+    chunks = TensorChunks("model.w", head.tensors["model.w"], table, ranges)
     first, second = golden_chunks()["model.w"].chunks
     assert chunks.covering((0, 0), (6, 4)) == [first, second]
     assert chunks.covering((4, 1), (1, 2)) == [second]
     assert chunks.covering((3, 0), (2, 1)) == [first, second]
+    assert ranges == {("model.w", FILE, *first.record), ("model.w", FILE, *second.record)}
+    check_read_ranges(f, ranges, f.sizes())  # each range once, however many pieces read it
     with pytest.raises(swc.CorruptCheckpointError, match="lie past the end of"):
-        TensorChunks("model.w", head.tensors["model.w"], table, {FILE: 1700}, f).covering(
-            (4, 0), (1, 1)
-        )
+        check_read_ranges(f, ranges, {FILE: 1700})
+    other = ("model.v", FILE, second.record[0] + 8, 16)  # another tensor's claim on its bytes
+    with pytest.raises(swc.CorruptCheckpointError, match="claim overlapping bytes"):
+        check_read_ranges(f, {*ranges, other}, f.sizes())
 
 
 def test_a_piece_a_row_is_missing_from_is_refused(tmp_path):
@@ -228,7 +236,7 @@ def test_a_piece_a_row_is_missing_from_is_refused(tmp_path):
     head = Manifest.read_head(f)
     assert head.index is not None
     ((_, table),) = read_sections(f, head.index, [("model.w", head.tensors["model.w"])], "src")
-    chunks = TensorChunks("model.w", head.tensors["model.w"], table, f.sizes(), f)
+    chunks = TensorChunks("model.w", head.tensors["model.w"], table, set())
     assert len(chunks.covering((0, 0), (4, 4))) == 1  # what it holds reads
     with pytest.raises(swc.CorruptCheckpointError, match=r"model.w \(at \(3, 0\)\)"):
         chunks.covering((3, 0), (2, 4))  # a hole where row 1 was

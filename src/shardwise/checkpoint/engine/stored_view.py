@@ -36,7 +36,7 @@ from ..format.manifest import (
     dtype_from_name,
 )
 from ..format.manifest_entries import ChunkEntry
-from ..format.manifest_index import TensorChunks, read_sections
+from ..format.manifest_index import TensorChunks, check_read_ranges, read_sections
 from ..format.record_check import follow_replaced, read_stock
 from ..io.commit import RecordNames, leftover_data, per_rank_records
 
@@ -142,18 +142,19 @@ class StoredView:
 
     def stored_chunks(self, keys: list[str]) -> Iterator[tuple[str, Covering]]:
         """Each of the stored tensors `keys` as what `covering` a box finds in it: from
-        a version 4 index, the sections of these keys only, read in index order."""
+        a version 4 index, the sections of these keys only, read in index order; once
+        all are taken, the byte ranges of every row found are checked together."""
         manifest = self.manifest
         if manifest is None or manifest.index is None:
             for key in keys:
                 yield key, _Listed(self.chunks(key))
             return
-        sizes = self.folder.sizes()
         where = self.folder.where(self._name)
         wanted = [(key, manifest.tensors[key]) for key in keys]
+        ranges: set[tuple[str, str, int, int]] = set()
         for key, table in read_sections(self.folder, manifest.index, wanted, where):
-            chunks = TensorChunks(key, manifest.tensors[key], table, sizes, self.folder)
-            yield key, _Sectioned(chunks)
+            yield key, _Sectioned(TensorChunks(key, manifest.tensors[key], table, ranges))
+        check_read_ranges(self.folder, ranges, self.folder.sizes())
 
     def chunks(self, key: str) -> list[StoredBox]:
         """The stored chunks of tensor `key`: their boxes, and what `storage` turns into

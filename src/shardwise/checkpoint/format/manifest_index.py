@@ -9,8 +9,9 @@ section. Readers take what they need from it:
   of adjacent sections (one read per window, never the whole index at once), and
   decodes only the rows that overlap its pieces (`TensorChunks`): for each piece
   the rows it reads are checked as a manifest's chunks are — in bounds,
-  consistent sizes and checksums, inside their data files, not overlapping each
-  other, covering the piece exactly once;
+  consistent sizes and checksums, covering the piece exactly once — and the byte
+  ranges of all the rows it reads lie inside their data files, no two
+  overlapping (`check_read_ranges`);
 - tools (`Manifest.read`) resolve every section into the entries a version 3
   manifest lists, then check them all together.
 """
@@ -29,7 +30,13 @@ from .chunk_table import ChunkTable, chunk_consistent, encode_section
 from .manifest_entries import ChunkEntry, IndexRef, TensorEntry, dtype_from_name
 from .record_check import check_coverage, check_name, check_ranges
 
-__all__ = ["TensorChunks", "read_sections", "resolve_sections", "write_sections"]
+__all__ = [
+    "TensorChunks",
+    "check_read_ranges",
+    "read_sections",
+    "resolve_sections",
+    "write_sections",
+]
 
 WINDOW = 8 << 20  # bytes of adjacent sections read at once
 
@@ -102,6 +109,14 @@ def resolve_sections(
         tensors[key].chunks = table.entries()
 
 
+def check_read_ranges(
+    folder: Folder, ranges: set[tuple[str, str, int, int]], sizes: dict[str, int]
+) -> None:
+    """The byte ranges of every row a load reads (`TensorChunks.ranges`), once all are
+    known and before any is read: inside their data files, no two overlapping."""
+    check_ranges(folder, sorted(ranges), sizes)
+
+
 class TensorChunks:
     """One tensor's stored chunks as a load reads them from its section: the entries
     overlapping each piece, checked (see the module's docstring)."""
@@ -111,11 +126,10 @@ class TensorChunks:
         key: str,
         entry: TensorEntry,
         table: ChunkTable,
-        sizes: dict[str, int],
-        folder: Folder,
+        ranges: set[tuple[str, str, int, int]],
     ) -> None:
         self.key, self.entry, self.table = key, entry, table
-        self.sizes, self.folder = sizes, folder
+        self.ranges = ranges  # every byte range the load reads: `check_read_ranges`
         self.itemsize = dtype_from_name(entry.dtype).itemsize
 
     def covering(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[ChunkEntry]:
@@ -131,7 +145,7 @@ class TensorChunks:
                     f"{where}: chunk at offsets {c.offsets} has inconsistent sizes or byte "
                     f"ranges (file {c.file}, payload {c.payload})"
                 )
-        check_ranges(self.folder, [(self.key, c.file, *c.record) for c in found], self.sizes)
+        self.ranges.update((self.key, c.file, *c.record) for c in found)
         clipped = []
         for c in found:
             lo = [max(a, b) for a, b in zip(offsets, c.offsets)]
