@@ -220,10 +220,8 @@ class _Listed:
             same = self.exact.get((offsets, sizes))
             if same is not None:
                 return [same]
-        found = []
-        for c in self.chunks:
-            if c[0] == offsets and c[1] == sizes:
-                return [c]
-            if all(o < a + n and a < o + m and m for a, n, o, m in zip(offsets, sizes, c[0], c[1])):
-                found.append(c)
-        return found
+        return [
+            c
+            for c in self.chunks
+            if all(o < a + n and a < o + m and m for a, n, o, m in zip(offsets, sizes, c[0], c[1]))
+        ]
