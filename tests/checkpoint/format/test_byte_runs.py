@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise.checkpoint.format.byte_runs import runs, spans
+from shardwise.checkpoint.format.byte_runs import SMALL, few_runs, list_spans, runs, spans
 
 DTYPES = [torch.uint8, torch.int16, torch.float32, torch.float64]  # itemsizes 1, 2, 4, 8
 
@@ -111,3 +111,28 @@ def _widened(at: int, page: int | None, limit: int | None = None) -> int:
     if limit is None:
         return at // page * page
     return min(-(-at // page) * page, limit)
+
+
+@settings(max_examples=400, deadline=None)
+@given(cases(), st.one_of(st.none(), st.integers(1, 48)), st.integers(0, 64))
+def test_the_list_path_is_the_tensor_path_for_few_runs(case, page, gap) -> None:
+    """`few_runs` / `list_spans` (the reader's path for at most `SMALL` runs) give
+    exactly what `runs` / `spans` give, and decline only above `SMALL` runs."""
+    chunk, offsets, lengths = case
+    shape, itemsize = tuple(chunk.shape), chunk.dtype.itemsize
+    limit = chunk.numel() * itemsize
+    starts, run = runs(shape, offsets, lengths, itemsize)
+    few = few_runs(shape, offsets, lengths, itemsize)
+    if few is None:
+        assert len(starts) > SMALL
+        return
+    assert few == (starts.tolist(), run)
+    if len(starts):
+        assert list_spans(few[0], run, gap, page, limit) == spans(starts, run, gap, page, limit)
+
+
+def test_few_runs_declines_above_small() -> None:
+    shape = (SMALL + 1, 4)
+    assert few_runs(shape, (0, 1), (SMALL, 2), 4) == ([4 * (4 * i + 1) for i in range(SMALL)], 8)
+    assert few_runs(shape, (0, 1), (SMALL + 1, 2), 4) is None
+    assert few_runs(shape, (0, 0), (SMALL + 1, 4), 4) == ([0], 4 * 4 * (SMALL + 1))  # one run

@@ -11,9 +11,12 @@ import math
 
 import torch
 
-__all__ = ["MERGE_GAP", "c_strides", "nbytes", "runs", "spans"]
+__all__ = ["MERGE_GAP", "SMALL", "c_strides", "few_runs", "list_spans", "nbytes", "runs", "spans"]
 
 MERGE_GAP = 4096  # runs closer than one OS page are read together: a smaller gap saves no I/O
+# up to this many runs, plain lists beat tensors: a reshard's part reads are often a few
+# rows of a column band, where a dozen tensor ops cost more than the read itself
+SMALL = 64
 
 
 def c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -26,6 +29,47 @@ def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+def _folded(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> int:
+    """The last dimension a run does not span whole: the trailing dimensions a box
+    spans whole fold into one run."""
+    k = len(shape) - 1
+    while k > 0 and lengths[k] == shape[k] and offsets[k] == 0:
+        k -= 1
+    return k
+
+
+def few_runs(
+    shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...], itemsize: int
+) -> tuple[list[int], int] | None:
+    """`runs` as a list when there are at most `SMALL` runs, else None."""
+    ndim = len(shape)
+    if ndim == 0:
+        return [0], itemsize
+    if math.prod(lengths) == 0:
+        return [], 0
+    k = _folded(shape, offsets, lengths)
+    if math.prod(lengths[:k]) > SMALL:
+        return None
+    strides = c_strides(shape)
+    starts = [offsets[k] * strides[k]]
+    for d in reversed(range(k)):  # outer dimensions vary slowest
+        steps = [i * strides[d] for i in range(offsets[d], offsets[d] + lengths[d])]
+        starts = [step + start for step in steps for start in starts]
+    return [start * itemsize for start in starts], lengths[k] * strides[k] * itemsize
+
+
+def list_spans(
+    starts: list[int], run: int, gap: int, page: int | None, limit: int
+) -> list[tuple[int, int, int, int]]:
+    """`spans` of `few_runs`' list."""
+    lo, hi = starts, [s + run for s in starts]
+    if page is not None:
+        lo = [s // page * page for s in lo]
+        hi = [min(-(-e // page) * page, limit) for e in hi]
+    bounds = [0, *(i + 1 for i in range(len(lo) - 1) if lo[i + 1] - hi[i] >= gap), len(lo)]
+    return [(lo[a], hi[b - 1] - lo[a], a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 def runs(
     shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...], itemsize: int
 ) -> tuple[torch.Tensor, int]:
@@ -36,9 +80,7 @@ def runs(
         return torch.zeros(1, dtype=torch.int64), itemsize
     if math.prod(lengths) == 0:
         return torch.zeros(0, dtype=torch.int64), 0
-    k = ndim - 1  # the trailing dimensions the box spans whole fold into one run
-    while k > 0 and lengths[k] == shape[k] and offsets[k] == 0:
-        k -= 1
+    k = _folded(shape, offsets, lengths)
     strides = c_strides(shape)
     starts = torch.tensor([offsets[k] * strides[k]], dtype=torch.int64)
     for d in reversed(range(k)):  # outer dimensions vary slowest

@@ -24,7 +24,7 @@ import torch
 
 from ...errors import CorruptCheckpointError
 from ...storage import RandomAccess
-from ..format.byte_runs import MERGE_GAP, runs, spans
+from ..format.byte_runs import MERGE_GAP, few_runs, list_spans, runs, spans
 from ..format.checksums import bad_page, byte_view
 from ..format.manifest import StoredChunk, dtype_from_name
 from ..format.record_read import RecordLayout
@@ -202,6 +202,9 @@ def _read_runs(
         if pages is not None and page is not None:
             _check_pages(view, 0, page, pages, layout, name, path)
         return len(view)
+    few = few_runs(layout.shape, offsets, lengths, layout.dtype.itemsize)
+    if few is not None:
+        return _read_few_runs(file, path, name, layout, few, out, page, pages)
     starts, run, reads = _spans(layout, offsets, lengths, page if pages is not None else None)
     if not reads:
         return 0
@@ -223,6 +226,39 @@ def _read_runs(
             torch.index_select(
                 buf.unfold(0, run, 1), 0, starts[first:last] - span_start, out=rows[first:last]
             )
+    return total
+
+
+def _read_few_runs(
+    file: RandomAccess,
+    path: str,
+    name: str,
+    layout: RecordLayout,
+    found: tuple[list[int], int],
+    out: torch.Tensor,
+    page: int | None,
+    pages: list[int] | None,
+) -> int:
+    """`_read_runs` for at most `SMALL` runs, with lists and memoryviews."""
+    starts, run = found
+    if not starts:
+        return 0
+    checked = page if pages is not None else None
+    dest = byte_view(out)
+    total = 0
+    for span_start, span_len, first, last in list_spans(
+        starts, run, MERGE_GAP, checked, layout.payload_length
+    ):
+        one = last - first == 1 and span_len == run  # one run: straight into its place
+        view = dest[first * run : last * run] if one else memoryview(bytearray(span_len))
+        _pread_into(file, view, layout.payload_offset + span_start, path, name)
+        total += span_len
+        if pages is not None and page is not None:
+            _check_pages(view, span_start, page, pages, layout, name, path)
+        if not one:  # several runs read as one span: each copied into its place
+            for i in range(first, last):
+                at = starts[i] - span_start
+                dest[i * run : (i + 1) * run] = view[at : at + run]
     return total
 
 
