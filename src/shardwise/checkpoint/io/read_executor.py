@@ -12,7 +12,9 @@ before any target is touched). Then
   target's memory, neighbouring chunks of a file in one `preadv` (the small
   frames between them land in scratch), each payload verified;
 * a part of a chunk goes through `box_read.read_box`: only the byte runs (with
-  verification, the checksum tiles) the part needs;
+  verification, the checksum tiles) the part needs — but parts of a one-tile
+  chunk, which verifying reads whole anyway, become one whole-chunk read per
+  chunk on the path above (`shared_chunks`);
 * a chunk stored through stream extensions, or a strided stock record, is read
   whole and decoded (`record_decode`), its box copied;
 * objects are read first, so one refused (an untrusted pickle) stops the load
@@ -53,6 +55,7 @@ from .prefetch_window import run_windowed
 from .read_locate import locate, open_files
 from .read_requests import ChunkRead, RecordRead, end_of
 from .record_decode import CONTAINER_ROOM, load_record, untransform
+from .shared_chunks import as_whole, read_whole
 from .streamed_read import can_stream, read_streamed
 from .whole_chunks import Whole, read_span, spans
 
@@ -93,14 +96,20 @@ class ReadExecutor:
             jobs = [self._record_job(r) for r in reads if isinstance(r, RecordRead)]
             records = len(jobs)  # objects first: one refused stops the load before any target
             wholes: dict[str, list[Whole]] = defaultdict(list)
+            shared: dict[tuple[str, int], tuple[list[ChunkRead], RecordLayout]] = {}
             for read in chunks:
                 layout = layouts.get(id(read))
                 if layout is None or not layout.c_contiguous:
                     jobs.append(self._record_job(read))
                 elif read.lengths == layout.shape and not any(read.offsets):
                     wholes[read.info.relative_path].append((read, layout))
+                elif read_whole(read, layout, self.verify):
+                    where = (read.info.relative_path, read.info.offset)
+                    shared.setdefault(where, ([], layout))[0].append(read)
                 else:
                     jobs.append(self._box_job(read, layout))
+            for (name, _), (parts, layout) in shared.items():
+                wholes[name].append((as_whole(parts, layout), layout))
             limit = self._landing.slab_bytes
             for name, batch in wholes.items():
                 for lo, hi, span in spans(batch, limit):
