@@ -22,8 +22,12 @@ tile and payload, and its transform is an index into the tensor's `transforms`.
 
 from __future__ import annotations
 
+import itertools
 import math
+import sys
+from array import array
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +46,8 @@ __all__ = [
 
 _LIMIT = 1 << 62  # no stored integer reaches it: sums of two stay in int64
 _TOKEN = (1 << 48) - 1
+_FEW = 16  # rows up to which a section is decoded to lists
+_U32 = next(code for code in "IL" if array(code).itemsize == 4)
 
 
 def row_width(ndim: int) -> int:
@@ -90,7 +96,9 @@ def encode_section(chunks: Sequence[ChunkEntry], ndim: int, transforms: list[lis
 
 class ChunkTable:
     """One tensor's section, decoded and checked as a table: which rows overlap a
-    box, and the entries of the rows a reader asks for."""
+    box, and the entries of the rows a reader asks for. A few rows (most tensors: one
+    chunk, or one per rank of a small job) are plain lists, the rest a numpy array:
+    a dozen numpy calls cost more than a list of one row, 100,000 times over."""
 
     def __init__(
         self, data: bytes, ndim: int, count: int, transforms: list[list[str]], where: str
@@ -102,39 +110,60 @@ class ChunkTable:
             raise CorruptCheckpointError(
                 f"{where}: a section of {len(data)} bytes cannot hold {count} chunk rows"
             )
-        self.rows = np.frombuffer(data, dtype="<i8", count=count * width).reshape(count, width)
-        counts, boxes = self.rows[:, -2], self.rows[:, : 2 * ndim]
-        if count and (
-            self.rows.min() < -1
-            or self.rows.max() >= _LIMIT
-            or counts.min() < 0
-            or (ndim and boxes.min() < 0)
-        ):
+        self.array: np.ndarray | None = None
+        if count <= _FEW:
+            values = _ints("q", data[:head])
+            self.rows = [values[i * width : (i + 1) * width] for i in range(count)]
+            self.crcs: Any = _ints(_U32, data[head:])
+            counts = [row[-2] for row in self.rows]
+            lowest = min(values, default=0)
+            boxes = min((v for row in self.rows for v in row[: 2 * ndim]), default=0)
+            highest = max(values, default=0)
+        else:
+            array = np.frombuffer(data, dtype="<i8", count=count * width).reshape(count, width)
+            self.array, self.rows = array, []
+            self.crcs = np.frombuffer(data, dtype="<u4", offset=head)
+            counts = array[:, -2].tolist()
+            lowest, highest = int(array.min()), int(array.max())
+            boxes = int(array[:, : 2 * ndim].min()) if ndim else 0
+        if lowest < -1 or highest >= _LIMIT or min(counts, default=0) < 0 or boxes < 0:
             raise CorruptCheckpointError(f"{where}: a chunk row holds an impossible value")
-        self.crcs = np.frombuffer(data, dtype="<u4", offset=head)
-        if int(counts.sum()) != len(self.crcs):
+        if sum(counts) != len(self.crcs):
             raise CorruptCheckpointError(
-                f"{where}: its rows count {int(counts.sum())} checksums, it holds {len(self.crcs)}"
+                f"{where}: its rows count {sum(counts)} checksums, it holds {len(self.crcs)}"
             )
-        self.starts = np.concatenate(([0], np.cumsum(counts)))
+        self.starts = [0, *itertools.accumulate(counts)]
+        self.count = count
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self.count
 
     def overlapping(self, offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """The rows whose boxes overlap the non-empty box (`offsets`, `sizes`)."""
         d = self.ndim
         if not d:
-            return list(range(len(self.rows)))
+            return list(range(self.count))
+        if self.array is None:
+            return [
+                i
+                for i, row in enumerate(self.rows)
+                if all(
+                    row[j] < offsets[j] + sizes[j]
+                    and row[j] + row[d + j] > offsets[j]
+                    and row[d + j] > 0
+                    for j in range(d)
+                )
+            ]
         lo = np.asarray(offsets, dtype=np.int64)
-        start, length = self.rows[:, :d], self.rows[:, d : 2 * d]
+        start, length = self.array[:, :d], self.array[:, d : 2 * d]
         hit = ((start < lo + np.asarray(sizes)) & (start + length > lo) & (length > 0)).all(axis=1)
         return np.flatnonzero(hit).tolist()
 
     def entry(self, i: int) -> ChunkEntry:
         """Row `i` as a manifest entry; its values are checked against each other and
         the tensor by the reader (`Manifest`'s geometry rules), as a JSON entry's are."""
-        d, row = self.ndim, self.rows[i].tolist()
+        d = self.ndim
+        row = self.rows[i] if self.array is None else self.array[i].tolist()
         rank, k, token, rec_off, rec_len, pay_off, pay_len, frame, _, transform = row[3 * d :]
         if token > _TOKEN or transform >= len(self.transforms) or frame > 0xFFFFFFFF:
             raise CorruptCheckpointError(f"{self.where}: chunk row {i} holds an impossible value")
@@ -142,13 +171,14 @@ class ChunkTable:
         transformed = transform >= 0
         if -1 in (rank, k, rec_off, rec_len) or (pay_off == -1) != transformed:
             raise CorruptCheckpointError(f"{self.where}: chunk row {i} holds an impossible value")
+        crcs = self.crcs[self.starts[i] : self.starts[i + 1]]
         return ChunkEntry(
             tuple(row[:d]),
             tuple(row[d : 2 * d]),
             file_of(rank, k, token),
             (rec_off, rec_len),
             None if transformed else (pay_off, pay_len),
-            self.crcs[self.starts[i] : self.starts[i + 1]].tolist(),
+            crcs if self.array is None else crcs.tolist(),
             frame,
             self.transforms[transform] if transformed else None,
             None if transformed or -1 in tile else tile,
@@ -157,11 +187,24 @@ class ChunkTable:
     def files(self) -> set[str]:
         """The data files its rows name."""
         d = 3 * self.ndim
-        named = np.unique(self.rows[:, d : d + 3], axis=0).tolist()
+        named = (
+            [row[d : d + 3] for row in self.rows]
+            if self.array is None
+            else np.unique(self.array[:, d : d + 3], axis=0).tolist()
+        )
         return {file_of(rank, k, token) for rank, k, token in named if token <= _TOKEN}
 
     def entries(self) -> list[ChunkEntry]:
-        return [self.entry(i) for i in range(len(self.rows))]
+        return [self.entry(i) for i in range(self.count)]
+
+
+def _ints(code: str, data: bytes) -> list[int]:
+    """Little-endian integers of `array` type `code` (8 or 4 bytes) as a list."""
+    values = array(code)
+    values.frombytes(data)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tolist()
 
 
 def chunk_consistent(c: ChunkEntry, itemsize: int, version: int, page_size: int) -> bool:
