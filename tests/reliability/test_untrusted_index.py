@@ -306,3 +306,49 @@ def test_a_row_count_that_does_not_fit_its_section_is_refused(ckpt, rows, cut):
         if rows == 3
         else f"{ckpt.at}: a section of {len(data)} bytes cannot hold {rows} chunk rows",
     )
+
+
+def test_an_object_naming_a_file_not_ours_is_refused_by_a_load(ckpt):
+    """A version 4 load reads its manifest without its chunks, but never an object from
+    a file that is not a data file of ours: the user's file holding the very bytes."""
+    head = Manifest.read_head(ckpt.folder)
+    n = head.objects["n"]
+    data = ckpt.folder.read(n.file)[n.offset : n.offset + n.length]
+    ckpt.folder.write_durably("user.txt", data)
+    ckpt.edit(lambda doc: doc["objects"]["n"].update(file="user.txt", offset=0))
+    _refused(
+        ckpt,
+        f"{ckpt.where('shardwise.json')}: 'n' names the file 'user.txt' in {ckpt.folder}, "
+        "which is not a shardwise data file (__<rank>_<k>.sw<token>.distcp): the checkpoint "
+        "is damaged or crafted; refused, nothing read",
+    )
+
+
+def test_two_rows_naming_the_same_record_are_refused(ckpt):
+    """Row 1 given row 0's record, payload and checksums: 'w'[2:4] would be filled
+    from 'w'[0:2]'s bytes, each checksum matching."""
+    first = ckpt.chunks[0]
+    ckpt.chunks_as(
+        lambda c: [
+            c[0],
+            replace(
+                c[1],
+                file=first.file,
+                record=first.record,
+                payload=first.payload,
+                crcs=first.crcs,
+                frame=first.frame,
+            ),
+            *c[2:],
+        ]
+    )
+    _refused(
+        ckpt,
+        f"'w' and 'w' claim overlapping bytes of {ckpt.where(ckpt.data)} "
+        f"(at {first.record[0]}): damaged or crafted records",
+    )
+
+
+def test_a_negative_frame_checksum_is_refused(ckpt):
+    ckpt.rows_as(2, WIDTH - 3, -1)  # the frame column
+    _refused(ckpt, f"{ckpt.at}: chunk row 2 holds an impossible value")

@@ -14,6 +14,7 @@ import pytest
 import shardwise.checkpoint as swc
 from shardwise.checkpoint.format.manifest import ChunkEntry, IndexRef, Manifest, TensorEntry
 from shardwise.checkpoint.format.manifest_index import (
+    Ranges,
     TensorChunks,
     check_read_ranges,
     read_sections,
@@ -215,19 +216,25 @@ def test_a_piece_gets_the_rows_overlapping_it_each_checked(tmp_path):
     head = Manifest.read_head(f)
     assert head.index is not None
     ((_, table),) = read_sections(f, head.index, [("model.w", head.tensors["model.w"])], "src")
-    ranges: set[tuple[str, str, int, int]] = set()
+    ranges: Ranges = {}
     chunks = TensorChunks("model.w", head.tensors["model.w"], table, ranges)
     first, second = golden_chunks()["model.w"].chunks
     assert chunks.covering((0, 0), (6, 4)) == [first, second]
     assert chunks.covering((4, 1), (1, 2)) == [second]
     assert chunks.covering((3, 0), (2, 1)) == [first, second]
-    assert ranges == {("model.w", FILE, *first.record), ("model.w", FILE, *second.record)}
-    check_read_ranges(f, ranges, f.sizes())  # each range once, however many pieces read it
+    assert ranges == {
+        ("model.w", 0): ("model.w", FILE, *first.record),
+        ("model.w", 1): ("model.w", FILE, *second.record),
+    }
+    check_read_ranges(f, ranges, f.sizes())  # each row once, however many pieces read it
     with pytest.raises(swc.CorruptCheckpointError, match="lie past the end of"):
         check_read_ranges(f, ranges, {FILE: 1700})
     other = ("model.v", FILE, second.record[0] + 8, 16)  # another tensor's claim on its bytes
     with pytest.raises(swc.CorruptCheckpointError, match="claim overlapping bytes"):
-        check_read_ranges(f, {*ranges, other}, f.sizes())
+        check_read_ranges(f, {**ranges, ("model.v", 0): other}, f.sizes())
+    twin = ("model.w", FILE, *second.record)  # another row naming the same record
+    with pytest.raises(swc.CorruptCheckpointError, match="claim overlapping bytes"):
+        check_read_ranges(f, {**ranges, ("model.w", 2): twin}, f.sizes())
 
 
 def test_a_piece_a_row_is_missing_from_is_refused(tmp_path):

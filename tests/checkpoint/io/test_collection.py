@@ -213,3 +213,17 @@ def test_collect_removes_only_its_own_files(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(theirs + list(keep))
     per_rank = collect(tmp_path, set(), set(), RecordNames(0))  # a per-rank commit: only its rank
     assert per_rank == [] and (tmp_path / "__1_3.swfedcba987654.distcp").exists()
+
+
+def test_a_manifest_whose_index_is_damaged_still_names_its_index_and_objects(tmp_path):
+    """What the head of a version 4 manifest names stays named when its sections cannot
+    be read: its index is never taken for a leftover because one section is damaged."""
+    path = tmp_path / "ck"
+    swc.save({"w": torch.ones(4), "step": 3}, path)
+    m = Manifest.read(path)
+    assert m.index is not None
+    (step,) = {o.file for o in m.objects.values()}
+    raw = bytearray((path / m.index.file).read_bytes())
+    raw[0] ^= 1
+    (path / m.index.file).write_bytes(bytes(raw))
+    assert referenced_files(path) == {m.index.file, step}

@@ -101,10 +101,12 @@ def _plan(
     reads: list[ChunkRead | RecordRead] = []
     by_dcp: dict[str, Any] = {}
     held: dict[str, list[Piece]] = {}
+    stored_objects = []
     for key, value in flat.items():
         if not isinstance(value, torch.Tensor) and view.is_object(key):
             info = view.object_info(key)
             reads.append(RecordRead(key, info, _keep(objects, key, view, info, trust)))
+            stored_objects.append(key)
             continue
         if view.tensor(key) is None:
             continue
@@ -115,7 +117,7 @@ def _plan(
         pieces = [p for p in pieces if p.tensor.numel()]
         if pieces:
             held[key] = pieces
-    for key, stored in view.stored_chunks(list(held)):
+    for key, stored in view.stored_chunks(list(held), stored_objects):
         dtype = view.tensor(key)[1]  # type: ignore[index]  # a stored tensor
         for piece in held[key]:
             found = stored.covering(piece.offsets, piece.sizes)

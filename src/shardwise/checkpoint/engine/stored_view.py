@@ -36,8 +36,8 @@ from ..format.manifest import (
     dtype_from_name,
 )
 from ..format.manifest_entries import ChunkEntry
-from ..format.manifest_index import TensorChunks, check_read_ranges, read_sections
-from ..format.record_check import follow_replaced, read_stock
+from ..format.manifest_index import Ranges, TensorChunks, check_read_ranges, read_sections
+from ..format.record_check import check_name, follow_replaced, read_stock
 from ..io.commit import RecordNames, leftover_data, per_rank_records
 
 __all__ = ["StoredBox", "StoredView", "read_records"]
@@ -140,10 +140,12 @@ class StoredView:
         md = self.metadata().state_dict_metadata.get(key)
         return md is not None and not isinstance(md, TensorStorageMetadata)
 
-    def stored_chunks(self, keys: list[str]) -> Iterator[tuple[str, Covering]]:
+    def stored_chunks(self, keys: list[str], objects: list[str]) -> Iterator[tuple[str, Covering]]:
         """Each of the stored tensors `keys` as what `covering` a box finds in it: from
         a version 4 index, the sections of these keys only, read in index order; once
-        all are taken, the byte ranges of every row found are checked together."""
+        all are taken, the names and byte ranges of every row found and of the stored
+        `objects` read with them are checked together (a version 4 manifest was read
+        without them: `read_records`)."""
         manifest = self.manifest
         if manifest is None or manifest.index is None:
             for key in keys:
@@ -151,7 +153,11 @@ class StoredView:
             return
         where = self.folder.where(self._name)
         wanted = [(key, manifest.tensors[key]) for key in keys]
-        ranges: set[tuple[str, str, int, int]] = set()
+        ranges: Ranges = {}
+        for key in objects:
+            o = manifest.objects[key]
+            check_name(self.folder, key, o.file, where, shardwise=True)
+            ranges[(key, -1)] = (key, o.file, o.offset, o.length)
         for key, table in read_sections(self.folder, manifest.index, wanted, where):
             yield key, _Sectioned(TensorChunks(key, manifest.tensors[key], table, ranges))
         check_read_ranges(self.folder, ranges, self.folder.sizes())

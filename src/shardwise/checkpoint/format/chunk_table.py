@@ -165,7 +165,7 @@ class ChunkTable:
         d = self.ndim
         row = self.rows[i] if self.array is None else self.array[i].tolist()
         rank, k, token, rec_off, rec_len, pay_off, pay_len, frame, _, transform = row[3 * d :]
-        if token > _TOKEN or transform >= len(self.transforms) or frame > 0xFFFFFFFF:
+        if token > _TOKEN or transform >= len(self.transforms) or not 0 <= frame <= 0xFFFFFFFF:
             raise CorruptCheckpointError(f"{self.where}: chunk row {i} holds an impossible value")
         tile = tuple(row[2 * d : 3 * d])
         transformed = transform >= 0

@@ -31,6 +31,7 @@ from .manifest_entries import ChunkEntry, IndexRef, TensorEntry, dtype_from_name
 from .record_check import check_coverage, check_name, check_ranges
 
 __all__ = [
+    "Ranges",
     "TensorChunks",
     "check_read_ranges",
     "read_sections",
@@ -109,12 +110,16 @@ def resolve_sections(
         tensors[key].chunks = table.entries()
 
 
-def check_read_ranges(
-    folder: Folder, ranges: set[tuple[str, str, int, int]], sizes: dict[str, int]
-) -> None:
-    """The byte ranges of every row a load reads (`TensorChunks.ranges`), once all are
-    known and before any is read: inside their data files, no two overlapping."""
-    check_ranges(folder, sorted(ranges), sizes)
+# what a load reads, by tensor key and row (an object: row -1), as (key, file, offset, length)
+Ranges = dict[tuple[str, int], tuple[str, str, int, int]]
+
+
+def check_read_ranges(folder: Folder, ranges: Ranges, sizes: dict[str, int]) -> None:
+    """The byte ranges of every row and object a load reads (`TensorChunks.ranges`),
+    once all are known and before any is read: inside their data files, no two
+    overlapping — two rows naming the same bytes included (one row found by several
+    pieces is one entry)."""
+    check_ranges(folder, sorted(ranges.values()), sizes)
 
 
 class TensorChunks:
@@ -126,7 +131,7 @@ class TensorChunks:
         key: str,
         entry: TensorEntry,
         table: ChunkTable,
-        ranges: set[tuple[str, str, int, int]],
+        ranges: Ranges,
     ) -> None:
         self.key, self.entry, self.table = key, entry, table
         self.ranges = ranges  # every byte range the load reads: `check_read_ranges`
@@ -135,7 +140,8 @@ class TensorChunks:
     def covering(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[ChunkEntry]:
         """The stored chunks overlapping the non-empty box (`offsets`, `sizes`)."""
         shape, where = self.entry.shape, self.table.where
-        found = [self.table.entry(i) for i in self.table.overlapping(offsets, sizes)]
+        rows = self.table.overlapping(offsets, sizes)
+        found = [self.table.entry(i) for i in rows]
         for c in found:
             if not (
                 all(map(operator.le, map(operator.add, c.offsets, c.sizes), shape))
@@ -145,7 +151,9 @@ class TensorChunks:
                     f"{where}: chunk at offsets {c.offsets} has inconsistent sizes or byte "
                     f"ranges (file {c.file}, payload {c.payload})"
                 )
-        self.ranges.update((self.key, c.file, *c.record) for c in found)
+        self.ranges.update(
+            {(self.key, i): (self.key, c.file, *c.record) for i, c in zip(rows, found)}
+        )
         clipped = []
         for c in found:
             lo = [max(a, b) for a, b in zip(offsets, c.offsets)]

@@ -13,6 +13,7 @@ import warnings
 
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 
+from ...errors import CorruptCheckpointError
 from ...storage import Folder, open_folder
 from ...storage.folder import TEMPORARY
 from ..format.manifest import MARKER, Manifest
@@ -113,10 +114,14 @@ def _record_names(folder: Folder, names: RecordNames, which: str) -> list[str] |
             found = [o.file for o in head.objects.values()]
             if head.index is None:  # before version 4: the chunks are in the manifest
                 return found + [c.file for t in head.tensors.values() for c in t.chunks]
+            found.append(head.index.file)
             where = folder.where(names.manifest)
-            for _, table in read_sections(folder, head.index, [*head.tensors.items()], where):
-                found += table.files()
-            return [*found, head.index.file]
+            try:
+                for _, table in read_sections(folder, head.index, [*head.tensors.items()], where):
+                    found += table.files()
+            except (CorruptCheckpointError, OSError):  # a damaged index: what the head names
+                pass
+            return found
         storage = load_metadata(io.BytesIO(folder.read(names.metadata))).storage_data or {}
         return [info.relative_path for info in storage.values()]
     except Exception:  # noqa: BLE001 - a record we cannot read names nothing we may delete
