@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 import torch
 
+from shardwise.checkpoint.engine.replicated import placed, schedule
+from shardwise.checkpoint.engine.stored_view import StoredView
 from shardwise.checkpoint.format.manifest import TAIL, Manifest
 from shardwise.storage import open_folder
 from shardwise.testing import run_ranks
@@ -75,7 +77,8 @@ def _load(rank: int, world: int, url: str, options: dict) -> tuple[bool, int, in
 
     target = _state(rank, world, 99)  # other values, to be overwritten
     folder = open_folder(url, options)
-    reader = swc.load(target, folder)
+    # every rank reads the bias itself: its ranges are counted below (broadcasts: further down)
+    reader = swc.load(target, folder, broadcast_replicated=False)
     full = _full(0)
     exact = target["step"] == {"seed": 0} and torch.equal(target["bias"], full["bias"])
     for key in ("emb", "col"):
@@ -104,6 +107,32 @@ def test_saved_on_two_ranks_loads_on_three_in_other_layouts_bit_for_bit(s3_bucke
         # (at most a tenth); the manifest is the only whole object read
         assert read <= fetched - opening <= 1.1 * read
         assert whole < 16 << 10
+
+
+def _replicated(rank: int, world: int, url: str, options: dict) -> tuple[int, bool]:
+    import shardwise.checkpoint as swc
+
+    state = {f"v{i}": torch.full((1000 * (i + 1),), float(i)) for i in range(3)}
+    if world == 2:
+        swc.save(state, url, storage_options=options)
+        return 0, True
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    info = swc.load(target, url, storage_options=options)  # from S3: broadcast by default
+    return info.bytes_read, all(torch.equal(target[k], state[k]) for k in state)
+
+
+def test_values_every_rank_loads_are_fetched_once_and_broadcast(s3_bucket):
+    url, options = s3_bucket
+    url += "/ckpt/replicated"
+    run_ranks(_replicated, 2, url, options, timeout=120)
+    results = run_ranks(_replicated, 3, url, options, timeout=120)
+    view = StoredView.read(open_folder(url, options), 0)
+    values = {f"v{i}": torch.zeros(1000 * (i + 1)) for i in range(3)}
+    shares = [0, 0, 0]
+    for batch in schedule(placed(view, values), 3):
+        shares[batch.reader] += batch.nbytes
+    assert sorted(shares) == [4_000, 8_000, 12_000]  # each value fetched by one rank alone
+    assert results == [(share, True) for share in shares]
 
 
 def _unknown_scheme(rank: int, world: int) -> str:

@@ -3,7 +3,8 @@
 Transfers need `all_to_all_single`, the agreement rule `all_gather_object`;
 checkpoint planning, whose cost per rank must not grow with the world size,
 routes objects to the ranks that need them (`all_to_all_object`) and agrees
-on fixed-size verdicts (`all_reduce_max`). `communicator(group)` gives them over
+on fixed-size verdicts (`all_reduce_max`); a load sends values every rank
+loads whole from the one rank that read them (`broadcast`). `communicator(group)` gives them over
 a torch.distributed process group (None: the default group). The interface also lets tests run
 several ranks as threads of one process (`tests/comm/threaded_world.py`), so
 planning, packing and agreement are checked without spawning processes.
@@ -79,6 +80,10 @@ class Communicator(ABC):
         """The element-wise maximum of every rank's `values` (int64, the same length on
         every rank): a fixed-size agreement, whatever the world size."""
 
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """Rank `src`'s `tensor` into every rank's `tensor` (the same size everywhere)."""
+
 
 class ProcessGroupCommunicator(Communicator):
     """A torch.distributed process group (gloo, NCCL, ...)."""
@@ -136,6 +141,12 @@ class ProcessGroupCommunicator(Communicator):
         t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=object_group(self.group))
         return t.tolist()
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        # a host tensor on a device-only group (NCCL) goes over its gloo side group
+        group = object_group(self.group) if tensor.device.type == "cpu" else self.group
+        pg: Any = group if group is not None else dist.group.WORLD
+        dist.broadcast(tensor, src=dist.get_global_rank(pg, src), group=group)
 
 
 # (the default group they were made under, the gloo group) by global ranks.
@@ -219,6 +230,9 @@ class SingleProcess(Communicator):
 
     def all_reduce_max(self, values: list[int]) -> list[int]:
         return list(values)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        return None  # the only rank's tensor is already every rank's
 
 
 class _Done:

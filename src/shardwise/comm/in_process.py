@@ -107,6 +107,16 @@ class ThreadedRank(Communicator):
         self._count(8 * len(values))  # a reduction delivers one vector, whatever the world
         return [max(column) for column in zip(*everyone)]
 
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        if self._rank == 0:
+            self.world.calls.append("broadcast")
+        self.world.slots[self._rank] = tensor
+        self.world.barrier.wait()
+        if self._rank != src:  # copied before the sender goes on and reuses its tensor
+            tensor.copy_(self.world.slots[src])
+            self._count(tensor.numel() * tensor.element_size())
+        self.world.barrier.wait()
+
     def all_to_all_single(
         self,
         output: torch.Tensor,

@@ -64,6 +64,7 @@ _COMM = (
     "all_to_all_single",
     "all_to_all_object",
     "all_reduce_max",
+    "broadcast",
 )
 
 SHAPE = (8, 6)
@@ -184,6 +185,8 @@ def _call(entry: str, rank: int, folder: str) -> None:
         state["opt"] = state["opt"].state_dict()  # the same values, as a plain dict
         swc.load(state, str(root / "ckpt"))
         state["opt"] = _Opt(state["opt"]["lr"])
+    elif entry == "swc.load(broadcast)":
+        swc.load(state, str(root / "ckpt"), broadcast_replicated=True)
     elif entry == "swc.load(stock)":
         swc.load(state, _stock(folder))
     elif entry == "dcp.load+Reader":
@@ -252,6 +255,14 @@ PINNED: dict[str, dict[str, int]] = {
     # fit, read verdict), then the call's agreement after the Stateful's load_state_dict
     "swc.load": {"dist.all_reduce": 4, "comm.all_reduce_max": 4},
     "swc.load(no Stateful)": {"dist.all_reduce": 3, "comm.all_reduce_max": 3},
+    # the same, values every rank loads whole read once and broadcast (engine.replicated):
+    # "b" and the Stateful's "m", one reader each, one broadcast each
+    "swc.load(broadcast)": {
+        "dist.all_reduce": 4,
+        "comm.all_reduce_max": 4,
+        "comm.broadcast": 2,
+        "dist.broadcast": 2,
+    },
     # one load path for every checkpoint: a stock one (here with a Stateful) costs what
     # a shardwise one does
     "swc.load(stock)": {"dist.all_reduce": 4, "comm.all_reduce_max": 4},

@@ -48,6 +48,7 @@ def load(
     trust_objects: bool = False,
     extension_registry: Any = None,
     staging_bytes: int | None = None,
+    broadcast_replicated: bool | None = None,
 ) -> LoadInfo:
     """Fill `state_dict`'s tensors and objects in place from `path`. Collective.
 
@@ -76,6 +77,12 @@ def load(
     CUDA targets are filled through at most `staging_bytes` of pinned host memory
     per rank (as `save`), reads overlapping the copies to the device on a side
     stream; when `load` returns, the copies are done.
+    Values every rank loads whole (plain tensors, replicated DTensors and
+    ShardedTensors, on the CPU) can be read by one rank each and broadcast to
+    the others, so their bytes leave the storage once instead of once per rank:
+    `broadcast_replicated=None` does so when reading from an object store or
+    when the ranks span several hosts (a shared file system), `True` always,
+    `False` never. It applies only when every rank loads the same such values.
     Returns a `LoadInfo` (its `bytes_read` says what this rank read).
 
     Collective: three fixed-size `all_reduce` per rank, whatever the number of
@@ -98,8 +105,8 @@ def load(
     call = agreement(
         process_group,
         (
-            "load path, strict, cast_dtype and trust_objects",
-            (where, strict, cast_dtype, trust_objects),
+            "load path, strict, cast_dtype, trust_objects and broadcast_replicated",
+            (where, strict, cast_dtype, trust_objects, broadcast_replicated),
         ),
     )
     # the one exchange at the edge: raises either problem everywhere, one route for all
@@ -116,7 +123,7 @@ def load(
             verify,
             cast_dtype,
             trust_objects,
-            (extension_registry, budget),
+            (extension_registry, budget, broadcast_replicated),
         )
 
     if by_key:
@@ -154,10 +161,10 @@ def _load_adapted(
     verify: bool,
     cast_dtype: bool,
     trust_objects: bool,
-    reading: tuple[Any, int],
+    reading: tuple[Any, int, bool | None],
 ) -> tuple[int, Manifest | None]:
-    """The engine's load; `reading`: (extension registry, staging budget)."""
-    extension_registry, budget = reading
+    """The engine's load; `reading`: (extension registry, staging budget, broadcast)."""
+    extension_registry, budget, broadcast = reading
     with gc_paused():
         return load_state(
             state_dict,
@@ -169,6 +176,7 @@ def _load_adapted(
             trust_objects=trust_objects,
             extension_registry=extension_registry,
             staging_bytes=budget,
+            broadcast=broadcast,
         )
 
 

@@ -8,6 +8,9 @@ rank is raised on all. `swc.load` makes one before them (`api.edge.agree_route`:
 the folder opens on every rank, the Megatron route, the adapted values) and,
 when the state holds a `Stateful`, one after its `load_state_dict()`: three per
 rank, four with a `Stateful`. Pinned by tests/checkpoint/api/test_collective_counts.py.
+Values every rank loads whole may instead be read by one rank each and broadcast
+(`replicated`): the first verdict carries that decision, and each broadcast is
+one more collective, made only then.
 
 In between each rank plans and reads alone — there is nothing to coordinate. It
 reads the checkpoint's records once (`StoredView`: `shardwise.json`, or DCP's
@@ -39,6 +42,7 @@ from ..format.manifest import Manifest
 from ..format.objects import load_object
 from ..io.read_executor import ReadExecutor
 from ..io.read_requests import ChunkRead, RecordRead
+from . import replicated
 from .inventory import Piece, pieces_of
 from .item_reads import planned_reads
 from .stored_view import StoredBox, StoredView
@@ -57,25 +61,38 @@ def load_state(
     trust_objects: bool = False,
     extension_registry: ExtensionRegistry | None = None,
     staging_bytes: int | None = None,
+    broadcast: bool | None = None,
 ) -> tuple[int, Manifest | None]:
     """Fill `state_dict` (values already adapted) from the checkpoint at `path`.
     Collective. Returns the bytes this rank read and the manifest it followed (None:
     it followed DCP's `.metadata`). Objects unpickle by `objects.load_object`'s rules
-    (`trust_objects`); `extension_registry` decodes stream extensions."""
+    (`trust_objects`); `extension_registry` decodes stream extensions. `broadcast`:
+    whether values every rank loads whole are read once and broadcast (`replicated`;
+    None: where that pays)."""
     folder = open_folder(path)
     flat, mappings = flatten_state_dict(state_dict)
     problem: BaseException | None = None
     view: StoredView | None = None
+    shared: dict[str, torch.Tensor] = {}
+    values: list[replicated.Value] = []
     try:
         view = StoredView.read(folder, agreement.rank)
         found = mismatches(flat, view, strict, cast_dtype)
         if found:
             problem = CheckpointMismatchError(f"{folder}: " + "; ".join(found))
+        elif broadcast is not False and agreement.world_size > 1:
+            shared = replicated.candidates(flat, view)
+            values = replicated.placed(view, shared)
     except (ShardwiseError, OSError, ValueError, pickle.UnpicklingError) as e:
         problem = e
     agreement.defer(problem)
-    agreement.verdict()
+    agreed = agreement.agree(replicated.words(values, view))  # the targets-fit verdict
     assert view is not None
+    batches: list[replicated.Batch] = []
+    if replicated.wanted(agreed, values, broadcast, folder):
+        batches = replicated.schedule(values, agreement.world_size)
+        sent = {k for b in batches if b.reader != agreement.rank for k in b.keys}
+        flat = {k: v for k, v in flat.items() if k not in sent}  # another rank reads those
     objects: dict[str, Any] = {}
     executor = ReadExecutor(
         folder, verify=verify, registry=extension_registry, staging_bytes=staging_bytes
@@ -85,6 +102,7 @@ def load_state(
         executor.run(_plan(flat, view, objects, trust_objects))
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
+    replicated.send(agreement.comm, batches, shared)  # every rank, whatever it read
     agreement.defer(problem)
     agreement.verdict()
     for key, value in objects.items():

@@ -1,0 +1,181 @@
+"""Values every rank loads whole: read by one rank and broadcast to the others.
+
+A replicated value (a plain tensor, a `Replicate` DTensor, a ShardedTensor every
+rank holds whole) is loaded whole by every rank. Read by all of them, its bytes
+leave the storage W times: on an object store W requests and W × its bytes,
+on a file system shared by several hosts W × its bytes over that system's
+network (pytorch/pytorch#193909). So when every rank of a load names the same
+such values, each is read by one rank and broadcast to the others.
+
+Deciding costs no exchange: each rank lists the values it would share (key,
+byte size, where the checkpoint stores it: `placed`) and hashes that list, with
+the checkpoint's save id, and its host name; the load's first verdict carries
+the hashes (`words`: one `all_reduce` it makes anyway). Equal hashes on every
+rank mean every rank loads the same values whole; only then, and only where it
+pays (`wanted`), is anything broadcast. Every rank then computes the same
+schedule alone (`schedule`): the values in storage order cut into consecutive
+runs of about S / W bytes, one per reader, so a reader's values lie side by
+side in one or two files and its reads merge into a few ranges (an object
+store: a few ranged GETs, not one per value); each reader's values go out in
+batches of at most `BATCH` bytes (a larger value alone), one `broadcast` per
+batch, straight from and into the targets when a batch is one value.
+
+Per rank, for R shared values of S bytes: O(R log R) to schedule (the sections
+of those R values read, as the rank would read them to load them itself); about
+S / W bytes read from storage (plus at most one value: values stay whole),
+S less its own share received, one broadcast per batch (at least one per
+reader with work, at most min(R, W) + S / `BATCH` of them).
+
+Only CPU targets of the stored dtype, contiguous, take part: a device target
+reads its own bytes (its broadcast would belong on the device's own backend).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections import defaultdict
+from typing import Any, NamedTuple
+
+import torch
+
+from ...comm.agreement import digest
+from ...comm.communicator import Communicator
+from ...storage import Folder
+from .inventory import pieces_of
+from .stored_view import StoredView
+
+__all__ = ["BATCH", "Batch", "Value", "candidates", "placed", "schedule", "send", "wanted", "words"]
+
+BATCH = 64 << 20  # bytes a rank packs and receives per broadcast of several values
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class Value(NamedTuple):
+    """A value to share: its key, byte size, and where its bytes start in storage."""
+
+    key: str
+    nbytes: int
+    file: str
+    offset: int
+
+
+class Batch(NamedTuple):
+    """Values one reader sends in one broadcast, in this order."""
+
+    reader: int
+    keys: tuple[str, ...]
+    nbytes: int
+
+
+def candidates(flat: dict[str, Any], view: StoredView) -> dict[str, torch.Tensor]:
+    """The targets this rank loads whole that a broadcast can fill: a shardwise
+    checkpoint's tensor, one piece that is the whole of it, on the CPU, contiguous,
+    of the stored dtype (a cast or a device target reads its own bytes)."""
+    found: dict[str, torch.Tensor] = {}
+    if view.manifest is None:
+        return found
+    for key, value in flat.items():
+        stored = view.tensor(key) if isinstance(value, torch.Tensor) else None
+        if stored is None:
+            continue
+        pieces = pieces_of(value)
+        if pieces is None or len(pieces) != 1:
+            continue
+        tensor, offsets, sizes = pieces[0]
+        if (
+            type(tensor) in _PLAIN
+            and sizes == stored[0]
+            and not any(offsets)
+            and tensor.dtype == stored[1]
+            and tensor.device.type == "cpu"
+            and tensor.is_contiguous()
+            and tensor.numel() > 0
+        ):
+            found[key] = tensor
+    return found
+
+
+def placed(view: StoredView, shared: dict[str, torch.Tensor]) -> list[Value]:
+    """The `shared` values with where the checkpoint stores them (their first chunk),
+    in storage order."""
+    values = []
+    for key, stored in view.stored_chunks(sorted(shared), []):
+        t = shared[key]
+        infos = [view.storage(key, c[2]) for c in stored.covering((0,) * t.dim(), tuple(t.shape))]
+        file, offset = min((i.relative_path, i.offset) for i in infos)
+        values.append(Value(key, t.numel() * t.element_size(), file, offset))
+    return sorted(values, key=lambda v: (v.file, v.offset, v.key))
+
+
+def words(values: list[Value], view: StoredView | None) -> list[int]:
+    """What the load's first verdict carries for this: [hash, -hash] of the values
+    to share (the maximum of both is each other's negation only when every rank's
+    is the same), then [host, -host] likewise (one host or several)."""
+    save_id = view.manifest.storage_meta.get("save_id") if view and view.manifest else None
+    mine, host = digest((save_id, values)), digest(socket.gethostname())
+    return [mine, -mine, host, -host]
+
+
+def wanted(agreed: list[int], values: list[Value], broadcast: bool | None, folder: Folder) -> bool:
+    """Whether to broadcast, from the verdict's maxima of every rank's `words`: every
+    rank shares the same values, and `broadcast` says so or, when None, the bytes
+    come from an object store or the ranks span several hosts."""
+    if not values or agreed[0] != -agreed[1] or broadcast is False:
+        return False
+    return broadcast is True or folder.wants_prefetch or agreed[2] != -agreed[3]
+
+
+def schedule(values: list[Value], world: int, batch: int | None = None) -> list[Batch]:
+    """Who reads which value and the broadcasts that send them, the same on every
+    rank given the same `values` (in storage order): min(R, W) readers spread over
+    the ranks, reader j taking the values whose middle byte falls in the j-th of
+    equal slices of all S bytes (consecutive values, about S / readers bytes each);
+    each reader's values in batches of at most `batch` bytes (`BATCH`), a larger
+    value alone."""
+    limit = BATCH if batch is None else batch
+    total = sum(v.nbytes for v in values)
+    readers = min(len(values), world)
+    owned: dict[int, list[Value]] = defaultdict(list)
+    at = 0
+    for v in values:
+        slot = min(readers - 1, (2 * at + v.nbytes) * readers // (2 * total))
+        owned[slot * world // readers].append(v)
+        at += v.nbytes
+    batches: list[Batch] = []
+    for reader in sorted(owned):
+        keys: list[str] = []
+        size = 0
+        for v in owned[reader]:
+            if keys and size + v.nbytes > limit:
+                batches.append(Batch(reader, tuple(keys), size))
+                keys, size = [], 0
+            keys.append(v.key)
+            size += v.nbytes
+        batches.append(Batch(reader, tuple(keys), size))
+    return batches
+
+
+def send(comm: Communicator, batches: list[Batch], targets: dict[str, torch.Tensor]) -> None:
+    """Run `batches`: each reader's targets (already read) into every other rank's.
+    Every rank calls every broadcast, whatever its reads found: a reader that failed
+    sends what it holds, and the load's verdict raises its problem everywhere."""
+    rank = comm.rank
+    for reader, keys, nbytes in batches:
+        views = [_bytes(targets[key]) for key in keys]
+        if len(views) == 1:
+            comm.broadcast(views[0], reader)
+            continue
+        flat = torch.empty(nbytes, dtype=torch.uint8)
+        if rank == reader:
+            torch.cat(views, out=flat)
+        comm.broadcast(flat, reader)
+        if rank != reader:
+            at = 0
+            for view in views:
+                view.copy_(flat[at : at + view.numel()])
+                at += view.numel()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as flat bytes (a view: writes land in `t`)."""
+    return t.detach().reshape(-1).view(torch.uint8)
