@@ -113,7 +113,9 @@ class ThreadedRank(Communicator):
         self.world.slots[self._rank] = tensor
         self.world.barrier.wait()
         if self._rank != src:  # copied before the sender goes on and reuses its tensor
-            tensor.copy_(self.world.slots[src])
+            theirs = self.world.slots[src]
+            assert (theirs.shape, theirs.dtype) == (tensor.shape, tensor.dtype), "unlike tensors"
+            tensor.copy_(theirs)
             self._count(tensor.numel() * tensor.element_size())
         self.world.barrier.wait()
 

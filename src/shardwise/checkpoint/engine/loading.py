@@ -86,24 +86,24 @@ def load_state(
     except (ShardwiseError, OSError, ValueError, pickle.UnpicklingError) as e:
         problem = e
     agreement.defer(problem)
-    agreed = agreement.agree(replicated.words(values, view))  # the targets-fit verdict
+    agreed = agreement.agree(replicated.words(values, view, verify))  # the targets-fit verdict
     assert view is not None
     batches: list[replicated.Batch] = []
+    sent: set[str] = set()  # values another rank reads and sends this one
     if replicated.wanted(agreed, values, broadcast, folder):
         batches = replicated.schedule(values, agreement.world_size)
         sent = {k for b in batches if b.reader != agreement.rank for k in b.keys}
-        flat = {k: v for k, v in flat.items() if k not in sent}  # another rank reads those
     objects: dict[str, Any] = {}
     executor = ReadExecutor(
         folder, verify=verify, registry=extension_registry, staging_bytes=staging_bytes
     )
     problem = None
     try:
-        executor.run(_plan(flat, view, objects, trust_objects))
+        executor.run(_plan(flat, view, objects, trust_objects, sent))
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
-    replicated.send(agreement.comm, batches, shared)  # every rank, whatever it read
     agreement.defer(problem)
+    agreement.defer(replicated.send(agreement.comm, batches, shared))  # whatever it read
     agreement.verdict()
     for key, value in objects.items():
         set_element(state_dict, mappings[key], value)
@@ -111,11 +111,18 @@ def load_state(
 
 
 def _plan(
-    flat: dict[str, Any], view: StoredView, objects: dict[str, Any], trust: bool
+    flat: dict[str, Any],
+    view: StoredView,
+    objects: dict[str, Any],
+    trust: bool,
+    sent: set[str],
 ) -> list[ChunkRead | RecordRead]:
     """This rank's reads: objects (unpickled into `objects`), the stored chunks its
     pieces overlap (from a version 4 index: only its tensors' sections, only the rows
-    it reads), and DCP's own plan for values only DCP knows how to fill."""
+    it reads), and DCP's own plan for values only DCP knows how to fill. The values
+    in `sent` are not read (another rank sends them) but their rows are checked with
+    the rest, as if read: a row that claims another's bytes is refused on every rank
+    that loads it, read or sent."""
     reads: list[ChunkRead | RecordRead] = []
     by_dcp: dict[str, Any] = {}
     held: dict[str, list[Piece]] = {}
@@ -136,6 +143,10 @@ def _plan(
         if pieces:
             held[key] = pieces
     for key, stored in view.stored_chunks(list(held), stored_objects):
+        if key in sent:
+            for piece in held[key]:
+                stored.covering(piece.offsets, piece.sizes)  # checked, not read
+            continue
         dtype = view.tensor(key)[1]  # type: ignore[index]  # a stored tensor
         for piece in held[key]:
             found = stored.covering(piece.offsets, piece.sizes)

@@ -8,9 +8,9 @@ network (pytorch/pytorch#193909). So when every rank of a load names the same
 such values, each is read by one rank and broadcast to the others.
 
 Deciding costs no exchange: each rank lists the values it would share (key,
-byte size, where the checkpoint stores it: `placed`) and hashes that list, with
-the checkpoint's save id, and its host name; the load's first verdict carries
-the hashes (`words`: one `all_reduce` it makes anyway). Equal hashes on every
+byte size, where the checkpoint stores it: `placed`) and hashes that list with
+the checkpoint's save id and whether it verifies, and hashes its host; the
+load's first verdict carries both (`words`: one `all_reduce` it makes anyway). Equal hashes on every
 rank mean every rank loads the same values whole; only then, and only where it
 pays (`wanted`), is anything broadcast. Every rank then computes the same
 schedule alone (`schedule`): the values in storage order cut into consecutive
@@ -26,12 +26,16 @@ S / W bytes read from storage (plus at most one value: values stay whole),
 S less its own share received, one broadcast per batch (at least one per
 reader with work, at most min(R, W) + S / `BATCH` of them).
 
-Only CPU targets of the stored dtype, contiguous, take part: a device target
-reads its own bytes (its broadcast would belong on the device's own backend).
+Only CPU targets of the stored dtype with plain contiguous bytes take part: a
+device target reads its own bytes (its broadcast would belong on the device's
+own backend). A rank that is sent a value still checks its stored rows with the
+rows it reads (`loading._plan`), as if it read them: a crafted index cannot pass
+one rank's checks by splitting its rows between readers.
 """
 
 from __future__ import annotations
 
+import itertools
 import socket
 from collections import defaultdict
 from typing import Any, NamedTuple
@@ -40,6 +44,7 @@ import torch
 
 from ...comm.agreement import digest
 from ...comm.communicator import Communicator
+from ...errors import InvalidArgumentError
 from ...storage import Folder
 from .inventory import pieces_of
 from .stored_view import StoredView
@@ -88,7 +93,9 @@ def candidates(flat: dict[str, Any], view: StoredView) -> dict[str, torch.Tensor
             and not any(offsets)
             and tensor.dtype == stored[1]
             and tensor.device.type == "cpu"
+            and tensor.layout == torch.strided  # not mkldnn or sparse: bytes to view
             and tensor.is_contiguous()
+            and not (tensor.is_conj() or tensor.is_neg())  # lazy views: no plain bytes
             and tensor.numel() > 0
         ):
             found[key] = tensor
@@ -97,9 +104,12 @@ def candidates(flat: dict[str, Any], view: StoredView) -> dict[str, torch.Tensor
 
 def placed(view: StoredView, shared: dict[str, torch.Tensor]) -> list[Value]:
     """The `shared` values with where the checkpoint stores them (their first chunk),
-    in storage order."""
+    in storage order. Their rows' byte ranges are checked where the load plans
+    (`loading._plan`, on every rank, read or sent): here the places only order the
+    values, so the sections are taken without that check's listing of the folder."""
     values = []
-    for key, stored in view.stored_chunks(sorted(shared), []):
+    keys = sorted(shared)
+    for key, stored in itertools.islice(view.stored_chunks(keys, []), len(keys)):
         t = shared[key]
         infos = [view.storage(key, c[2]) for c in stored.covering((0,) * t.dim(), tuple(t.shape))]
         file, offset = min((i.relative_path, i.offset) for i in infos)
@@ -107,13 +117,24 @@ def placed(view: StoredView, shared: dict[str, torch.Tensor]) -> list[Value]:
     return sorted(values, key=lambda v: (v.file, v.offset, v.key))
 
 
-def words(values: list[Value], view: StoredView | None) -> list[int]:
+def words(values: list[Value], view: StoredView | None, verify: bool) -> list[int]:
     """What the load's first verdict carries for this: [hash, -hash] of the values
-    to share (the maximum of both is each other's negation only when every rank's
-    is the same), then [host, -host] likewise (one host or several)."""
+    to share and whether they are verified (the maximum of both is each other's
+    negation only when every rank's is the same: a rank that verifies is never sent
+    bytes another read unverified), then [host, -host] likewise (one host or several)."""
     save_id = view.manifest.storage_meta.get("save_id") if view and view.manifest else None
-    mine, host = digest((save_id, values)), digest(socket.gethostname())
+    mine, host = digest((save_id, verify, values)), digest(_host())
     return [mine, -mine, host, -host]
+
+
+def _host() -> tuple[str, str]:
+    """This machine: its name and boot id (containers on two hosts may share a name)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:  # not Linux
+        boot = ""
+    return socket.gethostname(), boot
 
 
 def wanted(agreed: list[int], values: list[Value], broadcast: bool | None, folder: Folder) -> bool:
@@ -155,13 +176,22 @@ def schedule(values: list[Value], world: int, batch: int | None = None) -> list[
     return batches
 
 
-def send(comm: Communicator, batches: list[Batch], targets: dict[str, torch.Tensor]) -> None:
-    """Run `batches`: each reader's targets (already read) into every other rank's.
-    Every rank calls every broadcast, whatever its reads found: a reader that failed
-    sends what it holds, and the load's verdict raises its problem everywhere."""
-    rank = comm.rank
+def send(
+    comm: Communicator, batches: list[Batch], targets: dict[str, torch.Tensor]
+) -> BaseException | None:
+    """Run `batches`: each reader's targets (already read) into every other rank's;
+    the first problem, for the load's verdict. Every rank calls every broadcast,
+    whatever its reads found or its targets allow: a reader that failed sends what
+    it holds, a target that cannot take bytes takes them in scratch, and the
+    verdict raises the problem everywhere."""
+    rank, problem = comm.rank, None
     for reader, keys, nbytes in batches:
-        views = [_bytes(targets[key]) for key in keys]
+        try:
+            views = [_bytes(targets[key]) for key in keys]
+        except RuntimeError as e:  # never a skipped broadcast: the others would wait
+            problem = problem or InvalidArgumentError(f"cannot fill {keys}: {e}")
+            comm.broadcast(torch.zeros(nbytes, dtype=torch.uint8), reader)
+            continue
         if len(views) == 1:
             comm.broadcast(views[0], reader)
             continue
@@ -174,6 +204,7 @@ def send(comm: Communicator, batches: list[Batch], targets: dict[str, torch.Tens
             for view in views:
                 view.copy_(flat[at : at + view.numel()])
                 at += view.numel()
+    return problem
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
