@@ -31,8 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the modules beside this file
 
+from scale_curve import print_curve  # noqa: E402
 from scale_processes import run_processes  # noqa: E402
-from scale_threads import PHASES, print_curve, run_threads  # noqa: E402
+from scale_threads import PHASES, run_threads  # noqa: E402
 
 from shardwise.cli.sizes import format_size  # noqa: E402
 
@@ -47,7 +48,13 @@ def _targets(
     at = f"{fsdp['world']}x{fsdp['tensors']}"
     rows = [
         (
-            f"{at}: first save, slowest rank's CPU",
+            f"{at}: first save, slowest rank's planning CPU",
+            "<= 0.5 s",
+            f"{save['plan_max_s']:.3f} s",
+            save["plan_max_s"] <= 0.5,
+        ),
+        (
+            f"{at}: first save, slowest rank's CPU, whole save",
             "<= 0.5 s",
             f"{save['cpu_max_s']:.3f} s",
             save["cpu_max_s"] <= 0.5,
@@ -77,7 +84,13 @@ def _targets(
     if again is not None:
         rows += [
             (
-                f"{at}: repeated save, slowest rank's CPU",
+                f"{at}: repeated save, slowest rank's planning CPU",
+                "<= 50 ms",
+                f"{again['plan_max_s'] * 1000:.1f} ms",
+                again["plan_max_s"] <= 0.05,
+            ),
+            (
+                f"{at}: repeated save, slowest rank's CPU, whole save",
                 "<= 50 ms",
                 f"{again['cpu_max_s'] * 1000:.1f} ms",
                 again["cpu_max_s"] <= 0.05,

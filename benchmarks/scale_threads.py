@@ -42,16 +42,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the modules beside this file
 
+import plan_clock  # noqa: E402
+from scale_curve import print_curve  # noqa: E402
 from scale_states import Spec, build, check, fsdp, targets, torchrec  # noqa: E402
 from scale_stock import stock_load, stock_save  # noqa: E402
 
 from shardwise.checkpoint.engine.loading import load_state  # noqa: E402
 from shardwise.checkpoint.engine.saving import save_state  # noqa: E402
-from shardwise.cli.sizes import format_size  # noqa: E402
 from shardwise.comm.agreement import Agreement  # noqa: E402
 from shardwise.comm.in_process import ThreadedRank, ThreadedWorld  # noqa: E402
 
-__all__ = ["PHASES", "print_curve", "run_threads"]
+__all__ = ["PHASES", "run_threads"]
 
 PHASES = ("save", "save_again", "load", "reshard_load")
 _TIMEOUT = 1800.0  # seconds a collective waits for the slowest of 1,024 threads
@@ -80,12 +81,14 @@ def _reset_peak() -> int:
 
 
 def _phase(world: ThreadedWorld, fn: Callable[[ThreadedRank], Any]) -> dict[str, float]:
-    """Run `fn` on every rank once; what each rank spent and received."""
+    """Run `fn` on every rank once; what each rank spent (a save: its planning share
+    too, `plan_clock`) and received."""
 
-    def timed(comm: ThreadedRank) -> float:
+    def timed(comm: ThreadedRank) -> tuple[float, float]:
         start = time.thread_time()
+        plan_clock.begin()
         fn(comm)
-        return time.thread_time() - start
+        return time.thread_time() - start, plan_clock.planned()
 
     gc.collect()
     gc.freeze()
@@ -94,22 +97,26 @@ def _phase(world: ThreadedWorld, fn: Callable[[ThreadedRank], Any]) -> dict[str,
     rss = _reset_peak()
     start, cpu = time.perf_counter(), time.process_time()
     try:
-        out = world.run(timed)
+        with plan_clock.clocked():
+            both = world.run(timed)
     finally:
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         gc.enable()
         gc.unfreeze()
     peak = _status("VmHWM")
-    failed = [(r, e) for r, e in enumerate(out) if isinstance(e, BaseException)]
+    failed = [(r, e) for r, e in enumerate(both) if isinstance(e, BaseException)]
     if failed:
         rank, error = failed[0]
         raise RuntimeError(f"{len(failed)} ranks failed; rank {rank}: {error!r}") from error
+    out, plans = [cpu for cpu, _plan in both], [plan for _cpu, plan in both]
     got = [after - before for after, before in zip(world.received, received)]
     return {
         "cpu_max_s": max(out),
         "cpu_max_rank": out.index(max(out)),
         "cpu_median_s": statistics.median(out),
         "cpu_rank0_s": out[0],
+        "plan_max_s": max(plans),  # a load's: meaningless (it writes nothing)
+        "plan_median_s": statistics.median(plans),
         "recv_max": max(got),
         "recv_rank0": got[0],
         "recv_median": statistics.median(got),
@@ -215,64 +222,6 @@ def run_threads(
         "index_files": index,
         "bit_exact": [p for p in ("load", "reshard_load") if "cpu_max_s" in done.get(p, {})],
     }
-
-
-_HEADER = (
-    "kind W x N",
-    "phase",
-    *("cpu max", "cpu med", "cpu r0", "recv max", "recv med", "recv r0", "calls", "wall"),
-    *("proc/rank", "rss/rank", "|stk local", "stk coord", "stk r0", "stk recv"),
-)
-_LEGEND = (
-    "cpu: a rank's own thread CPU seconds; proc/rank: process CPU / W; recv: bytes a rank "
-    "received; stk local: stock create_local_plan (save) or create_default_local_load_plan "
-    "(load), slowest rank; stk coord: stock create_global_plan; stk r0 / recv: pickled "
-    "plans rank 0 gathers / a rank receives (load: the whole .metadata)"
-)
-
-
-def _row(cells: Sequence[str]) -> str:
-    return f"{cells[0]:<18} {cells[1]:<12} " + " ".join(f"{c:>10}" for c in cells[2:])
-
-
-def _cells(sw: dict[str, float], st: dict[str, float]) -> list[str]:
-    seconds = [f"{sw[k]:.3f}" for k in ("cpu_max_s", "cpu_median_s", "cpu_rank0_s")]
-    received = [format_size(sw[k]) for k in ("recv_max", "recv_median", "recv_rank0")]
-    stock = [
-        f"{st['local_max_s']:.3f}" if st else "-",
-        f"{st['global_s']:.3f}" if "global_s" in st else "-",
-        format_size(st["recv_rank0"]) if "recv_rank0" in st else "-",
-        format_size(st["recv_max"]) if st else "-",
-    ]
-    return [
-        *seconds,
-        *received,
-        str(sw["collectives"]),
-        f"{sw['wall_s']:.1f}",
-        f"{sw['process_cpu_per_rank_s']:.3f}",
-        format_size(sw["rss_per_rank"]),
-        *stock,
-    ]
-
-
-def print_curve(results: list[dict]) -> None:
-    """One row per run and phase: shardwise's per-rank figures, then stock's planning."""
-    print(_row(_HEADER))
-    for res in results:
-        name = f"{res['kind']} {res['world']}x{res['tensors']}"
-        for phase in [p for p in PHASES if p in res["phases"]]:
-            sw = res["phases"][phase]
-            cells = [sw["error"]] if "error" in sw else _cells(sw, res["stock"].get(phase, {}))
-            print(_row([name, phase, *cells]))
-        slowest = {p: f.get("cpu_max_rank") for p, f in res["phases"].items()}
-        print(f"  {name}: slowest rank per phase {slowest}")
-        coord = res["stock"]["save"]["global_s"] / max(res["phases"]["save"]["cpu_rank0_s"], 1e-9)
-        index = format_size(sum(res["index_files"].values()))
-        print(
-            f"  {name}: stock create_global_plan / shardwise rank-0 CPU, first save: "
-            f"{coord:.1f}x; index files {index} ({', '.join(sorted(res['index_files']))})"
-        )
-    print(_LEGEND)
 
 
 def main(argv: list[str] | None = None) -> int:
