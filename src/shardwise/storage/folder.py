@@ -208,12 +208,13 @@ class Folder(ABC):
         as a leftover of ours), durable; returns that name, for `replace`."""
         return self.write_new(temporary_name(name), data, sync=sync)
 
-    def write_new(self, name: str, data: bytes, *, sync: bool = True) -> str:
-        """A new file `name` (`create`: never an existing file's) holding `data`, or
-        nothing if writing fails; returns its name."""
+    def write_new(self, name: str, data: bytes | list[bytes], *, sync: bool = True) -> str:
+        """A new file `name` (`create`: never an existing file's) holding `data` (bytes,
+        or buffers written one after the other), or nothing if writing fails; returns
+        its name."""
         sink = self.create(name)
         try:
-            sink.write([data])
+            sink.write(data if isinstance(data, list) else [data])
             sink.close(sync=sync)
         except BaseException:
             sink.abort()

@@ -158,7 +158,7 @@ def test_a_part_cut_short_is_refused_naming_it(tmp_path: Path) -> None:
     _, owners = _split()
     folder = open_folder(tmp_path)
     name = part_name(TOKEN, 1)
-    write_part(folder, TOKEN, 1, owners[1].part({"step": ("step",)}, 1)[:-3])
+    write_part(folder, TOKEN, 1, [b"".join(owners[1].part({"step": ("step",)}, 1))[:-3]])
     frame = SaveRecords(2, META, {}).draft()
     frame.set_planner_data({})
     for rank in (0, 2, 3):

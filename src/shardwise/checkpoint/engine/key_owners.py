@@ -97,6 +97,7 @@ def plan_by_owners(
         for r, (_n, theirs) in enumerate(received):
             at = {e[0]: i for i, e in enumerate(theirs)}
             replies.append(([(at[key], index) for key, index in plan.writes[r]], plan.problems))
+        plan.writes.clear()  # replied: the plan this rank keeps (`plan_cache`) needs them no more
     except Exception as e:  # noqa: BLE001 - raised on every rank by the route below
         agreement.defer(e)
     back = agreement.route(replies)

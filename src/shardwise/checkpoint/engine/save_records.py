@@ -99,7 +99,7 @@ class SaveRecords:
         )
         return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
 
-    def part(self, planner_data: dict[str, Any], block: int) -> bytes:
+    def part(self, planner_data: dict[str, Any], block: int) -> list[bytes]:
         """These entries (an owner's keys) and their `planner_data` as a part of a
         collective save's records (`format.record_parts`), their chunk sections as
         block `block` of its index."""

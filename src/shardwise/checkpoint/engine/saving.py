@@ -206,6 +206,7 @@ def _save_leased(
             )
             crcs = {e[0]: e[5][1] for e in entries if e[2] is None}
             reports = reports_for(mine, placed, checksums, crcs)
+            del values, checksums  # written and reported: held no longer (100,000 tensors)
         else:
             staged()  # this rank writes nothing: the state is not read again
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
@@ -213,10 +214,13 @@ def _save_leased(
     agreement.defer(problem)
     meta = StorageMeta(checkpoint_id=path.checkpoint_id, save_id=save_id)
     received = agreement.route(reports)
+    del reports
     problem = None
     try:
         records = owned_records(kept.owned, received, token, meta)
+        del received  # in `records` now
         write_part(path, token, rank, records.part(kept.owned.mappings, rank))
+        del records
     except Exception as e:  # noqa: BLE001 - raised on every rank by the verdict
         problem = e
     agreement.defer(problem)

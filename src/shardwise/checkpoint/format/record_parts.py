@@ -90,10 +90,11 @@ def manifest_sections(manifest: Manifest, planner_data: dict[str, Any]) -> list[
     return [json.dumps(m, separators=(",", ":"))[1:-1].encode() for m in members]
 
 
-def encode_part(sections: list[bytes]) -> bytes:
-    """One part file: the sections' lengths, then the sections."""
+def encode_part(sections: list[bytes]) -> list[bytes]:
+    """One part file's bytes, in order: the sections' lengths, then the sections (a
+    list, written as it is: joined, a part would be held twice at its largest)."""
     assert len(sections) == SECTIONS
-    return _HEADER.pack(*map(len, sections)) + b"".join(sections)
+    return [_HEADER.pack(*map(len, sections)), *sections]
 
 
 def section_spans(header: bytes, size: int, where: str) -> list[tuple[int, int]]:

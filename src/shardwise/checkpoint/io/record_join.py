@@ -47,7 +47,7 @@ def part_name(token: str, rank: int) -> str:
     return f"{MANIFEST}.sw{tag}.tmp"
 
 
-def write_part(folder: Folder, token: str, rank: int, data: bytes) -> None:
+def write_part(folder: Folder, token: str, rank: int, data: list[bytes]) -> None:
     """`rank`'s part (`SaveRecords.part`): read once by the committing rank, which fails
     the save if it is not whole; never fsynced (the records made from it are)."""
     folder.write_new(part_name(token, rank), data, sync=False)
