@@ -28,9 +28,10 @@ def _row(cells: Sequence[str]) -> str:
     return f"{cells[0]:<18} {cells[1]:<12} " + " ".join(f"{c:>10}" for c in cells[2:])
 
 
-def _cells(sw: dict[str, float], st: dict[str, float]) -> list[str]:
-    keys = ("plan_max_s", "cpu_max_s", "cpu_median_s", "cpu_rank0_s")
-    seconds = [f"{sw[k]:.3f}" for k in keys]
+def _cells(phase: str, sw: dict[str, float], st: dict[str, float]) -> list[str]:
+    keys = ("cpu_max_s", "cpu_median_s", "cpu_rank0_s")
+    plan = f"{sw['plan_max_s']:.3f}" if phase.startswith("save") else "-"  # a load writes nothing
+    seconds = [plan, *(f"{sw[k]:.3f}" for k in keys)]
     received = [format_size(sw[k]) for k in ("recv_max", "recv_median", "recv_rank0")]
     stock = [
         f"{st['local_max_s']:.3f}" if st else "-",
@@ -56,7 +57,9 @@ def print_curve(results: list[dict]) -> None:
         name = f"{res['kind']} {res['world']}x{res['tensors']}"
         for phase in res["phases"]:
             sw = res["phases"][phase]
-            cells = [sw["error"]] if "error" in sw else _cells(sw, res["stock"].get(phase, {}))
+            cells = (
+                [sw["error"]] if "error" in sw else _cells(phase, sw, res["stock"].get(phase, {}))
+            )
             print(_row([name, phase, *cells]))
         slowest = {p: f.get("cpu_max_rank") for p, f in res["phases"].items()}
         print(f"  {name}: slowest rank per phase {slowest}")
