@@ -127,14 +127,14 @@ def words(values: list[Value], view: StoredView | None, verify: bool) -> list[in
     return [mine, -mine, host, -host]
 
 
-def _host() -> tuple[str, str]:
-    """This machine: its name and boot id (containers on two hosts may share a name)."""
+def _host() -> str:
+    """This machine's kernel: its boot id, which containers on one host share (and
+    with it the page cache that makes reading cheap there), else its host name."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
+            return f.read().strip()
     except OSError:  # not Linux
-        boot = ""
-    return socket.gethostname(), boot
+        return socket.gethostname()
 
 
 def wanted(agreed: list[int], values: list[Value], broadcast: bool | None, folder: Folder) -> bool:
