@@ -79,3 +79,25 @@ def test_values_only_dcp_knows_load_through_its_planner_into_the_same_executor(
     assert torch.equal(target["w"].as_subclass(torch.Tensor), FULL)
     assert torch.equal(target["b"], torch.arange(3.0))
     assert info.bytes_read >= FULL.nbytes + 12
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_load_lists_its_folder_once(tmp_path, monkeypatch, where):
+    """On an object store a listing is a request, made by every rank of a load: one."""
+    from shardwise.storage import local, remote
+
+    path = tmp_path / "ck" if where == "local" else f"memory://list-once-{id(tmp_path)}/ck"
+    swc.save({"w": FULL, "b": torch.arange(3.0), "n": 3}, path)
+    kind = local.LocalFolder if where == "local" else remote.FsspecFolder
+    listed = []
+    original = kind.sizes
+
+    def sizes(self: Any) -> dict[str, int]:
+        listed.append(self)
+        return original(self)
+
+    monkeypatch.setattr(kind, "sizes", sizes)
+    target = {"w": torch.zeros(8, 8), "b": torch.zeros(3), "n": 0}
+    swc.load(target, path)
+    assert torch.equal(target["w"], FULL) and target["n"] == 3
+    assert len(listed) == 1

@@ -47,20 +47,26 @@ StoredBox = tuple[tuple[int, ...], tuple[int, ...], Any]
 
 
 def read_records(
-    folder: Folder, rank: int | None = None, *, whole: bool = False
+    folder: Folder,
+    rank: int | None = None,
+    *,
+    whole: bool = False,
+    listing: dict[str, int] | None = None,
 ) -> tuple[Manifest | None, Metadata | None]:
     """(the manifest, None) for a shardwise checkpoint whose manifest is current, else
     (None, DCP's metadata), read safely and checked; `rank`: that rank's own records.
     A version 4 manifest comes without its chunks (a load reads the sections it needs)
-    unless `whole`.
+    unless `whole`. `listing`: the folder's files and sizes, listed once by the caller
+    (on an object store each listing is a request, by every rank of a load).
     Raises `CheckpointNotFoundError` where there is no checkpoint (also where only
     per-rank records are: what `dcp.load` expects before it retries per rank) and
     `IncompleteCheckpointError` where a save never committed."""
     names = RecordNames(rank)
-    present = set(folder.names())
-    if names.manifest in present:
+    listing = folder.sizes() if listing is None else listing
+    present = set(listing)  # plain files: a manifest that is a link is refused by name below
+    if names.manifest in present or names.manifest in folder.names():
         manifest = Manifest.read_head(folder, names.manifest)
-        replaced = manifest.stale(folder, names.metadata)
+        replaced = manifest.stale(folder, names.metadata, listing)
         if replaced is None:
             if manifest.index is None or whole:  # before version 4: every chunk, checked
                 manifest.resolve(folder, names.manifest)
@@ -98,21 +104,28 @@ class StoredView:
         manifest: Manifest | None,
         metadata: Metadata | None,
         name: str = MANIFEST,
+        listing: dict[str, int] | None = None,
     ):
         self.folder = folder
         self.manifest = manifest
         self._metadata = metadata
         self._name = name  # the manifest's, in errors
+        self._listing = listing  # the folder's files and sizes when the records were read
 
     @classmethod
     def read(cls, folder: Folder, rank: int) -> StoredView:
-        """The checkpoint at `folder`; where it holds per-rank records only, `rank`'s own."""
+        """The checkpoint at `folder`; where it holds per-rank records only, `rank`'s own.
+        The folder is listed once for all of it (data files are never rewritten in place:
+        one listing holds for the whole load, which opens each file and checks its size
+        again before reading)."""
+        listing = folder.sizes()
         try:
-            return cls(folder, *read_records(folder))
+            return cls(folder, *read_records(folder, listing=listing), listing=listing)
         except FileNotFoundError:
             if not per_rank_records(folder):
                 raise
-            return cls(folder, *read_records(folder, rank), RecordNames(rank).manifest)
+            records = read_records(folder, rank, listing=listing)
+            return cls(folder, *records, RecordNames(rank).manifest, listing)
 
     def metadata(self) -> Metadata:
         """DCP's `Metadata` of the checkpoint (built from the manifest once, when asked)."""
@@ -158,9 +171,10 @@ class StoredView:
             o = manifest.objects[key]
             check_name(self.folder, key, o.file, where, shardwise=True)
             ranges[(key, -1)] = (key, o.file, o.offset, o.length)
-        for key, table in read_sections(self.folder, manifest.index, wanted, where):
+        listing = self.folder.sizes() if self._listing is None else self._listing
+        for key, table in read_sections(self.folder, manifest.index, wanted, where, listing):
             yield key, _Sectioned(TensorChunks(key, manifest.tensors[key], table, ranges))
-        check_read_ranges(self.folder, ranges, self.folder.sizes())
+        check_read_ranges(self.folder, ranges, listing)
 
     def chunks(self, key: str) -> list[StoredBox]:
         """The stored chunks of tensor `key`: their boxes, and what `storage` turns into

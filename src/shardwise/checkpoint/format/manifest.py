@@ -246,13 +246,15 @@ class Manifest:
         names = {c.file for t in self.tensors.values() for c in t.chunks}
         return names | {o.file for o in self.objects.values()}
 
-    def stale(self, folder: Folder, name: str = METADATA) -> bytes | None:
+    def stale(
+        self, folder: Folder, name: str = METADATA, listing: dict[str, int] | None = None
+    ) -> bytes | None:
         """DCP's record `name` beside this manifest when it is not the one this manifest
         was committed with (stock `dcp.save` replaced the checkpoint in place, or a save
         died between its two records): what stock readers follow. None when it matches,
         or when there is none."""
         if self.version >= 4:  # its size and its last bytes: no rank reads all of it
-            size = folder.sizes().get(name)
+            size = (folder.sizes() if listing is None else listing).get(name)
             if size is None:
                 return None
             file = folder.open(name)

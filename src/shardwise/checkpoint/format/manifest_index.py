@@ -56,10 +56,15 @@ def write_sections(tensors: dict[str, TensorEntry], block: int) -> bytes:
 
 
 def read_sections(
-    folder: Folder, index: IndexRef, tensors: Sequence[tuple[str, TensorEntry]], source: str
+    folder: Folder,
+    index: IndexRef,
+    tensors: Sequence[tuple[str, TensorEntry]],
+    source: str,
+    listing: dict[str, int] | None = None,
 ) -> Iterator[tuple[str, ChunkTable]]:
     """Each of `tensors`' chunk tables, checked, in index order: adjacent sections read
-    together, a window of at most `WINDOW` bytes (or one section) at a time."""
+    together, a window of at most `WINDOW` bytes (or one section) at a time. `listing`:
+    the folder's plain files and sizes, when the caller has listed it already."""
     check_name(folder, "index", index.file, source, shardwise=True)
     where = folder.where(index.file)
     spans = []
@@ -70,7 +75,8 @@ def read_sections(
             raise CorruptCheckpointError(f"{source}: '{key}' names block {block} of its index")
         spans.append((index.blocks[block] + offset, length, count, crc, key, t))
     spans.sort(key=operator.itemgetter(0))
-    size = folder.sizes().get(index.file)  # plain files only: never a link or a folder
+    listing = folder.sizes() if listing is None else listing
+    size = listing.get(index.file)  # plain files only: never a link or a folder
     if size is None:
         raise CorruptCheckpointError(
             f"{source}: index file {where} is missing or not a plain file "
