@@ -89,7 +89,8 @@ def load(
     tensors or the kind of checkpoint (shardwise, stock DCP, per-rank records): the
     edge's one exchange (`agree_route`: the folder opens everywhere, the Megatron
     route, the adapted values), then `loading`'s targets-fit check and read verdict;
-    four when the state holds a `Stateful` (one more after its `load_state_dict()`).
+    four when the state holds a `Stateful` (one more after its `load_state_dict()`);
+    and when replicated values are broadcast, one `broadcast` per batch of them.
     """
     started = time.perf_counter()
     folder, problem = open_target(path, storage_options)
