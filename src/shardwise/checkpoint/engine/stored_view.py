@@ -63,8 +63,10 @@ def read_records(
     `IncompleteCheckpointError` where a save never committed."""
     names = RecordNames(rank)
     listing = folder.sizes() if listing is None else listing
-    present = set(listing)  # plain files: a manifest that is a link is refused by name below
-    if names.manifest in present or names.manifest in folder.names():
+    present = set(listing)  # plain files only
+    if names.manifest not in present:  # every name: a record that is a link is refused by it
+        present = set(folder.names())
+    if names.manifest in present:
         manifest = Manifest.read_head(folder, names.manifest)
         replaced = manifest.stale(folder, names.metadata, listing)
         if replaced is None:
