@@ -424,16 +424,22 @@ def test_one_rank_broadcasts_nothing(tmp_path: Path) -> None:
     assert read >= 4 * 650 and all(torch.equal(target[k], v) for k, v in _four(0).items())
 
 
-def test_a_corrupt_value_packed_with_others_fails_every_rank(tmp_path: Path) -> None:
-    """Two ranks, four values: each reader packs several into one broadcast; "b" is
-    damaged. Every rank raises the same CorruptCheckpointError naming 'b' and its file."""
-    path = tmp_path / "ck"
+def _four_with_b_damaged(path: Path) -> Any:
+    """`_four` saved on 2 ranks at `path`, two bytes of "b"'s payload flipped; its chunk."""
     _save(path, _four, 2)
     (chunk,) = Manifest.read(path).tensors["b"].chunks
     assert chunk.payload is not None
     with open(path / chunk.file, "r+b") as f:
         f.seek(chunk.payload[0] + 9)
         f.write(b"\x13\x37")
+    return chunk
+
+
+def test_a_corrupt_value_packed_with_others_fails_every_rank(tmp_path: Path) -> None:
+    """Two ranks, four values: each reader packs several into one broadcast; "b" is
+    damaged. Every rank raises the same CorruptCheckpointError naming 'b' and its file."""
+    path = tmp_path / "ck"
+    chunk = _four_with_b_damaged(path)
     tw, got = _load(path, lambda r: {k: torch.zeros_like(v) for k, v in _four(0).items()}, 2, True)
     outcomes = [_outcome(r) for r in got]
     assert outcomes[0] == outcomes[1] and outcomes[0][0] == "CorruptCheckpointError"
@@ -448,12 +454,7 @@ def test_a_rank_that_verifies_is_never_sent_unverified_bytes(tmp_path: Path) -> 
     verifying rank refuses "b" and the read verdict raises it on both; a broadcast
     must not hand it the damaged bytes as loaded, silently."""
     path = tmp_path / "ck"
-    _save(path, _four, 2)
-    (chunk,) = Manifest.read(path).tensors["b"].chunks
-    assert chunk.payload is not None
-    with open(path / chunk.file, "r+b") as f:
-        f.seek(chunk.payload[0] + 9)
-        f.write(b"\x13\x37")
+    chunk = _four_with_b_damaged(path)
     (reader,) = [b.reader for b in _batches(path, _four(0), 2) if "b" in b.keys]
 
     def load(broadcast: bool) -> list[Any]:
