@@ -40,8 +40,9 @@ from ...errors import CheckpointMismatchError, ShardwiseError
 from ...storage import Folder, open_folder
 from ..format.manifest import Manifest
 from ..format.objects import load_object
+from ..io.part_gather import words_of
 from ..io.read_executor import ReadExecutor
-from ..io.read_requests import ChunkRead, RecordRead
+from ..io.read_requests import ChunkRead, GatherRead, RecordRead
 from . import replicated
 from .inventory import Piece, pieces_of
 from .item_reads import planned_reads
@@ -99,7 +100,7 @@ def load_state(
     )
     problem = None
     try:
-        executor.run(_plan(flat, view, objects, trust_objects, sent))
+        executor.run(_plan(flat, view, objects, trust_objects, sent, verify))
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
     agreement.defer(problem)
@@ -116,14 +117,17 @@ def _plan(
     objects: dict[str, Any],
     trust: bool,
     sent: set[str],
-) -> list[ChunkRead | RecordRead]:
+    gather: bool,
+) -> list[ChunkRead | RecordRead | GatherRead]:
     """This rank's reads: objects (unpickled into `objects`), the stored chunks its
     pieces overlap (from a version 4 index: only its tensors' sections, only the rows
     it reads), and DCP's own plan for values only DCP knows how to fill. The values
     in `sent` are not read (another rank sends them) but their rows are checked with
     the rest, as if read: a row that claims another's bytes is refused on every rank
-    that loads it, read or sent."""
-    reads: list[ChunkRead | RecordRead] = []
+    that loads it, read or sent. With `gather` (verifying: parts of one-tile chunks
+    read whole), a piece in small chunks of a version 4 index is planned as arrays
+    (`GatherRead`)."""
+    reads: list[ChunkRead | RecordRead | GatherRead] = []
     by_dcp: dict[str, Any] = {}
     held: dict[str, list[Piece]] = {}
     stored_objects = []
@@ -149,6 +153,11 @@ def _plan(
             continue
         dtype = view.tensor(key)[1]  # type: ignore[index]  # a stored tensor
         for piece in held[key]:
+            words = words_of(piece.tensor) if gather and piece.tensor.dtype == dtype else None
+            boxes = None if words is None else stored.gathered(piece.offsets, piece.sizes)
+            if boxes is not None and words is not None:
+                reads.append(GatherRead(key, *words, piece.sizes, boxes))
+                continue
             found = stored.covering(piece.offsets, piece.sizes)
             if len(found) == 1 and found[0][:2] == (piece.offsets, piece.sizes):
                 chunk = found[0]

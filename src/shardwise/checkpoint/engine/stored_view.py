@@ -36,8 +36,15 @@ from ..format.manifest import (
     dtype_from_name,
 )
 from ..format.manifest_entries import ChunkEntry
-from ..format.manifest_index import Ranges, TensorChunks, check_read_ranges, read_sections
+from ..format.manifest_index import (
+    Ranges,
+    RowSpans,
+    TensorChunks,
+    check_read_ranges,
+    read_sections,
+)
 from ..format.record_check import check_name, follow_replaced, read_stock
+from ..format.row_boxes import Boxes, one_tile_boxes
 from ..io.commit import RecordNames, leftover_data, per_rank_records
 
 __all__ = ["StoredBox", "StoredView", "read_records"]
@@ -169,14 +176,16 @@ class StoredView:
         where = self.folder.where(self._name)
         wanted = [(key, manifest.tensors[key]) for key in keys]
         ranges: Ranges = {}
+        spans = RowSpans()
         for key in objects:
             o = manifest.objects[key]
             check_name(self.folder, key, o.file, where, shardwise=True)
             ranges[(key, -1)] = (key, o.file, o.offset, o.length)
         listing = self.folder.sizes() if self._listing is None else self._listing
         for key, table in read_sections(self.folder, manifest.index, wanted, where, listing):
-            yield key, _Sectioned(TensorChunks(key, manifest.tensors[key], table, ranges))
-        check_read_ranges(self.folder, ranges, listing)
+            chunks = TensorChunks(key, manifest.tensors[key], table, ranges, spans)
+            yield key, _Sectioned(chunks)
+        check_read_ranges(self.folder, ranges, listing, spans)
 
     def chunks(self, key: str) -> list[StoredBox]:
         """The stored chunks of tensor `key`: their boxes, and what `storage` turns into
@@ -218,6 +227,10 @@ class Covering(Protocol):
         """The stored chunks overlapping the non-empty box (`offsets`, `sizes`)."""
         ...
 
+    def gathered(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Boxes | None:
+        """The same as arrays, when they are all small plain chunks (`row_boxes`); else None."""
+        ...
+
 
 class _Sectioned:
     """A tensor's chunks from its section (`manifest_index.TensorChunks`)."""
@@ -227,6 +240,9 @@ class _Sectioned:
 
     def covering(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox]:
         return [(c.offsets, c.sizes, c) for c in self.chunks.covering(offsets, sizes)]
+
+    def gathered(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Boxes | None:
+        return one_tile_boxes(self.chunks, offsets, sizes)
 
 
 class _Listed:
@@ -247,3 +263,6 @@ class _Listed:
             for c in self.chunks
             if all(o < a + n and a < o + m and m for a, n, o, m in zip(offsets, sizes, c[0], c[1]))
         ]
+
+    def gathered(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Boxes | None:
+        return None  # checked as a whole when the records were read: few chunks, or old formats

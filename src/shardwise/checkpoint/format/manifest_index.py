@@ -23,15 +23,17 @@ import operator
 from collections.abc import Iterator, Sequence
 
 import crc32c
+import numpy as np
 
 from ...errors import CorruptCheckpointError
 from ...storage import Folder
-from .chunk_table import ChunkTable, chunk_consistent, encode_section
+from .chunk_table import ChunkTable, chunk_consistent, encode_section, file_of
 from .manifest_entries import ChunkEntry, IndexRef, TensorEntry, dtype_from_name
 from .record_check import check_coverage, check_name, check_ranges
 
 __all__ = [
     "Ranges",
+    "RowSpans",
     "TensorChunks",
     "check_read_ranges",
     "read_sections",
@@ -120,12 +122,90 @@ def resolve_sections(
 Ranges = dict[tuple[str, int], tuple[str, str, int, int]]
 
 
-def check_read_ranges(folder: Folder, ranges: Ranges, sizes: dict[str, int]) -> None:
-    """The byte ranges of every row and object a load reads (`TensorChunks.ranges`),
-    once all are known and before any is read: inside their data files, no two
-    overlapping — two rows naming the same bytes included (one row found by several
-    pieces is one entry)."""
-    check_ranges(folder, sorted(ranges.values()), sizes)
+class RowSpans:
+    """The byte ranges of rows a load found as arrays (`row_boxes`), by tensor: one
+    array of (key id, row, rank, k, token, offset, length) per piece."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, int] = {}
+        self.parts: list[np.ndarray] = []
+
+    def add(self, key: str, rows: np.ndarray, where: np.ndarray) -> None:
+        """Rows `rows` of `key`'s section, `where` they are: (rank, k, token, offset, length)."""
+        kid = self.keys.setdefault(key, len(self.keys))
+        ids = np.full(len(rows), kid, dtype=np.int64)
+        self.parts.append(np.column_stack([ids, rows, where]))
+
+
+def check_read_ranges(
+    folder: Folder, ranges: Ranges, sizes: dict[str, int], spans: RowSpans | None = None
+) -> None:
+    """The byte ranges of every row and object a load reads (`TensorChunks.ranges`, and
+    `spans` as arrays), once all are known and before any is read: inside their data
+    files, no two overlapping — two rows naming the same bytes included (one row found
+    by several pieces is one entry)."""
+    if spans is None or not spans.parts:
+        check_ranges(folder, sorted(ranges.values()), sizes)
+        return
+    listed = _listed(ranges, spans)
+    if listed is None:  # something is wrong: the plain check names it
+        check_ranges(folder, sorted(_every(ranges, spans)), sizes)
+        return
+    files, ids, offset, length = listed
+    size = np.asarray([sizes.get(name, -1) for name in files], dtype=np.int64)[ids]
+    end = offset + length
+    order = np.lexsort((offset, ids))
+    nonzero = order[length[order] > 0]
+    same = ids[nonzero][1:] == ids[nonzero][:-1]
+    if (
+        (size < 0).any()
+        or (end > size).any()
+        or (offset[nonzero][1:] < end[nonzero][:-1])[same].any()
+    ):
+        check_ranges(folder, sorted(_every(ranges, spans)), sizes)
+
+
+def _listed(
+    ranges: Ranges, spans: RowSpans
+) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray] | None:
+    """Every range once, as (file names, file id, offset, length) arrays; None when one
+    row has two descriptions (never from one section: `_every` lists them)."""
+    found = np.concatenate(spans.parts)  # key id, row, rank, k, token, offset, length
+    found = found[np.lexsort(found.T[::-1])]
+    same = (found[1:, :2] == found[:-1, :2]).all(axis=1)
+    if (found[1:][same] != found[:-1][same]).any():
+        return None
+    found = found[np.append(True, ~same)]
+    both = [(spans.keys[k], row) for k, row in ranges if k in spans.keys]
+    if both:  # rows also found one at a time: listed there
+        taken = np.asarray([kid << 40 | row for kid, row in both], dtype=np.int64)
+        found = found[~np.isin(found[:, 0] << 40 | found[:, 1], taken)]
+    files = found[:, 2:5]
+    order = np.lexsort(files.T[::-1])
+    new = np.ones(len(found), dtype=bool)
+    new[1:] = (files[order][1:] != files[order][:-1]).any(axis=1)
+    ids = np.empty(len(found), dtype=np.int64)
+    ids[order] = np.cumsum(new) - 1
+    names = [file_of(*t) for t in files[order][new].tolist()]
+    index = {name: i for i, name in enumerate(names)}
+    extra = [(index.setdefault(name, len(index)), at, n) for _k, name, at, n in ranges.values()]
+    more = np.asarray(extra, dtype=np.int64).reshape(-1, 3)
+    return (
+        list(index),
+        np.concatenate([ids, more[:, 0]]),
+        np.concatenate([found[:, 5], more[:, 1]]),
+        np.concatenate([found[:, 6], more[:, 2]]),
+    )
+
+
+def _every(ranges: Ranges, spans: RowSpans) -> list[tuple[str, str, int, int]]:
+    """Every range as `check_ranges` takes them (a row found twice listed once)."""
+    keys = list(spans.keys)
+    out = dict(ranges)
+    for part in spans.parts:
+        for kid, row, rank, k, token, at, n in part.tolist():
+            out.setdefault((keys[kid], row), (keys[kid], file_of(rank, k, token), at, n))
+    return list(out.values())
 
 
 class TensorChunks:
@@ -138,10 +218,14 @@ class TensorChunks:
         entry: TensorEntry,
         table: ChunkTable,
         ranges: Ranges,
+        spans: RowSpans | None = None,
     ) -> None:
         self.key, self.entry, self.table = key, entry, table
         self.ranges = ranges  # every byte range the load reads: `check_read_ranges`
+        self.spans = spans  # the same, of rows found as arrays (None: none are)
         self.itemsize = dtype_from_name(entry.dtype).itemsize
+        # which rows are plain one-tile chunks, and their checksums: `row_boxes`, once
+        self.plain: tuple[np.ndarray, np.ndarray] | None = None
 
     def covering(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[ChunkEntry]:
         """The stored chunks overlapping the non-empty box (`offsets`, `sizes`)."""

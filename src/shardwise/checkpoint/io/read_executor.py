@@ -14,7 +14,8 @@ before any target is touched). Then
 * a part of a chunk goes through `box_read.read_box`: only the byte runs (with
   verification, the checksum tiles) the part needs — but parts of a one-tile
   chunk, which verifying reads whole anyway, become one whole-chunk read per
-  chunk on the path above (`shared_chunks`);
+  chunk on the path above (`shared_chunks`), or, planned as arrays
+  (`GatherRead`), are gathered a window of chunks at a time (`part_gather`);
 * a chunk stored through stream extensions, or a strided stock record, is read
   whole and decoded (`record_decode`), its box copied;
 * objects are read first, so one refused (an untrusted pickle) stops the load
@@ -50,10 +51,11 @@ from ..format.record_read import RecordLayout
 from .box_read import box_ranges, check_record, read_box
 from .device_landing import DeviceLanding
 from .host_slabs import staging_bytes as budget_of
+from .part_gather import extents, windows
 from .prefetch_window import Job as _Job
 from .prefetch_window import run_windowed
 from .read_locate import locate, open_files
-from .read_requests import ChunkRead, RecordRead, end_of
+from .read_requests import ChunkRead, GatherRead, RecordRead, end_of
 from .record_decode import CONTAINER_ROOM, load_record, untransform
 from .shared_chunks import as_whole, read_whole
 from .streamed_read import can_stream, read_streamed
@@ -87,14 +89,20 @@ class ReadExecutor:
         self._told: list[tuple[ChunkRead, torch.Tensor]] = []  # device targets' `done`, at the end
         self._lock = threading.Lock()  # reads run on several threads (`prefetch_window`)
 
-    def run(self, reads: Sequence[ChunkRead | RecordRead]) -> None:
+    def run(self, reads: Sequence[ChunkRead | RecordRead | GatherRead]) -> None:
         self._landing.follow_caller()
         try:
-            open_files(self.folder, reads, self._files)
+            gathers = [r for r in reads if isinstance(r, GatherRead)]
+            batches = windows(gathers, self.folder, self._files, self.verify, self._count)
+            open_files(self.folder, reads, self._files, extents(batches))
             chunks = [r for r in reads if isinstance(r, ChunkRead)]
             layouts = locate(self.folder, self._files, chunks)
+            # objects first: one refused stops the load before any target; then the
+            # gathers, on this thread: numpy work for the most part, as the cores are
+            # busy with the job's other ranks
             jobs = [self._record_job(r) for r in reads if isinstance(r, RecordRead)]
-            records = len(jobs)  # objects first: one refused stops the load before any target
+            jobs += [(w.ranges, w.run) for w in batches]
+            first = len(jobs)
             wholes: dict[str, list[Whole]] = defaultdict(list)
             shared: dict[tuple[str, int], tuple[list[ChunkRead], RecordLayout]] = {}
             for read in chunks:
@@ -119,7 +127,7 @@ class ReadExecutor:
             called = any(
                 r.done is not None or not isinstance(r.target, torch.Tensor) for r in chunks
             )
-            run_windowed(self.folder, jobs, ordered=records, threads=1 if called else 8)
+            run_windowed(self.folder, jobs, ordered=first, threads=1 if called else 8)
         finally:
             try:
                 self._landing.finish()  # every device copy done, even after a failed read

@@ -10,7 +10,7 @@ from ...errors import CorruptCheckpointError
 from ...storage import Folder, RandomAccess
 from ..format.manifest import StoredChunk
 from ..format.record_read import HEAD_BYTES, RecordLayout, read_record_layout
-from .read_requests import ChunkRead, RecordRead, end_of
+from .read_requests import ChunkRead, GatherRead, RecordRead, end_of
 
 __all__ = ["locate", "open_files"]
 
@@ -18,27 +18,35 @@ _Ranges = dict[str, list[tuple[int, int]]]
 
 
 def open_files(
-    folder: Folder, reads: Sequence[ChunkRead | RecordRead], files: dict[str, RandomAccess]
+    folder: Folder,
+    reads: Sequence[ChunkRead | RecordRead | GatherRead],
+    files: dict[str, RandomAccess],
+    ends: dict[str, tuple[int, str]],
 ) -> None:
     """Open every file read, once, into `files`; refuse a missing one, or one too short
-    for a range."""
-    last: dict[str, ChunkRead | RecordRead] = {}
+    for a range. `ends`: where the gathers' reads end, by file, and a key read there."""
+    last: dict[str, tuple[int, int, str]] = {}  # name -> (start, end, key) of its last range
     for r in reads:
+        if isinstance(r, GatherRead):
+            continue
         name = r.info.relative_path
         seen = last.get(name)
-        if seen is None or end_of(r.info) > end_of(seen.info):
-            last[name] = r
-    for name, r in last.items():
+        if seen is None or end_of(r.info) > seen[1]:
+            last[name] = (r.info.offset, end_of(r.info), r.name)
+    for name, (end, key) in ends.items():
+        seen = last.get(name)
+        if seen is None or end > seen[1]:
+            last[name] = (0, end, key)
+    for name, (start, end, key) in last.items():
         try:
             f = files[name] = folder.open(name)
         except FileNotFoundError as e:
             raise CorruptCheckpointError(f"data file {folder.where(name)} is missing") from e
         size = f.size()
-        if end_of(r.info) > size:
+        if end > size:
             raise CorruptCheckpointError(
-                f"'{r.name}': bytes {r.info.offset}..{end_of(r.info)} of "
-                f"{folder.where(name)} lie past its end ({size} bytes): "
-                "the file is truncated"
+                f"'{key}': bytes {start}..{end} of {folder.where(name)} lie past its end "
+                f"({size} bytes): the file is truncated"
             )
 
 

@@ -2,7 +2,8 @@
 
 `ChunkRead` is a box of one stored chunk bound for a target tensor; `RecordRead`
 a stored record's bytes (an object, a transformed chunk, framing bytes) bound
-for a callback. Planners (the load engine, `Reader`'s translation of DCP's
+for a callback; `GatherRead` the parts of many small chunks bound for one
+target, as arrays (`format.row_boxes`). Planners (the load engine, `Reader`'s translation of DCP's
 `ReadItem`s, the offline tools) make them; `read_executor` runs them.
 """
 
@@ -11,10 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-__all__ = ["ChunkRead", "RecordRead", "end_of"]
+from ..format.row_boxes import Boxes
+
+__all__ = ["ChunkRead", "GatherRead", "RecordRead", "end_of"]
 
 
 @dataclass
@@ -44,6 +48,19 @@ class RecordRead:
     info: _StorageInfo
     use: Callable[[bytes], None]
     decode: bool = True
+
+
+@dataclass
+class GatherRead:
+    """The parts `boxes` of small stored chunks (plain, one checksum tile each) into one
+    target, given as its memory: `words`, flat, `factor` words an element, of `shape`
+    in elements (`part_gather.words_of`)."""
+
+    name: str
+    words: np.ndarray
+    factor: int
+    shape: tuple[int, ...]
+    boxes: Boxes
 
 
 def end_of(info: _StorageInfo) -> int:

@@ -1,0 +1,148 @@
+"""The parts of a piece in small stored chunks, from a version 4 section, as arrays.
+
+A reshard reads parts of many chunks per piece: a column band of every row
+chunk of a tensor (1,000 tensors of 32 row chunks loaded by columns: 32,000
+parts on each rank). One entry, one storage info and one read request per part
+(`TensorChunks.covering`) cost about 80 µs a part; here the rows overlapping a
+piece are checked together with numpy, by the same rules — in bounds, byte
+ranges consistent with the sizes, one checksum tile, the rows covering the
+piece exactly once — and handed on as arrays (`Boxes`) that the read executor
+gathers (`io.part_gather`), a few µs a part. Only plain one-tile chunks take
+this path (a part of one reads its whole payload to verify it anyway); for any
+other row, or anything wrong, `one_tile_boxes` returns None and the caller
+takes `covering`, whose checks name the problem.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .chunk_coverage import check_coverage
+
+if TYPE_CHECKING:
+    from .manifest_index import TensorChunks
+
+__all__ = ["Boxes", "one_tile_boxes"]
+
+_TOKEN = (1 << 48) - 1
+
+
+@dataclass
+class Boxes:
+    """Parts of `k` stored chunks of one tensor: row `i` is the box at `inner[i]` of
+    `lengths[i]` of its chunk (of `sizes[i]`), going to `dest[i]` of the piece. The
+    chunk's payload is bytes `payload[i]` (offset, length) of the data file named by
+    `file[i]` (rank, k, token: `chunk_table.file_of`), its one checksum `crc[i]`."""
+
+    file: np.ndarray  # (k, 3) int64
+    payload: np.ndarray  # (k, 2) int64
+    crc: np.ndarray  # (k,) uint32
+    sizes: np.ndarray  # (k, d) int64
+    inner: np.ndarray  # (k, d)
+    lengths: np.ndarray  # (k, d)
+    dest: np.ndarray  # (k, d)
+
+
+def one_tile_boxes(
+    chunks: TensorChunks, offsets: tuple[int, ...], sizes: tuple[int, ...]
+) -> Boxes | None:
+    """The parts of the non-empty piece (`offsets`, `sizes`) of `chunks`' tensor, when
+    every row it overlaps is a plain one-tile chunk and they check out; their byte
+    ranges are added to the load's (`chunks.spans`). None: take `covering`."""
+    table = chunks.table
+    array, d = table.array, table.ndim
+    if array is None or not d or chunks.spans is None:
+        return None  # a few rows: `covering` builds them as fast
+    lo, n = np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
+    start, length = array[:, :d], array[:, d : 2 * d]
+    hit = np.flatnonzero(((start < lo + n) & (start + length > lo) & (length > 0)).all(axis=1))
+    if not len(hit):
+        return None
+    rows = array[hit]
+    if len(hit) == 1 and (rows[0, :d] == lo).all() and (rows[0, d : 2 * d] == n).all():
+        return None  # the piece is this chunk: read whole, straight into its memory
+    if chunks.plain is None:
+        chunks.plain = _plain(chunks)
+    plain, crcs = chunks.plain
+    if not plain[hit].all():
+        return None
+    at, size = rows[:, :d], rows[:, d : 2 * d]
+    clo, chi = np.maximum(at, lo), np.minimum(at + size, lo + n)
+    if not _tiles(clo, chi, lo, n):
+        if _cut_dims(clo, chi, lo, n) < 2:
+            return None  # a gap or an overlap along one dimension: `covering` names it
+        boxes = [
+            (tuple(x - y for x, y in zip(a, offsets)), tuple(y - x for x, y in zip(a, b)))
+            for a, b in zip(clo.tolist(), chi.tolist())
+        ]
+        where = chunks.table.where
+        check_coverage(f"{chunks.key} (at {offsets})", sizes, boxes, where, replicas=False)
+    c = 3 * d  # rank k token record_offset record_length payload_offset payload_length
+    chunks.spans.add(chunks.key, hit, rows[:, c : c + 5])
+    return Boxes(
+        rows[:, c : c + 3],
+        rows[:, c + 5 : c + 7],
+        crcs[hit],
+        size,
+        clo - at,
+        chi - clo,
+        clo - lo,
+    )
+
+
+def _plain(chunks: TensorChunks) -> tuple[np.ndarray, np.ndarray]:
+    """Which rows of the section are plain one-tile chunks that check out alone (in
+    bounds, byte ranges consistent with the sizes, names and frame possible), and
+    each row's first checksum: once a tensor, for all its pieces."""
+    table, d = chunks.table, chunks.table.ndim
+    array = table.array
+    assert array is not None
+    at, size, tile = array[:, :d], array[:, d : 2 * d], array[:, 2 * d : 3 * d]
+    rank, k, token, rec_off, rec_len, pay_off, pay_len, frame, count, transform = array[
+        :, 3 * d :
+    ].T
+    shape = np.asarray(chunks.entry.shape, dtype=np.int64)
+    inside = (at + size <= shape).all(axis=1)
+    plain = (
+        inside
+        & (transform == -1)
+        & (count == 1)
+        & (tile == size).all(axis=1)
+        & (token <= _TOKEN)
+        & (frame >= 0)
+        & (frame <= 0xFFFFFFFF)
+        & (rank >= 0)
+        & (k >= 0)
+        & (rec_off >= 0)
+        & (rec_len >= 0)
+        & (pay_off >= rec_off)
+        & (pay_off + pay_len <= rec_off + rec_len)
+    )
+    # sizes within the shape (rows out of it are refused above): no overflow
+    plain &= pay_len == np.where(inside[:, None], size, 0).prod(axis=1) * chunks.itemsize
+    starts = np.asarray(table.starts[:-1], dtype=np.int64)
+    crcs = np.append(np.asarray(table.crcs, dtype=np.uint32), np.uint32(0))[starts]
+    return plain, crcs
+
+
+def _cut_dims(clo: np.ndarray, chi: np.ndarray, lo: np.ndarray, n: np.ndarray) -> int:
+    """In how many dimensions the clipped boxes do not all span the piece."""
+    return int((~((clo == lo) & (chi == lo + n)).all(axis=0)).sum())
+
+
+def _tiles(clo: np.ndarray, chi: np.ndarray, lo: np.ndarray, n: np.ndarray) -> bool:
+    """Whether the clipped boxes tile the piece exactly, cut along one dimension (or
+    one box, the whole piece): the common layouts, checked in O(k log k)."""
+    full = ((clo == lo) & (chi == lo + n)).all(axis=0)
+    cut = np.flatnonzero(~full)
+    if not len(cut):
+        return len(clo) == 1
+    if len(cut) > 1:
+        return False
+    c = int(cut[0])
+    order = np.argsort(clo[:, c], kind="stable")
+    s, e = clo[order, c], chi[order, c]
+    return bool(s[0] == lo[c] and e[-1] == lo[c] + n[c] and (s[1:] == e[:-1]).all())
