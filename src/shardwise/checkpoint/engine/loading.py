@@ -40,6 +40,7 @@ from ...errors import CheckpointMismatchError, ShardwiseError
 from ...storage import Folder, open_folder
 from ..format.manifest import Manifest
 from ..format.objects import load_object
+from ..format.row_boxes import Boxes
 from ..io.part_gather import words_of
 from ..io.read_executor import ReadExecutor
 from ..io.read_requests import ChunkRead, GatherRead, RecordRead
@@ -153,12 +154,16 @@ def _plan(
             continue
         dtype = view.tensor(key)[1]  # type: ignore[index]  # a stored tensor
         for piece in held[key]:
-            words = words_of(piece.tensor) if gather and piece.tensor.dtype == dtype else None
-            boxes = None if words is None else stored.gathered(piece.offsets, piece.sizes)
-            if boxes is not None and words is not None:
-                reads.append(GatherRead(key, *words, piece.sizes, boxes))
-                continue
-            found = stored.covering(piece.offsets, piece.sizes)
+            if gather and piece.tensor.dtype == dtype:
+                found = stored.parts(piece.offsets, piece.sizes)
+            else:
+                found = stored.covering(piece.offsets, piece.sizes)
+            if isinstance(found, Boxes):
+                words = words_of(piece.tensor)
+                if words is not None:
+                    reads.append(GatherRead(key, *words, piece.sizes, found))
+                    continue
+                found = stored.covering(piece.offsets, piece.sizes)  # no word view: box by box
             if len(found) == 1 and found[0][:2] == (piece.offsets, piece.sizes):
                 chunk = found[0]
                 info = view.storage(key, chunk[2])

@@ -227,8 +227,8 @@ class Covering(Protocol):
         """The stored chunks overlapping the non-empty box (`offsets`, `sizes`)."""
         ...
 
-    def gathered(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Boxes | None:
-        """The same as arrays, when they are all small plain chunks (`row_boxes`); else None."""
+    def parts(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox] | Boxes:
+        """The same, or as arrays when they are all small plain chunks (`row_boxes`)."""
         ...
 
 
@@ -238,11 +238,16 @@ class _Sectioned:
     def __init__(self, chunks: TensorChunks) -> None:
         self.chunks = chunks
 
-    def covering(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox]:
-        return [(c.offsets, c.sizes, c) for c in self.chunks.covering(offsets, sizes)]
+    def covering(
+        self, offsets: tuple[int, ...], sizes: tuple[int, ...], rows: list[int] | None = None
+    ) -> list[StoredBox]:
+        return [(c.offsets, c.sizes, c) for c in self.chunks.covering(offsets, sizes, rows)]
 
-    def gathered(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Boxes | None:
-        return one_tile_boxes(self.chunks, offsets, sizes)
+    def parts(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox] | Boxes:
+        rows = self.chunks.table.overlapping(offsets, sizes)
+        # one row: the piece is that chunk, or inside it: one read either way
+        boxes = one_tile_boxes(self.chunks, offsets, sizes, rows) if len(rows) > 1 else None
+        return self.covering(offsets, sizes, rows) if boxes is None else boxes
 
 
 class _Listed:
@@ -252,6 +257,9 @@ class _Listed:
         self.chunks = chunks
         # many chunks (a tensor sharded over many ranks): a box read whole is found at once
         self.exact = {(c[0], c[1]): c for c in chunks} if len(chunks) > 8 else None
+
+    def parts(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox]:
+        return self.covering(offsets, sizes)  # checked whole when read: few rows, or old formats
 
     def covering(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox]:
         if self.exact is not None:
@@ -263,6 +271,3 @@ class _Listed:
             for c in self.chunks
             if all(o < a + n and a < o + m and m for a, n, o, m in zip(offsets, sizes, c[0], c[1]))
         ]
-
-    def gathered(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Boxes | None:
-        return None  # checked as a whole when the records were read: few chunks, or old formats

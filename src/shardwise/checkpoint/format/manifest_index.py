@@ -227,10 +227,14 @@ class TensorChunks:
         # which rows are plain one-tile chunks, and their checksums: `row_boxes`, once
         self.plain: tuple[np.ndarray, np.ndarray] | None = None
 
-    def covering(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[ChunkEntry]:
-        """The stored chunks overlapping the non-empty box (`offsets`, `sizes`)."""
+    def covering(
+        self, offsets: tuple[int, ...], sizes: tuple[int, ...], rows: list[int] | None = None
+    ) -> list[ChunkEntry]:
+        """The stored chunks overlapping the non-empty box (`offsets`, `sizes`): `rows`,
+        when the caller found them (`ChunkTable.overlapping`)."""
         shape, where = self.entry.shape, self.table.where
-        rows = self.table.overlapping(offsets, sizes)
+        if rows is None:
+            rows = self.table.overlapping(offsets, sizes)
         found = [self.table.entry(i) for i in rows]
         for c in found:
             if not (

@@ -47,23 +47,19 @@ class Boxes:
 
 
 def one_tile_boxes(
-    chunks: TensorChunks, offsets: tuple[int, ...], sizes: tuple[int, ...]
+    chunks: TensorChunks, offsets: tuple[int, ...], sizes: tuple[int, ...], found: list[int]
 ) -> Boxes | None:
-    """The parts of the non-empty piece (`offsets`, `sizes`) of `chunks`' tensor, when
-    every row it overlaps is a plain one-tile chunk and they check out; their byte
-    ranges are added to the load's (`chunks.spans`). None: take `covering`."""
+    """The parts of the non-empty piece (`offsets`, `sizes`) of `chunks`' tensor in the
+    rows `found` (those overlapping it), when each is a plain one-tile chunk and they
+    check out; their byte ranges are added to the load's (`chunks.spans`). None: take
+    `covering`."""
     table = chunks.table
     array, d = table.array, table.ndim
-    if array is None or not d or chunks.spans is None:
+    if array is None or not d or chunks.spans is None or not found:
         return None  # a few rows: `covering` builds them as fast
     lo, n = np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
-    start, length = array[:, :d], array[:, d : 2 * d]
-    hit = np.flatnonzero(((start < lo + n) & (start + length > lo) & (length > 0)).all(axis=1))
-    if not len(hit):
-        return None
+    hit = np.asarray(found, dtype=np.int64)
     rows = array[hit]
-    if len(hit) == 1 and (rows[0, :d] == lo).all() and (rows[0, d : 2 * d] == n).all():
-        return None  # the piece is this chunk: read whole, straight into its memory
     if chunks.plain is None:
         chunks.plain = _plain(chunks)
     plain, crcs = chunks.plain
