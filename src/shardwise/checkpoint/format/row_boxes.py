@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Boxes", "one_tile_boxes"]
 
-_TOKEN = (1 << 48) - 1
+_NON_NEGATIVE = [0, 1, 3, 4, 7]  # rank, k, record offset and length, frame
+_BOUNDED = [2, 7]  # token (48 bits), frame (a crc32c)
+_BOUNDS = ((1 << 48) - 1, 0xFFFFFFFF)
 
 
 @dataclass
@@ -97,23 +99,16 @@ def _plain(chunks: TensorChunks) -> tuple[np.ndarray, np.ndarray]:
     array = table.array
     assert array is not None
     at, size, tile = array[:, :d], array[:, d : 2 * d], array[:, 2 * d : 3 * d]
-    rank, k, token, rec_off, rec_len, pay_off, pay_len, frame, count, transform = array[
-        :, 3 * d :
-    ].T
-    shape = np.asarray(chunks.entry.shape, dtype=np.int64)
-    inside = (at + size <= shape).all(axis=1)
+    # rank k token record_offset record_length payload_offset payload_length frame count transform
+    cols = array[:, 3 * d :]
+    rec_off, rec_len, pay_off, pay_len = cols[:, 3], cols[:, 4], cols[:, 5], cols[:, 6]
+    inside = (at + size <= np.asarray(chunks.entry.shape, dtype=np.int64)).all(axis=1)
     plain = (
         inside
-        & (transform == -1)
-        & (count == 1)
         & (tile == size).all(axis=1)
-        & (token <= _TOKEN)
-        & (frame >= 0)
-        & (frame <= 0xFFFFFFFF)
-        & (rank >= 0)
-        & (k >= 0)
-        & (rec_off >= 0)
-        & (rec_len >= 0)
+        & (cols[:, _NON_NEGATIVE] >= 0).all(axis=1)
+        & (cols[:, _BOUNDED] <= _BOUNDS).all(axis=1)
+        & (cols[:, 8:] == (1, -1)).all(axis=1)  # one checksum, no transform
         & (pay_off >= rec_off)
         & (pay_off + pay_len <= rec_off + rec_len)
     )
