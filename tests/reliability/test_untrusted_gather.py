@@ -1,13 +1,13 @@
-"""A crafted index read by the gather path (`row_boxes`, `part_gather`) is refused exactly as
-the old path (`TensorChunks.covering`, one read a part) refuses it: the same
-`CorruptCheckpointError`, every target as it was. 'w' (40 x 8) is stored in 20 row chunks
-(a section decoded as an array) and loaded by column bands, so each piece overlaps all of
-them; the old path's message is observed on the same checkpoint (`words_of` returning None)."""
+"""A crafted index read by the gather path (`row_boxes`, `part_gather`) is refused as the old
+path (`TensorChunks.covering`) refuses it, its message observed on the same checkpoint: the
+same `CorruptCheckpointError`, every target as it was. 'w' (40 x 8) is stored in 20 row
+chunks (a section decoded as an array) and loaded by column bands: each piece overlaps all."""
 
 from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -18,9 +18,9 @@ import torch
 
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
-from shardwise.checkpoint.engine import loading
-from shardwise.checkpoint.format.chunk_table import row_width
+from shardwise.checkpoint.format.chunk_table import file_of, row_width
 from shardwise.checkpoint.format.manifest import Manifest, seal
+from shardwise.checkpoint.format.record_check import DATA_FILE
 from shardwise.checkpoint.io import part_gather
 from shardwise.errors import CorruptCheckpointError
 from shardwise.storage import open_folder
@@ -34,8 +34,7 @@ MIXED = Layout(
 )
 GRID = Layout((40, 8), {0: [Block((4 * i, 4 * j), (4, 4)) for i in range(10) for j in range(2)]})
 STRIPS = Layout((40, 8), {0: [Block((0, 0), (15, 8)), Block((15, 0), (25, 8))]})
-# columns of a row: offsets 0-1, sizes 2-3, tile 4-5, rank 6, k 7, token 8, record 9-10,
-# payload 11-12, frame 13, checksum count 14, transform 15
+# a row: offsets 0-1, sizes 2-3, tile 4-5, then these (record 9-10, payload 11-12)
 RANK, K, TOKEN, REC, PAY, FRAME, COUNT, TRANSFORM = 6, 7, 8, 9, 11, 13, 14, 15
 
 
@@ -51,17 +50,14 @@ class Ckpt:
         assert head.index is not None and head.tensors["w"].section is not None
         self.index, (_, offset, length, self.count, _) = head.index.file, head.tensors["w"].section
         data = self.folder.read(self.index)[offset : offset + length]
-        cut = self.count * row_width(2) * 8
-        self.rows = np.frombuffer(data[:cut], "<i8").reshape(self.count, -1).copy()
-        self.crcs = np.frombuffer(data[cut:], "<u4").copy()
-        self.data = self.name(0)
-        self.n = head.objects["n"]
-
-    def name(self, row: int) -> str:
-        rank, k, token = self.rows[row, RANK : TOKEN + 1].tolist()
-        return f"__{rank}_{k}.sw{token:012x}.distcp"
+        self.rows = (
+            np.frombuffer(data, "<i8", self.count * row_width(2)).reshape(self.count, -1).copy()
+        )
+        self.crcs = np.frombuffer(data[self.rows.nbytes :], "<u4").copy()
+        self.data, self.n = file_of(*self.rows[0, RANK : TOKEN + 1].tolist()), head.objects["n"]
 
     def edit(self, change: Callable[[dict[str, Any]], None]) -> None:
+        """The manifest's JSON changed by `change`, sealed again."""
         doc = json.loads(self.folder.read("shardwise.json"))
         change(doc)
         doc["crc32c"] = 0
@@ -76,20 +72,22 @@ class Ckpt:
         where = [0, len(old), len(data), len(rows), crc32c.crc32c(data)]
         self.edit(lambda doc: doc["tensors"]["w"].__setitem__("section", where))
 
-    def rows_with(self, row: int, column: int, *values: int) -> np.ndarray:
+    def set(self, row: int, column: int, *values: int, crcs: np.ndarray | None = None) -> None:
+        """Row `row`'s columns from `column` set to `values` (and the checksums to `crcs`)."""
         rows = self.rows.copy()
         rows[row, column : column + len(values)] = values
-        return rows
+        self.write(rows, self.crcs if crcs is None else crcs)
 
-    def set(self, row: int, column: int, *values: int) -> None:
-        self.write(self.rows_with(row, column, *values), self.crcs)
+    def take(self, order: list[int]) -> None:
+        """The rows (one checksum each) `order` lists, in that order."""
+        self.write(self.rows[order], self.crcs[order])
 
-    def payload(self, row: int, file: str, at: int, n: int) -> None:
-        """Row `row` given bytes `at`.. `n` of `file` as its record and payload, its checksum right."""
+    def payload(self, row: int, file: str, at: int) -> None:
+        """Row `row` given 64 bytes `at` of `file` as its record and payload, checksum right."""
         rows, crcs = self.rows.copy(), self.crcs.copy()
-        rank, k, token = file[2:].split(".")[0].split("_") + [file.split(".sw")[1][:12]]
-        rows[row, RANK : PAY + 2] = (int(rank), int(k), int(token, 16), at, n, at, n)
-        crcs[row] = crc32c.crc32c(self.folder.read(file)[at : at + n])
+        rank, k, token = DATA_FILE.fullmatch(file).groups()  # type: ignore[union-attr]
+        rows[row, RANK : PAY + 2] = (int(rank), int(k), int(token, 16), at, 64, at, 64)
+        crcs[row] = crc32c.crc32c(self.folder.read(file)[at : at + 64])
         self.write(rows, crcs)
 
 
@@ -99,31 +97,21 @@ def _box(b: Block) -> tuple[slice, ...]:
 
 @pytest.fixture(params=["local", "memory"])
 def ck(request, tmp_path) -> Ckpt:
-    if request.param == "local":
-        return Ckpt(str(tmp_path / "ck"))
-    import fsspec
-
-    root = f"memory://gather-{os.getpid()}-{id(tmp_path)}"
-    request.addfinalizer(lambda: fsspec.filesystem("memory").rm(root, recursive=True))
-    return Ckpt(f"{root}/ck")
+    local = request.param == "local"
+    return Ckpt(str(tmp_path / "ck") if local else f"memory://gather-{uuid.uuid4().hex}/ck")
 
 
 @pytest.fixture
 def gathered(monkeypatch) -> list[Any]:
     """Every `GatherRead` the loads hand the executor."""
     seen: list[Any] = []
-
-    def spy(reads, *args):
-        seen.extend(reads)
-        return part_gather.windows(reads, *args)
-
+    spy = lambda reads, *args: (seen.extend(reads), part_gather.windows(reads, *args))[1]  # noqa: E731
     monkeypatch.setattr("shardwise.checkpoint.io.read_executor.windows", spy)
     return seen
 
 
 def _targets(layout: Layout, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    fill = torch.full((), -1.0).to(dtype)
-    shards = [fill.expand(b.sizes).clone() for b in layout.blocks_of(0)]
+    shards = [torch.full(b.sizes, -1.0).to(dtype) for b in layout.blocks_of(0)]
     return {"w": ShardedTensor.from_layout(layout, shards), "n": -1}
 
 
@@ -133,25 +121,25 @@ def _as_was(targets: dict[str, Any], layout: Layout) -> bool:
     return targets["n"] == -1 and all(torch.equal(a, b) for a, b in pairs)
 
 
-def _load(ck: Ckpt, monkeypatch, layout: Layout, gather: bool) -> tuple[str, dict[str, Any]]:
-    """What a load into fresh targets raises (the gather path off unless `gather`)."""
-    targets = _targets(layout)
+def _raised(location: str, monkeypatch, targets: dict[str, Any], gather: bool) -> str | None:
+    """What `swc.load` raises, None if nothing (the gather path off unless `gather`)."""
     with monkeypatch.context() as m:
         if not gather:
-            m.setattr(loading, "words_of", lambda _t: None)
-        with pytest.raises(CorruptCheckpointError) as info:
-            swc.load(targets, ck.location)
-    return str(info.value), targets
+            m.setattr("shardwise.checkpoint.engine.stored_view.one_tile_boxes", lambda *_a: None)
+        try:
+            swc.load(targets, location)
+        except CorruptCheckpointError as e:
+            return str(e)
+    return None
 
 
-def _refused(ck: Ckpt, monkeypatch, message: str | None = None, layout: Layout = BANDS) -> str:
-    """Both paths raise the same message (`message` when given), every target as it was."""
-    old, before = _load(ck, monkeypatch, layout, gather=False)
-    new, after = _load(ck, monkeypatch, layout, gather=True)
-    assert new == old
-    assert message is None or old == message
+def _refused(ck: Ckpt, monkeypatch, layout: Layout = BANDS) -> str:
+    """The message both paths raise (the same), every target as it was."""
+    before, after = _targets(layout), _targets(layout)
+    old = _raised(ck.location, monkeypatch, before, gather=False)
+    assert old is not None and _raised(ck.location, monkeypatch, after, gather=True) == old
     assert _as_was(before, layout) and _as_was(after, layout)
-    return new
+    return old
 
 
 def _loads(ck: Ckpt, layout: Layout, gathered: list[Any], parts: int | None = None) -> None:
@@ -161,202 +149,152 @@ def _loads(ck: Ckpt, layout: Layout, gathered: list[Any], parts: int | None = No
         assert torch.equal(s.view(torch.uint8), ck.full[_box(b)].contiguous().view(torch.uint8))
     assert targets["n"] == 12345
     assert parts is None or sum(len(g.boxes.crc) for g in gathered) == parts
+    gathered.clear()
 
 
-def test_bands_load_through_the_gather(ck, gathered):
-    _loads(ck, BANDS, gathered, parts=40)
-    assert [g.shape for g in gathered] == [(40, 3), (40, 5)]
-
-
-def test_sound_edge_cases_load_bit_exact(ck, gathered):
+def test_sound_layouts_load_bit_exact(ck, gathered):
+    _loads(ck, BANDS, gathered, parts=40)  # through the gather: 20 parts a band
     inside = Layout((40, 8), {0: [Block((1, 1), (1, 3)), Block((5, 2), (3, 5))]}, allow_holes=True)
-    _loads(ck, inside, gathered, parts=3)  # a piece inside one chunk; one across two
-    _loads(ck, MIXED, gathered, parts=3 + 38)  # chunk 0 read whole, the rest gathered
-    far = np.vstack([ck.rows, ck.rows[19:] + [[100, *[0] * 15]]])  # overlaps no piece
-    ck.write(far, np.append(ck.crcs, ck.crcs[19]))
-    _loads(ck, BANDS, gathered)
+    _loads(ck, inside, gathered, parts=2)  # a piece inside one chunk (read alone); one across two
+    _loads(ck, MIXED, gathered, parts=38)  # chunk 0 read whole, the rest gathered
+    far = np.vstack([ck.rows[::-1], ck.rows[19:] + [[100, *[0] * 15]]])  # rows reversed, and
+    ck.write(far, np.append(ck.crcs[::-1], ck.crcs[19]))  # one more overlapping no piece
+    _loads(ck, BANDS, gathered, parts=40)
 
 
-@pytest.mark.parametrize("dtype", [torch.bool, torch.complex128, torch.complex64], ids=str)
-def test_other_dtypes_load_bit_exact(tmp_path, gathered, dtype):
-    _loads(Ckpt(str(tmp_path / "ck"), dtype=dtype), BANDS, gathered, parts=40)
+@pytest.mark.parametrize(
+    "saved, layout, dtype, parts",  # a grid by strips: pieces cut in two, `check_coverage`
+    [(ROWS, BANDS, t, 40) for t in (torch.bool, torch.complex128, torch.complex64)]
+    + [(GRID, STRIPS, torch.float32, 8 + 14)],
+    ids=["bool", "complex128", "complex64", "grid"],
+)
+def test_other_dtypes_and_grids_load_bit_exact(tmp_path, gathered, saved, layout, dtype, parts):
+    _loads(Ckpt(str(tmp_path / "ck"), saved, dtype), layout, gathered, parts)
 
 
-def _drop(ck: Ckpt, row: int) -> None:
-    ck.write(np.delete(ck.rows, row, axis=0), np.delete(ck.crcs, row))
+@pytest.mark.parametrize("shift", [1, 2, 3, 5])
+def test_payloads_off_alignment_load_as_the_old_path_loads_them(ck, monkeypatch, gathered, shift):
+    """Rows 3, 4, 9 moved `shift * row` bytes into their records: the same bytes read."""
+    data, loaded = ck.folder.read(ck.data), [_targets(BANDS), _targets(BANDS)]
+    for r in (3, 4, 9):
+        ck.rows[r, PAY] += shift * r
+        ck.crcs[r] = crc32c.crc32c(data[int(ck.rows[r, PAY]) :][:64])
+    ck.write(ck.rows, ck.crcs)
+    assert _raised(ck.location, monkeypatch, loaded[0], gather=False) is None
+    assert _raised(ck.location, monkeypatch, loaded[1], gather=True) is None
+    pairs = zip(*(t["w"].local_shards() for t in loaded), strict=True)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in pairs)
+    assert len(gathered) == 2
 
 
-CRAFTED: dict[str, tuple[Callable[[Ckpt], None], str]] = {
-    "near out of bounds": (lambda c: c.set(19, 0, 39), "inconsistent sizes or byte ranges"),
-    "size near 2**62": (lambda c: c.set(19, 2, (1 << 62) - 40), "inconsistent sizes"),
-    "columns past the shape": (lambda c: c.set(5, 3, 9, 2, 9), "inconsistent sizes"),
-    "offset near 2**62": (lambda c: c.set(19, 0, (1 << 62) - 3), "leave elements 38.. of"),
-    "partial overlap": (lambda c: c.set(1, 0, 1), "overlap in part at 1 along dimension 0"),
-    "a chunk twice": (
-        lambda c: c.write(np.vstack([c.rows, c.rows[1:2]]), np.append(c.crcs, c.crcs[1])),
-        "has two chunks at offsets (2, 0)",
-    ),
-    "a hole along rows": (lambda c: _drop(c, 1), "leave elements 2..4 of dimension 0"),
-    "a hole along columns": (lambda c: c.set(1, 3, 4, 2, 4), "inconsistent sizes"),
-    "half a row, consistent": (
-        lambda c: c.set(1, 3, 4, 2, 4, *c.rows[1, RANK:PAY].tolist(), c.rows[1, PAY], 32),
-        "'w (at (0, 3))' (shape (40, 5)) leave element (2, 1) in no chunk",
-    ),
-    "payload length": (lambda c: c.set(3, PAY + 1, 60), "inconsistent sizes or byte ranges"),
-    "payload past its record": (
-        lambda c: c.set(3, PAY, int(c.rows[3, REC:PAY].sum()) - 10),
-        "inconsistent sizes or byte ranges",
-    ),
-    "record past the file": (
-        lambda c: c.set(19, REC + 1, c.folder.sizes()[c.data]),
-        "lie past the end of",
-    ),
-    "same record as another gathered row": (
-        lambda c: c.payload(1, c.data, int(c.rows[0, PAY]), 64),
-        "claim overlapping bytes",
-    ),
-    "negative rank": (lambda c: c.set(4, RANK, -1), "chunk row 4 holds an impossible value"),
-    "negative k": (lambda c: c.set(4, K, -1), "chunk row 4 holds an impossible value"),
-    "negative record": (lambda c: c.set(4, REC, -1), "chunk row 4 holds an impossible value"),
-    "below -1": (lambda c: c.set(4, REC, -2), "a chunk row holds an impossible value"),
-    "token": (lambda c: c.set(4, TOKEN, 1 << 48), "chunk row 4 holds an impossible value"),
-    "frame": (lambda c: c.set(4, FRAME, 1 << 32), "chunk row 4 holds an impossible value"),
-    "transform": (lambda c: c.set(4, TRANSFORM, 0), "chunk row 4 holds an impossible value"),
-    "two checksums": (
-        lambda c: c.write(c.rows_with(4, COUNT, 2), np.insert(c.crcs, 4, 0)),
-        "inconsistent sizes or byte ranges",
-    ),
-    "no checksum": (
-        lambda c: c.write(c.rows_with(4, COUNT, 0), np.delete(c.crcs, 4)),
-        "inconsistent sizes or byte ranges",
-    ),
-    "tile not the sizes": (lambda c: c.set(4, 4, 1, 8), "inconsistent sizes or byte ranges"),
+BAD, ROW4 = "inconsistent sizes or byte ranges", "chunk row 4 holds an impossible value"
+# name: (columns set as `Ckpt.set` takes them, or a function crafting 'w', what is said)
+CRAFTED: dict[str, tuple[Any, str]] = {
+    "near out of bounds": ((19, 0, 39), BAD),
+    "size near 2**62": ((19, 2, (1 << 62) - 40), BAD),
+    "columns past the shape": ((5, 3, 9, 2, 9), BAD),
+    "offset near 2**62": ((19, 0, (1 << 62) - 3), "leave elements 38.. of dimension 0"),
+    "partial overlap": ((1, 0, 1), "overlap in part at 1 along dimension 0"),
+    "a chunk twice": (lambda c: c.take([*range(20), 1]), "has two chunks at offsets (2, 0)"),
+    "a hole along rows": (lambda c: c.take([0, *range(2, 20)]), "leave elements 2..4 of"),
+    "hole in columns": (lambda c: c.set(1, 3, 4, 2, 4, *c.rows[1, 6:12], 32), "(2, 1) in no chunk"),
+    "payload length": ((3, PAY + 1, 60), BAD),
+    "payload past its record": (lambda c: c.set(3, PAY, int(c.rows[3, REC:PAY].sum()) - 10), BAD),
+    "record past its file": (lambda c: c.set(19, REC + 1, c.folder.sizes()[c.data]), "past the"),
+    "two rows, one record": (lambda c: c.payload(1, c.data, int(c.rows[0, PAY])), "overlapping"),
+    "negative rank": ((4, RANK, -1), ROW4),
+    "negative k": ((4, K, -1), ROW4),
+    "negative record": ((4, REC, -1), ROW4),
+    "below -1": ((4, REC, -2), "a chunk row holds an impossible value"),
+    "token": ((4, TOKEN, 1 << 48), ROW4),
+    "frame": ((4, FRAME, 1 << 32), ROW4),
+    "negative frame": ((4, FRAME, -1), ROW4),
+    "transform": ((4, TRANSFORM, 0), ROW4),
+    "two checksums": (lambda c: c.set(4, COUNT, 2, crcs=np.insert(c.crcs, 4, 0)), BAD),
+    "no checksum": (lambda c: c.set(4, COUNT, 0, crcs=np.delete(c.crcs, 4)), BAD),
+    "tile not the sizes": ((4, 4, 1, 8), BAD),
+    # 'w' in a grid of 4 x 4 chunks (row 3: the one at (4, 4)), loaded by strips of rows
+    "grid: overlap": ((3, 1, 3), "overlap in part: "),
+    "grid: hole": (lambda c: c.take([0, 1, 2, *range(4, 20)]), "leave element (4, 4) in no chunk"),
+    "grid: twice": (lambda c: c.take([*range(20), 3]), "has two chunks at offsets (4, 4)"),
+    "grid: out of bounds": ((3, 1, 5), BAD),
 }
 
 
 @pytest.mark.parametrize("name", list(CRAFTED))
 def test_a_crafted_row_is_refused_as_the_old_path_refuses_it(ck, monkeypatch, name):
     craft, fragment = CRAFTED[name]
-    craft(ck)
-    assert fragment in _refused(ck, monkeypatch)
+    grid = name.startswith("grid")
+    ck = Ckpt(f"{ck.location}-grid", GRID) if grid else ck
+    ck.set(*craft) if isinstance(craft, tuple) else craft(ck)
+    assert fragment in _refused(ck, monkeypatch, STRIPS if grid else BANDS)
 
 
-def test_a_gathered_row_claiming_a_row_read_whole_is_refused(ck, monkeypatch):
-    ck.payload(5, ck.data, int(ck.rows[0, PAY]), 64)
-    where = ck.folder.where(ck.data)
-    at = int(ck.rows[0, PAY])
-    _refused(
-        ck,
-        monkeypatch,
-        f"'w' and 'w' claim overlapping bytes of {where} (at {at}): damaged or crafted records",
-        MIXED,
-    )
-
-
-def test_a_gathered_row_claiming_an_object_is_refused(ck, monkeypatch):
-    ck.payload(5, ck.n.file, ck.n.offset, 64)
-    assert "claim overlapping bytes" in _refused(ck, monkeypatch)
-
-
-def _damage(ck: Ckpt, tmp_path, how: str) -> None:
-    path = ck.folder.where(ck.data)
-    data = ck.folder.read(ck.data)
-    if how == "flipped":
-        at = int(ck.rows[7, PAY]) + 3
-        ck.folder.write_durably(ck.data, data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :])
-    elif how == "truncated":
-        ck.folder.write_durably(ck.data, data[: int(ck.rows[19, REC]) + 8])
-    elif how == "missing":
-        ck.folder.remove(ck.data)
-    elif ck.location.startswith(str(tmp_path)):  # a link to a copy outside, never read
-        os.replace(path, tmp_path / "outside.distcp")
-        os.symlink(tmp_path / "outside.distcp", path)
-    else:
-        pytest.skip("no links in memory")
+@pytest.mark.parametrize("whose", ["chunk 0, read whole", "object 'n'"])
+def test_a_gathered_row_claiming_bytes_read_otherwise_is_refused(ck, monkeypatch, whose):
+    file, at = (ck.data, int(ck.rows[0, PAY])) if whose[0] == "c" else (ck.n.file, ck.n.offset)
+    ck.payload(5, file, at)
+    where = ck.folder.where(file)
+    tail = f"claim overlapping bytes of {where} (at {at}): damaged or crafted records"
+    assert _refused(ck, monkeypatch, layout=MIXED).endswith(tail)
 
 
 @pytest.mark.parametrize("how", ["flipped", "truncated", "missing", "linked"])
 def test_a_damaged_data_file_is_refused_as_the_old_path_refuses_it(ck, tmp_path, monkeypatch, how):
-    _damage(ck, tmp_path, how)
-    message = _refused(ck, monkeypatch)
-    where = ck.folder.where(ck.data)
+    path, data, at = ck.folder.where(ck.data), ck.folder.read(ck.data), int(ck.rows[7, PAY])
     if how == "flipped":
-        lo = int(ck.rows[7, PAY])
-        assert message == f"'w': bytes {lo}..{lo + 64} of {where} fail their checksum"
+        ck.folder.write_durably(
+            ck.data, data[: at + 3] + bytes([data[at + 3] ^ 1]) + data[at + 4 :]
+        )
+    elif how == "truncated":
+        ck.folder.write_durably(ck.data, data[: int(ck.rows[19, REC]) + 8])
+    elif how == "missing" or not ck.location.startswith(str(tmp_path)):  # no links in memory
+        ck.folder.remove(ck.data)
+    else:  # a link to a copy outside, never read
+        os.replace(path, tmp_path / "outside.distcp")
+        os.symlink(tmp_path / "outside.distcp", path)
+    message = _refused(ck, monkeypatch)
+    if how == "flipped":
+        assert message == f"'w': bytes {at}..{at + 64} of {path} fail their checksum"
     else:
-        assert where in message and ("missing" if how != "truncated" else "truncated") in message
+        assert path in message and ("missing" if how != "truncated" else "truncated") in message
 
 
-@pytest.fixture
-def grid(tmp_path) -> Ckpt:
-    """'w' in 4 x 4 chunks (row 3 is the one at (4, 4)), loaded by strips of rows: each
-    piece cut along both dimensions, its parts checked by `check_coverage`."""
-    return Ckpt(str(tmp_path / "ck"), saved=GRID)
-
-
-def test_a_grid_loads_by_strips(grid, gathered):
-    _loads(grid, STRIPS, gathered, parts=8 + 14)
-
-
-@pytest.mark.parametrize(
-    "craft, fragment",
-    [
-        (lambda c: c.set(3, 1, 3), "overlap in part"),
-        (lambda c: _drop(c, 3), "leave element (4, 4) in no chunk"),
-        (lambda c: c.write(np.vstack([c.rows, c.rows[3:4]]), np.append(c.crcs, c.crcs[3])), "two"),
-        (lambda c: c.set(3, 1, 5), "inconsistent sizes or byte ranges"),
-    ],
-    ids=["overlap", "hole", "twice", "out of bounds"],
-)
-def test_a_crafted_grid_is_refused_as_the_old_path_refuses_it(grid, monkeypatch, craft, fragment):
-    craft(grid)
-    assert fragment in _refused(grid, monkeypatch, layout=STRIPS)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="row_boxes._plain: prod(sizes) * itemsize overflows int64 (shape's bytes >= 2**63), "
-    "a row passes as plain; word_gather indexes out of scratch: IndexError, not the old refusal",
-)
-def test_a_chunk_whose_byte_count_overflows_is_refused(tmp_path, monkeypatch):
-    """'w' declared (40, X) complex128, chunk 0 (40, X): 40 * X * 16 = 256 (mod 2**64), its
-    real payload; the target holds column 0 only (a layout with holes)."""
+def test_chunks_whose_byte_counts_overflow_are_refused(tmp_path, monkeypatch):
+    """'w' (40, X) complex128, chunks 0 and 1 (18, X): 18 * X * 16 = 256 (mod 2**64)."""
     ck = Ckpt(str(tmp_path / "ck"), dtype=torch.complex128)
-    x = 2 * pow(5, -1, 1 << 57) % (1 << 57)
-    assert 40 * x * 16 % (1 << 64) == 256 == ck.rows[0, PAY + 1] and 40 * x < 1 << 63
-    rows = ck.rows_with(0, 2, 40, x, 40, x)
-    rows[1:, 1] = 8  # the other chunks away from column 0
+    x = 128102389400760776
+    assert 18 * x * 16 % (1 << 64) == 256 == ck.rows[0, PAY + 1] and 40 * x < 1 << 63
+    rows = ck.rows.copy()
+    rows[:2, :6] = [(0, 0, 18, x, 18, x), (18, 0, 18, x, 18, x)]
+    rows[2:, 1] = 8  # the other chunks away from column 0
     ck.write(rows, ck.crcs)
     ck.edit(lambda doc: doc["tensors"]["w"].__setitem__("shape", [40, x]))
-    layout = Layout((40, x), {0: [Block((0, 0), (40, 1))]}, allow_holes=True)
+    layout = Layout((40, x), {0: [Block((0, 0), (36, 1))]}, allow_holes=True)
     for gather in (False, True):
-        target = ShardedTensor.from_layout(layout, [torch.zeros((40, 1), dtype=torch.complex128)])
-        with monkeypatch.context() as m:
-            if not gather:
-                m.setattr(loading, "words_of", lambda _t: None)
-            with pytest.raises(CorruptCheckpointError, match="inconsistent sizes or byte ranges"):
-                swc.load({"w": target}, ck.location)
+        target = ShardedTensor.from_layout(layout, [torch.zeros((36, 1), dtype=torch.complex128)])
+        assert BAD in str(_raised(ck.location, monkeypatch, {"w": target}, gather))
         assert not target.local_shards()[0].any()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="read_locate.open_files: a gather's file shorter than the listing said is named "
-    "by bytes 0..<end of its last payload>, the old path by the last record's range",
-)
 def test_a_file_truncated_after_the_listing_is_named_as_the_old_path_names_it(ck, monkeypatch):
     listing = ck.folder.sizes()
     monkeypatch.setattr(type(ck.folder), "sizes", lambda _self: dict(listing))
-    data = ck.folder.read(ck.data)
-    ck.folder.write_durably(ck.data, data[: int(ck.rows[10, PAY]) + 8])
+    ck.folder.write_durably(ck.data, ck.folder.read(ck.data)[: int(ck.rows[10, PAY]) + 8])
     messages = []
     for gather in (False, True):
         targets = {"w": _targets(BANDS)["w"]}  # not 'n': it lies after the chunks
-        with monkeypatch.context() as m:
-            if not gather:
-                m.setattr(loading, "words_of", lambda _t: None)
-            with pytest.raises(CorruptCheckpointError, match="the file is truncated") as info:
-                swc.load(targets, ck.location)
-        messages.append(str(info.value))
+        messages.append(_raised(ck.location, monkeypatch, targets, gather))
         assert _as_was({**targets, "n": -1}, BANDS)
-    assert messages[1] == messages[0]
+    assert "the file is truncated" in str(messages[0]) and messages[1] == messages[0]
+
+
+def test_a_row_naming_the_index_file_is_refused(ck, monkeypatch):
+    """The index is named as a data file is: its sections are never a chunk's bytes."""
+    ck.payload(5, ck.index, 0)
+    where = ck.folder.where(ck.index)
+    message = _refused(ck, monkeypatch)
+    assert message == (
+        f"'w': its stored bytes would be read from the index file {where}: damaged or crafted "
+        "records"
+    )

@@ -19,9 +19,10 @@ its targets' pieces against the stored chunks and hands the reads to the one
 `ReadExecutor` (`io.read_executor`): whole chunks straight into the targets'
 memory, parts of chunks by byte runs, transformed chunks whole through the
 extension registry; a piece in many small chunks (a reshard: a column band of
-every row chunk) as arrays (`GatherRead`, `format.row_boxes`). Values only DCP's planner knows how to fill (a
-`_Checkpointable` that is no tensor, an unknown tensor subclass) are planned by
-DCP's `DefaultLoadPlanner`, locally, into the same executor (`item_reads`).
+every row chunk) as arrays (`GatherRead`, `format.row_boxes`). Values only DCP's
+planner knows how to fill (a `_Checkpointable` that is no tensor, an unknown
+tensor subclass) are planned by DCP's `DefaultLoadPlanner`, locally, into the
+same executor (`item_reads`).
 """
 
 from __future__ import annotations

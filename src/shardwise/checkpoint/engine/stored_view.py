@@ -185,7 +185,7 @@ class StoredView:
         for key, table in read_sections(self.folder, manifest.index, wanted, where, listing):
             chunks = TensorChunks(key, manifest.tensors[key], table, ranges, spans)
             yield key, _Sectioned(chunks)
-        check_read_ranges(self.folder, ranges, listing, spans)
+        check_read_ranges(self.folder, ranges, listing, spans, manifest.index.file)
 
     def chunks(self, key: str) -> list[StoredBox]:
         """The stored chunks of tensor `key`: their boxes, and what `storage` turns into

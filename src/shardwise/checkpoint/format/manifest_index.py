@@ -29,7 +29,7 @@ from ...errors import CorruptCheckpointError
 from ...storage import Folder
 from .chunk_table import ChunkTable, chunk_consistent, encode_section, file_of
 from .manifest_entries import ChunkEntry, IndexRef, TensorEntry, dtype_from_name
-from .record_check import check_coverage, check_name, check_ranges
+from .record_check import DATA_FILE, check_coverage, check_name, check_ranges
 
 __all__ = [
     "Ranges",
@@ -138,12 +138,19 @@ class RowSpans:
 
 
 def check_read_ranges(
-    folder: Folder, ranges: Ranges, sizes: dict[str, int], spans: RowSpans | None = None
+    folder: Folder,
+    ranges: Ranges,
+    sizes: dict[str, int],
+    spans: RowSpans | None = None,
+    index: str | None = None,
 ) -> None:
     """The byte ranges of every row and object a load reads (`TensorChunks.ranges`, and
     `spans` as arrays), once all are known and before any is read: inside their data
-    files, no two overlapping — two rows naming the same bytes included (one row found
-    by several pieces is one entry)."""
+    files, none in the `index` file (its name is a data file's), no two overlapping —
+    two rows naming the same bytes included (one row found by several pieces is one
+    entry)."""
+    if index is not None:
+        _refuse_index(folder, index, ranges, spans)
     if spans is None or not spans.parts:
         check_ranges(folder, sorted(ranges.values()), sizes)
         return
@@ -163,6 +170,22 @@ def check_read_ranges(
         or (offset[nonzero][1:] < end[nonzero][:-1])[same].any()
     ):
         check_ranges(folder, sorted(_every(ranges, spans)), sizes)
+
+
+def _refuse_index(folder: Folder, index: str, ranges: Ranges, spans: RowSpans | None) -> None:
+    key = next((k for k, name, _at, _n in ranges.values() if name == index), None)
+    named = DATA_FILE.fullmatch(index)
+    if key is None and named is not None and spans is not None and spans.parts:
+        triple = (int(named.group(1)), int(named.group(2)), int(named.group(3), 16))
+        found = np.concatenate(spans.parts)
+        hit = np.flatnonzero((found[:, 2:5] == triple).all(axis=1))
+        if len(hit):
+            key = list(spans.keys)[int(found[hit[0], 0])]
+    if key is not None:
+        raise CorruptCheckpointError(
+            f"'{key}': its stored bytes would be read from the index file {folder.where(index)}: "
+            "damaged or crafted records"
+        )
 
 
 def _listed(

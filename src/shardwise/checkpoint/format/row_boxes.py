@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Boxes", "one_tile_boxes"]
 
+_LIMIT = float(1 << 62)  # bytes no chunk reaches: its int64 arithmetic stays exact
 _NON_NEGATIVE = [0, 1, 3, 4, 7]  # rank, k, record offset and length, frame
 _BOUNDED = [2, 7]  # token (48 bits), frame (a crc32c)
 _BOUNDS = ((1 << 48) - 1, 0xFFFFFFFF)
@@ -36,10 +37,12 @@ _BOUNDS = ((1 << 48) - 1, 0xFFFFFFFF)
 class Boxes:
     """Parts of `k` stored chunks of one tensor: row `i` is the box at `inner[i]` of
     `lengths[i]` of its chunk (of `sizes[i]`), going to `dest[i]` of the piece. The
-    chunk's payload is bytes `payload[i]` (offset, length) of the data file named by
-    `file[i]` (rank, k, token: `chunk_table.file_of`), its one checksum `crc[i]`."""
+    chunk's payload is bytes `payload[i]` (offset, length) of its record `record[i]` in
+    the data file named by `file[i]` (rank, k, token: `chunk_table.file_of`), its one
+    checksum `crc[i]`."""
 
     file: np.ndarray  # (k, 3) int64
+    record: np.ndarray  # (k, 2) int64
     payload: np.ndarray  # (k, 2) int64
     crc: np.ndarray  # (k,) uint32
     sizes: np.ndarray  # (k, d) int64
@@ -82,6 +85,7 @@ def one_tile_boxes(
     chunks.spans.add(chunks.key, hit, rows[:, c : c + 5])
     return Boxes(
         rows[:, c : c + 3],
+        rows[:, c + 3 : c + 5],
         rows[:, c + 5 : c + 7],
         crcs[hit],
         size,
@@ -112,8 +116,10 @@ def _plain(chunks: TensorChunks) -> tuple[np.ndarray, np.ndarray]:
         & (pay_off >= rec_off)
         & (pay_off + pay_len <= rec_off + rec_len)
     )
-    # sizes within the shape (rows out of it are refused above): no overflow
-    plain &= pay_len == np.where(inside[:, None], size, 0).prod(axis=1) * chunks.itemsize
+    # the bytes of a chunk in the shape may still pass 2**63: bounded first, in floats
+    size = np.where(inside[:, None], size, 0)
+    plain &= size.astype(np.float64).prod(axis=1) * chunks.itemsize < _LIMIT
+    plain &= pay_len == np.where(plain[:, None], size, 0).prod(axis=1) * chunks.itemsize
     starts = np.asarray(table.starts[:-1], dtype=np.int64)
     crcs = np.append(np.asarray(table.crcs, dtype=np.uint32), np.uint32(0))[starts]
     return plain, crcs

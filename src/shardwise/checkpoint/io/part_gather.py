@@ -63,15 +63,22 @@ def words_of(target: torch.Tensor) -> tuple[np.ndarray, int] | None:
         return None
 
 
-def extents(windows: list[Window]) -> dict[str, tuple[int, str]]:
-    """Each data file the windows read: where their last range ends, and a key read there."""
-    out: dict[str, tuple[int, str]] = {}
-    for w in windows:
-        for name, ranges in w.ranges.items():
-            end = max(hi for _lo, hi in ranges)
-            if end > out.get(name, (-1, ""))[0]:
-                out[name] = (end, w.reads[0].name)
-    return out
+def extents(reads: list[GatherRead]) -> dict[str, tuple[int, int, str]]:
+    """Each data file the gathers read: the record that ends last in it (start, end) and
+    its key, as `read_locate.open_files` names a file too short for it."""
+    if not reads:
+        return {}
+    files = np.concatenate([r.boxes.file for r in reads])
+    record = np.concatenate([r.boxes.record for r in reads])
+    owner = np.repeat(np.arange(len(reads)), [len(r.boxes.crc) for r in reads])
+    end = record.sum(axis=1)
+    order = np.lexsort((end, files[:, 2], files[:, 1], files[:, 0]))  # by file, then end
+    ranked = files[order]
+    last = order[np.append((ranked[1:] != ranked[:-1]).any(axis=1), True)]
+    return {
+        file_of(*files[i].tolist()): (int(record[i, 0]), int(end[i]), reads[owner[i]].name)
+        for i in last.tolist()
+    }
 
 
 def windows(

@@ -93,8 +93,8 @@ class ReadExecutor:
         self._landing.follow_caller()
         try:
             gathers = [r for r in reads if isinstance(r, GatherRead)]
+            open_files(self.folder, reads, self._files, extents(gathers))
             batches = windows(gathers, self.folder, self._files, self.verify, self._count)
-            open_files(self.folder, reads, self._files, extents(batches))
             chunks = [r for r in reads if isinstance(r, ChunkRead)]
             layouts = locate(self.folder, self._files, chunks)
             # objects first: one refused stops the load before any target; then the

@@ -21,10 +21,10 @@ def open_files(
     folder: Folder,
     reads: Sequence[ChunkRead | RecordRead | GatherRead],
     files: dict[str, RandomAccess],
-    ends: dict[str, tuple[int, str]],
+    ends: dict[str, tuple[int, int, str]],
 ) -> None:
     """Open every file read, once, into `files`; refuse a missing one, or one too short
-    for a range. `ends`: where the gathers' reads end, by file, and a key read there."""
+    for a range. `ends`: the gathers' last record in each file, and its key."""
     last: dict[str, tuple[int, int, str]] = {}  # name -> (start, end, key) of its last range
     for r in reads:
         if isinstance(r, GatherRead):
@@ -33,10 +33,10 @@ def open_files(
         seen = last.get(name)
         if seen is None or end_of(r.info) > seen[1]:
             last[name] = (r.info.offset, end_of(r.info), r.name)
-    for name, (end, key) in ends.items():
+    for name, (start, end, key) in ends.items():
         seen = last.get(name)
         if seen is None or end > seen[1]:
-            last[name] = (0, end, key)
+            last[name] = (start, end, key)
     for name, (start, end, key) in last.items():
         try:
             f = files[name] = folder.open(name)
