@@ -27,6 +27,7 @@ same executor (`item_reads`).
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 from typing import Any
@@ -42,6 +43,7 @@ from ...errors import CheckpointMismatchError, ShardwiseError
 from ...storage import Folder, open_folder
 from ..format.manifest import Manifest
 from ..format.objects import load_object
+from ..format.row_batches import batch_boxes
 from ..format.row_boxes import Boxes
 from ..io.part_gather import words_of
 from ..io.read_executor import ReadExecutor
@@ -49,7 +51,7 @@ from ..io.read_requests import ChunkRead, GatherRead, RecordRead
 from . import replicated
 from .inventory import Piece, pieces_of
 from .item_reads import planned_reads
-from .stored_view import StoredBox, StoredView
+from .stored_view import Covering, StoredBox, StoredView
 
 __all__ = ["load_state", "mismatches"]
 
@@ -149,39 +151,47 @@ def _plan(
         pieces = [p for p in pieces if p.tensor.numel()]
         if pieces:
             held[key] = pieces
-    for key, stored in view.stored_chunks(list(held), stored_objects):
+    together: list[tuple[str, Covering, Piece]] = []  # planned at once: `batch_boxes`
+    sections = view.stored_chunks(list(held), stored_objects)
+    for key, stored in itertools.islice(sections, len(held)):
         if key in sent:
             for piece in held[key]:
                 stored.covering(piece.offsets, piece.sizes)  # checked, not read
             continue
         dtype = view.tensor(key)[1]  # type: ignore[index]  # a stored tensor
         for piece in held[key]:
-            if gather and piece.tensor.dtype == dtype:
-                found = stored.parts(piece.offsets, piece.sizes)
+            if gather and piece.tensor.dtype == dtype and stored.sectioned is not None:
+                together.append((key, stored, piece))
             else:
-                found = stored.covering(piece.offsets, piece.sizes)
-            if isinstance(found, Boxes):
-                words = words_of(piece.tensor)
-                if words is not None:
-                    reads.append(GatherRead(key, *words, piece.sizes, found))
-                    continue
-                found = stored.covering(piece.offsets, piece.sizes)  # no word view: box by box
-            if len(found) == 1 and found[0][:2] == (piece.offsets, piece.sizes):
-                chunk = found[0]
-                info = view.storage(key, chunk[2])
-                zero = (0,) * len(piece.offsets)
-                reads.append(_read(key, chunk, info, dtype, zero, chunk[1], piece.tensor))
-            else:
-                reads += _part_reads(key, view, found, dtype, piece)
+                reads += _reads(key, view, stored.covering(piece.offsets, piece.sizes), piece)
+    batch = batch_boxes([(s.sectioned, p.offsets, p.sizes) for _k, s, p in together])  # type: ignore[misc]
+    for (key, stored, piece), boxes in zip(together, batch, strict=True):
+        found = stored.parts(piece.offsets, piece.sizes) if boxes is None else boxes
+        if isinstance(found, Boxes):
+            words = words_of(piece.tensor)
+            if words is not None:
+                reads.append(GatherRead(key, *words, piece.sizes, found))
+                continue
+            found = stored.covering(piece.offsets, piece.sizes)  # no word view: box by box
+        reads += _reads(key, view, found, piece)
+    for _ in sections:  # its end: every row's and object's byte range checked, before any read
+        pass
     if by_dcp:
         reads += planned_reads(by_dcp, view.metadata(), view.folder, trust_objects=trust)
     return reads
 
 
-def _part_reads(
-    key: str, view: StoredView, chunks: list[StoredBox], dtype: torch.dtype, piece: Piece
+def _reads(
+    key: str, view: StoredView, chunks: list[StoredBox], piece: Piece
 ) -> list[ChunkRead | RecordRead]:
-    """The parts of stored chunks that overlap `piece`, each one read."""
+    """`piece` read from the stored `chunks` that overlap it: one whole chunk straight
+    into it, else the part of each chunk it takes."""
+    dtype = view.tensor(key)[1]  # type: ignore[index]  # a stored tensor
+    if len(chunks) == 1 and chunks[0][:2] == (piece.offsets, piece.sizes):
+        chunk = chunks[0]
+        zero = (0,) * len(piece.offsets)
+        info = view.storage(key, chunk[2])
+        return [_read(key, chunk, info, dtype, zero, chunk[1], piece.tensor)]
     target = piece.tensor
     reads: list[ChunkRead | RecordRead] = []
     for chunk in chunks:

@@ -223,6 +223,11 @@ def _storage(metadata: Metadata, index: MetadataIndex) -> Any:
 
 
 class Covering(Protocol):
+    @property
+    def sectioned(self) -> TensorChunks | None:
+        """Its section's rows, to plan many pieces at once (`row_batches`)."""
+        ...
+
     def covering(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox]:
         """The stored chunks overlapping the non-empty box (`offsets`, `sizes`)."""
         ...
@@ -236,7 +241,7 @@ class _Sectioned:
     """A tensor's chunks from its section (`manifest_index.TensorChunks`)."""
 
     def __init__(self, chunks: TensorChunks) -> None:
-        self.chunks = chunks
+        self.chunks = self.sectioned = chunks
 
     def covering(
         self, offsets: tuple[int, ...], sizes: tuple[int, ...], rows: list[int] | None = None
@@ -252,6 +257,8 @@ class _Sectioned:
 
 class _Listed:
     """A tensor's chunks as a list, checked when the records were read."""
+
+    sectioned = None
 
     def __init__(self, chunks: list[StoredBox]) -> None:
         self.chunks = chunks

@@ -25,7 +25,7 @@ from .chunk_coverage import check_coverage
 if TYPE_CHECKING:
     from .manifest_index import TensorChunks
 
-__all__ = ["Boxes", "one_tile_boxes"]
+__all__ = ["Boxes", "first_crcs", "one_tile_boxes", "plain", "plain_rows"]
 
 _LIMIT = float(1 << 62)  # bytes no chunk reaches: its int64 arithmetic stays exact
 _NON_NEGATIVE = [0, 1, 3, 4, 7]  # rank, k, record offset and length, frame
@@ -66,7 +66,7 @@ def one_tile_boxes(
     hit = np.asarray(found, dtype=np.int64)
     rows = array[hit]
     if chunks.plain is None:
-        chunks.plain = _plain(chunks)
+        chunks.plain = plain_rows(chunks)
     plain, crcs = chunks.plain
     if not plain[hit].all():
         return None
@@ -95,19 +95,26 @@ def one_tile_boxes(
     )
 
 
-def _plain(chunks: TensorChunks) -> tuple[np.ndarray, np.ndarray]:
-    """Which rows of the section are plain one-tile chunks that check out alone (in
-    bounds, byte ranges consistent with the sizes, names and frame possible), and
+def plain_rows(chunks: TensorChunks) -> tuple[np.ndarray, np.ndarray]:
+    """Which rows of the section are plain one-tile chunks that check out alone, and
     each row's first checksum: once a tensor, for all its pieces."""
-    table, d = chunks.table, chunks.table.ndim
-    array = table.array
-    assert array is not None
+    table = chunks.table
+    assert table.array is not None
+    shape = np.asarray(chunks.entry.shape, dtype=np.int64)
+    return plain(table.array, shape, chunks.itemsize), first_crcs(table.array, table.crcs)
+
+
+def plain(array: np.ndarray, shape: np.ndarray, itemsize: np.ndarray | int) -> np.ndarray:
+    """Which section rows (`array`, of tensors of `shape` and `itemsize`: one, or one per
+    row) are plain one-tile chunks that check out alone: in bounds, byte ranges
+    consistent with the sizes, names and frame possible."""
+    d = (array.shape[1] - 10) // 3
     at, size, tile = array[:, :d], array[:, d : 2 * d], array[:, 2 * d : 3 * d]
     # rank k token record_offset record_length payload_offset payload_length frame count transform
     cols = array[:, 3 * d :]
     rec_off, rec_len, pay_off, pay_len = cols[:, 3], cols[:, 4], cols[:, 5], cols[:, 6]
-    inside = (at + size <= np.asarray(chunks.entry.shape, dtype=np.int64)).all(axis=1)
-    plain = (
+    inside = (at + size <= shape).all(axis=1)
+    ok = (
         inside
         & (tile == size).all(axis=1)
         & (cols[:, _NON_NEGATIVE] >= 0).all(axis=1)
@@ -118,11 +125,16 @@ def _plain(chunks: TensorChunks) -> tuple[np.ndarray, np.ndarray]:
     )
     # the bytes of a chunk in the shape may still pass 2**63: bounded first, in floats
     size = np.where(inside[:, None], size, 0)
-    plain &= size.astype(np.float64).prod(axis=1) * chunks.itemsize < _LIMIT
-    plain &= pay_len == np.where(plain[:, None], size, 0).prod(axis=1) * chunks.itemsize
-    starts = np.asarray(table.starts[:-1], dtype=np.int64)
-    crcs = np.append(np.asarray(table.crcs, dtype=np.uint32), np.uint32(0))[starts]
-    return plain, crcs
+    ok &= size.astype(np.float64).prod(axis=1) * itemsize < _LIMIT
+    return ok & (pay_len == np.where(ok[:, None], size, 0).prod(axis=1) * itemsize)
+
+
+def first_crcs(array: np.ndarray, crcs: np.ndarray) -> np.ndarray:
+    """Each row's first checksum (0 for a row with none) of section rows `array` whose
+    checksums, in row order, are `crcs` (their count checked by `ChunkTable`)."""
+    count = array[:, -2]
+    starts = np.cumsum(count) - count
+    return np.append(np.asarray(crcs, dtype=np.uint32), np.uint32(0))[starts]
 
 
 def _cut_dims(clo: np.ndarray, chi: np.ndarray, lo: np.ndarray, n: np.ndarray) -> int:
