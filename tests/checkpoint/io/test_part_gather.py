@@ -136,21 +136,36 @@ def test_windows_batches_and_box_copies_give_the_same_values(
     assert len(gathered) == 4
 
 
-def test_each_chunk_is_read_once_verifying_and_not_gathered_otherwise(tmp_path, gathered):
+@pytest.mark.parametrize("verify", [True, False])
+def test_verifying_each_chunk_is_read_whole_else_its_parts_first_to_last(
+    tmp_path, gathered, verify
+):
+    """Columns 1-4 of every 2 x 6 float32 chunk: verifying, whole chunks (one checksum
+    tile each); not verifying, from the first part's byte 4 to the last's byte 44, as
+    one ranged read (the gaps between them, frames and all, are under a page)."""
     full = _full(torch.float32)
     path = _save(tmp_path, full)
     chunks = Manifest.read(path).tensors["w"].chunks
     assert len({c.file for c in chunks}) == 1 and all(c.payload for c in chunks)
     first = min(c.payload[0] for c in chunks)  # type: ignore[index]
     last = max(c.payload[0] + c.payload[1] for c in chunks)  # type: ignore[index]
-    target = _targets(Layout.column_wise((ROWS, 6), [3, 3]), torch.float32)
-    reader = swc.load({"w": target}, path)
-    assert reader.bytes_read == last - first  # one window, one span: gaps of frames only
-    assert len(gathered) == 2
-    target = _targets(Layout.column_wise((ROWS, 6), [3, 3]), torch.float32)
-    swc.load({"w": target}, path, verify=False)  # ranged reads of the parts alone
+    band = Layout((ROWS, 6), {0: [Block((0, 1), (ROWS, 4))]}, allow_holes=True)
+    target = ShardedTensor.from_layout(band, [torch.full((ROWS, 4), 7.0)])
+    reader = swc.load({"w": target}, path, verify=verify)
     _exact(target, full)
-    assert len(gathered) == 2
+    assert reader.bytes_read == (last - first if verify else last - 4 - (first + 4))
+    assert [len(g.boxes.crc) for g in gathered] == [20]
+
+
+def test_parts_whose_runs_lie_a_page_apart_are_read_run_by_run(tmp_path, gathered):
+    """Not verifying, a column of 8 KiB rows reads its runs, not the rows between."""
+    full = _full(torch.float32, (ROWS, 2048))
+    path = _save(tmp_path, full)
+    band = Layout((ROWS, 2048), {0: [Block((0, 5), (ROWS, 1))]}, allow_holes=True)
+    target = ShardedTensor.from_layout(band, [torch.zeros((ROWS, 1))])
+    reader = swc.load({"w": target}, path, verify=False)
+    _exact(target, full)
+    assert gathered == [] and reader.bytes_read == ROWS * 4
 
 
 def test_targets_the_gather_cannot_view_take_the_other_path(tmp_path, gathered):

@@ -44,7 +44,7 @@ from ...storage import Folder, open_folder
 from ..format.manifest import Manifest
 from ..format.objects import load_object
 from ..format.row_batches import batch_boxes
-from ..format.row_boxes import Boxes
+from ..format.row_boxes import Boxes, dense
 from ..io.part_gather import words_of
 from ..io.read_executor import ReadExecutor
 from ..io.read_requests import ChunkRead, GatherRead, RecordRead
@@ -122,16 +122,17 @@ def _plan(
     objects: dict[str, Any],
     trust: bool,
     sent: set[str],
-    gather: bool,
+    verify: bool,
 ) -> list[ChunkRead | RecordRead | GatherRead]:
     """This rank's reads: objects (unpickled into `objects`), the stored chunks its
     pieces overlap (from a version 4 index: only its tensors' sections, only the rows
     it reads), and DCP's own plan for values only DCP knows how to fill. The values
     in `sent` are not read (another rank sends them) but their rows are checked with
     the rest, as if read: a row that claims another's bytes is refused on every rank
-    that loads it, read or sent. With `gather` (verifying: parts of one-tile chunks
-    read whole), a piece in small chunks of a version 4 index is planned as arrays
-    (`GatherRead`)."""
+    that loads it, read or sent. A piece in small chunks of a version 4 index is
+    planned as arrays (`GatherRead`): verifying, each chunk is read whole (it is one
+    checksum tile); not verifying, each part's bytes from first to last, where a
+    ranged read would read them so too."""
     reads: list[ChunkRead | RecordRead | GatherRead] = []
     by_dcp: dict[str, Any] = {}
     held: dict[str, list[Piece]] = {}
@@ -160,19 +161,22 @@ def _plan(
             continue
         dtype = view.tensor(key)[1]  # type: ignore[index]  # a stored tensor
         for piece in held[key]:
-            if gather and piece.tensor.dtype == dtype and stored.sectioned is not None:
+            if piece.tensor.dtype == dtype and stored.sectioned is not None:
                 together.append((key, stored, piece))
             else:
                 reads += _reads(key, view, stored.covering(piece.offsets, piece.sizes), piece)
     batch = batch_boxes([(s.sectioned, p.offsets, p.sizes) for _k, s, p in together])  # type: ignore[misc]
     for (key, stored, piece), boxes in zip(together, batch, strict=True):
         found = stored.parts(piece.offsets, piece.sizes) if boxes is None else boxes
-        if isinstance(found, Boxes):
+        # not verifying, a part reads its bytes from first to last: when its runs would be
+        # read together anyway (`row_boxes.dense`)
+        if isinstance(found, Boxes) and (verify or dense(found, piece.tensor.element_size())):
             words = words_of(piece.tensor)
             if words is not None:
                 reads.append(GatherRead(key, *words, piece.sizes, found))
                 continue
-            found = stored.covering(piece.offsets, piece.sizes)  # no word view: box by box
+        if isinstance(found, Boxes):  # box by box after all
+            found = stored.covering(piece.offsets, piece.sizes)
         reads += _reads(key, view, found, piece)
     for _ in sections:  # its end: every row's and object's byte range checked, before any read
         pass

@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .byte_runs import MERGE_GAP
 from .chunk_coverage import check_coverage
 
 if TYPE_CHECKING:
     from .manifest_index import TensorChunks
 
-__all__ = ["Boxes", "first_crcs", "one_tile_boxes", "plain", "plain_rows"]
+__all__ = ["Boxes", "dense", "first_crcs", "one_tile_boxes", "plain", "plain_rows"]
 
 _LIMIT = float(1 << 62)  # bytes no chunk reaches: its int64 arithmetic stays exact
 _NON_NEGATIVE = [0, 1, 3, 4, 7]  # rank, k, record offset and length, frame
@@ -93,6 +94,21 @@ def one_tile_boxes(
         chi - clo,
         clo - lo,
     )
+
+
+def dense(boxes: Boxes, itemsize: int) -> bool:
+    """Whether reading each part's bytes from its first to its last reads only what a
+    ranged read of its runs would (`byte_runs.spans`: runs closer than `MERGE_GAP` are
+    read together): no gap between its runs reaches `MERGE_GAP`."""
+    sizes, lengths = boxes.sizes, boxes.lengths
+    strides = np.ones_like(sizes)
+    for j in range(sizes.shape[1] - 2, -1, -1):
+        strides[:, j] = strides[:, j + 1] * sizes[:, j + 1]
+    # from a run's start in dimension j to the next one's: its stride, less the extent
+    # of one step's box in the dimensions after j
+    extent = np.cumsum(((lengths - 1) * strides)[:, ::-1], axis=1)[:, ::-1]
+    gaps = (strides[:, :-1] - extent[:, 1:] - 1) * itemsize
+    return not ((lengths[:, :-1] > 1) & (gaps >= MERGE_GAP)).any()
 
 
 def plain_rows(chunks: TensorChunks) -> tuple[np.ndarray, np.ndarray]:

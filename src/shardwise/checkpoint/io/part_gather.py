@@ -27,7 +27,9 @@ import torch
 
 from ...errors import CorruptCheckpointError
 from ...storage import Folder, RandomAccess
+from ..format.byte_runs import MERGE_GAP
 from ..format.chunk_table import file_of
+from ..format.row_boxes import Boxes
 from .read_requests import GatherRead
 from .whole_chunks import GAP
 from .word_gather import gather
@@ -129,11 +131,17 @@ class Window:
             [np.concatenate([b.file for b in boxes]), np.concatenate([b.payload for b in boxes])]
         )
         self.chunks, first, inverse = _distinct(stored)
+        inverse = inverse.reshape(-1)
         self.crcs = np.concatenate([b.crc for b in boxes])[first].tolist()
         self.first = self.owner[first].tolist()  # a read of each chunk, for errors
-        self.spans = _spans(self.chunks)
+        skip = np.zeros(len(self.chunks), dtype=np.int64)  # payload bytes not read, at its start
+        if not verify:  # each chunk from its parts' first byte to their last, no more
+            skip = _needed(reads, boxes, inverse, self.chunks)
+        self.spans = _spans(self.chunks, GAP if verify else MERGE_GAP)
         self.slot, self.dense, self.total = _slots(self.chunks, self.spans)
-        self.at = self.slot[inverse.reshape(-1)]  # each part's chunk's slot, in bytes
+        # where each part's chunk's payload starts in scratch, in bytes (before the
+        # scratch when its first bytes are not read: they are never indexed)
+        self.at = (self.slot - skip)[inverse]
         self.ranges: dict[str, list[tuple[int, int]]] = {}
         for a, b in self.spans:
             lo, hi = int(self.chunks[a, 3]), int(self.chunks[b - 1, 3:5].sum())
@@ -164,7 +172,7 @@ class Window:
                 raise CorruptCheckpointError(f"{where}: short read of bytes {lo}..{hi}: truncated")
             if self.verify:
                 self._check(view, range(a, b), offsets, lengths, slots, name)
-        gather(self.reads, self.owner, self.at, scratch)
+        gather(self.reads, self.owner, self.at, scratch, whole=self.verify)
 
     def _check(
         self,
@@ -196,14 +204,38 @@ def _distinct(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return ranked[new], order[new], inverse
 
 
-def _spans(chunks: np.ndarray) -> list[tuple[int, int]]:
+def _needed(
+    reads: list[GatherRead], boxes: list[Boxes], inverse: np.ndarray, chunks: np.ndarray
+) -> np.ndarray:
+    """Narrow each chunk's range (`chunks[:, 3:5]`) to the bytes its parts need, from
+    the first to the last; the bytes skipped at each chunk's start."""
+    itemsize = np.repeat([r.words.itemsize * r.factor for r in reads], [len(b.crc) for b in boxes])
+    sizes, inner, lengths = (np.concatenate([getattr(b, f) for b in boxes]) for f in _BOX)
+    strides = np.ones_like(sizes)
+    for j in range(sizes.shape[1] - 2, -1, -1):
+        strides[:, j] = strides[:, j + 1] * sizes[:, j + 1]
+    first = (inner * strides).sum(axis=1) * itemsize
+    last = first + (((lengths - 1) * strides).sum(axis=1) + 1) * itemsize
+    lo = np.full(len(chunks), np.iinfo(np.int64).max, dtype=np.int64)
+    hi = np.zeros(len(chunks), dtype=np.int64)
+    np.minimum.at(lo, inverse, first)
+    np.maximum.at(hi, inverse, last)
+    chunks[:, 3] += lo
+    chunks[:, 4] = hi - lo
+    return lo
+
+
+_BOX = ("sizes", "inner", "lengths")
+
+
+def _spans(chunks: np.ndarray, gap: int) -> list[tuple[int, int]]:
     """Runs of chunks (sorted by file, then offset) one read takes: same file, in
-    order, gaps of at most `GAP`."""
+    order, gaps under `gap`."""
     n = len(chunks)
     end = chunks[:, 3] + chunks[:, 4]
     cut = np.ones(n, dtype=bool)
-    gap = chunks[1:, 3] - end[:-1]
-    cut[1:] = (chunks[1:, :3] != chunks[:-1, :3]).any(axis=1) | (gap < 0) | (gap > GAP)
+    space = chunks[1:, 3] - end[:-1]
+    cut[1:] = (chunks[1:, :3] != chunks[:-1, :3]).any(axis=1) | (space < 0) | (space >= gap)
     bounds = np.append(np.flatnonzero(cut), n).tolist()
     return list(zip(bounds, bounds[1:]))
 

@@ -22,13 +22,17 @@ BATCH = 1 << 18  # word indices built at once (a few MiB of int64 arrays)
 SMALL = 4096  # words: a part up to this is gathered by index, a larger one copied as a box
 
 
-def gather(reads: list[GatherRead], owner: np.ndarray, at: np.ndarray, scratch: np.ndarray) -> None:
-    """Every part from its chunk's slot in `scratch` (at byte `at`) into its target."""
+def gather(
+    reads: list[GatherRead], owner: np.ndarray, at: np.ndarray, scratch: np.ndarray, whole: bool
+) -> None:
+    """Every part from its chunk's payload in `scratch` (starting at byte `at`) into its
+    target; `whole`: every payload is there whole (else only its parts' bytes are, and
+    every part goes by index)."""
     ndims = np.asarray([len(r.shape) for r in reads])
     views = _Views(scratch)
     for d in np.unique(ndims).tolist():
         mine = [reads[i] for i in np.flatnonzero(ndims == d).tolist()]
-        _gather_rows(mine, at[ndims[owner] == d], views)
+        _gather_rows(mine, at[ndims[owner] == d], views, SMALL if whole else None)
 
 
 class _Views:
@@ -47,8 +51,11 @@ class _Views:
         return view
 
 
-def _gather_rows(reads: list[GatherRead], at: np.ndarray, views: _Views) -> None:
-    """`_gather` for reads of one ndim, their parts in order."""
+def _gather_rows(
+    reads: list[GatherRead], at: np.ndarray, views: _Views, box_from: int | None
+) -> None:
+    """`gather` for reads of one ndim, their parts in order; parts of more than
+    `box_from` words copied as boxes (None: none)."""
     owner = np.repeat(np.arange(len(reads)), [len(r.boxes.crc) for r in reads])
     factor = np.asarray([r.factor for r in reads])[owner]
     fields = [np.concatenate([getattr(r.boxes, f) for r in reads]) for f in _FIELDS]
@@ -63,7 +70,7 @@ def _gather_rows(reads: list[GatherRead], at: np.ndarray, views: _Views) -> None
     src = base + (inner * src_stride).sum(axis=1)
     dst = (dest * dst_stride).sum(axis=1)
     count = lengths.prod(axis=1)
-    small = count <= SMALL
+    small = np.ones(len(count), dtype=bool) if box_from is None else count <= box_from
     for i in np.flatnonzero(~small).tolist():  # a large part: one box copy
         words = reads[int(owner[i])].words
         n = int(sizes[i].prod())
