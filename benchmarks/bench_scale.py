@@ -8,8 +8,8 @@
    received and collectives, beside stock's `create_local_plan`,
    `create_global_plan` and load planning on the same states. Loads run only at
    `--load-worlds` (default 64): a rank reads only its tensors' index sections,
-   but the reshard load's W/2 x 1,000 x W part reads take minutes of one
-   process's CPU beyond 64.
+   but one process runs every rank's load, W times one rank's CPU, minutes
+   beyond 64 (one rank alone at any W: `scale_one_rank`).
 2. Real processes (`scale_processes`): 32 gloo ranks save and load 1,000
    row-sharded tensors of 64 KiB with stock and shardwise, then 24 ranks load
    shardwise's checkpoint by columns, bit-exact.

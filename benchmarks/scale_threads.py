@@ -23,7 +23,7 @@ triggers would be charged the scan of every rank's objects.
 Stock: `scale_stock` plans the same per-rank states with DCP's own planners.
 
 Run: `python benchmarks/scale_threads.py --worlds 16 --tensors 100`; `--phases save
-save_again` skips the loads (the reshard load's part reads take minutes at W = 256).
+save_again` skips the loads (every rank's load in one process: minutes at W = 256).
 """
 
 from __future__ import annotations
