@@ -187,11 +187,15 @@ def test_pieces_twice_in_one_batch_as_one_at_a_time(ck):
     rows' ranges registered over and over, checked as one each."""
     sections = stored_view.StoredView.read(ck.folder, 0).stored_chunks(list(TENSORS), [])
     chunks = {k: s.sectioned for k, s in itertools.islice(sections, len(TENSORS))}
-    items = [(chunks[k], b.offsets, b.sizes) for k, t in TENSORS.items() for b in t[3]]
+    items = [
+        (chunks[k], b.offsets, b.sizes, chunks[k].table.overlapping(b.offsets, b.sizes))
+        for k, t in TENSORS.items()
+        for b in t[3]
+    ]
     got = row_batches.batch_boxes(items + items[::-1])
     assert sum(b is not None for b in got) == 2 * GATHERED
-    for (c, lo, n), boxes in zip(items + items[::-1], got, strict=True):
-        alone = one_tile_boxes(c, lo, n, c.table.overlapping(lo, n))
+    for (c, lo, n, found), boxes in zip(items + items[::-1], got, strict=True):
+        alone = one_tile_boxes(c, lo, n, found)
         assert alone is not None and boxes is not None and _parts(boxes) == _parts(alone)
     assert next(sections, None) is None  # ranges checked: no error
 

@@ -152,7 +152,7 @@ def _plan(
         pieces = [p for p in pieces if p.tensor.numel()]
         if pieces:
             held[key] = pieces
-    together: list[tuple[str, Covering, Piece]] = []  # planned at once: `batch_boxes`
+    together: list[tuple[str, Covering, Piece, list[int]]] = []  # planned at once: `batch_boxes`
     sections = view.stored_chunks(list(held), stored_objects)
     for key, stored in itertools.islice(sections, len(held)):
         if key in sent:
@@ -161,12 +161,15 @@ def _plan(
             continue
         dtype = view.tensor(key)[1]  # type: ignore[index]  # a stored tensor
         for piece in held[key]:
+            rows = None
             if piece.tensor.dtype == dtype and stored.sectioned is not None:
-                together.append((key, stored, piece))
-            else:
-                reads += _reads(key, view, stored.covering(piece.offsets, piece.sizes), piece)
-    batch = batch_boxes([(s.sectioned, p.offsets, p.sizes) for _k, s, p in together])  # type: ignore[misc]
-    for (key, stored, piece), boxes in zip(together, batch, strict=True):
+                rows = stored.sectioned.table.overlapping(piece.offsets, piece.sizes)
+                if len(rows) > 1:  # in several chunks: perhaps parts to gather
+                    together.append((key, stored, piece, rows))
+                    continue
+            reads += _reads(key, view, stored.covering(piece.offsets, piece.sizes, rows), piece)
+    batch = batch_boxes([(s.sectioned, p.offsets, p.sizes, r) for _k, s, p, r in together])  # type: ignore[misc]
+    for (key, stored, piece, _rows), boxes in zip(together, batch, strict=True):
         found = stored.parts(piece.offsets, piece.sizes) if boxes is None else boxes
         # not verifying, a part reads its bytes from first to last: when its runs would be
         # read together anyway (`row_boxes.dense`)

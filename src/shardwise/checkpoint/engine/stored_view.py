@@ -228,8 +228,11 @@ class Covering(Protocol):
         """Its section's rows, to plan many pieces at once (`row_batches`)."""
         ...
 
-    def covering(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox]:
-        """The stored chunks overlapping the non-empty box (`offsets`, `sizes`)."""
+    def covering(
+        self, offsets: tuple[int, ...], sizes: tuple[int, ...], rows: list[int] | None = None
+    ) -> list[StoredBox]:
+        """The stored chunks overlapping the non-empty box (`offsets`, `sizes`): the `rows`
+        of its section, when the caller found them."""
         ...
 
     def parts(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox] | Boxes:
@@ -268,7 +271,9 @@ class _Listed:
     def parts(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox]:
         return self.covering(offsets, sizes)  # checked whole when read: few rows, or old formats
 
-    def covering(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox]:
+    def covering(
+        self, offsets: tuple[int, ...], sizes: tuple[int, ...], rows: list[int] | None = None
+    ) -> list[StoredBox]:
         if self.exact is not None:
             same = self.exact.get((offsets, sizes))
             if same is not None:

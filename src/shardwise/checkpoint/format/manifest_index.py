@@ -249,6 +249,7 @@ class TensorChunks:
         self.itemsize = dtype_from_name(entry.dtype).itemsize
         # which rows are plain one-tile chunks, and their checksums: `row_boxes`, once
         self.plain: tuple[np.ndarray, np.ndarray] | None = None
+        self.crc1: np.ndarray | None = None  # each row's first checksum: `row_batches`
 
     def covering(
         self, offsets: tuple[int, ...], sizes: tuple[int, ...], rows: list[int] | None = None

@@ -2,9 +2,9 @@
 passes over all of them, not a few dozen numpy calls a piece.
 
 A reshard rank with one piece in each of 1,000 tensors spent about 100 µs a
-piece finding and checking its rows one tensor at a time. Here the sections of
-all those tensors (of one ndim) are stacked, every (piece, row of its tensor)
-pair tested at once, and the same rules applied per piece with sorted segment
+piece checking its rows one piece at a time. Here the rows each piece overlaps
+(found in its tensor's section: `ChunkTable.overlapping`) are stacked, for all
+pieces of one ndim, and the same rules applied per piece with sorted segment
 operations: every row the piece overlaps a plain one-tile chunk (`row_boxes.plain`'s
 rules), at least two of them, the clipped boxes cut along one dimension and
 tiling it exactly. A piece that passes gets its `Boxes` (rows in the order they
@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 __all__ = ["batch_boxes"]
 
 PAIRS = 1 << 17  # (piece, row) pairs tested at once: a few MiB of arrays
-Item = tuple["TensorChunks", tuple[int, ...], tuple[int, ...]]  # a tensor's chunks, a piece
+# a tensor's chunks, a piece (offsets, sizes) and the rows of its section it overlaps
+Item = tuple["TensorChunks", tuple[int, ...], tuple[int, ...], list[int]]
 
 
 def batch_boxes(items: Sequence[Item]) -> list[Boxes | None]:
@@ -35,15 +36,15 @@ def batch_boxes(items: Sequence[Item]) -> list[Boxes | None]:
     each tensor's load (`TensorChunks.spans`)."""
     out: list[Boxes | None] = [None] * len(items)
     by_ndim: dict[int, list[int]] = {}
-    for i, (chunks, offsets, _sizes) in enumerate(items):
-        if chunks.table.array is not None and offsets and chunks.spans is not None:
+    for i, (chunks, offsets, _sizes, found) in enumerate(items):
+        if chunks.table.array is not None and offsets and chunks.spans is not None and found:
             by_ndim.setdefault(len(offsets), []).append(i)
     for d, which in by_ndim.items():
         start = 0
         while start < len(which):  # at most PAIRS (piece, row) pairs at once, or one piece
             end, pairs = start, 0
             while end < len(which) and (end == start or pairs < PAIRS):
-                pairs += items[which[end]][0].table.count
+                pairs += len(items[which[end]][3])
                 end += 1
             part = which[start:end]
             for i, boxes in zip(part, _batch([items[i] for i in part], d), strict=True):
@@ -53,27 +54,20 @@ def batch_boxes(items: Sequence[Item]) -> list[Boxes | None]:
 
 
 def _batch(items: list[Item], d: int) -> list[Boxes | None]:
-    tables = list({id(c): c for c, _o, _s in items}.values())
-    place = {id(c): t for t, c in enumerate(tables)}
-    counts = np.asarray([c.table.count for c in tables])
-    first = np.concatenate([[0], np.cumsum(counts)])
-    rows = np.concatenate([c.table.array for c in tables])
-    shapes = np.asarray([c.entry.shape for c in tables], dtype=np.int64).reshape(-1, d)
-    sizes = np.asarray([c.itemsize for c in tables], dtype=np.int64)
-    usable = plain(rows, np.repeat(shapes, counts, axis=0), np.repeat(sizes, counts))
-    crcs = first_crcs(rows, np.concatenate([c.table.crcs for c in tables]))
-    table = np.asarray([place[id(c)] for c, _o, _s in items])
-    lo = np.asarray([o for _c, o, _s in items], dtype=np.int64).reshape(-1, d)
-    n = np.asarray([s for _c, _o, s in items], dtype=np.int64).reshape(-1, d)
     m = len(items)
-    # every (piece, row of its tensor) pair, then those that overlap
-    per = counts[table]
+    per = np.asarray([len(found) for *_, found in items])
+    local = np.concatenate([np.asarray(found, dtype=np.int64) for *_, found in items])
+    rows = np.concatenate([c.table.array[found] for c, _o, _s, found in items])  # type: ignore[index]
+    crcs = np.concatenate([_first_crcs(c)[found] for c, _o, _s, found in items])
+    shapes = np.asarray([c.entry.shape for c, *_ in items], dtype=np.int64).reshape(-1, d)
+    sizes = np.asarray([c.itemsize for c, *_ in items], dtype=np.int64)
+    usable = plain(rows, np.repeat(shapes, per, axis=0), np.repeat(sizes, per))
+    lo = np.asarray([o for _c, o, _s, _f in items], dtype=np.int64).reshape(-1, d)
+    n = np.asarray([s for _c, _o, s, _f in items], dtype=np.int64).reshape(-1, d)
     piece = np.repeat(np.arange(m), per)
-    local = np.arange(len(piece)) - np.repeat(np.cumsum(per) - per, per)  # row in its table
-    row = local + first[table][piece]  # row in `rows`
-    at, size = rows[row, :d], rows[row, d : 2 * d]
-    plo, pn = lo[piece], n[piece]
-    hit = ((at < plo + pn) & (at + size > plo) & (size > 0)).all(axis=1)
+    row = np.arange(len(piece))  # in `rows`
+    at, size, plo, pn = rows[:, :d], rows[:, d : 2 * d], lo[piece], n[piece]
+    hit = ((at < plo + pn) & (at + size > plo) & (size > 0)).all(axis=1)  # as found: checked
     pairs = _Pairs(piece[hit], local[hit], row[hit], at[hit], size[hit], plo[hit], pn[hit])
     found = np.bincount(pairs.piece, minlength=m)
     bad = np.bincount(pairs.piece, weights=~usable[pairs.row], minlength=m) > 0
@@ -113,6 +107,14 @@ class _Pairs:
         for name in ("piece", "local", "row", "at", "size", "plo", "pn", "clo", "chi"):
             setattr(out, name, getattr(self, name)[which])
         return out
+
+
+def _first_crcs(chunks: TensorChunks) -> np.ndarray:
+    """Each row's first checksum, once a tensor."""
+    if chunks.crc1 is None:
+        assert chunks.table.array is not None
+        chunks.crc1 = first_crcs(chunks.table.array, chunks.table.crcs)
+    return chunks.crc1
 
 
 def _boxes(
