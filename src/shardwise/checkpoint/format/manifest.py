@@ -93,9 +93,8 @@ _TAIL = re.compile(rb',"crc32c":(0|[1-9][0-9]{0,9})\}$')
 
 
 def _checksum_matches(text: bytes, doc: dict[str, Any]) -> bool:
-    """Whether `doc`'s "crc32c" is the checksum of its compact form. Text as the writer
-    wrote it is checked as it is (its bytes are that form); anything else (indented,
-    reordered) is encoded again."""
+    """Whether `doc`'s "crc32c" checksums its compact form: the writer's text as it is
+    (its bytes are that form), anything else (indented, reordered) encoded again."""
     found = _TAIL.search(text, max(0, len(text) - 32))
     if found is not None and int(found.group(1)) == doc.get("crc32c"):
         if crc32c.crc32c(b"0}", crc32c.crc32c(memoryview(text)[: found.start(1)])) == doc["crc32c"]:
