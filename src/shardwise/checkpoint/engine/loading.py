@@ -161,10 +161,10 @@ def _plan(
             continue
         dtype = view.tensor(key)[1]  # type: ignore[index]  # a stored tensor
         for piece in held[key]:
-            rows = None
-            if piece.tensor.dtype == dtype and stored.sectioned is not None:
-                rows = stored.sectioned.table.overlapping(piece.offsets, piece.sizes)
-                if len(rows) > 1:  # in several chunks: perhaps parts to gather
+            rows, sectioned = None, stored.sectioned
+            if piece.tensor.dtype == dtype and sectioned is not None:
+                rows = sectioned.table.overlapping(piece.offsets, piece.sizes)
+                if len(rows) > 1 and sectioned.table.array is not None:  # parts to gather?
                     together.append((key, stored, piece, rows))
                     continue
             reads += _reads(key, view, stored.covering(piece.offsets, piece.sizes, rows), piece)
