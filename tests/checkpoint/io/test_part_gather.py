@@ -119,11 +119,12 @@ def test_chunks_of_a_grid_cut_in_two_dimensions_cover_each_piece(tmp_path, gathe
     assert [len(g.boxes.crc) for g in gathered] == [8, 16]
 
 
+@pytest.mark.parametrize("verify", [True, False])
 @pytest.mark.parametrize(
     ("window", "batch", "small"), [(1, 7, 4096), (64, 1, 4096), (1 << 20, 1 << 18, 0)]
 )
 def test_windows_batches_and_box_copies_give_the_same_values(
-    tmp_path, monkeypatch, gathered, window, batch, small
+    tmp_path, monkeypatch, gathered, window, batch, small, verify
 ):
     monkeypatch.setattr(part_gather, "WINDOW", window)
     monkeypatch.setattr(word_gather, "BATCH", batch)
@@ -131,7 +132,7 @@ def test_windows_batches_and_box_copies_give_the_same_values(
     full = _full(torch.bfloat16, (ROWS, 3, 5))
     path = _save(tmp_path, full)
     target = _targets(Layout.grid((ROWS, 3, 5), (2, 1, 2)), torch.bfloat16)
-    swc.load({"w": target}, path)
+    swc.load({"w": target}, path, verify=verify)
     _exact(target, full)
     assert len(gathered) == 4
 

@@ -172,7 +172,7 @@ class Window:
                 raise CorruptCheckpointError(f"{where}: short read of bytes {lo}..{hi}: truncated")
             if self.verify:
                 self._check(view, range(a, b), offsets, lengths, slots, name)
-        gather(self.reads, self.owner, self.at, scratch, whole=self.verify)
+        gather(self.reads, self.owner, self.at, scratch)
 
     def _check(
         self,

@@ -7,13 +7,15 @@ is the scratch, from each byte offset a payload may start at. Every small part
 (up to `SMALL` words) becomes word indices, built for all parts at once with
 numpy, at most `BATCH` words at a time, and each target takes one fancy-indexed
 copy a batch: a few numpy calls a target instead of a few torch calls a part. A
-larger part is one box copy of its own.
+larger part is one strided copy of its own (its words from first to last are in
+the scratch, whole chunk or not).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ...errors import CorruptCheckpointError
 from .read_requests import GatherRead
 
 __all__ = ["BATCH", "SMALL", "gather"]
@@ -22,17 +24,15 @@ BATCH = 1 << 18  # word indices built at once (a few MiB of int64 arrays)
 SMALL = 4096  # words: a part up to this is gathered by index, a larger one copied as a box
 
 
-def gather(
-    reads: list[GatherRead], owner: np.ndarray, at: np.ndarray, scratch: np.ndarray, whole: bool
-) -> None:
-    """Every part from its chunk's payload in `scratch` (starting at byte `at`) into its
-    target; `whole`: every payload is there whole (else only its parts' bytes are, and
-    every part goes by index)."""
+def gather(reads: list[GatherRead], owner: np.ndarray, at: np.ndarray, scratch: np.ndarray) -> None:
+    """Every part from its chunk's payload in `scratch` (starting at byte `at`: before
+    the scratch when the payload's first bytes, which no part takes, were not read)
+    into its target."""
     ndims = np.asarray([len(r.shape) for r in reads])
     views = _Views(scratch)
     for d in np.unique(ndims).tolist():
         mine = [reads[i] for i in np.flatnonzero(ndims == d).tolist()]
-        _gather_rows(mine, at[ndims[owner] == d], views, SMALL if whole else None)
+        _gather_rows(mine, at[ndims[owner] == d], views)
 
 
 class _Views:
@@ -51,11 +51,8 @@ class _Views:
         return view
 
 
-def _gather_rows(
-    reads: list[GatherRead], at: np.ndarray, views: _Views, box_from: int | None
-) -> None:
-    """`gather` for reads of one ndim, their parts in order; parts of more than
-    `box_from` words copied as boxes (None: none)."""
+def _gather_rows(reads: list[GatherRead], at: np.ndarray, views: _Views) -> None:
+    """`gather` for reads of one ndim, their parts in order."""
     owner = np.repeat(np.arange(len(reads)), [len(r.boxes.crc) for r in reads])
     factor = np.asarray([r.factor for r in reads])[owner]
     fields = [np.concatenate([getattr(r.boxes, f) for r in reads]) for f in _FIELDS]
@@ -70,15 +67,24 @@ def _gather_rows(
     src = base + (inner * src_stride).sum(axis=1)
     dst = (dest * dst_stride).sum(axis=1)
     count = lengths.prod(axis=1)
-    small = np.ones(len(count), dtype=bool) if box_from is None else count <= box_from
-    for i in np.flatnonzero(~small).tolist():  # a large part: one box copy
+    small = count <= SMALL
+    for i in np.flatnonzero(~small).tolist():  # a large part: one strided copy
         words = reads[int(owner[i])].words
-        n = int(sizes[i].prod())
         view = views(words.dtype, int(skew[i]))
-        chunk = view[base[i] : base[i] + n].reshape(sizes[i].tolist())
-        box = [slice(x, x + m) for x, m in zip(inner[i].tolist(), lengths[i].tolist())]
+        span = int(((lengths[i] - 1) * src_stride[i]).sum()) + 1  # its first word to its last
+        source = view[src[i] : src[i] + span]
+        if len(source) != span:  # never: `part_gather` read its chunk's bytes; never unchecked
+            raise CorruptCheckpointError(
+                f"'{reads[int(owner[i])].name}': a part lies outside its chunk"
+            )
+        part = np.lib.stride_tricks.as_strided(
+            source,
+            shape=tuple(lengths[i].tolist()),
+            strides=tuple((src_stride[i] * words.itemsize).tolist()),
+            writeable=False,
+        )
         out = [slice(x, x + m) for x, m in zip(dest[i].tolist(), lengths[i].tolist())]
-        words.reshape(shape[i].tolist())[tuple(out)] = chunk[tuple(box)]
+        words.reshape(shape[i].tolist())[tuple(out)] = part
     keep = np.flatnonzero(small)
     ends = np.cumsum(count[keep])
     start = 0
