@@ -7,6 +7,7 @@ import hashlib
 import json
 import pickle
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,15 @@ from shardwise.storage import Folder, open_folder
 
 SECRET = b"top secret, never to be read through a checkpoint\n" * 64
 NOTES = b"the user's own notes, not ours\n"
+
+
+def resealed(folder: Folder, change: Callable[[dict[str, Any]], None]) -> None:
+    """`shardwise.json` in `folder` changed by `change` and sealed again (its crc32c right):
+    only the checks that follow can refuse it."""
+    doc = json.loads(folder.read("shardwise.json"))
+    change(doc)
+    doc["crc32c"] = 0
+    folder.write_durably("shardwise.json", seal(json.dumps(doc, separators=(",", ":"))).encode())
 
 
 def state() -> dict[str, Any]:

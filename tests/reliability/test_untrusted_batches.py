@@ -20,11 +20,13 @@ from shardwise import Block, Layout, ShardedTensor
 from shardwise.checkpoint.engine import stored_view
 from shardwise.checkpoint.format import row_batches
 from shardwise.checkpoint.format.chunk_table import file_of, row_width
-from shardwise.checkpoint.format.manifest import Manifest, seal
+from shardwise.checkpoint.format.manifest import Manifest
 from shardwise.checkpoint.format.row_boxes import Boxes, one_tile_boxes
 from shardwise.checkpoint.io import part_gather
 from shardwise.errors import CorruptCheckpointError
 from shardwise.storage import open_folder
+
+from .crafted import resealed
 
 
 def _cuts(shape: tuple[int, ...], step: int) -> list[Block]:  # `step` along dimension 0
@@ -91,11 +93,7 @@ class Ckpt:
         self.section(key, [0, len(old), len(data), len(rows), crc32c.crc32c(data)])
 
     def section(self, key: str, where: list[int]) -> None:
-        doc = json.loads(self.folder.read("shardwise.json"))
-        doc["tensors"][key]["section"] = where
-        doc["crc32c"] = 0
-        text = seal(json.dumps(doc, separators=(",", ":")))
-        self.folder.write_durably("shardwise.json", text.encode())
+        resealed(self.folder, lambda doc: doc["tensors"][key].__setitem__("section", where))
 
 
 @pytest.fixture

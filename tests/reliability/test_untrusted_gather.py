@@ -5,7 +5,6 @@ chunks (a section decoded as an array) and loaded by column bands: each piece ov
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 from collections.abc import Callable
@@ -19,11 +18,13 @@ import torch
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
 from shardwise.checkpoint.format.chunk_table import file_of, row_width
-from shardwise.checkpoint.format.manifest import Manifest, seal
+from shardwise.checkpoint.format.manifest import Manifest
 from shardwise.checkpoint.format.record_check import DATA_FILE
 from shardwise.checkpoint.io import part_gather
 from shardwise.errors import CorruptCheckpointError
 from shardwise.storage import open_folder
+
+from .crafted import resealed
 
 FULL = torch.arange(320.0).reshape(40, 8)
 ROWS = Layout((40, 8), {0: [Block((2 * i, 0), (2, 8)) for i in range(20)]})
@@ -58,11 +59,7 @@ class Ckpt:
 
     def edit(self, change: Callable[[dict[str, Any]], None]) -> None:
         """The manifest's JSON changed by `change`, sealed again."""
-        doc = json.loads(self.folder.read("shardwise.json"))
-        change(doc)
-        doc["crc32c"] = 0
-        text = seal(json.dumps(doc, separators=(",", ":")))
-        self.folder.write_durably("shardwise.json", text.encode())
+        resealed(self.folder, change)
 
     def write(self, rows: np.ndarray, crcs: np.ndarray) -> None:
         """'w''s section replaced by `rows` and `crcs`, appended to the index, sealed."""

@@ -7,7 +7,6 @@ rows), their checksums fixed and the manifest sealed again: only the checks refu
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -21,9 +20,11 @@ import torch
 import shardwise.checkpoint as swc
 from shardwise import Layout, ShardedTensor
 from shardwise.checkpoint.format.chunk_table import ChunkTable, encode_section, row_width
-from shardwise.checkpoint.format.manifest import ChunkEntry, Manifest, seal
+from shardwise.checkpoint.format.manifest import ChunkEntry, Manifest
 from shardwise.errors import CorruptCheckpointError
 from shardwise.storage import open_folder
+
+from .crafted import resealed
 
 FULL = torch.arange(64.0).reshape(8, 8)
 WIDTH = row_width(2)  # int64 columns of a row of 'w'
@@ -70,11 +71,7 @@ class Ckpt:
 
     def edit(self, change: Callable[[dict[str, Any]], None]) -> None:
         """The manifest's JSON changed by `change`, sealed again."""
-        doc = json.loads(self.folder.read("shardwise.json"))
-        change(doc)
-        doc["crc32c"] = 0
-        text = seal(json.dumps(doc, separators=(",", ":")))
-        self.folder.write_durably("shardwise.json", text.encode())
+        resealed(self.folder, change)
 
     def section(self, data: bytes, rows: int) -> None:
         """'w''s section replaced by `data` declaring `rows` rows, appended to the index,

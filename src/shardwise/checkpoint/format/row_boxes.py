@@ -26,7 +26,7 @@ from .chunk_coverage import check_coverage
 if TYPE_CHECKING:
     from .manifest_index import TensorChunks
 
-__all__ = ["Boxes", "dense", "first_crcs", "one_tile_boxes", "plain", "plain_rows"]
+__all__ = ["Boxes", "dense", "first_crcs", "one_tile_boxes", "plain", "plain_rows", "row_strides"]
 
 _LIMIT = float(1 << 62)  # bytes no chunk reaches: its int64 arithmetic stays exact
 _NON_NEGATIVE = [0, 1, 3, 4, 7]  # rank, k, record offset and length, frame
@@ -96,14 +96,20 @@ def one_tile_boxes(
     )
 
 
+def row_strides(sizes: np.ndarray) -> np.ndarray:
+    """Each row's C-order element strides of an array of that row's `sizes`."""
+    out = np.ones_like(sizes)
+    for j in range(sizes.shape[1] - 2, -1, -1):
+        out[:, j] = out[:, j + 1] * sizes[:, j + 1]
+    return out
+
+
 def dense(boxes: Boxes, itemsize: int) -> bool:
     """Whether reading each part's bytes from its first to its last reads only what a
     ranged read of its runs would (`byte_runs.spans`: runs closer than `MERGE_GAP` are
     read together): no gap between its runs reaches `MERGE_GAP`."""
     sizes, lengths = boxes.sizes, boxes.lengths
-    strides = np.ones_like(sizes)
-    for j in range(sizes.shape[1] - 2, -1, -1):
-        strides[:, j] = strides[:, j + 1] * sizes[:, j + 1]
+    strides = row_strides(sizes)
     # from a run's start in dimension j to the next one's: its stride, less the extent
     # of one step's box in the dimensions after j
     extent = np.cumsum(((lengths - 1) * strides)[:, ::-1], axis=1)[:, ::-1]

@@ -29,7 +29,7 @@ from ...errors import CorruptCheckpointError
 from ...storage import Folder, RandomAccess
 from ..format.byte_runs import MERGE_GAP
 from ..format.chunk_table import file_of
-from ..format.row_boxes import Boxes
+from ..format.row_boxes import Boxes, row_strides
 from .read_requests import GatherRead
 from .whole_chunks import GAP
 from .word_gather import gather
@@ -211,9 +211,7 @@ def _needed(
     the first to the last; the bytes skipped at each chunk's start."""
     itemsize = np.repeat([r.words.itemsize * r.factor for r in reads], [len(b.crc) for b in boxes])
     sizes, inner, lengths = (np.concatenate([getattr(b, f) for b in boxes]) for f in _BOX)
-    strides = np.ones_like(sizes)
-    for j in range(sizes.shape[1] - 2, -1, -1):
-        strides[:, j] = strides[:, j + 1] * sizes[:, j + 1]
+    strides = row_strides(sizes)
     first = (inner * strides).sum(axis=1) * itemsize
     last = first + (((lengths - 1) * strides).sum(axis=1) + 1) * itemsize
     lo = np.full(len(chunks), np.iinfo(np.int64).max, dtype=np.int64)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import CorruptCheckpointError
+from ..format.row_boxes import row_strides
 from .read_requests import GatherRead
 
 __all__ = ["BATCH", "SMALL", "gather"]
@@ -63,7 +64,7 @@ def _gather_rows(reads: list[GatherRead], at: np.ndarray, views: _Views) -> None
     word = np.asarray([r.words.itemsize for r in reads])[owner]
     skew = at % word
     base = at // word
-    src_stride, dst_stride = _strides(sizes), _strides(shape)
+    src_stride, dst_stride = row_strides(sizes), row_strides(shape)
     src = base + (inner * src_stride).sum(axis=1)
     dst = (dest * dst_stride).sum(axis=1)
     count = lengths.prod(axis=1)
@@ -107,14 +108,6 @@ def _gather_rows(reads: list[GatherRead], at: np.ndarray, views: _Views) -> None
 
 
 _FIELDS = ("sizes", "inner", "lengths", "dest")
-
-
-def _strides(sizes: np.ndarray) -> np.ndarray:
-    """Row-major strides of each row's `sizes`."""
-    out = np.ones_like(sizes)
-    for j in range(sizes.shape[1] - 2, -1, -1):
-        out[:, j] = out[:, j + 1] * sizes[:, j + 1]
-    return out
 
 
 def _expand(
