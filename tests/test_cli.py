@@ -53,7 +53,7 @@ def stock(tmp_path_factory) -> Path:
 def test_inspect_table_and_json(ckpt, stock, capsys):
     assert main(["inspect", str(ckpt)]) == 0
     out = capsys.readouterr().out
-    assert "shardwise checkpoint, format version 4, saved by 1 ranks" in out
+    assert "shardwise checkpoint, format version 5, saved by 1 ranks" in out
     assert "row-wise, 2 parts (uneven)" in out and "trainer.step" in out
     for path, kind in ((ckpt, "shardwise"), (stock, "stock DCP")):
         assert main(["inspect", str(path), "--json"]) == 0

@@ -12,10 +12,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 import shardwise.checkpoint as swc
+from shardwise.checkpoint.format.chunk_table import file_of
 from shardwise.checkpoint.format.manifest import Manifest, seal
 from shardwise.checkpoint.format.safe_pickle import load_metadata
 from shardwise.storage import Folder, open_folder
@@ -31,6 +33,38 @@ def resealed(folder: Folder, change: Callable[[dict[str, Any]], None]) -> None:
     change(doc)
     doc["crc32c"] = 0
     folder.write_durably("shardwise.json", seal(json.dumps(doc, separators=(",", ":"))).encode())
+
+
+# -- version 5 section rows: checksums in the section (`crc_at` -1) or kept by the writer -----
+
+
+def kept_words(folder: Folder, row: list[int], ndim: int) -> list[int]:
+    """The frame and checksums that the data file of `row` (a version 5 row, its writer
+    keeping them) holds at its `crc_at`."""
+    d = 3 * ndim
+    name, count, at = file_of(*row[d : d + 3]), row[d + 8], row[d + 10]
+    return np.frombuffer(folder.read(name), "<u4", 1 + count, at).tolist()
+
+
+def inlined(folder: Folder, rows: np.ndarray, ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows as `swc.save` writes them (every one's checksums in its data file) with their
+    frames and checksums moved into the section instead (`crc_at` -1), and those checksums:
+    the other form version 5 reads, a section to craft as version 4's were."""
+    rows, crcs = rows.copy(), []
+    for row in rows:
+        assert row[-1] >= 0
+        frame, *tiles = kept_words(folder, row.tolist(), ndim)
+        row[3 * ndim + 7], row[-1] = frame, -1
+        crcs += tiles
+    return rows, np.asarray(crcs, dtype="<u4")
+
+
+def new_slot(folder: Folder, name: str, words: list[int]) -> int:
+    """`words` (a frame, then tile checksums) appended to data file `name` as its writer
+    would keep them: where they start (a row's `crc_at`)."""
+    data = folder.read(name)
+    folder.write_durably(name, data + np.asarray(words, dtype="<u4").tobytes())
+    return len(data)
 
 
 def state() -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """Pieces of many tensors planned at once (`row_batches.batch_boxes`: sections of ndim 1,
 2, 3, dtypes and row counts stacked) load bit for bit as one at a time; one crafted section
-is refused with the one-piece path's message, every target as it was."""
+is refused with the one-piece path's message, every target as it was. Every section either
+way version 5 reads (`form`): its rows' checksums kept by their writer in the data file (as
+`swc.save` writes them; a crafted row gets a slot of its own there), or in the section."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from shardwise.checkpoint.io import part_gather
 from shardwise.errors import CorruptCheckpointError
 from shardwise.storage import open_folder
 
-from .crafted import resealed
+from .crafted import inlined, kept_words, new_slot, resealed
 
 
 def _cuts(shape: tuple[int, ...], step: int) -> list[Block]:  # `step` along dimension 0
@@ -55,15 +57,17 @@ def _cols(key: str) -> dict[str, int]:
     """A section row's columns after offsets, sizes and tile (`chunk_table`)."""
     d = len(TENSORS[key][0])
     names = ["rank", "k", "token", "rec", "rec_len", "pay", "pay_len", "frame", "count"]
+    names += ["transform", "crc_at"]
     at = {"at0": 0, "size": d, "last": 2 * d - 1, "tile": 2 * d, "last tile": 3 * d - 1}
     return at | {name: 3 * d + i for i, name in enumerate(names)}
 
 
 class Ckpt:
-    """Every tensor of `TENSORS` saved in its chunks by rank 0, and an object 'n'."""
+    """Every tensor of `TENSORS` saved in its chunks by rank 0, and an object 'n'; its rows'
+    checksums in `form`: "kept" by their writer (as saved), or "inline" in the sections."""
 
-    def __init__(self, location: str) -> None:
-        self.location, self.folder = location, open_folder(location)
+    def __init__(self, location: str, form: str = "kept") -> None:
+        self.location, self.folder, self.form = location, open_folder(location), form
         gen = torch.Generator().manual_seed(5)
         self.full, state = {}, {"n": 12345}
         for key, (shape, dtype, stored, _) in TENSORS.items():
@@ -83,6 +87,9 @@ class Ckpt:
             section = data[offset : offset + length]
             self.rows[key] = np.frombuffer(section, "<i8", count * width).reshape(count, -1).copy()
             self.crcs[key] = np.frombuffer(section[count * width * 8 :], "<u4").copy()
+            assert len(self.crcs[key]) == 0 and (self.rows[key][:, -1] >= 0).all()  # kept
+            if form == "inline":
+                self.write(key, *inlined(self.folder, self.rows[key], len(TENSORS[key][0])))
 
     def write(self, key: str, rows: np.ndarray, crcs: np.ndarray) -> None:
         """`key`'s section now `rows` and `crcs`, appended to the index, sealed."""
@@ -95,10 +102,17 @@ class Ckpt:
     def section(self, key: str, where: list[int]) -> None:
         resealed(self.folder, lambda doc: doc["tensors"][key].__setitem__("section", where))
 
+    def slot(self, row: np.ndarray, words: list[int] | None = None) -> None:
+        """`row` given a slot of its own in its data file, holding `words` (a frame and
+        checksums; its writer's own when not given)."""
+        d = (len(row) - row_width(0)) // 3
+        words = kept_words(self.folder, row.tolist(), d) if words is None else words
+        row[-1] = new_slot(self.folder, file_of(*row[3 * d : 3 * d + 3].tolist()), words)
 
-@pytest.fixture
-def ck(tmp_path) -> Ckpt:
-    return Ckpt(str(tmp_path / "ck"))
+
+@pytest.fixture(params=["kept", "inline"])
+def ck(request, tmp_path) -> Ckpt:
+    return Ckpt(str(tmp_path / "ck"), request.param)
 
 
 def _targets() -> dict[str, Any]:
@@ -203,11 +217,12 @@ def test_pieces_twice_in_one_batch_as_one_at_a_time(ck):
 def test_stray_rows_of_other_checksum_counts_shift_no_checksum(ck, monkeypatch, key, count):
     """Every later row's first checksum, of this tensor and of those stacked after it,
     still its own: a shifted one would fail its check."""
-    for at in (0, 7):  # a row overlapping no piece, with `count` checksums, before row `at`
-        rows, crcs, c = ck.rows[key], ck.crcs[key], _cols(key)
+    for at in (0, 7):  # a row overlapping no piece, with `count` checksums in the section,
+        rows, crcs, c = ck.rows[key], ck.crcs[key], _cols(key)  # before row `at`
         row = np.copy(rows[0])
-        row[0], row[c["count"]] = 999, count
-        first, extra = int(rows[:at, c["count"]].sum()), np.arange(count) + 99
+        row[0], row[c["count"]], row[c["crc_at"]] = 999, count, -1
+        inline = rows[:at, c["crc_at"]] < 0  # the rows before it whose checksums are here
+        first, extra = int(rows[:at, c["count"]][inline].sum()), np.arange(count) + 99
         ck.write(key, np.insert(rows, at, row, axis=0), np.insert(crcs, first, extra))
     _sound(ck, monkeypatch)
 
@@ -219,6 +234,7 @@ def test_empty_rows_where_pieces_are_passed_over_alike(ck, monkeypatch):
         rows, c, d = ck.rows[key], _cols(key), len(at)
         empty = rows[3].copy()
         empty[:d], empty[2 * d - 1], empty[3 * d - 1], empty[c["pay_len"]] = at, 0, 0, 0
+        empty[c["crc_at"]] = -1  # its checksum in the section, before all others
         ck.write(key, np.vstack([empty, rows]), np.insert(ck.crcs[key], 0, 12345))
     _sound(ck, monkeypatch)
 
@@ -239,12 +255,20 @@ def _set(r, x, c, _ck, *, row: int, column: str, value: int):
 
 
 def _counted(r, x, c, _ck, *, count: int):
+    """Row 4 counts `count` checksums (its grid makes 1): in the section, one more or one
+    less there; kept by its writer, never fetched (a count not fitting its grid)."""
     r[4, c["count"]] = count
+    if r[4, c["crc_at"]] >= 0:
+        return r, x
     return r, np.insert(x, 4, 0) if count == 2 else np.delete(x, 4)
 
 
-def _twice(r, x, _c, _ck):  # row 1 again, at the end
-    return r[[*range(len(r)), 1]], x[[*range(len(x)), 1]]
+def _twice(r, x, c, ck):  # row 1 again, at the end (kept: its checksums in a slot of its own)
+    r = r[[*range(len(r)), 1]]
+    if r[-1, c["crc_at"]] < 0:
+        return r, x[[*range(len(x)), 1]]
+    ck.slot(r[-1])
+    return r, x
 
 
 def _resized(r, x, c, _ck, *, row: int, column: str, by: int):
@@ -262,7 +286,11 @@ def _bytes_of(r, x, c, ck, *, other: str):
     n, at = int(r[4, c["pay_len"]]), int(src[o["pay"]])
     r[4, c["rank"] : c["pay_len"] + 1] = (*src[o["rank"] : o["token"] + 1], at, n, at, n)
     data = ck.folder.read(file_of(*src[o["rank"] : o["token"] + 1].tolist()))
-    x[4] = crc32c.crc32c(data[at : at + n])
+    crc = crc32c.crc32c(data[at : at + n])
+    if r[4, c["crc_at"]] < 0:
+        x[4] = crc
+    else:  # its record is its payload: an empty frame
+        ck.slot(r[4], [crc32c.crc32c(b""), crc])
     return r, x
 
 

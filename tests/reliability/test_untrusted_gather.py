@@ -1,7 +1,10 @@
 """A crafted index read by the gather path (`row_boxes`, `part_gather`) is refused as the old
 path (`TensorChunks.covering`) refuses it, its message observed on the same checkpoint: the
 same `CorruptCheckpointError`, every target as it was. 'w' (40 x 8) is stored in 20 row
-chunks (a section decoded as an array) and loaded by column bands: each piece overlaps all."""
+chunks (a section decoded as an array) and loaded by column bands: each piece overlaps all.
+Each crafted either way version 5 reads (`form`): the rows' checksums kept by their writer in
+the data file (as `swc.save` writes them; a crafted row gets a slot of its own there), or in
+the section (`crc_at` -1)."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from shardwise.checkpoint.io import part_gather
 from shardwise.errors import CorruptCheckpointError
 from shardwise.storage import open_folder
 
-from .crafted import resealed
+from .crafted import inlined, kept_words, new_slot, resealed
 
 FULL = torch.arange(320.0).reshape(40, 8)
 ROWS = Layout((40, 8), {0: [Block((2 * i, 0), (2, 8)) for i in range(20)]})
@@ -36,14 +39,22 @@ MIXED = Layout(
 GRID = Layout((40, 8), {0: [Block((4 * i, 4 * j), (4, 4)) for i in range(10) for j in range(2)]})
 STRIPS = Layout((40, 8), {0: [Block((0, 0), (15, 8)), Block((15, 0), (25, 8))]})
 # a row: offsets 0-1, sizes 2-3, tile 4-5, then these (record 9-10, payload 11-12)
-RANK, K, TOKEN, REC, PAY, FRAME, COUNT, TRANSFORM = 6, 7, 8, 9, 11, 13, 14, 15
+RANK, K, TOKEN, REC, PAY, FRAME, COUNT, TRANSFORM, CRC_AT = 6, 7, 8, 9, 11, 13, 14, 15, 16
+WIDTH = row_width(2)
 
 
 class Ckpt:
-    """'w' saved in `saved`'s chunks, all on rank 0, and an object 'n'; its section as rows."""
+    """'w' saved in `saved`'s chunks, all on rank 0, and an object 'n'; its section as rows,
+    their checksums in `form`: "kept" by their writer (as saved), or "inline" in the section."""
 
-    def __init__(self, location: str, saved: Layout = ROWS, dtype: torch.dtype = torch.float32):
-        self.location, self.folder = location, open_folder(location)
+    def __init__(
+        self,
+        location: str,
+        saved: Layout = ROWS,
+        dtype: torch.dtype = torch.float32,
+        form: str = "kept",
+    ):
+        self.location, self.folder, self.kept = location, open_folder(location), form == "kept"
         self.full = FULL.to(dtype) if dtype != torch.bool else FULL.long() % 3 == 0
         shards = [self.full[_box(b)].contiguous() for b in saved.blocks_of(0)]
         swc.save({"w": ShardedTensor.from_layout(saved, shards), "n": 12345}, location)
@@ -51,11 +62,13 @@ class Ckpt:
         assert head.index is not None and head.tensors["w"].section is not None
         self.index, (_, offset, length, self.count, _) = head.index.file, head.tensors["w"].section
         data = self.folder.read(self.index)[offset : offset + length]
-        self.rows = (
-            np.frombuffer(data, "<i8", self.count * row_width(2)).reshape(self.count, -1).copy()
-        )
+        self.rows = np.frombuffer(data, "<i8", self.count * WIDTH).reshape(self.count, -1).copy()
         self.crcs = np.frombuffer(data[self.rows.nbytes :], "<u4").copy()
         self.data, self.n = file_of(*self.rows[0, RANK : TOKEN + 1].tolist()), head.objects["n"]
+        assert len(self.crcs) == 0 and (self.rows[:, CRC_AT] >= 0).all()  # kept by the writer
+        if not self.kept:
+            self.rows, self.crcs = inlined(self.folder, self.rows, 2)
+            self.write(self.rows, self.crcs)
 
     def edit(self, change: Callable[[dict[str, Any]], None]) -> None:
         """The manifest's JSON changed by `change`, sealed again."""
@@ -76,15 +89,43 @@ class Ckpt:
         self.write(rows, self.crcs if crcs is None else crcs)
 
     def take(self, order: list[int]) -> None:
-        """The rows (one checksum each) `order` lists, in that order."""
-        self.write(self.rows[order], self.crcs[order])
+        """The rows (one checksum each) `order` lists, in that order (a row taken again
+        given a slot of its own, when its writer keeps its checksums)."""
+        rows = self.rows[order]
+        for i in [i for i, n in enumerate(order) if n in order[:i] and self.kept]:
+            self.own(rows[i])
+        self.write(rows, self.crcs if self.kept else self.crcs[order])
+
+    def own(self, row: np.ndarray, words: list[int] | None = None) -> None:
+        """`row` (kept by its writer) given a slot of its own in its data file, holding
+        `words` (a frame and checksums: its own when not given)."""
+        words = kept_words(self.folder, row.tolist(), 2) if words is None else words
+        row[CRC_AT] = new_slot(self.folder, file_of(*row[RANK : TOKEN + 1].tolist()), words)
+
+    def checksum(self, rows: np.ndarray, crcs: np.ndarray, row: int, crc: int) -> None:
+        """Row `row` of `rows` (one checksum each in `crcs` when inline) checksummed `crc`:
+        in the section, or in a slot of its own, an empty frame (its payload its record)."""
+        if self.kept:
+            self.own(rows[row], [crc32c.crc32c(b""), crc])
+        else:
+            crcs[row] = crc
+
+    def counted(self, row: int, count: int) -> None:
+        """Row `row` counting `count` checksums (its grid makes one): one more (0) or one
+        less in the section; kept by its writer, never fetched (it does not fit its grid)."""
+        crcs = self.crcs
+        if not self.kept:
+            crcs = np.insert(crcs, row, 0) if count > 1 else np.delete(crcs, row)
+        self.set(row, COUNT, count, crcs=crcs)
 
     def payload(self, row: int, file: str, at: int) -> None:
-        """Row `row` given 64 bytes `at` of `file` as its record and payload, checksum right."""
+        """Row `row` given 64 bytes `at` of `file` as its record and payload, checksum right
+        (kept: where its data file would hold it; the index never holds one)."""
         rows, crcs = self.rows.copy(), self.crcs.copy()
         rank, k, token = DATA_FILE.fullmatch(file).groups()  # type: ignore[union-attr]
         rows[row, RANK : PAY + 2] = (int(rank), int(k), int(token, 16), at, 64, at, 64)
-        crcs[row] = crc32c.crc32c(self.folder.read(file)[at : at + 64])
+        if file != self.index or not self.kept:
+            self.checksum(rows, crcs, row, crc32c.crc32c(self.folder.read(file)[at : at + 64]))
         self.write(rows, crcs)
 
 
@@ -92,10 +133,17 @@ def _box(b: Block) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(b.offsets, b.sizes))
 
 
+@pytest.fixture(params=["kept", "inline"])
+def form(request) -> str:
+    """Where the rows' checksums are: with their writer, or in the section."""
+    return request.param
+
+
 @pytest.fixture(params=["local", "memory"])
-def ck(request, tmp_path) -> Ckpt:
+def ck(request, tmp_path, form) -> Ckpt:
     local = request.param == "local"
-    return Ckpt(str(tmp_path / "ck") if local else f"memory://gather-{uuid.uuid4().hex}/ck")
+    where = str(tmp_path / "ck") if local else f"memory://gather-{uuid.uuid4().hex}/ck"
+    return Ckpt(where, form=form)
 
 
 @pytest.fixture
@@ -155,8 +203,11 @@ def test_sound_layouts_load_bit_exact(ck, gathered):
     inside = Layout((40, 8), {0: [Block((1, 1), (1, 3)), Block((5, 2), (3, 5))]}, allow_holes=True)
     _loads(ck, inside, gathered, parts=2)  # a piece inside one chunk (read alone); one across two
     _loads(ck, MIXED, gathered, parts=38)  # chunk 0 read whole, the rest gathered
-    far = np.vstack([ck.rows[::-1], ck.rows[19:] + [[100, *[0] * 15]]])  # rows reversed, and
-    ck.write(far, np.append(ck.crcs[::-1], ck.crcs[19]))  # one more overlapping no piece
+    far = ck.rows[19] + [100, *[0] * (WIDTH - 1)]  # rows reversed, and one more overlapping
+    crcs = ck.crcs if ck.kept else np.append(ck.crcs[::-1], ck.crcs[19])  # no piece
+    if ck.kept:
+        ck.own(far)
+    ck.write(np.vstack([ck.rows[::-1], far]), crcs)
     _loads(ck, BANDS, gathered, parts=40)
 
 
@@ -176,7 +227,7 @@ def test_payloads_off_alignment_load_as_the_old_path_loads_them(ck, monkeypatch,
     data, loaded = ck.folder.read(ck.data), [_targets(BANDS), _targets(BANDS)]
     for r in (3, 4, 9):
         ck.rows[r, PAY] += shift * r
-        ck.crcs[r] = crc32c.crc32c(data[int(ck.rows[r, PAY]) :][:64])
+        ck.checksum(ck.rows, ck.crcs, r, crc32c.crc32c(data[int(ck.rows[r, PAY]) :][:64]))
     ck.write(ck.rows, ck.crcs)
     assert _raised(ck.location, monkeypatch, loaded[0], gather=False) is None
     assert _raised(ck.location, monkeypatch, loaded[1], gather=True) is None
@@ -208,8 +259,8 @@ CRAFTED: dict[str, tuple[Any, str]] = {
     "frame": ((4, FRAME, 1 << 32), ROW4),
     "negative frame": ((4, FRAME, -1), ROW4),
     "transform": ((4, TRANSFORM, 0), ROW4),
-    "two checksums": (lambda c: c.set(4, COUNT, 2, crcs=np.insert(c.crcs, 4, 0)), BAD),
-    "no checksum": (lambda c: c.set(4, COUNT, 0, crcs=np.delete(c.crcs, 4)), BAD),
+    "two checksums": (lambda c: c.counted(4, 2), BAD),
+    "no checksum": (lambda c: c.counted(4, 0), BAD),
     "tile not the sizes": ((4, 4, 1, 8), BAD),
     # 'w' in a grid of 4 x 4 chunks (row 3: the one at (4, 4)), loaded by strips of rows
     "grid: overlap": ((3, 1, 3), "overlap in part: "),
@@ -219,12 +270,24 @@ CRAFTED: dict[str, tuple[Any, str]] = {
 }
 
 
+# what is said instead when the writer keeps the rows' checksums: a row holding a frame is
+# refused with its section; a row naming rank or k -1 names a data file that is in no
+# listing, where its checksums would be read before the row itself is decoded
+SECTION, MISSING = "'w': a chunk row holds an impossible value", "is missing or not a plain file"
+KEPT_SAYS = {
+    "frame": SECTION,
+    "negative frame": SECTION,
+}
+
+
 @pytest.mark.parametrize("name", list(CRAFTED))
-def test_a_crafted_row_is_refused_as_the_old_path_refuses_it(ck, monkeypatch, name):
+def test_a_crafted_row_is_refused_as_the_old_path_refuses_it(ck, monkeypatch, form, name):
     craft, fragment = CRAFTED[name]
     grid = name.startswith("grid")
-    ck = Ckpt(f"{ck.location}-grid", GRID) if grid else ck
+    ck = Ckpt(f"{ck.location}-grid", GRID, form=form) if grid else ck
     ck.set(*craft) if isinstance(craft, tuple) else craft(ck)
+    if ck.kept and name in KEPT_SAYS:
+        fragment = KEPT_SAYS[name].format(token=ck.data.split(".sw")[1][:12])
     assert fragment in _refused(ck, monkeypatch, STRIPS if grid else BANDS)
 
 
@@ -254,13 +317,24 @@ def test_a_damaged_data_file_is_refused_as_the_old_path_refuses_it(ck, tmp_path,
     message = _refused(ck, monkeypatch)
     if how == "flipped":
         assert message == f"'w': bytes {at}..{at + 64} of {path} fail their checksum"
+    elif ck.kept and how == "truncated":  # the writer's checksums, at its end, cut off with it
+        size, first = int(ck.rows[19, REC]) + 8, int(ck.rows[:, CRC_AT].min())
+        assert message == (
+            f"{ck.folder.where(ck.index)} 'w': chunk checksums at bytes {first}..{first + 8} "
+            f"of data file {path} ({size} bytes) lie past its end"
+        )
+    elif ck.kept:
+        assert message == (
+            f"{ck.folder.where(ck.index)} 'w': data file {path} is missing or not a plain "
+            "file (it keeps chunk checksums)"
+        )
     else:
         assert path in message and ("missing" if how != "truncated" else "truncated") in message
 
 
-def test_chunks_whose_byte_counts_overflow_are_refused(tmp_path, monkeypatch):
+def test_chunks_whose_byte_counts_overflow_are_refused(tmp_path, monkeypatch, form):
     """'w' (40, X) complex128, chunks 0 and 1 (18, X): 18 * X * 16 = 256 (mod 2**64)."""
-    ck = Ckpt(str(tmp_path / "ck"), dtype=torch.complex128)
+    ck = Ckpt(str(tmp_path / "ck"), dtype=torch.complex128, form=form)
     x = 128102389400760776
     assert 18 * x * 16 % (1 << 64) == 256 == ck.rows[0, PAY + 1] and 40 * x < 1 << 63
     rows = ck.rows.copy()
@@ -284,7 +358,15 @@ def test_a_file_truncated_after_the_listing_is_named_as_the_old_path_names_it(ck
         targets = {"w": _targets(BANDS)["w"]}  # not 'n': it lies after the chunks
         messages.append(_raised(ck.location, monkeypatch, targets, gather))
         assert _as_was({**targets, "n": -1}, BANDS)
-    assert "the file is truncated" in str(messages[0]) and messages[1] == messages[0]
+    assert messages[1] == messages[0]
+    if not ck.kept:
+        assert "the file is truncated" in str(messages[0])
+        return
+    start, stop = int(ck.rows[:, CRC_AT].min()), int(ck.rows[:, CRC_AT].max()) + 8
+    assert messages[0] == (  # the writer's checksums, at the end, are read first: cut short
+        f"{ck.folder.where(ck.index)} 'w': chunk checksums at bytes {start}..{stop} of data "
+        f"file {ck.folder.where(ck.data)} cut short (truncated)"
+    )
 
 
 def test_a_row_naming_the_index_file_is_refused(ck, monkeypatch):
@@ -293,6 +375,8 @@ def test_a_row_naming_the_index_file_is_refused(ck, monkeypatch):
     where = ck.folder.where(ck.index)
     message = _refused(ck, monkeypatch)
     assert message == (
-        f"'w': its stored bytes would be read from the index file {where}: damaged or crafted "
-        "records"
+        f"{where} 'w': data file {where} is the index (it keeps chunk checksums)"
+        if ck.kept  # where its checksums would be read: refused before any read
+        else f"'w': its stored bytes would be read from the index file {where}: damaged or "
+        "crafted records"
     )

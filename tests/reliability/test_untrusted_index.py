@@ -1,9 +1,12 @@
-"""The index of a version 4 checkpoint is untrusted input (issue 22): a damaged or crafted
+"""The index of a version 5 checkpoint is untrusted input (issue 22): a damaged or crafted
 section, index file or pointer into it is refused by `swc.load` with `CorruptCheckpointError`
 naming the file and the tensor, before a byte lands in a target: never misread.
 
 Crafted sections are encoded as a writer would (`chunk_table.encode_section`, or edited as
-rows), their checksums fixed and the manifest sealed again: only the checks refuse them."""
+rows), their checksums fixed and the manifest sealed again: only the checks refuse them. Each
+row crafted both ways version 5 reads (`form`): its checksums kept by its writer in its data
+file (`crc_at`, as `swc.save` writes them; a crafted copy of a row gets its own slot there),
+or in the section (`crc_at` -1, as in version 4)."""
 
 from __future__ import annotations
 
@@ -21,13 +24,15 @@ import shardwise.checkpoint as swc
 from shardwise import Layout, ShardedTensor
 from shardwise.checkpoint.format.chunk_table import ChunkTable, encode_section, row_width
 from shardwise.checkpoint.format.manifest import ChunkEntry, Manifest
+from shardwise.checkpoint.format.writer_checksums import fetcher
 from shardwise.errors import CorruptCheckpointError
 from shardwise.storage import open_folder
 
-from .crafted import resealed
+from .crafted import new_slot, resealed
 
 FULL = torch.arange(64.0).reshape(8, 8)
 WIDTH = row_width(2)  # int64 columns of a row of 'w'
+FRAME, CRC_AT = WIDTH - 4, WIDTH - 1  # its frame's column, and its last: `crc_at`
 DAMAGED = "damaged or crafted; refused (nothing a chunk does not hold is ever returned)"
 
 
@@ -46,8 +51,10 @@ class Ckpt:
         assert head.index is not None and head.index.blocks == [0]
         self.index = head.index.file
         self.w = head.tensors["w"]
-        self.chunks = self.table().entries()
+        table = self.table()
+        self.chunks = [replace(c, crc_at=int(at)) for c, at in zip(table.entries(), table.crc_at)]
         assert [c.offsets for c in self.chunks] == [(0, 0), (2, 0), (4, 0), (6, 0)]
+        assert all(c.crc_at >= 0 and len(c.crcs) == 1 for c in self.chunks)  # with the writer
         (self.data,) = {c.file for c in self.chunks}
         self.at = f"{self.where(self.index)} 'w'"  # how errors about its rows begin
 
@@ -58,7 +65,20 @@ class Ckpt:
         assert self.w.section is not None
         _, offset, length, count, _ = self.w.section
         data = self.folder.read(self.index)[offset : offset + length]
-        return ChunkTable(data, 2, count, self.w.transforms, "'w'")
+        fetch = fetcher(self.folder, self.folder.sizes(), self.index)
+        return ChunkTable(data, 2, count, self.w.transforms, "'w'", 5, fetch)
+
+    def use(self, form: str) -> None:
+        """'w''s rows from now on in `form`: "kept" (as saved), or "inline" (`crc_at` -1)."""
+        if form == "inline":
+            self.chunks = [replace(c, crc_at=-1) for c in self.chunks]
+            self.chunks_as(lambda c: c)
+
+    def own(self, c: ChunkEntry) -> ChunkEntry:
+        """`c` with a slot of its own for its frame and checksums, when its writer keeps
+        them: a copy of a row does not share its slot (that overlap is refused first)."""
+        words = [c.frame, *c.crcs]
+        return c if c.crc_at < 0 else replace(c, crc_at=new_slot(self.folder, c.file, words))
 
     def raw(self) -> tuple[np.ndarray, bytes]:
         """'w''s section as stored: its rows (a copy, to change) and its checksums' bytes."""
@@ -80,6 +100,7 @@ class Ckpt:
         self.folder.write_durably(self.index, old + data)
         where = [0, len(old), len(data), rows, crc32c.crc32c(data)]
         self.edit(lambda doc: doc["tensors"]["w"].__setitem__("section", where))
+        self.w = Manifest.read_head(self.folder).tensors["w"]
 
     def chunks_as(self, change: Callable[[list[ChunkEntry]], list[ChunkEntry]]) -> None:
         chunks = change(list(self.chunks))
@@ -100,6 +121,12 @@ def ckpt(request, tmp_path) -> Ckpt:
     root = f"memory://index-{os.getpid()}-{id(tmp_path)}"
     request.addfinalizer(lambda: fsspec.filesystem("memory").rm(root, recursive=True))
     return Ckpt(f"{root}/ck")
+
+
+@pytest.fixture(params=["kept", "inline"])
+def form(request) -> str:
+    """Where a crafted row's checksums are: with its writer, or in the section."""
+    return request.param
 
 
 def _targets() -> dict[str, Any]:
@@ -125,8 +152,9 @@ def test_a_sound_index_loads(ckpt):
 # -- damaged: the bytes of the index or the pointers into it --------------------------------
 
 
-# a row of 'w', one of its checksums (after its 4 rows), 'v''s section (after 'w''s)
-@pytest.mark.parametrize("at, key", [(0, "w"), (4 * WIDTH * 8 + 3, "w"), (600, "v")])
+# a row of 'w', its last row's `crc_at` (no checksums follow: its writer keeps them), 'v''s
+# section (after 'w''s)
+@pytest.mark.parametrize("at, key", [(0, "w"), (4 * WIDTH * 8 - 5, "w"), (600, "v")])
 def test_a_flipped_byte_in_a_section_fails_its_checksum(ckpt, at, key):
     data = bytearray(ckpt.folder.read(ckpt.index))
     data[at] ^= 0x10
@@ -149,9 +177,10 @@ def test_a_truncated_index_is_refused(ckpt, keep):
 def test_a_section_past_the_end_of_the_index_is_refused(ckpt):
     size = len(ckpt.folder.read(ckpt.index))
     ckpt.edit(lambda doc: doc["tensors"]["w"]["section"].__setitem__(1, 10**6))
+    assert ckpt.w.section is not None and ckpt.w.section[2] == 4 * WIDTH * 8  # no checksums
     _refused(
         ckpt,
-        f"{ckpt.where('shardwise.json')}: sections up to byte {10**6 + 4 * (WIDTH * 8 + 4)} "
+        f"{ckpt.where('shardwise.json')}: sections up to byte {10**6 + 4 * WIDTH * 8} "
         f"of {ckpt.where(ckpt.index)} ({size} bytes): truncated",
     )
 
@@ -205,10 +234,26 @@ def test_a_missing_or_linked_index_is_refused(ckpt, tmp_path):
     )
 
 
+def test_a_flipped_checksum_kept_by_the_writer_fails_the_load(ckpt):
+    """The checksums of 'w''s rows are at their `crc_at` in its data file: one flipped, the
+    load reading that chunk fails its checksum (found once read, as a damaged payload is)."""
+    c = ckpt.chunks[2]
+    data = bytearray(ckpt.folder.read(ckpt.data))
+    data[c.crc_at + 4] ^= 0x01  # its tile checksum, after its frame
+    ckpt.folder.write_durably(ckpt.data, bytes(data))
+    assert c.payload is not None
+    at, n = c.payload
+    with pytest.raises(CorruptCheckpointError) as info:
+        swc.load(_targets(), ckpt.location)
+    where = ckpt.where(ckpt.data)
+    assert str(info.value) == f"'w': bytes {at}..{at + n} of {where} fail their checksum"
+
+
 # -- crafted: sections whose checksums are right ----------------------------------------------
 
 
-def test_a_chunk_out_of_bounds_is_refused(ckpt):
+def test_a_chunk_out_of_bounds_is_refused(ckpt, form):
+    ckpt.use(form)
     last = ckpt.chunks[3]
     ckpt.chunks_as(lambda c: [*c[:3], replace(last, offsets=(7, 0))])
     _refused(
@@ -218,9 +263,10 @@ def test_a_chunk_out_of_bounds_is_refused(ckpt):
     )
 
 
-def test_a_chunk_far_out_of_bounds_is_never_read_and_verify_finds_it(ckpt):
+def test_a_chunk_far_out_of_bounds_is_never_read_and_verify_finds_it(ckpt, form):
     """A load decodes only the rows overlapping what it loads; `verify` checks them all."""
-    far = replace(ckpt.chunks[3], offsets=(100, 0))
+    ckpt.use(form)
+    far = ckpt.own(replace(ckpt.chunks[3], offsets=(100, 0)))
     ckpt.chunks_as(lambda c: [*c, far])
     targets = _targets()
     swc.load(targets, ckpt.location)
@@ -231,7 +277,8 @@ def test_a_chunk_far_out_of_bounds_is_never_read_and_verify_finds_it(ckpt):
     ]
 
 
-def test_partly_overlapping_chunks_are_refused(ckpt):
+def test_partly_overlapping_chunks_are_refused(ckpt, form):
+    ckpt.use(form)
     ckpt.chunks_as(lambda c: [c[0], replace(c[1], offsets=(1, 0)), *c[2:]])
     _refused(
         ckpt,
@@ -240,8 +287,10 @@ def test_partly_overlapping_chunks_are_refused(ckpt):
     )
 
 
-def test_one_chunk_stored_twice_is_refused(ckpt):
-    ckpt.chunks_as(lambda c: [*c, c[1]])
+def test_one_chunk_stored_twice_is_refused(ckpt, form):
+    ckpt.use(form)
+    again = ckpt.own(ckpt.chunks[1])
+    ckpt.chunks_as(lambda c: [*c, again])
     _refused(
         ckpt,
         f"{ckpt.at}: 'w (at (0, 0))' has two chunks at offsets (2, 0) (sizes (2, 8) and "
@@ -249,7 +298,8 @@ def test_one_chunk_stored_twice_is_refused(ckpt):
     )
 
 
-def test_a_hole_where_the_load_reads_is_refused(ckpt):
+def test_a_hole_where_the_load_reads_is_refused(ckpt, form):
+    ckpt.use(form)
     ckpt.chunks_as(lambda c: [c[0], *c[2:]])
     _refused(
         ckpt,
@@ -258,7 +308,8 @@ def test_a_hole_where_the_load_reads_is_refused(ckpt):
     )
 
 
-def test_a_record_past_the_end_of_its_data_file_is_refused(ckpt):
+def test_a_record_past_the_end_of_its_data_file_is_refused(ckpt, form):
+    ckpt.use(form)
     size = len(ckpt.folder.read(ckpt.data))
     start = ckpt.chunks[3].record[0]
     ckpt.chunks_as(lambda c: [*c[:3], replace(c[3], record=(start, size))])
@@ -270,43 +321,56 @@ def test_a_record_past_the_end_of_its_data_file_is_refused(ckpt):
 
 
 # the columns of a row of 'w': offsets 0-1, sizes 2-3, tile 4-5, rank 6, k 7, token 8,
-# record 9-10, payload 11-12, frame 13, checksum count 14, transform 15
+# record 9-10, payload 11-12, frame 13, checksum count 14, transform 15, crc_at 16
 @pytest.mark.parametrize(
     "column, value",
-    [(0, -1), (3, -2), (9, -7), (10, -1 << 40), (14, -1), (13, 1 << 62)],
-    ids=["offset", "size", "record offset", "record length", "checksum count", "huge"],
+    [(0, -1), (3, -2), (9, -7), (10, -1 << 40), (14, -1), (FRAME, 1 << 62), (CRC_AT, -2)],
+    ids=["offset", "size", "record offset", "record length", "checksum count", "huge", "crc_at"],
 )
-def test_an_impossible_value_in_a_row_is_refused(ckpt, column, value):
+def test_an_impossible_value_in_a_row_is_refused(ckpt, form, column, value):
+    ckpt.use(form)
     ckpt.rows_as(2, column, value)
     _refused(ckpt, f"{ckpt.at}: a chunk row holds an impossible value")
 
 
 @pytest.mark.parametrize(
     "column, value",
-    [(15, 4), (8, 1 << 48), (13, 1 << 32), (6, -1), (11, -1)],
+    [(15, 4), (8, 1 << 48), (FRAME, 1 << 32), (6, -1), (11, -1)],
     ids=["transform", "token", "frame", "rank", "payload of a plain chunk"],
 )
-def test_an_impossible_value_in_a_read_row_is_refused(ckpt, column, value):
+def test_an_impossible_value_in_a_read_row_is_refused(ckpt, form, column, value):
+    ckpt.use(form)
     ckpt.rows_as(2, column, value)
-    _refused(ckpt, f"{ckpt.at}: chunk row 2 holds an impossible value")
+    _refused(ckpt, f"{ckpt.at}: {_row_2(ckpt, form, column)}")
+
+
+def _row_2(ckpt: Ckpt, form: str, column: int) -> str:
+    """What is said of row 2 holding a wrong value in `column`. A row whose writer keeps its
+    frame holds none (0) in its frame column: any other refuses its section. A row naming
+    rank -1 is never fetched from: its entry refuses it, as an inline row's."""
+    if form == "kept" and column == FRAME:
+        return "a chunk row holds an impossible value"
+    return "chunk row 2 holds an impossible value"
 
 
 @pytest.mark.parametrize("rows, cut", [(5, 0), (4, 1), (3, 0)], ids=["more", "odd", "fewer"])
-def test_a_row_count_that_does_not_fit_its_section_is_refused(ckpt, rows, cut):
+def test_a_row_count_that_does_not_fit_its_section_is_refused(ckpt, form, rows, cut):
+    ckpt.use(form)
     rows_, crcs = ckpt.raw()
     data = (rows_.tobytes() + crcs)[: -cut or None]
     ckpt.section(data, rows)
     left = (len(data) - rows * WIDTH * 8) // 4  # what the rows leave for checksums
+    counted = 3 if form == "inline" else 0  # those kept by the writer are not in the section
     _refused(
         ckpt,
-        f"{ckpt.at}: its rows count 3 checksums, it holds {left}"
+        f"{ckpt.at}: its rows count {counted} checksums, it holds {left}"
         if rows == 3
         else f"{ckpt.at}: a section of {len(data)} bytes cannot hold {rows} chunk rows",
     )
 
 
 def test_an_object_naming_a_file_not_ours_is_refused_by_a_load(ckpt):
-    """A version 4 load reads its manifest without its chunks, but never an object from
+    """A version 5 load reads its manifest without its chunks, but never an object from
     a file that is not a data file of ours: the user's file holding the very bytes."""
     head = Manifest.read_head(ckpt.folder)
     n = head.objects["n"]
@@ -321,24 +385,22 @@ def test_an_object_naming_a_file_not_ours_is_refused_by_a_load(ckpt):
     )
 
 
-def test_two_rows_naming_the_same_record_are_refused(ckpt):
+def test_two_rows_naming_the_same_record_are_refused(ckpt, form):
     """Row 1 given row 0's record, payload and checksums: 'w'[2:4] would be filled
     from 'w'[0:2]'s bytes, each checksum matching."""
+    ckpt.use(form)
     first = ckpt.chunks[0]
-    ckpt.chunks_as(
-        lambda c: [
-            c[0],
-            replace(
-                c[1],
-                file=first.file,
-                record=first.record,
-                payload=first.payload,
-                crcs=first.crcs,
-                frame=first.frame,
-            ),
-            *c[2:],
-        ]
+    second = ckpt.own(
+        replace(
+            ckpt.chunks[1],
+            file=first.file,
+            record=first.record,
+            payload=first.payload,
+            crcs=first.crcs,
+            frame=first.frame,
+        )
     )
+    ckpt.chunks_as(lambda c: [c[0], second, *c[2:]])
     _refused(
         ckpt,
         f"'w' and 'w' claim overlapping bytes of {ckpt.where(ckpt.data)} "
@@ -346,6 +408,19 @@ def test_two_rows_naming_the_same_record_are_refused(ckpt):
     )
 
 
-def test_a_negative_frame_checksum_is_refused(ckpt):
-    ckpt.rows_as(2, WIDTH - 3, -1)  # the frame column
-    _refused(ckpt, f"{ckpt.at}: chunk row 2 holds an impossible value")
+def test_a_negative_frame_checksum_is_refused(ckpt, form):
+    ckpt.use(form)
+    ckpt.rows_as(2, FRAME, -1)
+    _refused(ckpt, f"{ckpt.at}: {_row_2(ckpt, form, FRAME)}")
+
+
+@pytest.mark.parametrize("where", ["past the end", "another chunk's"])
+def test_a_crafted_crc_at_is_refused_before_a_read(ckpt, where):
+    """Row 2's checksums said to be past the end of its data file, or in row 1's slot."""
+    size = len(ckpt.folder.read(ckpt.data))
+    at = size if where == "past the end" else ckpt.chunks[1].crc_at + 4
+    ckpt.rows_as(2, CRC_AT, at)
+    why = f"{at}..{at + 8} of data file {ckpt.where(ckpt.data)} ({size} bytes) " + (
+        "lie past its end" if where == "past the end" else "overlap another chunk's"
+    )
+    _refused(ckpt, f"{ckpt.at}: chunk checksums at bytes {why}")

@@ -43,7 +43,8 @@ def _files(url: str) -> tuple[str, str]:
 
 def _opening_bytes(url: str, *keys: str) -> int:
     """What a load reads before any tile: the last `TAIL` bytes of `.metadata` (its
-    size checked) and the index sections of `keys`."""
+    size checked), the index sections of `keys` and their chunks' checksums, which
+    `swc.save`'s writers keep in their data files (the frame and one per tile)."""
     folder = open_folder(url)
     m = Manifest.read_head(folder)
     lengths = []
@@ -51,7 +52,8 @@ def _opening_bytes(url: str, *keys: str) -> int:
         section = m.tensors[k].section
         assert section is not None
         lengths.append(section[2])  # (block, offset, length, rows, crc32c)
-    return min(folder.sizes()[".metadata"], TAIL) + sum(lengths)
+    kept = sum(4 * (1 + len(c.crcs)) for k in keys for c in Manifest.read(folder).tensors[k].chunks)
+    return min(folder.sizes()[".metadata"], TAIL) + sum(lengths) + kept
 
 
 # -- coalescing -----------------------------------------------------------------------------

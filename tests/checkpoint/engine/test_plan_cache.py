@@ -18,6 +18,7 @@ import torch
 from shardwise import Layout, ShardedTensor
 from shardwise.checkpoint.engine import plan_cache
 from shardwise.checkpoint.engine.inventory import describe
+from shardwise.checkpoint.engine.key_owners import owner_of
 from shardwise.checkpoint.engine.loading import load_state
 from shardwise.checkpoint.engine.saving import save_state
 from shardwise.checkpoint.format.manifest import Manifest
@@ -29,7 +30,9 @@ from ...comm.threaded_world import ThreadedRank, ThreadedWorld
 
 FIRST = ["all_reduce", "all_to_all_object", "all_to_all_object"]  # agree, then plan
 SAVE = ["all_to_all_object", "all_reduce", "all_reduce"]  # reports, parts written, verdict
-PLANNED, REUSED = FIRST + SAVE, FIRST[:1] + SAVE
+# a repeated save reports nothing: the owners keep the places, the checksums stay in the
+# writers' files, and each object's owner writes it
+PLANNED, REUSED = FIRST + SAVE, FIRST[:1] + SAVE[1:]
 
 
 def _rows(sizes: list[int]) -> Layout:
@@ -184,3 +187,18 @@ def test_saves_without_a_process_group_share_one_group_of_plans(tmp_path: Path) 
         save_state(state, tmp_path / str(i), Agreement(SingleProcess()))
     assert list(plan_cache._KEPT) == [("single process",)]
     assert len(plan_cache._KEPT[("single process",)]) == 1
+
+
+def test_an_object_its_owner_does_not_hold_is_reported_at_every_save(tmp_path: Path) -> None:
+    """Rank 1 alone holds an object rank 0 owns: rank 0 needs its crc32c at each save,
+    so a repeated save still routes the reports (and loads the new bytes, verified)."""
+    key = next(k for k in (f"solo{i}" for i in range(100)) if owner_of(k, 2) == 0)
+    loop, rows = _Loop(2), _rows([2, 2])
+
+    def state(rank: int, note: str) -> dict:
+        return _state(rank, rows, 1.0, {key: note} if rank == 1 else {})
+
+    assert loop.save(tmp_path / "a", lambda r: state(r, "abc")) == PLANNED
+    assert loop.save(tmp_path / "a", lambda r: state(r, "xyz")) == FIRST[:1] + SAVE
+    got = loop.load(tmp_path / "a", lambda r: _blank(r, rows, {key: ""} if r == 1 else {}))
+    assert got[1][key] == "xyz" and key not in got[0]

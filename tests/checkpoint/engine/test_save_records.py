@@ -18,7 +18,13 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 from shardwise import CorruptCheckpointError
 from shardwise.checkpoint.engine.save_records import SaveRecords
-from shardwise.checkpoint.format.manifest import IndexRef, Manifest, ObjectEntry, TensorEntry
+from shardwise.checkpoint.format.manifest import (
+    VERSION,
+    IndexRef,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+)
 from shardwise.checkpoint.format.manifest_fields import ChunkEntry
 from shardwise.checkpoint.format.safe_pickle import load_metadata
 from shardwise.checkpoint.io.record_join import join_records, part_name, write_part
@@ -58,11 +64,11 @@ def _read(folder: Path, metadata: bytes, manifest: bytes, index: bytes, name: st
 
 def test_late_checksums_are_fields_filled_before_encoding(tmp_path: Path) -> None:
     records, late = _records()
-    SaveRecords.fill(late, ((2, 2), [5], 6))
+    late.tile, late.crcs, late.frame = (2, 2), [5], 6
     metadata, text, index = records.records(INDEX)
     head = Manifest.from_json(text)
     assert head.to_json().encode() == text  # canonical
-    assert (head.version, head.index) == (4, IndexRef(INDEX, [0]))
+    assert (head.version, head.index) == (VERSION, IndexRef(INDEX, [0]))
     assert [t.chunks for t in head.tensors.values()] == [[], []]  # in the index, not listed
     assert head.metadata_crc32c == crc32c.crc32c(metadata)
     assert head.metadata_tail == (len(metadata), crc32c.crc32c(metadata[-4096:]))
@@ -76,7 +82,7 @@ def test_late_checksums_are_fields_filled_before_encoding(tmp_path: Path) -> Non
 
 def test_metadata_is_what_the_manifest_describes(tmp_path: Path) -> None:
     records, late = _records()
-    SaveRecords.fill(late, ((2, 2), [5], 6))
+    late.tile, late.crcs, late.frame = (2, 2), [5], 6
     data, text, index = records.records(INDEX)
     assert data == records.metadata()
     stored = pickle.loads(data)
@@ -94,7 +100,7 @@ def _split() -> tuple[SaveRecords, list[SaveRecords]]:
     """`_records()` whole, and its entries split between four owners' records (the
     third owning nothing)."""
     whole, late = _records()
-    SaveRecords.fill(late, ((2, 2), [5], 6))
+    late.tile, late.crcs, late.frame = (2, 2), [5], 6
     owners = [SaveRecords(2, META, {}) for _ in range(4)]
     owners[0].tensors["w"] = whole.tensors["w"]
     owners[1].objects["step"] = whole.objects["step"]
@@ -135,9 +141,9 @@ def test_records_joined_from_owners_parts_are_the_whole_records(tmp_path: Path) 
     assert pickle.loads(metadata) == pickle.loads(whole.metadata())
     assert load_metadata(io.BytesIO(metadata)) == pickle.loads(metadata)  # and the safe reader
     head = Manifest.from_json(manifest)
-    # w's section: 2 rows of 3 * 2 + 10 int64, 2 crcs; b's: 1 row of 3 + 10, 1 crc
-    assert len(index) == 264 + 108
-    assert head.index == IndexRef(INDEX, [0, 264, 264, 264])
+    # w's section: 2 rows of 3 * 2 + 11 int64, 2 crcs; b's: 1 row of 3 + 11, 1 crc
+    assert len(index) == 280 + 116
+    assert head.index == IndexRef(INDEX, [0, 280, 280, 280])
     assert [t.section[:2] for t in head.tensors.values()] == [(0, 0), (3, 0)]  # type: ignore[index]
     assert (head.metadata_crc32c, head.metadata_tail) == (
         crc32c.crc32c(metadata),

@@ -16,7 +16,9 @@ from shardwise import Block, Layout, ShardedTensor
 from .tile_data import WIDE, random_tensor
 
 pytest.register_assert_rewrite(
-    "tests.checkpoint.format.golden_manifest", "tests.checkpoint.format.broken_fields"
+    "tests.checkpoint.format.golden_manifest",
+    "tests.checkpoint.format.broken_fields",
+    "tests.checkpoint.format.crafted_sections",
 )
 
 

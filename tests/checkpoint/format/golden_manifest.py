@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import crc32c
+import numpy as np
 import torch
 
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
+from shardwise.checkpoint.format.chunk_table import encode_section, row_width
 from shardwise.checkpoint.format.manifest import (
     VERSION,
     ChunkEntry,
@@ -26,8 +28,9 @@ from shardwise.checkpoint.format.manifest import (
     TensorEntry,
     tail_of,
 )
-from shardwise.checkpoint.format.manifest_entries import INLINE
-from shardwise.checkpoint.format.manifest_index import write_sections
+from shardwise.checkpoint.format.manifest_entries import INDEXED, INLINE
+from shardwise.checkpoint.format.manifest_index import read_sections, write_sections
+from shardwise.storage import open_folder
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 DOC = Path(__file__).resolve().parents[3] / "docs" / "format.md"
@@ -55,11 +58,12 @@ def golden_text(version: int = VERSION) -> str:
 #   chunk and object files, index.file      the save's random token: __0_{k}.sw<12 hex>.distcp
 #   storage_meta.checkpoint_id              the path saved to
 #   storage_meta.save_id                    DCP's random uuid of the save
-#   a chunk's frame                         crc32c of record bytes holding a save_id-derived id
 #   metadata_crc32c, metadata_tail          of .metadata, which holds all of the above: 0, [0, 0]
-#   a tensor's section crc32c               of its rows, which hold the token and frames:
-#                                           recomputed once the rows are normalised
+#   a tensor's section crc32c               of its rows, which hold the token: recomputed once
+#                                           the rows are normalised
 #   crc32c                                  of the document: recomputed once normalised
+# (A chunk's frame, the crc32c of record bytes holding a save_id-derived id, is 0 in its row
+# since version 5: it is in the data file's checksum block, which no record checksums.)
 FILE = "__0_0.sw000000000000.distcp"
 INDEX_FILE = "__0_1.sw000000000000.distcp"  # swc.save's index: rank 0's next data file
 
@@ -78,21 +82,72 @@ def golden_chunks() -> dict[str, TensorEntry]:
     return Manifest.from_json(golden_text(INLINE)).tensors
 
 
-def golden_index() -> bytes:
-    """The golden checkpoint's index file (version 4): the version 3 golden's chunks as
-    sections, in one block."""
-    return write_sections(golden_chunks(), 0)
+def kept_chunks(tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """The golden checkpoint's `tensors` as `swc.save` writes them from version 5: each chunk's frame and checksums
+    in its data file's checksum block, after the file's last record (chunk or object), in
+    record order (`crc_at`)."""
+    golden = Manifest.from_json(golden_text(INLINE))
+    at = max(
+        [sum(c.record) for t in tensors.values() for c in t.chunks]
+        + [o.offset + o.length for o in golden.objects.values()]
+    )
+    for c in sorted((c for t in tensors.values() for c in t.chunks), key=lambda c: c.record):
+        c.crc_at, at = at, at + 4 * (1 + len(c.crcs))
+    return tensors
+
+
+def data_file(tensors: dict[str, TensorEntry], objects: dict[str, ObjectEntry]) -> bytes:
+    """A data file of zeros as long as the byte ranges of `tensors` and `objects` need, with
+    each chunk's frame and checksums at its `crc_at` (if any)."""
+    chunks = [c for t in tensors.values() for c in t.chunks]
+    ends = [sum(c.record) for c in chunks] + [o.offset + o.length for o in objects.values()]
+    data = bytearray(max(ends + [c.crc_at + 4 + 4 * len(c.crcs) for c in chunks]))
+    for c in (c for c in chunks if c.crc_at >= 0):
+        data[c.crc_at : c.crc_at + 4 + 4 * len(c.crcs)] = np.asarray(
+            [c.frame, *c.crcs], dtype="<u4"
+        ).tobytes()
+    return bytes(data)
+
+
+def v4_sections(tensors: dict[str, TensorEntry]) -> bytes:
+    """The index a version 4 writer wrote of `tensors`: rows without `crc_at` (version 5's
+    inline rows less their last column), each row's checksums after them; each tensor's
+    `section` set to point into it."""
+    out, at = [], 0
+    for t in tensors.values():
+        assert all(c.crc_at == -1 for c in t.chunks)
+        t.transforms = []
+        data = encode_section(t.chunks, len(t.shape), t.transforms)
+        n, width = len(t.chunks), row_width(len(t.shape))
+        rows = np.frombuffer(data, dtype="<i8", count=n * width).reshape(n, width)
+        assert (rows[:, -1] == -1).all()
+        data = rows[:, :-1].tobytes() + data[n * width * 8 :]
+        t.section = (0, at, len(data), n, crc32c.crc32c(data))
+        out.append(data)
+        at += len(data)
+    return b"".join(out)
+
+
+def golden_index(version: int = VERSION) -> bytes:
+    """The golden checkpoint's index file: the version 3 golden's chunks as sections, in one
+    block; in version 4 with their checksums, from version 5 as `swc.save` writes them
+    (`kept_chunks`)."""
+    if version == INDEXED:
+        return v4_sections(golden_chunks())
+    return write_sections(kept_chunks(golden_chunks()), 0)
 
 
 def golden_folder(path: Path, head: str | None = None) -> Path:
-    """The golden checkpoint, readable: `head` (the version 4 golden by default) as its
-    manifest, the golden index, and a data file of zeros as long as its byte ranges need."""
-    ends = [sum(c.record) for t in golden_chunks().values() for c in t.chunks]
-    ends += [o.offset + o.length for o in Manifest.from_json(golden_text()).objects.values()]
+    """The golden checkpoint, readable: `head` (the current golden by default) as its
+    manifest, the golden index of its version (of the current one up to version 3, unread),
+    and a data file of zeros as long as its byte ranges need, then (version 5) its checksums."""
+    text = golden_text() if head is None else head
+    version = max(INDEXED, json.loads(text)["version"])
+    tensors = golden_chunks() if version == INDEXED else kept_chunks(golden_chunks())
     path.mkdir(parents=True, exist_ok=True)
-    (path / "shardwise.json").write_text(golden_text() if head is None else head)
-    (path / INDEX_FILE).write_bytes(golden_index())
-    (path / FILE).write_bytes(bytes(max(ends)))
+    (path / "shardwise.json").write_text(text)
+    (path / INDEX_FILE).write_bytes(golden_index(version))
+    (path / FILE).write_bytes(data_file(tensors, Manifest.from_json(golden_text()).objects))
     return path
 
 
@@ -120,21 +175,25 @@ def minimal_manifest(version: int = INLINE) -> Manifest:
 
 
 def written(m: Manifest, folder: Path | None = None) -> tuple[str, bytes]:
-    """What a writer saves of `m` in its version: its text and (version 4) its index, whose
-    sections it points at (committed with `METADATA`); into `folder` when given, with a
-    data file of zeros as long as its byte ranges need."""
+    """What a writer saves of `m` in its version: its text and (from version 4) its index,
+    whose sections it points at (committed with `METADATA`); into `folder` when given, with
+    a data file of zeros as long as its byte ranges need, the checksums of chunks with a
+    `crc_at` there."""
     if m.version <= INLINE:
         text, index = m.to_json(), b""
     else:
-        raw, index = m.indexed(INDEX_FILE, METADATA)
+        version = m.version
+        raw, index = m.indexed(INDEX_FILE, METADATA)  # written in the current version
+        if version == INDEXED:  # as a version 4 writer wrote it
+            m.version = INDEXED
+            index = v4_sections(m.tensors)
+            raw = m.to_json().encode()
         text = raw.decode()
     if folder is not None:
-        ends = [sum(c.record) for t in m.tensors.values() for c in t.chunks]
-        ends += [o.offset + o.length for o in m.objects.values()]
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "shardwise.json").write_text(text)
         (folder / INDEX_FILE).write_bytes(index)
-        (folder / FILE).write_bytes(bytes(max(ends)))
+        (folder / FILE).write_bytes(data_file(m.tensors, m.objects))
     return text, index
 
 
@@ -182,20 +241,32 @@ def normalised(folder: Path) -> tuple[str, bytes]:
     assert token is not None and m.index is not None
     assert (m.index.file, m.index.blocks) == (f"__0_1.sw{token.group(1)}.distcp", [0])
     data = (folder / name).read_bytes()
-    for t in m.tensors.values():
-        for c in t.chunks:
+    tables = dict(
+        read_sections(open_folder(folder), m.index, [*m.tensors.items()], "", version=m.version)
+    )
+    for k, t in m.tensors.items():
+        for c, at in zip(t.chunks, tables[k].crc_at, strict=True):
             assert c.payload is not None
-            (start, length), (at, size) = c.record, c.payload
+            (start, length), (pay, size) = c.record, c.payload
             assert c.frame == crc32c.crc32c(
-                data[at + size : start + length], crc32c.crc32c(data[start:at])
+                data[pay + size : start + length], crc32c.crc32c(data[start:pay])
             )
-            c.file, c.frame = FILE, 0
+            # its frame and tiles in its data file's checksum block (`kept_chunks`)
+            block = np.frombuffer(data, dtype="<u4", count=1 + len(c.crcs), offset=at)
+            assert block.tolist() == [c.frame, *c.crcs]
+            c.file, c.frame, c.crc_at = FILE, 0, at
     saved = {k: t.section for k, t in m.tensors.items()}
+    raw = (folder / m.index.file).read_bytes()
     index = write_sections(m.tensors, 0)  # the same rows, normalised: new crc32cs only
-    assert len(index) == len((folder / m.index.file).read_bytes())
+    assert len(index) == len(raw)
     for k, t in m.tensors.items():
         assert saved[k] is not None and t.section is not None
         assert saved[k][:4] == t.section[:4], k
+        _, at, length, count, _ = t.section
+        d = len(t.shape)
+        rows = np.frombuffer(raw, dtype="<i8", count=count * row_width(d), offset=at).copy()
+        rows.reshape(count, -1)[:, 3 * d + 2] = 0  # the token: what alone differs
+        assert rows.tobytes() + raw[at + rows.nbytes : at + length] == index[at : at + length]
         doc["tensors"][k]["section"] = list(t.section)
     doc["index"]["file"] = INDEX_FILE
     for entry in doc["objects"].values():

@@ -16,7 +16,7 @@ from shardwise.checkpoint.format.fast_entries import (
     parse_tensors,
 )
 from shardwise.checkpoint.format.manifest import READS, VERSION, ChunkEntry, Manifest, TensorEntry
-from shardwise.checkpoint.format.manifest_entries import INLINE
+from shardwise.checkpoint.format.manifest_entries import INDEXED, INLINE
 from shardwise.checkpoint.format.manifest_fields import CHUNK, FAST_CHUNK, TENSOR, decode, encode
 
 from .broken_fields import BAD, BAD_V4
@@ -70,8 +70,8 @@ def test_the_fast_chunk_path_reads_and_writes_as_the_table(version):
     # the 4 golden chunks, and 9 broken ones whose fields are each well-formed: offsets,
     # sizes, tile or tiles of another length, a file "x" (geometry is checked afterwards)
     assert accepted == (13 if version == INLINE else 0)
-    # the fast tensor path: version 3 (chunks listed) and 4 (a head: dtype, shape, section)
-    fast = version in (INLINE, VERSION)
+    # the fast tensor path: version 3 (chunks listed) and from 4 (a head: dtype, shape, section)
+    fast = version == INLINE or version >= INDEXED
     tensors = json.loads(golden_text(version))["tensors"]
     slow = {k: TensorEntry(**decode(TENSOR, t, version, "tensor")) for k, t in tensors.items()}
     assert parse_tensors(tensors, version) == (slow if fast else None)
@@ -105,10 +105,10 @@ def test_a_chunk_without_tiles_is_never_written():
     assert Manifest.from_json(m.to_json()) == m
 
 
-def _head_docs() -> list[Any]:
-    """The golden version 4 tensors, and each with one field broken in every way the
-    tests know, or with a field the fast path leaves to the table."""
-    tensors = list(json.loads(golden_text())["tensors"].values())
+def _head_docs(version: int) -> list[Any]:
+    """The golden tensors of `version` (4 or later), and each with one field broken in every
+    way the tests know, or with a field the fast path leaves to the table."""
+    tensors = list(json.loads(golden_text(version))["tensors"].values())
     w = tensors[0]
     broken = [
         dict(w, **{n: value}) for record, n, value, _ in BAD_V4.values() if record == "tensor"
@@ -125,14 +125,15 @@ def _head_docs() -> list[Any]:
     return tensors + broken + ["not a tensor", None, []]
 
 
-def test_the_fast_head_path_reads_and_writes_as_the_table():
-    """Version 4: the fast path for a tensor's head never accepts what the table refuses,
-    and what it accepts is the table's entry, written back as the table writes it."""
+@pytest.mark.parametrize("version", [INDEXED, VERSION])
+def test_the_fast_head_path_reads_and_writes_as_the_table(version):
+    """From version 4: the fast path for a tensor's head never accepts what the table
+    refuses, and what it accepts is the table's entry, written back as the table writes it."""
     accepted = 0
-    for t in _head_docs():
-        fast = parse_tensor(t, VERSION)
+    for t in _head_docs(version):
+        fast = parse_tensor(t, version)
         try:
-            slow = TensorEntry(**decode(TENSOR, t, VERSION, "tensor"))
+            slow = TensorEntry(**decode(TENSOR, t, version, "tensor"))
         except ValueError:
             assert fast is None, t
             continue
@@ -140,13 +141,13 @@ def test_the_fast_head_path_reads_and_writes_as_the_table():
         # it takes every head the table takes, but one with transforms (a table field)
         assert (fast is not None) == ("transforms" not in t), t
         accepted += fast is not None
-        assert dump_tensor(slow, VERSION) in (None, encode(TENSOR, slow, VERSION)), t
+        assert dump_tensor(slow, version) in (None, encode(TENSOR, slow, version)), t
         if fast is not None:
-            assert parse_tensors({"a": t, "b": t}, VERSION) == {"a": slow, "b": slow}
+            assert parse_tensors({"a": t, "b": t}, version) == {"a": slow, "b": slow}
     # the 3 golden heads; shapes [] and [1, 2, 3] (the geometry is the section's to check),
     # no requires_grad (as the golden), requires_grad true or false, a crc32c of 2**32 - 1
     assert accepted == 9
-    tensors = json.loads(golden_text())["tensors"]
-    for t in _head_docs()[3:]:  # one broken tensor: the whole map goes through the table
-        if parse_tensor(t, VERSION) is None:
-            assert parse_tensors(dict(tensors, **{"model.bias": t}), VERSION) is None, t
+    tensors = json.loads(golden_text(version))["tensors"]
+    for t in _head_docs(version)[3:]:  # one broken tensor: the whole map goes through the table
+        if parse_tensor(t, version) is None:
+            assert parse_tensors(dict(tensors, **{"model.bias": t}), version) is None, t

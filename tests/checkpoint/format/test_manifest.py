@@ -8,12 +8,20 @@ import json
 import re
 
 import crc32c
+import numpy as np
 import pytest
 import torch
 
 import shardwise
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.format.manifest import READS, ChunkEntry, IndexRef, Manifest, TensorEntry
+from shardwise.checkpoint.format.manifest import (
+    READS,
+    VERSION,
+    ChunkEntry,
+    IndexRef,
+    Manifest,
+    TensorEntry,
+)
 from shardwise.checkpoint.format.manifest_entries import INLINE
 
 from .broken_fields import mutate, refused
@@ -46,7 +54,13 @@ def test_written_manifest_is_the_golden_one(tmp_path):
         "misread it (docs/format.md, Versioning) and regenerate the golden file with "
         "`python -m tests.checkpoint.format.golden_manifest`"
     )
-    assert index == golden_index()  # its sections: the chunks the version 3 golden lists
+    # its sections: the chunks the version 3 golden lists, their checksums in the data file
+    assert index == golden_index()
+    m = Manifest.read(tmp_path / "step_100")  # the data file's checksums: the golden's
+    v3 = golden_chunks()
+    assert {k: [c.crcs for c in t.chunks] for k, t in m.tensors.items()} == {
+        k: [c.crcs for c in t.chunks] for k, t in v3.items()
+    }
 
 
 @pytest.mark.parametrize("version", READS)
@@ -57,7 +71,7 @@ def test_golden_round_trips(version):
 
 def test_golden_values(tmp_path):
     head = Manifest.from_json(golden_text())
-    assert (head.version, head.world_size, head.dcp_version) == (4, 1, "1.0.0")
+    assert (head.version, head.world_size, head.dcp_version) == (5, 1, "1.0.0")
     assert (head.metadata_crc32c, head.metadata_tail) == (0, (0, 0))
     assert head.index == IndexRef(INDEX_FILE, [0])
     assert head.storage_meta == {"checkpoint_id": CHECKPOINT_ID, "save_id": SAVE_ID, "modules": []}
@@ -69,16 +83,16 @@ def test_golden_values(tmp_path):
     }
     # the head alone lists no chunk: each tensor's section of the index, back to back
     assert [(k, t.section[:4], t.chunks, t.transforms) for k, t in head.tensors.items()] == [
-        ("model.w", (0, 0, 264, 2), [], []),  # 2 rows of 3 * 2 + 10 int64, 2 uint32
-        ("model.bias", (0, 264, 108, 1), [], []),  # 1 row of 13 int64, 1 uint32
-        ("model.scale", (0, 372, 84, 1), [], []),  # 0-d: 1 row of 10 int64, 1 uint32
+        ("model.w", (0, 0, 272, 2), [], []),  # 2 rows of 3 * 2 + 11 int64, no checksum
+        ("model.bias", (0, 272, 112, 1), [], []),  # 1 row of 14 int64
+        ("model.scale", (0, 384, 88, 1), [], []),  # 0-d: 1 row of 11 int64
     ]
     index = golden_index()
-    assert len(index) == 456
+    assert len(index) == 472
     assert [t.section[4] for t in head.tensors.values()] == [
-        crc32c.crc32c(index[:264]),
-        crc32c.crc32c(index[264:372]),
-        crc32c.crc32c(index[372:]),
+        crc32c.crc32c(index[:272]),
+        crc32c.crc32c(index[272:384]),
+        crc32c.crc32c(index[384:]),
     ]
     m = Manifest.read(golden_folder(tmp_path))  # the chunks, from the index
     w, bias, scale = m.tensors.values()
@@ -101,10 +115,14 @@ def test_golden_values(tmp_path):
     assert (bias.chunks[0].tile, scale.chunks[0].tile) == ((3,), ())
     step = m.objects["extra.step"]
     assert (step.file, step.length, step.transform) == (FILE, 1261, None)
-    # one data file, its records back to back in save order, then the pickled object
+    # one data file, its records back to back in save order, then the pickled object, then
+    # each chunk's frame (0 here) and tile checksums, in record order: 4 x 2 uint32
     ranges = [c.record for t in (w, bias, scale) for c in t.chunks] + [(step.offset, 1261)]
     assert [start for start, _ in ranges] == [0, 1305, 2610, 3851, 5092]
     assert all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:]))
+    crcs = [c.crcs[0] for t in (w, bias, scale) for c in t.chunks]
+    block = (tmp_path / FILE).read_bytes()[6353:]
+    assert np.frombuffer(block, dtype="<u4").tolist() == [n for crc in crcs for n in (0, crc)]
     assert m.files() == {FILE, INDEX_FILE}
 
 
@@ -128,9 +146,11 @@ def test_every_readable_version_has_a_golden_file_that_reads(version, tmp_path):
         assert (m.storage_meta, m.planner_data, m.dcp_version) == ({}, None, None)
         assert m.tensors["model.bias"].requires_grad is False
         current.tensors["model.bias"].requires_grad = False
-    for t in current.tensors.values():
+    for key, t in current.tensors.items():
         if version <= INLINE:  # no sections
             t.section = None
+        elif version < VERSION:  # its own sections' layout (its text holds them, below)
+            t.section = m.tensors[key].section
         for c in t.chunks:
             if version < 3:  # pages of 1 MiB: one each here, the same crc32c as the one tile
                 c.tile = None
@@ -159,7 +179,7 @@ def test_doc_example_reads_with_the_real_reader(tmp_path):
     assert m.to_json() == compact(doc)
 
 
-@pytest.mark.parametrize("version", [INLINE, 4])
+@pytest.mark.parametrize("version", [INLINE, 4, VERSION])
 @pytest.mark.parametrize(
     "build", [full_manifest, minimal_manifest], ids=["all-optional-fields", "minimal"]
 )
@@ -174,15 +194,15 @@ def test_round_trip_keeps_every_value(build, version, tmp_path):
 @pytest.mark.parametrize(
     "version, reason",
     [
-        (5, "format version 5 is not supported: this shardwise reads versions 1, 2, 3, 4 (a new"),
-        (0, "format version 0 is not supported: this shardwise reads versions 1, 2, 3, 4"),
-        ("2", "format version '2' is not supported: this shardwise reads versions 1, 2, 3, 4"),
+        (6, "format version 6 is not supported: this shardwise reads versions 1, 2, 3, 4, 5 (a"),
+        (0, "format version 0 is not supported: this shardwise reads versions 1, 2, 3, 4, 5"),
+        ("2", "format version '2' is not supported: this shardwise reads versions 1, 2, 3, 4, 5"),
     ],
 )
 def test_an_unknown_version_names_found_and_supported(version, reason):
     message = refused(mutate(json.loads(golden_text()), "top level", "version", version))
     assert f"field version: {reason}" in message
-    assert ("a newer shardwise wrote it" in message) == (version == 5)
+    assert ("a newer shardwise wrote it" in message) == (version == 6)
 
 
 def test_not_a_shardwise_manifest():

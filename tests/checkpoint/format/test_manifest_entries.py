@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from shardwise.checkpoint.format.manifest_entries import (
+    INDEXED,
     INLINE,
     MANIFEST,
     READS,
@@ -44,13 +45,14 @@ def test_a_name_that_is_no_dtype_is_corrupt(name):
 
 
 def test_the_version_written_is_read():
-    assert VERSION == max(READS) and READS == (1, 2, 3, 4)
+    assert VERSION == max(READS) == 5 and READS == (1, 2, 3, 4, 5)
     assert INLINE == 3  # the last version listing chunks in the manifest itself
+    assert INDEXED == 4  # the first holding them in an index file
 
 
 def test_entry_defaults():
     c = ChunkEntry((0,), (4,), "f", (0, 100), (64, 16), [1])
-    assert (c.frame, c.transform, c.tile) == (0, None, None)
+    assert (c.frame, c.transform, c.tile, c.crc_at) == (0, None, None, -1)  # crcs inline
     t = TensorEntry("float32", (4,))
     assert (t.chunks, t.requires_grad, t.section, t.transforms) == ([], False, None, [])
     assert TensorEntry("float32", (4,)).chunks is not t.chunks  # not shared between entries

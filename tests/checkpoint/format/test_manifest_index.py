@@ -1,15 +1,14 @@
-"""The index of a version 4 checkpoint (`chunk_table`, `manifest_index`): the section layout
-docs/format.md gives, byte for byte, and what a reader refuses in a damaged or crafted
-index; a load's reads of the sections of its tensors only (`TensorChunks`)."""
+"""The index of versions 4 and 5 (`chunk_table`, `manifest_index`): the section layout of
+docs/format.md, byte for byte, what a reader refuses in a damaged or crafted index, a load's
+reads of its tensors' sections only (`TensorChunks`). Kept checksums: test_writer_checksums."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import crc32c
 import numpy as np
 import pytest
+import torch
 
 import shardwise.checkpoint as swc
 from shardwise.checkpoint.format.manifest import ChunkEntry, IndexRef, Manifest, TensorEntry
@@ -21,6 +20,7 @@ from shardwise.checkpoint.format.manifest_index import (
 )
 from shardwise.storage import open_folder
 
+from .crafted_sections import CRCS, INLINE_CRCS, ROWS, V4, crafted, inline, row
 from .golden_manifest import (
     FILE,
     INDEX_FILE,
@@ -29,125 +29,107 @@ from .golden_manifest import (
     golden_chunks,
     golden_folder,
     golden_index,
+    golden_state,
     golden_text,
     minimal_manifest,
     save_golden,
+    v4_sections,
     written,
 )
 
-W = 264  # bytes of model.w's section: 2 rows of 16 int64, 2 uint32
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_the_section_layout_is_the_documented_one(version):
+    index, at, kept = golden_index(version), 0, version - 4  # 5: crc_at, no checksums
+    bias = [0, 3, 3, 0, 0, 0, 2610, 1241, 3058, 6, 0, 1, -1] + [6369] * kept
+    scale = [0, 0, 0, 3851, 1241, 4299, 8, 0, 1, -1] + [6377] * kept  # 0-d: no box
+    for rows, crcs in [
+        (ROWS[version], INLINE_CRCS[version]),
+        ([bias], [3417325932][kept:]),
+        ([scale], [2575767776][kept:]),
+    ]:
+        n = 8 * len(rows) * len(rows[0])
+        assert np.frombuffer(index[at : at + n], dtype="<i8").tolist() == sum(rows, [])
+        assert np.frombuffer(index[at + n : at + n + 4 * len(crcs)], "<u4").tolist() == crcs
+        at += n + 4 * len(crcs)
+    assert at == len(index) == (456 if version == 4 else 472)
 
 
-def test_the_section_layout_is_the_documented_one():
-    index = golden_index()
-    w = np.frombuffer(index[: 2 * 16 * 8], dtype="<i8").reshape(2, 16).tolist()
-    # offsets sizes tile rank k token record payload frame crc_count transform
-    assert w == [
-        [0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 1305, 448, 64, 0, 1, -1],
-        [4, 0, 2, 4, 2, 4, 0, 0, 0, 1305, 1305, 1753, 32, 0, 1, -1],
-    ]
-    assert np.frombuffer(index[256:W], dtype="<u4").tolist() == [722256751, 3265927622]
-    bias = np.frombuffer(index[W : W + 104], dtype="<i8").tolist()
-    assert bias == [0, 3, 3, 0, 0, 0, 2610, 1241, 3058, 6, 0, 1, -1]
-    assert np.frombuffer(index[W + 104 : W + 108], dtype="<u4").tolist() == [3417325932]
-    scale = np.frombuffer(index[W + 108 : W + 188], dtype="<i8").tolist()  # 0-d: no box
-    assert scale == [0, 0, 0, 3851, 1241, 4299, 8, 0, 1, -1]
-    assert np.frombuffer(index[W + 188 :], dtype="<u4").tolist() == [2575767776]
-
-
-def test_a_transformed_chunk_row_names_its_transform_by_position(tmp_path):
-    m = Manifest(world_size=1, version=4)
+@pytest.mark.parametrize("version", [4, 5])
+def test_a_transformed_chunk_row_names_its_transform_by_position(tmp_path, version):
+    m = Manifest(world_size=1, version=version)
     m.tensors["t"] = TensorEntry("int16", (4,))
     m.tensors["t"].chunks = [
         ChunkEntry((0,), (2,), FILE, (0, 50), None, [7], 3, ["stream.zstd/1"]),
         ChunkEntry((2,), (2,), FILE, (50, 50), None, [8], 4, ["stream.zstd/1"]),
     ]
-    text, index = written(m, tmp_path)
+    text, index = written(m, tmp_path)  # `Manifest.indexed`: checksums with their rows
     assert json.loads(text)["tensors"]["t"]["transforms"] == [["stream.zstd/1"]]
-    rows = np.frombuffer(index[: 2 * 13 * 8], dtype="<i8").reshape(2, 13).tolist()
+    width = 13 + (version - 4)
+    rows = np.frombuffer(index[: 2 * width * 8], dtype="<i8").reshape(2, width).tolist()
     assert rows == [
-        [0, 2, -1, 0, 0, 0, 0, 50, -1, -1, 3, 1, 0],
-        [2, 2, -1, 0, 0, 0, 50, 50, -1, -1, 4, 1, 0],
+        [0, 2, -1, 0, 0, 0, 0, 50, -1, -1, 3, 1, 0, -1][:width],
+        [2, 2, -1, 0, 0, 0, 50, 50, -1, -1, 4, 1, 0, -1][:width],
     ]
+    assert np.frombuffer(index[2 * width * 8 :], dtype="<u4").tolist() == [7, 8]
     assert Manifest.read(tmp_path).tensors == m.tensors
 
 
-def _crafted(tmp_path: Path, rows: list[list[int]], crcs: list[int], count: int = -1) -> Path:
-    """The golden checkpoint with model.w's section made of `rows` and `crcs` (the head
-    pointing at it, its crc32c right; `count` rows when given)."""
-    section = np.asarray(rows, dtype="<i8").tobytes() + np.asarray(crcs, dtype="<u4").tobytes()
-    doc = json.loads(golden_text())
-    shift = len(section) - W
-    for t in doc["tensors"].values():
-        if t["section"][1]:
-            t["section"][1] += shift
-    count = len(rows) if count < 0 else count
-    doc["tensors"]["model.w"]["section"] = [0, 0, len(section), count, crc32c.crc32c(section)]
-    folder = golden_folder(tmp_path, compact(checksummed(doc)))
-    (folder / INDEX_FILE).write_bytes(section + golden_index()[W:])
-    return folder
+IMPOSSIBLE = "a chunk row holds an impossible value"
+SIZES = "chunk at offsets (4, 0) of 'model.w' has inconsistent"
+CRAFTED = {  # of either version: (row, column, value, message)
+    "negative": (1, 0, -2, IMPOSSIBLE),
+    "too-big": (1, 10, 1 << 62, IMPOSSIBLE),
+    "token-over-48-bits": (0, 8, 1 << 48, "chunk row 0 holds an impossible value"),
+    "transform-unknown": (0, 15, 0, "chunk row 0 holds an impossible value"),  # none listed
+    "payload-null-untransformed": (1, 11, -1, "chunk row 1 holds an impossible value"),
+    "payload-length": (1, 12, 28, SIZES),
+    "tile-too-large": (1, 4, 8, SIZES),
+    "sizes-past-shape": (1, 2, 3, SIZES),
+    "overlapping": (1, 0, 3, "'model.w' (shape (6, 4)) overlap in part at 3 along"),
+    "missing-file": (1, 6, 5, "__5_0.sw000000000000.distcp is missing"),
+    "record-past-the-file": (1, 10, 6000, "lie past the end of"),
+}
 
 
-ROWS = [
-    [0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 1305, 448, 64, 0, 1, -1],
-    [4, 0, 2, 4, 2, 4, 0, 0, 0, 1305, 1305, 1753, 32, 0, 1, -1],
-]
-CRCS = [722256751, 3265927622]
+FRAME = (0, 13, 1 << 32)  # a frame of 33 bits
+COUNTED = {  # what each version's section holds, and how its rows count it
+    "4-rows-past-the-section": (4, V4, CRCS, 3, "a section of 264 bytes cannot hold 3 chunk"),
+    "5-rows-past-the-section": (5, ROWS[5], [], 3, "a section of 272 bytes cannot hold 3 chunk"),
+    "4-a-checksum-too-many": (4, V4, CRCS + [0], -1, "its rows count 2 checksums, it holds 3"),
+    "5-a-checksum-too-many": (5, ROWS[5], [0], -1, "its rows count 0 checksums, it holds 1"),
+    "4-a-checksum-too-few": (4, row(4, 0, 14, 2), CRCS, -1, "rows count 3 checksums, it holds 2"),
+    "5-a-checksum-too-few": (5, inline(ROWS[5]), [], -1, "rows count 1 checksums, it holds 0"),
+    "4-frame-over-32-bits": (4, row(4, *FRAME), CRCS, -1, "chunk row 0 holds an impossible"),
+    "5-frame-over-32-bits": (5, inline(row(5, *FRAME)), CRCS[:1], -1, "chunk row 0 holds an"),
+    "5-a-frame-with-crc_at": (5, row(5, 0, 13, 1), [], -1, IMPOSSIBLE),  # kept in the file
+    "5-crc_at-below--1": (5, row(5, 1, 16, -2), [], -1, IMPOSSIBLE),
+    "5-crc_at-too-big": (5, row(5, 1, 16, 1 << 62), [], -1, IMPOSSIBLE),
+}
 
 
-def _row(i: int, column: int, value: int) -> list[list[int]]:
-    rows = [list(r) for r in ROWS]
-    rows[i][column] = value
-    return rows
+COUNTED |= {  # the row values either version refuses
+    f"{v}-{name}": (v, row(v, i, column, value), INLINE_CRCS[v], -1, message)
+    for v in (4, 5)
+    for name, (i, column, value, message) in CRAFTED.items()
+}
 
 
-@pytest.mark.parametrize(
-    "rows, crcs, count, message",
-    [
-        (ROWS, CRCS, 3, "a section of 264 bytes cannot hold 3 chunk rows"),
-        (ROWS, CRCS + [0], -1, "its rows count 2 checksums, it holds 3"),
-        (_row(0, 14, 2), CRCS, -1, "its rows count 3 checksums, it holds 2"),
-        (_row(1, 0, -2), CRCS, -1, "a chunk row holds an impossible value"),
-        (_row(1, 10, 1 << 62), CRCS, -1, "a chunk row holds an impossible value"),
-        (_row(0, 8, 1 << 48), CRCS, -1, "chunk row 0 holds an impossible value"),
-        (_row(0, 15, 0), CRCS, -1, "chunk row 0 holds an impossible value"),  # no transforms
-        (_row(1, 11, -1), CRCS, -1, "chunk row 1 holds an impossible value"),  # payload, no
-        (_row(0, 13, 1 << 32), CRCS, -1, "chunk row 0 holds an impossible value"),  # frame
-        (_row(1, 12, 28), CRCS, -1, "chunk at offsets (4, 0) of 'model.w' has inconsistent"),
-        (_row(1, 4, 8), CRCS, -1, "chunk at offsets (4, 0) of 'model.w' has inconsistent"),
-        (_row(1, 2, 3), CRCS, -1, "chunk at offsets (4, 0) of 'model.w' has inconsistent"),
-        (_row(1, 0, 3), CRCS, -1, "'model.w' (shape (6, 4)) overlap in part at 3 along"),
-        (_row(1, 6, 5), CRCS, -1, "__5_0.sw000000000000.distcp is missing"),
-        (_row(1, 10, 6000), CRCS, -1, "lie past the end of"),
-    ],
-    ids=[
-        "rows-past-the-section",
-        "a-checksum-too-many",
-        "a-checksum-too-few",
-        "negative",
-        "too-big",
-        "token-over-48-bits",
-        "transform-unknown",
-        "payload-null-untransformed",
-        "frame-over-32-bits",
-        "payload-length",
-        "tile-too-large",
-        "sizes-past-shape",
-        "overlapping",
-        "missing-file",
-        "record-past-the-file",
-    ],
-)
-def test_a_crafted_section_is_refused(tmp_path, rows, crcs, count, message):
-    folder = _crafted(tmp_path, rows, crcs, count)
+@pytest.mark.parametrize("version, rows, crcs, count, message", COUNTED.values(), ids=COUNTED)
+def test_a_crafted_section_is_refused(tmp_path, version, rows, crcs, count, message):
+    folder = crafted(tmp_path, rows, crcs, count, version)
     Manifest.read_head(open_folder(folder))  # the head alone is sound
     with pytest.raises(swc.CorruptCheckpointError) as info:
         Manifest.read(folder)
     assert message in str(info.value)
 
 
-def test_the_crafted_golden_section_reads(tmp_path):
-    m = Manifest.read(_crafted(tmp_path, ROWS, CRCS))
+@pytest.mark.parametrize("version", [4, 5])
+def test_the_crafted_golden_section_reads(tmp_path, version):
+    m = Manifest.read(crafted(tmp_path, ROWS[version], INLINE_CRCS[version], -1, version))
+    assert m.tensors["model.w"].chunks == golden_chunks()["model.w"].chunks
+    # a row may hold its checksums itself in version 5 too (`Manifest.indexed` writes so)
+    m = Manifest.read(crafted(tmp_path / "inline", inline(ROWS[5]), CRCS[:1]))
     assert m.tensors["model.w"].chunks == golden_chunks()["model.w"].chunks
 
 
@@ -162,7 +144,7 @@ def test_a_damaged_index_is_refused(tmp_path):
         f"{folder / INDEX_FILE}: the section of 'model.w' does not match its checksum (damaged)"
     )
     (folder / INDEX_FILE).write_bytes(golden_index()[:-1])
-    with pytest.raises(swc.CorruptCheckpointError, match=r"sections up to byte 456 of .* \(455"):
+    with pytest.raises(swc.CorruptCheckpointError, match=r"sections up to byte 472 of .* \(471"):
         Manifest.read(folder)
 
 
@@ -177,7 +159,7 @@ def test_a_missing_index_is_refused_as_a_missing_data_file(tmp_path):
 @pytest.mark.parametrize(
     "where, value, message",
     [
-        (("tensors", "model.w", "section"), [1, 0, W, 2, 0], "'model.w' names block 1 of its"),
+        (("tensors", "model.w", "section"), [1, 0, 272, 2, 0], "'model.w' names block 1 of"),
         (("index", "file"), "notes.txt", "is not a shardwise data file"),
         (("index", "file"), "shardwise.json", "one of the checkpoint's own records"),
         (("index", "blocks"), [], "'model.w' names block 0 of its index"),
@@ -238,7 +220,7 @@ def test_a_piece_gets_the_rows_overlapping_it_each_checked(tmp_path):
 
 
 def test_a_piece_a_row_is_missing_from_is_refused(tmp_path):
-    folder = _crafted(tmp_path, ROWS[:1], CRCS[:1])
+    folder = crafted(tmp_path, ROWS[5][:1], [])
     f = open_folder(folder)
     head = Manifest.read_head(f)
     assert head.index is not None
@@ -264,9 +246,13 @@ def test_read_checks_the_data_files(tmp_path):
     assert m.world_size == 1 and m.index is not None
     data = tmp_path / m.objects["extra.step"].file
     assert {p.name for p in tmp_path.glob("*.distcp")} == {data.name, m.index.file}
-    data.write_bytes(data.read_bytes()[:-1])
-    with pytest.raises(swc.CorruptCheckpointError, match=rf"past the end of .*{data.name}"):
+    data.write_bytes(data.read_bytes()[:-1])  # the last chunk's checksums cut short
+    with pytest.raises(swc.CorruptCheckpointError) as info:
         Manifest.read(tmp_path)
+    assert str(info.value) == (
+        f"{tmp_path / m.index.file} 'model.scale': chunk checksums at bytes 6377..6385 of data "
+        f"file {data} (6384 bytes) lie past its end"
+    )
     data.unlink()
     with pytest.raises(swc.CorruptCheckpointError, match=rf"data file .*{data.name} is missing"):
         Manifest.read(tmp_path)
@@ -275,8 +261,31 @@ def test_read_checks_the_data_files(tmp_path):
         Manifest.read(tmp_path)
 
 
-def test_many_small_tensors_round_trip_through_the_index(tmp_path):
-    m = Manifest(world_size=1, version=4)
+def test_a_version_4_checkpoint_still_loads_and_verifies(tmp_path):
+    """The golden save with its index as version 4 wrote it: frames and checksums in the
+    rows (the data file's checksum block then unread)."""
+    save_golden(tmp_path)
+    m = Manifest.read(tmp_path)  # version 5: the chunks' checksums from the data file
+    assert m.index is not None and m.index.blocks == [0]
+    m.version = 4
+    (tmp_path / m.index.file).write_bytes(v4_sections(m.tensors))
+    (tmp_path / "shardwise.json").write_text(m.to_json())
+    again = Manifest.read(tmp_path)
+    assert (again.version, again.tensors) == (4, m.tensors)
+    assert [t.section[2] for t in again.tensors.values()] == [264, 108, 84]  # type: ignore[index]
+    state = golden_state()
+    target = {"model": {"w": torch.zeros(6, 4), "scale": torch.tensor(0.0, dtype=torch.float64)}}
+    target["model"]["bias"] = torch.zeros(3, dtype=torch.bfloat16)
+    swc.load(target, tmp_path)
+    assert torch.equal(target["model"]["w"], torch.arange(24.0).reshape(6, 4))
+    assert torch.equal(target["model"]["bias"], state["model"]["bias"].detach())
+    assert torch.equal(target["model"]["scale"], state["model"]["scale"])
+    assert swc.verify(tmp_path) == []
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_many_small_tensors_round_trip_through_the_index(tmp_path, version):
+    m = Manifest(world_size=1, version=version)
     m.storage_meta = {"checkpoint_id": None, "save_id": None, "modules": []}
     for i in range(500):
         m.tensors[f"layer.{i}.w"] = TensorEntry("float32", (4, i % 7))
@@ -285,7 +294,7 @@ def test_many_small_tensors_round_trip_through_the_index(tmp_path):
         chunk.tile = (4, i % 7)
         m.tensors[f"layer.{i}.w"].chunks.append(chunk)
     text, index = written(m, tmp_path)
-    assert len(index) == sum(16 * 8 + 4 for _ in range(500))
+    assert len(index) == 500 * ((12 + version) * 8 + 4)  # each row and its checksum
     head = Manifest.from_json(text)
     assert [t.section for t in head.tensors.values()] == [t.section for t in m.tensors.values()]
     assert Manifest.read(tmp_path) == m

@@ -4,7 +4,9 @@ piece at a time) accepts cut along one dimension, with the same parts."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
+import crc32c
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch
 import shardwise.checkpoint as swc
 from shardwise import Layout, ShardedTensor
 from shardwise.checkpoint.engine.stored_view import StoredView
+from shardwise.checkpoint.format.chunk_table import file_of
 from shardwise.checkpoint.format.row_batches import batch_boxes
 from shardwise.checkpoint.format.row_boxes import Boxes, one_tile_boxes
 from shardwise.storage import open_folder
@@ -25,8 +28,7 @@ LAYOUTS = {  # 20 chunks each: sections decoded as arrays
 
 
 @pytest.fixture(scope="module")
-def chunks(tmp_path_factory):
-    """Each tensor's `TensorChunks`, as a load reads them."""
+def saved(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("batches") / "ck")
     state = {}
     for key, layout in LAYOUTS.items():
@@ -35,7 +37,13 @@ def chunks(tmp_path_factory):
         shards = [torch.randn(b.sizes) for b in blocks]
         state[key] = ShardedTensor.from_layout(mine, shards)
     swc.save(state, path)
-    view = StoredView.read(open_folder(path), 0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def chunks(saved):
+    """Each tensor's `TensorChunks`, as a load reads them."""
+    view = StoredView.read(open_folder(saved), 0)
     return {key: s.sectioned for key, s in view.stored_chunks(list(LAYOUTS), [])}
 
 
@@ -92,3 +100,15 @@ def test_pieces_tested_a_few_at_a_time_give_the_same_parts(chunks, monkeypatch):
     apart = batch_boxes(items)
     assert [b is not None for b in whole] == [True, True, True, True]
     assert [_rows(a) for a in apart] == [_rows(b) for b in whole]  # type: ignore[arg-type]
+
+
+def test_each_parts_checksum_is_its_payloads_kept_by_its_writer(saved, chunks):
+    """The rows keep their checksums in the data file (format 5): each part's is fetched
+    from there, the crc32c of its chunk's payload."""
+    c = chunks["rows"]
+    assert (c.table.crc_at >= 0).all() and len(c.table.crcs) == 0  # none in the section
+    (boxes,) = batch_boxes([(c, (0, 1), (40, 3), c.table.overlapping((0, 1), (40, 3)))])
+    assert boxes is not None and len(boxes.crc) == 20
+    for file, (at, n), crc in zip(boxes.file.tolist(), boxes.payload.tolist(), boxes.crc.tolist()):
+        data = (Path(saved) / file_of(*file)).read_bytes()
+        assert crc == crc32c.crc32c(data[at : at + n])

@@ -3,6 +3,7 @@ the values of every dtype and layout bit for bit, the bytes read, damage refused
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -197,6 +198,27 @@ def test_a_damaged_chunk_is_refused_by_name_and_its_rows_never_land(tmp_path, ga
     assert all(
         torch.equal(s[row : row + 2], torch.full((2, 3), 7.0)) for s in target.local_shards()
     )
+    assert len(gathered) == 2
+
+
+def test_a_damaged_checksum_kept_by_its_writer_is_refused_by_name(tmp_path, gathered):
+    """Format 5: the rows' checksums are in the data file's block (frame, tile), fetched
+    for the rows gathered; a damaged one fails its chunk as damaged bytes would."""
+    full = _full(torch.float32)
+    path = _save(tmp_path, full)
+    bad = Manifest.read(path).tensors["w"].chunks[7]
+    assert bad.payload is not None
+    data = tmp_path / "ck" / bad.file
+    raw = bytearray(data.read_bytes())
+    block = np.frombuffer(bytes(raw[-20 * 8 :]), dtype="<u4").reshape(20, 2).tolist()
+    at = len(raw) - 20 * 8 + 8 * block.index([bad.frame, bad.crcs[0]]) + 4
+    raw[at] ^= 1
+    data.write_bytes(bytes(raw))
+    target = _targets(Layout.column_wise((ROWS, 6), [3, 3]), torch.float32)
+    with pytest.raises(swc.CorruptCheckpointError) as info:
+        swc.load({"w": target}, path)
+    lo, hi = bad.payload[0], bad.payload[0] + bad.payload[1]
+    assert str(info.value) == f"'w': bytes {lo}..{hi} of {data} fail their checksum"
     assert len(gathered) == 2
 
 

@@ -7,9 +7,12 @@ design. Here key k belongs to rank crc32c(k) mod W. Each rank routes each of
 its entries to the key's owner (one `all_to_all`); each owner runs
 `planning.plan_save` — the same checks, the same choice of writers — over the
 entries of its keys, and routes back to each rank only which of its boxes it
-writes (a second `all_to_all`). After writing, each rank reports the places
-and checksums of its records to their owners, which build their keys' share
-of the records (`owned_records`). A rank thus receives what the world holds of
+writes (a second `all_to_all`). Each rank reports the places of its records to
+their owners, which build their keys' share of the records (`owned_records`).
+The checksums stay with the writers, in their files: an owner keeps the places
+(`plan_cache`), so a repeated save reports nothing, unless an object is written
+by a rank other than its owner (an owner holding the object writes it itself:
+`plan_save(first=)`), whose crc32c its owner needs. A rank thus receives what the world holds of
 the keys it owns (N/W keys × W pieces ≈ N in an FSDP layout) and one decision
 per box it holds: O(N) bytes and work, whatever W.
 
@@ -32,7 +35,7 @@ from ..format.manifest import dtype_from_name
 from ..io.record_names import data_file_name
 from .inventory import Entry
 from .planning import Placement, SavePlan, plan_save
-from .save_records import Checksums, SaveRecords, plan_records
+from .save_records import SaveRecords, plan_records
 
 __all__ = [
     "MyWrites",
@@ -42,12 +45,14 @@ __all__ = [
     "owned_records",
     "owner_of",
     "plan_by_owners",
+    "remote_objects",
     "reports_for",
+    "routed",
 ]
 
 # One record as its writer reports it to the key's owner: its place (`Placement`'s
-# fields) and its checksums (a tensor's), or its crc32c (an object's).
-Report = tuple[tuple[int, int, int, int], Checksums | int]
+# fields) and an object's crc32c (a tensor's checksums stay in its writer's file: -1).
+Report = tuple[tuple[int, int, int, int, int], int]
 
 
 def file_name(rank: int, k: int, token: str) -> str:
@@ -128,7 +133,7 @@ def held_bytes(entries: list[Entry]) -> int:
 
 
 def reports_for(
-    mine: MyWrites, placed: list[Placement], checksums: list[Checksums], crcs: dict[str, int]
+    mine: MyWrites, placed: list[Placement], crcs: dict[str, int]
 ) -> list[list[Report]]:
     """Per owner, the reports of its records in the order it planned them. `crcs`:
     each object's crc32c, known before it was written."""
@@ -138,21 +143,33 @@ def reports_for(
         for w in order:
             p = placed[w]
             key, index = mine.writes[w]
-            sums = crcs[key] if index < 0 else checksums[w]
-            reports.append(((p.offset, p.length, p.payload, p.file), sums))
+            place = (p.offset, p.length, p.payload, p.file, p.crc_at)
+            reports.append((place, crcs[key] if index < 0 else -1))
         out.append(reports)
     return out
 
 
 def owned_records(
-    plan: SavePlan, reports: list[list[Report]], token: str, storage_meta: StorageMeta
+    plan: SavePlan,
+    places: list[list[Placement]],
+    crcs: dict[str, int],
+    token: str,
+    storage_meta: StorageMeta,
 ) -> SaveRecords:
-    """The records of the keys this rank owns, from their writers' `reports`."""
-    placements = [[Placement(*place) for place, _sums in theirs] for theirs in reports]
-    crcs: dict[str, int] = {key: reports[r][j][1] for key, (r, j) in plan.objects.items()}  # type: ignore[misc]
-    records, slots = plan_records(
-        plan, placements, lambda rank, k: file_name(rank, k, token), storage_meta, crcs
-    )
-    for r, j, chunk in slots:
-        SaveRecords.fill(chunk, reports[r][j][1])  # type: ignore[arg-type]
-    return records
+    """The records of the keys this rank owns: the `places` its writers reported, per
+    writer in plan order; `crcs`: its objects' crc32c."""
+    return plan_records(plan, places, lambda rank, k: file_name(rank, k, token), storage_meta, crcs)
+
+
+def routed(
+    plan: SavePlan, received: list[list[Report]]
+) -> tuple[list[list[Placement]], dict[str, int]]:
+    """What the writers reported: the places of this owner's records, its objects' crc32c."""
+    places = [[Placement(*place) for place, _crc in theirs] for theirs in received]
+    return places, {key: received[r][j][1] for key, (r, j) in plan.objects.items()}
+
+
+def remote_objects(plan: SavePlan, rank: int) -> int:
+    """Of the objects this rank owns, how many another rank writes (their crc32c must be
+    reported to it at every save)."""
+    return sum(writer != rank for writer, _position in plan.objects.values())

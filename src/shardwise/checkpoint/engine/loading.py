@@ -51,6 +51,7 @@ from ..io.read_requests import ChunkRead, GatherRead, RecordRead
 from . import replicated
 from .inventory import Piece, pieces_of
 from .item_reads import planned_reads
+from .overlaps import fetched
 from .stored_view import Covering, StoredBox, StoredView
 
 __all__ = ["load_state", "mismatches"]
@@ -154,19 +155,19 @@ def _plan(
             held[key] = pieces
     together: list[tuple[str, Covering, Piece, list[int]]] = []  # planned at once: `batch_boxes`
     sections = view.stored_chunks(list(held), stored_objects)
-    for key, stored in itertools.islice(sections, len(held)):
+    for key, stored, overlaps in fetched(itertools.islice(sections, len(held)), held):
         if key in sent:
-            for piece in held[key]:
-                stored.covering(piece.offsets, piece.sizes)  # checked, not read
+            for piece, rows in zip(held[key], overlaps):
+                stored.covering(piece.offsets, piece.sizes, rows)  # checked, not read
             continue
         dtype = view.tensor(key)[1]  # type: ignore[index]  # a stored tensor
-        for piece in held[key]:
-            rows, sectioned = None, stored.sectioned
-            if piece.tensor.dtype == dtype and sectioned is not None:
-                rows = sectioned.table.overlapping(piece.offsets, piece.sizes)
-                if len(rows) > 1 and sectioned.table.array is not None:  # parts to gather?
-                    together.append((key, stored, piece, rows))
-                    continue
+        for piece, rows in zip(held[key], overlaps):
+            sectioned = stored.sectioned
+            if piece.tensor.dtype != dtype:
+                rows = None
+            elif rows is not None and len(rows) > 1 and sectioned.table.array is not None:  # type: ignore[union-attr]
+                together.append((key, stored, piece, rows))  # parts to gather
+                continue
             reads += _reads(key, view, stored.covering(piece.offsets, piece.sizes, rows), piece)
     batch = batch_boxes([(s.sectioned, p.offsets, p.sizes, r) for _k, s, p, r in together])  # type: ignore[misc]
     for (key, stored, piece, _rows), boxes in zip(together, batch, strict=True):

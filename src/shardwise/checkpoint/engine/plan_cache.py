@@ -39,12 +39,16 @@ GROUPS = 1024
 
 @dataclass(frozen=True)
 class Planned:
-    """One rank's share of a plan: what it writes and where, and its keys' plan."""
+    """One rank's share of a plan: what it writes and where, its keys' plan and where
+    their records lie (`places`, per writer), and whether any rank writes an object
+    it does not own (`routes`: its crc32c is then reported at every save)."""
 
     plan_id: int
     mine: MyWrites
     placed: list[Placement]
     owned: SavePlan
+    places: list[list[Placement]] | None = None
+    routes: bool = True
 
 
 _KEPT: dict[Hashable, OrderedDict[bytes, Planned]] = {}

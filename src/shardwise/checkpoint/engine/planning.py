@@ -24,13 +24,14 @@ linear in the number of entries (plus a sort of the replicated ones). It decides
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...layout import Block
 from ...layout.coverage import analyze
 from ..format.manifest import dtype_from_name
 from ..format.record_write import record_frame
+from ..format.tiles import tile_count, tile_shape
 from .holes import first_hole, region
 from .inventory import Box, Entry
 
@@ -68,6 +69,9 @@ class Placement:
     length: int
     payload: int  # absolute offset of a tensor record's payload (of an object: its offset)
     file: int = 0  # index of the rank's data file
+    # where the file keeps a tensor record's frame and tile checksums (format version 5:
+    # after every record of the file, in record order); -1 for an object
+    crc_at: int = -1
 
 
 # A rank writing this much or more spreads its records over several data files (up to
@@ -88,7 +92,8 @@ def plan_save(
     inventories: list[list[Entry]], first: int = 0, loads: list[int] | None = None
 ) -> SavePlan:
     """The plan for every rank's `inventory.describe` entries, in rank order. `first`:
-    where ties between the holders of a shared box start; `loads`: the bytes each rank
+    where ties between the holders of a shared box start, and the writer of the objects
+    it holds (the planning owner: `key_owners`); `loads`: the bytes each rank
     holds in all (when `inventories` are a part of what they hold), the load shared
     boxes are balanced against."""
     tensors: dict[str, TensorPlan] = {}
@@ -115,6 +120,8 @@ def plan_save(
             else:
                 boxes = info[3]
             if boxes is None:
+                if dtype is None and rank == first:  # its owner writes it: it knows its crc32c
+                    objects[key] = (rank, -1)
                 continue
             for index, box in enumerate(held):
                 holders = boxes.get(box)
@@ -240,13 +247,14 @@ def place_records(
     fewest bytes so far (so consecutive large records go to different files and
     are written at once)."""
     boxes = {e[0]: e for e in entries}
-    # (dtype, sizes) -> lengths of the record's head and of the whole record
-    frames: dict[tuple[str | None, tuple[int, ...]], tuple[int, int]] = {}
-    sized: list[tuple[int, int]] = []  # (length, head length; -1 for an object)
+    # (dtype, sizes) -> (the record's length, its head's, its checksums)
+    frames: dict[tuple[str | None, tuple[int, ...]], tuple[int, int, int]] = {}
+    # (length, head length; -1 for an object, checksums: 0 for an object)
+    sized: list[tuple[int, int, int]] = []
     for key, index in writes:
         _key, _path, dtype, _shape, _grad, held = boxes[key]
         if index < 0:
-            sized.append((held[0], -1))  # an object's entry holds its byte length and crc32c
+            sized.append((held[0], -1, 0))  # an object's entry holds its length and crc32c
             continue
         sizes = held[index][1]
         known = frames.get((dtype, sizes))
@@ -254,14 +262,19 @@ def place_records(
             torch_dtype = dtype_from_name(dtype)  # type: ignore[arg-type]
             head, tail = record_frame(torch_dtype, sizes, serialization_id)
             nbytes = math.prod(sizes) * torch_dtype.itemsize
-            known = frames[(dtype, sizes)] = (len(head), len(head) + nbytes + len(tail))
-        sized.append((known[1], known[0]))
-    count = file_count(sum(n for n, _ in sized))
+            crcs = tile_count(sizes, tile_shape(sizes, torch_dtype.itemsize))
+            known = frames[(dtype, sizes)] = (len(head) + nbytes + len(tail), len(head), crcs)
+        sized.append(known)
+    count = file_count(sum(n for n, _at, _crcs in sized))
     ends = [0] * count  # each file's length so far; a record goes to the shortest
     out = []
-    for n, at in sized:
+    for n, at, _crcs in sized:
         k = 0 if count == 1 else min(range(count), key=ends.__getitem__)
         pos = ends[k]
         out.append(Placement(pos, n, pos + at if at >= 0 else pos, k))
         ends[k] = pos + n
+    for i, (p, (_n, at, crcs)) in enumerate(zip(out, sized)):  # each file's checksums last
+        if at >= 0:
+            out[i] = replace(p, crc_at=ends[p.file])
+            ends[p.file] += 4 * (1 + crcs)  # the frame, then one per tile
     return out

@@ -6,7 +6,9 @@ bounded pinned slabs, side streams, the staged signal — reads on its own.
 
 from __future__ import annotations
 
+import sys
 import threading
+from array import array
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -14,13 +16,16 @@ from typing import Any
 
 import torch
 
+from ...errors import ShardwiseError
 from ...storage import Folder
-from ..io.chunk_writer import DataFile
+from ..io.chunk_writer import DataFile, Written
 from ..io.device_copies import Copier, DeviceCopier, HostCopier
 from ..io.faults import failpoint
 from ..io.host_slabs import slabs_for, staging_bytes
 from ..io.staged_writer import write_records
-from .save_records import Checksums
+from .planning import Placement
+
+_U32 = next(code for code in "IL" if array(code).itemsize == 4)
 
 __all__ = ["Once", "Staging", "write_rank_file"]
 
@@ -59,38 +64,55 @@ class Once:
 def write_rank_file(
     folder: Folder,
     names: list[str],
-    records: tuple[list[Any], list[int]],
+    records: tuple[list[Any], list[Placement]],
     serialization_id: str,
     sync: bool,
     staging: Staging,
     staged: Once,
-) -> list[Checksums]:
+) -> None:
     """This rank's records (tensors, objects' bytes), in plan order, each into the new
-    file of `names` its index says (`planning.place_records`): device tensors through
+    file of `names` its place says (`planning.place_records`): device tensors through
     the staging slabs (`staged_writer`), host tensors straight from their memory.
-    Returns each record's checksums (an object's crc32c went with the inventory)."""
+    Each file then ends with the frame and tile checksums of its tensor records, where
+    their places say (`crc_at`): the checksums stay with their writer (format 5)."""
     failpoint("before-write")
     folder.make()
-    values, which = records
+    values, placed = records
     on_device = _any_on_device(values)  # host-only states skip the staging machinery
     slabs = slabs_for("save", staging_bytes(staging.budget))
     with slabs.lease(), ExitStack() as stack:
         files = [stack.enter_context(DataFile(folder, name)) for name in names]
         written = write_records(
             files,
-            (values, which),
+            (values, [p.file for p in placed]),
             serialization_id,
             slabs,
             _copier(values, staging, on_device),
             stage=_always if staging.host else (_on_device if on_device else None),
             on_staged=staged,
         )
-        for file in files:
+        for k, file in enumerate(files):
+            _write_checksums(file, k, placed, written)
             file.finish(sync)
-    return [
-        (w.tile, w.crcs, w.frame) if isinstance(r, torch.Tensor) else (None, [], 0)
-        for r, w in zip(values, written)
-    ]
+
+
+def _write_checksums(
+    file: DataFile, k: int, placed: list[Placement], written: list[Written]
+) -> None:
+    """File `k`'s checksum block: each tensor record's frame and tiles, in place order."""
+    slots = [(p.crc_at, w) for p, w in zip(placed, written) if p.file == k and p.crc_at >= 0]
+    if not slots:
+        return
+    words = array(_U32)
+    start = file.pos
+    for at, w in slots:
+        if at != start + 4 * len(words):  # the plan and the bytes disagree: a writer's bug
+            raise ShardwiseError(f"{file.name}: checksums planned at {at}, not where they go")
+        words.append(w.frame)
+        words.extend(w.crcs)
+    if sys.byteorder != "little":
+        words.byteswap()
+    file.write_record(words.tobytes())
 
 
 def _any_on_device(records: list[Any]) -> bool:

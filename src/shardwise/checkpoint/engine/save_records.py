@@ -34,13 +34,10 @@ from ..format.manifest import IndexRef, Manifest, ObjectEntry, TensorEntry
 from ..format.manifest_fields import ChunkEntry
 from ..format.manifest_index import write_sections
 from ..format.record_parts import encode_part, manifest_sections, metadata_sections
+from ..format.tiles import tile_shape
 from .planning import Placement, SavePlan
 
-__all__ = ["Checksums", "SaveRecords", "plan_records"]
-
-# One record's checksums as its writer reports them: (tile shape or None, crcs, frame crc)
-# for a tensor, (None, [], 0) for an object (its crc32c is known before it is written).
-Checksums = tuple[tuple[int, ...] | None, list[int], int]
+__all__ = ["SaveRecords", "plan_records"]
 
 
 class SaveRecords:
@@ -54,11 +51,6 @@ class SaveRecords:
         self.tensors: dict[str, TensorEntry] = {}
         self.objects: dict[str, ObjectEntry] = {}
         self._draft: Manifest | None = None
-
-    @staticmethod
-    def fill(chunk: ChunkEntry, checksums: Checksums) -> None:
-        """A chunk's checksums, reported by its writer after the entry was made."""
-        chunk.tile, chunk.crcs, chunk.frame = checksums
 
     def draft(self) -> Manifest:
         """The manifest of these entries (the same objects: checksums filled later are
@@ -165,14 +157,14 @@ def plan_records(
     file_name: Callable[[int, int], str],
     storage_meta: StorageMeta,
     object_crcs: dict[str, int],
-) -> tuple[SaveRecords, list[tuple[int, int, ChunkEntry]]]:
+) -> SaveRecords:
     """The records of `plan`'s keys (an owner's share of a save, `key_owners`), all
-    known from the plan but the chunks' checksums: the records, and each chunk's
-    (writing rank, position in its writes, entry) for `SaveRecords.fill` once the
-    writers report. `file_name(rank, k)`: the name of a rank's k-th data file."""
+    known from the plan and the places: each chunk's checksums are where its place
+    says in its writer's file (`crc_at`, format version 5), its tiles those
+    `tiles.tile_shape` picks. `file_name(rank, k)`: the name of a rank's k-th data file."""
     records = SaveRecords(len(placements), storage_meta, plan.mappings)
-    slots = []
     itemsizes: dict[str, int] = {}
+    tiles: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
     for key, t in plan.tensors.items():
         entry = records.tensors[key] = TensorEntry(t.dtype, t.shape, requires_grad=t.requires_grad)
         itemsize = itemsizes.get(t.dtype)
@@ -180,15 +172,18 @@ def plan_records(
             itemsize = itemsizes[t.dtype] = getattr(torch, t.dtype).itemsize
         for offsets, lengths, rank, position in t.chunks:
             place = placements[rank][position]
+            tile = tiles.get((lengths, itemsize))
+            if tile is None:
+                tile = tiles[(lengths, itemsize)] = tile_shape(lengths, itemsize)
             payload = (place.payload, math.prod(lengths) * itemsize)
             record = (place.offset, place.length)
             name = file_name(rank, place.file)
-            chunk = ChunkEntry(offsets, lengths, name, record, payload, [], 0, None, None)
+            chunk = ChunkEntry(offsets, lengths, name, record, payload, [], 0, None, tile)
+            chunk.crc_at = place.crc_at
             entry.chunks.append(chunk)
-            slots.append((rank, position, chunk))
     for key, (rank, position) in plan.objects.items():
         place = placements[rank][position]
         records.objects[key] = ObjectEntry(
             file_name(rank, place.file), place.offset, place.length, object_crcs[key]
         )
-    return records, slots
+    return records

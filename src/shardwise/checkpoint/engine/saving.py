@@ -14,17 +14,23 @@ the world size W (`key_owners`). The exchanges:
    owner (`key_owners.plan_by_owners`), and each rank places its own records
    (`planning.place_records`);
 3. each rank writes its records into fresh token-named files
-   (`rank_file.write_rank_file`), fsyncs them, and routes each record's place
-   and checksums to the key's owner (one `all_to_all`);
+   (`rank_file.write_rank_file`), each file ending with its records' checksums
+   (format version 5: they stay with their writer), and fsyncs them; on a first
+   save it routes each record's place to the key's owner (one `all_to_all`),
+   which keeps them with its plan: a repeated save routes nothing, unless an
+   object is written by a rank other than its owner (its crc32c, `routes`);
 4. each owner writes its keys' share of `.metadata` and the manifest as a part
-   file (`SaveRecords.part`); after one verdict (a fixed-size `all_reduce`)
+   file (`SaveRecords.part`), from the places alone; after one verdict (a
+   fixed-size `all_reduce`, which also learns whether any object needs routing)
    rank 0 streams the parts into the two records (`io.record_join`: bytes,
    not entries; nothing received) and commits (`commit.commit`: `.metadata`
    renamed into place, then the manifest and marker);
 5. the verdict (one fixed-size `all_reduce`).
 
-So a first save makes six collectives here and a repeated one four; `swc.save`
-makes one before them (`api.edge.agree_route`): seven and five per rank.
+So a first save makes six collectives here and a repeated one three, each a
+fixed-size `all_reduce`: a training loop's next save exchanges a few dozen bytes
+per rank, whatever W and N. `swc.save` makes one before them
+(`api.edge.agree_route`): seven and four per rank.
 `async_save` makes two before it returns (the adapted values, its target check;
 its first call also creates its own gloo group), then these. Pinned by
 tests/checkpoint/api/test_collective_counts.py.
@@ -43,6 +49,7 @@ from __future__ import annotations
 import os
 import secrets
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -57,7 +64,14 @@ from ..io.lease import Lease
 from ..io.record_join import join_records, write_part
 from . import plan_cache
 from .inventory import Entry, Piece, describe, serialize_objects
-from .key_owners import Report, file_name, owned_records, plan_by_owners, reports_for
+from .key_owners import (
+    file_name,
+    owned_records,
+    plan_by_owners,
+    remote_objects,
+    reports_for,
+    routed,
+)
 from .planning import place_records
 from .rank_file import Once, Staging, write_rank_file
 from .save_records import SaveRecords
@@ -173,7 +187,8 @@ def _save_leased(
     agreed = agreement.agree([int(kept is None), kept_id, -kept_id, *words])
     token, save_id = f"{agreed[3] & 0xFFFFFFFFFFFF:012x}", _save_id(agreed[3:])
     serialization_id = save_id.replace("-", "")[:40].ljust(40, "0")
-    if kept is None or agreed[0] or agreed[1] != -agreed[2]:
+    fresh = kept is None or agreed[0] or agreed[1] != -agreed[2]
+    if fresh:
         mine, owned, problems = plan_by_owners(entries, agreement)
         if problems:
             raise ShardMismatchError(f"cannot save to {path}: " + "; ".join(problems))
@@ -183,11 +198,10 @@ def _save_leased(
         except Exception as e:  # noqa: BLE001 - raised on every rank by the next route
             agreement.defer(e)
         kept = plan_cache.Planned(agreed[3] | 1, mine, placed, owned)
-        if agreement.pending is None:
-            plan_cache.keep(group, sig, kept)
+    assert kept is not None
     problem, files = None, 0
-    reports: list[list[Report]] = [[] for _ in range(world)]
     mine, placed = kept.mine, kept.placed
+    crcs = {e[0]: e[5][1] for e in entries if e[2] is None}  # each object's, known already
     try:
         if mine.writes:
             files = 1 + max(p.file for p in placed)
@@ -195,36 +209,34 @@ def _save_leased(
                 objects[key] if index < 0 else pieces[key][index].tensor
                 for key, index in mine.writes
             ]
-            checksums = write_rank_file(
-                path,
-                [file_name(rank, k, token) for k in range(files)],
-                (values, [p.file for p in placed]),
-                serialization_id,
-                sync,
-                staging,
-                staged,
-            )
-            crcs = {e[0]: e[5][1] for e in entries if e[2] is None}
-            reports = reports_for(mine, placed, checksums, crcs)
-            del values, checksums  # written and reported: held no longer (100,000 tensors)
+            names = [file_name(rank, k, token) for k in range(files)]
+            write_rank_file(path, names, (values, placed), serialization_id, sync, staging, staged)
+            del values  # written: held no longer (100,000 tensors)
         else:
             staged()  # this rank writes nothing: the state is not read again
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
     agreement.defer(problem)
     meta = StorageMeta(checkpoint_id=path.checkpoint_id, save_id=save_id)
-    received = agreement.route(reports)
-    del reports
+    places = kept.places
+    if kept.routes:  # a first save, or an object written by a rank not its owner
+        received = agreement.route(reports_for(mine, placed, crcs))
+        places, crcs = routed(kept.owned, received)
+        del received
     problem = None
     try:
-        records = owned_records(kept.owned, received, token, meta)
-        del received  # in `records` now
+        assert places is not None
+        records = owned_records(kept.owned, places, crcs, token, meta)
         write_part(path, token, rank, records.part(kept.owned.mappings, rank))
         del records
     except Exception as e:  # noqa: BLE001 - raised on every rank by the verdict
         problem = e
     agreement.defer(problem)
-    most = agreement.agree([files])[0]  # every part is written; the most files a rank wrote
+    # every part is written: the most files a rank wrote, and whether a rank owns an
+    # object another writes (then every save reports)
+    most, remote = agreement.agree([files, remote_objects(kept.owned, rank) if fresh else 0])
+    if fresh and agreement.pending is None:
+        plan_cache.keep(group, sig, replace(kept, places=places, routes=remote > 0))
     if rank == 0:
         agreement.defer(_commit(path, (world, most), meta, token, sync, lease))
     agreement.verdict()

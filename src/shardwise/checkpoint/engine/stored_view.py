@@ -182,7 +182,9 @@ class StoredView:
             check_name(self.folder, key, o.file, where, shardwise=True)
             ranges[(key, -1)] = (key, o.file, o.offset, o.length)
         listing = self.folder.sizes() if self._listing is None else self._listing
-        for key, table in read_sections(self.folder, manifest.index, wanted, where, listing):
+        for key, table in read_sections(
+            self.folder, manifest.index, wanted, where, listing, manifest.version
+        ):
             chunks = TensorChunks(key, manifest.tensors[key], table, ranges, spans)
             yield key, _Sectioned(chunks)
         check_read_ranges(self.folder, ranges, listing, spans, manifest.index.file)

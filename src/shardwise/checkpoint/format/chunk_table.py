@@ -1,44 +1,46 @@
-"""A tensor's stored chunks as one binary section of the index (format version 4).
+"""A tensor's stored chunks as one binary section of the index (format versions 4, 5).
 
 From version 4 the manifest lists each tensor's dtype and shape but not its
-chunks: they are rows of fixed-width integers in a section of the checkpoint's
-index file, which the manifest points at (offset, length, row count, crc32c).
+chunks: they are rows of fixed-width integers in a section of the index file.
 A loading rank reads only the sections of the tensors it loads and keeps only
-the rows that overlap what it loads (one vectorised comparison per piece),
-building entries for those alone: its planning depends on what it loads, not
-on every chunk of every rank, which a JSON list made it parse (1,024 ranks ×
-1,000 tensors: a million chunks, seconds and gigabytes on every rank).
+the rows that overlap what it loads (one vectorised comparison per piece): its
+planning depends on what it loads, not on every chunk of every rank (1,024
+ranks × 1,000 tensors: a million chunks).
 
-A section, little-endian: `count` rows of `3 * ndim + 10` int64 columns, then the
-tile checksums of every row, in row order, as uint32:
+A section, little-endian: `count` rows of `3 * ndim + 11` int64 columns (10 up
+to version 4, without `crc_at`), then the checksums of the rows that hold theirs
+(`crc_at` -1), in row order, as uint32:
 
     offsets[ndim] sizes[ndim] tile[ndim] rank k token record_offset record_length
-    payload_offset payload_length frame crc_count transform
+    payload_offset payload_length frame crc_count transform crc_at
 
 `rank`, `k` and `token` (48 bits) name the data file `__{rank}_{k}.sw{token}.distcp`,
 so no name in a section can leave the folder; a transformed chunk has `-1` for its
 tile and payload, and its transform is an index into the tensor's `transforms`.
+From version 5 a row's frame and checksums may stay with its writer: `crc_at` is
+where its data file holds them (`1 + crc_count` uint32, the frame first) and its
+`frame` column is 0. A collective save writes them so: its rows are then known
+from the plan alone, and a repeated save exchanges no checksums
+(`writer_checksums`, which fetches them for the rows a reader takes).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from ...errors import CorruptCheckpointError
-from .manifest_entries import ChunkEntry
+from .manifest_entries import VERSION, ChunkEntry
 from .record_check import DATA_FILE
 from .tiles import tile_count, valid_tile
 
 __all__ = [
     "ChunkTable",
-    "chunk_consistent",
     "encode_section",
     "file_of",
     "row_width",
@@ -50,8 +52,8 @@ _FEW = 16  # rows up to which a section is decoded to lists
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 
 
-def row_width(ndim: int) -> int:
-    return 3 * ndim + 10
+def row_width(ndim: int, version: int = VERSION) -> int:
+    return 3 * ndim + (11 if version >= 5 else 10)
 
 
 def file_of(rank: int, k: int, token: int) -> str:
@@ -67,7 +69,8 @@ def _file_parts(name: str) -> tuple[int, int, int]:
 
 def encode_section(chunks: Sequence[ChunkEntry], ndim: int, transforms: list[list[str]]) -> bytes:
     """The section of one tensor's `chunks` (entries as the manifest's model holds
-    them); transforms not yet in `transforms` are added to it."""
+    them); transforms not yet in `transforms` are added to it. A chunk whose
+    checksums its writer keeps (`crc_at`) holds its tile grid's count of them there."""
     rows = np.empty((len(chunks), row_width(ndim)), dtype="<i8")
     crcs: list[int] = []
     for i, c in enumerate(chunks):
@@ -86,25 +89,50 @@ def encode_section(chunks: Sequence[ChunkEntry], ndim: int, transforms: list[lis
             *_file_parts(c.file),
             *c.record,
             *payload,
-            c.frame,
-            len(c.crcs),
+            c.frame if c.crc_at < 0 else 0,
+            len(c.crcs) if c.crc_at < 0 else written_count(c),
             transform,
+            c.crc_at,
         )
-        crcs += c.crcs
+        if c.crc_at < 0:
+            crcs += c.crcs
     return rows.tobytes() + np.asarray(crcs, dtype="<u4").tobytes()
+
+
+def written_count(c: ChunkEntry) -> int:
+    """How many checksums the writer of `c` keeps for it: one per tile of its grid, or
+    one of the whole record when it is transformed."""
+    return 1 if c.tile is None else tile_count(c.sizes, c.tile)
+
+
+# Fetches the frame and checksums of rows whose writers keep them: (data file, crc_at,
+# count, the table's name for errors) each, to (frame, checksums) each (`writer_checksums`).
+Slot = tuple[str, int, int, str]
+Fetch = Callable[[list[Slot]], list[tuple[int, list[int]]]]
 
 
 class ChunkTable:
     """One tensor's section, decoded and checked as a table: which rows overlap a
     box, and the entries of the rows a reader asks for. A few rows (most tensors: one
     chunk, or one per rank of a small job) are plain lists, the rest a numpy array:
-    a dozen numpy calls cost more than a list of one row, 100,000 times over."""
+    a dozen numpy calls cost more than a list of one row, 100,000 times over.
+    `array` and `rows` hold version 4's columns whatever the version (`crc_at` apart);
+    the checksums of rows whose writers keep them are fetched when first asked for
+    (`fetch`), or for many rows at once by the caller (`missing`, `fill`)."""
 
     def __init__(
-        self, data: bytes, ndim: int, count: int, transforms: list[list[str]], where: str
+        self,
+        data: bytes,
+        ndim: int,
+        count: int,
+        transforms: list[list[str]],
+        where: str,
+        version: int = VERSION,
+        fetch: Fetch | None = None,
     ) -> None:
         self.where, self.ndim, self.transforms = where, ndim, transforms
-        width = row_width(ndim)
+        self.fetch = fetch
+        width, old = row_width(ndim, version), row_width(ndim, 4)
         head = count * width * 8
         if len(data) < head or (len(data) - head) % 4:
             raise CorruptCheckpointError(
@@ -113,27 +141,38 @@ class ChunkTable:
         self.array: np.ndarray | None = None
         if count <= _FEW:
             values = _ints("q", data[:head])
-            self.rows = [values[i * width : (i + 1) * width] for i in range(count)]
+            rows = [values[i * width : (i + 1) * width] for i in range(count)]
+            self.rows = [row[:old] for row in rows]
+            self.crc_at: Any = [row[old] if width > old else -1 for row in rows]
             self.crcs: Any = _ints(_U32, data[head:])
             counts = [row[-2] for row in self.rows]
+            framed = [row[-3] for row, at in zip(self.rows, self.crc_at) if at >= 0]
             lowest = min(values, default=0)
             boxes = min((v for row in self.rows for v in row[: 2 * ndim]), default=0)
             highest = max(values, default=0)
         else:
-            array = np.frombuffer(data, dtype="<i8", count=count * width).reshape(count, width)
-            self.array, self.rows = array, []
+            full = np.frombuffer(data, dtype="<i8", count=count * width).reshape(count, width)
+            self.array, self.rows = full[:, :old], []
+            self.crc_at = full[:, old] if width > old else np.full(count, -1, dtype=np.int64)
             self.crcs = np.frombuffer(data, dtype="<u4", offset=head)
-            counts = array[:, -2].tolist()
-            lowest, highest = int(array.min()), int(array.max())
-            boxes = int(array[:, : 2 * ndim].min()) if ndim else 0
+            counts = np.where(self.crc_at < 0, full[:, old - 2], 0).tolist()
+            framed = self.array[self.crc_at >= 0, old - 3].tolist()
+            lowest, highest = int(full.min()), int(full.max())
+            boxes = int(full[:, : 2 * ndim].min()) if ndim else 0
         if lowest < -1 or highest >= _LIMIT or min(counts, default=0) < 0 or boxes < 0:
             raise CorruptCheckpointError(f"{where}: a chunk row holds an impossible value")
+        if any(framed):  # a row whose writer keeps its frame holds none itself
+            raise CorruptCheckpointError(f"{where}: a chunk row holds an impossible value")
+        if self.array is None:
+            counts = [n if at < 0 else 0 for n, at in zip(counts, self.crc_at)]
         if sum(counts) != len(self.crcs):
             raise CorruptCheckpointError(
                 f"{where}: its rows count {sum(counts)} checksums, it holds {len(self.crcs)}"
             )
         self.starts = [0, *itertools.accumulate(counts)]
         self.count = count
+        self.kept: dict[int, tuple[int, list[int]]] = {}  # fetched: row -> (frame, checksums)
+        self._first: np.ndarray | None = None
 
     def __len__(self) -> int:
         return self.count
@@ -171,18 +210,76 @@ class ChunkTable:
         transformed = transform >= 0
         if -1 in (rank, k, rec_off, rec_len) or (pay_off == -1) != transformed:
             raise CorruptCheckpointError(f"{self.where}: chunk row {i} holds an impossible value")
-        crcs = self.crcs[self.starts[i] : self.starts[i + 1]]
+        crc_at = int(self.crc_at[i])
+        if crc_at < 0:
+            crcs = self.crcs[self.starts[i] : self.starts[i + 1]]
+            crcs = crcs if self.array is None else crcs.tolist()
+        else:  # with its writer: none when its count does not fit its grid (never fetched)
+            self.resolve([i])
+            frame, crcs = self.kept.get(i, (0, []))
         return ChunkEntry(
             tuple(row[:d]),
             tuple(row[d : 2 * d]),
             file_of(rank, k, token),
             (rec_off, rec_len),
             None if transformed else (pay_off, pay_len),
-            crcs if self.array is None else crcs.tolist(),
+            crcs,
             frame,
             self.transforms[transform] if transformed else None,
             None if transformed or -1 in tile else tile,
         )
+
+    def missing(self, rows: Sequence[int]) -> list[tuple[int, Slot]]:
+        """Of `rows`, those whose writers keep their checksums and that are not fetched
+        yet, with what to fetch: (data file, crc_at, count). A row whose count does not
+        fit its tile grid is left out: its entry then fails the chunk checks."""
+        d, out = self.ndim, []
+        for i in rows:
+            at = int(self.crc_at[i])
+            if at < 0 or i in self.kept:
+                continue
+            row: list[int] = self.rows[i] if self.array is None else self.array[i].tolist()
+            sizes, tile = tuple(row[d : 2 * d]), tuple(row[2 * d : 3 * d])
+            rank, k, token, count, transform = *row[3 * d : 3 * d + 3], row[-2], row[-1]
+            if transform >= 0 or -1 in tile:
+                fits = transform >= 0 and count == 1
+            else:
+                fits = tile == sizes and count == 1
+                if not fits and valid_tile(sizes, tile):
+                    fits = count == tile_count(sizes, tile)
+            if fits and token <= _TOKEN and rank >= 0 and k >= 0:  # else its entry refuses it
+                out.append((i, (file_of(rank, k, token), at, count, self.where)))
+        return out
+
+    def fill(self, rows: Sequence[int], values: Sequence[tuple[int, list[int]]]) -> None:
+        """The fetched (frame, checksums) of `rows` (as `missing` named them)."""
+        for i, value in zip(rows, values, strict=True):
+            self.kept[i] = value
+            if self._first is not None:
+                self._first[i] = value[1][0] if value[1] else 0
+
+    def resolve(self, rows: Sequence[int]) -> None:
+        """Fetch the checksums of `rows` whose writers keep them, if not yet."""
+        want = self.missing(rows)
+        if not want:
+            return
+        if self.fetch is None:  # a reader's bug: a version 5 section read without its files
+            raise CorruptCheckpointError(f"{self.where}: checksums kept with data, not read")
+        self.fill([i for i, _ in want], self.fetch([w for _, w in want]))
+
+    def first_crcs(self, rows: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Each of `rows`' first checksum (0 for a row with none): what a one-tile chunk
+        is checked against. Array tables only."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if self._first is None:
+            starts = np.asarray(self.starts[:-1], dtype=np.int64)
+            inline = np.append(np.asarray(self.crcs, dtype=np.uint32), np.uint32(0))
+            self._first = inline[starts]
+            for i, (_frame, crcs) in self.kept.items():
+                self._first[i] = crcs[0] if crcs else 0
+        if (np.asarray(self.crc_at)[rows] >= 0).any():
+            self.resolve(rows.tolist())
+        return self._first[rows]
 
     def files(self) -> set[str]:
         """The data files its rows name."""
@@ -205,22 +302,3 @@ def _ints(code: str, data: bytes) -> list[int]:
     if sys.byteorder != "little":
         values.byteswap()
     return values.tolist()
-
-
-def chunk_consistent(c: ChunkEntry, itemsize: int, version: int, page_size: int) -> bool:
-    """The byte ranges and checksums of a chunk fit each other and its size."""
-    if c.payload is None:  # transformed: one checksum over the stored record
-        return bool(c.transform) and c.tile is None and len(c.crcs) == 1
-    nbytes = math.prod(c.sizes) * itemsize
-    if not (
-        c.payload[1] == nbytes
-        and c.record[0] <= c.payload[0] <= c.payload[0] + c.payload[1] <= sum(c.record)
-    ):
-        return False
-    if version <= 2:  # pages: at least one (an empty payload has one empty page)
-        return len(c.crcs) == max(1, -(-nbytes // page_size))
-    if c.tile is None:  # no checksums at all: only a transformed chunk has no tiles
-        return False
-    if c.tile == c.sizes:  # one tile, the common case for small chunks
-        return len(c.crcs) == 1
-    return valid_tile(c.sizes, c.tile) and len(c.crcs) == tile_count(c.sizes, c.tile)

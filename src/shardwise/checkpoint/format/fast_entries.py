@@ -15,7 +15,7 @@ from typing import Any
 
 from .field_kinds import is_dtype_name, is_file_name
 from .field_table import FieldError
-from .manifest_entries import INLINE, VERSION, ChunkEntry, TensorEntry
+from .manifest_entries import INDEXED, INLINE, ChunkEntry, TensorEntry
 
 FAST_CHUNK = ("offsets", "sizes", "file", "record", "payload", "tile", "tiles", "frame")
 _FAST_CHUNK_KEYS = frozenset(FAST_CHUNK)
@@ -54,7 +54,7 @@ def dump_chunk(c: ChunkEntry, version: int) -> dict[str, Any] | None:
 def parse_tensors(value: Any, version: int) -> dict[str, TensorEntry] | None:
     """Every tensor of a manifest at once, when all are common: the integers, crc32cs,
     file and dtype names of all chunks are gathered and each kind checked in one pass."""
-    if version == VERSION:
+    if version >= INDEXED:
         return _heads(value)
     if version != INLINE or type(value) is not dict:
         return None
@@ -166,7 +166,7 @@ def _heads(value: Any) -> dict[str, TensorEntry] | None:
 
 
 def dump_tensor(t: TensorEntry, version: int) -> dict[str, Any] | None:
-    if version == VERSION and not t.transforms and t.section is not None:
+    if version >= INDEXED and not t.transforms and t.section is not None:
         head: dict[str, Any] = {"dtype": t.dtype, "shape": t.shape}
         if t.requires_grad:
             head["requires_grad"] = True

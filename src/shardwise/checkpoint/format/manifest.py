@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ...errors import CorruptCheckpointError
 from ...storage import Folder, open_folder
-from .chunk_table import chunk_consistent
 from .dcp_view import StoredChunk, StoredObject, metadata_of
 from .field_table import FieldError, decode, encode
 from .gc_pause import gc_paused
@@ -45,7 +44,7 @@ from .manifest_entries import (
 from .manifest_fields import TOP
 from .manifest_index import resolve_sections, write_sections
 from .planner_data import pickled, unpickled
-from .record_check import check_coverage, check_name, check_ranges
+from .record_check import check_coverage, check_name, check_ranges, chunk_consistent
 
 __all__ = [
     "FORMAT",
@@ -142,8 +141,10 @@ class Manifest:
 
     def indexed(self, index_file: str, metadata: bytes) -> tuple[bytes, bytes]:
         """This manifest as one writer saves it: (its text, its index file's bytes),
-        the index to be written as `index_file`, `metadata` the `.metadata` beside it."""
+        the index to be written as `index_file`, `metadata` the `.metadata` beside it.
+        Written in the current version, whose rows `write_sections` encodes."""
         sections = write_sections(self.tensors, 0)
+        self.version = VERSION
         self.index = IndexRef(index_file, [0])
         self.metadata_crc32c = crc32c.crc32c(metadata)
         self.metadata_tail = tail_of(metadata)
@@ -201,7 +202,7 @@ class Manifest:
         if self.index is not None:
             if self.resolved:
                 return
-            resolve_sections(folder, self.index, self.tensors, path)
+            resolve_sections(folder, self.index, self.tensors, path, self.version)
             self._check_geometry(path)
             self.resolved = True
         self._check_files(folder, path)

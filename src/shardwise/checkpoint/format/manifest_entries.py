@@ -14,12 +14,14 @@ import torch
 from ...errors import CorruptCheckpointError
 
 FORMAT = "shardwise.checkpoint"
-VERSION = 4  # the version written
+VERSION = 5  # the version written
 # the versions read; 2 added transforms, planner data, storage_meta, requires_grad;
 # 3 replaced pages of `page_size` with tiles (a chunk's `tile` and `tiles`);
-# 4 moved the chunks into binary sections of an index file (`chunk_table`)
-READS = (1, 2, 3, 4)
+# 4 moved the chunks into binary sections of an index file (`chunk_table`);
+# 5 let a chunk's checksums stay in its data file, with its writer (`crc_at`)
+READS = (1, 2, 3, 4, 5)
 INLINE = 3  # the newest version listing chunks in the manifest itself (`Manifest.to_json`)
+INDEXED = 4  # the first version holding chunks in an index file
 MANIFEST = "shardwise.json"
 PAGE_SIZE = 1 << 20  # payload bytes per checksum page (format versions 1 and 2)
 
@@ -54,6 +56,9 @@ class ChunkEntry:
     frame: int = 0  # crc32c of the record's bytes before and after the payload
     transform: list[str] | None = None  # DCP stream-transform descriptors (e.g. zstd)
     tile: tuple[int, ...] | None = None  # the tile shape (v3); None: pages, or transformed
+    # v5: where its frame and `crcs` are in its data file (its writer put them there);
+    # -1: in the index, with the chunk's row
+    crc_at: int = -1
 
 
 @dataclass

@@ -27,9 +27,10 @@ import numpy as np
 
 from ...errors import CorruptCheckpointError
 from ...storage import Folder
-from .chunk_table import ChunkTable, chunk_consistent, encode_section, file_of
-from .manifest_entries import ChunkEntry, IndexRef, TensorEntry, dtype_from_name
-from .record_check import DATA_FILE, check_coverage, check_name, check_ranges
+from .chunk_table import ChunkTable, encode_section, file_of
+from .manifest_entries import VERSION, ChunkEntry, IndexRef, TensorEntry, dtype_from_name
+from .record_check import DATA_FILE, check_coverage, check_name, check_ranges, chunk_consistent
+from .writer_checksums import fetcher, resolve_rows
 
 __all__ = [
     "Ranges",
@@ -63,10 +64,12 @@ def read_sections(
     tensors: Sequence[tuple[str, TensorEntry]],
     source: str,
     listing: dict[str, int] | None = None,
+    version: int = VERSION,
 ) -> Iterator[tuple[str, ChunkTable]]:
     """Each of `tensors`' chunk tables, checked, in index order: adjacent sections read
     together, a window of at most `WINDOW` bytes (or one section) at a time. `listing`:
-    the folder's plain files and sizes, when the caller has listed it already."""
+    the folder's plain files and sizes, when the caller has listed it already;
+    `version`: the manifest's (5: rows may keep their checksums in data files)."""
     check_name(folder, "index", index.file, source, shardwise=True)
     where = folder.where(index.file)
     spans = []
@@ -84,6 +87,7 @@ def read_sections(
             f"{source}: index file {where} is missing or not a plain file "
             "(links and folders are refused)"
         )
+    fetch = fetcher(folder, listing, index.file)
     file = folder.open(index.file)
     try:
         i = 0
@@ -104,17 +108,25 @@ def read_sections(
                     raise CorruptCheckpointError(
                         f"{where}: the section of '{key}' does not match its checksum (damaged)"
                     )
-                yield key, ChunkTable(data, len(t.shape), count, t.transforms, f"{where} '{key}'")
+                yield (
+                    key,
+                    ChunkTable(
+                        data, len(t.shape), count, t.transforms, f"{where} '{key}'", version, fetch
+                    ),
+                )
             i = j
     finally:
         file.close()
 
 
 def resolve_sections(
-    folder: Folder, index: IndexRef, tensors: dict[str, TensorEntry], source: str
+    folder: Folder, index: IndexRef, tensors: dict[str, TensorEntry], source: str, version: int
 ) -> None:
-    """Every tensor's chunk entries, from its section (for tools: `Manifest.read`)."""
-    for key, table in read_sections(folder, index, list(tensors.items()), source):
+    """Every tensor's chunk entries, from its section (for tools: `Manifest.read`): the
+    checksums their writers keep fetched for all sections at once."""
+    tables = list(read_sections(folder, index, list(tensors.items()), source, version=version))
+    resolve_rows([(table, range(len(table))) for _key, table in tables])
+    for key, table in tables:
         tensors[key].chunks = table.entries()
 
 
@@ -247,9 +259,7 @@ class TensorChunks:
         self.ranges = ranges  # every byte range the load reads: `check_read_ranges`
         self.spans = spans  # the same, of rows found as arrays (None: none are)
         self.itemsize = dtype_from_name(entry.dtype).itemsize
-        # which rows are plain one-tile chunks, and their checksums: `row_boxes`, once
-        self.plain: tuple[np.ndarray, np.ndarray] | None = None
-        self.crc1: np.ndarray | None = None  # each row's first checksum: `row_batches`
+        self.plain: np.ndarray | None = None  # which rows are plain one-tile chunks, once
 
     def covering(
         self, offsets: tuple[int, ...], sizes: tuple[int, ...], rows: list[int] | None = None

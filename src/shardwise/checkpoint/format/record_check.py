@@ -41,7 +41,9 @@ from ...errors import CorruptCheckpointError, UnsafeMetadataError
 from ...storage import Folder
 from ...storage.folder import TEMPORARY
 from .chunk_coverage import check_coverage, checked_ints
+from .manifest_entries import ChunkEntry
 from .safe_pickle import load_metadata
+from .tiles import tile_count, valid_tile
 
 __all__ = [
     "DATA_FILE",
@@ -49,6 +51,7 @@ __all__ = [
     "check_metadata",
     "check_name",
     "check_ranges",
+    "chunk_consistent",
     "follow_replaced",
     "name_problem",
     "read_stock",
@@ -222,3 +225,22 @@ def follow_replaced(
             "damaged (restore it, or save the checkpoint again)"
         )
     return metadata
+
+
+def chunk_consistent(c: ChunkEntry, itemsize: int, version: int, page_size: int) -> bool:
+    """The byte ranges and checksums of a chunk fit each other and its size."""
+    if c.payload is None:  # transformed: one checksum over the stored record
+        return bool(c.transform) and c.tile is None and len(c.crcs) == 1
+    nbytes = math.prod(c.sizes) * itemsize
+    if not (
+        c.payload[1] == nbytes
+        and c.record[0] <= c.payload[0] <= c.payload[0] + c.payload[1] <= sum(c.record)
+    ):
+        return False
+    if version <= 2:  # pages: at least one (an empty payload has one empty page)
+        return len(c.crcs) == max(1, -(-nbytes // page_size))
+    if c.tile is None:  # no checksums at all: only a transformed chunk has no tiles
+        return False
+    if c.tile == c.sizes:  # one tile, the common case for small chunks
+        return len(c.crcs) == 1
+    return valid_tile(c.sizes, c.tile) and len(c.crcs) == tile_count(c.sizes, c.tile)

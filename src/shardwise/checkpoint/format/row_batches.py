@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .row_boxes import Boxes, first_crcs, plain
+from .row_boxes import Boxes, plain
 
 if TYPE_CHECKING:
     from .manifest_index import TensorChunks
@@ -58,7 +58,7 @@ def _batch(items: list[Item], d: int) -> list[Boxes | None]:
     per = np.asarray([len(found) for *_, found in items])
     local = np.concatenate([np.asarray(found, dtype=np.int64) for *_, found in items])
     rows = np.concatenate([c.table.array[found] for c, _o, _s, found in items])  # type: ignore[index]
-    crcs = np.concatenate([_first_crcs(c)[found] for c, _o, _s, found in items])
+    crcs = np.concatenate([c.table.first_crcs(found) for c, _o, _s, found in items])
     shapes = np.asarray([c.entry.shape for c, *_ in items], dtype=np.int64).reshape(-1, d)
     sizes = np.asarray([c.itemsize for c, *_ in items], dtype=np.int64)
     usable = plain(rows, np.repeat(shapes, per, axis=0), np.repeat(sizes, per))
@@ -107,14 +107,6 @@ class _Pairs:
         for name in ("piece", "local", "row", "at", "size", "plo", "pn", "clo", "chi"):
             setattr(out, name, getattr(self, name)[which])
         return out
-
-
-def _first_crcs(chunks: TensorChunks) -> np.ndarray:
-    """Each row's first checksum, once a tensor."""
-    if chunks.crc1 is None:
-        assert chunks.table.array is not None
-        chunks.crc1 = first_crcs(chunks.table.array, chunks.table.crcs)
-    return chunks.crc1
 
 
 def _boxes(

@@ -26,7 +26,7 @@ from .chunk_coverage import check_coverage
 if TYPE_CHECKING:
     from .manifest_index import TensorChunks
 
-__all__ = ["Boxes", "dense", "first_crcs", "one_tile_boxes", "plain", "plain_rows", "row_strides"]
+__all__ = ["Boxes", "dense", "one_tile_boxes", "plain", "plain_rows", "row_strides"]
 
 _LIMIT = float(1 << 62)  # bytes no chunk reaches: its int64 arithmetic stays exact
 _NON_NEGATIVE = [0, 1, 3, 4, 7]  # rank, k, record offset and length, frame
@@ -68,8 +68,7 @@ def one_tile_boxes(
     rows = array[hit]
     if chunks.plain is None:
         chunks.plain = plain_rows(chunks)
-    plain, crcs = chunks.plain
-    if not plain[hit].all():
+    if not chunks.plain[hit].all():
         return None
     at, size = rows[:, :d], rows[:, d : 2 * d]
     clo, chi = np.maximum(at, lo), np.minimum(at + size, lo + n)
@@ -88,7 +87,7 @@ def one_tile_boxes(
         rows[:, c : c + 3],
         rows[:, c + 3 : c + 5],
         rows[:, c + 5 : c + 7],
-        crcs[hit],
+        table.first_crcs(hit),
         size,
         clo - at,
         chi - clo,
@@ -117,13 +116,13 @@ def dense(boxes: Boxes, itemsize: int) -> bool:
     return not ((lengths[:, :-1] > 1) & (gaps >= MERGE_GAP)).any()
 
 
-def plain_rows(chunks: TensorChunks) -> tuple[np.ndarray, np.ndarray]:
-    """Which rows of the section are plain one-tile chunks that check out alone, and
-    each row's first checksum: once a tensor, for all its pieces."""
+def plain_rows(chunks: TensorChunks) -> np.ndarray:
+    """Which rows of the section are plain one-tile chunks that check out alone: once a
+    tensor, for all its pieces."""
     table = chunks.table
     assert table.array is not None
     shape = np.asarray(chunks.entry.shape, dtype=np.int64)
-    return plain(table.array, shape, chunks.itemsize), first_crcs(table.array, table.crcs)
+    return plain(table.array, shape, chunks.itemsize)
 
 
 def plain(array: np.ndarray, shape: np.ndarray, itemsize: np.ndarray | int) -> np.ndarray:
@@ -149,14 +148,6 @@ def plain(array: np.ndarray, shape: np.ndarray, itemsize: np.ndarray | int) -> n
     size = np.where(inside[:, None], size, 0)
     ok &= size.astype(np.float64).prod(axis=1) * itemsize < _LIMIT
     return ok & (pay_len == np.where(ok[:, None], size, 0).prod(axis=1) * itemsize)
-
-
-def first_crcs(array: np.ndarray, crcs: np.ndarray) -> np.ndarray:
-    """Each row's first checksum (0 for a row with none) of section rows `array` whose
-    checksums, in row order, are `crcs` (their count checked by `ChunkTable`)."""
-    count = array[:, -2]
-    starts = np.cumsum(count) - count
-    return np.append(np.asarray(crcs, dtype=np.uint32), np.uint32(0))[starts]
 
 
 def _cut_dims(clo: np.ndarray, chi: np.ndarray, lo: np.ndarray, n: np.ndarray) -> int:

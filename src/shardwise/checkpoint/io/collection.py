@@ -117,7 +117,9 @@ def _record_names(folder: Folder, names: RecordNames, which: str) -> list[str] |
             found.append(head.index.file)
             where = folder.where(names.manifest)
             try:
-                for _, table in read_sections(folder, head.index, [*head.tensors.items()], where):
+                for _, table in read_sections(
+                    folder, head.index, [*head.tensors.items()], where, version=head.version
+                ):
                     found += table.files()
             except (CorruptCheckpointError, OSError):  # a damaged index: what the head names
                 pass
