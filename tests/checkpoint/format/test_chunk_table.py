@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from shardwise.checkpoint.format.chunk_table import ChunkTable, encode_section, row_width
+from shardwise.checkpoint.format.chunk_table import ChunkTable, encode_section, file_of, row_width
 from shardwise.checkpoint.format.manifest import ChunkEntry
 from shardwise.errors import CorruptCheckpointError
 
@@ -109,16 +109,20 @@ def test_rows_whose_writers_keep_their_checksums_fetch_them_once(n):
     by_at = {c.crc_at: (c.frame, c.crcs) for c in chunks}
 
     def fetch(slots):
-        asked.append(slots)
-        return [by_at[at] for _name, at, _count, _where in slots]
+        files = [file_of(*f) for f in slots.files.tolist()]
+        asked.append(list(zip(files, slots.at.tolist(), slots.count.tolist())))
+        got = [by_at[at] for at in slots.at.tolist()]
+        frames = np.asarray([frame for frame, _ in got], dtype=np.int64)
+        firsts = np.asarray([crcs[0] for _, crcs in got], dtype=np.uint32)
+        return frames, firsts, {j: crcs for j, (_, crcs) in enumerate(got) if len(crcs) > 1}
 
     table = ChunkTable(data, 2, n, transforms, "t", fetch=fetch)
     assert list(table.crc_at) == [c.crc_at for c in chunks]
     assert table.entry(2) == dataclasses.replace(chunks[2], crc_at=-1)  # entries: no crc_at
-    assert asked == [[(chunks[2].file, 10016, 1, "t")]]
-    assert [i for i, _ in table.missing(range(n))] == [i for i in range(0, n, 2) if i != 2]
+    assert asked == [[(chunks[2].file, 10016, 1)]]
+    assert table.candidates(range(n))[0].tolist() == [i for i in range(0, n, 2) if i != 2]
     table.resolve(range(n))  # the rest at once
-    assert asked[1:] == [[(c.file, c.crc_at, 1, "t") for c in chunks[::2] if c.crc_at != 10016]]
+    assert asked[1:] == [[(c.file, c.crc_at, 1) for c in chunks[::2] if c.crc_at != 10016]]
     assert table.entries() == [dataclasses.replace(c, crc_at=-1) for c in chunks]
     assert len(asked) == 2  # each row fetched once
     if n > 16:

@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 
 from ...errors import CorruptCheckpointError
+from .kept_checksums import TOKEN, Kept, Slots, fetchable, written_count
 from .manifest_entries import VERSION, ChunkEntry
 from .record_check import DATA_FILE
-from .tiles import tile_count, valid_tile
 
 __all__ = [
     "ChunkTable",
@@ -47,7 +47,6 @@ __all__ = [
 ]
 
 _LIMIT = 1 << 62  # no stored integer reaches it: sums of two stay in int64
-_TOKEN = (1 << 48) - 1
 _FEW = 16  # rows up to which a section is decoded to lists
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 
@@ -99,26 +98,16 @@ def encode_section(chunks: Sequence[ChunkEntry], ndim: int, transforms: list[lis
     return rows.tobytes() + np.asarray(crcs, dtype="<u4").tobytes()
 
 
-def written_count(c: ChunkEntry) -> int:
-    """How many checksums the writer of `c` keeps for it: one per tile of its grid, or
-    one of the whole record when it is transformed."""
-    return 1 if c.tile is None else tile_count(c.sizes, c.tile)
-
-
-# Fetches the frame and checksums of rows whose writers keep them: (data file, crc_at,
-# count, the table's name for errors) each, to (frame, checksums) each (`writer_checksums`).
-Slot = tuple[str, int, int, str]
-Fetch = Callable[[list[Slot]], list[tuple[int, list[int]]]]
+# Fetches slots: each one's frame and first checksum, all of those holding more, by position
+Fetch = Callable[[Slots], tuple[np.ndarray, np.ndarray, dict[int, list[int]]]]
 
 
 class ChunkTable:
-    """One tensor's section, decoded and checked as a table: which rows overlap a
-    box, and the entries of the rows a reader asks for. A few rows (most tensors: one
-    chunk, or one per rank of a small job) are plain lists, the rest a numpy array:
-    a dozen numpy calls cost more than a list of one row, 100,000 times over.
-    `array` and `rows` hold version 4's columns whatever the version (`crc_at` apart);
-    the checksums of rows whose writers keep them are fetched when first asked for
-    (`fetch`), or for many rows at once by the caller (`missing`, `fill`)."""
+    """One tensor's section, decoded and checked as a table: which rows overlap a box,
+    and the entries of the rows a reader asks for. A few rows are plain lists, the rest
+    a numpy array (a dozen numpy calls cost more than a list of one row, 100,000 times
+    over); both hold version 4's columns (`crc_at` apart). Checksums kept by writers are
+    fetched when first asked for (`fetch`), or for many tables at once by the caller."""
 
     def __init__(
         self,
@@ -171,8 +160,9 @@ class ChunkTable:
             )
         self.starts = [0, *itertools.accumulate(counts)]
         self.count = count
-        self.kept: dict[int, tuple[int, list[int]]] = {}  # fetched: row -> (frame, checksums)
-        self._first: np.ndarray | None = None
+        self.kept = Kept(count)
+        self._kept_at = np.asarray(self.crc_at, dtype=np.int64).reshape(count)
+        self._first: np.ndarray | None = None  # each row's first inline checksum
 
     def __len__(self) -> int:
         return self.count
@@ -204,19 +194,19 @@ class ChunkTable:
         d = self.ndim
         row = self.rows[i] if self.array is None else self.array[i].tolist()
         rank, k, token, rec_off, rec_len, pay_off, pay_len, frame, _, transform = row[3 * d :]
-        if token > _TOKEN or transform >= len(self.transforms) or not 0 <= frame <= 0xFFFFFFFF:
+        if token > TOKEN or transform >= len(self.transforms) or not 0 <= frame <= 0xFFFFFFFF:
             raise CorruptCheckpointError(f"{self.where}: chunk row {i} holds an impossible value")
         tile = tuple(row[2 * d : 3 * d])
         transformed = transform >= 0
         if -1 in (rank, k, rec_off, rec_len) or (pay_off == -1) != transformed:
             raise CorruptCheckpointError(f"{self.where}: chunk row {i} holds an impossible value")
-        crc_at = int(self.crc_at[i])
-        if crc_at < 0:
+        if self._kept_at[i] < 0:
             crcs = self.crcs[self.starts[i] : self.starts[i + 1]]
             crcs = crcs if self.array is None else crcs.tolist()
         else:  # with its writer: none when its count does not fit its grid (never fetched)
-            self.resolve([i])
-            frame, crcs = self.kept.get(i, (0, []))
+            if self.kept.frame[i] < 0:
+                self.resolve([i])
+            frame, crcs = self.kept.of(i)
         return ChunkEntry(
             tuple(row[:d]),
             tuple(row[d : 2 * d]),
@@ -229,43 +219,44 @@ class ChunkTable:
             None if transformed or -1 in tile else tile,
         )
 
-    def missing(self, rows: Sequence[int]) -> list[tuple[int, Slot]]:
-        """Of `rows`, those whose writers keep their checksums and that are not fetched
-        yet, with what to fetch: (data file, crc_at, count). A row whose count does not
-        fit its tile grid is left out: its entry then fails the chunk checks."""
-        d, out = self.ndim, []
-        for i in rows:
-            at = int(self.crc_at[i])
-            if at < 0 or i in self.kept:
-                continue
-            row: list[int] = self.rows[i] if self.array is None else self.array[i].tolist()
-            sizes, tile = tuple(row[d : 2 * d]), tuple(row[2 * d : 3 * d])
-            rank, k, token, count, transform = *row[3 * d : 3 * d + 3], row[-2], row[-1]
-            if transform >= 0 or -1 in tile:
-                fits = transform >= 0 and count == 1
-            else:
-                fits = tile == sizes and count == 1
-                if not fits and valid_tile(sizes, tile):
-                    fits = count == tile_count(sizes, tile)
-            if fits and token <= _TOKEN and rank >= 0 and k >= 0:  # else its entry refuses it
-                out.append((i, (file_of(rank, k, token), at, count, self.where)))
-        return out
+    def candidates(self, rows: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Of `rows`, those whose writers keep their checksums, not fetched yet, and
+        their version 4 columns: `kept_checksums.fetchable` says which can be fetched."""
+        if self.array is None:  # a few rows: as lists
+            picked = [
+                i
+                for i in sorted(set(np.asarray(rows).tolist()))
+                if self._kept_at[i] >= 0 and self.kept.frame[i] < 0
+            ]
+            cols = np.asarray([self.rows[i] for i in picked], dtype=np.int64)
+            return np.asarray(picked, dtype=np.int64), cols.reshape(-1, row_width(self.ndim, 4))
+        wanted = np.unique(np.asarray(rows, dtype=np.int64))
+        wanted = wanted[(self._kept_at[wanted] >= 0) & (self.kept.frame[wanted] < 0)]
+        return wanted, self.array[wanted]
 
-    def fill(self, rows: Sequence[int], values: Sequence[tuple[int, list[int]]]) -> None:
-        """The fetched (frame, checksums) of `rows` (as `missing` named them)."""
-        for i, value in zip(rows, values, strict=True):
-            self.kept[i] = value
-            if self._first is not None:
-                self._first[i] = value[1][0] if value[1] else 0
+    def slots(self, rows: np.ndarray, cols: np.ndarray) -> Slots:
+        """The slots of fetchable `rows` (`cols`: their columns)."""
+        d, at = 3 * self.ndim, self._kept_at[rows]
+        return Slots(cols[:, d : d + 3], at, cols[:, -2], np.zeros_like(at), [self.where])
 
-    def resolve(self, rows: Sequence[int]) -> None:
+    def fill(
+        self, rows: np.ndarray, frame: np.ndarray, first: np.ndarray, many: dict[int, list[int]]
+    ) -> None:
+        """What was fetched for `rows` (as `missing` gave them), `many` by position."""
+        self.kept.fill(rows, frame, first)
+        for at, crcs in many.items():
+            self.kept.many[int(rows[at])] = crcs
+
+    def resolve(self, rows: Sequence[int] | np.ndarray) -> None:
         """Fetch the checksums of `rows` whose writers keep them, if not yet."""
-        want = self.missing(rows)
-        if not want:
+        wanted, cols = self.candidates(rows)
+        take = fetchable(cols, self.ndim)
+        wanted, cols = wanted[take], cols[take]
+        if not len(wanted):
             return
         if self.fetch is None:  # a reader's bug: a version 5 section read without its files
             raise CorruptCheckpointError(f"{self.where}: checksums kept with data, not read")
-        self.fill([i for i, _ in want], self.fetch([w for _, w in want]))
+        self.fill(wanted, *self.fetch(self.slots(wanted, cols)))
 
     def first_crcs(self, rows: Sequence[int] | np.ndarray) -> np.ndarray:
         """Each of `rows`' first checksum (0 for a row with none): what a one-tile chunk
@@ -275,11 +266,11 @@ class ChunkTable:
             starts = np.asarray(self.starts[:-1], dtype=np.int64)
             inline = np.append(np.asarray(self.crcs, dtype=np.uint32), np.uint32(0))
             self._first = inline[starts]
-            for i, (_frame, crcs) in self.kept.items():
-                self._first[i] = crcs[0] if crcs else 0
-        if (np.asarray(self.crc_at)[rows] >= 0).any():
-            self.resolve(rows.tolist())
-        return self._first[rows]
+        kept = self._kept_at[rows] >= 0
+        unfetched = rows[kept & (self.kept.frame[rows] < 0)]
+        if len(unfetched):
+            self.resolve(unfetched)
+        return np.where(kept, self.kept.first[rows], self._first[rows])
 
     def files(self) -> set[str]:
         """The data files its rows name."""
@@ -289,7 +280,7 @@ class ChunkTable:
             if self.array is None
             else np.unique(self.array[:, d : d + 3], axis=0).tolist()
         )
-        return {file_of(rank, k, token) for rank, k, token in named if token <= _TOKEN}
+        return {file_of(rank, k, token) for rank, k, token in named if token <= TOKEN}
 
     def entries(self) -> list[ChunkEntry]:
         return [self.entry(i) for i in range(self.count)]

@@ -20,113 +20,170 @@ import numpy as np
 
 from ...errors import CorruptCheckpointError
 from ...storage import Folder
-from .chunk_table import ChunkTable, Fetch, Slot
+from .chunk_table import ChunkTable, Fetch, file_of
+from .kept_checksums import Slots, fetchable
 
-__all__ = ["GAP", "fetcher", "fetch_checksums", "resolve_rows"]
+__all__ = ["GAP", "fetch_slots", "fetcher", "resolve_rows"]
 
 GAP = 4096  # bytes between two wanted slots of a file below which both are one read
+
+# what a fetch gives: each slot's frame and first checksum, all of those with more
+Fetched = tuple[np.ndarray, np.ndarray, dict[int, list[int]]]
 
 
 def fetcher(folder: Folder, listing: dict[str, int], index: str) -> Fetch:
     """The fetch of the tables a reader decodes from `folder`'s index file `index`."""
 
-    def fetch(wanted: list[Slot]) -> list[tuple[int, list[int]]]:
-        return fetch_checksums(folder, listing, index, wanted)
+    def fetch(slots: Slots) -> Fetched:
+        return fetch_slots(folder, listing, index, slots)
 
     return fetch
 
 
-def fetch_checksums(
-    folder: Folder,
-    listing: dict[str, int],
-    index: str,
-    wanted: Sequence[Slot],
-) -> list[tuple[int, list[int]]]:
-    """The (frame, checksums) of each wanted slot: (data file, crc_at, count, the name
-    of its tensor's table, for errors)."""
-    by_file: dict[str, list[int]] = {}
-    for n, (name, *_rest) in enumerate(wanted):
-        by_file.setdefault(name, []).append(n)
-    out: list[tuple[int, list[int]]] = [(0, [])] * len(wanted)
-    for name, which in by_file.items():
-        which.sort(key=lambda n: wanted[n][1])
-        runs = _runs(folder, listing, index, name, [wanted[n] for n in which])
-        file = folder.open(name)
+def fetch_slots(folder: Folder, listing: dict[str, int], index: str, slots: Slots) -> Fetched:
+    """Each slot's frame and checksums, read file by file in runs of neighbours, each
+    file's slots checked first (`_runs`)."""
+    n = len(slots.at)
+    frame, first = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint32)
+    many: dict[int, list[int]] = {}
+    files, which = _files(slots.files)
+    order = np.lexsort((slots.at, which.reshape(-1)))
+    bounds = np.searchsorted(which.reshape(-1)[order], np.arange(len(files) + 1))
+    for f, (rank, k, token) in enumerate(files.tolist()):
+        mine = order[bounds[f] : bounds[f + 1]]
+        name = file_of(rank, k, token)
+        at, count = slots.at[mine], slots.count[mine]
+        stop = at + 4 * (1 + count)
+        handle = None
         try:
-            for first, last in runs:
-                start = wanted[which[first]][1]
-                stop = max(wanted[n][1] + 4 * (1 + wanted[n][2]) for n in which[first:last])
-                data = file.pread(stop - start, start)
-                if len(data) != stop - start:
+            for lo, hi in _runs(folder, listing, index, name, (mine, at, stop), slots):
+                start, end = int(at[lo]), int(stop[hi - 1])
+                handle = handle or folder.open(name)
+                data = handle.pread(end - start, start)
+                if len(data) != end - start:
+                    where = slots.names[slots.table[mine[lo]]]
                     raise CorruptCheckpointError(
-                        f"{wanted[which[first]][3]}: chunk checksums at bytes {start}..{stop} "
-                        f"of data file {folder.where(name)} cut short (truncated)"
+                        f"{where}: chunk checksums at bytes {start}..{end} of data file "
+                        f"{folder.where(name)} cut short (truncated)"
                     )
-                words = np.frombuffer(data, dtype="<u4", count=len(data) // 4).tolist()
-                for n in which[first:last]:
-                    off, count = wanted[n][1] - start, wanted[n][2]
-                    slot = (
-                        words[off // 4 : off // 4 + 1 + count]
-                        if off % 4 == 0
-                        else np.frombuffer(data, dtype="<u4", count=1 + count, offset=off).tolist()
-                    )
-                    out[n] = (slot[0], slot[1:])
+                _decode(data, at[lo:hi] - start, count[lo:hi], mine[lo:hi], (frame, first, many))
         finally:
-            file.close()
-    return out
+            if handle is not None:
+                handle.close()
+    return frame, first, many
 
 
 def resolve_rows(pairs: Sequence[tuple[ChunkTable, Sequence[int]]]) -> None:
     """Fetch, in one pass over the files, the checksums of every table's rows whose
     writers keep them (`ChunkTable.resolve` for many tables)."""
-    asked: list[tuple[ChunkTable, list[int]]] = []
-    wanted: list[Slot] = []
-    seen: dict[int, set[int]] = {}
-    fetch = None
+    rows_of: dict[int, list[Sequence[int]]] = {}
+    tables: dict[int, ChunkTable] = {}
     for table, rows in pairs:
-        done = seen.setdefault(id(table), set())
-        fresh = [i for i in rows if i not in done]
-        done.update(fresh)
-        missing = table.missing(fresh)
-        if missing:
-            asked.append((table, [i for i, _ in missing]))
-            wanted += [w for _, w in missing]
-            fetch = fetch or table.fetch
-    if not wanted:
+        if len(rows):
+            rows_of.setdefault(id(table), []).append(rows)
+            tables[id(table)] = table
+    found = [
+        (table, *table.candidates(np.concatenate([np.asarray(r) for r in rows_of[key]])))
+        for key, table in tables.items()
+    ]
+    by_ndim: dict[int, list[int]] = {}  # which can be fetched: one numpy pass per ndim
+    for n, (table, _rows, _cols) in enumerate(found):
+        by_ndim.setdefault(table.ndim, []).append(n)
+    asked: list[tuple[ChunkTable, np.ndarray]] = []
+    parts: list[Slots] = []
+    for ndim, which in by_ndim.items():
+        take = fetchable(np.concatenate([found[n][2] for n in which]), ndim)  # sorted
+        ends = np.cumsum([len(found[n][1]) for n in which])
+        cuts = np.searchsorted(take, np.concatenate([[0], ends])).tolist()
+        for n, lo, a, b in zip(which, [0, *ends[:-1].tolist()], cuts[:-1], cuts[1:]):
+            table, candidates, cols = found[n]
+            if b > a:
+                mine = take[a:b] - lo
+                asked.append((table, candidates[mine]))
+                parts.append(table.slots(candidates[mine], cols[mine]))
+    if not asked:
         return
+    fetch = asked[0][0].fetch
     if fetch is None:  # a reader's bug: a version 5 section read without its files
-        raise CorruptCheckpointError("chunk checksums kept with data, not read")
-    values = fetch(wanted)
-    at = 0
-    for table, rows in asked:
-        table.fill(rows, values[at : at + len(rows)])
-        at += len(rows)
+        raise CorruptCheckpointError(f"{asked[0][0].where}: checksums kept with data, not read")
+    names = [t.where for t, _ in asked]
+    sizes = [len(p.at) for p in parts]
+    slots = Slots(
+        np.concatenate([p.files for p in parts]),
+        np.concatenate([p.at for p in parts]),
+        np.concatenate([p.count for p in parts]),
+        np.repeat(np.arange(len(parts)), sizes),
+        names,
+    )
+    frame, first, many = fetch(slots)
+    start = 0
+    for (table, wanted), size in zip(asked, sizes):
+        end = start + size
+        mine = {at - start: crcs for at, crcs in many.items() if start <= at < end}
+        table.fill(wanted, frame[start:end], first[start:end], mine)
+        start = end
+
+
+def _files(named: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct (rank, k, token) of `named`, and which each row names: one save's
+    rows share a token, so (rank, k) alone sort them (`np.unique` by rows is slower)."""
+    if len(named) and (named[:, 2] == named[0, 2]).all() and named[:, :2].max() < 1 << 31:
+        keys, which = np.unique(named[:, 0] << 31 | named[:, 1], return_inverse=True)
+        files = np.stack([keys >> 31, keys & ((1 << 31) - 1), np.full_like(keys, named[0, 2])], 1)
+        return files, which
+    return np.unique(named, axis=0, return_inverse=True)
+
+
+def _decode(
+    data: bytes,
+    offsets: np.ndarray,
+    count: np.ndarray,
+    slots: np.ndarray,
+    out: tuple[np.ndarray, np.ndarray, dict[int, list[int]]],
+) -> None:
+    """The slots at `offsets` of `data` (a run read at once) into `out`."""
+    frame, first, many = out
+    if (offsets % 4 == 0).all():  # the writer's blocks: one slot after the other
+        words = np.frombuffer(data, dtype="<u4", count=len(data) // 4)
+        frame[slots], first[slots] = words[offsets // 4], words[offsets // 4 + 1]
+        for j in np.flatnonzero(count > 1).tolist():
+            at = int(offsets[j]) // 4 + 1
+            many[int(slots[j])] = words[at : at + int(count[j])].tolist()
+        return
+    for j, (at, n) in enumerate(zip(offsets.tolist(), count.tolist())):  # crafted: as they lie
+        slot = np.frombuffer(data, dtype="<u4", count=1 + n, offset=at).tolist()
+        frame[slots[j]], first[slots[j]] = slot[0], slot[1]
+        if n > 1:
+            many[int(slots[j])] = slot[1:]
 
 
 def _runs(
-    folder: Folder, listing: dict[str, int], index: str, name: str, slots: list[Slot]
+    folder: Folder,
+    listing: dict[str, int],
+    index: str,
+    name: str,
+    spans: tuple[np.ndarray, np.ndarray, np.ndarray],
+    slots: Slots,
 ) -> list[tuple[int, int]]:
-    """The slots (sorted) of data file `name`, checked, as runs of positions read
-    together."""
+    """The slots of data file `name` (sorted: positions, starts, ends), checked —
+    inside a listed plain data file, not the index, none overlapping the one before —
+    as runs of positions read together."""
+    mine, at, stop = spans
     size = listing.get(name)
     if size is None or name == index:
         what = "the index" if name == index else "missing or not a plain file"
         raise CorruptCheckpointError(
-            f"{slots[0][3]}: data file {folder.where(name)} is {what} (it keeps chunk checksums)"
+            f"{slots.names[slots.table[mine[0]]]}: data file {folder.where(name)} is {what} "
+            "(it keeps chunk checksums)"
         )
-    runs: list[list[int]] = []
-    end = -1
-    for n, (_name, at, count, where) in enumerate(slots):
-        stop = at + 4 * (1 + count)
-        if stop > size or at < end:
-            raise CorruptCheckpointError(
-                f"{where}: chunk checksums at bytes {at}..{stop} of data file "
-                f"{folder.where(name)} ({size} bytes) "
-                + ("overlap another chunk's" if at < end else "lie past its end")
-            )
-        if not runs or at - end >= GAP:
-            runs.append([n, n + 1])
-        else:
-            runs[-1][1] = n + 1
-        end = stop
-    return [(a, b) for a, b in runs]
+    bad = np.flatnonzero((stop > size) | (at < np.concatenate([[-1], stop[:-1]])))
+    if len(bad):
+        j = int(bad[0])
+        raise CorruptCheckpointError(
+            f"{slots.names[slots.table[mine[j]]]}: chunk checksums at bytes {at[j]}..{stop[j]} "
+            f"of data file {folder.where(name)} ({size} bytes) "
+            + ("lie past its end" if stop[j] > size else "overlap another chunk's")
+        )
+    cuts = np.flatnonzero(at[1:] - stop[:-1] >= GAP) + 1
+    edges = [0, *cuts.tolist(), len(at)]
+    return list(zip(edges[:-1], edges[1:]))
