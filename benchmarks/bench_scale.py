@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the modules beside this file
 
-from scale_curve import print_curve  # noqa: E402
+from scale_curve import coordinator, print_curve  # noqa: E402
 from scale_processes import run_processes  # noqa: E402
 from scale_threads import PHASES, run_threads  # noqa: E402
 
@@ -54,7 +54,7 @@ def _targets(
             save["plan_max_s"] <= 0.5,
         ),
         (
-            f"{at}: first save, slowest rank's CPU, whole save",
+            f"{at}: first save, slowest rank's CPU, whole save (its own thread)",
             "<= 0.5 s",
             f"{save['cpu_max_s']:.3f} s",
             save["cpu_max_s"] <= 0.5,
@@ -66,13 +66,13 @@ def _targets(
             save["recv_max"] <= 2 * MB,
         ),
         (
-            f"{at}: the records' join (rank 0's CPU)",
+            f"{at}: the records' join (rank 0's join thread CPU)",
             "<= 2 s",
-            f"{save['cpu_rank0_s']:.3f} s",
-            save["cpu_rank0_s"] <= 2.0,
+            f"{save['join_s']:.3f} s",
+            save["join_s"] <= 2.0,
         ),
     ]
-    coord = fsdp["stock"]["save"]["global_s"] / max(save["cpu_rank0_s"], 1e-9)
+    coord = fsdp["stock"]["save"]["global_s"] / max(coordinator(save), 1e-9)
     rows.append(
         (
             f"{at}: stock create_global_plan / shardwise rank 0",
@@ -90,7 +90,7 @@ def _targets(
                 again["plan_max_s"] <= 0.05,
             ),
             (
-                f"{at}: repeated save, slowest rank's CPU, whole save",
+                f"{at}: repeated save, slowest rank's CPU, whole save (its own thread)",
                 "<= 50 ms",
                 f"{again['cpu_max_s'] * 1000:.1f} ms",
                 again["cpu_max_s"] <= 0.05,

@@ -1,12 +1,15 @@
 """A save's planning share on a thread rank: its own CPU from the start of the save
-until it begins writing its data (describing its state, agreeing, planning by key
-owners and placing its records; on a repeated save: describing, looking its plan up
-and one agreement). The issue's planning targets are about this part; the rest of a
-save (writing data, reporting checksums, an owner's share of the records, rank 0's
-join) is reported beside it as the whole save's CPU.
+until it begins writing its records' part or its data (describing its state,
+agreeing, planning by key owners and placing its records; on a repeated save:
+describing, looking its plan up and one agreement). The issue's planning targets are
+about this part; the rest of a save (reporting places, an owner's share of the
+records, writing data) is reported beside it as the whole save's CPU. Rank 0's join
+of the records runs on a thread of its own beside its writes: its CPU is measured
+there (`joined()`).
 
-`clocked()` wraps `saving.write_rank_file` for its duration; in a rank's thread,
-`begin()` before the save and `planned()` after it give the seconds.
+`clocked()` wraps `saving.write_part`, `saving.write_rank_file` and
+`joining.join_records` for its duration; in a rank's thread, `begin()` before the save
+and `planned()` after it give the seconds.
 """
 
 from __future__ import annotations
@@ -17,26 +20,47 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from shardwise.checkpoint.engine import saving
+from shardwise.checkpoint.engine import joining, saving
 
-__all__ = ["begin", "clocked", "planned"]
+__all__ = ["begin", "clocked", "joined", "planned"]
 
 _MARKS = threading.local()
 
 
+_JOINS: list[float] = []  # the CPU seconds of each join, in its own thread
+
+
 @contextlib.contextmanager
 def clocked() -> Iterator[None]:
-    original = saving.write_rank_file
+    originals = saving.write_part, saving.write_rank_file, joining.join_records
 
-    def writing(*args: Any, **kwargs: Any) -> Any:
-        _MARKS.writing = time.thread_time()
-        return original(*args, **kwargs)
+    def ending(original: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if getattr(_MARKS, "writing", None) is None:
+                _MARKS.writing = time.thread_time()
+            return original(*args, **kwargs)
 
-    saving.write_rank_file = writing  # type: ignore[assignment]
+        return wrapped
+
+    def timed_join(*args: Any, **kwargs: Any) -> Any:
+        start = time.thread_time()
+        try:
+            return originals[2](*args, **kwargs)
+        finally:
+            _JOINS.append(time.thread_time() - start)
+
+    saving.write_part = ending(originals[0])  # type: ignore[assignment]
+    saving.write_rank_file = ending(originals[1])  # type: ignore[assignment]
+    joining.join_records = timed_join  # type: ignore[assignment]
     try:
         yield
     finally:
-        saving.write_rank_file = original  # type: ignore[assignment]
+        saving.write_part, saving.write_rank_file, joining.join_records = originals  # type: ignore[assignment]
+
+
+def joined() -> float:
+    """The CPU seconds of every join of the records so far."""
+    return sum(_JOINS)
 
 
 def begin() -> None:

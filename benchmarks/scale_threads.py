@@ -93,7 +93,7 @@ def _phase(world: ThreadedWorld, fn: Callable[[ThreadedRank], Any]) -> dict[str,
     gc.collect()
     gc.freeze()
     gc.disable()  # one process's collector would scan all W ranks' objects, a rank's its own
-    received, calls = list(world.received), len(world.calls)
+    received, calls, joined = list(world.received), len(world.calls), plan_clock.joined()
     rss = _reset_peak()
     start, cpu = time.perf_counter(), time.process_time()
     try:
@@ -115,6 +115,7 @@ def _phase(world: ThreadedWorld, fn: Callable[[ThreadedRank], Any]) -> dict[str,
         "cpu_max_rank": out.index(max(out)),
         "cpu_median_s": statistics.median(out),
         "cpu_rank0_s": out[0],
+        "join_s": plan_clock.joined() - joined,  # rank 0's join, on its own thread
         "plan_max_s": max(plans),  # a load's: meaningless (it writes nothing)
         "plan_median_s": statistics.median(plans),
         "recv_max": max(got),

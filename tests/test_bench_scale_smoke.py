@@ -14,12 +14,12 @@ pytestmark = pytest.mark.spawned
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = [
     "16x100: first save, slowest rank's planning CPU",
-    "16x100: first save, slowest rank's CPU, whole save",
+    "16x100: first save, slowest rank's CPU, whole save (its own thread)",
     "16x100: first save, most bytes a rank receives",
-    "16x100: the records' join (rank 0's CPU)",
+    "16x100: the records' join (rank 0's join thread CPU)",
     "16x100: stock create_global_plan / shardwise rank 0",
     "16x100: repeated save, slowest rank's planning CPU",
-    "16x100: repeated save, slowest rank's CPU, whole save",
+    "16x100: repeated save, slowest rank's CPU, whole save (its own thread)",
     "16x100: repeated save, most bytes a rank receives",
     "16x100: peak RSS growth per rank (process / W)",
     "16x100: load, slowest rank's CPU",

@@ -212,18 +212,18 @@ def _count(rank: int, world: int, folder: str, entries: list[str]) -> dict[str, 
 # Per rank, per entry point: {collective: calls}. "comm." counts shardwise's own
 # Communicator methods; each of those is also one "dist." call below it. The order
 # (printed on failure, and by running this module) names each exchange.
-_AGAIN = {"comm.all_reduce_max": 4, "dist.all_reduce": 4}
+_AGAIN = {"comm.all_reduce_max": 5, "dist.all_reduce": 5}
 # No entry point of shardwise's gathers every rank's values when nothing is wrong: its
 # verdicts and the values every rank must share are one fixed-size all_reduce each
 # (`Agreement.agree`); only the planning routes and the reports to owners carry payloads.
 PINNED: dict[str, dict[str, int]] = {
     # api.edge.agree_route (folder, route, adapted values), then saving's (engine.saving):
-    # agree (all_reduce), plan by key owners (2 routes), reports to owners (route), the
-    # owners' record parts written (all_reduce), the verdict (all_reduce). A route is
-    # two all_to_all_single: the sizes, then the bytes.
+    # agree (all_reduce), plan by key owners (2 routes), places to owners (route), the
+    # owners' record parts written (all_reduce), every rank's data durable (all_reduce),
+    # the verdict (all_reduce). A route is two all_to_all_single: the sizes, then the bytes.
     "swc.save": {
-        "comm.all_reduce_max": 4,
-        "dist.all_reduce": 4,
+        "comm.all_reduce_max": 5,
+        "dist.all_reduce": 5,
         "comm.all_to_all_object": 3,
         "dist.all_to_all_single": 6,
     },
@@ -234,13 +234,13 @@ PINNED: dict[str, dict[str, int]] = {
     # objects, target), the async group (first call only), then saving's on the
     # background thread (a first save on that group)
     "swc.async_save": {
-        "comm.all_reduce_max": 5,
-        "dist.all_reduce": 5,
+        "comm.all_reduce_max": 6,
+        "dist.all_reduce": 6,
         "dist.new_group": 1,
         "comm.all_to_all_object": 3,
         "dist.all_to_all_single": 6,
     },
-    "swc.async_save(again)": {**_AGAIN, "comm.all_reduce_max": 5, "dist.all_reduce": 5},
+    "swc.async_save(again)": {**_AGAIN, "comm.all_reduce_max": 6, "dist.all_reduce": 6},
     # none of shardwise's: DCP's plan (gather + scatter) and finish (gather + broadcast)
     "dcp.save+Writer": {
         "dist.gather_object": 2,

@@ -29,7 +29,8 @@ from shardwise.testing import shard_of
 from ...comm.threaded_world import ThreadedRank, ThreadedWorld
 
 FIRST = ["all_reduce", "all_to_all_object", "all_to_all_object"]  # agree, then plan
-SAVE = ["all_to_all_object", "all_reduce", "all_reduce"]  # reports, parts written, verdict
+# reports (places), parts written, data durable, verdict
+SAVE = ["all_to_all_object", "all_reduce", "all_reduce", "all_reduce"]
 # a repeated save reports nothing: the owners keep the places, the checksums stay in the
 # writers' files, and each object's owner writes it
 PLANNED, REUSED = FIRST + SAVE, FIRST[:1] + SAVE[1:]

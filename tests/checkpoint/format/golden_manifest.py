@@ -19,7 +19,7 @@ import torch
 
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
-from shardwise.checkpoint.format.chunk_table import encode_section, row_width
+from shardwise.checkpoint.format.chunk_table import row_width
 from shardwise.checkpoint.format.manifest import (
     VERSION,
     ChunkEntry,
@@ -30,6 +30,7 @@ from shardwise.checkpoint.format.manifest import (
 )
 from shardwise.checkpoint.format.manifest_entries import INDEXED, INLINE
 from shardwise.checkpoint.format.manifest_index import read_sections, write_sections
+from shardwise.checkpoint.format.section_encode import encode_section
 from shardwise.storage import open_folder
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"

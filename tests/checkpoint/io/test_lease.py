@@ -229,12 +229,12 @@ def test_overwrite_false_looks_again_once_it_holds_the_lease(tmp_path):
 
 
 def test_a_failed_save_gives_the_lease_back(tmp_path, monkeypatch):
-    from shardwise.checkpoint.engine import saving
+    from shardwise.checkpoint.engine import joining
 
     def fails(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(saving, "commit", fails)
+    monkeypatch.setattr(joining, "commit", fails)
     with pytest.raises(OSError, match="disk full"):
         swc.save({"w": torch.ones(2)}, tmp_path / "new")
     assert (tmp_path / "new").exists() and not (tmp_path / "new" / LOCK).exists()

@@ -105,7 +105,7 @@ def async_save(
     Collective: two fixed-size `all_reduce` per rank before it returns (the
     folder and the adapted values; the staging, objects and target check; the first
     call also creates its gloo group, `dist.new_group`), then `saving`'s in the
-    background (six, or three when the plan is reused: `engine.saving`).
+    background (seven, or four when the plan is reused: `engine.saving`).
     """
     folder, problem = open_target(path, storage_options)
     if PENDING.future is not None:  # its error is its future's: never every later save's

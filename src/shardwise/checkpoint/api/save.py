@@ -122,8 +122,8 @@ def save(
 
     Collective, whatever the number of tensors: the edge's one fixed-size
     `all_reduce` (the folder opens everywhere, one route, the same adapted
-    values: `edge.agree_route`), then `saving`'s six (a save of a structure this
-    group saved before: three fixed-size `all_reduce`s, its plan reused), each rank's
+    values: `edge.agree_route`), then `saving`'s seven (a save of a structure this
+    group saved before: four fixed-size `all_reduce`s, its plan reused), each rank's
     traffic O(what it holds and the keys it owns) whatever the world size
     (`engine.saving`). By Megatron
     key, `save_targets`' own exchanges, the target check and (`megatron=True`)

@@ -13,24 +13,26 @@ the world size W (`key_owners`). The exchanges:
 2. only when it does not: two `all_to_all`s plan the save, each key on its
    owner (`key_owners.plan_by_owners`), and each rank places its own records
    (`planning.place_records`);
-3. each rank writes its records into fresh token-named files
-   (`rank_file.write_rank_file`), each file ending with its records' checksums
-   (format version 5: they stay with their writer), and fsyncs them; on a first
-   save it routes each record's place to the key's owner (one `all_to_all`),
-   which keeps them with its plan: a repeated save routes nothing, unless an
-   object is written by a rank other than its owner (its crc32c, `routes`);
+3. on a first save each rank routes each record's place to the key's owner
+   (one `all_to_all`), which keeps them with its plan: a repeated save routes
+   nothing, unless an object is written by a rank other than its owner (its
+   crc32c, `routes`);
 4. each owner writes its keys' share of `.metadata` and the manifest as a part
-   file (`SaveRecords.part`), from the places alone; after one verdict (a
-   fixed-size `all_reduce`, which also learns whether any object needs routing)
-   rank 0 streams the parts into the two records (`io.record_join`: bytes,
-   not entries; nothing received) and commits (`commit.commit`: `.metadata`
-   renamed into place, then the manifest and marker);
-5. the verdict (one fixed-size `all_reduce`).
+   file (`SaveRecords.part`), from the places alone; one fixed-size
+   `all_reduce` says every part is written (and whether any object needs
+   routing); then rank 0 joins the parts into the records on a thread of its
+   own (`joining`: bytes, not entries, nothing received) while every rank
+   writes its records into fresh token-named files (`rank_file.write_rank_file`),
+   each file ending with its records' checksums (format version 5: they stay
+   with their writer), and fsyncs them;
+5. one fixed-size `all_reduce` says every rank's data is durable; rank 0
+   commits the joined records (`commit.commit`: `.metadata` renamed into
+   place, then the manifest and marker); the verdict (one fixed-size `all_reduce`).
 
-So a first save makes six collectives here and a repeated one three, each a
+So a first save makes seven collectives here and a repeated one four, each a
 fixed-size `all_reduce`: a training loop's next save exchanges a few dozen bytes
-per rank, whatever W and N. `swc.save` makes one before them
-(`api.edge.agree_route`): seven and four per rank.
+per rank, whatever W and N, and its coordinator's copying overlaps the writes.
+`swc.save` makes one before them (`api.edge.agree_route`): eight and five per rank.
 `async_save` makes two before it returns (the adapted values, its target check;
 its first call also creates its own gloo group), then these. Pinned by
 tests/checkpoint/api/test_collective_counts.py.
@@ -58,13 +60,14 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from ...comm.agreement import Agreement
 from ...errors import CheckpointExistsError, ShardMismatchError
 from ...storage import Folder, open_folder
-from ..format.manifest import Manifest
-from ..io.commit import RecordNames, commit, in_the_way
+from ..io.commit import in_the_way
 from ..io.lease import Lease
-from ..io.record_join import join_records, write_part
+from ..io.record_join import write_part
 from . import plan_cache
 from .inventory import Entry, Piece, describe, serialize_objects
+from .joining import Joining
 from .key_owners import (
+    MyWrites,
     file_name,
     owned_records,
     plan_by_owners,
@@ -72,9 +75,8 @@ from .key_owners import (
     reports_for,
     routed,
 )
-from .planning import place_records
+from .planning import Placement, place_records
 from .rank_file import Once, Staging, write_rank_file
-from .save_records import SaveRecords
 
 __all__ = ["save_state"]
 
@@ -199,26 +201,9 @@ def _save_leased(
             agreement.defer(e)
         kept = plan_cache.Planned(agreed[3] | 1, mine, placed, owned)
     assert kept is not None
-    problem, files = None, 0
-    mine, placed = kept.mine, kept.placed
+    mine, placed, places = kept.mine, kept.placed, kept.places
     crcs = {e[0]: e[5][1] for e in entries if e[2] is None}  # each object's, known already
-    try:
-        if mine.writes:
-            files = 1 + max(p.file for p in placed)
-            values = [
-                objects[key] if index < 0 else pieces[key][index].tensor
-                for key, index in mine.writes
-            ]
-            names = [file_name(rank, k, token) for k in range(files)]
-            write_rank_file(path, names, (values, placed), serialization_id, sync, staging, staged)
-            del values  # written: held no longer (100,000 tensors)
-        else:
-            staged()  # this rank writes nothing: the state is not read again
-    except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
-        problem = e
-    agreement.defer(problem)
     meta = StorageMeta(checkpoint_id=path.checkpoint_id, save_id=save_id)
-    places = kept.places
     if kept.routes:  # a first save, or an object written by a rank not its owner
         received = agreement.route(reports_for(mine, placed, crcs))
         places, crcs = routed(kept.owned, received)
@@ -229,45 +214,56 @@ def _save_leased(
         records = owned_records(kept.owned, places, crcs, token, meta)
         write_part(path, token, rank, records.part(kept.owned.mappings, rank))
         del records
-    except Exception as e:  # noqa: BLE001 - raised on every rank by the verdict
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the next agreement
         problem = e
     agreement.defer(problem)
-    # every part is written: the most files a rank wrote, and whether a rank owns an
-    # object another writes (then every save reports)
-    most, remote = agreement.agree([files, remote_objects(kept.owned, rank) if fresh else 0])
-    if fresh and agreement.pending is None:
+    files = 1 + max(p.file for p in placed) if mine.writes else 0
+    # every part is written, and whether a rank owns an object another writes (then
+    # every save reports): rank 0 joins the records while every rank writes its data
+    remote = agreement.agree([remote_objects(kept.owned, rank) if fresh else 0])[0]
+    if fresh:
         plan_cache.keep(group, sig, replace(kept, places=places, routes=remote > 0))
-    if rank == 0:
-        agreement.defer(_commit(path, (world, most), meta, token, sync, lease))
-    agreement.verdict()
-
-
-def _commit(
-    path: Folder,
-    files: tuple[int, int],
-    meta: StorageMeta,
-    token: str,
-    sync: bool,
-    lease: Lease | None,
-) -> BaseException | None:
-    """Rank 0: join every owner's part of the records and commit them; the problem.
-    `files`: the world size and the most data files a rank wrote: every name this
-    save may have written is kept by the commit's collection (a superset, from the
-    names alone: never a listing, which a shared file system may show late)."""
-    world, most = files
+    joining = (
+        Joining(path, world, file_name(0, files, token), token, meta, sync) if not rank else None
+    )
+    state = (pieces, objects)
     try:
-        index = file_name(0, most, token)  # past every data file of rank 0
-        records = join_records(path, (world, index), token, meta, _frame(world, meta), sync)
-        metadata, manifest = records
-        keep = {file_name(r, k, token) for r in range(world) for k in range(most)} | {index}
-        commit(path, metadata, manifest, keep, RecordNames(), sync=sync, lease=lease)
-    except Exception as e:  # noqa: BLE001 - the other ranks wait for the verdict
+        agreement.defer(
+            _write(path, rank, (mine, placed, files), state, token, serialization_id, how)
+        )
+        most = agreement.agree([files])[0]  # every rank's data is durable
+        if joining is not None:
+            agreement.defer(joining.commit(most, lease))
+        agreement.verdict()
+    except BaseException:
+        if joining is not None:  # what this save wrote for its records, removed
+            joining.discard()
+        raise
+    finally:
+        if joining is not None:
+            joining.join()  # never writing once the save is over (and the lease given back)
+
+
+def _write(
+    path: Folder,
+    rank: int,
+    plan: tuple[MyWrites, list[Placement], int],
+    state: tuple[dict[str, list[Piece]], dict[str, bytes]],
+    token: str,
+    serialization_id: str,
+    how: tuple[bool, Staging, Once],
+) -> BaseException | None:
+    """This rank's data files (`rank_file`); the problem, raised on every rank."""
+    (mine, placed, files), (pieces, objects), (sync, staging, staged) = plan, state, how
+    try:
+        if not mine.writes:
+            staged()  # this rank writes nothing: the state is not read again
+            return None
+        values = [
+            objects[key] if index < 0 else pieces[key][index].tensor for key, index in mine.writes
+        ]
+        names = [file_name(rank, k, token) for k in range(files)]
+        write_rank_file(path, names, (values, placed), serialization_id, sync, staging, staged)
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the next agreement
         return e
     return None
-
-
-def _frame(world: int, meta: StorageMeta) -> Manifest:
-    """The manifest's fields but its entries and planner data (`record_join`)."""
-    frame = SaveRecords(world, meta, {}).draft()
-    frame.set_planner_data({})
-    return frame

@@ -35,13 +35,11 @@ from typing import Any
 import numpy as np
 
 from ...errors import CorruptCheckpointError
-from .kept_checksums import TOKEN, Kept, Slots, fetchable, written_count
+from .kept_checksums import TOKEN, Kept, Slots, fetchable
 from .manifest_entries import VERSION, ChunkEntry
-from .record_check import DATA_FILE
 
 __all__ = [
     "ChunkTable",
-    "encode_section",
     "file_of",
     "row_width",
 ]
@@ -57,45 +55,6 @@ def row_width(ndim: int, version: int = VERSION) -> int:
 
 def file_of(rank: int, k: int, token: int) -> str:
     return f"__{rank}_{k}.sw{token:012x}.distcp"
-
-
-def _file_parts(name: str) -> tuple[int, int, int]:
-    found = DATA_FILE.fullmatch(name)
-    if found is None:  # every writer names its files so: a writer's bug
-        raise CorruptCheckpointError(f"{name!r} is not a data file name a section can hold")
-    return int(found.group(1)), int(found.group(2)), int(found.group(3), 16)
-
-
-def encode_section(chunks: Sequence[ChunkEntry], ndim: int, transforms: list[list[str]]) -> bytes:
-    """The section of one tensor's `chunks` (entries as the manifest's model holds
-    them); transforms not yet in `transforms` are added to it. A chunk whose
-    checksums its writer keeps (`crc_at`) holds its tile grid's count of them there."""
-    rows = np.empty((len(chunks), row_width(ndim)), dtype="<i8")
-    crcs: list[int] = []
-    for i, c in enumerate(chunks):
-        if c.transform is None:
-            transform = -1
-        else:
-            if c.transform not in transforms:
-                transforms.append(c.transform)
-            transform = transforms.index(c.transform)
-        tile = c.tile if c.tile is not None else (-1,) * ndim
-        payload = c.payload if c.payload is not None else (-1, -1)
-        rows[i] = (
-            *c.offsets,
-            *c.sizes,
-            *tile,
-            *_file_parts(c.file),
-            *c.record,
-            *payload,
-            c.frame if c.crc_at < 0 else 0,
-            len(c.crcs) if c.crc_at < 0 else written_count(c),
-            transform,
-            c.crc_at,
-        )
-        if c.crc_at < 0:
-            crcs += c.crcs
-    return rows.tobytes() + np.asarray(crcs, dtype="<u4").tobytes()
 
 
 # Fetches slots: each one's frame and first checksum, all of those holding more, by position
@@ -134,35 +93,49 @@ class ChunkTable:
             self.rows = [row[:old] for row in rows]
             self.crc_at: Any = [row[old] if width > old else -1 for row in rows]
             self.crcs: Any = _ints(_U32, data[head:])
-            counts = [row[-2] for row in self.rows]
-            framed = [row[-3] for row, at in zip(self.rows, self.crc_at) if at >= 0]
+            negative = min((row[-2] for row in self.rows), default=0) < 0
+            counts = [row[-2] if at < 0 else 0 for row, at in zip(self.rows, self.crc_at)]
+            self.starts = [0, *itertools.accumulate(counts)]
+            framed = any(row[-3] for row, at in zip(self.rows, self.crc_at) if at >= 0)
             lowest = min(values, default=0)
             boxes = min((v for row in self.rows for v in row[: 2 * ndim]), default=0)
             highest = max(values, default=0)
+            self._kept_at = np.asarray(self.crc_at, dtype=np.int64)
         else:
             full = np.frombuffer(data, dtype="<i8", count=count * width).reshape(count, width)
             self.array, self.rows = full[:, :old], []
-            self.crc_at = full[:, old] if width > old else np.full(count, -1, dtype=np.int64)
+            kept = full[:, old] >= 0 if width > old else None
+            self.crc_at = self._kept_at = full[:, old] if kept is not None else np.full(count, -1)
             self.crcs = np.frombuffer(data, dtype="<u4", offset=head)
-            counts = np.where(self.crc_at < 0, full[:, old - 2], 0).tolist()
-            framed = self.array[self.crc_at >= 0, old - 3].tolist()
+            raw = full[:, old - 2]
+            negative = count > 0 and int(raw.min()) < 0
+            if kept is not None and kept.all():  # a collective save's: none in the section
+                self.starts = [0] * (count + 1)
+                framed = bool(np.count_nonzero(full[:, old - 3]))
+            else:
+                inline = raw if kept is None else np.where(kept, 0, raw)
+                self.starts = [0, *np.cumsum(inline).tolist()]
+                framed = kept is not None and bool(np.count_nonzero(full[kept, old - 3]))
             lowest, highest = int(full.min()), int(full.max())
             boxes = int(full[:, : 2 * ndim].min()) if ndim else 0
-        if lowest < -1 or highest >= _LIMIT or min(counts, default=0) < 0 or boxes < 0:
+        if lowest < -1 or highest >= _LIMIT or negative or boxes < 0:
             raise CorruptCheckpointError(f"{where}: a chunk row holds an impossible value")
-        if any(framed):  # a row whose writer keeps its frame holds none itself
+        if framed:  # a row whose writer keeps its frame holds none itself
             raise CorruptCheckpointError(f"{where}: a chunk row holds an impossible value")
-        if self.array is None:
-            counts = [n if at < 0 else 0 for n, at in zip(counts, self.crc_at)]
-        if sum(counts) != len(self.crcs):
+        if self.starts[-1] != len(self.crcs):
             raise CorruptCheckpointError(
-                f"{where}: its rows count {sum(counts)} checksums, it holds {len(self.crcs)}"
+                f"{where}: its rows count {self.starts[-1]} checksums, it holds {len(self.crcs)}"
             )
-        self.starts = [0, *itertools.accumulate(counts)]
         self.count = count
-        self.kept = Kept(count)
-        self._kept_at = np.asarray(self.crc_at, dtype=np.int64).reshape(count)
+        self._kept: Kept | None = None
         self._first: np.ndarray | None = None  # each row's first inline checksum
+
+    @property
+    def kept(self) -> Kept:
+        """What was fetched of the checksums its writers keep (made when first needed)."""
+        if self._kept is None:
+            self._kept = Kept(self.count)
+        return self._kept
 
     def __len__(self) -> int:
         return self.count
@@ -222,6 +195,11 @@ class ChunkTable:
     def candidates(self, rows: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Of `rows`, those whose writers keep their checksums, not fetched yet, and
         their version 4 columns: `kept_checksums.fetchable` says which can be fetched."""
+        if self.array is not None and len(rows) == 1:  # a piece in one chunk: the common case
+            i = int(rows[0])
+            if self._kept_at[i] < 0 or self.kept.frame[i] >= 0:
+                return np.empty(0, dtype=np.int64), self.array[:0]
+            return np.asarray([i]), self.array[i : i + 1]
         if self.array is None:  # a few rows: as lists
             picked = [
                 i
@@ -234,18 +212,15 @@ class ChunkTable:
         wanted = wanted[(self._kept_at[wanted] >= 0) & (self.kept.frame[wanted] < 0)]
         return wanted, self.array[wanted]
 
-    def slots(self, rows: np.ndarray, cols: np.ndarray) -> Slots:
-        """The slots of fetchable `rows` (`cols`: their columns)."""
-        d, at = 3 * self.ndim, self._kept_at[rows]
-        return Slots(cols[:, d : d + 3], at, cols[:, -2], np.zeros_like(at), [self.where])
+    def crc_at_of(self, rows: np.ndarray) -> np.ndarray:
+        return self._kept_at[rows]
 
     def fill(
         self, rows: np.ndarray, frame: np.ndarray, first: np.ndarray, many: dict[int, list[int]]
     ) -> None:
-        """What was fetched for `rows` (as `missing` gave them), `many` by position."""
+        """What was fetched for `rows`; `many`: every checksum of rows holding more than one."""
         self.kept.fill(rows, frame, first)
-        for at, crcs in many.items():
-            self.kept.many[int(rows[at])] = crcs
+        self.kept.many.update(many)
 
     def resolve(self, rows: Sequence[int] | np.ndarray) -> None:
         """Fetch the checksums of `rows` whose writers keep them, if not yet."""
@@ -256,7 +231,12 @@ class ChunkTable:
             return
         if self.fetch is None:  # a reader's bug: a version 5 section read without its files
             raise CorruptCheckpointError(f"{self.where}: checksums kept with data, not read")
-        self.fill(wanted, *self.fetch(self.slots(wanted, cols)))
+        d, at = 3 * self.ndim, self._kept_at[wanted]
+        zero = np.zeros_like(at)
+        frame, first, many = self.fetch(
+            Slots(cols[:, d : d + 3], at, cols[:, -2], zero, [self.where])
+        )
+        self.fill(wanted, frame, first, {int(wanted[j]): crcs for j, crcs in many.items()})
 
     def first_crcs(self, rows: Sequence[int] | np.ndarray) -> np.ndarray:
         """Each of `rows`' first checksum (0 for a row with none): what a one-tile chunk

@@ -27,9 +27,10 @@ import numpy as np
 
 from ...errors import CorruptCheckpointError
 from ...storage import Folder
-from .chunk_table import ChunkTable, encode_section, file_of
+from .chunk_table import ChunkTable, file_of
 from .manifest_entries import VERSION, ChunkEntry, IndexRef, TensorEntry, dtype_from_name
 from .record_check import DATA_FILE, check_coverage, check_name, check_ranges, chunk_consistent
+from .section_encode import encode_section
 from .writer_checksums import fetcher, resolve_rows
 
 __all__ = [

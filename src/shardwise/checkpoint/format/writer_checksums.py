@@ -75,53 +75,54 @@ def fetch_slots(folder: Folder, listing: dict[str, int], index: str, slots: Slot
 
 def resolve_rows(pairs: Sequence[tuple[ChunkTable, Sequence[int]]]) -> None:
     """Fetch, in one pass over the files, the checksums of every table's rows whose
-    writers keep them (`ChunkTable.resolve` for many tables)."""
+    writers keep them (`ChunkTable.resolve` for many tables): which can be fetched is
+    one numpy pass per ndim over all of them (`kept_checksums.fetchable`)."""
     rows_of: dict[int, list[Sequence[int]]] = {}
     tables: dict[int, ChunkTable] = {}
-    for table, rows in pairs:
-        if len(rows):
-            rows_of.setdefault(id(table), []).append(rows)
+    for table, some in pairs:
+        if len(some):
+            rows_of.setdefault(id(table), []).append(some)
             tables[id(table)] = table
-    found = [
-        (table, *table.candidates(np.concatenate([np.asarray(r) for r in rows_of[key]])))
-        for key, table in tables.items()
-    ]
-    by_ndim: dict[int, list[int]] = {}  # which can be fetched: one numpy pass per ndim
-    for n, (table, _rows, _cols) in enumerate(found):
-        by_ndim.setdefault(table.ndim, []).append(n)
+    by_ndim: dict[int, list[tuple[ChunkTable, np.ndarray, np.ndarray]]] = {}
+    for key, table in tables.items():
+        asked_rows = rows_of[key]
+        joined = asked_rows[0] if len(asked_rows) == 1 else np.concatenate(asked_rows)
+        wanted, cols = table.candidates(joined)
+        if len(wanted):
+            by_ndim.setdefault(table.ndim, []).append((table, wanted, cols))
     asked: list[tuple[ChunkTable, np.ndarray]] = []
-    parts: list[Slots] = []
-    for ndim, which in by_ndim.items():
-        take = fetchable(np.concatenate([found[n][2] for n in which]), ndim)  # sorted
-        ends = np.cumsum([len(found[n][1]) for n in which])
-        cuts = np.searchsorted(take, np.concatenate([[0], ends])).tolist()
-        for n, lo, a, b in zip(which, [0, *ends[:-1].tolist()], cuts[:-1], cuts[1:]):
-            table, candidates, cols = found[n]
-            if b > a:
-                mine = take[a:b] - lo
-                asked.append((table, candidates[mine]))
-                parts.append(table.slots(candidates[mine], cols[mine]))
-    if not asked:
+    parts: list[tuple[np.ndarray, ...]] = []
+    for ndim, found in by_ndim.items():
+        cols = np.concatenate([c for _t, _r, c in found])
+        take = fetchable(cols, ndim)  # sorted
+        owner = np.repeat(
+            np.arange(len(asked), len(asked) + len(found)), [len(r) for _t, r, _c in found]
+        )
+        taken = np.concatenate([r for _t, r, _c in found])
+        at = np.concatenate([t.crc_at_of(r) for t, r, _c in found])
+        asked += [(t, r) for t, r, _c in found]
+        d = 3 * ndim
+        parts.append((cols[take, d : d + 3], at[take], cols[take, -2], owner[take], taken[take]))
+    if not parts:
+        return
+    files, at, count, owners, rows = (np.concatenate([p[i] for p in parts]) for i in range(5))
+    slots = Slots(files, at, count, owners, [])
+    if not len(slots.at):
         return
     fetch = asked[0][0].fetch
     if fetch is None:  # a reader's bug: a version 5 section read without its files
         raise CorruptCheckpointError(f"{asked[0][0].where}: checksums kept with data, not read")
-    names = [t.where for t, _ in asked]
-    sizes = [len(p.at) for p in parts]
-    slots = Slots(
-        np.concatenate([p.files for p in parts]),
-        np.concatenate([p.at for p in parts]),
-        np.concatenate([p.count for p in parts]),
-        np.repeat(np.arange(len(parts)), sizes),
-        names,
-    )
+    slots.names = [t.where for t, _r in asked]
     frame, first, many = fetch(slots)
-    start = 0
-    for (table, wanted), size in zip(asked, sizes):
-        end = start + size
-        mine = {at - start: crcs for at, crcs in many.items() if start <= at < end}
-        table.fill(wanted, frame[start:end], first[start:end], mine)
-        start = end
+    order = np.argsort(slots.table, kind="stable")
+    bounds = np.searchsorted(slots.table[order], np.arange(len(asked) + 1)).tolist()
+    lists: dict[int, dict[int, list[int]]] = {}
+    for j, crcs in many.items():
+        lists.setdefault(int(owners[j]), {})[int(rows[j])] = crcs
+    for n, (table, _wanted) in enumerate(asked):
+        mine = order[bounds[n] : bounds[n + 1]]
+        if len(mine):
+            table.fill(rows[mine], frame[mine], first[mine], lists.get(n, {}))
 
 
 def _files(named: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
