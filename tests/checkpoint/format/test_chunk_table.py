@@ -115,7 +115,10 @@ def test_rows_whose_writers_keep_their_checksums_fetch_them_once(n):
         got = [by_at[at] for at in slots.at.tolist()]
         frames = np.asarray([frame for frame, _ in got], dtype=np.int64)
         firsts = np.asarray([crcs[0] for _, crcs in got], dtype=np.uint32)
-        return frames, firsts, {j: crcs for j, (_, crcs) in enumerate(got) if len(crcs) > 1}
+        many = {
+            j: np.asarray(crcs, dtype=np.uint32) for j, (_, crcs) in enumerate(got) if len(crcs) > 1
+        }
+        return frames, firsts, many
 
     table = ChunkTable(data, 2, n, transforms, "t", fetch=fetch)
     assert list(table.crc_at) == [c.crc_at for c in chunks]

@@ -58,7 +58,7 @@ def file_of(rank: int, k: int, token: int) -> str:
 
 
 # Fetches slots: each one's frame and first checksum, all of those holding more, by position
-Fetch = Callable[[Slots], tuple[np.ndarray, np.ndarray, dict[int, list[int]]]]
+Fetch = Callable[[Slots], tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]]
 
 
 class ChunkTable:
@@ -77,9 +77,12 @@ class ChunkTable:
         where: str,
         version: int = VERSION,
         fetch: Fetch | None = None,
+        shape: tuple[int, ...] | None = None,
     ) -> None:
         self.where, self.ndim, self.transforms = where, ndim, transforms
         self.fetch = fetch
+        # its tensor's: no row past it has its checksums fetched (None: none bounds them)
+        self.shape = (_LIMIT,) * ndim if shape is None else shape
         width, old = row_width(ndim, version), row_width(ndim, 4)
         head = count * width * 8
         if len(data) < head or (len(data) - head) % 4:
@@ -216,7 +219,7 @@ class ChunkTable:
         return self._kept_at[rows]
 
     def fill(
-        self, rows: np.ndarray, frame: np.ndarray, first: np.ndarray, many: dict[int, list[int]]
+        self, rows: np.ndarray, frame: np.ndarray, first: np.ndarray, many: dict[int, np.ndarray]
     ) -> None:
         """What was fetched for `rows`; `many`: every checksum of rows holding more than one."""
         self.kept.fill(rows, frame, first)
@@ -225,7 +228,7 @@ class ChunkTable:
     def resolve(self, rows: Sequence[int] | np.ndarray) -> None:
         """Fetch the checksums of `rows` whose writers keep them, if not yet."""
         wanted, cols = self.candidates(rows)
-        take = fetchable(cols, self.ndim)
+        take = fetchable(cols, self.ndim, np.asarray(self.shape, dtype=np.int64))
         wanted, cols = wanted[take], cols[take]
         if not len(wanted):
             return

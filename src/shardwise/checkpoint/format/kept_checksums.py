@@ -35,12 +35,13 @@ class Slots:
 
 class Kept:
     """What was fetched for a table's rows: each row's frame (-1: not fetched), first
-    checksum, and all of them for rows with more than one (multi-tile chunks)."""
+    checksum, and all of them for rows with more than one (multi-tile chunks: views
+    of what was read, never more than its bytes)."""
 
     def __init__(self, rows: int) -> None:
         self.frame = np.full(rows, -1, dtype=np.int64)
         self.first = np.zeros(rows, dtype=np.uint32)
-        self.many: dict[int, list[int]] = {}
+        self.many: dict[int, np.ndarray] = {}
 
     def fill(self, rows: np.ndarray, frame: np.ndarray, first: np.ndarray) -> None:
         self.frame[rows] = frame
@@ -50,25 +51,28 @@ class Kept:
         """Row `i`'s (frame, checksums); (0, []) when it was never fetched."""
         if self.frame[i] < 0:
             return 0, []
-        return int(self.frame[i]), self.many.get(i) or [int(self.first[i])]
+        many = self.many.get(i)
+        return int(self.frame[i]), [int(self.first[i])] if many is None else many.tolist()
 
 
-def fetchable(cols: np.ndarray, ndim: int) -> np.ndarray:
-    """Of rows whose writers keep their checksums (`cols`: their version 4 columns),
-    the positions of those that name a data file and whose count fits their tile
-    grid (one per tile; one for a transformed chunk). The others are never fetched:
-    their entries fail the chunk checks."""
+def fetchable(cols: np.ndarray, ndim: int, shapes: np.ndarray) -> np.ndarray:
+    """Of rows whose writers keep their checksums (`cols`: their version 4 columns,
+    `shapes`: each one's tensor's shape), the positions of those that name a data
+    file, lie inside their tensor and whose count fits their tile grid (one per tile;
+    one for a transformed chunk): a count is never trusted past its tensor's size.
+    The others are never fetched: their entries fail the chunk checks."""
     d = ndim
-    sizes, tile = cols[:, d : 2 * d], cols[:, 2 * d : 3 * d]
+    offsets, sizes, tile = cols[:, :d], cols[:, d : 2 * d], cols[:, 2 * d : 3 * d]
     rank, k, token = cols[:, 3 * d], cols[:, 3 * d + 1], cols[:, 3 * d + 2]
     count, transform = cols[:, -2], cols[:, -1]
+    inside = (sizes <= shapes).all(axis=1) & (offsets <= shapes - sizes).all(axis=1)
     transformed, tiled = transform >= 0, ~(tile == -1).any(axis=1)
     fits = np.where(transformed, count == 1, tiled & (tile == sizes).all(axis=1) & (count == 1))
-    for j in np.flatnonzero(~fits & ~transformed & tiled).tolist():  # multi-tile: few
+    for j in np.flatnonzero(~fits & ~transformed & tiled & inside).tolist():  # multi-tile: few
         s, t = tuple(sizes[j].tolist()), tuple(tile[j].tolist())
         fits[j] = valid_tile(s, t) and int(count[j]) == tile_count(s, t)
     named = (rank >= 0) & (k >= 0) & (token <= TOKEN)
-    return np.flatnonzero(fits & named)
+    return np.flatnonzero(fits & named & inside)
 
 
 def written_count(c: ChunkEntry) -> int:

@@ -112,7 +112,14 @@ def read_sections(
                 yield (
                     key,
                     ChunkTable(
-                        data, len(t.shape), count, t.transforms, f"{where} '{key}'", version, fetch
+                        data,
+                        len(t.shape),
+                        count,
+                        t.transforms,
+                        f"{where} '{key}'",
+                        version,
+                        fetch,
+                        tuple(t.shape),
                     ),
                 )
             i = j

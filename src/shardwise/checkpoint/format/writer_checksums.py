@@ -28,7 +28,7 @@ __all__ = ["GAP", "fetch_slots", "fetcher", "resolve_rows"]
 GAP = 4096  # bytes between two wanted slots of a file below which both are one read
 
 # what a fetch gives: each slot's frame and first checksum, all of those with more
-Fetched = tuple[np.ndarray, np.ndarray, dict[int, list[int]]]
+Fetched = tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]
 
 
 def fetcher(folder: Folder, listing: dict[str, int], index: str) -> Fetch:
@@ -45,14 +45,15 @@ def fetch_slots(folder: Folder, listing: dict[str, int], index: str, slots: Slot
     file's slots checked first (`_runs`)."""
     n = len(slots.at)
     frame, first = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint32)
-    many: dict[int, list[int]] = {}
+    many: dict[int, np.ndarray] = {}
     files, which = _files(slots.files)
     order = np.lexsort((slots.at, which.reshape(-1)))
     bounds = np.searchsorted(which.reshape(-1)[order], np.arange(len(files) + 1))
     for f, (rank, k, token) in enumerate(files.tolist()):
         mine = order[bounds[f] : bounds[f + 1]]
         name = file_of(rank, k, token)
-        at, count = slots.at[mine], slots.count[mine]
+        at = slots.at[mine]
+        count = np.minimum(slots.count[mine], 1 << 58)  # past any file: `stop` cannot wrap
         stop = at + 4 * (1 + count)
         handle = None
         try:
@@ -94,7 +95,10 @@ def resolve_rows(pairs: Sequence[tuple[ChunkTable, Sequence[int]]]) -> None:
     parts: list[tuple[np.ndarray, ...]] = []
     for ndim, found in by_ndim.items():
         cols = np.concatenate([c for _t, _r, c in found])
-        take = fetchable(cols, ndim)  # sorted
+        lengths = [len(r) for _t, r, _c in found]
+        shapes = np.asarray([t.shape for t, _r, _c in found], dtype=np.int64)
+        shapes = np.repeat(shapes.reshape(len(found), ndim), lengths, axis=0)
+        take = fetchable(cols, ndim, shapes)  # sorted
         owner = np.repeat(
             np.arange(len(asked), len(asked) + len(found)), [len(r) for _t, r, _c in found]
         )
@@ -116,7 +120,7 @@ def resolve_rows(pairs: Sequence[tuple[ChunkTable, Sequence[int]]]) -> None:
     frame, first, many = fetch(slots)
     order = np.argsort(slots.table, kind="stable")
     bounds = np.searchsorted(slots.table[order], np.arange(len(asked) + 1)).tolist()
-    lists: dict[int, dict[int, list[int]]] = {}
+    lists: dict[int, dict[int, np.ndarray]] = {}
     for j, crcs in many.items():
         lists.setdefault(int(owners[j]), {})[int(rows[j])] = crcs
     for n, (table, _wanted) in enumerate(asked):
@@ -140,7 +144,7 @@ def _decode(
     offsets: np.ndarray,
     count: np.ndarray,
     slots: np.ndarray,
-    out: tuple[np.ndarray, np.ndarray, dict[int, list[int]]],
+    out: tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]],
 ) -> None:
     """The slots at `offsets` of `data` (a run read at once) into `out`."""
     frame, first, many = out
@@ -149,10 +153,10 @@ def _decode(
         frame[slots], first[slots] = words[offsets // 4], words[offsets // 4 + 1]
         for j in np.flatnonzero(count > 1).tolist():
             at = int(offsets[j]) // 4 + 1
-            many[int(slots[j])] = words[at : at + int(count[j])].tolist()
+            many[int(slots[j])] = words[at : at + int(count[j])]
         return
     for j, (at, n) in enumerate(zip(offsets.tolist(), count.tolist())):  # crafted: as they lie
-        slot = np.frombuffer(data, dtype="<u4", count=1 + n, offset=at).tolist()
+        slot = np.frombuffer(data, dtype="<u4", count=1 + n, offset=at)
         frame[slots[j]], first[slots[j]] = slot[0], slot[1]
         if n > 1:
             many[int(slots[j])] = slot[1:]
