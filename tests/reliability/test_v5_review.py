@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import re
 import shutil
+import threading
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -290,3 +291,28 @@ def test_a_crafted_count_sizes_no_allocation_past_its_tensor(tmp_path):
         tracemalloc.stop()
     assert "'w'" in str(info.value)
     assert peak < size
+
+
+def test_a_placement_failing_on_one_rank_fails_every_rank_at_the_route(tmp_path, monkeypatch):
+    """A first save's places are reported before any data: a rank whose placing failed
+    sends nothing and the route raises its problem on every rank (none waits in it)."""
+    from shardwise.checkpoint.engine import plan_cache
+
+    plan_cache.forget()
+    original, local = saving.place_records, threading.local()
+
+    def place(*args: Any) -> Any:
+        if local.rank == 1:
+            raise OSError("no room to place on rank 1")
+        return original(*args)
+
+    monkeypatch.setattr(saving, "place_records", place)
+
+    def run(c: Any) -> None:
+        local.rank = c.rank
+        save_state(_state(c.rank, 1.0, 7), tmp_path / "ck", Agreement(c, ARGS))
+
+    results = ThreadedWorld(W, 10.0).run(run)
+    assert [type(r).__name__ for r in results] == ["OSError", "OSError"]
+    assert all("no room to place on rank 1" in str(r) for r in results)
+    assert not list((tmp_path / "ck").glob("*.distcp"))  # no data written by any rank

@@ -2,11 +2,13 @@
 
 `save`, `Writer` and `reshard` describe what they stored as plain manifest
 entries (each chunk's and object's place and checksums) and get both records
-from here, so the two always describe the same checkpoint. Checksums a writer
-reports late are fields of those entries, filled in before `manifest` encodes
-them (`format.manifest_fields`). `.metadata` needs no checksums: it can be
-built as soon as the places are known. Like objects are shared in its pickle
-(tensor properties, shapes, boxes), so it stays small and fast at 100,000 tensors.
+from here, so the two always describe the same checkpoint. A collective save's
+entries carry no checksums: each chunk names where its writer keeps them in its
+data file (`crc_at`, format version 5), so they are known from the places alone;
+`Writer` and `reshard` fill the checksums in before `manifest` encodes them.
+`.metadata` needs no checksums: it can be built as soon as the places are known.
+Like objects are shared in its pickle (tensor properties, shapes, boxes), so it
+stays small and fast at 100,000 tensors.
 A collective save builds the records of each key on its owner (`key_owners`):
 `part` encodes them there, `io.record_join` joins every owner's part.
 """

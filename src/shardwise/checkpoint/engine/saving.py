@@ -205,9 +205,15 @@ def _save_leased(
     crcs = {e[0]: e[5][1] for e in entries if e[2] is None}  # each object's, known already
     meta = StorageMeta(checkpoint_id=path.checkpoint_id, save_id=save_id)
     if kept.routes:  # a first save, or an object written by a rank not its owner
-        received = agreement.route(reports_for(mine, placed, crcs))
+        reports: list[Any] = [[] for _ in range(world)]
+        try:  # a failure here would leave the others in the route: it rides on it
+            if agreement.pending is None:
+                reports = reports_for(mine, placed, crcs)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by the route below
+            agreement.defer(e)
+        received = agreement.route(reports)
         places, crcs = routed(kept.owned, received)
-        del received
+        del received, reports
     problem = None
     try:
         assert places is not None
@@ -217,7 +223,7 @@ def _save_leased(
     except Exception as e:  # noqa: BLE001 - raised on every rank by the next agreement
         problem = e
     agreement.defer(problem)
-    files = 1 + max(p.file for p in placed) if mine.writes else 0
+    files = 1 + max((p.file for p in placed), default=-1)
     # every part is written, and whether a rank owns an object another writes (then
     # every save reports): rank 0 joins the records while every rank writes its data
     remote = agreement.agree([remote_objects(kept.owned, rank) if fresh else 0])[0]

@@ -1,13 +1,14 @@
 """A collective save's records, joined on the committing rank from every owner's part.
 
 Each key's owner writes its share of `.metadata` and of the manifest as a part
-file beside the checkpoint (`write_part`); after one verdict the committing rank
-copies every part's index block into the save's index file (a new data file,
-format version 4), then streams the frames and every part's sections into two
-temporary files
-(`join_records`), checksumming as it goes, and `commit` renames them into
-place. Its work is copying bytes: no entry is decoded or encoded, nothing is
-received over the network, and its memory holds one section at a time — the
+file beside the checkpoint (`write_part`); once every part is written (one
+agreement) the committing rank copies every part's index block into the save's
+index file (a new data file, format version 4 on), then streams the frames and
+every part's sections into two temporary files (`join_records`), checksumming as
+it goes — on a thread of its own beside the data writes (`engine.joining`) — and
+`commit` renames them into place once every rank's data is durable. Its work is
+copying bytes: no entry is decoded or encoded, nothing is received over the
+network, and its memory holds one section at a time — the
 records themselves grow with W × N (1,024 ranks × 1,000 tensors: 300 MB), so
 holding or encoding them on one rank would not scale.
 
