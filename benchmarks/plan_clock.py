@@ -1,13 +1,14 @@
 """A save's planning share on a thread rank: its own CPU from the start of the save
-until it begins writing its records' part or its data (describing its state,
-agreeing, planning by key owners and placing its records; on a repeated save:
-describing, looking its plan up and one agreement). The issue's planning targets are
-about this part; the rest of a save (reporting places, an owner's share of the
-records, writing data) is reported beside it as the whole save's CPU. Rank 0's join
+until it begins building its share of the records or writing its data
+(describing its state, agreeing, planning by key owners, placing its records and
+reporting their places; on a repeated save: describing, looking its plan up and
+one agreement). The issue's planning targets are about this part; the rest of a
+save (an owner's share of the records, writing data) is reported beside it as the
+whole save's CPU. Rank 0's join
 of the records runs on a thread of its own beside its writes: its CPU is measured
 there (`joined()`).
 
-`clocked()` wraps `saving.write_part`, `saving.write_rank_file` and
+`clocked()` wraps `saving.owned_records`, `saving.write_rank_file` and
 `joining.join_records` for its duration; in a rank's thread, `begin()` before the save
 and `planned()` after it give the seconds.
 """
@@ -32,7 +33,7 @@ _JOINS: list[float] = []  # the CPU seconds of each join, in its own thread
 
 @contextlib.contextmanager
 def clocked() -> Iterator[None]:
-    originals = saving.write_part, saving.write_rank_file, joining.join_records
+    originals = saving.owned_records, saving.write_rank_file, joining.join_records
 
     def ending(original: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -49,13 +50,13 @@ def clocked() -> Iterator[None]:
         finally:
             _JOINS.append(time.thread_time() - start)
 
-    saving.write_part = ending(originals[0])  # type: ignore[assignment]
+    saving.owned_records = ending(originals[0])  # type: ignore[assignment]
     saving.write_rank_file = ending(originals[1])  # type: ignore[assignment]
     joining.join_records = timed_join  # type: ignore[assignment]
     try:
         yield
     finally:
-        saving.write_part, saving.write_rank_file, joining.join_records = originals  # type: ignore[assignment]
+        saving.owned_records, saving.write_rank_file, joining.join_records = originals  # type: ignore[assignment]
 
 
 def joined() -> float:
