@@ -109,19 +109,11 @@ def read_sections(
                     raise CorruptCheckpointError(
                         f"{where}: the section of '{key}' does not match its checksum (damaged)"
                     )
-                yield (
-                    key,
-                    ChunkTable(
-                        data,
-                        len(t.shape),
-                        count,
-                        t.transforms,
-                        f"{where} '{key}'",
-                        version,
-                        fetch,
-                        tuple(t.shape),
-                    ),
+                name, shape = f"{where} '{key}'", tuple(t.shape)
+                table = ChunkTable(
+                    data, len(shape), count, t.transforms, name, version, fetch, shape
                 )
+                yield key, table
             i = j
     finally:
         file.close()
