@@ -97,6 +97,18 @@ def _save(world: ThreadedWorld, path: Path, base: float, step: Any = 7) -> list[
     return world.run(lambda c: save_state(_state(c.rank, base, step), path, Agreement(c, ARGS)))
 
 
+def _old_kept_then_next_save_collects(
+    world: ThreadedWorld, path: Path, monkeypatch: pytest.MonkeyPatch, leftovers: set[str]
+) -> None:
+    """After a failed save: the last checkpoint loads its values; once the fault is gone
+    the next save commits, removes `leftovers` and loads its own."""
+    assert _loaded(world, path) == _expected(0.0, 7)
+    monkeypatch.undo()
+    assert _save(world, path, 200.0, 9) == [None] * W
+    assert not leftovers & set(_digests(path))
+    assert _loaded(world, path) == _expected(200.0, 9)
+
+
 def _loaded(world: ThreadedWorld, path: Path) -> list[tuple[list[float], list[float], Any]]:
     def one(c: Any) -> tuple[list[float], list[float], Any]:
         target = _state(c.rank, -1000.0, None)
@@ -151,11 +163,7 @@ def test_a_data_write_failing_on_one_rank_keeps_the_last_checkpoint(tmp_path, mo
     assert {n: after[n] for n in before} == before
     extra = sorted(set(after) - set(before))
     assert [DATA.fullmatch(n).group(1, 2) for n in extra] == [(str(1 - rank), "0")]  # type: ignore[union-attr]
-    assert _loaded(world, path) == _expected(0.0, 7)
-    monkeypatch.undo()
-    assert _save(world, path, 200.0, 9) == [None] * W
-    assert not set(extra) & set(_digests(path))
-    assert _loaded(world, path) == _expected(200.0, 9)
+    _old_kept_then_next_save_collects(world, path, monkeypatch, set(extra))
 
 
 def test_a_commit_failing_before_its_renames_keeps_the_last_checkpoint(tmp_path, monkeypatch):
@@ -183,11 +191,7 @@ def test_a_commit_failing_before_its_renames_keeps_the_last_checkpoint(tmp_path,
         "__1_0.sw*.distcp",
         "shardwise.json.sw*.tmp",
     ]
-    assert _loaded(world, path) == _expected(0.0, 7)
-    monkeypatch.undo()
-    assert _save(world, path, 200.0, 9) == [None] * W
-    assert not leftovers & set(_digests(path))
-    assert _loaded(world, path) == _expected(200.0, 9)
+    _old_kept_then_next_save_collects(world, path, monkeypatch, leftovers)
 
 
 # -- repeated saves reusing cached places ----------------------------------------------------
@@ -262,11 +266,7 @@ def test_a_part_failing_on_one_rank_keeps_the_last_checkpoint(tmp_path, monkeypa
     assert [re.fullmatch(r"shardwise\.json\.sw[0-9a-f]{12}\.tmp", n) is not None for n in left] == [
         True
     ]
-    assert _loaded(world, path) == _expected(0.0, 7)
-    monkeypatch.undo()
-    assert _save(world, path, 200.0, 9) == [None] * W
-    assert not left & set(_digests(path))
-    assert _loaded(world, path) == _expected(200.0, 9)
+    _old_kept_then_next_save_collects(world, path, monkeypatch, left)
 
 
 def test_a_crafted_count_sizes_no_allocation_past_its_tensor(tmp_path):

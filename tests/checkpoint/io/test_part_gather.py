@@ -3,6 +3,9 @@ the values of every dtype and layout bit for bit, the bytes read, damage refused
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -189,16 +192,23 @@ def test_a_damaged_chunk_is_refused_by_name_and_its_rows_never_land(tmp_path, ga
     raw = bytearray(data.read_bytes())
     raw[bad.payload[0] + 3] ^= 1
     data.write_bytes(bytes(raw))
-    target = _targets(Layout.column_wise((ROWS, 6), [3, 3]), torch.float32)
-    with pytest.raises(swc.CorruptCheckpointError) as info:
-        swc.load({"w": target}, path)
-    lo, hi = bad.payload[0], bad.payload[0] + bad.payload[1]
-    assert str(info.value) == f"'w': bytes {lo}..{hi} of {data} fail their checksum"
+    target = _refused_by_name(path, bad, data)
     row = bad.offsets[0]
     assert all(
         torch.equal(s[row : row + 2], torch.full((2, 3), 7.0)) for s in target.local_shards()
     )
     assert len(gathered) == 2
+
+
+def _refused_by_name(path: Path, bad: Any, data: Path) -> Any:
+    """Loading 'w' by columns fails on chunk `bad` (in `data`), named with its payload's
+    byte range; the targets, as the failed load left them."""
+    target = _targets(Layout.column_wise((ROWS, 6), [3, 3]), torch.float32)
+    with pytest.raises(swc.CorruptCheckpointError) as info:
+        swc.load({"w": target}, path)
+    lo, hi = bad.payload[0], bad.payload[0] + bad.payload[1]
+    assert str(info.value) == f"'w': bytes {lo}..{hi} of {data} fail their checksum"
+    return target
 
 
 def test_a_damaged_checksum_kept_by_its_writer_is_refused_by_name(tmp_path, gathered):
@@ -214,11 +224,7 @@ def test_a_damaged_checksum_kept_by_its_writer_is_refused_by_name(tmp_path, gath
     at = len(raw) - 20 * 8 + 8 * block.index([bad.frame, bad.crcs[0]]) + 4
     raw[at] ^= 1
     data.write_bytes(bytes(raw))
-    target = _targets(Layout.column_wise((ROWS, 6), [3, 3]), torch.float32)
-    with pytest.raises(swc.CorruptCheckpointError) as info:
-        swc.load({"w": target}, path)
-    lo, hi = bad.payload[0], bad.payload[0] + bad.payload[1]
-    assert str(info.value) == f"'w': bytes {lo}..{hi} of {data} fail their checksum"
+    _refused_by_name(path, bad, data)
     assert len(gathered) == 2
 
 
