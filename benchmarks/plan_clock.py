@@ -8,7 +8,7 @@ whole save's CPU. Rank 0's join
 of the records runs on a thread of its own beside its writes: its CPU is measured
 there (`joined()`).
 
-`clocked()` wraps `saving.owned_records`, `saving.write_rank_file` and
+`clocked()` wraps `saving.owned_part`, `saving.write_rank_file` and
 `joining.join_records` for its duration; in a rank's thread, `begin()` before the save
 and `planned()` after it give the seconds.
 """
@@ -33,7 +33,7 @@ _JOINS: list[float] = []  # the CPU seconds of each join, in its own thread
 
 @contextlib.contextmanager
 def clocked() -> Iterator[None]:
-    originals = saving.owned_records, saving.write_rank_file, joining.join_records
+    originals = saving.owned_part, saving.write_rank_file, joining.join_records
 
     def ending(original: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -50,13 +50,13 @@ def clocked() -> Iterator[None]:
         finally:
             _JOINS.append(time.thread_time() - start)
 
-    saving.owned_records = ending(originals[0])  # type: ignore[assignment]
+    saving.owned_part = ending(originals[0])  # type: ignore[assignment]
     saving.write_rank_file = ending(originals[1])  # type: ignore[assignment]
     joining.join_records = timed_join  # type: ignore[assignment]
     try:
         yield
     finally:
-        saving.owned_records, saving.write_rank_file, joining.join_records = originals  # type: ignore[assignment]
+        saving.owned_part, saving.write_rank_file, joining.join_records = originals  # type: ignore[assignment]
 
 
 def joined() -> float:

@@ -78,9 +78,9 @@ def test_record_placement_follows_record_lengths() -> None:
     hx, tx = record_frame(torch.float32, (3, 5))
     hy, ty = record_frame(torch.bfloat16, (7,))
     x_len = len(hx) + 60 + len(tx)
-    assert [(p.offset, p.length, p.payload) for p in places] == [
-        (0, x_len, len(hx)),
-        (x_len, len(hy) + 14 + len(ty), x_len + len(hy)),
+    assert places.rows[:, :3].tolist() == [
+        [0, x_len, len(hx)],
+        [x_len, len(hy) + 14 + len(ty), x_len + len(hy)],
     ]
 
 

@@ -8,7 +8,7 @@ its entries to the key's owner (one `all_to_all`); each owner runs
 `planning.plan_save` — the same checks, the same choice of writers — over the
 entries of its keys, and routes back to each rank only which of its boxes it
 writes (a second `all_to_all`). Each rank reports the places of its records to
-their owners, which build their keys' share of the records (`owned_records`).
+their owners, which build their keys' share of the records (`owned_part`).
 The checksums stay with the writers, in their files: an owner keeps the places
 (`plan_cache`), so a repeated save reports nothing, unless an object is written
 by a rank other than its owner (an owner holding the object writes it itself:
@@ -25,24 +25,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import crc32c
+import numpy as np
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from ...comm.agreement import Agreement
 from ..format.manifest import dtype_from_name
+from ..format.record_parts import PartSections
 from ..io.record_names import data_file_name
 from .inventory import Entry
-from .planning import Placement, SavePlan, plan_save
-from .save_records import SaveRecords, plan_records
+from .places import FIELDS, Places
+from .planning import SavePlan, plan_save
+from .save_records import plan_records
 
 __all__ = [
     "MyWrites",
     "Report",
     "file_name",
     "held_bytes",
-    "owned_records",
+    "owned_part",
     "owner_of",
     "plan_by_owners",
     "remote_objects",
@@ -50,9 +54,10 @@ __all__ = [
     "routed",
 ]
 
-# One record as its writer reports it to the key's owner: its place (`Placement`'s
-# fields) and an object's crc32c (a tensor's checksums stay in its writer's file: -1).
-Report = tuple[tuple[int, int, int, int, int], int]
+# The records a writer reports to a key's owner: one int64 row each, its place
+# (`Places`' fields) and an object's crc32c (a tensor's checksums stay in its
+# writer's file: -1).
+Report = np.ndarray
 
 
 def file_name(rank: int, k: int, token: str) -> str:
@@ -132,41 +137,57 @@ def held_bytes(entries: list[Entry]) -> int:
     return total
 
 
-def reports_for(
-    mine: MyWrites, placed: list[Placement], crcs: dict[str, int]
-) -> list[list[Report]]:
+def reports_for(mine: MyWrites, placed: Places, crcs: dict[str, int]) -> list[Report]:
     """Per owner, the reports of its records in the order it planned them. `crcs`:
     each object's crc32c, known before it was written."""
     out = []
     for order in mine.for_owner:
-        reports: list[Report] = []
-        for w in order:
-            p = placed[w]
-            key, index = mine.writes[w]
-            place = (p.offset, p.length, p.payload, p.file, p.crc_at)
-            reports.append((place, crcs[key] if index < 0 else -1))
-        out.append(reports)
+        rows = np.empty((len(order), FIELDS + 1), np.int64)
+        rows[:, :FIELDS] = placed.rows[order]
+        rows[:, FIELDS] = [crcs[mine.writes[w][0]] if mine.writes[w][1] < 0 else -1 for w in order]
+        out.append(rows)
     return out
 
 
-def owned_records(
+# keys whose records an owner builds and encodes at once (`owned_part`)
+BATCH = 4096
+
+
+def owned_part(
     plan: SavePlan,
-    places: list[list[Placement]],
+    places: list[Places],
     crcs: dict[str, int],
     token: str,
     storage_meta: StorageMeta,
-) -> SaveRecords:
-    """The records of the keys this rank owns: the `places` its writers reported, per
-    writer in plan order; `crcs`: its objects' crc32c."""
-    return plan_records(plan, places, lambda rank, k: file_name(rank, k, token), storage_meta, crcs)
+    rank: int,
+) -> list[bytes]:
+    """The part (`SaveRecords.part`) of the keys this rank owns, as block `rank` of the
+    index: the `places` its writers reported, per writer in plan order; `crcs`: its
+    objects' crc32c. Built `BATCH` keys at a time, so an owner holds one batch's
+    entries and `.metadata` objects (not 50,000 keys' at once), plus the bytes."""
+    part = PartSections()
+    names = partial(file_name, token=token)
+    for kind in (plan.tensors, plan.objects):
+        keys = list(kind)
+        for start in range(0, len(keys), BATCH):
+            batch = keys[start : start + BATCH]
+            sub = SavePlan(
+                {k: plan.tensors[k] for k in batch} if kind is plan.tensors else {},
+                {k: plan.objects[k] for k in batch} if kind is plan.objects else {},
+                [],
+                {k: plan.mappings[k] for k in batch},
+                [],
+            )
+            records = plan_records(sub, places, names, storage_meta, crcs)
+            part.add(records.sections(sub.mappings, rank, part.index_size))
+            del records
+    return part.encoded()
 
 
-def routed(
-    plan: SavePlan, received: list[list[Report]]
-) -> tuple[list[list[Placement]], dict[str, int]]:
+def routed(plan: SavePlan, received: list[Report]) -> tuple[list[Places], dict[str, int]]:
     """What the writers reported: the places of this owner's records, its objects' crc32c."""
-    places = [[Placement(*place) for place, _crc in theirs] for theirs in received]
-    return places, {key: received[r][j][1] for key, (r, j) in plan.objects.items()}
+    places = [Places(np.ascontiguousarray(theirs[:, :FIELDS])) for theirs in received]
+    return places, {key: int(received[r][j, FIELDS]) for key, (r, j) in plan.objects.items()}
 
 
 def remote_objects(plan: SavePlan, rank: int) -> int:

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from .inventory import Entry
 from .key_owners import MyWrites
-from .planning import Placement, SavePlan
+from .places import Places
+from .planning import SavePlan
 
 __all__ = ["Planned", "forget", "keep", "lookup", "signature"]
 
@@ -45,9 +46,9 @@ class Planned:
 
     plan_id: int
     mine: MyWrites
-    placed: list[Placement]
+    placed: Places
     owned: SavePlan
-    places: list[list[Placement]] | None = None
+    places: list[Places] | None = None
     routes: bool = True
 
 

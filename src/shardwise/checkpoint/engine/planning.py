@@ -24,8 +24,10 @@ linear in the number of entries (plus a sort of the replicated ones). It decides
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from ...layout import Block
 from ...layout.coverage import analyze
@@ -34,8 +36,9 @@ from ..format.record_write import record_frame
 from ..format.tiles import tile_count, tile_shape
 from .holes import first_hole, region
 from .inventory import Box, Entry
+from .places import Places
 
-__all__ = ["Placement", "SavePlan", "TensorPlan", "file_count", "place_records", "plan_save"]
+__all__ = ["SavePlan", "TensorPlan", "file_count", "place_records", "plan_save"]
 
 _PAIRWISE = 16  # up to this many distinct boxes per key, overlap is checked pair by pair
 
@@ -59,19 +62,6 @@ class SavePlan:
     writes: list[list[tuple[str, int]]]
     mappings: dict[str, tuple[Any, ...]]  # DCP's planner_data: flattened key -> path
     problems: list[str]
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one record lies: which of its rank's data files, and where in it."""
-
-    offset: int
-    length: int
-    payload: int  # absolute offset of a tensor record's payload (of an object: its offset)
-    file: int = 0  # index of the rank's data file
-    # where the file keeps a tensor record's frame and tile checksums (format version 5:
-    # after every record of the file, in record order); -1 for an object
-    crc_at: int = -1
 
 
 # A rank writing this much or more spreads its records over several data files (up to
@@ -240,7 +230,7 @@ def _check_boxes(key: str, plan: TensorPlan) -> str | None:
 
 def place_records(
     writes: list[tuple[str, int]], entries: list[Entry], serialization_id: str
-) -> list[Placement]:
+) -> Places:
     """Where each record of a rank's `writes` ((key, box index), -1 for an object)
     lands, in write order (`entries`: that rank's inventory): one data file, or
     `file_count` of them for a large share, each record in the one holding the
@@ -267,14 +257,14 @@ def place_records(
         sized.append(known)
     count = file_count(sum(n for n, _at, _crcs in sized))
     ends = [0] * count  # each file's length so far; a record goes to the shortest
-    out = []
+    rows = []
     for n, at, _crcs in sized:
         k = 0 if count == 1 else min(range(count), key=ends.__getitem__)
         pos = ends[k]
-        out.append(Placement(pos, n, pos + at if at >= 0 else pos, k))
+        rows.append([pos, n, pos + at if at >= 0 else pos, k, -1])
         ends[k] = pos + n
-    for i, (p, (_n, at, crcs)) in enumerate(zip(out, sized)):  # each file's checksums last
+    for row, (_n, at, crcs) in zip(rows, sized):  # each file's checksums last
         if at >= 0:
-            out[i] = replace(p, crc_at=ends[p.file])
-            ends[p.file] += 4 * (1 + crcs)  # the frame, then one per tile
-    return out
+            row[4] = ends[row[3]]
+            ends[row[3]] += 4 * (1 + crcs)  # the frame, then one per tile
+    return Places(np.array(rows, np.int64).reshape(len(rows), 5))

@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...errors import ShardwiseError
@@ -23,7 +24,7 @@ from ..io.device_copies import Copier, DeviceCopier, HostCopier
 from ..io.faults import failpoint
 from ..io.host_slabs import slabs_for, staging_bytes
 from ..io.staged_writer import write_records
-from .planning import Placement
+from .places import Places
 
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 
@@ -64,7 +65,7 @@ class Once:
 def write_rank_file(
     folder: Folder,
     names: list[str],
-    records: tuple[list[Any], list[Placement]],
+    records: tuple[list[Any], Places],
     serialization_id: str,
     sync: bool,
     staging: Staging,
@@ -84,7 +85,7 @@ def write_rank_file(
         files = [stack.enter_context(DataFile(folder, name)) for name in names]
         written = write_records(
             files,
-            (values, [p.file for p in placed]),
+            (values, placed.rows[:, 3].tolist()),
             serialization_id,
             slabs,
             _copier(values, staging, on_device),
@@ -96,18 +97,18 @@ def write_rank_file(
             file.finish(sync)
 
 
-def _write_checksums(
-    file: DataFile, k: int, placed: list[Placement], written: list[Written]
-) -> None:
+def _write_checksums(file: DataFile, k: int, placed: Places, written: list[Written]) -> None:
     """File `k`'s checksum block: each tensor record's frame and tiles, in place order."""
-    slots = [(p.crc_at, w) for p, w in zip(placed, written) if p.file == k and p.crc_at >= 0]
-    if not slots:
+    rows = placed.rows
+    mine = np.flatnonzero((rows[:, 3] == k) & (rows[:, 4] >= 0)).tolist()
+    if not mine:
         return
     words = array(_U32)
     start = file.pos
-    for at, w in slots:
+    for i, at in zip(mine, rows[mine, 4].tolist()):
         if at != start + 4 * len(words):  # the plan and the bytes disagree: a writer's bug
             raise ShardwiseError(f"{file.name}: checksums planned at {at}, not where they go")
+        w = written[i]
         words.append(w.frame)
         words.extend(w.crcs)
     if sys.byteorder != "little":

@@ -35,9 +35,10 @@ from torch.distributed.checkpoint.metadata import (
 from ..format.manifest import IndexRef, Manifest, ObjectEntry, TensorEntry
 from ..format.manifest_fields import ChunkEntry
 from ..format.manifest_index import write_sections
-from ..format.record_parts import encode_part, manifest_sections, metadata_sections
+from ..format.record_parts import PartSections, manifest_sections, metadata_sections
 from ..format.tiles import tile_shape
-from .planning import Placement, SavePlan
+from .places import Places
+from .planning import SavePlan
 
 __all__ = ["SaveRecords", "plan_records"]
 
@@ -97,15 +98,25 @@ class SaveRecords:
         """These entries (an owner's keys) and their `planner_data` as a part of a
         collective save's records (`format.record_parts`), their chunk sections as
         block `block` of its index."""
+        part = PartSections()
+        part.add(self.sections(planner_data, block, 0))
+        return part.encoded()
+
+    def sections(self, planner_data: dict[str, Any], block: int, at: int) -> list[bytes]:
+        """These entries' seven sections of a part (`PartSections.add`): their chunk
+        sections placed from byte `at` of block `block` of the index."""
         state, storage = self._metadata_items()
         index = write_sections(self.tensors, block)
+        for t in self.tensors.values():
+            assert t.section is not None
+            t.section = (block, t.section[1] + at, *t.section[2:])
         entries = Manifest(
             world_size=self.world_size,
             tensors=self.tensors,
             objects=self.objects,
             index=IndexRef("", []),  # the frame's: only the entries are encoded here
         )
-        return encode_part(
+        return (
             metadata_sections(state, planner_data, storage)
             + manifest_sections(entries, planner_data)
             + [index]
@@ -155,7 +166,7 @@ class SaveRecords:
 
 def plan_records(
     plan: SavePlan,
-    placements: list[list[Placement]],
+    placements: list[Places],
     file_name: Callable[[int, int], str],
     storage_meta: StorageMeta,
     object_crcs: dict[str, int],
@@ -173,15 +184,14 @@ def plan_records(
         if itemsize is None:
             itemsize = itemsizes[t.dtype] = getattr(torch, t.dtype).itemsize
         for offsets, lengths, rank, position in t.chunks:
-            place = placements[rank][position]
+            at, length, payload_at, file, crc_at = placements[rank].rows[position].tolist()
             tile = tiles.get((lengths, itemsize))
             if tile is None:
                 tile = tiles[(lengths, itemsize)] = tile_shape(lengths, itemsize)
-            payload = (place.payload, math.prod(lengths) * itemsize)
-            record = (place.offset, place.length)
-            name = file_name(rank, place.file)
-            chunk = ChunkEntry(offsets, lengths, name, record, payload, [], 0, None, tile)
-            chunk.crc_at = place.crc_at
+            payload = (payload_at, math.prod(lengths) * itemsize)
+            name = file_name(rank, file)
+            chunk = ChunkEntry(offsets, lengths, name, (at, length), payload, [], 0, None, tile)
+            chunk.crc_at = crc_at
             entry.chunks.append(chunk)
     for key, (rank, position) in plan.objects.items():
         place = placements[rank][position]

@@ -69,13 +69,14 @@ from .joining import Joining
 from .key_owners import (
     MyWrites,
     file_name,
-    owned_records,
+    owned_part,
     plan_by_owners,
     remote_objects,
     reports_for,
     routed,
 )
-from .planning import Placement, place_records
+from .places import Places
+from .planning import place_records
 from .rank_file import Once, Staging, write_rank_file
 
 __all__ = ["save_state"]
@@ -194,7 +195,7 @@ def _save_leased(
         mine, owned, problems = plan_by_owners(entries, agreement)
         if problems:
             raise ShardMismatchError(f"cannot save to {path}: " + "; ".join(problems))
-        placed = []
+        placed = Places()
         try:
             placed = place_records(mine.writes, entries, serialization_id)
         except Exception as e:  # noqa: BLE001 - raised on every rank by the next route
@@ -217,13 +218,11 @@ def _save_leased(
     problem = None
     try:
         assert places is not None
-        records = owned_records(kept.owned, places, crcs, token, meta)
-        write_part(path, token, rank, records.part(kept.owned.mappings, rank))
-        del records
+        write_part(path, token, rank, owned_part(kept.owned, places, crcs, token, meta, rank))
     except Exception as e:  # noqa: BLE001 - raised on every rank by the next agreement
         problem = e
     agreement.defer(problem)
-    files = 1 + max((p.file for p in placed), default=-1)
+    files = placed.files()
     # every part is written, and whether a rank owns an object another writes (then
     # every save reports): rank 0 joins the records while every rank writes its data
     remote = agreement.agree([remote_objects(kept.owned, rank) if fresh else 0])[0]
@@ -253,7 +252,7 @@ def _save_leased(
 def _write(
     path: Folder,
     rank: int,
-    plan: tuple[MyWrites, list[Placement], int],
+    plan: tuple[MyWrites, Places, int],
     state: tuple[dict[str, list[Piece]], dict[str, bytes]],
     token: str,
     serialization_id: str,

@@ -4,7 +4,7 @@ A save's records list every chunk of every rank: O(W × N) entries, 1,000,000
 at 1,024 ranks × 1,000 tensors. Encoding them on one rank puts seconds of
 pickling and JSON on its critical path, and gathering them there puts the
 whole records in its memory. So each key's owner (`engine.key_owners`) encodes
-the entries of its own keys into a part (`encode_part`), writes it beside the
+the entries of its own keys into a part (`PartSections`), writes it beside the
 checkpoint, and the committing rank only copies bytes: a fixed frame with
 three holes in each record, the parts' sections poured into them in order
 (`io.record_join`).
@@ -43,7 +43,7 @@ from .planner_data import encode_planner_data
 __all__ = [
     "HEADER_SIZE",
     "SECTIONS",
-    "encode_part",
+    "PartSections",
     "manifest_frame",
     "manifest_sections",
     "metadata_frame",
@@ -90,11 +90,33 @@ def manifest_sections(manifest: Manifest, planner_data: dict[str, Any]) -> list[
     return [json.dumps(m, separators=(",", ":"))[1:-1].encode() for m in members]
 
 
-def encode_part(sections: list[bytes]) -> list[bytes]:
-    """One part file's bytes, in order: the sections' lengths, then the sections (a
-    list, written as it is: joined, a part would be held twice at its largest)."""
-    assert len(sections) == SECTIONS
-    return [_HEADER.pack(*map(len, sections)), *sections]
+class PartSections:
+    """A part's sections, gathered from batches of its keys: an owner of 50,000 keys
+    that built all their entries, `.metadata` objects and encodings at once would hold
+    hundreds of MiB; a batch at a time it holds one batch's, plus the bytes. A
+    section's batches join as parts do: pickle fragments back to back, manifest
+    members with commas, index blocks back to back (`index_size`: where the next
+    batch's chunk sections start in the block)."""
+
+    def __init__(self) -> None:
+        self.pieces: list[list[bytes]] = [[] for _ in range(SECTIONS)]
+        self.index_size = 0
+
+    def add(self, sections: list[bytes]) -> None:
+        """One batch's sections, its chunk sections placed from `index_size` on."""
+        assert len(sections) == SECTIONS
+        for n, (pieces, data) in enumerate(zip(self.pieces, sections)):
+            if data:
+                if pieces and 3 <= n < 6:  # manifest members
+                    pieces.append(b",")
+                pieces.append(data)
+        self.index_size += len(sections[-1])
+
+    def encoded(self) -> list[bytes]:
+        """The part file's bytes, in order: the sections' lengths, then the sections (a
+        list, written as it is: joined, a part would be held twice at its largest)."""
+        lengths = [sum(map(len, pieces)) for pieces in self.pieces]
+        return [_HEADER.pack(*lengths), *(data for pieces in self.pieces for data in pieces)]
 
 
 def section_spans(header: bytes, size: int, where: str) -> list[tuple[int, int]]:

@@ -98,7 +98,7 @@ def join_records(
                     offset, length = part[first + hole]
                     if length:
                         out.write(b"," if comma and wrote else b"")
-                        out.write(p.pread(length, offset))
+                        _copy(out, p, offset, length)
                         wrote = True
 
         frame.index = IndexRef(index, _index(folder, index, parts, spans, sync))
@@ -120,6 +120,15 @@ def join_records(
     finally:
         for p in parts:
             p.close()
+
+
+# bytes of a part copied at a time: the join holds this much, not a whole section
+STEP = 4 << 20
+
+
+def _copy(out: _Crc, part: RandomAccess, offset: int, length: int) -> None:
+    for at in range(offset, offset + length, STEP):
+        out.write(part.pread(min(STEP, offset + length - at), at))
 
 
 def _require_plain_planner_data(parts: list[RandomAccess], spans: list[Any]) -> None:
@@ -149,7 +158,7 @@ def _index(
         for p, part in zip(parts, spans):
             offset, length = part[SECTIONS - 1]
             blocks.append(out.size)
-            out.write(p.pread(length, offset))
+            _copy(out, p, offset, length)
         sink.close(sync=sync)
     except BaseException:
         sink.abort()
