@@ -122,18 +122,27 @@ class ProcessGroupCommunicator(Communicator):
         return work
 
     def all_to_all_object(self, objs: list[Any]) -> list[Any]:
+        # One buffer each way, no copies of it: a planning route carries megabytes
+        # (a rank's entries at 100,000 tensors), and each copy of a transient that
+        # large stays in a process's RSS (glibc raises its mmap threshold on a free).
         group = object_group(self.group)
-        data = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
-        sizes = torch.tensor([len(d) for d in data], dtype=torch.int64)
+        buffer, lengths = bytearray(), []
+        for o in objs:
+            data = pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)
+            buffer += data
+            lengths.append(len(data))
+            del data
+        sizes = torch.tensor(lengths, dtype=torch.int64)
         theirs = torch.empty_like(sizes)
         dist.all_to_all_single(theirs, sizes, group=group)
         received = torch.empty(int(theirs.sum()), dtype=torch.uint8)
-        sent = torch.frombuffer(bytearray(b"".join(data)), dtype=torch.uint8)
+        sent = torch.frombuffer(buffer, dtype=torch.uint8)
         counts = theirs.tolist()
-        dist.all_to_all_single(received, sent, counts, sizes.tolist(), group=group)
-        flat, out, at = received.numpy().tobytes(), [], 0
+        dist.all_to_all_single(received, sent, counts, lengths, group=group)
+        del sent, buffer
+        view, out, at = memoryview(received.numpy()), [], 0
         for n in counts:
-            out.append(pickle.loads(flat[at : at + n]))
+            out.append(pickle.loads(view[at : at + n]))
             at += n
         return out
 

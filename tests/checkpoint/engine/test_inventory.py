@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from shardwise import Layout, ShardedTensor
 from shardwise.checkpoint.engine.inventory import Serialized, describe, serialize_objects
 from shardwise.checkpoint.engine.saving import save_state
 from shardwise.checkpoint.format.manifest import Manifest
@@ -63,9 +64,25 @@ FULL = torch.arange(8, dtype=torch.float32).reshape(4, 2)
 
 
 def test_a_checkpointable_tensor_is_described_through_dcps_protocol() -> None:
-    entries, pieces = describe({"w": RowBlock(FULL[2:], 2)}, {"w": ("w",)}, {})
+    entries, held = describe({"w": RowBlock(FULL[2:], 2)}, {"w": ("w",)}, {})
     assert entries == [("w", ("w",), "float32", (4, 2), False, (((2, 0), (2, 2)),))]
-    assert torch.equal(pieces["w"][0].tensor, FULL[2:])
+    assert torch.equal(held.tensor("w", 0), FULL[2:])
+
+
+def test_tensors_are_found_again_by_box_and_like_boxes_are_one_tuple() -> None:
+    """Plain tensors and ShardedTensors keep no pieces: each box's tensor is found in
+    the state again; like shapes and boxes are one tuple, pickled once."""
+    layout = Layout.row_wise((4, 2), [1, 3])
+    flat = {
+        f"s{i}": ShardedTensor.from_layout(layout, [FULL[1:] + i], rank=1) for i in range(3)
+    } | {"p": FULL, "q": FULL + 1}
+    entries, held = describe(flat, {k: (k,) for k in flat}, {})
+    assert held.pieces == {}
+    assert [e[5] for e in entries] == [(((1, 0), (3, 2)),)] * 3 + [(((0, 0), (4, 2)),)] * 2
+    assert entries[0][5] is entries[1][5] is entries[2][5] and entries[3][5] is entries[4][5]
+    assert all(e[3] is entries[0][3] for e in entries)  # (4, 2), one tuple
+    assert torch.equal(held.tensor("s2", 0), FULL[1:] + 2)
+    assert held.tensor("q", 0) is flat["q"]
 
 
 def test_the_engine_saves_checkpointable_tensors_and_raw_bytes(tmp_path: Path) -> None:

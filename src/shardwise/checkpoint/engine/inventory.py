@@ -32,6 +32,7 @@ from .adapters import pieces_in_place
 
 __all__ = [
     "Entry",
+    "Held",
     "Piece",
     "Serialized",
     "dcp_pieces",
@@ -133,28 +134,55 @@ def serialize_objects(flat: dict[str, Any]) -> tuple[dict[str, bytes], BaseExcep
     return objects, None
 
 
+class Held:
+    """The tensors a rank's entries describe, found again by (key, box index) when
+    written. A plain tensor or a `ShardedTensor` is looked up in the flattened state
+    itself: a `Piece` per shard kept for the whole save would be 100,000 objects
+    (12 MiB) at scale; other types keep the pieces their protocol returned."""
+
+    def __init__(self, flat: dict[str, Any], pieces: dict[str, list[Piece]]) -> None:
+        self.flat, self.pieces = flat, pieces
+
+    def tensor(self, key: str, index: int) -> torch.Tensor:
+        """The local tensor of box `index` of `key`'s entry."""
+        pieces = self.pieces.get(key)
+        if pieces is not None:
+            return pieces[index].tensor
+        value = self.flat[key]
+        return value if type(value) in _PLAIN else value.local_shards()[index]
+
+
 def describe(
     flat: dict[str, Any], mappings: dict[str, tuple[Any, ...]], objects: dict[str, bytes]
-) -> tuple[list[Entry], dict[str, list[Piece]]]:
-    """`(entries, pieces by key)` for a flattened state dict. `objects` holds the
-    serialized bytes of each non-tensor value (`serialize_objects`)."""
+) -> tuple[list[Entry], Held]:
+    """`(entries, the tensors they describe)` for a flattened state dict. `objects`
+    holds the serialized bytes of each non-tensor value (`serialize_objects`). Like
+    shapes and boxes are one tuple (10,000 tensors sharded alike share theirs): held
+    once here, and pickled once to their owners."""
     entries: list[Entry] = []
     pieces: dict[str, list[Piece]] = {}
+    same: dict[Any, Any] = {}
     for key, value in flat.items():
         path = tuple(mappings.get(key, (key,)))
         if isinstance(value, torch.Tensor):
-            held = pieces_of(value)
-            if held is None:
-                held = dcp_pieces(key, value)
-            pieces[key] = held
             shape = tuple(value.shape)
-            if len(held) == 1 and held[0].sizes == shape:  # whole (a plain tensor): no copies
-                boxes: tuple[Box, ...] = ((held[0].offsets, shape),)
+            shape = same.setdefault(shape, shape)
+            if type(value) in _PLAIN:
+                boxes: tuple[Box, ...] = ((((0,) * len(shape)), shape),)
+            elif isinstance(value, ShardedTensor):
+                boxes = tuple((b.offsets, b.sizes) for b in value.local_blocks)
             else:
-                boxes = tuple((p.offsets, p.sizes) for p in held)
-            name = _dtype_name(value.dtype)
-            entries.append((key, path, name, shape, value.requires_grad, boxes))
+                held = pieces_of(value)
+                if held is None:
+                    held = dcp_pieces(key, value)
+                pieces[key] = held
+                if len(held) == 1 and held[0].sizes == shape:  # whole: no copies
+                    boxes = ((held[0].offsets, shape),)
+                else:
+                    boxes = tuple((p.offsets, p.sizes) for p in held)
+            boxes = same.setdefault(boxes, boxes)
+            entries.append((key, path, _dtype_name(value.dtype), shape, value.requires_grad, boxes))
         else:
             data = objects[key]
             entries.append((key, path, None, None, False, (len(data), crc32c.crc32c(data))))
-    return entries, pieces
+    return entries, Held(flat, pieces)

@@ -64,7 +64,7 @@ from ..io.commit import in_the_way
 from ..io.lease import Lease
 from ..io.record_join import write_part
 from . import plan_cache
-from .inventory import Entry, Piece, describe, serialize_objects
+from .inventory import Entry, Held, describe, serialize_objects
 from .joining import Joining
 from .key_owners import (
     MyWrites,
@@ -120,13 +120,13 @@ def _save(
     path = open_folder(path)
     objects: dict[str, bytes] = {}
     entries: list[Entry] = []
-    pieces: dict[str, list[Piece]] = {}
+    held = Held({}, {})
     problem: BaseException | None = None
     try:  # whatever fails here fails every rank at the first exchange, never this one alone
         flat, mappings = flatten_state_dict(state_dict)
         objects, problem = serialize_objects(flat)
         if problem is None:
-            entries, pieces = describe(flat, mappings, objects)
+            entries, held = describe(flat, mappings, objects)
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
     agreement.defer(problem)
@@ -137,9 +137,7 @@ def _save(
         lease, problem = _take_lease(path, _save_id(words), wait, overwrite)
         agreement.defer(problem)
     try:
-        _save_leased(
-            path, agreement, (sync, staging, staged), lease, pieces, objects, entries, words
-        )
+        _save_leased(path, agreement, (sync, staging, staged), lease, held, objects, entries, words)
     finally:
         if lease is not None:
             lease.release()
@@ -170,7 +168,7 @@ def _save_leased(
     agreement: Agreement,
     how: tuple[bool, Staging, Once],
     lease: Lease | None,
-    pieces: dict[str, list[Piece]],
+    held: Held,
     objects: dict[str, bytes],
     entries: list[Entry],
     words: list[int],
@@ -231,7 +229,7 @@ def _save_leased(
     joining = (
         Joining(path, world, file_name(0, files, token), token, meta, sync) if not rank else None
     )
-    state = (pieces, objects)
+    state = (held, objects)
     try:
         agreement.defer(
             _write(path, rank, (mine, placed, files), state, token, serialization_id, how)
@@ -253,19 +251,19 @@ def _write(
     path: Folder,
     rank: int,
     plan: tuple[MyWrites, Places, int],
-    state: tuple[dict[str, list[Piece]], dict[str, bytes]],
+    state: tuple[Held, dict[str, bytes]],
     token: str,
     serialization_id: str,
     how: tuple[bool, Staging, Once],
 ) -> BaseException | None:
     """This rank's data files (`rank_file`); the problem, raised on every rank."""
-    (mine, placed, files), (pieces, objects), (sync, staging, staged) = plan, state, how
+    (mine, placed, files), (held, objects), (sync, staging, staged) = plan, state, how
     try:
         if not mine.writes:
             staged()  # this rank writes nothing: the state is not read again
             return None
         values = [
-            objects[key] if index < 0 else pieces[key][index].tensor for key, index in mine.writes
+            objects[key] if index < 0 else held.tensor(key, index) for key, index in mine.writes
         ]
         names = [file_name(rank, k, token) for k in range(files)]
         write_rank_file(path, names, (values, placed), serialization_id, sync, staging, staged)
