@@ -164,10 +164,16 @@ def test_a_part_cut_short_is_refused_naming_it(tmp_path: Path) -> None:
     _, owners = _split()
     folder = open_folder(tmp_path)
     name = part_name(TOKEN, 1)
-    write_part(folder, TOKEN, 1, [b"".join(owners[1].part({"step": ("step",)}, 1))[:-3]])
+    write_part(folder, TOKEN, 1, owners[1].part({"step": ("step",)}, 1))
+    whole = (tmp_path / name).read_bytes()
+    (tmp_path / name).write_bytes(whole[:-3])
     frame = SaveRecords(2, META, {}).draft()
     frame.set_planner_data({})
     for rank in (0, 2, 3):
         write_part(folder, TOKEN, rank, owners[rank].part({}, rank))
+    with pytest.raises(CorruptCheckpointError, match=f"{name}: a record part cut short"):
+        join_records(folder, (4, INDEX), TOKEN, META, frame, sync=False)
+    # the trailer whole but a byte of the sections missing
+    (tmp_path / name).write_bytes(whole[:10] + whole[11:])
     with pytest.raises(CorruptCheckpointError, match=f"{name}: a record part whose sections"):
         join_records(folder, (4, INDEX), TOKEN, META, frame, sync=False)

@@ -24,6 +24,7 @@ in owner order.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -34,7 +35,6 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 from ...comm.agreement import Agreement
 from ..format.manifest import dtype_from_name
-from ..format.record_parts import PartSections
 from ..io.record_names import data_file_name
 from .inventory import Entry
 from .places import FIELDS, Places
@@ -72,12 +72,21 @@ def owner_of(key: str, world_size: int) -> int:
 
 @dataclass(frozen=True)
 class MyWrites:
-    """What this rank writes: `writes` ((key, box index; -1 for an object), in its
-    inventory order) and, per owner, the positions in `writes` of that owner's
-    records, in the order the owner expects their reports."""
+    """What this rank writes, in its inventory order: each record's key and the index
+    of its box in the key's entry (-1: an object), and, per owner, the positions of
+    that owner's records, in the order the owner expects their reports. Arrays and
+    one list of keys: a plan keeps them from save to save (`plan_cache`)."""
 
-    writes: list[tuple[str, int]]
-    for_owner: list[list[int]]
+    keys: list[str]
+    boxes: np.ndarray  # int64, one per record
+    for_owner: list[np.ndarray]  # int64 positions in `keys`
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def pairs(self) -> Iterator[tuple[str, int]]:
+        """(key, box index) of each record, in write order."""
+        return zip(self.keys, self.boxes.tolist())
 
 
 def plan_by_owners(
@@ -106,22 +115,29 @@ def plan_by_owners(
         replies = []
         for r, (_n, theirs) in enumerate(received):
             at = {e[0]: i for i, e in enumerate(theirs)}
-            replies.append(([(at[key], index) for key, index in plan.writes[r]], plan.problems))
+            chosen = [(at[key], index) for key, index in plan.writes[r]]
+            replies.append((np.array(chosen, np.int64).reshape(-1, 2), plan.problems))
         plan.writes.clear()  # replied: the plan this rank keeps (`plan_cache`) needs them no more
     except Exception as e:  # noqa: BLE001 - raised on every rank by the route below
         agreement.defer(e)
     back = agreement.route(replies)
-    chosen = sorted(
-        (where[owner][i], index, owner, j)
-        for owner, (decisions, _problems) in enumerate(back)
-        for j, (i, index) in enumerate(decisions)
+    return _mine(entries, where, [d for d, _p in back]), plan, [p for _d, ps in back for p in ps]
+
+
+def _mine(entries: list[Entry], where: list[list[int]], back: list[np.ndarray]) -> MyWrites:
+    """This rank's writes from each owner's decisions (rows of (i, box index): its
+    i-th entry sent to that owner), in inventory order, then box order."""
+    positions = np.concatenate(
+        [np.asarray(where[o], np.int64)[d[:, 0]] for o, d in enumerate(back)]
     )
-    for_owner = [[0] * len(decisions) for decisions, _problems in back]
-    writes = []
-    for w, (position, index, owner, j) in enumerate(chosen):
-        writes.append((entries[position][0], index))
-        for_owner[owner][j] = w
-    return MyWrites(writes, for_owner), plan, [p for _d, problems in back for p in problems]
+    boxes = np.concatenate([d[:, 1] for d in back])
+    order = np.lexsort((boxes, positions))
+    rank_of = np.empty(len(order), np.int64)
+    rank_of[order] = np.arange(len(order))  # where each decision's record is written
+    ends = np.cumsum([len(d) for d in back]).tolist()
+    for_owner = [rank_of[start:end] for start, end in zip([0, *ends[:-1]], ends)]
+    keys = [entries[p][0] for p in positions[order].tolist()]
+    return MyWrites(keys, boxes[order], for_owner)
 
 
 def held_bytes(entries: list[Entry]) -> int:
@@ -144,7 +160,9 @@ def reports_for(mine: MyWrites, placed: Places, crcs: dict[str, int]) -> list[Re
     for order in mine.for_owner:
         rows = np.empty((len(order), FIELDS + 1), np.int64)
         rows[:, :FIELDS] = placed.rows[order]
-        rows[:, FIELDS] = [crcs[mine.writes[w][0]] if mine.writes[w][1] < 0 else -1 for w in order]
+        objects = mine.boxes[order] < 0
+        rows[:, FIELDS] = -1
+        rows[objects, FIELDS] = [crcs[mine.keys[w]] for w in order[objects].tolist()]
         out.append(rows)
     return out
 
@@ -160,13 +178,14 @@ def owned_part(
     token: str,
     storage_meta: StorageMeta,
     rank: int,
-) -> list[bytes]:
-    """The part (`SaveRecords.part`) of the keys this rank owns, as block `rank` of the
-    index: the `places` its writers reported, per writer in plan order; `crcs`: its
-    objects' crc32c. Built `BATCH` keys at a time, so an owner holds one batch's
-    entries and `.metadata` objects (not 50,000 keys' at once), plus the bytes."""
-    part = PartSections()
+) -> Iterator[list[bytes]]:
+    """The part of the keys this rank owns (`SaveRecords.sections`), as block `rank` of
+    the index, batch by batch: the `places` its writers reported, per writer in plan
+    order; `crcs`: its objects' crc32c. `BATCH` keys at a time, each batch written as
+    it is made (`write_part`): an owner holds one batch's entries, `.metadata` objects
+    and bytes, not 50,000 keys'."""
     names = partial(file_name, token=token)
+    at = 0  # where the next batch's chunk sections start in the block
     for kind in (plan.tensors, plan.objects):
         keys = list(kind)
         for start in range(0, len(keys), BATCH):
@@ -178,10 +197,11 @@ def owned_part(
                 {k: plan.mappings[k] for k in batch},
                 [],
             )
-            records = plan_records(sub, places, names, storage_meta, crcs)
-            part.add(records.sections(sub.mappings, rank, part.index_size))
-            del records
-    return part.encoded()
+            sections = plan_records(sub, places, names, storage_meta, crcs).sections(
+                sub.mappings, rank, at
+            )
+            at += len(sections[-1])
+            yield sections
 
 
 def routed(plan: SavePlan, received: list[Report]) -> tuple[list[Places], dict[str, int]]:

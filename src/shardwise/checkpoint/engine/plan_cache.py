@@ -56,12 +56,23 @@ _KEPT: dict[Hashable, OrderedDict[bytes, Planned]] = {}
 _LOCK = threading.Lock()  # async saves (and thread ranks) keep plans from other threads
 
 
+# entries pickled into the signature's hash at a time: one pickle of 100,000 would
+# hold its bytes and its memo at once (tens of MiB)
+BATCH = 4096
+
+
 def signature(entries: list[Entry], world_size: int, rank: int, storage: str) -> bytes:
     """What a plan depends on, hashed: every field of every entry but an object's
-    crc32c (its bytes may change, its length may not)."""
-    shapes = [e if e[2] is not None else (*e[:5], e[5][0]) for e in entries]
-    data = pickle.dumps((world_size, rank, storage, shapes), protocol=pickle.HIGHEST_PROTOCOL)
-    return hashlib.blake2b(data, digest_size=16).digest()
+    crc32c (its bytes may change, its length may not). Like shapes and boxes are one
+    tuple (`inventory.describe`), pickled by reference: the same structure hashes the
+    same at every save; anything else only replans."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(pickle.dumps((world_size, rank, storage, len(entries)), protocol=4))
+    for start in range(0, len(entries), BATCH):
+        batch = entries[start : start + BATCH]
+        shapes = [e if e[2] is not None else (*e[:5], e[5][0]) for e in batch]
+        digest.update(pickle.dumps(shapes, protocol=pickle.HIGHEST_PROTOCOL))
+    return digest.digest()
 
 
 def lookup(group: Hashable, sig: bytes) -> Planned | None:

@@ -24,6 +24,7 @@ linear in the number of entries (plus a sort of the replicated ones). It decides
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,7 +230,7 @@ def _check_boxes(key: str, plan: TensorPlan) -> str | None:
 
 
 def place_records(
-    writes: list[tuple[str, int]], entries: list[Entry], serialization_id: str
+    writes: Iterable[tuple[str, int]], entries: list[Entry], serialization_id: str
 ) -> Places:
     """Where each record of a rank's `writes` ((key, box index), -1 for an object)
     lands, in write order (`entries`: that rank's inventory): one data file, or

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..format.manifest import IndexRef, Manifest, ObjectEntry, TensorEntry
 from ..format.manifest_fields import ChunkEntry
 from ..format.manifest_index import write_sections
-from ..format.record_parts import PartSections, manifest_sections, metadata_sections
+from ..format.record_parts import manifest_sections, metadata_sections
 from ..format.tiles import tile_shape
 from .places import Places
 from .planning import SavePlan
@@ -94,17 +94,15 @@ class SaveRecords:
         )
         return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
 
-    def part(self, planner_data: dict[str, Any], block: int) -> list[bytes]:
+    def part(self, planner_data: dict[str, Any], block: int) -> list[list[bytes]]:
         """These entries (an owner's keys) and their `planner_data` as a part of a
-        collective save's records (`format.record_parts`), their chunk sections as
-        block `block` of its index."""
-        part = PartSections()
-        part.add(self.sections(planner_data, block, 0))
-        return part.encoded()
+        collective save's records (`io.record_join.write_part`), in one batch, their
+        chunk sections as block `block` of its index."""
+        return [self.sections(planner_data, block, 0)]
 
     def sections(self, planner_data: dict[str, Any], block: int, at: int) -> list[bytes]:
-        """These entries' seven sections of a part (`PartSections.add`): their chunk
-        sections placed from byte `at` of block `block` of the index."""
+        """These entries' seven sections of a part, a batch of it (`write_part`): their
+        chunk sections placed from byte `at` of block `block` of the index."""
         state, storage = self._metadata_items()
         index = write_sections(self.tensors, block)
         for t in self.tensors.values():

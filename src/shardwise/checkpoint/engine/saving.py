@@ -195,7 +195,7 @@ def _save_leased(
             raise ShardMismatchError(f"cannot save to {path}: " + "; ".join(problems))
         placed = Places()
         try:
-            placed = place_records(mine.writes, entries, serialization_id)
+            placed = place_records(mine.pairs(), entries, serialization_id)
         except Exception as e:  # noqa: BLE001 - raised on every rank by the next route
             agreement.defer(e)
         kept = plan_cache.Planned(agreed[3] | 1, mine, placed, owned)
@@ -259,11 +259,11 @@ def _write(
     """This rank's data files (`rank_file`); the problem, raised on every rank."""
     (mine, placed, files), (held, objects), (sync, staging, staged) = plan, state, how
     try:
-        if not mine.writes:
+        if not len(mine):
             staged()  # this rank writes nothing: the state is not read again
             return None
         values = [
-            objects[key] if index < 0 else held.tensor(key, index) for key, index in mine.writes
+            objects[key] if index < 0 else held.tensor(key, index) for key, index in mine.pairs()
         ]
         names = [file_name(rank, k, token) for k in range(files)]
         write_rank_file(path, names, (values, placed), serialization_id, sync, staging, staged)

@@ -4,7 +4,7 @@ A save's records list every chunk of every rank: O(W × N) entries, 1,000,000
 at 1,024 ranks × 1,000 tensors. Encoding them on one rank puts seconds of
 pickling and JSON on its critical path, and gathering them there puts the
 whole records in its memory. So each key's owner (`engine.key_owners`) encodes
-the entries of its own keys into a part (`PartSections`), writes it beside the
+the entries of its own keys into a part (`part_trailer`), writes it beside the
 checkpoint, and the committing rank only copies bytes: a fixed frame with
 three holes in each record, the parts' sections poured into them in order
 (`io.record_join`).
@@ -28,6 +28,7 @@ import io
 import json
 import pickle
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -41,21 +42,22 @@ from .manifest_fields import TOP
 from .planner_data import encode_planner_data
 
 __all__ = [
-    "HEADER_SIZE",
     "SECTIONS",
-    "PartSections",
+    "TRAILER",
     "manifest_frame",
     "manifest_sections",
     "metadata_frame",
     "metadata_sections",
     "pickled_items",
-    "section_spans",
+    "part_spans",
+    "part_trailer",
 ]
 
 # A part's sections, in the order the frames' holes take them, then its index block.
 SECTIONS = 7  # .metadata: state, planner, storage; manifest: planner, tensors, objects; index
-_HEADER = struct.Struct(f"<{SECTIONS}Q")
-HEADER_SIZE = _HEADER.size
+_LENGTHS = struct.Struct(f"<{SECTIONS}Q")  # one batch's section lengths
+_COUNT = struct.Struct("<Q")  # the number of batches, the part's last bytes
+TRAILER = _COUNT.size
 _HEAD = b"\x80\x02}q\x00"  # PROTO 2, EMPTY_DICT, BINPUT 0
 _MARKS = tuple(f"\x00shardwise part: {n}\x00" for n in ("state", "planner", "storage"))
 _TAIL = '"planner_data":{},"tensors":{},"objects":{},"crc32c":0}'
@@ -90,47 +92,34 @@ def manifest_sections(manifest: Manifest, planner_data: dict[str, Any]) -> list[
     return [json.dumps(m, separators=(",", ":"))[1:-1].encode() for m in members]
 
 
-class PartSections:
-    """A part's sections, gathered from batches of its keys: an owner of 50,000 keys
-    that built all their entries, `.metadata` objects and encodings at once would hold
-    hundreds of MiB; a batch at a time it holds one batch's, plus the bytes. A
-    section's batches join as parts do: pickle fragments back to back, manifest
-    members with commas, index blocks back to back (`index_size`: where the next
-    batch's chunk sections start in the block)."""
-
-    def __init__(self) -> None:
-        self.pieces: list[list[bytes]] = [[] for _ in range(SECTIONS)]
-        self.index_size = 0
-
-    def add(self, sections: list[bytes]) -> None:
-        """One batch's sections, its chunk sections placed from `index_size` on."""
-        assert len(sections) == SECTIONS
-        for n, (pieces, data) in enumerate(zip(self.pieces, sections)):
-            if data:
-                if pieces and 3 <= n < 6:  # manifest members
-                    pieces.append(b",")
-                pieces.append(data)
-        self.index_size += len(sections[-1])
-
-    def encoded(self) -> list[bytes]:
-        """The part file's bytes, in order: the sections' lengths, then the sections (a
-        list, written as it is: joined, a part would be held twice at its largest)."""
-        lengths = [sum(map(len, pieces)) for pieces in self.pieces]
-        return [_HEADER.pack(*lengths), *(data for pieces in self.pieces for data in pieces)]
+def part_trailer(lengths: list[list[int]]) -> bytes:
+    """The end of a part written a batch of keys at a time (`io.record_join.write_part`):
+    each batch's seven section lengths, then the number of batches. An owner of 50,000
+    keys that built all their entries, `.metadata` objects and encodings at once would
+    hold hundreds of MiB, and the part's bytes; a batch at a time it holds one batch's.
+    A section's batches join as parts do: pickle fragments back to back, manifest
+    members with commas, index blocks back to back."""
+    return b"".join(_LENGTHS.pack(*n) for n in lengths) + _COUNT.pack(len(lengths))
 
 
-def section_spans(header: bytes, size: int, where: str) -> list[tuple[int, int]]:
-    """Each section's (offset, length) in a part file of `size` bytes whose first bytes
-    are `header`; refused unless they fill it exactly."""
-    if len(header) < _HEADER.size:
+def part_spans(
+    read: Callable[[int, int], bytes], size: int, where: str
+) -> list[list[tuple[int, int]]]:
+    """Each section's (offset, length) pieces, batch by batch, in a part file of `size`
+    bytes (`read(n, offset)`); refused unless its batches and trailer fill it exactly."""
+    count = _COUNT.unpack(read(TRAILER, size - TRAILER))[0] if size >= TRAILER else -1
+    if count < 0 or TRAILER + count * _LENGTHS.size > size:
         raise CorruptCheckpointError(f"{where}: a record part cut short ({size} bytes)")
-    lengths = _HEADER.unpack_from(header)
-    if _HEADER.size + sum(lengths) != size:
+    table = read(count * _LENGTHS.size, size - TRAILER - count * _LENGTHS.size)
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(SECTIONS)]
+    at = 0
+    for lengths in _LENGTHS.iter_unpack(table):
+        for section, n in enumerate(lengths):
+            if n:
+                spans[section].append((at, n))
+            at += n
+    if at + len(table) + TRAILER != size:
         raise CorruptCheckpointError(f"{where}: a record part whose sections do not fill it")
-    spans, at = [], _HEADER.size
-    for n in lengths:
-        spans.append((at, n))
-        at += n
     return spans
 
 

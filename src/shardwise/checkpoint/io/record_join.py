@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import crc32c
@@ -32,11 +32,11 @@ from ...storage import Folder
 from ...storage.folder import RandomAccess, Sink, temporary_name
 from ..format.manifest import MANIFEST, METADATA, TAIL, IndexRef, Manifest
 from ..format.record_parts import (
-    HEADER_SIZE,
     SECTIONS,
     manifest_frame,
     metadata_frame,
-    section_spans,
+    part_spans,
+    part_trailer,
 )
 
 __all__ = ["join_records", "part_name", "write_part"]
@@ -48,10 +48,23 @@ def part_name(token: str, rank: int) -> str:
     return f"{MANIFEST}.sw{tag}.tmp"
 
 
-def write_part(folder: Folder, token: str, rank: int, data: list[bytes]) -> None:
-    """`rank`'s part (`SaveRecords.part`): read once by the committing rank, which fails
-    the save if it is not whole; never fsynced (the records made from it are)."""
-    folder.write_new(part_name(token, rank), data, sync=False)
+def write_part(folder: Folder, token: str, rank: int, batches: Iterable[list[bytes]]) -> None:
+    """`rank`'s part: each batch's seven sections (`SaveRecords.sections`) as it comes,
+    then their lengths (`record_parts.part_trailer`); read once by the committing rank,
+    which fails the save if it is not whole; never fsynced (the records made from it
+    are). Nothing of it remains if writing fails."""
+    sink = folder.create(part_name(token, rank))
+    try:
+        lengths = []
+        for sections in batches:
+            assert len(sections) == SECTIONS
+            sink.write(sections)
+            lengths.append([len(data) for data in sections])
+        sink.write([part_trailer(lengths)])
+        sink.close(sync=False)
+    except BaseException:
+        sink.abort()
+        raise
 
 
 class _Crc:
@@ -85,7 +98,7 @@ def join_records(
     try:
         for r in range(world_size):
             parts.append(folder.open(part_name(token, r)))
-        spans = [section_spans(p.pread(HEADER_SIZE, 0), p.size(), p.where) for p in parts]
+        spans = [part_spans(p.pread, p.size(), p.where) for p in parts]
         _require_plain_planner_data(parts, spans)
 
         def pour(out: _Crc, pieces: list[bytes], first: int, comma: bool) -> None:
@@ -95,8 +108,7 @@ def join_records(
                     break
                 wrote = False
                 for p, part in zip(parts, spans):
-                    offset, length = part[first + hole]
-                    if length:
+                    for offset, length in part[first + hole]:
                         out.write(b"," if comma and wrote else b"")
                         _copy(out, p, offset, length)
                         wrote = True
@@ -135,10 +147,10 @@ def _require_plain_planner_data(parts: list[RandomAccess], spans: list[Any]) -> 
     """Refuse the one planner data the manifest would read back wrong: a state dict
     whose only key is `__tuple__` (`planner_data.decode_planner_data` takes a dict of
     that one key for a tuple). Only a handful of bytes are ever read to tell."""
-    sizes = [part[3][1] for part in spans]  # the manifest's planner data sections
-    if sum(sizes) > 256:
+    pieces = [(p, offset, n) for p, part in zip(parts, spans) for offset, n in part[3]]
+    if sum(n for _p, _offset, n in pieces) > 256:  # the manifest's planner data sections
         return
-    text = b",".join(p.pread(n, part[3][0]) for p, part, n in zip(parts, spans, sizes) if n)
+    text = b",".join(p.pread(n, offset) for p, offset, n in pieces)
     if list(json.loads(b"{" + text + b"}")) == ["__tuple__"]:
         raise InvalidArgumentError(
             "cannot save a state dict whose only key is '__tuple__': the manifest's planner "
@@ -156,9 +168,9 @@ def _index(
     out = _Crc(sink)
     try:
         for p, part in zip(parts, spans):
-            offset, length = part[SECTIONS - 1]
             blocks.append(out.size)
-            _copy(out, p, offset, length)
+            for offset, length in part[SECTIONS - 1]:
+                _copy(out, p, offset, length)
         sink.close(sync=sync)
     except BaseException:
         sink.abort()
