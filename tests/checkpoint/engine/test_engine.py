@@ -68,7 +68,7 @@ def test_sharded_chunks_stay_with_their_holder_and_count_toward_its_load() -> No
     ]
     assert plan.tensors["big"].chunks[0][2] == 1
     assert plan.objects == {"step": (0, 1)}  # the lowest rank holding it, its 2nd record
-    assert plan.mappings == {"emb": ("emb",), "big": ("big",), "step": ("step",)}
+    assert plan.mappings == {}  # every path is (key,): a flat state's
 
 
 def test_record_placement_follows_record_lengths() -> None:

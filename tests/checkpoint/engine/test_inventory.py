@@ -65,7 +65,7 @@ FULL = torch.arange(8, dtype=torch.float32).reshape(4, 2)
 
 def test_a_checkpointable_tensor_is_described_through_dcps_protocol() -> None:
     entries, held = describe({"w": RowBlock(FULL[2:], 2)}, {"w": ("w",)}, {})
-    assert entries == [("w", ("w",), "float32", (4, 2), False, (((2, 0), (2, 2)),))]
+    assert entries == [("w", None, "float32", (4, 2), False, (((2, 0), (2, 2)),))]
     assert torch.equal(held.tensor("w", 0), FULL[2:])
 
 

@@ -95,7 +95,14 @@ def test_batched_parts_join_into_the_records_one_batch_makes(
         pickle.loads((tmp_path / n / ".metadata").read_bytes()) for n in ("batched", "whole")
     )
     assert batched.state_dict_metadata == whole.state_dict_metadata
-    assert batched.planner_data == whole.planner_data
+    assert (
+        batched.planner_data
+        == whole.planner_data
+        == {
+            **{f"model.{k}{i}": ("model", f"{k}{i}") for k in "wb" for i in range(COUNT)},
+            **{f"note{i}": (f"note{i}",) for i in range(COUNT)},
+        }
+    )
     assert {(i.fqn, i.index): _untokened(str(s)) for i, s in batched.storage_data.items()} == {
         (i.fqn, i.index): _untokened(str(s)) for i, s in whole.storage_data.items()
     }

@@ -54,7 +54,8 @@ class Piece(NamedTuple):
     sizes: tuple[int, ...]
 
 
-# One key as exchanged: (key, path, dtype name or None for an object, global shape,
+# One key as exchanged: (key, path (None: `(key,)`, a flat state's), dtype name or None
+# for an object, global shape,
 # requires_grad, boxes held) for a tensor; (key, path, None, None, False, (byte length,
 # crc32c)) for an object, whose bytes every rank serializes before the exchange
 # for an object. Tuples of builtins: they pickle fast and compare exactly.
@@ -163,7 +164,8 @@ def describe(
     pieces: dict[str, list[Piece]] = {}
     same: dict[Any, Any] = {}
     for key, value in flat.items():
-        path = tuple(mappings.get(key, (key,)))
+        path = mappings.get(key)
+        path = None if path is None or path == (key,) else tuple(path)
         if isinstance(value, torch.Tensor):
             shape = tuple(value.shape)
             shape = same.setdefault(shape, shape)

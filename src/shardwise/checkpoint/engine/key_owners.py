@@ -194,7 +194,7 @@ def owned_part(
                 {k: plan.tensors[k] for k in batch} if kind is plan.tensors else {},
                 {k: plan.objects[k] for k in batch} if kind is plan.objects else {},
                 [],
-                {k: plan.mappings[k] for k in batch},
+                {k: plan.mappings.get(k) or (k,) for k in batch},
                 [],
             )
             sections = plan_records(sub, places, names, storage_meta, crcs).sections(

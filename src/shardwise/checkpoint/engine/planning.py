@@ -61,7 +61,8 @@ class SavePlan:
     objects: dict[str, tuple[int, int]]  # key -> (writing rank, position in its writes)
     # per rank: (key, index of the box in that rank's own entry; -1 for an object)
     writes: list[list[tuple[str, int]]]
-    mappings: dict[str, tuple[Any, ...]]  # DCP's planner_data: flattened key -> path
+    # DCP's planner_data: flattened key -> path, where it is not (key,)
+    mappings: dict[str, tuple[Any, ...]]
     problems: list[str]
 
 
@@ -97,7 +98,8 @@ def plan_save(
         for key, path, dtype, shape, requires_grad, held in entries:
             info = keys.get(key)
             if info is None:
-                mappings[key] = path
+                if path is not None:
+                    mappings[key] = path
                 if dtype is None:
                     objects[key] = (rank, -1)
                     keys[key] = (None, None, rank, None)
