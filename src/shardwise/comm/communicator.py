@@ -140,7 +140,7 @@ class ProcessGroupCommunicator(Communicator):
         counts = theirs.tolist()
         dist.all_to_all_single(received, sent, counts, lengths, group=group)
         del sent, buffer
-        view, out, at = memoryview(received.numpy()), [], 0
+        view, out, at = memoryview(received.numpy().data), [], 0
         for n in counts:
             out.append(pickle.loads(view[at : at + n]))
             at += n

@@ -59,7 +59,7 @@ class Piece(NamedTuple):
 # requires_grad, boxes held) for a tensor; (key, path, None, None, False, (byte length,
 # crc32c)) for an object, whose bytes every rank serializes before the exchange
 # for an object. Tuples of builtins: they pickle fast and compare exactly.
-Entry = tuple[str, tuple[Any, ...], str | None, tuple[int, ...] | None, bool, Any]
+Entry = tuple[str, tuple[Any, ...] | None, str | None, tuple[int, ...] | None, bool, Any]
 
 
 @dataclass(frozen=True)

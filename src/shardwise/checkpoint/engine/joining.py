@@ -54,7 +54,8 @@ class Joining:
         """Commit the joined records once every rank's data is durable; the problem.
         `most`: the most data files a rank wrote: every name this save may have written
         is kept by the commit's collection (a superset, from the names alone: never a
-        listing, which a shared file system may show late)."""
+        listing, which a shared file system may show late), and so is every part: each
+        owner removes its own once the save is committed."""
         self._committing = True
         try:
             self.join()
@@ -64,6 +65,7 @@ class Joining:
             metadata, manifest = self._out
             keep = {file_name(r, k, self.token) for r in range(self.world) for k in range(most)}
             keep.add(self.index)
+            keep |= {part_name(self.token, r) for r in range(self.world)}  # their owners
             commit(self.path, metadata, manifest, keep, RecordNames(), sync=self.sync, lease=lease)
         except Exception as e:  # noqa: BLE001 - the other ranks wait for the verdict
             return e

@@ -48,6 +48,7 @@ stock `dcp.load` reads it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import uuid
@@ -63,7 +64,7 @@ from ...errors import CheckpointExistsError, ShardMismatchError
 from ...storage import Folder, open_folder
 from ..io.commit import in_the_way
 from ..io.lease import Lease
-from ..io.record_join import write_part
+from ..io.record_join import part_name, write_part
 from . import plan_cache
 from .inventory import Entry, Held, describe, serialize_objects
 from .joining import Joining
@@ -255,6 +256,10 @@ def _save_leased(
     finally:
         if joining is not None:
             joining.join()  # never writing once the save is over (and the lease given back)
+    # committed: each owner removes its own part (rank 0 removing W of them would cost it
+    # O(W)); one left behind by a rank that died here goes at the next commit's collection
+    with contextlib.suppress(OSError):
+        path.remove(part_name(token, rank))
 
 
 def _write(

@@ -93,6 +93,8 @@ def collect(
         if ours and folder.removable(name):
             try:
                 folder.remove(name)
+            except FileNotFoundError:  # gone already (its own writer removed it)
+                continue
             except OSError as e:
                 warnings.warn(
                     f"could not remove {folder.where(name)} after the commit ({e}); "

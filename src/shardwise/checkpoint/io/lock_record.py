@@ -33,13 +33,15 @@ _MAX_RECORD = 1 << 16
 def read_record(folder: Folder, name: str) -> bytes:
     """The lock record `name` (a plain file only), or its first `_MAX_RECORD` bytes.
 
-    Its size comes from a fresh listing: unlike data files, a lock record is
-    rewritten (heartbeats, a new holder), so a size remembered from an earlier
-    listing (object stores) would cut it short."""
-    size = folder.sizes().get(name, _MAX_RECORD)  # not listed: a link, or just created
+    Its size is read fresh: unlike data files, a lock record is rewritten
+    (heartbeats, a new holder), so a size remembered from an earlier listing (object
+    stores) would cut it short. A local file's own size is fresh (one `fstat`: a
+    listing would cost each lease check O(files in the folder), 1,000s at scale)."""
+    local = folder.local_path is not None
+    size = _MAX_RECORD if local else folder.sizes().get(name, _MAX_RECORD)  # not listed: new
     f = folder.open(name)  # refuses a link; FileNotFoundError when it is gone
     try:
-        return f.pread(min(size, _MAX_RECORD), 0)
+        return f.pread(min(f.size() if local else size, _MAX_RECORD), 0)
     finally:
         f.close()
 
