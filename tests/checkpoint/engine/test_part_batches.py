@@ -153,3 +153,19 @@ def test_a_batched_part_reads_back_everywhere(tmp_path: Path, batches: list[int]
     stock = {"model": {f"w{i}": torch.zeros(6, 4) for i in range(COUNT)}}
     dcp.load(stock, checkpoint_id=str(path), no_dist=True)
     assert all(torch.equal(stock["model"][f"w{i}"], _full(i)) for i in range(COUNT))
+
+
+def test_each_owner_removes_its_part_and_a_dead_ranks_part_is_collected(tmp_path: Path) -> None:
+    """After the verdict each rank removes its own part (rank 0 removing all W would
+    cost it O(W)); a part left by a rank that died there goes at the next commit."""
+    path = tmp_path / "ckpt"
+    _save(path)
+    names = sorted(p.name for p in path.iterdir())
+    assert [n for n in names if n.endswith(".tmp")] == []
+    assert {".metadata", "shardwise.json", ".shardwise"} <= set(names)
+    assert len([n for n in names if n.endswith(".distcp")]) == 3  # two ranks' data, the index
+    dead = path / "shardwise.json.sw0123456789ab.tmp"
+    dead.write_bytes(b"a part of a save whose rank died after the verdict")
+    _save(path)
+    assert not dead.exists()
+    assert [p.name for p in path.iterdir() if p.name.endswith(".tmp")] == []
