@@ -151,3 +151,32 @@ def test_the_fast_head_path_reads_and_writes_as_the_table(version):
     for t in _head_docs(version)[3:]:  # one broken tensor: the whole map goes through the table
         if parse_tensor(t, version) is None:
             assert parse_tensors(dict(tensors, **{"model.bias": t}), version) is None, t
+
+
+def test_the_fast_heads_share_equal_dtypes_and_shapes_and_keep_any_section():
+    """Held for a whole load: equal dtype names and shapes are one object each, sections
+    tuples of the same values (a section past int64 kept as parsed: refused where used)."""
+    w = json.loads(golden_text(VERSION))["tensors"]["model.w"]
+    other = dict(w, dtype="".join(w["dtype"]), shape=list(w["shape"]))
+    assert other["dtype"] is not w["dtype"]
+    out = parse_tensors({"a": w, "b": other}, VERSION)
+    assert out is not None and out["a"].dtype is out["b"].dtype
+    assert out["a"].shape is out["b"].shape and out["a"].section == tuple(w["section"])
+    huge = dict(w, section=[0, 1 << 70, *w["section"][2:]])
+    out = parse_tensors({"a": w, "h": huge}, VERSION)
+    assert out is not None and out["h"] == TensorEntry(**decode(TENSOR, huge, VERSION, "tensor"))
+    assert type(out["h"].section) is tuple and out["h"].section[1] == 1 << 70
+
+
+@pytest.mark.parametrize("at", [0, 4095, 4096, 5000])  # either side of a batch of checks
+def test_many_heads_are_checked_in_batches_and_every_one_is(at):
+    w = json.loads(golden_text(VERSION))["tensors"]["model.w"]
+    heads = {f"t{i}": w for i in range(5001)}
+    assert parse_tensors(heads, VERSION) == {k: parse_tensor(w, VERSION) for k in heads}
+    assert parse_tensors(dict(heads, **{f"t{at}": dict(w, shape=[-1, 4])}), VERSION) is None
+    crc = dict(w, section=[*w["section"][:4], 1 << 32])
+    assert parse_tensors(dict(heads, **{f"t{at}": crc}), VERSION) is None
+    huge = dict(w, section=[0, 1 << 70, *w["section"][2:]])
+    out = parse_tensors(dict(heads, **{f"t{at}": huge}), VERSION)
+    assert out is not None and out[f"t{at}"].section == tuple(huge["section"])
+    assert all(type(t.section) is tuple for t in out.values())

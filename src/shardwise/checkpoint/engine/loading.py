@@ -27,12 +27,13 @@ same executor (`item_reads`).
 
 from __future__ import annotations
 
-import itertools
 import os
 import pickle
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import _version
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
@@ -53,6 +54,7 @@ from .inventory import Piece, pieces_of
 from .item_reads import planned_reads
 from .overlaps import fetched
 from .stored_view import Covering, StoredBox, StoredView
+from .whole_rows import WholeRows
 
 __all__ = ["load_state", "mismatches"]
 
@@ -77,7 +79,7 @@ def load_state(
     whether values every rank loads whole are read once and broadcast (`replicated`;
     None: where that pays)."""
     folder = open_folder(path)
-    flat, mappings = flatten_state_dict(state_dict)
+    flat, mappings = _flatten(state_dict)
     problem: BaseException | None = None
     view: StoredView | None = None
     shared: dict[str, torch.Tensor] = {}
@@ -106,15 +108,32 @@ def load_state(
     )
     problem = None
     try:
-        executor.run(_plan(flat, view, objects, trust_objects, sent, verify))
+        reads, whole = _plan(flat, view, objects, trust_objects, sent, verify)
+        # whole chunks a batch of requests at a time, the first with the rest: a small
+        # load is one run (on an object store, one window of prefetches)
+        wholes = whole.reads(view.manifest.page_size) if whole and view.manifest else iter(())
+        executor.run([*reads, *next(wholes, [])])
+        del reads
+        for requests in wholes:
+            executor.run(requests)
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
     agreement.defer(problem)
     agreement.defer(replicated.send(agreement.comm, batches, shared))  # whatever it read
     agreement.verdict()
     for key, value in objects.items():
-        set_element(state_dict, mappings[key], value)
+        set_element(state_dict, mappings.get(key, (key,)), value)
     return executor.bytes_read, view.manifest
+
+
+def _flatten(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DCP's `flatten_state_dict`, but a state dict that is flat already (string keys, no
+    mapping or list values: what DCP would copy as it is) is used as it is, its keys
+    their own paths: no copy of 100,000 entries and their paths."""
+    flat = all(type(k) is str and not isinstance(v, (Mapping, list)) for k, v in state_dict.items())
+    if flat and _version._derived_version != "2_3":
+        return state_dict, {}
+    return flatten_state_dict(state_dict)
 
 
 def _plan(
@@ -124,7 +143,7 @@ def _plan(
     trust: bool,
     sent: set[str],
     verify: bool,
-) -> list[ChunkRead | RecordRead | GatherRead]:
+) -> tuple[list[ChunkRead | RecordRead | GatherRead], WholeRows | None]:
     """This rank's reads: objects (unpickled into `objects`), the stored chunks its
     pieces overlap (from a version 4 index: only its tensors' sections, only the rows
     it reads), and DCP's own plan for values only DCP knows how to fill. The values
@@ -133,7 +152,8 @@ def _plan(
     that loads it, read or sent. A piece in small chunks of a version 4 index is
     planned as arrays (`GatherRead`): verifying, each chunk is read whole (it is one
     checksum tile); not verifying, each part's bytes from first to last, where a
-    ranged read would read them so too."""
+    ranged read would read them so too. Pieces that are whole stored chunks are planned
+    as arrays (`whole_rows`), and read after the rest, a batch of requests at a time."""
     reads: list[ChunkRead | RecordRead | GatherRead] = []
     by_dcp: dict[str, Any] = {}
     held: dict[str, list[Piece]] = {}
@@ -154,8 +174,12 @@ def _plan(
         if pieces:
             held[key] = pieces
     together: list[tuple[str, Covering, Piece, list[int]]] = []  # planned at once: `batch_boxes`
-    sections = view.stored_chunks(list(held), stored_objects)
-    for key, stored, overlaps in fetched(itertools.islice(sections, len(held)), held):
+    sections = view.sections(list(held), stored_objects)
+    whole = None
+    if sections.fetch is not None and view.manifest is not None:  # a version 4 index
+        whole = WholeRows(held, sent, view.manifest.version, sections.spans, sections.fetch)
+        sections.take = whole.take
+    for key, stored, overlaps in fetched(iter(sections), held, whole):
         if key in sent:
             for piece, rows in zip(held[key], overlaps):
                 stored.covering(piece.offsets, piece.sizes, rows)  # checked, not read
@@ -182,11 +206,10 @@ def _plan(
         if isinstance(found, Boxes):  # box by box after all
             found = stored.covering(piece.offsets, piece.sizes)
         reads += _reads(key, view, found, piece)
-    for _ in sections:  # its end: every row's and object's byte range checked, before any read
-        pass
+    sections.check()  # every row's and object's byte range, before any read
     if by_dcp:
         reads += planned_reads(by_dcp, view.metadata(), view.folder, trust_objects=trust)
-    return reads
+    return reads, whole
 
 
 def _reads(

@@ -15,6 +15,7 @@ from ..format.chunk_table import ChunkTable
 from ..format.writer_checksums import resolve_rows
 from .inventory import Piece
 from .stored_view import Covering
+from .whole_rows import WholeRows
 
 __all__ = ["GROUP", "fetched"]
 
@@ -24,12 +25,14 @@ GROUP = 1 << 16
 
 
 def fetched(
-    sections: Iterator[tuple[str, Covering]], held: dict[str, list[Piece]]
+    sections: Iterator[tuple[str, Covering]],
+    held: dict[str, list[Piece]],
+    whole: WholeRows | None = None,
 ) -> Iterator[tuple[str, Covering, list[list[int] | None]]]:
     """Each section with the rows each of its pieces overlaps (None: not sectioned),
     sections of up to `GROUP` rows at a time, the checksums of those rows that their
-    writers keep fetched for the group at once (`writer_checksums`): a read per data
-    file and group, not one a row."""
+    writers keep fetched for the group at once (`writer_checksums`), with those of the
+    rows `whole` took since: a read per data file and group, not one a row."""
     group: list[tuple[str, Covering, list[list[int] | None]]] = []
     rows = 0
     for key, stored in sections:
@@ -37,9 +40,9 @@ def fetched(
         group.append((key, stored, [_rows(table, p) for p in held[key]]))
         rows += 0 if table is None else len(table)
         if rows >= GROUP:
-            yield from _fetch(group)
+            yield from _fetch(group, whole)
             group, rows = [], 0
-    yield from _fetch(group)
+    yield from _fetch(group, whole)
 
 
 def _rows(table: ChunkTable | None, piece: Piece) -> list[int] | None:
@@ -47,8 +50,11 @@ def _rows(table: ChunkTable | None, piece: Piece) -> list[int] | None:
 
 
 def _fetch(
-    group: list[tuple[str, Covering, list[list[int] | None]]],
+    group: list[tuple[str, Covering, list[list[int] | None]]], whole: WholeRows | None
 ) -> list[tuple[str, Covering, list[list[int] | None]]]:
     tables = [(stored.sectioned.table, r) for _k, stored, found in group for r in found if r]  # type: ignore[union-attr]
-    resolve_rows(tables)
+    if whole is None:
+        resolve_rows(tables)
+    else:
+        resolve_rows(tables, whole.fetching(), whole.fetch)
     return group

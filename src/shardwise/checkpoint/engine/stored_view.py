@@ -13,7 +13,7 @@ manifest builds nothing for the rest.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -25,11 +25,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...errors import CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from ...errors import CorruptCheckpointError
 from ...storage import Folder
+from ..format.chunk_table import ChunkTable
 from ..format.manifest import (
     MANIFEST,
-    MARKER,
     Manifest,
     StoredChunk,
     StoredObject,
@@ -41,67 +41,19 @@ from ..format.manifest_index import (
     RowSpans,
     TensorChunks,
     check_read_ranges,
-    read_sections,
+    section_bytes,
 )
-from ..format.record_check import check_name, follow_replaced, read_stock
+from ..format.record_check import check_name
 from ..format.row_boxes import Boxes, one_tile_boxes
-from ..io.commit import RecordNames, leftover_data, per_rank_records
+from ..format.writer_checksums import fetcher
+from ..io.commit import RecordNames, per_rank_records
+from .records import read_records
+from .whole_rows import Section
 
-__all__ = ["StoredBox", "StoredView", "read_records"]
+__all__ = ["Covering", "Sections", "StoredBox", "StoredView", "read_records"]
 
 # offsets, sizes, and the stored chunk (its manifest entry, or DCP's storage info)
 StoredBox = tuple[tuple[int, ...], tuple[int, ...], Any]
-
-
-def read_records(
-    folder: Folder,
-    rank: int | None = None,
-    *,
-    whole: bool = False,
-    listing: dict[str, int] | None = None,
-) -> tuple[Manifest | None, Metadata | None]:
-    """(the manifest, None) for a shardwise checkpoint whose manifest is current, else
-    (None, DCP's metadata), read safely and checked; `rank`: that rank's own records.
-    A version 4 manifest comes without its chunks (a load reads the sections it needs)
-    unless `whole`. `listing`: the folder's files and sizes, listed once by the caller
-    (on an object store each listing is a request, by every rank of a load).
-    Raises `CheckpointNotFoundError` where there is no checkpoint (also where only
-    per-rank records are: what `dcp.load` expects before it retries per rank) and
-    `IncompleteCheckpointError` where a save never committed."""
-    names = RecordNames(rank)
-    listing = folder.sizes() if listing is None else listing
-    present = set(listing)  # plain files only
-    if names.manifest not in present:  # every name: a record that is a link is refused by it
-        present = set(folder.names())
-    if names.manifest in present:
-        manifest = Manifest.read_head(folder, names.manifest)
-        replaced = manifest.stale(folder, names.metadata, listing)
-        if replaced is None:
-            if manifest.index is None or whole:  # before version 4: every chunk, checked
-                manifest.resolve(folder, names.manifest)
-            return manifest, None
-        # what stock readers see now: never the data it replaced
-        manifest.resolve(folder, names.manifest)  # the files it names, to refuse them
-        return None, follow_replaced(
-            folder, names.metadata, replaced, manifest.data_files(), holes=rank is not None
-        )
-    if rank is None and MARKER in present:
-        raise IncompleteCheckpointError(
-            f"{folder} is a shardwise checkpoint without its {names.manifest}: "
-            "the save did not commit"
-        )
-    if names.metadata in present:
-        return None, read_stock(folder, names.metadata, holes=rank is not None)
-    if rank is None and per_rank_records(folder):
-        raise CheckpointNotFoundError(
-            f"{folder} holds per-rank checkpoint records only "
-            "(saved with use_collectives=False): read them with read_metadata(rank=...)"
-        )
-    if rank is None and leftover_data(folder):
-        raise IncompleteCheckpointError(
-            f"a save to {folder} started but never committed ({leftover_data(folder)[0]} is left)"
-        )
-    raise CheckpointNotFoundError(f"no checkpoint at {folder}")
 
 
 class StoredView:
@@ -168,26 +120,15 @@ class StoredView:
         all are taken, the names and byte ranges of every row found and of the stored
         `objects` read with them are checked together (a version 4 manifest was read
         without them: `read_records`)."""
-        manifest = self.manifest
-        if manifest is None or manifest.index is None:
-            for key in keys:
-                yield key, _Listed(self.chunks(key))
-            return
-        where = self.folder.where(self._name)
-        wanted = [(key, manifest.tensors[key]) for key in keys]
-        ranges: Ranges = {}
-        spans = RowSpans()
-        for key in objects:
-            o = manifest.objects[key]
-            check_name(self.folder, key, o.file, where, shardwise=True)
-            ranges[(key, -1)] = (key, o.file, o.offset, o.length)
-        listing = self.folder.sizes() if self._listing is None else self._listing
-        for key, table in read_sections(
-            self.folder, manifest.index, wanted, where, listing, manifest.version
-        ):
-            chunks = TensorChunks(key, manifest.tensors[key], table, ranges, spans)
-            yield key, _Sectioned(chunks)
-        check_read_ranges(self.folder, ranges, listing, spans, manifest.index.file)
+        sections = self.sections(keys, objects)
+        yield from sections
+        sections.check()
+
+    def sections(self, keys: list[str], objects: list[str], take: Take | None = None) -> Sections:
+        """`stored_chunks` as an iterable whose check the caller makes (`Sections.check`),
+        once it has found all it reads; `take` is offered each group of sections first
+        (`whole_rows`) and gives back those it leaves, which the iteration yields."""
+        return Sections(self, keys, objects, take)
 
     def chunks(self, key: str) -> list[StoredBox]:
         """The stored chunks of tensor `key`: their boxes, and what `storage` turns into
@@ -285,3 +226,71 @@ class _Listed:
             for c in self.chunks
             if all(o < a + n and a < o + m and m for a, n, o, m in zip(offsets, sizes, c[0], c[1]))
         ]
+
+
+# what a load takes of a group of sections itself (`whole_rows`); it gives back the rest
+Take = Callable[[list[Section]], list[Section]]
+GROUP_ROWS = 1 << 16  # rows of the sections offered to a `Take` at once
+GROUP_SECTIONS = 4096  # and sections
+
+
+class Sections:
+    """The sections of a load's keys (see `StoredView.stored_chunks`), and the check of
+    every byte range it found in them (`check`). The byte ranges of its rows go in
+    `spans` (arrays) or `ranges` (a dict entry each)."""
+
+    def __init__(self, view: StoredView, keys: list[str], objects: list[str], take: Take | None):
+        self.view, self.keys, self.objects, self.take = view, keys, objects, take
+        self.ranges: Ranges = {}
+        self.spans = RowSpans()
+        index = None if view.manifest is None else view.manifest.index
+        listing = view._listing  # listed once, when the records were read
+        if listing is None:  # no index: no listing needed
+            listing = {} if index is None else view.folder.sizes()
+        self.listing = listing
+        # the checksums writers keep (version 5), fetched from the files of this listing
+        self.fetch = None if index is None else fetcher(view.folder, self.listing, index.file)
+
+    def __iter__(self) -> Iterator[tuple[str, Covering]]:
+        view, manifest = self.view, self.view.manifest
+        if manifest is None or manifest.index is None:
+            for key in self.keys:
+                yield key, _Listed(view.chunks(key))
+            return
+        where = view.folder.where(view._name)
+        for key in self.objects:
+            o = manifest.objects[key]
+            check_name(view.folder, key, o.file, where, shardwise=True)
+            self.ranges[(key, -1)] = (key, o.file, o.offset, o.length)
+        found = section_bytes(
+            view.folder, manifest.index, self.keys, manifest.tensors, where, self.listing
+        )
+        for group in _groups(found, self.take is not None):
+            for key, t, data, name in group if self.take is None else self.take(group):
+                shape, count = tuple(t.shape), t.section[3]  # type: ignore[index]
+                table = ChunkTable(
+                    data, len(shape), count, t.transforms, name, manifest.version, self.fetch, shape
+                )
+                yield key, _Sectioned(TensorChunks(key, t, table, self.ranges, self.spans))
+
+    def check(self) -> None:
+        """Every byte range found (once all are: before any is read), see `check_read_ranges`."""
+        manifest = self.view.manifest
+        if manifest is not None and manifest.index is not None:
+            index = manifest.index.file
+            check_read_ranges(self.view.folder, self.ranges, self.listing, self.spans, index)
+
+
+def _groups(found: Iterator[Section], grouped: bool) -> Iterator[list[Section]]:
+    """Sections one at a time, or (`grouped`) up to `GROUP_ROWS` rows or `GROUP_SECTIONS`
+    sections at a time."""
+    group: list[Section] = []
+    rows = 0
+    for s in found:
+        group.append(s)
+        rows += s[1].section[3]  # type: ignore[index]
+        if not grouped or rows >= GROUP_ROWS or len(group) >= GROUP_SECTIONS:
+            yield group
+            group, rows = [], 0
+    if group:
+        yield group

@@ -10,7 +10,9 @@ name what is wrong.
 
 from __future__ import annotations
 
+import itertools
 import operator
+from array import array
 from typing import Any
 
 from .field_kinds import is_dtype_name, is_file_name
@@ -21,6 +23,7 @@ FAST_CHUNK = ("offsets", "sizes", "file", "record", "payload", "tile", "tiles", 
 _FAST_CHUNK_KEYS = frozenset(FAST_CHUNK)
 _chunk_values = operator.itemgetter(*FAST_CHUNK)
 _INT = {int}  # not bool: JSON `true` is no size
+_FRESH = 4096  # sections whose integers are made afresh at once
 
 
 def _counts(values: list[Any]) -> bool:
@@ -132,12 +135,19 @@ def parse_tensor(doc: Any, version: int) -> TensorEntry | None:
 
 
 def _heads(value: Any) -> dict[str, TensorEntry] | None:
-    """Every tensor of a version 4 manifest at once: dtype, shape and section each."""
+    """Every tensor of a version 4 manifest at once: dtype, shape and section each.
+    Held for the whole load, 100,000 of them at scale: equal dtype names and shapes are
+    one object each (the parsed document's copies die with it), and each section's
+    integers are made afresh, together, so that none keeps a piece of the document's
+    memory alive after it."""
     if type(value) is not dict:
         return None
-    counts: list[Any] = []
+    counts: list[Any] = []  # checked a few thousand tensors at a time (`_FRESH`)
     crcs: list[Any] = []
+    huge = False  # an integer past int64: sections kept as parsed, refused where used
     dtypes: set[str] = set()
+    names: dict[str, str] = {}
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
     out = {}
     for key, t in value.items():
         if type(t) is not dict:
@@ -157,12 +167,34 @@ def _heads(value: Any) -> dict[str, TensorEntry] | None:
         counts += section
         crcs.append(section[4])
         dtypes.add(dtype)
-        out[key] = TensorEntry(dtype, tuple(shape), [], requires_grad, tuple(section))
-    if counts and not _counts(counts):
+        shape = tuple(shape)
+        dtype, shape = names.setdefault(dtype, dtype), shapes.setdefault(shape, shape)
+        # its section a tuple below, of integers of its own
+        out[key] = TensorEntry(dtype, shape, [], requires_grad, section)  # type: ignore[arg-type]
+        if len(crcs) == _FRESH:
+            if not _heads_valid(counts, crcs):
+                return None
+            huge |= max(counts) >= 1 << 63
+            counts, crcs = [], []
+    if not (_heads_valid(counts, crcs) and all(map(is_dtype_name, dtypes))):
         return None
-    if not all(map(is_dtype_name, dtypes)) or (crcs and max(crcs) >= 1 << 32):
-        return None
+    if huge or (counts and max(counts) >= 1 << 63):
+        for t in out.values():
+            t.section = tuple(t.section)  # type: ignore[arg-type, assignment]
+        return out
+    del counts, crcs
+    heads = list(out.values())
+    for lo in range(0, len(heads), _FRESH):
+        part = heads[lo : lo + _FRESH]
+        fresh = iter(array("q", [v for t in part for v in t.section]).tolist())  # type: ignore[union-attr]
+        for t in part:
+            t.section = tuple(itertools.islice(fresh, 5))  # type: ignore[assignment]
     return out
+
+
+def _heads_valid(counts: list[Any], crcs: list[Any]) -> bool:
+    """Non-negative integers all, crc32cs below 2**32 (empty: none to check)."""
+    return not counts or (_counts(counts) and max(crcs) < 1 << 32)
 
 
 def dump_tensor(t: TensorEntry, version: int) -> dict[str, Any] | None:

@@ -27,23 +27,25 @@ import numpy as np
 
 from ...errors import CorruptCheckpointError
 from ...storage import Folder
-from .chunk_table import ChunkTable, file_of
+from .chunk_table import ChunkTable
 from .manifest_entries import VERSION, ChunkEntry, IndexRef, TensorEntry, dtype_from_name
-from .record_check import DATA_FILE, check_coverage, check_name, check_ranges, chunk_consistent
+from .read_ranges import Ranges, RowSpans, check_read_ranges
+from .record_check import check_coverage, chunk_consistent
 from .section_encode import encode_section
+from .section_reads import WINDOW, section_bytes
 from .writer_checksums import fetcher, resolve_rows
 
 __all__ = [
     "Ranges",
     "RowSpans",
     "TensorChunks",
+    "WINDOW",
     "check_read_ranges",
     "read_sections",
     "resolve_sections",
+    "section_bytes",
     "write_sections",
 ]
-
-WINDOW = 8 << 20  # bytes of adjacent sections read at once
 
 
 def write_sections(tensors: dict[str, TensorEntry], block: int) -> bytes:
@@ -71,52 +73,16 @@ def read_sections(
     together, a window of at most `WINDOW` bytes (or one section) at a time. `listing`:
     the folder's plain files and sizes, when the caller has listed it already;
     `version`: the manifest's (5: rows may keep their checksums in data files)."""
-    check_name(folder, "index", index.file, source, shardwise=True)
-    where = folder.where(index.file)
-    spans = []
-    for key, t in tensors:
-        assert t.section is not None
-        block, offset, length, count, crc = t.section
-        if block >= len(index.blocks):
-            raise CorruptCheckpointError(f"{source}: '{key}' names block {block} of its index")
-        spans.append((index.blocks[block] + offset, length, count, crc, key, t))
-    spans.sort(key=operator.itemgetter(0))
     listing = folder.sizes() if listing is None else listing
-    size = listing.get(index.file)  # plain files only: never a link or a folder
-    if size is None:
-        raise CorruptCheckpointError(
-            f"{source}: index file {where} is missing or not a plain file "
-            "(links and folders are refused)"
-        )
     fetch = fetcher(folder, listing, index.file)
-    file = folder.open(index.file)
-    try:
-        i = 0
-        while i < len(spans):
-            start = spans[i][0]
-            j = i + 1
-            while j < len(spans) and spans[j][0] + spans[j][1] - start <= WINDOW:
-                j += 1
-            end = max(s[0] + s[1] for s in spans[i:j])
-            if end > size:
-                raise CorruptCheckpointError(
-                    f"{source}: sections up to byte {end} of {where} ({size} bytes): truncated"
-                )
-            window = file.pread(end - start, start)
-            for at, length, count, crc, key, t in spans[i:j]:
-                data = window[at - start : at - start + length]
-                if crc32c.crc32c(data) != crc:
-                    raise CorruptCheckpointError(
-                        f"{where}: the section of '{key}' does not match its checksum (damaged)"
-                    )
-                name, shape = f"{where} '{key}'", tuple(t.shape)
-                table = ChunkTable(
-                    data, len(shape), count, t.transforms, name, version, fetch, shape
-                )
-                yield key, table
-            i = j
-    finally:
-        file.close()
+    keys, heads = [key for key, _t in tensors], dict(tensors)
+    for key, t, data, name in section_bytes(folder, index, keys, heads, source, listing):
+        assert t.section is not None
+        shape = tuple(t.shape)
+        yield (
+            key,
+            ChunkTable(data, len(shape), t.section[3], t.transforms, name, version, fetch, shape),
+        )
 
 
 def resolve_sections(
@@ -128,119 +94,6 @@ def resolve_sections(
     resolve_rows([(table, range(len(table))) for _key, table in tables])
     for key, table in tables:
         tensors[key].chunks = table.entries()
-
-
-# what a load reads, by tensor key and row (an object: row -1), as (key, file, offset, length)
-Ranges = dict[tuple[str, int], tuple[str, str, int, int]]
-
-
-class RowSpans:
-    """The byte ranges of rows a load found as arrays (`row_boxes`), by tensor: one
-    array of (key id, row, rank, k, token, offset, length) per piece."""
-
-    def __init__(self) -> None:
-        self.keys: dict[str, int] = {}
-        self.parts: list[np.ndarray] = []
-
-    def add(self, key: str, rows: np.ndarray, where: np.ndarray) -> None:
-        """Rows `rows` of `key`'s section, `where` they are: (rank, k, token, offset, length)."""
-        kid = self.keys.setdefault(key, len(self.keys))
-        ids = np.full(len(rows), kid, dtype=np.int64)
-        self.parts.append(np.column_stack([ids, rows, where]))
-
-
-def check_read_ranges(
-    folder: Folder,
-    ranges: Ranges,
-    sizes: dict[str, int],
-    spans: RowSpans | None = None,
-    index: str | None = None,
-) -> None:
-    """The byte ranges of every row and object a load reads (`TensorChunks.ranges`, and
-    `spans` as arrays), once all are known and before any is read: inside their data
-    files, none in the `index` file (its name is a data file's), no two overlapping —
-    two rows naming the same bytes included (one row found by several pieces is one
-    entry)."""
-    if index is not None:
-        _refuse_index(folder, index, ranges, spans)
-    if spans is None or not spans.parts:
-        check_ranges(folder, sorted(ranges.values()), sizes)
-        return
-    listed = _listed(ranges, spans)
-    if listed is None:  # something is wrong: the plain check names it
-        check_ranges(folder, sorted(_every(ranges, spans)), sizes)
-        return
-    files, ids, offset, length = listed
-    size = np.asarray([sizes.get(name, -1) for name in files], dtype=np.int64)[ids]
-    end = offset + length
-    order = np.lexsort((offset, ids))
-    nonzero = order[length[order] > 0]
-    same = ids[nonzero][1:] == ids[nonzero][:-1]
-    if (
-        (size < 0).any()
-        or (end > size).any()
-        or (offset[nonzero][1:] < end[nonzero][:-1])[same].any()
-    ):
-        check_ranges(folder, sorted(_every(ranges, spans)), sizes)
-
-
-def _refuse_index(folder: Folder, index: str, ranges: Ranges, spans: RowSpans | None) -> None:
-    key = next((k for k, name, _at, _n in ranges.values() if name == index), None)
-    named = DATA_FILE.fullmatch(index)
-    if key is None and named is not None and spans is not None and spans.parts:
-        triple = (int(named.group(1)), int(named.group(2)), int(named.group(3), 16))
-        found = np.concatenate(spans.parts)
-        hit = np.flatnonzero((found[:, 2:5] == triple).all(axis=1))
-        if len(hit):
-            key = list(spans.keys)[int(found[hit[0], 0])]
-    if key is not None:
-        raise CorruptCheckpointError(
-            f"'{key}': its stored bytes would be read from the index file {folder.where(index)}: "
-            "damaged or crafted records"
-        )
-
-
-def _listed(
-    ranges: Ranges, spans: RowSpans
-) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray] | None:
-    """Every range once, as (file names, file id, offset, length) arrays; None when one
-    row has two descriptions (never from one section: `_every` lists them)."""
-    found = np.concatenate(spans.parts)  # key id, row, rank, k, token, offset, length
-    found = found[np.lexsort(found.T[::-1])]
-    same = (found[1:, :2] == found[:-1, :2]).all(axis=1)
-    if (found[1:][same] != found[:-1][same]).any():
-        return None
-    found = found[np.append(True, ~same)]
-    both = [(spans.keys[k], row) for k, row in ranges if k in spans.keys]
-    if both:  # rows also found one at a time: listed there
-        taken = np.asarray([kid << 40 | row for kid, row in both], dtype=np.int64)
-        found = found[~np.isin(found[:, 0] << 40 | found[:, 1], taken)]
-    files = found[:, 2:5]
-    order = np.lexsort(files.T[::-1])
-    new = np.ones(len(found), dtype=bool)
-    new[1:] = (files[order][1:] != files[order][:-1]).any(axis=1)
-    ids = np.empty(len(found), dtype=np.int64)
-    ids[order] = np.cumsum(new) - 1
-    names = [file_of(*t) for t in files[order][new].tolist()]
-    index = {name: i for i, name in enumerate(names)}
-    extra = [(index.setdefault(name, len(index)), at, n) for _k, name, at, n in ranges.values()]
-    more = np.asarray(extra, dtype=np.int64).reshape(-1, 3)
-    return (
-        list(index),
-        np.concatenate([ids, more[:, 0]]),
-        np.concatenate([found[:, 5], more[:, 1]]),
-        np.concatenate([found[:, 6], more[:, 2]]),
-    )
-
-
-def _every(ranges: Ranges, spans: RowSpans) -> list[tuple[str, str, int, int]]:
-    """Every range as `check_ranges` takes them (a row found twice listed once)."""
-    keys = list(spans.keys)
-    out = dict(ranges)
-    for part in spans.parts:
-        for kid, row, rank, k, token, at, n in part.tolist():
-            out.setdefault((keys[kid], row), (keys[kid], file_of(rank, k, token), at, n))
-    return list(out.values())
 
 
 class TensorChunks:

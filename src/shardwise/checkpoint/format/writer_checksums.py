@@ -14,7 +14,8 @@ overlapping, so what is read is bounded by the files' real sizes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,7 +24,7 @@ from ...storage import Folder
 from .chunk_table import ChunkTable, Fetch, file_of
 from .kept_checksums import Slots, fetchable
 
-__all__ = ["GAP", "fetch_slots", "fetcher", "resolve_rows"]
+__all__ = ["GAP", "Pending", "fetch_slots", "fetcher", "resolve_rows"]
 
 GAP = 4096  # bytes between two wanted slots of a file below which both are one read
 
@@ -74,10 +75,25 @@ def fetch_slots(folder: Folder, listing: dict[str, int], index: str, slots: Slot
     return frame, first, many
 
 
-def resolve_rows(pairs: Sequence[tuple[ChunkTable, Sequence[int]]]) -> None:
+@dataclass
+class Pending:
+    """Slots a caller fetches with the rows of tables (`resolve_rows`): `slots.table`
+    indexes `slots.names`; `fill` is handed each slot's frame and first checksum."""
+
+    slots: Slots
+    fill: Callable[[np.ndarray, np.ndarray], None]
+
+
+def resolve_rows(
+    pairs: Sequence[tuple[ChunkTable, Sequence[int]]],
+    pending: Sequence[Pending] = (),
+    fetch: Fetch | None = None,
+) -> None:
     """Fetch, in one pass over the files, the checksums of every table's rows whose
-    writers keep them (`ChunkTable.resolve` for many tables): which can be fetched is
-    one numpy pass per ndim over all of them (`kept_checksums.fetchable`)."""
+    writers keep them (`ChunkTable.resolve` for many tables), and the `pending` slots
+    (with `fetch`, where no table is asked): which can be fetched is one numpy pass per
+    ndim over all of them (`kept_checksums.fetchable`); every slot is checked with all
+    the others before its file is read (`fetch_slots`)."""
     rows_of: dict[int, list[Sequence[int]]] = {}
     tables: dict[int, ChunkTable] = {}
     for table, some in pairs:
@@ -107,22 +123,44 @@ def resolve_rows(pairs: Sequence[tuple[ChunkTable, Sequence[int]]]) -> None:
         asked += [(t, r) for t, r, _c in found]
         d = 3 * ndim
         parts.append((cols[take, d : d + 3], at[take], cols[take, -2], owner[take], taken[take]))
+    names = [t.where for t, _r in asked]
+    mine = sum(len(p[1]) for p in parts)  # the tables' slots, first
+    for p in pending:
+        s = p.slots
+        parts.append((s.files, s.at, s.count, s.table + len(names), np.zeros_like(s.at)))
+        names += s.names
     if not parts:
         return
     files, at, count, owners, rows = (np.concatenate([p[i] for p in parts]) for i in range(5))
-    slots = Slots(files, at, count, owners, [])
+    slots = Slots(files.reshape(-1, 3), at, count, owners, names)
     if not len(slots.at):
         return
-    fetch = asked[0][0].fetch
+    fetch = asked[0][0].fetch if asked else fetch
     if fetch is None:  # a reader's bug: a version 5 section read without its files
-        raise CorruptCheckpointError(f"{asked[0][0].where}: checksums kept with data, not read")
-    slots.names = [t.where for t, _r in asked]
+        raise CorruptCheckpointError(f"{names[0]}: checksums kept with data, not read")
     frame, first, many = fetch(slots)
-    order = np.argsort(slots.table, kind="stable")
-    bounds = np.searchsorted(slots.table[order], np.arange(len(asked) + 1)).tolist()
+    start = mine
+    for p in pending:
+        end = start + len(p.slots.at)
+        p.fill(frame[start:end], first[start:end])
+        start = end
+    _fill(asked, slots.table[:mine], rows[:mine], (frame, first, many))
+
+
+def _fill(
+    asked: list[tuple[ChunkTable, np.ndarray]],
+    owners: np.ndarray,
+    rows: np.ndarray,
+    fetched: Fetched,
+) -> None:
+    """What was fetched for the tables' rows (the first `len(owners)` slots) into them."""
+    frame, first, many = fetched
+    order = np.argsort(owners, kind="stable")
+    bounds = np.searchsorted(owners[order], np.arange(len(asked) + 1)).tolist()
     lists: dict[int, dict[int, np.ndarray]] = {}
     for j, crcs in many.items():
-        lists.setdefault(int(owners[j]), {})[int(rows[j])] = crcs
+        if j < len(owners):
+            lists.setdefault(int(owners[j]), {})[int(rows[j])] = crcs
     for n, (table, _wanted) in enumerate(asked):
         mine = order[bounds[n] : bounds[n + 1]]
         if len(mine):
