@@ -43,7 +43,7 @@ from .manifest_entries import (
 )
 from .manifest_fields import TOP
 from .manifest_index import resolve_sections, write_sections
-from .planner_data import pickled, unpickled
+from .planner_data import pickled, unpickled, untag
 from .record_check import check_coverage, check_name, check_ranges, chunk_consistent
 
 __all__ = [
@@ -98,7 +98,8 @@ def _checksum_matches(text: bytes, doc: dict[str, Any]) -> bool:
     if found is not None and int(found.group(1)) == doc.get("crc32c"):
         if crc32c.crc32c(b"0}", crc32c.crc32c(memoryview(text)[: found.start(1)])) == doc["crc32c"]:
             return True
-    return _checksum(doc) == doc.get("crc32c")
+    # parsed again as plain JSON: `doc` holds planner data's tuples untagged (`untag`)
+    return _checksum(json.loads(text)) == doc.get("crc32c")
 
 
 def _check_version(doc: dict[str, Any]) -> int:
@@ -168,7 +169,7 @@ class Manifest:
         data = text.encode() if isinstance(text, str) else text
         with gc_paused():
             try:
-                doc = json.loads(data)
+                doc = json.loads(data, object_pairs_hook=untag)
                 if not isinstance(doc, dict):
                     raise CorruptCheckpointError(
                         f"{source}: unreadable manifest: not a JSON object"

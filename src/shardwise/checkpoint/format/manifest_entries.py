@@ -43,7 +43,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-@dataclass
+@dataclass(slots=True)
 class ChunkEntry:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -61,7 +61,7 @@ class ChunkEntry:
     crc_at: int = -1
 
 
-@dataclass
+@dataclass(slots=True)
 class ObjectEntry:
     file: str
     offset: int
@@ -70,7 +70,7 @@ class ObjectEntry:
     transform: list[str] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorEntry:
     dtype: str
     shape: tuple[int, ...]

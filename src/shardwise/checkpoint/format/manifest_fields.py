@@ -56,6 +56,7 @@ from .manifest_entries import (
     ObjectEntry,
     TensorEntry,
 )
+from .planner_data import encode_planner_data
 
 __all__ = [
     "CHUNK",
@@ -216,7 +217,11 @@ TOP = (
     Field("storage_meta", record(STORAGE_META, dict), "DCP's `StorageMeta`", since=2),
     Field(
         "planner_data",
-        leaf("any JSON value", lambda v: True),
+        Kind(
+            "any JSON value",
+            lambda value, _version, _path: value,  # tags read as tuples (`untag`)
+            lambda value, _version: encode_planner_data(value),
+        ),
         'DCP\'s `Metadata.planner_data`, tuples tagged `{"__tuple__": [...]}`; `null` when '
         "it is not plain JSON",
         since=2,

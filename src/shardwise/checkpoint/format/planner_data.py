@@ -17,7 +17,7 @@ from .field_table import FieldError
 from .manifest_entries import MANIFEST
 from .safe_pickle import load_metadata
 
-__all__ = ["decode_planner_data", "encode_planner_data", "pickled", "unpickled"]
+__all__ = ["decode_planner_data", "encode_planner_data", "pickled", "unpickled", "untag"]
 
 
 def encode_planner_data(value: Any) -> Any:
@@ -51,22 +51,31 @@ def decode_planner_data(value: Any) -> Any:
 
 
 def pickled(value: Any) -> tuple[Any, str | None]:
-    """(planner_data, planner_data_pickle) of `value`: as JSON when it is plain, else pickled."""
+    """(planner_data, planner_data_pickle) of `value`: itself when it is plain JSON (a
+    manifest keeps it decoded and encodes it as it writes: tags are a third of a
+    large manifest's planner data), else pickled."""
     try:
-        return encode_planner_data(value), None
+        encode_planner_data(value)
     except FieldError:
         return None, base64.b64encode(pickle.dumps(value)).decode()
+    return value, None
+
+
+def untag(pairs: list[tuple[str, Any]]) -> Any:
+    """`json.loads`'s `object_pairs_hook` for a manifest: a tagged tuple
+    `{"__tuple__": [...]}` read as the tuple it stands for (`decode_planner_data`,
+    object by object as they are parsed: the tags are never built), any other object
+    as a dict. Only planner data holds such an object; anywhere else a tuple is no
+    JSON object, and the manifest's tables refuse it as they refuse a list there."""
+    if len(pairs) == 1 and pairs[0][0] == "__tuple__" and type(pairs[0][1]) is list:
+        return tuple(pairs[0][1])
+    return dict(pairs)
 
 
 def unpickled(planner_data: Any, planner_data_pickle: str | None) -> Any:
     """The value `pickled` stored."""
     if planner_data_pickle is None:
-        try:
-            return decode_planner_data(planner_data)
-        except RecursionError as e:
-            raise CorruptCheckpointError(
-                f"{MANIFEST}: unreadable planner data: nested too deeply"
-            ) from e
+        return planner_data
     try:
         return load_metadata(io.BytesIO(base64.b64decode(planner_data_pickle)))
     except (ValueError, pickle.UnpicklingError) as e:
