@@ -44,7 +44,7 @@ __all__ = ["SavePlan", "TensorPlan", "file_count", "place_records", "plan_save"]
 _PAIRWISE = 16  # up to this many distinct boxes per key, overlap is checked pair by pair
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorPlan:
     dtype: str
     shape: tuple[int, ...]
@@ -92,7 +92,8 @@ def plan_save(
     objects: dict[str, tuple[int, int]] = {}
     mappings: dict[str, tuple[Any, ...]] = {}
     problems: list[str] = []
-    # key -> (dtype, shape, first rank, {box: holders [(rank, box index)], later its writer})
+    # key -> (dtype, shape, first rank, {box: its holder (rank, box index), or a list of
+    # several; later its writer})
     keys: dict[str, tuple[str | None, Any, int, dict[Box, Any] | None]] = {}
     for rank, entries in enumerate(inventories):
         for key, path, dtype, shape, requires_grad, held in entries:
@@ -118,8 +119,10 @@ def plan_save(
                 continue
             for index, box in enumerate(held):
                 holders = boxes.get(box)
-                if holders is None:
-                    boxes[box] = [(rank, index)]
+                if holders is None:  # a sole holder as itself, not a list: most boxes have one
+                    boxes[box] = (rank, index)
+                elif type(holders) is tuple:
+                    boxes[box] = [holders, (rank, index)]
                 else:
                     holders.append((rank, index))
     _assign_writers(keys, len(inventories), first, loads)
@@ -164,10 +167,9 @@ def _assign_writers(
             itemsize = itemsizes[dtype] = dtype_from_name(dtype).itemsize
         for box, holders in boxes.items():
             nbytes = math.prod(box[1]) * itemsize
-            if len(holders) == 1:
-                boxes[box] = holders[0]
+            if type(holders) is tuple:  # its sole holder writes it
                 if loads is None:
-                    load[holders[0][0]] += nbytes
+                    load[holders[0]] += nbytes
             else:
                 shared.append((-nbytes, order, box, boxes, holders))
     shared.sort(key=lambda s: s[:3])

@@ -18,6 +18,7 @@ from typing import Any
 from .field_kinds import is_dtype_name, is_file_name
 from .field_table import FieldError
 from .manifest_entries import INDEXED, INLINE, ChunkEntry, TensorEntry
+from .manifest_text import Head
 
 FAST_CHUNK = ("offsets", "sizes", "file", "record", "payload", "tile", "tiles", "frame")
 _FAST_CHUNK_KEYS = frozenset(FAST_CHUNK)
@@ -59,6 +60,8 @@ def parse_tensors(value: Any, version: int) -> dict[str, TensorEntry] | None:
     file and dtype names of all chunks are gathered and each kind checked in one pass."""
     if version >= INDEXED:
         return _heads(value)
+    if type(value) is dict:
+        _objects(value)  # a tensor is no head before version 4: objects again, checked below
     if version != INLINE or type(value) is not dict:
         return None
     counts: list[Any] = []  # every value that must be a non-negative integer
@@ -150,19 +153,22 @@ def _heads(value: Any) -> dict[str, TensorEntry] | None:
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
     out = {}
     for key, t in value.items():
-        if type(t) is not dict:
-            return None
-        dtype, shape, section = t.get("dtype"), t.get("shape"), t.get("section")
-        requires_grad = t.get("requires_grad", False)
-        if not (
-            len(t) == 3 + ("requires_grad" in t)
-            and type(dtype) is str
-            and type(shape) is list
-            and type(section) is list
-            and len(section) == 5
-            and type(requires_grad) is bool
-        ):
-            return None
+        if type(t) is Head:  # checked as parsed (`manifest_text`): its values below
+            dtype, shape, section, requires_grad, _named = t
+        elif type(t) is not dict:
+            return _objects(value)
+        else:
+            dtype, shape, section = t.get("dtype"), t.get("shape"), t.get("section")
+            requires_grad = t.get("requires_grad", False)
+            if not (
+                len(t) == 3 + ("requires_grad" in t)
+                and type(dtype) is str
+                and type(shape) is list
+                and type(section) is list
+                and len(section) == 5
+                and type(requires_grad) is bool
+            ):
+                return _objects(value)
         counts += shape
         counts += section
         crcs.append(section[4])
@@ -170,14 +176,14 @@ def _heads(value: Any) -> dict[str, TensorEntry] | None:
         shape = tuple(shape)
         dtype, shape = names.setdefault(dtype, dtype), shapes.setdefault(shape, shape)
         # its section a tuple below, of integers of its own
-        out[key] = TensorEntry(dtype, shape, [], requires_grad, section)  # type: ignore[arg-type]
+        out[key] = TensorEntry(dtype, shape, [], requires_grad, section)
         if len(crcs) == _FRESH:
             if not _heads_valid(counts, crcs):
-                return None
+                return _objects(value)
             huge |= max(counts) >= 1 << 63
             counts, crcs = [], []
     if not (_heads_valid(counts, crcs) and all(map(is_dtype_name, dtypes))):
-        return None
+        return _objects(value)
     if huge or (counts and max(counts) >= 1 << 63):
         for t in out.values():
             t.section = tuple(t.section)  # type: ignore[arg-type, assignment]
@@ -190,6 +196,15 @@ def _heads(value: Any) -> dict[str, TensorEntry] | None:
         for t in part:
             t.section = tuple(itertools.islice(fresh, 5))  # type: ignore[assignment]
     return out
+
+
+def _objects(value: dict[str, Any]) -> dict[str, TensorEntry] | None:
+    """None, for the tables to name what is wrong: every head given back to `value` as
+    the JSON object it was parsed from."""
+    for key, t in value.items():
+        if type(t) is Head:
+            value[key] = t.as_object()
+    return None
 
 
 def _heads_valid(counts: list[Any], crcs: list[Any]) -> bool:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import operator
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,8 @@ from .manifest_entries import (
 )
 from .manifest_fields import TOP
 from .manifest_index import resolve_sections, write_sections
-from .planner_data import pickled, unpickled, untag
+from .manifest_text import parse
+from .planner_data import pickled, unpickled
 from .record_check import check_coverage, check_name, check_ranges, chunk_consistent
 
 __all__ = [
@@ -80,43 +80,6 @@ def seal(text: str) -> str:
     """Canonical manifest text ending `"crc32c":0}` with that field set to the crc32c
     of the text itself: what `Manifest.read` checks."""
     return f"{text[:-2]}{crc32c.crc32c(text.encode())}}}"
-
-
-def _checksum(doc: dict[str, Any]) -> int:
-    # compact, no indent: json's C encoder (10x faster), and canonical, so re-encoding is exact
-    return crc32c.crc32c(json.dumps(dict(doc, crc32c=0), separators=(",", ":")).encode())
-
-
-# The end of a document as the writer writes it: its checksum is the last field.
-_TAIL = re.compile(rb',"crc32c":(0|[1-9][0-9]{0,9})\}$')
-
-
-def _checksum_matches(text: bytes, doc: dict[str, Any]) -> bool:
-    """Whether `doc`'s "crc32c" checksums its compact form: the writer's text as it is
-    (its bytes are that form), anything else (indented, reordered) encoded again."""
-    found = _TAIL.search(text, max(0, len(text) - 32))
-    if found is not None and int(found.group(1)) == doc.get("crc32c"):
-        if crc32c.crc32c(b"0}", crc32c.crc32c(memoryview(text)[: found.start(1)])) == doc["crc32c"]:
-            return True
-    # parsed again as plain JSON: `doc` holds planner data's tuples untagged (`untag`)
-    return _checksum(json.loads(text)) == doc.get("crc32c")
-
-
-def _check_version(doc: dict[str, Any]) -> int:
-    """Format and version first: they keep their meaning in every version, and
-    which other fields exist depends on them."""
-    if doc.get("format") != FORMAT:
-        raise FieldError("format", f"is {doc.get('format')!r}, not {FORMAT!r}")
-    version = doc.get("version")
-    if type(version) is not int or version not in READS:
-        newer = type(version) is int and version > VERSION
-        raise FieldError(
-            "version",
-            f"format version {version!r} is not supported: this shardwise reads versions "
-            f"{', '.join(map(str, READS))}"
-            + (" (a newer shardwise wrote it: upgrade to read it)" if newer else ""),
-        )
-    return version
 
 
 @dataclass
@@ -166,17 +129,22 @@ class Manifest:
     def from_json(cls, text: str | bytes, source: str | Path = MANIFEST) -> Manifest:
         """The manifest in `text`, every field and the geometry checked (not the data
         files: see `read`). `source` names the file in errors."""
-        data = text.encode() if isinstance(text, str) else text
+        return cls._parsed([text.encode() if isinstance(text, str) else text], source)
+
+    @classmethod
+    def _parsed(cls, held: list[bytes], source: str | Path) -> Manifest:
+        """`from_json` of the text `held` alone holds: it is let go once checked, before
+        the entries are built (a large manifest's text is 12 MB at 100,000 tensors)."""
+        data = held.pop()
         with gc_paused():
             try:
-                doc = json.loads(data, object_pairs_hook=untag)
-                if not isinstance(doc, dict):
+                parsed = parse(data)
+                if parsed is None:
                     raise CorruptCheckpointError(
                         f"{source}: unreadable manifest: not a JSON object"
                     )
-                version = _check_version(doc)
-                if not _checksum_matches(data, doc):
-                    raise FieldError("crc32c", "does not match the contents (damaged)")
+                del data
+                doc, version = parsed
                 out = cls(**decode(TOP, doc, version, ""))
             except ValueError as e:  # FieldError, and JSON's and UTF-8's errors
                 raise CorruptCheckpointError(f"{source}: unreadable manifest: {e}") from e
@@ -215,10 +183,10 @@ class Manifest:
         chunks (a load reads the sections it needs: `manifest_index`), checked alone."""
         path = folder.where(name)
         try:
-            text = folder.read(name)
+            held = [folder.read(name)]  # the parse lets it go (`_parsed`)
         except OSError as e:
             raise CorruptCheckpointError(f"{path}: unreadable manifest: {e}") from e
-        return cls.from_json(text, path)
+        return cls._parsed(held, path)
 
     def check_coverage(self, source: str, *, holes: bool = False) -> None:
         """The chunks of each tensor cover it exactly, each element once (`holes`: a

@@ -59,6 +59,15 @@ def section_bytes(
     start, length, crc = start[order], table[order, 2], table[order, 4]
     del table, block
     end = start + length
+    # no two sections share bytes (no writer makes them so): many keys naming one section
+    # would each hold a copy of it before any row is checked
+    solid = np.flatnonzero(length > 0)
+    clash = np.flatnonzero(start[solid][1:] < end[solid][:-1])
+    if len(clash):
+        a, b = (keys[int(order[solid[i]])] for i in (clash[0], clash[0] + 1))
+        raise CorruptCheckpointError(
+            f"{source}: the sections of '{a}' and '{b}' overlap in {where}: damaged or crafted"
+        )
     size = listing.get(index.file)  # plain files only: never a link or a folder
     if size is None:
         raise CorruptCheckpointError(
