@@ -160,6 +160,46 @@ def test_each_value_is_read_once_and_broadcast(tmp_path: Path) -> None:
     assert broadcasts == len(batches) >= 3  # 4 values, at most one reader idle
 
 
+def test_scheduling_the_values_fetches_no_checksum(tmp_path: Path, monkeypatch) -> None:
+    """Where each value lies is read off its index rows: the rows' checksums, which
+    their writers keep (format version 5), are fetched once per group for the load,
+    never once per value to schedule it (10,000 small values cost a read each)."""
+    from shardwise.checkpoint.format import writer_checksums
+
+    keys = [f"v{i}" for i in range(40)]
+    path = tmp_path / "ck"
+    world = ThreadedWorld(W)
+    world.run(
+        lambda comm: save_state({k: torch.full((8,), 1.0) for k in keys}, path, Agreement(comm))
+    )
+    fetches: list[int] = []
+    real = writer_checksums.fetch_slots
+
+    def counted(*args: Any) -> Any:
+        fetches.append(len(args[-1].at))
+        return real(*args)
+
+    monkeypatch.setattr(writer_checksums, "fetch_slots", counted)
+
+    def one(comm: ThreadedRank) -> dict[str, Any]:
+        target = {k: torch.zeros(8) for k in keys}
+        load_state(
+            target,
+            path,
+            Agreement(comm),
+            strict=True,
+            verify=True,
+            cast_dtype=False,
+            broadcast=True,
+        )
+        return target
+
+    for target in world.run(one):
+        assert all(torch.equal(v, torch.ones(8)) for v in target.values())
+    assert len(fetches) == W  # one group per rank: each rank checks every value's rows
+    assert fetches == [40] * W
+
+
 def test_other_values_load_beside_the_broadcast_ones(tmp_path: Path) -> None:
     path = tmp_path / "ck"
     _saved(path, _with_weight)

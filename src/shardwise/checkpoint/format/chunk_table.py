@@ -195,6 +195,16 @@ class ChunkTable:
             None if transformed or -1 in tile else tile,
         )
 
+    def place(self, i: int) -> tuple[str, int] | None:
+        """Where row `i`'s record starts (its file, offset), its checksums not fetched:
+        what orders values (`engine.replicated`); None when a value is impossible."""
+        d = self.ndim
+        row = self.rows[i] if self.array is None else self.array[i].tolist()
+        rank, k, token, rec_off = row[3 * d : 3 * d + 4]
+        if min(rank, k, token, rec_off) < 0 or token > TOKEN:
+            return None
+        return file_of(rank, k, token), rec_off
+
     def candidates(self, rows: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Of `rows`, those whose writers keep their checksums, not fetched yet, and
         their version 4 columns: `kept_checksums.fetchable` says which can be fetched."""
