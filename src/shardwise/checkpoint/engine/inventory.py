@@ -54,11 +54,11 @@ class Piece(NamedTuple):
     sizes: tuple[int, ...]
 
 
-# One key as exchanged: (key, path (None: `(key,)`, a flat state's), dtype name or None
-# for an object, global shape,
-# requires_grad, boxes held) for a tensor; (key, path, None, None, False, (byte length,
-# crc32c)) for an object, whose bytes every rank serializes before the exchange
-# for an object. Tuples of builtins: they pickle fast and compare exactly.
+# One key as exchanged: (key, path, dtype name, global shape, requires_grad, boxes
+# held) for a tensor; (key, path, None, None, False, (byte length, crc32c)) for an
+# object, whose bytes every rank serializes before the exchange. `path` is DCP's
+# (`planner_data`), None where it is `(key,)` (a flat state's). Tuples of builtins:
+# they pickle fast and compare exactly.
 Entry = tuple[str, tuple[Any, ...] | None, str | None, tuple[int, ...] | None, bool, Any]
 
 
@@ -170,7 +170,7 @@ def describe(
             shape = tuple(value.shape)
             shape = same.setdefault(shape, shape)
             if type(value) in _PLAIN:
-                boxes: tuple[Box, ...] = ((((0,) * len(shape)), shape),)
+                boxes: tuple[Box, ...] = (((0,) * len(shape), shape),)
             elif isinstance(value, ShardedTensor):
                 boxes = tuple((b.offsets, b.sizes) for b in value.local_blocks)
             else:

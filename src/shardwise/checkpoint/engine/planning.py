@@ -37,7 +37,7 @@ from ..format.record_write import record_frame
 from ..format.tiles import tile_count, tile_shape
 from .holes import first_hole, region
 from .inventory import Box, Entry
-from .places import Places
+from .places import FIELDS, Places
 
 __all__ = ["SavePlan", "TensorPlan", "file_count", "place_records", "plan_save"]
 
@@ -272,4 +272,4 @@ def place_records(
         if at >= 0:
             row[4] = ends[row[3]]
             ends[row[3]] += 4 * (1 + crcs)  # the frame, then one per tile
-    return Places(np.array(rows, np.int64).reshape(len(rows), 5))
+    return Places(np.array(rows, np.int64).reshape(len(rows), FIELDS))

@@ -17,7 +17,7 @@ from .field_table import FieldError
 from .manifest_entries import MANIFEST
 from .safe_pickle import load_metadata
 
-__all__ = ["decode_planner_data", "encode_planner_data", "pickled", "unpickled", "untag"]
+__all__ = ["encode_planner_data", "pickled", "unpickled", "untag"]
 
 
 def encode_planner_data(value: Any) -> Any:
@@ -40,16 +40,6 @@ def encode_planner_data(value: Any) -> Any:
     )
 
 
-def decode_planner_data(value: Any) -> Any:
-    if isinstance(value, list):
-        return [decode_planner_data(v) for v in value]
-    if isinstance(value, dict):
-        if set(value) == {"__tuple__"}:
-            return tuple(decode_planner_data(v) for v in value["__tuple__"])
-        return {k: decode_planner_data(v) for k, v in value.items()}
-    return value
-
-
 def pickled(value: Any) -> tuple[Any, str | None]:
     """(planner_data, planner_data_pickle) of `value`: itself when it is plain JSON (a
     manifest keeps it decoded and encodes it as it writes: tags are a third of a
@@ -63,8 +53,8 @@ def pickled(value: Any) -> tuple[Any, str | None]:
 
 def untag(pairs: list[tuple[str, Any]]) -> Any:
     """`json.loads`'s `object_pairs_hook` for a manifest: a tagged tuple
-    `{"__tuple__": [...]}` read as the tuple it stands for (`decode_planner_data`,
-    object by object as they are parsed: the tags are never built), any other object
+    `{"__tuple__": [...]}` read as the tuple it stands for, object by object as
+    they are parsed (the tags are never built), any other object
     as a dict. Only planner data holds such an object; anywhere else a tuple is no
     JSON object, and the manifest's tables refuse it as they refuse a list there."""
     if len(pairs) == 1 and pairs[0][0] == "__tuple__" and type(pairs[0][1]) is list:

@@ -144,9 +144,10 @@ def _copy(out: _Crc, part: RandomAccess, offset: int, length: int) -> None:
 
 
 def _require_plain_planner_data(parts: list[RandomAccess], spans: list[Any]) -> None:
-    """Refuse the one planner data the manifest would read back wrong: a state dict
-    whose only key is `__tuple__` (`planner_data.decode_planner_data` takes a dict of
-    that one key for a tuple). Only a handful of bytes are ever read to tell."""
+    """Refuse the one planner data a manifest may read back wrong: a state dict whose
+    only key is `__tuple__` (readers that decode tags from the outside in, as
+    shardwise did before `planner_data.untag`, take a dict of that one key for a
+    tuple). Only a handful of bytes are ever read to tell."""
     pieces = [(p, offset, n) for p, part in zip(parts, spans) for offset, n in part[3]]
     if sum(n for _p, _offset, n in pieces) > 256:  # the manifest's planner data sections
         return
