@@ -133,6 +133,18 @@ def _digests(path: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.iterdir()}
 
 
+def _fails_keeping(
+    world: ThreadedWorld, path: Path, before: dict[str, str]
+) -> tuple[list[Any], set[str]]:
+    """A save with a fault in place: `OSError` on every rank, every file of the last
+    checkpoint (`before`) byte for byte as it was; the errors, and what the save left."""
+    out = _save(world, path, 100.0, 8)
+    assert [type(e) for e in out] == [OSError] * W
+    after = _digests(path)
+    assert {n: after[n] for n in before} == before
+    return out, set(after) - set(before)
+
+
 DATA = re.compile(r"__(\d+)_(\d+)\.sw([0-9a-f]{12})\.distcp")
 
 
@@ -156,12 +168,9 @@ def test_a_data_write_failing_on_one_rank_keeps_the_last_checkpoint(tmp_path, mo
     assert _save(world, path, 0.0) == [None] * W
     before = _digests(path)
     monkeypatch.setattr(saving, "write_rank_file", _failing_write(rank))
-    out = _save(world, path, 100.0, 8)
-    assert [type(e) for e in out] == [OSError] * W
+    out, left = _fails_keeping(world, path, before)
     assert all(f"disk full on rank {rank}" in str(e) for e in out)
-    after = _digests(path)
-    assert {n: after[n] for n in before} == before
-    extra = sorted(set(after) - set(before))
+    extra = sorted(left)
     assert [DATA.fullmatch(n).group(1, 2) for n in extra] == [(str(1 - rank), "0")]  # type: ignore[union-attr]
     _old_kept_then_next_save_collects(world, path, monkeypatch, set(extra))
 
@@ -178,11 +187,7 @@ def test_a_commit_failing_before_its_renames_keeps_the_last_checkpoint(tmp_path,
         raise OSError("rename refused")
 
     monkeypatch.setattr(joining, "commit", broken)
-    out = _save(world, path, 100.0, 8)
-    assert [type(e) for e in out] == [OSError] * W
-    after = _digests(path)
-    assert {n: after[n] for n in before} == before
-    leftovers = set(after) - set(before)
+    _, leftovers = _fails_keeping(world, path, before)
     shapes = sorted(re.sub(r"\.sw[0-9a-f]{12}\.", ".sw*.", n) for n in leftovers)
     assert shapes == [  # both ranks' data, rank 0's index, the joined records
         ".metadata.sw*.tmp",
@@ -258,11 +263,7 @@ def test_a_part_failing_on_one_rank_keeps_the_last_checkpoint(tmp_path, monkeypa
         real(folder, token, rank, data)
 
     monkeypatch.setattr(saving, "write_part", write_part)
-    out = _save(world, path, 100.0, 8)
-    assert [type(e) for e in out] == [OSError] * W
-    after = _digests(path)
-    assert {n: after[n] for n in before} == before
-    left = set(after) - set(before)
+    _, left = _fails_keeping(world, path, before)
     assert [re.fullmatch(r"shardwise\.json\.sw[0-9a-f]{12}\.tmp", n) is not None for n in left] == [
         True
     ]

@@ -181,20 +181,8 @@ def test_scheduling_the_values_fetches_no_checksum(tmp_path: Path, monkeypatch) 
 
     monkeypatch.setattr(writer_checksums, "fetch_slots", counted)
 
-    def one(comm: ThreadedRank) -> dict[str, Any]:
-        target = {k: torch.zeros(8) for k in keys}
-        load_state(
-            target,
-            path,
-            Agreement(comm),
-            strict=True,
-            verify=True,
-            cast_dtype=False,
-            broadcast=True,
-        )
-        return target
-
-    for target in world.run(one):
+    loaded = _load(world, path, True, lambda _rank, _salt: {k: torch.zeros(8) for k in keys})
+    for _read, target in loaded:
         assert all(torch.equal(v, torch.ones(8)) for v in target.values())
     assert len(fetches) == W  # one group per rank: each rank checks every value's rows
     assert fetches == [40] * W
