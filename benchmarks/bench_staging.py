@@ -92,7 +92,7 @@ def _rank(
         cases.clean(path)
 
     stager = Stager() if threads is None else Stager(threads=threads)
-    stager.stage(state)  # allocates the buffers
+    stager.release(stager.stage(state))  # allocates the buffers
     sources = [s for v in state.values() for s in v.local_shards()]
     buffers = [s.clone() for s in sources]
 
@@ -101,7 +101,7 @@ def _rank(
             b.copy_(s)
 
     def stage() -> None:
-        stager.stage(state)
+        stager.release(stager.stage(state))
 
     for name, fn in (("stage", stage), ("bare copy", bare_copy)):
         samples = []

@@ -236,6 +236,12 @@ def _scatter(rank: int, world: int) -> dict:
             )
         )
     )
+    for bad in ({0: [9, -2]}, {0: [(9, 6), (-2, 6)]}, {0: [3.5, 3.5]}):
+        out["errors"].append(
+            _refused(
+                lambda bad=bad: sw.scatter_tensor(src, 1, mesh, (Shard(0),), sharding_shapes=bad)
+            )
+        )
     return out
 
 
@@ -265,12 +271,17 @@ def test_scatter_tensor_with_every_sharding_shapes_form():
         assert r["rep"] == (Layout.replicated(SHAPE, 2), (0,), True, True)
     assert r0["errors"] == r1["errors"]
     kinds = [kind for kind, _ in r0["errors"]]
-    assert kinds == ["LayoutError", "LayoutError", "InvalidArgumentError", "LayoutError"] + [
-        "ArgumentMismatchError",
-        "ArgumentMismatchError",
-        "InvalidTypeError",
-        "LayoutError",
-    ]
+    assert (
+        kinds
+        == ["LayoutError", "LayoutError", "InvalidArgumentError", "LayoutError"]
+        + [
+            "ArgumentMismatchError",
+            "ArgumentMismatchError",
+            "InvalidTypeError",
+            "LayoutError",
+        ]
+        + ["InvalidArgumentError"] * 3
+    )
     messages = [m for _, m in r0["errors"]]
     assert "add up to 6, not the tensor's 7" in messages[0]
     assert "names mesh dimensions [1]" in messages[1]
@@ -280,3 +291,9 @@ def test_scatter_tensor_with_every_sharding_shapes_form():
     assert "dtype=torch.float32" in messages[5]
     assert "rank 1: the source rank must pass a plain tensor, got None" in messages[6]
     assert "other placements or sharding_shapes" in messages[7]
+    assert (
+        "sharding_shapes[0] gives size -2 for mesh coordinate 1: a size must be an int, 0 or more"
+        in messages[8]
+    )
+    assert "sharding_shapes[0] gives size -2 for mesh coordinate 1" in messages[9]
+    assert "sharding_shapes[0] gives size 3.5 for mesh coordinate 0" in messages[10]

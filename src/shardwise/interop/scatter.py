@@ -153,8 +153,21 @@ def _sizes(
                 f"sharding_shapes[{m}] lists {len(pieces)} pieces for mesh dimension {m} of "
                 f"size {mesh_shape[m]}; give one per mesh coordinate"
             )
-        sizes[m] = [int(p) if isinstance(p, int) else int(tuple(p)[sharded[m]]) for p in pieces]
+        sizes[m] = [
+            _size(m, k, tuple(p)[sharded[m]] if isinstance(p, Sequence) else p)
+            for k, p in enumerate(pieces)
+        ]
     return sizes
+
+
+def _size(mesh_dim: int, coordinate: int, size: Any) -> int:
+    """One piece's size, refused unless a whole number of elements, 0 or more."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise InvalidArgumentError(
+            f"sharding_shapes[{mesh_dim}] gives size {size!r} for mesh coordinate "
+            f"{coordinate}: a size must be an int, 0 or more"
+        )
+    return size
 
 
 def _plan(
@@ -186,7 +199,7 @@ def _plan(
         sharded = _sharded_dims(placements, len(shape))
         sizes = _sizes(sharding_shapes, mesh_shape, sharded)
         for m, d in sharded.items():
-            if sum(sizes[m]) != shape[d] or min(sizes[m], default=0) < 0:
+            if sum(sizes[m]) != shape[d]:
                 raise LayoutError(
                     f"sharding_shapes[{m}] gives sizes {sizes[m]} along dimension {d}, which "
                     f"add up to {sum(sizes[m])}, not the tensor's {shape[d]} (0 is allowed)"

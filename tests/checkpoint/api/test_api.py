@@ -507,10 +507,13 @@ def _async(rank: int, world: int, folder: str) -> list[str]:
                 s.fill_(-1)
     state["extra"]["step"] = -1
     fut.result()
-    buffers = {k: b.data_ptr() for k, b in _ASYNC.stager._buffers.items()}
+    kept = _ASYNC.stager._kept
+    assert kept is not None  # handed back by the committed save
+    buffers = {k: b.data_ptr() for k, b in kept.tensors.items()}
     second = swc.async_save(save_state(rank, world), f"{folder}/b")
     second.result()
-    if {k: b.data_ptr() for k, b in _ASYNC.stager._buffers.items()} != buffers:
+    kept = _ASYNC.stager._kept
+    if kept is None or {k: b.data_ptr() for k, b in kept.tensors.items()} != buffers:
         bad.append("staging buffers were reallocated on the second save")
     for name in ("a", "b"):
         target = load_state(rank, world)

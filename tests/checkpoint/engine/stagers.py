@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from shardwise.checkpoint.engine.staging import Stager
 
 
@@ -16,3 +18,11 @@ def pooled(threads: int = 3, piece: int = 4096) -> Stager:
 def stagers() -> list[Stager]:
     """One stager per copy mode: default threads, one thread, pooled in small pieces."""
     return [Stager(), Stager(threads=1), pooled()]
+
+
+def cycle(stager: Stager, state: Any) -> Any:
+    """One save's staging: stage `state`, then hand the buffers back as the save does
+    once it has written them; the staged state (valid until the next `stage`)."""
+    staged = stager.stage(state)
+    stager.release(staged)
+    return staged.state

@@ -13,7 +13,7 @@ from shardwise.checkpoint.engine import copies
 from shardwise.checkpoint.engine.copies import _pieces
 from shardwise.checkpoint.engine.staging import Stager
 
-from .stagers import pooled, stagers
+from .stagers import cycle, pooled, stagers
 
 
 @pytest.fixture(params=[1, 2], ids=["torch-1-thread", "torch-2-threads"])
@@ -45,7 +45,7 @@ def test_chunked_threaded_copy_of_a_size_not_a_multiple_of_the_piece_count(
     src = torch.randn(1_000_003)  # 4,000,012 bytes: 61 pieces of 64 KiB and a shorter one
     assert src.nbytes % (1 << 16) != 0
     other = torch.randn(77_777, dtype=torch.float64)  # a second tensor in the same stream
-    staged = stager.stage({"x": src, "y": src[1:].clone(), "z": other})
+    staged = cycle(stager, {"x": src, "y": src[1:].clone(), "z": other})
     assert torch.equal(staged["x"], src)
     assert torch.equal(staged["y"], src[1:])
     assert torch.equal(staged["z"], other)
@@ -53,7 +53,7 @@ def test_chunked_threaded_copy_of_a_size_not_a_multiple_of_the_piece_count(
     assert primitives == {torch_threads > 1}  # memcpy only where copy_ would fork OpenMP
     # and again into the same buffers, with other values
     src.mul_(-3)
-    again = stager.stage({"x": src, "y": src[1:].clone(), "z": other})
+    again = cycle(stager, {"x": src, "y": src[1:].clone(), "z": other})
     assert again["x"].data_ptr() == staged["x"].data_ptr()
     assert torch.equal(again["x"], src)
     assert torch.equal(again["y"], src[1:])
@@ -64,15 +64,15 @@ def test_default_threads_split_a_large_tensor():
     src = torch.randn(3, 1 << 20)  # 12 MiB, over the pool threshold
     for _ in range(2):
         src.add_(1)
-        assert torch.equal(stager.stage({"x": src})["x"], src)
+        assert torch.equal(cycle(stager, {"x": src})["x"], src)
     stager.close()
-    assert torch.equal(stager.stage({"x": src})["x"], src)  # a closed pool restarts
+    assert torch.equal(cycle(stager, {"x": src})["x"], src)  # a closed pool restarts
 
 
 def test_one_thread_uses_no_pool():
     stager = Stager(threads=1)
     src = torch.randn(3, 1 << 20)
-    assert torch.equal(stager.stage({"x": src})["x"], src)
+    assert torch.equal(cycle(stager, {"x": src})["x"], src)
     assert not stager._copy_pool.started
 
 
@@ -104,7 +104,7 @@ def test_dtypes_copy_exactly(stager, dtype, torch_threads):
         src = torch.complex(raw, -raw)
     else:
         src = raw.to(dtype)
-    staged = stager.stage({"x": src, "small": src[:7]})
+    staged = cycle(stager, {"x": src, "small": src[:7]})
     assert staged["x"].dtype == dtype
     assert torch.equal(staged["x"].view(torch.uint8), src.view(torch.uint8))  # bit for bit
     assert torch.equal(staged["small"], src[:7])

@@ -3,6 +3,7 @@ the state's structure mirrored, wrappers (ShardedTensor, DTensor) reused while t
 
 from __future__ import annotations
 
+import threading
 from collections import namedtuple
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from shardwise import Block, Layout, ShardedTensor
 from shardwise.checkpoint.engine.staging import Stager
 
-from .stagers import pooled, stagers
+from .stagers import cycle, pooled, stagers
 
 
 def _sharded(values: torch.Tensor) -> ShardedTensor:
@@ -21,8 +22,14 @@ def _sharded(values: torch.Tensor) -> ShardedTensor:
     )
 
 
+def _kept(stager: Stager) -> dict:
+    """The buffers the stager keeps for its next `stage`, by path."""
+    assert stager._kept is not None, "a save holds the buffers"
+    return stager._kept.tensors
+
+
 def _ptrs(stager: Stager) -> dict:
-    return {k: b.data_ptr() for k, b in stager._buffers.items()}
+    return {k: b.data_ptr() for k, b in _kept(stager).items()}
 
 
 @pytest.mark.parametrize("stager", stagers(), ids=["default", "one-thread", "pooled"])
@@ -35,10 +42,10 @@ def test_buffers_are_reused_across_calls_and_hold_the_new_values(stager):
             "nested": {"list": [torch.full((3,), step), (torch.full((2, 2), step),)]},
         }
 
-    first = stager.stage(state(1.0))
+    first = cycle(stager, state(1.0))
     ptrs = _ptrs(stager)
     assert len(ptrs) == 5
-    second = stager.stage(state(2.0))
+    second = cycle(stager, state(2.0))
     assert _ptrs(stager) == ptrs  # no reallocation
     assert second["w"].data_ptr() == first["w"].data_ptr()
     assert second["sharded"].local_shards()[0].data_ptr() == ptrs[("sharded", 0)]
@@ -54,13 +61,13 @@ def test_buffers_are_reused_across_calls_and_hold_the_new_values(stager):
 
 def test_a_new_shape_or_dtype_gets_a_new_buffer():
     stager = Stager()
-    stager.stage({"x": torch.ones(4)})
-    before = stager._buffers[("x",)]
-    staged = stager.stage({"x": torch.ones(5)})
-    assert staged["x"].shape == (5,) and stager._buffers[("x",)] is staged["x"]
-    staged = stager.stage({"x": torch.ones(5, dtype=torch.float64)})
+    cycle(stager, {"x": torch.ones(4)})
+    before = _kept(stager)[("x",)]
+    staged = cycle(stager, {"x": torch.ones(5)})
+    assert staged["x"].shape == (5,) and _kept(stager)[("x",)] is staged["x"]
+    staged = cycle(stager, {"x": torch.ones(5, dtype=torch.float64)})
     assert staged["x"].dtype == torch.float64
-    assert stager._buffers[("x",)] is not before
+    assert _kept(stager)[("x",)] is not before
 
 
 @pytest.mark.parametrize("stager", stagers(), ids=["default", "one-thread", "pooled"])
@@ -73,7 +80,7 @@ def test_non_contiguous_and_offset_sources(stager):
         "expanded": torch.arange(5.0).expand(4, 5),
     }
     for _ in range(2):
-        staged = stager.stage(state)
+        staged = cycle(stager, state)
         for k, v in state.items():
             assert torch.equal(staged[k], v), k
             assert staged[k].is_contiguous()
@@ -85,7 +92,7 @@ def test_conjugate_and_negative_views_are_resolved(stager):
     z = torch.complex(torch.arange(6.0), torch.ones(6))
     state = {"conj": z.conj(), "neg": z.conj().imag}  # a conj bit and a neg bit
     assert state["conj"].is_conj() and state["neg"].is_neg()
-    staged = stager.stage(state)
+    staged = cycle(stager, state)
     assert torch.equal(staged["conj"], z.conj().resolve_conj())
     assert torch.equal(staged["neg"], -torch.ones(6))
 
@@ -95,7 +102,7 @@ def test_empty_tensors(stager):
     state = {"empty": torch.empty(0, 5), "scalar": torch.tensor(3.5), "bf16": torch.empty(0)}
     state["bf16"] = state["bf16"].to(torch.bfloat16)
     for _ in range(2):
-        staged = stager.stage(state)
+        staged = cycle(stager, state)
         assert staged["empty"].shape == (0, 5)
         assert staged["bf16"].shape == (0,) and staged["bf16"].dtype == torch.bfloat16
         assert staged["scalar"].shape == () and float(staged["scalar"]) == 3.5
@@ -108,7 +115,7 @@ def test_modifying_the_source_after_stage_leaves_the_staged_copy(stager):
     sharded = _sharded(torch.full((6, 4), 1.0))
     extra = {"step": 1, "names": ["a"]}
     state = {"param": param, "small": small, "sharded": sharded, "extra": extra}
-    staged = stager.stage(state)
+    staged = cycle(stager, state)
     with torch.no_grad():
         param.fill_(-1)
     small.fill_(-1)
@@ -138,7 +145,7 @@ def test_structure_is_mirrored():
         "sharded": _sharded(torch.arange(12.0).reshape(6, 2)),
         1: {"inner": torch.zeros(3)},
     }
-    staged = Stager().stage(state)
+    staged = cycle(Stager(), state)
     assert type(staged["list"]) is list and staged["list"][1] == 3
     assert type(staged["tuple"]) is tuple and staged["tuple"][1] == "s"
     assert type(staged["named"]) is Point and staged["named"].y == 2
@@ -155,10 +162,10 @@ def test_structure_is_mirrored():
 def test_sharded_wrappers_are_reused_only_while_they_match():
     stager = Stager()
     st = _sharded(torch.arange(8.0).reshape(4, 2))
-    first = stager.stage({"s": st})["s"]
-    assert stager.stage({"s": st})["s"] is first  # same buffers, same metadata
+    first = cycle(stager, {"s": st})["s"]
+    assert cycle(stager, {"s": st})["s"] is first  # same buffers, same metadata
     other = _sharded(torch.arange(16.0).reshape(8, 2))  # new shape: new buffers, new wrapper
-    staged = stager.stage({"s": other})["s"]
+    staged = cycle(stager, {"s": other})["s"]
     assert staged is not first and staged.shape == (8, 2)
     assert torch.equal(staged.local_shards()[0], other.local_shards()[0])
 
@@ -166,10 +173,10 @@ def test_sharded_wrappers_are_reused_only_while_they_match():
 def test_many_small_tensors():
     state = {f"t{i}": torch.full((8, 128), float(i)) for i in range(2000)}
     stager = Stager()
-    stager.stage(state)
+    cycle(stager, state)
     for t in state.values():
         t.add_(1)
-    staged = stager.stage(state)
+    staged = cycle(stager, state)
     assert all(torch.equal(staged[k], v) for k, v in state.items())
 
 
@@ -201,16 +208,16 @@ def test_dtensor(one_rank_group):
     full = torch.arange(64 * 6, dtype=torch.bfloat16).reshape(64, 6)
     dt = distribute_tensor(full.clone(), mesh, (Shard(0),))
     stager = pooled(threads=2)
-    first = stager.stage({"dt": dt})["dt"]
+    first = cycle(stager, {"dt": dt})["dt"]
     dt._local_tensor.add_(1)
     assert torch.equal(first.to_local(), full)  # the staged copy did not follow its source
-    second = stager.stage({"dt": dt})["dt"]
+    second = cycle(stager, {"dt": dt})["dt"]
     assert second is first  # the same wrapper around the same buffer
     assert torch.equal(second.to_local(), full + 1)
     assert isinstance(second, DTensor) and second.shape == full.shape
     assert second.placements == dt.placements and second.device_mesh is mesh
     other = distribute_tensor(torch.zeros(64, 6, dtype=torch.bfloat16), mesh, (Shard(1),))
-    third = stager.stage({"dt": other})["dt"]  # other placements: a new wrapper
+    third = cycle(stager, {"dt": other})["dt"]  # other placements: a new wrapper
     assert third is not first and third.placements == other.placements
     assert torch.equal(third.to_local(), torch.zeros(64, 6, dtype=torch.bfloat16))
 
@@ -225,7 +232,65 @@ def test_cuda_values_are_kept_for_the_save_to_copy():
         Layout((4,), [[Block((0,), (4,))]]), [torch.zeros(4, device="cuda")], rank=0
     )
     staged = stager.stage({"x": src, "st": st, "host": torch.ones(3)})
-    assert staged["x"] is src and staged["st"] is st
-    assert stager.cuda_devices == {src.get_device()}
-    assert staged["host"].data_ptr() != 0 and torch.equal(staged["host"], torch.ones(3))
+    assert staged.state["x"] is src and staged.state["st"] is st
+    assert staged.cuda_devices == {src.get_device()}
+    host = staged.state["host"]
+    assert host.data_ptr() != 0 and torch.equal(host, torch.ones(3))
+    assert stager.nbytes == 0  # held by the save until released
+    stager.release(staged)
     assert stager.nbytes == 12  # one buffer, for the host value
+
+
+def test_two_saves_in_flight_never_share_buffers():
+    """A second `stage` before the first save released its buffers gets buffers of its
+    own: writing it leaves the first save's bytes as they were staged."""
+    stager = Stager()
+    first = stager.stage({"m": {"t": torch.full((4,), 2.0)}, "big": torch.full((300_001,), 2.0)})
+    second = stager.stage({"m": {"t": torch.full((4,), 1.0)}, "big": torch.full((300_001,), 1.0)})
+    assert torch.equal(first.state["m"]["t"], torch.full((4,), 2.0))
+    assert bool((first.state["big"] == 2.0).all())
+    assert torch.equal(second.state["m"]["t"], torch.full((4,), 1.0))
+    assert first.buffers is not second.buffers
+    assert first.state["m"]["t"].data_ptr() != second.state["m"]["t"].data_ptr()
+    stager.release(first)
+    third = stager.stage({"m": {"t": torch.full((4,), 3.0)}, "big": torch.full((300_001,), 3.0)})
+    assert third.buffers is first.buffers  # released: reused, not allocated again
+    assert torch.equal(second.state["m"]["t"], torch.full((4,), 1.0))  # still held, untouched
+
+
+def test_concurrent_stages_from_threads_keep_their_own_values():
+    stager = Stager(threads=2)
+    results: dict[int, object] = {}
+    start = threading.Barrier(4)
+
+    def save(i: int) -> None:
+        start.wait()
+        for _ in range(20):
+            staged = stager.stage({"x": torch.full((1 << 18,), float(i)), "s": torch.full((3,), i)})
+            results[i] = (
+                bool((staged.state["x"] == i).all()) and staged.state["s"].tolist() == [i] * 3
+            )
+            if not results[i]:
+                return
+            stager.release(staged)
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {0: True, 1: True, 2: True, 3: True}
+
+
+def test_a_failed_stage_keeps_the_buffers_for_the_next():
+    stager = Stager()
+    cycle(stager, {"x": torch.ones(8)})
+    kept = _kept(stager)[("x",)]
+
+    class Unpicklable:
+        def __deepcopy__(self, memo: dict) -> None:
+            raise RuntimeError("no copy")
+
+    with pytest.raises(RuntimeError, match="no copy"):
+        stager.stage({"x": torch.ones(8), "bad": Unpicklable()})
+    assert _kept(stager)[("x",)] is kept

@@ -3,6 +3,7 @@ copies overlapping the caller's next steps (`SaveFuture.staged`)."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from pathlib import Path
@@ -17,7 +18,7 @@ from ...storage import Folder
 from ..engine.adapters import adapted_for_save
 from ..engine.inventory import serialize_objects
 from ..engine.rank_file import Staging
-from ..engine.staging import Stager
+from ..engine.staging import Staged, Stager
 from .edge import _comm, _user_state, agree_route, agreement, open_target
 from .save import PENDING, _check_target, _save, _save_arguments, _staging
 
@@ -58,6 +59,13 @@ class _AsyncSaver:
         self.stager = Stager()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="shardwise-async-save")
         self.groups: dict[Any, Any] = {}
+        # `PENDING` names the save submitted last, so a later save waits for every earlier one
+        self.submitting = threading.Lock()
+
+    def submit(self, future: SaveFuture, *args: Any) -> None:
+        with self.submitting:
+            PENDING.future = future
+            self.executor.submit(_save_staged, future, *args)
 
     def group_for(self, process_group: Any) -> Any:
         if not (dist.is_available() and dist.is_initialized()):
@@ -86,9 +94,11 @@ def async_save(
     """Save `state_dict` in the background. Collective.
 
     Host tensors and objects are copied into buffers kept between calls before it
-    returns. CUDA tensors are copied by the background save itself, through at
-    most `staging_bytes` of pinned memory (as `save`), on a side stream that
-    follows the caller's stream as it was at the call. `staging`:
+    returns; each save holds its buffers until it has written them, so saves in
+    flight at once (from several threads) never share bytes. CUDA tensors are
+    copied by the background save itself, through at most `staging_bytes` of
+    pinned memory (as `save`), on a side stream that follows the caller's stream
+    as it was at the call. `staging`:
 
     * "blocking" (default): return once every CUDA byte is on the host
       (`.staged` is done): the state may be modified right away;
@@ -120,20 +130,25 @@ def async_save(
     agree_route(state_dict, False, call, problem, by_megatron_key=False)
     assert folder is not None  # else `agree_route` raised its problem on every rank
     state_dict = adapted_for_save(state_dict, process_group, agreed=True)
-    staged: Any = None
+    staged: Staged | None = None
     try:  # a value that cannot be staged on one rank fails every rank, not only that one
         staged = _ASYNC.stager.stage(state_dict)
-        spec.after = _marks(_ASYNC.stager.cuda_devices)
+        spec.after = _marks(staged.cuda_devices)
+        # objects as the engine stores them: one unpicklable fails here
+        problem = problem or serialize_objects(staged.objects)[1]
     except Exception as e:  # noqa: BLE001 - raised on every rank by _check_target
-        problem = e
-    if problem is None:  # objects as the engine stores them: one unpicklable fails here
-        problem = serialize_objects(_ASYNC.stager.objects)[1]
-    _check_target(folder, overwrite, call, local_problem=problem)
-    group = _ASYNC.group_for(process_group)
+        problem = problem or e
+    try:
+        _check_target(folder, overwrite, call, local_problem=problem)
+        group = _ASYNC.group_for(process_group)
+    except BaseException:
+        if staged is not None:
+            _ASYNC.stager.release(staged)
+        raise
+    assert staged is not None  # else `_check_target` raised its problem
     future = SaveFuture()
     spec.on_staged = future._mark_staged
-    PENDING.future = future
-    _ASYNC.executor.submit(_save_staged, future, staged, folder, overwrite, group, wait, spec)
+    _ASYNC.submit(future, staged, folder, overwrite, group, wait, spec)
     if staging == "blocking":
         future.staged.result()
     return future
@@ -151,7 +166,7 @@ def _marks(devices: set[int]) -> dict[int, torch.cuda.Event]:
 
 def _save_staged(
     future: SaveFuture,
-    state_dict: dict[str, Any],
+    staged: Staged,
     path: Folder,
     overwrite: bool,
     group: Any,
@@ -159,12 +174,15 @@ def _save_staged(
     staging: Staging,
 ) -> None:
     """The background part of `async_save`, on its own group (targets and arguments
-    already checked in the foreground); its outcome goes to `future`."""
+    already checked in the foreground); its outcome goes to `future`. The staging
+    buffers go back to the stager once the save no longer reads them."""
     try:
-        info = _save(state_dict, path, Agreement(_comm(group)), wait, overwrite, staging)
+        info = _save(staged.state, path, Agreement(_comm(group)), wait, overwrite, staging)
     except BaseException as e:  # noqa: BLE001 - the caller's `.result()` raises it
+        _ASYNC.stager.release(staged)
         future._mark_staged()
         future.set_exception(e)
     else:
+        _ASYNC.stager.release(staged)
         future._mark_staged()
         future.set_result(info)

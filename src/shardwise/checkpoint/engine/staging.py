@@ -5,6 +5,11 @@ Buffers are keyed by the value's path in the state dict and reused while its
 shape and dtype stay the same, so from the second save on the snapshot is a
 memcpy into warm memory, not an allocation per save.
 
+A set of buffers belongs to one save at a time: `stage` takes the kept set (or
+starts a new one when it is out, e.g. two threads saving at once) and the save
+hands it back with `release` once it has written every byte. So two saves in one
+process never share bytes, and a loop that saves one state at a time reuses one set.
+
 CUDA tensors are not copied here: they stay where they are, and the save
 copies them through its bounded pinned slabs on a side stream while it writes
 (`rank_file`, `io.staged_writer`), signalling when the state is free again.
@@ -33,7 +38,9 @@ How the copies are made, cheapest first:
 from __future__ import annotations
 
 import copy
+import threading
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,13 +52,40 @@ from ...interop import from_torch_sharded_tensor
 from ...tensor import ShardedTensor
 from .copies import Copies, CopyPool, bytes_of, bytewise
 
-__all__ = ["Stager"]
+__all__ = ["Staged", "Stager"]
 
 _Parameter = torch.nn.Parameter
 
 
+@dataclass(eq=False)
+class Buffers:
+    """One save's host buffers by path, and the wrappers last built around them
+    (reused while they wrap the same buffers the same way)."""
+
+    tensors: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
+    sharded: dict[tuple[Any, ...], tuple[weakref.ref, ShardedTensor]] = field(default_factory=dict)
+    dtensors: dict[tuple[Any, ...], tuple[torch.Tensor, DTensor]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.tensors.values())
+
+
+@dataclass(eq=False)
+class Staged:
+    """What one `stage` made: the state to save, its CUDA devices (their values stay on
+    the device), its other leaves (copied) by dotted path, and the buffers it holds
+    until `Stager.release`."""
+
+    state: Any
+    cuda_devices: set[int]
+    objects: dict[str, Any]
+    buffers: Buffers
+
+
 class Stager:
-    """Copies state dicts into host buffers it owns. One per process is enough.
+    """Copies state dicts into host buffers it owns. One per process is enough:
+    concurrent saves each get a set of buffers of their own.
 
     `threads`: how many threads copy large CPU tensors (the caller's included);
     by default `torch.get_num_threads()`, at most 8, read at each `stage`.
@@ -67,17 +101,16 @@ class Stager:
         if threads is not None and threads < 1:
             raise InvalidArgumentError(f"threads must be at least 1, got {threads}")
         self.threads = threads
-        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._copy_pool = CopyPool()
-        self.cuda_devices: set[int] = set()  # of the CUDA values the last `stage` kept
-        self.objects: dict[str, Any] = {}  # its other leaves (copied), by dotted path
-        # wrappers last returned, reused while they wrap the same buffers the same way
-        self._staged: dict[tuple[Any, ...], tuple[weakref.ref, ShardedTensor]] = {}
-        self._staged_dtensors: dict[tuple[Any, ...], tuple[torch.Tensor, DTensor]] = {}
+        self._kept: Buffers | None = Buffers()  # None while a save holds it
+        self._lock = threading.Lock()  # guards `_kept`
+        self._staging = threading.Lock()  # one walk and one use of the copy pool at a time
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._buffers.values())
+        """Bytes of the buffers kept for the next `stage` (none while a save holds them)."""
+        kept = self._kept
+        return kept.nbytes if kept is not None else 0
 
     def _threads(self) -> int:
         return self.threads if self.threads is not None else max(1, min(8, torch.get_num_threads()))
@@ -86,17 +119,33 @@ class Stager:
         """Stop the copy threads (a later `stage` starts them again); buffers are kept."""
         self._copy_pool.close()
 
-    def _allocate(self, key: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype)
+    def release(self, staged: Staged) -> None:
+        """Hand `staged`'s buffers back: its save no longer reads them (written, or
+        failed). They are kept for the next `stage`; a set released while another is
+        kept replaces it (the newer matches the state being saved now)."""
+        with self._lock:
+            self._kept = staged.buffers
+
+    def _take(self) -> Buffers:
+        with self._lock:
+            buffers, self._kept = self._kept, None
+        return buffers if buffers is not None else Buffers()
+
+    @staticmethod
+    def _allocate(
+        buffers: dict[tuple[Any, ...], torch.Tensor], key: tuple[Any, ...], t: torch.Tensor
+    ) -> torch.Tensor:
+        buf = buffers[key] = torch.empty(t.shape, dtype=t.dtype)
         return buf
 
-    def _copy(self, key: tuple[Any, ...], t: torch.Tensor, copies: Copies) -> torch.Tensor:
+    def _copy(self, key: tuple[Any, ...], t: torch.Tensor, copies: _Walk) -> torch.Tensor:
         """The buffer for `key`, with a copy of `t` into it added to `copies`."""
-        buf = self._buffers.get(key)
+        buffers = copies.buffers.tensors
+        buf = buffers.get(key)
         cls = type(t)
         if (cls is torch.Tensor or cls is _Parameter) and t.is_cpu and t.layout is torch.strided:
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                buf = self._allocate(key, t)
+                buf = self._allocate(buffers, key, t)
             if copies.threads > 1 and t.nbytes >= self._pool_min_bytes and bytewise(t):
                 copies.large.append((bytes_of(buf), bytes_of(t)))
                 copies.large_bytes += t.nbytes
@@ -105,28 +154,35 @@ class Stager:
                 copies.cpu_src.append(t)
             return buf
         if t.is_cuda:  # copied by the save itself, through its pinned slabs
-            self._buffers.pop(key, None)
-            self.cuda_devices.add(t.get_device())
+            buffers.pop(key, None)
+            copies.cuda_devices.add(t.get_device())
             return t
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self._allocate(key, t)
+            buf = self._allocate(buffers, key, t)
         # other devices, layouts and tensor subclasses: one copy_ each, as it comes
         buf.copy_(t.detach())
         return buf
 
-    def stage(self, state: Any, path: tuple[Any, ...] = ()) -> Any:
-        """A copy of `state` whose tensors live in this stager's buffers.
+    def stage(self, state: Any, path: tuple[Any, ...] = ()) -> Staged:
+        """A copy of `state` whose tensors live in buffers of this stager that no
+        other save holds until `release`.
 
         ShardedTensor and DTensor wrappers around the same buffers, with the same
         metadata, are the objects an earlier call returned (they held the same data)."""
-        copies = Copies(self._threads())
-        self.cuda_devices, self.objects = set(), {}
-        staged = self._walk(state, path, copies)
-        with torch.no_grad():
-            self._copy_pool.run(copies, self._min_piece_bytes)
-        return staged
+        buffers = self._take()
+        try:
+            with self._staging:
+                copies = _Walk(self._threads(), buffers)
+                staged = self._walk(state, path, copies)
+                with torch.no_grad():
+                    self._copy_pool.run(copies, self._min_piece_bytes)
+        except BaseException:
+            with self._lock:  # its bytes are half-written, but nothing reads them
+                self._kept = buffers
+            raise
+        return Staged(staged, copies.cuda_devices, copies.objects, buffers)
 
-    def _walk(self, state: Any, path: tuple[Any, ...], copies: Copies) -> Any:
+    def _walk(self, state: Any, path: tuple[Any, ...], copies: _Walk) -> Any:
         cls = type(state)
         if cls is torch.Tensor or cls is _Parameter:
             return self._copy(path, state, copies)
@@ -136,7 +192,7 @@ class Stager:
                 vcls = type(v)
                 if vcls is torch.Tensor or vcls is _Parameter:
                     if v.is_cuda:  # the save copies it itself
-                        self.cuda_devices.add(v.get_device())
+                        copies.cuda_devices.add(v.get_device())
                         out[k] = v
                     else:
                         out[k] = self._copy(path + (k,), v, copies)
@@ -158,10 +214,10 @@ class Stager:
                 return self._walk(from_torch_sharded_tensor(state), path, copies)
             return self._copy(path, state, copies)
         value = copy.deepcopy(state)
-        self.objects[".".join(map(str, path))] = value
+        copies.objects[".".join(map(str, path))] = value
         return value
 
-    def _sharded(self, path: tuple[Any, ...], st: ShardedTensor, copies: Copies) -> Any:
+    def _sharded(self, path: tuple[Any, ...], st: ShardedTensor, copies: _Walk) -> Any:
         local = st.local_shards()
         if len(local) == 1:
             shards = [self._copy(path + (0,), local[0], copies)]
@@ -169,7 +225,7 @@ class Stager:
             shards = [self._copy(path + (i,), s, copies) for i, s in enumerate(local)]
         if shards and all(x is y for x, y in zip(shards, local)):  # kept on its device
             return st
-        entry = self._staged.get(path)
+        entry = copies.buffers.sharded.get(path)
         if entry is not None:
             source, prev = entry
             if (
@@ -195,10 +251,10 @@ class Stager:
             device=torch.device("cpu"),
             group=st.group,
         )
-        self._staged[path] = (weakref.ref(st), staged)
+        copies.buffers.sharded[path] = (weakref.ref(st), staged)
         return staged
 
-    def _dtensor(self, path: tuple[Any, ...], dt: DTensor, copies: Copies) -> Any:
+    def _dtensor(self, path: tuple[Any, ...], dt: DTensor, copies: _Walk) -> Any:
         local = dt._local_tensor
         if isinstance(local, LocalShardsWrapper):
             held = local.local_shards()
@@ -211,7 +267,7 @@ class Stager:
             staged = self._copy(path, local, copies)
             if staged is local:  # kept on its device
                 return dt
-            prev = self._staged_dtensors.get(path)
+            prev = copies.buffers.dtensors.get(path)
             if (
                 prev is not None
                 and prev[0] is staged
@@ -231,5 +287,18 @@ class Stager:
             stride=dt.stride(),
         )
         if not isinstance(local, LocalShardsWrapper):
-            self._staged_dtensors[path] = (staged, out)  # its local tensor is a view of staged
+            copies.buffers.dtensors[path] = (staged, out)  # its local tensor is a view of staged
         return out
+
+
+class _Walk(Copies):
+    """The copies of one `stage`, with what its walk found besides: the buffers it
+    fills, the CUDA devices it left values on, the objects it copied."""
+
+    __slots__ = ("buffers", "cuda_devices", "objects")
+
+    def __init__(self, threads: int, buffers: Buffers) -> None:
+        super().__init__(threads)
+        self.buffers = buffers
+        self.cuda_devices: set[int] = set()
+        self.objects: dict[str, Any] = {}

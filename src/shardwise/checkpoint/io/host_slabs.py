@@ -46,7 +46,24 @@ def staging_bytes(given: int | None = None) -> int:
         raise InvalidArgumentError(
             f"staging_bytes must be an int of at least {_MIN_SLAB} (1 MiB), got {given!r}"
         )
+    memory = host_memory()
+    if memory is not None and given > memory:
+        raise InvalidArgumentError(
+            f"staging_bytes={given} is more than this host's memory ({memory} bytes): the "
+            f"staging buffers could never be allocated; give at most {memory} (the default "
+            f"is {DEFAULT_STAGING_BYTES})"
+        )
     return given
+
+
+def host_memory() -> int | None:
+    """This host's physical memory in bytes (None where the OS does not say): no
+    staging budget can be larger, pinned or not."""
+    try:
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+    return pages * page if pages > 0 and page > 0 else None
 
 
 def slab_size(budget: int) -> int:
