@@ -8,9 +8,10 @@ tensor, so memory holds one tensor at a time.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import json
 import os
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from ...comm.agreement import Agreement
 from ...comm.communicator import SingleProcess
 from ...errors import CheckpointExistsError, InvalidArgumentError, UnsupportedStorageError
 from ...storage import Folder, Sink, is_url, open_folder
+from ...storage.folder import temporary_name
 from ..engine.saving import save_state
 from ..format.checksums import byte_view
 from ..format.record_write import write_torch_archive
@@ -47,8 +49,8 @@ _SAFETENSORS_DTYPES = {
 }
 _FROM_SAFETENSORS = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 
-# (open checkpoint, output, max_file_size) -> files written
-FromCheckpoint = Callable[[OpenCheckpoint, "_Output", int | None], list[Any]]
+# (open checkpoint, output, max_file_size, overwrite) -> files written
+FromCheckpoint = Callable[[OpenCheckpoint, "_Output", int | None, bool], list[Any]]
 # (open safetensors file, output, overwrite) -> files written
 FromSafetensors = Callable[[Any, "_Output", bool], list[Any]]
 
@@ -107,6 +109,15 @@ def convert(
     are the keys of `TARGETS`. `path` and `out` may be fsspec URLs (a
     `.safetensors` input is read from a local file), `storage_options` their
     backend's options.
+
+    Without `overwrite`, nothing is written when any file the export would write
+    is already there (for `safetensors`, also the single file or index of the
+    other mode). With it, a `safetensors` export replaces the old one as a whole:
+    its files are written under temporary names first (a failure leaves the old
+    export as it was), then renamed; once the new files and index are durable,
+    the old export's files that would still look current (its index, the shards
+    that index names, a single file the index now stands for) are removed; no
+    other file is touched.
     """
     target = _output(out, storage_options)
     existing = in_the_way(open_folder(out, storage_options), files=True)
@@ -125,7 +136,7 @@ def convert(
             from_file = _lookup(format, "safetensors", "a safetensors file")
             return from_file(f, target, overwrite)
     ckpt = open_checkpoint(source)
-    return _lookup(format, "checkpoint", "a checkpoint")(ckpt, target, max_file_size)
+    return _lookup(format, "checkpoint", "a checkpoint")(ckpt, target, max_file_size, overwrite)
 
 
 def _lookup(format: str, source: str, what: str) -> Callable[..., list[Any]]:
@@ -146,8 +157,9 @@ def _write_file(out: _Output, write: Callable[[Sink], object]) -> None:
 
 
 def _checkpoint_to_torch(
-    ckpt: OpenCheckpoint, out: _Output, max_file_size: int | None
+    ckpt: OpenCheckpoint, out: _Output, max_file_size: int | None, overwrite: bool
 ) -> list[Path | str]:
+    # one file, `out` itself: `convert` has checked it
     keys = ckpt.tensor_keys()
     items = [
         (k, ckpt.tensor_metadata(k).properties.dtype, tuple(ckpt.tensor_metadata(k).size))
@@ -158,12 +170,15 @@ def _checkpoint_to_torch(
 
 
 def _checkpoint_to_safetensors(
-    ckpt: OpenCheckpoint, out: _Output, max_file_size: int | None
+    ckpt: OpenCheckpoint, out: _Output, max_file_size: int | None, overwrite: bool
 ) -> list[Path | str]:
     keys = ckpt.tensor_keys()
     groups: list[list[str]] = [[]]
     size = 0
     for key in keys:
+        dtype = ckpt.tensor_metadata(key).properties.dtype
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise InvalidArgumentError(f"'{key}' has dtype {dtype}, which safetensors cannot store")
         n = ckpt.tensor_nbytes(key)
         if max_file_size and groups[-1] and size + n > max_file_size:
             groups.append([])
@@ -171,16 +186,46 @@ def _checkpoint_to_safetensors(
         groups[-1].append(key)
         size += n
     files = _safetensors_files(out, groups)
-    for file, group in zip(files, groups):
-        _write_file(file, functools.partial(_write_safetensors, keys=group, ckpt=ckpt))
-    if len(files) > 1:
+    index_file = out.sibling(_index_name(out.name))
+    # every name is known from the metadata alone: checked before any file is written
+    stale = _stale_export(out, [f.name for f in files], overwrite)
+    folder = out.folder
+    folder.make()
+    # every file is written under a temporary name first: a failure (a read, the disk)
+    # leaves the old export as it was, and only renames remain once all are durable
+    staged: list[str] = []
+    try:
+        for file, group in zip(files, groups):
+            sink = folder.create(temporary_name(file.name))
+            try:
+                _write_safetensors(sink, keys=group, ckpt=ckpt)
+                sink.close(sync=True)
+            except BaseException:
+                sink.abort()
+                raise
+            staged.append(sink.name)
+    except BaseException:
+        for name in staged:
+            with contextlib.suppress(OSError):  # the failure, not the cleanup, is reported
+                folder.remove(name)
+        raise
+    split = len(files) > 1
+    if split and folder.removable(index_file.name) and any(folder.has(f.name) for f in files):
+        # the renames replace shards the old index names: without it, a rename cut
+        # short leaves no export looking current rather than a mixed one
+        folder.remove(index_file.name)
+    for name, file in zip(staged, files):
+        folder.replace(name, file.name)
+    if split:
         index = {
             "metadata": {"total_size": sum(ckpt.tensor_nbytes(k) for k in keys)},
             "weight_map": {k: f.name for f, g in zip(files, groups) for k in g},
         }
-        index_file = out.sibling(out.name.removesuffix(".safetensors") + ".safetensors.index.json")
-        index_file.folder.write_durably(index_file.name, json.dumps(index, indent=2).encode())
+        folder.write_durably(index_file.name, json.dumps(index, indent=2).encode())
         files.append(index_file)
+    folder.sync()  # the new set's names are durable before the old set goes
+    for name in stale:
+        folder.remove(name)
     return [f.location for f in files]
 
 
@@ -194,6 +239,67 @@ def _safetensors_files(out: _Output, groups: list[list[str]]) -> list[_Output]:
     ]
 
 
+def _index_name(name: str) -> str:
+    """`model.safetensors.index.json`: the index of a split export named `name`."""
+    return name.removesuffix(".safetensors") + ".safetensors.index.json"
+
+
+_INDEX_BYTES = 64 << 20  # far above any real index; a larger one is not read
+_SHARD = r"-\d{5,}-of-\d{5,}\.safetensors"  # how `_safetensors_files` names a split's files
+
+
+def _stale_export(out: _Output, shards: list[str], overwrite: bool) -> list[str]:
+    """The files of an export already named `out` that the new one (`shards`, plus
+    its index when split) leaves looking current, in the order to remove them: the
+    index first, so the old set stops being current before any of it goes.
+
+    Without `overwrite`, `CheckpointExistsError` naming every such file that exists
+    (a split export's index, the single file, a shard name the new one uses).
+    Only the old export's own files can be stale: the other mode's index or single
+    file (`out` itself, which `overwrite` gives leave to replace), and the shards its
+    index names that follow the `<stem>-NNNNN-of-MMMMM` pattern; any other file,
+    a shard no index names included, is never touched. Links are never removed."""
+    folder = out.folder
+    split = len(shards) > 1
+    index = _index_name(out.name)
+    new = {*shards, index} if split else {out.name}
+    if not overwrite:
+        found = [n for n in sorted({*new, out.name, index}) if folder.has(n)]
+        if found:
+            where = ", ".join(folder.where(n) for n in found)
+            raise CheckpointExistsError(
+                f"{where} already exist{'s' if len(found) == 1 else ''} (an export named "
+                f"{out.name}); pass overwrite=True to replace it"
+            )
+        return []
+    stale = [] if split else [index]  # a new split export rewrites the index itself
+    pattern = re.compile(re.escape(out.name.removesuffix(".safetensors")) + _SHARD)
+    stale += sorted(n for n in _indexed_files(folder, index) if pattern.fullmatch(n))
+    if split:
+        stale.append(out.name)  # it would shadow the index: loaders take it first
+    return [n for n in dict.fromkeys(stale) if n not in new and folder.removable(n)]
+
+
+def _indexed_files(folder: Folder, index: str) -> set[str]:
+    """The files an existing index names; none when it is missing or unreadable (an
+    index is untrusted: it is parsed, never followed outside the folder)."""
+    if not folder.removable(index):
+        return set()
+    try:
+        f = folder.open(index)
+        try:
+            if f.size() > _INDEX_BYTES:
+                return set()
+        finally:
+            f.close()
+        weight_map = json.loads(folder.read(index)).get("weight_map")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return set()
+    if not isinstance(weight_map, dict):
+        return set()
+    return {v for v in weight_map.values() if isinstance(v, str)}
+
+
 def _write_safetensors(sink: Sink, keys: list[str], ckpt: OpenCheckpoint) -> None:
     """The safetensors layout: 8-byte header size, JSON header, tensor bytes in order;
     written tensor by tensor so memory holds one at a time."""
@@ -201,12 +307,9 @@ def _write_safetensors(sink: Sink, keys: list[str], ckpt: OpenCheckpoint) -> Non
     offset = 0
     for key in keys:
         md = ckpt.tensor_metadata(key)
-        dtype = md.properties.dtype
-        if dtype not in _SAFETENSORS_DTYPES:
-            raise InvalidArgumentError(f"'{key}' has dtype {dtype}, which safetensors cannot store")
         n = ckpt.tensor_nbytes(key)
         header[key] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "dtype": _SAFETENSORS_DTYPES[md.properties.dtype],  # checked before any write
             "shape": list(md.size),
             "data_offsets": [offset, offset + n],
         }

@@ -7,6 +7,7 @@ save's are.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,6 +18,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from ...errors import CheckpointExistsError, LayoutError
 from ...layout import Block, Layout
 from ...storage import open_folder
+from ..engine.holes import first_hole, region
 from ..engine.save_records import SaveRecords
 from ..format.manifest import TensorEntry, dtype_name
 from ..io.chunk_writer import DataFile
@@ -48,7 +50,9 @@ def reshard(
     block at a time. The result is a shardwise checkpoint (stock-readable).
     `path` and `out` may be fsspec URLs, `storage_options` their backend's options.
     It holds `out`'s save lease while it writes, as a save does (`CheckpointBusyError`
-    while another save of `out` runs; `wait` as for `swc.save`).
+    while another save of `out` runs; `wait` as for `swc.save`). Every layout must
+    cover its tensor, as a save requires (`LayoutError` otherwise, before the lease
+    is taken): a hole would drop those elements from the new checkpoint.
     """
     ckpt = open_checkpoint(path, storage_options=storage_options)
     folder = open_folder(out, storage_options)
@@ -66,6 +70,8 @@ def reshard(
             raise LayoutError(
                 f"layout for '{key}' is {layout}, not {world_size} ranks over shape {shape}"
             )
+        if not layout.is_fully_covered:
+            raise LayoutError(_hole_message(key, layout))
         plan[key] = layout
     # one save of a path at a time (the lease makes the folder); the check for a
     # checkpoint in the way is made once it is held, as a save makes it
@@ -103,3 +109,17 @@ def reshard(
         folder.write_new(index_name, index)
         commit(folder, metadata, manifest, {*names, index_name}, lease=lease)
     return folder.checkpoint_id
+
+
+def _hole_message(key: str, layout: Layout) -> str:
+    """The refusal of a layout with holes (`allow_holes=True`), worded as a save's,
+    naming the first uncovered region. The layout has counted its coverage when it
+    was built (`Layout.is_fully_covered`); `first_hole` only names the region."""
+    shape = layout.global_shape
+    solid = [(b.offsets, b.sizes) for b in layout.distinct_blocks if not b.is_empty()]
+    covered = sum(math.prod(sizes) for _offsets, sizes in solid)
+    return (
+        f"'{key}': elements {region(first_hole(solid, shape))} are held by no rank (the "
+        f"layout's blocks cover {covered} of its {math.prod(shape)} elements); every element "
+        "must be saved: give the layout blocks that cover the tensor"
+    )
