@@ -24,6 +24,7 @@ TARGETS = [
     "16x100: peak RSS growth per rank (process / W)",
     "16x100: load, slowest rank's CPU",
 ]
+COORDINATOR = TARGETS[4]
 
 
 def test_the_quick_scale_bench_prints_every_phase_and_target(tmp_path: Path) -> None:
@@ -38,6 +39,13 @@ def test_the_quick_scale_bench_prints_every_phase_and_target(tmp_path: Path) -> 
     assert rows == ["save", "save_again", "load", "reshard_load"] * 2  # as it ends, then all
     table = out.split("== targets (issue 22)\n", 1)[1].splitlines()
     assert [line[: len(t)] for line, t in zip(table, TARGETS)] == TARGETS
-    assert table[len(TARGETS)].startswith("targets met: ")
-    assert table[len(TARGETS)].endswith(f" of {len(TARGETS)}")
+    verdicts = {t: line.split()[-1] for line, t in zip(table, TARGETS)}
+    assert set(verdicts.values()) <= {"yes", "NO"}
+    # every target is met at this size but stock's global planning over rank 0's, a ratio
+    # that grows with W (about 2x at W = 16, past 20x from W = 256: the README's table):
+    # a repeated save that replans, or a save that receives more, shows as a NO
+    missed = [t for t, v in verdicts.items() if v == "NO" and t != COORDINATOR]
+    assert missed == []
+    met = sum(v == "yes" for v in verdicts.values())
+    assert table[len(TARGETS)] == f"targets met: {met} of {len(TARGETS)}"
     assert list(tmp_path.iterdir()) == []  # the bench removes what it wrote

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from shardwise import Block, Layout, LayoutError, plan_transfers
 from shardwise.layout import BlockIndex
 
-from .strategies import layouts, shapes
+from .strategies import layouts, partitions, shapes
 
 
 def apply_plan(full: torch.Tensor, src: Layout, dst: Layout, plan) -> dict:
@@ -109,3 +109,46 @@ def test_transposed_grid_plans_by_cells_not_bands():
     assert index._cells is not None
     plan = plan_transfers(src, dst)
     assert len(plan) == 10 * 400 * 10 and sum(t.region.numel for t in plan) == 400 * 400
+
+
+class _ScanIndex(BlockIndex):
+    """A `BlockIndex` that never builds the cell grid: its sorted-scan fallback, which the
+    builders' layouts never reach (it serves only more than `_MAX_CELLS` cells)."""
+
+    _MAX_CELLS = -1
+
+
+@st.composite
+def _blocks_and_box(draw) -> tuple[list[Block], Block]:
+    """Disjoint blocks (a random partition with random holes, at least one block kept) and
+    a query box in bounds."""
+    shape = draw(shapes(max_size=9).filter(lambda s: len(s) >= 1 and all(s)))
+    parts = draw(partitions(shape))
+    kept = draw(st.lists(st.booleans(), min_size=len(parts), max_size=len(parts)))
+    blocks = [b for b, keep in zip(parts, kept) if keep] or parts[:1]
+    offsets = tuple(draw(st.integers(0, n)) for n in shape)
+    sizes = tuple(draw(st.integers(0, n - o)) for n, o in zip(shape, offsets))
+    return blocks, Block(offsets, sizes)
+
+
+@pytest.mark.parametrize("index_type", [BlockIndex, _ScanIndex], ids=["cells", "scan"])
+@settings(max_examples=300, deadline=None)
+@given(case=_blocks_and_box())
+def test_block_index_query_matches_brute_force(index_type, case):
+    """Both search paths return every block sharing an element with the box, once each,
+    with the exact overlap: a scan window one short along its dimension drops blocks."""
+    blocks, box = case
+    index = index_type(blocks)
+    if index_type is _ScanIndex:
+        assert index._cells is None  # the fallback really runs
+    got = index.query(box)
+    expected = [(b, b.intersect(box)) for b in blocks if b.intersect(box) is not None]
+    assert len(got) == len({b for b, _ in got})  # no block twice
+    assert sorted(got, key=repr) == sorted(expected, key=repr)
+
+
+def test_an_index_of_no_blocks_finds_nothing():
+    assert BlockIndex([]).query(Block((0,), (2,))) == []
+    assert BlockIndex([Block((0, 0), (0, 3))]).query(Block((0, 0), (1, 1))) == []
+    with pytest.raises(LayoutError, match="holds only 0"):
+        plan_transfers(Layout((4,), {0: []}, allow_holes=True), Layout.chunked((4,), 0, 2))

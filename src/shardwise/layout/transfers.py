@@ -90,6 +90,8 @@ class BlockIndex:
         """`(block, overlap)` for every indexed block sharing elements with `box`."""
         if box.ndim == 0:
             return [(b, b) for b in self._blocks]
+        if not self._blocks:  # nothing was indexed along any dimension
+            return []
         if self._cells is not None:
             window = self._cells[self._cell_slices(box)]
             # small windows (the common case) dedupe faster in Python than in torch.unique

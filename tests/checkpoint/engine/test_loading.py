@@ -3,6 +3,7 @@ stock DCP, transformed chunks, values only DCP's planner knows; no `dcp.load` fa
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from torch.testing._internal.distributed.checkpoint_utils import (
 )
 
 import shardwise.checkpoint as swc
-from shardwise import Layout, ShardedTensor
+from shardwise import Block, Layout, ShardedTensor
 
 FULL = torch.arange(64.0).reshape(8, 8)
 
@@ -101,3 +102,77 @@ def test_a_load_lists_its_folder_once(tmp_path, monkeypatch, where):
     swc.load(target, path)
     assert torch.equal(target["w"], FULL) and target["n"] == 3
     assert len(listed) == 1
+
+
+def _cuts(shape: tuple[int, ...], dim: int, cuts: list[int]) -> list[Block]:
+    """`shape` cut along `dim` at `cuts`, whole along every other dimension."""
+    bounds = [0, *cuts, shape[dim]]
+    return [
+        Block(
+            tuple(lo if d == dim else 0 for d in range(len(shape))),
+            tuple(hi - lo if d == dim else n for d, n in enumerate(shape)),
+        )
+        for lo, hi in zip(bounds, bounds[1:])
+    ]
+
+
+# (shape, stored blocks, loaded blocks), all on rank 0 so that one process saves and loads
+# many. Stored cut along dim 1 at 4, loaded cut at 3 and 8: the piece [3:8] holds the stored
+# boundary, the other two fall inside one chunk each.
+_ACROSS_DIM_1 = {
+    "columns": ((6, 10), _cuts((6, 10), 1, [4]), _cuts((6, 10), 1, [3, 8])),
+    "middle_dim": ((2, 10, 3), _cuts((2, 10, 3), 1, [4]), _cuts((2, 10, 3), 1, [3, 8])),
+    # stored also cut along dim 0 (at 2): the middle piece takes parts of four chunks
+    "grid": (
+        (6, 10),
+        [
+            Block((r0, c0), (r1 - r0, c1 - c0))
+            for r0, r1 in ((0, 2), (2, 6))
+            for c0, c1 in ((0, 4), (4, 10))
+        ],
+        _cuts((6, 10), 1, [3, 8]),
+    ),
+    # more than 16 stored chunks: shardwise's pieces are gathered from arrays of parts
+    # (`format.row_boxes`, `io.word_gather`); stock and cast ones are read box by box
+    "many": (
+        (3, 40, 2),
+        _cuts((3, 40, 2), 1, list(range(2, 40, 2))),
+        _cuts((3, 40, 2), 1, [3, 17, 30]),
+    ),
+}
+
+
+def _save_across_dim_1(path: Path, case: str, stock: bool) -> tuple[torch.Tensor, list[Block]]:
+    """Save the `case` tensor in its stored chunks (shardwise or stock DCP); return the full
+    tensor and the blocks to load it into."""
+    shape, stored, loaded = _ACROSS_DIM_1[case]
+    full = torch.arange(float(math.prod(shape))).reshape(shape)
+    layout = Layout(shape, {0: stored})
+    st = ShardedTensor.from_layout(layout, [full[b.slices()].clone() for b in stored], rank=0)
+    if stock:
+        dcp.save({"w": st}, storage_writer=FileSystemWriter(path))
+    else:
+        swc.save({"w": st}, path)
+    return full, loaded
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no_verify"])
+@pytest.mark.parametrize("kind", ["shardwise", "stock", "cast"])
+@pytest.mark.parametrize("case", list(_ACROSS_DIM_1))
+def test_a_stored_boundary_inside_a_piece_along_dim_1(
+    tmp_path: Path, case: str, kind: str, verify: bool
+) -> None:
+    """Each loaded piece holds exactly its own elements when stored chunk boundaries fall
+    inside it along dim 1: a part of a chunk read from, or written to, the wrong offset
+    along that dimension shows as wrong values. `cast` loads into another dtype, which
+    takes the box-by-box path rather than the gathered one."""
+    path = tmp_path / "ck"
+    full, loaded = _save_across_dim_1(path, case, stock=kind == "stock")
+    dtype = torch.float64 if kind == "cast" else torch.float32
+    layout = Layout(full.shape, {0: loaded})
+    target = ShardedTensor.from_layout(
+        layout, [torch.full(b.sizes, -1.0, dtype=dtype) for b in loaded], rank=0
+    )
+    swc.load({"w": target}, path, verify=verify, cast_dtype=kind == "cast")
+    for block, shard in zip(loaded, target.local_shards(), strict=True):
+        assert torch.equal(shard, full[block.slices()].to(dtype)), block

@@ -9,7 +9,7 @@ checkpoint is read back bit for bit: a reused plan never makes a wrong one.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 import pytest
@@ -52,8 +52,8 @@ def _state(rank: int, layout: Layout, step: float, extra: dict | None = None) ->
 class _Loop:
     """One group of thread ranks saving again and again, as a training loop does."""
 
-    def __init__(self, world: int) -> None:
-        self.world = ThreadedWorld(world)
+    def __init__(self, world: int | ThreadedWorld) -> None:
+        self.world = ThreadedWorld(world) if isinstance(world, int) else world
 
     def save(self, path: Path | str, state_of: Callable[[int], dict]) -> list[str]:
         calls = len(self.world.calls)
@@ -161,6 +161,38 @@ def test_any_change_of_structure_replans(tmp_path: Path, change: str) -> None:
     assert loop.save(path, later) == PLANNED
     got = loop.load(path, lambda r: _spoiled(later(r)))
     assert all(_same(got[r], later(r)) for r in range(2))
+
+
+class _SameKeyRank(ThreadedRank):
+    @property
+    def key(self) -> Hashable:
+        return ("restarted", self.rank)
+
+
+class _Restarted(ThreadedWorld):
+    """A world whose ranks keep their group key at any world size: as a job restarted in
+    its processes at another size, whose new process group may take the id (the key) of
+    the old one. Only the signature's world size then tells the plans apart."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__(world_size)
+        self._ranks = [_SameKeyRank(self, r) for r in range(world_size)]
+
+
+def test_a_save_at_another_world_size_replans(tmp_path: Path) -> None:
+    """Ranks 0 and 1 describe the same entries at 3 ranks and at 2 (rank 2 holds no rows),
+    so at 2 each finds a kept plan under its group key: only the world size in the
+    signature makes them replan, where a reused plan would route keys to a rank 2 that is
+    gone. Both plans stay kept: back at 3 ranks, the first is reused."""
+    three, two = _Loop(_Restarted(3)), _Loop(_Restarted(2))
+    wide, narrow = _rows([2, 2, 0]), _rows([2, 2])
+    assert three.save(tmp_path / "a", lambda r: _state(r, wide, 1.0)) == PLANNED
+    assert two.save(tmp_path / "b", lambda r: _state(r, narrow, 2.0)) == PLANNED
+    got = two.load(tmp_path / "b", lambda r: _blank(r, narrow))
+    assert all(_same(got[r], _state(r, narrow, 2.0)) for r in range(2))
+    assert three.save(tmp_path / "c", lambda r: _state(r, wide, 3.0)) == REUSED
+    got = three.load(tmp_path / "c", lambda r: _blank(r, wide))
+    assert all(_same(got[r], _state(r, wide, 3.0)) for r in range(3))
 
 
 def test_an_object_with_new_bytes_of_the_same_length_reuses_the_plan(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, F
 import shardwise.checkpoint as swc
 from shardwise.checkpoint.io.commit import referenced_files
 from shardwise.storage import LocalFolder
-from shardwise.testing import run_ranks
+from shardwise.testing import RankFailure, run_ranks
 
 pytestmark = pytest.mark.spawned
 
@@ -49,16 +49,20 @@ def test_cached_plans_never_reuse_committed_file_names(tmp_path):
     assert sorted(n.name for n in folder.glob("*.distcp")) == sorted(names[-1])
 
 
-def _die_at(rank: int, world: int, folder: str, point: str) -> None:
+def _die_at(rank: int, world: int, folder: str, point: str) -> str:
     os.environ["SHARDWISE_FAILPOINT"] = point
     dcp.save(_state(2), storage_writer=swc.Writer(folder))
+    return "the save finished"  # never: the failpoint kills the rank first
 
 
 @pytest.mark.parametrize("point", ["before-commit", "between-records", "before-collect"])
 def test_a_crash_while_replacing_a_stock_checkpoint_leaves_one_that_loads(tmp_path, point):
+    """The rank is SIGKILLed at `point` (its slot holds the harness's death notice, exit
+    code -9): a save that finished, or failed some other way, is no crash test."""
     folder = tmp_path / "ckpt"
     dcp.save(_state(1), storage_writer=FileSystemWriter(folder))
-    run_ranks(_die_at, 1, str(folder), point, timeout=60, allow_dead=True)
+    [result] = run_ranks(_die_at, 1, str(folder), point, timeout=60, allow_dead=True)
+    assert isinstance(result, RankFailure) and str(result) == "rank 0 died (exit code -9)"
     seed = 1 if point == "before-commit" else 2
     assert _loads(folder, seed) and _loads(folder, seed, stock=True)
 
