@@ -334,14 +334,19 @@ def test_wait_true_breaks_a_garbage_lock_that_stays_garbage(tmp_path, monkeypatc
 @pytest.mark.parametrize("heartbeat", [float("nan"), 1e18, float("inf")])
 def test_a_heartbeat_no_live_holder_could_write_is_stale(tmp_path, heartbeat):
     """Another host's record with a heartbeat in the far future (or NaN, which JSON
-    admits) never ages: without this, it would block every save of the path for good."""
+    admits) never ages: without this, it would block every save of the path for good.
+    A far-future time a clock can show is broken at once; NaN, infinity or a time no
+    clock shows make the record unreadable: held (named), broken by a waiting save."""
     now = time.time()
     holder = Holder("x" * 32, "another-host", 4242, "ns", "1", now, heartbeat)
     assert stale_reason(holder) is not None
     assert stale_reason(replace(holder, heartbeat=now + 5)) is None  # clocks a little apart
-    (tmp_path / LOCK).write_bytes(holder.to_bytes())
+    (tmp_path / LOCK).write_bytes(replace(holder, heartbeat=now + 1e6).to_bytes())
     with pytest.warns(UserWarning, match="no time a live holder could have written"):
         Lease(open_folder(tmp_path)).acquire().release()
+    (tmp_path / LOCK).write_bytes(holder.to_bytes())
+    with pytest.raises(CheckpointBusyError, match=f"unreadable.*{LOCK}"):
+        Lease(open_folder(tmp_path)).acquire()
 
 
 def test_a_huge_sparse_lock_is_never_read_whole(tmp_path):

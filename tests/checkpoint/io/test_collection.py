@@ -28,6 +28,8 @@ from shardwise.checkpoint.io.commit import (
 from shardwise.checkpoint.io.lease import LOCK
 from tests.inline_manifest import inline_manifest
 
+from .leases import crafted_locks
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
@@ -227,3 +229,27 @@ def test_a_manifest_whose_index_is_damaged_still_names_its_index_and_objects(tmp
     raw[0] ^= 1
     (path / m.index.file).write_bytes(bytes(raw))
     assert referenced_files(path) == {m.index.file, step}
+
+
+CRAFTED = crafted_locks()
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+@pytest.mark.parametrize("how", HOW)
+def test_a_crafted_foreign_lock_never_fails_a_committed_save(tmp_path, how, case):
+    """A per-rank lock record beside a global save, however crafted, is judged after
+    the commit (may rank 0's leftovers go?): the save returns, what it replaced is
+    collected, and rank 0's leftovers wait (an unreadable lock is live)."""
+    folder = tmp_path / "ckpt"
+    swc.save(_state(1), folder)
+    replaced = referenced_files(folder, both=True)
+    assert len(replaced) == 2  # the data file and the index of save 1
+    leftover = "__0_0.sw0123456789ab.distcp"  # rank 0's, of a save that may be in flight
+    (folder / leftover).write_bytes(b"rank 0's unfinished data")
+    (folder / "__0.shardwise.lock").write_bytes(CRAFTED[case])
+    _overwrite(how, folder, 2)
+    assert _loads(folder, 2)
+    left = set(os.listdir(folder))
+    assert not replaced & left
+    assert (folder / leftover).read_bytes() == b"rank 0's unfinished data"
+    assert (folder / "__0.shardwise.lock").read_bytes() == CRAFTED[case]

@@ -25,7 +25,7 @@ from shardwise.checkpoint.io.lease import LOCK, Holder, live_scopes, lock_name
 from shardwise.errors import CheckpointBusyError, ShardwiseError
 from shardwise.storage import open_folder
 
-from .leases import new_lease, plant_lock
+from .leases import crafted_locks, new_lease, plant_lock
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -258,3 +258,82 @@ def test_memory_urls_take_the_lease_exclusively(memory_root):
     held.release()
     swc.save({"w": torch.ones(2)}, url)
     assert LOCK not in open_folder(url).names()
+
+
+CRAFTED = crafted_locks()
+
+
+def _plant(where: str, data: bytes) -> str:
+    """`data` as the lock record of the global records at `where`; its name as errors give it."""
+    folder = open_folder(where)
+    folder.make()
+    folder.write_durably(LOCK, data)
+    return folder.where(LOCK)
+
+
+@pytest.mark.parametrize("wait", [False, 0.2], ids=["no-wait", "wait-0.2"])
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_a_crafted_lock_is_held_and_named_by_every_save(where, case, wait):
+    """Whatever a lock record holds, a save sees an unreadable record: busy, the file
+    to remove named, the record left alone (no bare OverflowError/RecursionError)."""
+    name = _plant(where, CRAFTED[case])
+    with pytest.raises(CheckpointBusyError) as e:
+        swc.save({"w": torch.ones(2)}, where, wait=wait)
+    message = str(e.value)
+    assert "a holder whose lock record is unreadable (b" in message
+    assert message.endswith(f"if that save is gone for good, remove {name}")
+    assert ("still held after waiting 0.2 s" in message) == bool(wait)
+    assert open_folder(where).read(LOCK) == CRAFTED[case]
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_a_waiting_save_breaks_a_crafted_lock_after_its_quiet_period(where, case, monkeypatch):
+    monkeypatch.setattr(lease_module, "STALE_AFTER_S", 0.3)
+    _plant(where, CRAFTED[case])
+    start = time.monotonic()
+    with pytest.warns(UserWarning, match="stayed unreadable for 0 s while this save waited"):
+        swc.save({"w": torch.full((2,), 7.0)}, where, wait=20)
+    assert 0.3 <= time.monotonic() - start < 20
+    out = {"w": torch.zeros(2)}
+    swc.load(out, where)
+    assert torch.equal(out["w"], torch.full((2,), 7.0))
+    assert LOCK not in open_folder(where).names()
+
+
+def test_wait_true_breaks_a_stale_lock_with_an_impossible_start(where, monkeypatch):
+    """A stale lock whose `since` no clock shows (1e20) was never broken: describing
+    it raised. Now unreadable, it goes once a `wait=True` save saw it unchanged."""
+    monkeypatch.setattr(lease_module, "STALE_AFTER_S", 0.3)
+    _plant(where, CRAFTED["stale-since-1e20"])
+    got: list[object] = []
+
+    def take() -> None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                got.append(new_lease(where).acquire(wait=True))
+            except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+                got.append(e)
+        got.extend(str(w.message) for w in caught)
+
+    taker = threading.Thread(target=take, daemon=True)  # a hang fails, it does not block
+    taker.start()
+    taker.join(timeout=20)
+    assert got and isinstance(got[0], lease_module.Lease), got
+    assert any("stayed unreadable for 0 s" in str(m) for m in got[1:]), got
+    got[0].release()
+    assert LOCK not in open_folder(where).names()
+
+
+@pytest.mark.parametrize("case", ["pid-1e400", "nested-40000", "since-1e20", "since-NaN"])
+def test_reshard_to_a_path_with_a_crafted_lock_names_the_lock(where, tmp_path, case, capsys):
+    from shardwise.cli import main
+
+    source = tmp_path / "source"
+    swc.save({"w": torch.arange(6.0)}, source)
+    name = _plant(where, CRAFTED[case])
+    assert main(["reshard", str(source), where, "--world-size", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("shardwise reshard: error: ")
+    assert "lock record is unreadable" in err[0] and f"remove {name}" in err[0]
+    assert open_folder(where).read(LOCK) == CRAFTED[case]

@@ -20,6 +20,8 @@ from shardwise.checkpoint.io.lock_record import (
 )
 from shardwise.storage import open_folder
 
+from .leases import crafted_locks, record_text
+
 HOLDER = Holder("0123456789abcdef", "elsewhere", 4242, "pid:[1]", "77", 1.0, 2.0)
 
 
@@ -54,6 +56,28 @@ def test_a_holder_round_trips_through_its_record():
 )
 def test_a_damaged_record_names_no_holder(data):
     assert Holder.parse(data) is None
+
+
+CRAFTED = crafted_locks()
+
+
+def test_the_crafted_records_differ_from_a_sound_one_in_one_field_only():
+    holder = Holder.parse(record_text())
+    assert holder is not None and (holder.host, holder.pid) == ("elsewhere", 4242)
+    assert Holder.parse(record_text(since="0", heartbeat="253402300799")) is not None  # 9999
+
+
+@pytest.mark.parametrize("data", list(CRAFTED.values()), ids=list(CRAFTED))
+def test_a_crafted_record_names_no_holder_and_never_raises(data):
+    """Huge or non-finite numbers, deep nesting, wrong types, other encodings: one
+    answer, "unreadable" (None), never an OverflowError, RecursionError or ValueError."""
+    assert Holder.parse(data) is None
+
+
+def test_a_holder_built_by_hand_with_an_impossible_start_is_still_described():
+    for since in (1e20, float("nan")):
+        text = Holder("x" * 16, "h", 1, "", "", since, 2.0).describe()
+        assert text.startswith(f"save xxxxxxxxxxxx of pid 1 on host h, since {since!r} (")
 
 
 def test_lock_names():

@@ -64,7 +64,9 @@ def collect(
       replaced record of this scope names (`previous`, from `replaced_files`);
     - a token-named data file of this scope that no record names: a leftover of a
       dead save — unless a live lease of another save covering its rank is in the
-      folder (`lease.live_scopes`; this save's own lease keeps same-scope saves out);
+      folder (`lease.live_scopes`: an unreadable lock record counts as live, and no
+      lock record, however crafted, makes this raise; this save's own lease keeps
+      same-scope saves out);
     - a temporary file of this scope's records or lock (`NAME.sw{token}.tmp`).
 
     Records, the marker, lock records and every other name are never touched. A

@@ -25,10 +25,14 @@ lease is broken with a warning: its process is gone (same host and pid
 namespace: the pid is dead, a zombie, or a different process), it was left by a
 save of this very process that no longer holds it, or its heartbeat is older
 than `STALE_AFTER_S` (clocks of the hosts sharing the folder are assumed to agree
-to well within that). An unreadable record (garbage, or over 64 KiB) is live, and
+to well within that). An unreadable record (anything `Holder.parse` refuses:
+garbage, over 64 KiB, not UTF-8, nested, NaN, infinite or out-of-range numbers, a
+field of the wrong type) is live, named in the refusal with the file to remove, and
 stale once a waiting save has seen it unchanged for `STALE_AFTER_S`, so `wait=True`
-never hangs on one. A save whose lease was broken (it froze past the bound)
-learns it before committing (`confirm`) and commits nothing.
+never hangs on one. Nothing a lock record holds ever makes judging it raise: a
+committed save reports success whatever lock records lie beside it. A save whose
+lease was broken (it froze past the bound) learns it before committing (`confirm`)
+and commits nothing.
 
 The lock record is never a checkpoint record: readers, `holds_checkpoint` and
 stock `dcp.load` never look at it, and collection never deletes another scope's.
@@ -96,7 +100,9 @@ def stale_reason(holder: Holder, where: tuple[str, str] | None = None) -> str | 
     age = time.time() - holder.heartbeat
     if age > STALE_AFTER_S:
         return f"its heartbeat is {age:.0f} s old (a lease is stale after {STALE_AFTER_S:.0f} s)"
-    if not age >= -STALE_AFTER_S:  # NaN, or further ahead than clocks ever disagree: crafted
+    # Further ahead than clocks ever disagree (or NaN in a holder built by hand; a
+    # parsed one has a finite heartbeat): no live holder wrote it.
+    if not age >= -STALE_AFTER_S:
         return f"its heartbeat {holder.heartbeat!r} is no time a live holder could have written"
     return None
 
@@ -104,7 +110,8 @@ def stale_reason(holder: Holder, where: tuple[str, str] | None = None) -> str | 
 def live_scopes(folder: Folder, names: list[str], mine: Lease | None = None) -> set[int | None]:
     """The record scopes (None: global, or a rank) of leases in `folder` other than
     `mine` whose holders may be alive: their saves' files are never collected.
-    An unreadable lock record counts as live."""
+    An unreadable lock record counts as live. Never raises: collection runs after a
+    commit, and no lock record may turn a committed save into a reported failure."""
     found: set[int | None] = set()
     for name in names:
         m = LOCK_NAME.fullmatch(name)
@@ -112,11 +119,12 @@ def live_scopes(folder: Folder, names: list[str], mine: Lease | None = None) -> 
             continue
         try:
             holder = Holder.parse(read_record(folder, name))
+            live = holder is None or stale_reason(holder, (folder.identity, name)) is None
         except FileNotFoundError:
             continue
-        except OSError:
-            holder = None
-        if holder is None or stale_reason(holder, (folder.identity, name)) is None:
+        except Exception:  # noqa: BLE001 - a lock that cannot be judged is live: its files stay
+            live = True
+        if live:
             found.add(None if m.group(1) is None else int(m.group(1)))
     return found
 

@@ -5,11 +5,21 @@ records) is a few hundred bytes of JSON naming the save that holds the lease:
 its id, host, pid (with its pid namespace and start time, so a reused pid is
 not mistaken for the holder), when it was taken, and its last heartbeat. The
 protocol around it (taking, breaking, the heartbeat) is in `lease.py`.
+
+Anyone who can write beside a checkpoint can write its lock record, so
+`Holder.parse` is the one validator every reader goes through: it returns a
+`Holder` whose every field is in its domain (so nothing computed from it can
+raise), or None for anything else, whatever the bytes: too big, not UTF-8,
+nested, NaN or infinite, a number out of range, a field of the wrong type. None
+means "unreadable", which every consumer treats alike (`lease.py`: held, named in
+the refusal, broken by a waiting save after its quiet period; never collected
+around).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -17,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TypeGuard
 
 from ...storage import Folder
 
@@ -28,6 +39,15 @@ _FORMAT = "shardwise-lease/1"
 # A lock record is a few hundred bytes; a bigger one (a crafted, sparse 100 GB file) is
 # read only this far, so it parses as unreadable instead of filling memory.
 _MAX_RECORD = 1 << 16
+# A record is one flat JSON object; the few `[` / `{` it holds are in strings
+# ("pid:[4026531836]"). JSON nests no deeper than its count of openers, so with at
+# most this many the decoder's recursion stays shallow (40,000 nested lists would
+# raise RecursionError instead of parsing as unreadable).
+_MAX_OPENERS = 16
+_MAX_PID = (1 << 31) - 1  # pid_t: a bigger one overflows `os.kill`
+# The times a lock record may hold: 1970 to the last second `datetime` can show
+# (9999-12-31T23:59:59Z); `time.time()` is always in it, 1e20 or NaN never.
+_LATEST = 253402300799.0
 
 
 def read_record(folder: Folder, name: str) -> bytes:
@@ -115,27 +135,60 @@ class Holder:
 
     @classmethod
     def parse(cls, data: bytes) -> Holder | None:
-        try:
-            doc = json.loads(data)
-            return cls(
-                str(doc["save_id"]),
-                str(doc["host"]),
-                int(doc["pid"]),
-                str(doc["pid_namespace"]),
-                str(doc["process_start"]),
-                float(doc["since"]),
-                float(doc["heartbeat"]),
-            )
-        except (ValueError, KeyError, TypeError):
+        """The holder a lock record names, or None if it is unreadable: any bytes
+        that are not a record this module could have written, with every field in
+        its domain. Never raises; reads at most `_MAX_RECORD` bytes of JSON."""
+        if len(data) >= _MAX_RECORD:  # read only that far (`read_record`): cut short
             return None
+        try:
+            text = data.decode("utf-8")
+            if text.count("[") + text.count("{") > _MAX_OPENERS:
+                return None
+            doc = json.loads(text)  # NaN, Infinity and 1e400 come back as floats `_is_time` refuses
+        except ValueError:  # not UTF-8, not JSON, an int over 4,300 digits
+            return None
+        if not isinstance(doc, dict):
+            return None
+        save_id, host, namespace, start = (
+            doc.get(k) for k in ("save_id", "host", "pid_namespace", "process_start")
+        )
+        pid, since, beat = doc.get("pid"), doc.get("since"), doc.get("heartbeat")
+        if not (
+            isinstance(save_id, str)
+            and isinstance(host, str)
+            and isinstance(namespace, str)
+            and isinstance(start, str)
+            and type(pid) is int
+            and 0 < pid <= _MAX_PID
+            and _is_time(since)
+            and _is_time(beat)
+        ):
+            return None
+        return cls(save_id, host, pid, namespace, start, float(since), float(beat))
 
     def to_bytes(self) -> bytes:
         return (json.dumps({"format": _FORMAT, **asdict(self)}, indent=1) + "\n").encode()
 
     def describe(self) -> str:
-        since = datetime.fromtimestamp(self.since, timezone.utc).isoformat(timespec="seconds")
+        # A parsed holder's `since` is always a date; one built by hand may not be,
+        # and a message about a lock must never fail in its making.
+        since = (
+            datetime.fromtimestamp(self.since, timezone.utc).isoformat(timespec="seconds")
+            if _is_time(self.since)
+            else repr(self.since)
+        )
         beat = max(0.0, time.time() - self.heartbeat)
         return (
             f"save {self.save_id[:12]} of pid {self.pid} on host {self.host}, "
             f"since {since} (last heartbeat {beat:.0f} s ago)"
         )
+
+
+def _is_time(value: object) -> TypeGuard[float]:
+    """Whether `value` is a JSON number a clock can show (not a bool, not NaN)."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= _LATEST
+    )
