@@ -9,6 +9,8 @@ and without `megatron=True`. Every value is compared exactly with its global val
 
 from __future__ import annotations
 
+import io
+
 import torch
 
 from tests.clients.conftest import require
@@ -190,3 +192,39 @@ def _load_partial(rank: int, ws: int, path: str) -> tuple[list[str], object]:
     del sd["extra"]
     swc.load(sd, path, megatron=False)
     return _check_mcore(sd), {k: sd[k] for k in COMMON}
+
+
+def _overwrite_with_an_object_nobody_saves(rank: int, ws: int, path: str) -> tuple[str, str]:
+    """Saves a ShardedObject (rank 0 its main replica), then overwrites the checkpoint
+    with the same key held by both ranks as replicas 1 and 2: no rank would write it."""
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    _megatron()
+
+    def state(value: int, replica_id: int) -> dict:
+        bias = ShardedTensor.from_rank_offsets("bias", full("bias").clone(), replica_id=rank)
+        rng = ShardedObject("rng", {"seed": value}, (1,), (0,), replica_id=replica_id)
+        return {"bias": bias, "rng": rng}
+
+    swc.save(state(1, rank), path, megatron=True)
+    try:
+        swc.save(state(2, rank + 1), path, megatron=True, overwrite=True)
+    except sw.ShardMismatchError as e:
+        return type(e).__name__, str(e)
+    return "saved", ""
+
+
+def test_overwriting_with_an_object_no_rank_saves_is_refused_and_keeps_the_old_one(
+    tmp_path,
+) -> None:
+    path = tmp_path / "ck"
+    results = run_ranks(_overwrite_with_an_object_nobody_saves, 2, str(path), timeout=120)
+    message = (
+        "Megatron ShardedObject 'rng/shard_0_1' (held by ranks 0, 1, none as replica_id 0): "
+        "no rank holds the main replica, and only main replicas are saved; give one rank's "
+        "copy replica_id 0 (nothing was saved)"
+    )
+    assert results == [("ShardMismatchError", message)] * 2
+    stored = swc.open_checkpoint(str(path)).object_bytes("rng/shard_0_1")
+    assert torch.load(io.BytesIO(stored), weights_only=True) == [{"seed": 1}]
+    assert swc.verify(str(path)) == []

@@ -17,7 +17,7 @@ from shardwise.checkpoint.clients.megatron_returned import (
     megatron_route,
     save_targets,
 )
-from shardwise.errors import InvalidArgumentError
+from shardwise.errors import InvalidArgumentError, ShardMismatchError
 
 _MAPPING = "megatron.core.dist_checkpointing.mapping"
 
@@ -25,8 +25,9 @@ _MAPPING = "megatron.core.dist_checkpointing.mapping"
 class ShardedObject:
     """Stands for Megatron's ShardedObject (an object stored under its unique key)."""
 
-    def __init__(self, key: str, data: Any = None) -> None:
-        self.key, self.unique_key, self.data, self.replica_id = key, f"{key}/shard_0", data, 0
+    def __init__(self, key: str, data: Any = None, replica_id: Any = 0) -> None:
+        self.key, self.unique_key, self.data = key, f"{key}/shard_0", data
+        self.replica_id = replica_id
 
 
 class LocalNonpersistentObject:
@@ -97,3 +98,28 @@ def test_a_path_that_is_also_a_sharded_key_is_refused():
         "key 'model.w' is both a non-sharded value's path and a sharded (Megatron or "
         "shardwise) key; rename one"
     )
+
+
+@pytest.mark.parametrize("megatron", [False, True], ids=["plain", "megatron"])
+def test_an_object_no_rank_holds_as_main_replica_is_refused(megatron):
+    # Megatron saves main replicas only: without one, the key would silently be left out
+    state = {
+        "rng": ShardedObject("rng", 7, replica_id=1),
+        "opt": ShardedObject("opt", 1, replica_id=(0, 2)),
+        "kept": ShardedObject("kept", 2, replica_id=(0, 0)),
+    }
+    with pytest.raises(ShardMismatchError) as info:
+        save_targets(state, None, megatron=megatron)
+    assert str(info.value) == (
+        "Megatron ShardedObjects 'opt/shard_0' (held by rank 0, none as replica_id 0); "
+        "'rng/shard_0' (held by rank 0, none as replica_id 0): no rank holds the main "
+        "replica, and only main replicas are saved; give one rank's copy replica_id 0 "
+        "(nothing was saved)"
+    )
+
+
+def test_only_main_replicas_of_an_object_are_saved():
+    state = {"a": {"rng": ShardedObject("rng", 7, replica_id=1)}, "b": ShardedObject("rng", 8)}
+    flat = save_targets(state, None, megatron=False)
+    assert list(flat) == ["rng/shard_0"]
+    assert torch.load(io.BytesIO(flat["rng/shard_0"].data), weights_only=True) == [8]

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.agreement import exchange
-from ...errors import InvalidArgumentError, LayoutError
+from ...errors import InvalidArgumentError, LayoutError, ShardMismatchError
 from ...interop.megatron import (
     is_main_replica,
     is_mapping_class,
@@ -150,7 +150,8 @@ def _holds_sharded(value: Any) -> bool:
 
 def _sharded_entries(sharded: Any, prefix: str = "") -> dict[Any, Any]:
     """Flat DCP key -> value: shardwise tensors under their dotted path, Megatron
-    pieces under their own key (grouped: pieces of one key make one entry)."""
+    pieces under their own key (grouped: pieces of one key make one entry), and
+    ShardedObjects under their unique key (every replica: `_objects` picks)."""
     out: dict[Any, Any] = {}  # dotted path, or (kind, Megatron key) for grouped entries
     for k, v in sharded.items():
         path = f"{prefix}{k}"
@@ -159,8 +160,7 @@ def _sharded_entries(sharded: Any, prefix: str = "") -> dict[Any, Any]:
         elif isinstance(v, ShardedTensor):
             out[path] = v
         elif is_mcore_object(v):
-            if is_main_replica(v.replica_id):  # Megatron writes main replicas only
-                out.setdefault(("object", v.unique_key), []).append(v.data)
+            out.setdefault(("object", v.unique_key), []).append(v)
         else:
             for piece in pieces_of(v):
                 out.setdefault(("mcore", piece.key), []).append(piece)
@@ -174,45 +174,89 @@ def prepare_save(
 
     Sharded tensors under their Megatron key (Megatron pieces grouped by key,
     every rank taking part for every key, main replicas only), Megatron
-    ShardedObjects under their unique key, everything else in Megatron's
-    common state object, each as `dist_checkpointing.save` writes it.
-    `common_state=False` leaves the rest out (a plain save stores it by path).
+    ShardedObjects under their unique key (main replicas only: a key no rank
+    holds as `replica_id` 0 raises `ShardMismatchError` on every rank, as a
+    tensor with a hole does), everything else in Megatron's common state
+    object, each as `dist_checkpointing.save` writes it. `common_state=False`
+    leaves the rest out (a plain save stores it by path). Per rank: one
+    all-gather of its Megatron keys (with shapes) and ShardedObject keys, then
+    `to_shardwise`'s checks, one per Megatron key.
     """
     sharded, common = _split(state_dict)
     entries = _sharded_entries(sharded)
-    mcore, shapes = _mcore_keys(entries, group)
+    objects = _objects(entries)
+    mcore, shapes = _mcore_keys(entries, group, objects)
     flat: dict[str, Any] = {k: v for k, v in entries.items() if not isinstance(k, tuple)}
     for key in sorted(shapes):  # the same order on every rank: one collective per key
         _refuse_clash(key, flat)
         flat[key] = to_shardwise(
             mcore.get(key, []), replicas=False, global_shape=shapes[key], group=group
         )
-    for key, values in entries.items():  # ShardedObjects: this rank's, as Megatron stores them
-        if isinstance(key, tuple) and key[0] == "object":
-            flat[key[1]] = _serialized(values)
+    for key, values in objects.items():  # ShardedObjects: this rank's, as Megatron stores them
+        if values:  # Megatron writes main replicas only (`_mcore_keys` saw one somewhere)
+            flat[key] = _serialized(values)
     if common_state and _rank(group) == 0:  # rank 0's, as Megatron keeps (replica_id: rank)
         flat[COMMON_STATE_KEY] = _serialized([common])
     return flat
 
 
+def _objects(entries: dict[Any, Any]) -> dict[str, list[Any]]:
+    """This rank's ShardedObjects by unique key: the data of its main replicas (none
+    where it holds only other replicas)."""
+    return {
+        key[1]: [o.data for o in held if is_main_replica(o.replica_id)]
+        for key, held in entries.items()
+        if isinstance(key, tuple) and key[0] == "object"
+    }
+
+
 def _mcore_keys(
-    entries: dict[Any, Any], group: Any
+    entries: dict[Any, Any], group: Any, objects: Mapping[str, list[Any]] | None = None
 ) -> tuple[dict[str, list[Any]], dict[str, tuple[int, ...]]]:
     """This rank's Megatron pieces by key, and every rank's keys with their global
-    shapes (one exchange), so a rank holding nothing of a key still takes part."""
+    shapes (one exchange), so a rank holding nothing of a key still takes part.
+
+    A save passes this rank's `objects` (`_objects`): which ShardedObject keys it
+    holds, and whether as main replica, ride on the same exchange (O(objects held)
+    more bytes per rank), so every rank refuses alike a key no rank saves."""
     mcore = {
         key[1]: pieces
         for key, pieces in entries.items()
         if isinstance(key, tuple) and key[0] == "mcore"
     }
     local = {k: tuple(p[0].global_shape) for k, p in mcore.items()}
+    held = {k: bool(values) for k, values in (objects or {}).items()}
     distributed = dist.is_available() and dist.is_initialized()
-    everyone = exchange(None, local, group) if distributed else [local]
+    everyone = exchange(None, (local, held), group) if distributed else [(local, held)]
+    _refuse_unsaved_objects([theirs for _, theirs in everyone])
     shapes: dict[str, tuple[int, ...]] = {}
-    for theirs in everyone:
+    for theirs, _ in everyone:
         for k, shape in theirs.items():
             shapes.setdefault(k, shape)
     return mcore, shapes
+
+
+def _refuse_unsaved_objects(held: list[dict[str, bool]]) -> None:
+    """Raise, alike on every rank (they all see `held`, every rank's ShardedObject keys
+    and whether it holds the main replica), if a key has no main replica anywhere:
+    Megatron saves main replicas only, so it would be left out of the checkpoint (and
+    an overwritten one's value lost), as a tensor without one is refused."""
+    holders: dict[str, list[int]] = {}
+    for rank, theirs in enumerate(held):
+        for key in theirs:
+            holders.setdefault(key, []).append(rank)
+    unsaved = sorted(k for k, ranks in holders.items() if not any(held[r][k] for r in ranks))
+    if unsaved:
+        listed = "; ".join(
+            f"'{k}' (held by rank{'s' if len(holders[k]) > 1 else ''} "
+            f"{', '.join(map(str, holders[k]))}, none as replica_id 0)"
+            for k in unsaved
+        )
+        raise ShardMismatchError(
+            f"Megatron ShardedObject{'s' if len(unsaved) > 1 else ''} {listed}: no rank holds "
+            f"the main replica, and only main replicas are saved; give one rank's copy "
+            f"replica_id 0 (nothing was saved)"
+        )
 
 
 def _rank(group: Any) -> int:
