@@ -16,7 +16,9 @@ GPU memory and synchronising the device; tensors keep the group's backend.
 
 from __future__ import annotations
 
+import atexit
 import pickle
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from datetime import timedelta
@@ -31,6 +33,7 @@ __all__ = [
     "SingleProcess",
     "Waitable",
     "communicator",
+    "gloo_group",
     "object_group",
     "timeout_of",
 ]
@@ -160,6 +163,43 @@ class ProcessGroupCommunicator(Communicator):
 
 # (the default group they were made under, the gloo group) by global ranks.
 _SIDE_GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
+# Every gloo group shardwise made, destroyed at the interpreter's exit (`_destroy_made`).
+_MADE: list[Any] = []
+_MADE_LOCK = threading.Lock()
+
+
+def gloo_group(ranks: list[int] | None, **options: Any) -> Any:
+    """`dist.new_group(ranks, backend="gloo", **options)` for shardwise's own use
+    (collective as that call is), destroyed at the interpreter's exit unless the
+    script destroyed the default group first.
+
+    A script that ends without `destroy_process_group()` then leaves torch's
+    teardown only the groups it made itself, as stock DCP does: the interpreter's
+    finalization never tears down a gloo group of ours in whatever order it
+    happens to free objects."""
+    group = dist.new_group(ranks, backend="gloo", **options)
+    with _MADE_LOCK:
+        if not _MADE:
+            atexit.register(_destroy_made)
+        _MADE.append(group)
+    return group
+
+
+def _destroy_made() -> None:
+    """At exit (after the interpreter joined its threads: no save of ours runs), the
+    groups `gloo_group` made, while the default group they came from is alive.
+    Local to each rank: destroying a gloo group exchanges nothing."""
+    with _MADE_LOCK:
+        made = list(_MADE)
+        _MADE.clear()
+    _SIDE_GROUPS.clear()
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # the script destroyed the default group, and every group with it
+    for group in made:
+        try:
+            dist.destroy_process_group(group)
+        except (ValueError, RuntimeError):  # destroyed already, by the script
+            pass
 
 
 def object_group(group: Any) -> Any:
@@ -184,12 +224,8 @@ def object_group(group: Any) -> Any:
         whole = len(ranks) == dist.get_world_size()
         # a group made with sort_ranks=False keeps its order (rank i is ranks[i])
         order: dict[str, Any] = {} if list(ranks) == sorted(ranks) else {"sort_ranks": False}
-        side = dist.new_group(
-            list(ranks),
-            timeout=timeout_of(pg),
-            backend="gloo",
-            use_local_synchronization=not whole,
-            **order,
+        side = gloo_group(
+            list(ranks), timeout=timeout_of(pg), use_local_synchronization=not whole, **order
         )
         cached = _SIDE_GROUPS[ranks] = (world, side)
     return cached[1]

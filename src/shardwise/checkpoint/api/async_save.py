@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.agreement import Agreement
+from ...comm.communicator import gloo_group
 from ...errors import InvalidArgumentError
 from ...storage import Folder
 from ..engine.adapters import adapted_for_save
@@ -58,7 +59,7 @@ class _AsyncSaver:
     def __init__(self) -> None:
         self.stager = Stager()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="shardwise-async-save")
-        self.groups: dict[Any, Any] = {}
+        self.groups: dict[Any, tuple[Any, Any]] = {}  # (the default group then, ours)
         # `PENDING` names the save submitted last, so a later save waits for every earlier one
         self.submitting = threading.Lock()
 
@@ -70,10 +71,13 @@ class _AsyncSaver:
     def group_for(self, process_group: Any) -> Any:
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        if process_group not in self.groups:  # collective: every rank gets here together
+        world = dist.group.WORLD
+        kept = self.groups.get(process_group)
+        if kept is None or kept[0] is not world:  # none yet, or made before a re-init
+            # collective: every rank gets here together
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-            self.groups[process_group] = dist.new_group(ranks=ranks, backend="gloo")
-        return self.groups[process_group]
+            kept = self.groups[process_group] = (world, gloo_group(ranks))
+        return kept[1]
 
 
 _ASYNC = _AsyncSaver()

@@ -289,4 +289,6 @@ def _when_done(mark: Mark, then: Callable[[], None]) -> None:
         mark.wait()
         then()
 
-    threading.Thread(target=watch, name="shardwise-staged", daemon=True).start()
+    # not a daemon: the interpreter waits for it at exit rather than stopping it inside
+    # a CUDA wait (a daemon thread in C++ at finalization aborts the process)
+    threading.Thread(target=watch, name="shardwise-staged").start()
