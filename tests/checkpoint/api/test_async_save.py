@@ -90,3 +90,59 @@ def test_a_later_async_save_reuses_the_buffers_an_earlier_one_handed_back(tmp_pa
     assert out["t"].tolist() == [3.0] * 64
     swc.load(out, tmp_path / "two")
     assert out["t"].tolist() == [4.0] * 64
+
+
+def test_an_async_save_from_a_done_callback_runs_rather_than_waiting_for_itself(tmp_path):
+    """The callback runs on the one save thread: queued behind it, the new save would
+    wait for its own staging forever."""
+    got: list[Any] = []
+    called = threading.Event()
+
+    def again(_: Any) -> None:
+        try:
+            got.append(swc.async_save({"t": torch.full((4,), 6.0)}, tmp_path / "two").result())
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            got.append(e)
+        finally:
+            called.set()
+
+    first = swc.async_save({"t": torch.full((4,), 5.0)}, tmp_path / "one")
+    first.add_done_callback(again)
+    assert called.wait(60), "the callback's async_save never returned"
+    assert [type(g).__name__ for g in got] == ["SaveInfo"]
+    out = {"t": torch.zeros(4)}
+    swc.load(out, tmp_path / "two")
+    assert out["t"].tolist() == [6.0] * 4
+
+
+def test_host_state_is_staged_when_async_save_returns(tmp_path):
+    hold = threading.Event()
+    held = _ASYNC.executor.submit(hold.wait, 60)  # the save itself has not started
+    try:
+        fut = swc.async_save({"t": torch.ones(4)}, tmp_path / "ck", staging="background")
+        assert fut.staged.done() and not fut.done()
+    finally:
+        hold.set()
+        held.result(60)
+    fut.result(60)
+
+
+class ShardedObject:
+    """Stands for Megatron's ShardedObject (stored under its unique key)."""
+
+    def __init__(self, key: str, data: Any = None) -> None:
+        self.key, self.unique_key, self.data, self.replica_id = key, f"{key}/shard_0", data, 0
+
+
+ShardedObject.__module__ = "megatron.core.dist_checkpointing.mapping"
+
+
+def test_megatron_objects_are_stored_under_the_key_save_uses(tmp_path):
+    state = {"w": torch.arange(4.0), "sched": ShardedObject("sched", {"lr": 1.5})}
+    swc.async_save(state, tmp_path / "async").result(60)
+    swc.save(state, tmp_path / "sync")
+    for name in ("async", "sync"):
+        assert "sched/shard_0" in swc.inspect(tmp_path / name).objects, name
+        target = {"w": torch.zeros(4), "sched": ShardedObject("sched")}
+        swc.load(target, tmp_path / name)
+        assert target["sched"].data == {"lr": 1.5} and target["w"].tolist() == [0, 1, 2, 3]

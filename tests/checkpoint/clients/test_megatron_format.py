@@ -192,3 +192,28 @@ def test_write_metadata_json_never_opens_a_fifo(tmp_path: Path) -> None:
     (tmp_path / "new" / "metadata.json").write_text("not json")
     write_metadata_json(tmp_path / "new")
     assert json.loads((tmp_path / "new" / "metadata.json").read_text()) == _MEGATRON_JSON
+
+
+def test_a_metadata_json_nested_past_the_decoder_is_in_the_way_not_a_crash(tmp_path: Path) -> None:
+    (tmp_path / "metadata.json").write_text("[" * 60_000)
+    problem = metadata_json_problem(tmp_path)
+    assert isinstance(problem, CheckpointExistsError)
+    assert "is not Megatron's torch_dist metadata" in str(problem)
+    with pytest.raises(CheckpointExistsError, match="not Megatron's torch_dist metadata"):
+        swc.save({"w": torch.ones(2)}, tmp_path, megatron=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metadata.json"]  # nothing written
+
+
+@pytest.mark.parametrize("stored", [[], 5, None], ids=["empty-list", "int", "none"])
+def test_a_common_state_object_that_is_no_list_is_named(tmp_path: Path, stored: object) -> None:
+    swc.save({"common_state/shard_0_1": stored, "w": torch.ones(1)}, tmp_path / "ck")
+    with pytest.raises(
+        CorruptCheckpointError, match=r"object 'common_state/shard_0_1' in .* not Megatron's"
+    ):
+        read_common_state(tmp_path / "ck")
+
+
+def test_no_common_state_at_all_is_a_key_error_saying_so(tmp_path: Path) -> None:
+    swc.save({"w": torch.ones(1)}, tmp_path / "ck")
+    with pytest.raises(KeyError, match="no Megatron common state in .*neither a common.pt"):
+        read_common_state(tmp_path / "ck")

@@ -17,7 +17,7 @@ from shardwise.checkpoint.clients.megatron_returned import (
     megatron_route,
     save_targets,
 )
-from shardwise.errors import InvalidArgumentError, ShardMismatchError
+from shardwise.errors import CorruptCheckpointError, InvalidArgumentError, ShardMismatchError
 
 _MAPPING = "megatron.core.dist_checkpointing.mapping"
 
@@ -88,6 +88,16 @@ def test_a_plain_load_fills_objects_and_values_after_dcp():
     for finish in finishers:
         finish()
     assert (state["rng"].data, state["model"]["step"], state["lr"]) == (8, 4, 0.25)
+
+
+def test_an_object_stored_as_an_empty_list_is_named_not_an_index_error():
+    state = _state()
+    flat, finishers = load_targets(state, None, megatron=False)
+    flat.update({"rng/shard_0": []})  # a crafted checkpoint's value for the key
+    with pytest.raises(CorruptCheckpointError, match="ShardedObject 'rng/shard_0'.*empty list"):
+        for finish in finishers:
+            finish()
+    assert state["rng"].data == 7  # left as it was
 
 
 def test_a_path_that_is_also_a_sharded_key_is_refused():

@@ -16,6 +16,7 @@ from ...comm.agreement import Agreement
 from ...comm.communicator import gloo_group
 from ...errors import InvalidArgumentError
 from ...storage import Folder
+from ..clients.megatron_returned import save_targets
 from ..engine.adapters import adapted_for_save
 from ..engine.inventory import serialize_objects
 from ..engine.rank_file import Staging
@@ -38,6 +39,7 @@ class SaveFuture(Future):
     def __init__(self) -> None:
         super().__init__()
         self.staged: Future = Future()
+        self._marking = threading.Lock()
 
     @property
     def staging_completion(self) -> Future:
@@ -48,8 +50,9 @@ class SaveFuture(Future):
         return self
 
     def _mark_staged(self) -> None:
-        if not self.staged.done():
-            self.staged.set_result(None)
+        with self._marking:  # from the caller's thread and the save's
+            if not self.staged.done():
+                self.staged.set_result(None)
 
 
 class _AsyncSaver:
@@ -62,6 +65,10 @@ class _AsyncSaver:
         self.groups: dict[Any, tuple[Any, Any]] = {}  # (the default group then, ours)
         # `PENDING` names the save submitted last, so a later save waits for every earlier one
         self.submitting = threading.Lock()
+        self.local = threading.local()  # `.saving` on the save thread while it saves
+
+    def on_save_thread(self) -> bool:
+        return getattr(self.local, "saving", False)
 
     def submit(self, future: SaveFuture, *args: Any) -> None:
         with self.submitting:
@@ -131,9 +138,12 @@ def async_save(
     where = folder.identity if folder is not None else repr(path)
     call = agreement(process_group, _save_arguments(where, overwrite, False))
     problem = problem or user_problem or staging_problem
-    agree_route(state_dict, False, call, problem, by_megatron_key=False)
+    by_key = agree_route(state_dict, False, call, problem)
     assert folder is not None  # else `agree_route` raised its problem on every rank
-    state_dict = adapted_for_save(state_dict, process_group, agreed=True)
+    if by_key:  # as `save` stores them: Megatron's values under their Megatron keys
+        state_dict = save_targets(state_dict, process_group, False)
+    else:
+        state_dict = adapted_for_save(state_dict, process_group, agreed=True)
     staged: Staged | None = None
     try:  # a value that cannot be staged on one rank fails every rank, not only that one
         staged = _ASYNC.stager.stage(state_dict)
@@ -152,7 +162,14 @@ def async_save(
     assert staged is not None  # else `_check_target` raised its problem
     future = SaveFuture()
     spec.on_staged = future._mark_staged
+    if _ASYNC.on_save_thread():
+        # called by a done callback of an earlier save, on the one save thread: queued
+        # behind the callback, it would wait for itself; it runs here instead
+        _save_staged(future, staged, folder, overwrite, group, wait, spec)
+        return future
     _ASYNC.submit(future, staged, folder, overwrite, group, wait, spec)
+    if not staged.cuda_devices:
+        future._mark_staged()  # every host value was copied by `stage`
     if staging == "blocking":
         future.staged.result()
     return future
@@ -180,6 +197,7 @@ def _save_staged(
     """The background part of `async_save`, on its own group (targets and arguments
     already checked in the foreground); its outcome goes to `future`. The staging
     buffers go back to the stager once the save no longer reads them."""
+    outer, _ASYNC.local.saving = _ASYNC.on_save_thread(), True
     try:
         info = _save(staged.state, path, Agreement(_comm(group)), wait, overwrite, staging)
     except BaseException as e:  # noqa: BLE001 - the caller's `.result()` raises it
@@ -190,3 +208,5 @@ def _save_staged(
         _ASYNC.stager.release(staged)
         future._mark_staged()
         future.set_result(info)
+    finally:
+        _ASYNC.local.saving = outer

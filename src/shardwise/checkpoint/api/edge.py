@@ -91,8 +91,6 @@ def agree_route(
     agreement: Agreement,
     problem: BaseException | None,
     statefuls: tuple[str, ...] = (),
-    *,
-    by_megatron_key: bool = True,
 ) -> bool:
     """The edge's one exchange (one fixed-size `all_reduce`; the values gathered only
     when they differ, to name the ranks): whether this save or load goes by Megatron key
@@ -100,9 +98,8 @@ def agree_route(
     takes the same route. On it the ranks' top-level `Stateful` keys must agree; off
     it, their adapted values too (`engine.adapters`). `problem` (this rank's failure
     so far: the folder, a `state_dict()`) is raised on every rank by the exchange,
-    and the call's arguments are compared there (`agreement`). `by_megatron_key=False`
-    (`async_save`): Megatron's values go by dict path, through their value adapter."""
-    by_key = by_megatron_key and (megatron or holds_megatron(state_dict))
+    and the call's arguments are compared there (`agreement`)."""
+    by_key = megatron or holds_megatron(state_dict)
     agreement.defer(problem)
     if agreement.world_size == 1:
         agreement.exchange()  # raises `problem`; nothing to compare with another rank

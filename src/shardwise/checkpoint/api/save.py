@@ -39,9 +39,17 @@ def _target_problem(
     path: Folder, overwrite: bool, call: Agreement, megatron: bool = False
 ) -> BaseException | None:
     """What rank 0 finds in the way of a save: a checkpoint (unless `overwrite`; other
-    files are fine), a file, or a foreign `metadata.json` (for a Megatron-readable save)."""
+    files are fine), a file, or a foreign `metadata.json` (for a Megatron-readable save).
+    Returned, never raised: every rank raises it at the next verdict, none waits alone."""
     if call.rank != 0:
         return None
+    try:
+        return _in_the_way(path, overwrite, megatron)
+    except Exception as e:  # noqa: BLE001 - the folder's own problem, for every rank
+        return e
+
+
+def _in_the_way(path: Folder, overwrite: bool, megatron: bool) -> BaseException | None:
     if path.is_file():
         return CheckpointExistsError(
             f"{path} is a file, not a checkpoint folder: save to a folder path"

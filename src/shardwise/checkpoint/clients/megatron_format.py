@@ -97,7 +97,12 @@ def _metadata_json(folder: Folder) -> Any:
     """The parsed `metadata.json`, None when absent; `CorruptCheckpointError` when it is
     no plain file or too large, `ValueError` when it is no JSON."""
     data = _read_bounded(folder, METADATA_JSON, _MAX_METADATA_JSON, "Megatron's metadata.json")
-    return None if data is None else json.loads(data)
+    if data is None:
+        return None
+    try:
+        return json.loads(data)
+    except RecursionError:  # nested past the decoder's depth: no JSON Megatron writes
+        raise ValueError(f"{folder.where(METADATA_JSON)} nests too deep") from None
 
 
 def metadata_json_problem(path: str | os.PathLike | Folder) -> BaseException | None:
@@ -162,9 +167,26 @@ def read_common_state(
     data = _read_bounded(folder, COMMON_PT, _MAX_COMMON_PT, "a Megatron common state")
     if data is not None:
         return _unpickle(data, folder.where(COMMON_PT), trust_objects)
-    stored = open_checkpoint(folder).object_bytes(COMMON_STATE_KEY)
     where = f"object '{COMMON_STATE_KEY}' in {folder.location}"
-    return _unpickle(stored, where, trust_objects)[0]
+    try:
+        stored = open_checkpoint(folder).object_bytes(COMMON_STATE_KEY)
+    except KeyError:  # a lookup that misses: KeyError, as for any key
+        raise KeyError(
+            f"no Megatron common state in {folder.location}: neither a {COMMON_PT} nor an "
+            f"object '{COMMON_STATE_KEY}' (saved with megatron=True, or by Megatron)"
+        ) from None
+    values = _unpickle(stored, where, trust_objects)
+    if not isinstance(values, list) or not values:  # Megatron stores [common state]
+        raise CorruptCheckpointError(
+            f"{where} holds {type(values).__name__} {_short(values)}, not Megatron's "
+            f"[common state]: not a common state Megatron wrote"
+        )
+    return values[0]
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _unpickle(data: bytes, where: str, trust: bool) -> Any:

@@ -27,7 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ...comm.agreement import exchange, require_same
-from ...errors import InvalidArgumentError
+from ...errors import CorruptCheckpointError, InvalidArgumentError
 from ...interop.megatron import is_mcore_object, is_mcore_value
 from .megatron import _NONE, _split, prepare_load, prepare_save
 
@@ -139,6 +139,11 @@ def _object_filler(flat: dict[str, Any], key: str, held: list[Any]) -> Finish:
         # stored as Megatron stores it: the saving rank's values of that key, in order
         stored = flat[key]
         values = stored if isinstance(stored, list) else [stored]
+        if not values:
+            raise CorruptCheckpointError(
+                f"Megatron ShardedObject '{key}': the checkpoint stores an empty list, not "
+                f"the saving rank's values of that key (one at least)"
+            )
         for i, obj in enumerate(held):
             obj.data = values[min(i, len(values) - 1)]
 
