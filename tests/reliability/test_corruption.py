@@ -37,7 +37,9 @@ def test_metadata_damage_a_load_never_reads_is_for_verify(tmp_path, before):
     """A version 4 load checks `.metadata`'s size and last `TAIL` bytes (its save id), never
     all of it (every rank would read it): a flip before them leaves what shardwise reads
     intact, so the load is right and `verify`, checking the full checksum, reports it; a
-    flip in them is refused by the load (and by `verify`) as damage, never followed."""
+    flip in them is refused by the load (and by `verify`) as damage, never followed: here
+    it turns the field name `save_id` into `s`ve_id`, a `StorageMeta` that DCP never wrote
+    (issue 35: refused as such, not loaded with the field missing)."""
     state = {f"t{i}": torch.full((2,), float(i)) for i in range(200)}
     swc.save(state, tmp_path)
     data = bytearray((tmp_path / ".metadata").read_bytes())
@@ -46,8 +48,9 @@ def test_metadata_damage_a_load_never_reads_is_for_verify(tmp_path, before):
     (tmp_path / ".metadata").write_bytes(bytes(data))
     where = tmp_path / ".metadata"
     damaged = (
-        f"{where} fails the manifest's checksum but names the same data files: it is "
-        "damaged (restore it, or save the checkpoint again)"
+        f"{where} does not match the manifest beside it (a checksum mismatch) and cannot be "
+        f"read: {where}: storage_meta: a StorageMeta that holds 's`ve_id', no field of DCP's "
+        "(damaged or crafted, or written by a newer PyTorch than this one): refused"
     )
     got = {k: torch.zeros(2) for k in state}
     if before:

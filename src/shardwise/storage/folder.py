@@ -18,7 +18,15 @@ from typing import Any
 
 from ..errors import CorruptCheckpointError, UnsupportedStorageError
 
-__all__ = ["TEMPORARY", "Folder", "RandomAccess", "Sink", "plain_name", "temporary_name"]
+__all__ = [
+    "TEMPORARY",
+    "Folder",
+    "RandomAccess",
+    "Sink",
+    "plain_name",
+    "temporary_name",
+    "too_large",
+]
 
 # `{name}.sw{12 hex}.tmp`: what a record looks like before it replaces `name`.
 TEMPORARY = re.compile(r"(.+)\.sw([0-9a-f]{12})\.tmp")
@@ -39,6 +47,14 @@ def plain_name(name: str) -> str:
             f"{name!r} is not the name of a file inside the folder (a path out of it?): refused"
         )
     return name
+
+
+def too_large(where: str, size: int, limit: int) -> CorruptCheckpointError:
+    """The refusal of a record of `size` bytes where at most `limit` may be read whole."""
+    return CorruptCheckpointError(
+        f"{where} holds {size} bytes, more than the {limit} bytes a record there may hold "
+        "(damaged or crafted: refused, nothing read)"
+    )
 
 
 def temporary_name(name: str) -> str:
@@ -171,8 +187,10 @@ class Folder(ABC):
     # -- reading ---------------------------------------------------------------------------------
 
     @abstractmethod
-    def read(self, name: str) -> bytes:
-        """The whole file `name`."""
+    def read(self, name: str, limit: int | None = None) -> bytes:
+        """The whole file `name`. With `limit`, a file of more bytes is refused
+        (`CorruptCheckpointError` naming it, `too_large`) before anything is allocated
+        for it: a record's size is untrusted (an 8 GiB sparse file costs no disk)."""
 
     @abstractmethod
     def open(self, name: str) -> RandomAccess:

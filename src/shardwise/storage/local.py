@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from .folder import Folder, RandomAccess, Sink, plain_name, temporary_name
+from .folder import Folder, RandomAccess, Sink, plain_name, temporary_name, too_large
 
 __all__ = ["LocalFile", "LocalFolder", "LocalSink", "write_all"]
 
@@ -217,10 +217,12 @@ class LocalFolder(Folder):
         p = self.path / name
         return p.is_file() and not p.is_symlink()
 
-    def read(self, name: str) -> bytes:
+    def read(self, name: str, limit: int | None = None) -> bytes:
         f = self.open(name)
         try:
-            size = f.size()
+            size = f.size()  # of the file opened: what is read, whatever a listing said
+            if limit is not None and size > limit:
+                raise too_large(f.where, size, limit)
             out = bytearray(size)
             got = f.readinto([memoryview(out)], 0) if size else 0
             while got < size:  # a short read (a network filesystem); the file did not grow

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from .folder import Folder, Sink, plain_name, temporary_name
+from .folder import Folder, Sink, plain_name, temporary_name, too_large
 from .ranges import MAX_GAP, PART, WASTE, coalesce, parts
 from .remote_files import RemoteFile, RemoteSink
 
@@ -128,8 +128,20 @@ class FsspecFolder(Folder):
 
     # -- reading ---------------------------------------------------------------------------------
 
-    def read(self, name: str) -> bytes:
-        data = bytes(self.fs.cat_file(self._plain(name)))
+    def read(self, name: str, limit: int | None = None) -> bytes:
+        path = self._plain(name)
+        if limit is None:
+            data = bytes(self.fs.cat_file(path))
+        else:  # its size first (listed, or one HEAD), then never more than `limit` + 1 bytes
+            size = self.size_of(name)
+            if size > limit:
+                raise too_large(self.where(name), size, limit)
+            # ranged, so that one replaced since it was listed costs at most `limit` + 1
+            # bytes too (an empty one whole: S3 refuses a range of it, InvalidRange)
+            ranged = {"start": 0, "end": limit + 1} if size else {}
+            data = bytes(self.fs.cat_file(path, **ranged))
+            if len(data) > limit:
+                raise too_large(self.where(name), len(data), limit)
         self.whole_bytes += len(data)
         return data
 

@@ -44,7 +44,13 @@ from .manifest_fields import TOP
 from .manifest_index import resolve_sections, write_sections
 from .manifest_text import parse
 from .planner_data import pickled, unpickled
-from .record_check import check_coverage, check_name, check_ranges, chunk_consistent
+from .record_check import (
+    check_coverage,
+    check_name,
+    check_ranges,
+    chunk_consistent,
+    record_limit,
+)
 
 __all__ = [
     "FORMAT",
@@ -178,12 +184,17 @@ class Manifest:
         self.check_coverage(path, holes=name != MANIFEST)
 
     @classmethod
-    def read_head(cls, folder: Folder, name: str = MANIFEST) -> Manifest:
+    def read_head(
+        cls, folder: Folder, name: str = MANIFEST, listing: dict[str, int] | None = None
+    ) -> Manifest:
         """The manifest `name` in `folder` as the file holds it: from version 4 without
-        chunks (a load reads the sections it needs: `manifest_index`), checked alone."""
+        chunks (a load reads the sections it needs: `manifest_index`), checked alone.
+        At most `record_limit` bytes are read (`listing`: the folder's files and sizes,
+        when the caller listed it already)."""
         path = folder.where(name)
         try:
-            held = [folder.read(name)]  # the parse lets it go (`_parsed`)
+            limit = record_limit(folder.sizes() if listing is None else listing, name)
+            held = [folder.read(name, limit)]  # the parse lets it go (`_parsed`)
         except OSError as e:
             raise CorruptCheckpointError(f"{path}: unreadable manifest: {e}") from e
         return cls._parsed(held, path)
@@ -221,9 +232,10 @@ class Manifest:
         """DCP's record `name` beside this manifest when it is not the one this manifest
         was committed with (stock `dcp.save` replaced the checkpoint in place, or a save
         died between its two records): what stock readers follow. None when it matches,
-        or when there is none."""
+        or when there is none; at most `record_limit` bytes of it are read."""
+        listing = folder.sizes() if listing is None else listing
         if self.version >= 4:  # its size and its last bytes: no rank reads all of it
-            size = (folder.sizes() if listing is None else listing).get(name)
+            size = listing.get(name)
             if size is None:
                 return None
             file = folder.open(name)
@@ -234,7 +246,7 @@ class Manifest:
             if (size, crc32c.crc32c(end)) == self.metadata_tail:
                 return None
         try:
-            data = folder.read(name)
+            data = folder.read(name, record_limit(listing, name))
         except FileNotFoundError:
             return None
         return None if crc32c.crc32c(data) == self.metadata_crc32c else data

@@ -67,6 +67,8 @@ def unpickled(planner_data: Any, planner_data_pickle: str | None) -> Any:
     if planner_data_pickle is None:
         return planner_data
     try:
-        return load_metadata(io.BytesIO(base64.b64decode(planner_data_pickle)))
+        return load_metadata(
+            io.BytesIO(base64.b64decode(planner_data_pickle)), f"{MANIFEST}: planner data"
+        )
     except (ValueError, pickle.UnpicklingError) as e:
         raise CorruptCheckpointError(f"{MANIFEST}: unreadable planner data: {e}") from e

@@ -13,7 +13,9 @@ reader trusts those only once this module passed them:
   overlap (so no chunk claims more bytes than the files hold);
 * every chunk has its tensor's ndim and lies in bounds; the distinct chunks
   of a tensor cover it exactly (`chunk_coverage`);
-* a stock chunk's record is at least as long as the chunk's elements.
+* a stock chunk's record is at least as long as the chunk's elements;
+* a record read whole (a manifest, a `.metadata`, an index section) holds at
+  most `record_limit` bytes, checked before anything is allocated for it.
 
 Anything else a tampered record holds (a wrong type, an absurd number) is a
 `CorruptCheckpointError` naming the entry and the file.
@@ -25,7 +27,7 @@ import io
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -55,7 +57,16 @@ __all__ = [
     "follow_replaced",
     "name_problem",
     "read_stock",
+    "record_limit",
 ]
+
+# What a record read whole may hold (`record_limit`): a fixed floor, plus a multiple of
+# the folder's other bytes. Legitimate records stay far below it (a version 5 manifest
+# is ~100 bytes a tensor, `.metadata` ~300 bytes a chunk, each chunk's record in a
+# data file over 1 KiB), and a crafted size (a sparse file of 8 GiB costs no disk)
+# is refused before it is read.
+RECORD_FLOOR = 64 << 20
+RECORD_FACTOR = 16
 
 # Names a record never gives to a data file: the records, the marker, their
 # temporary names, lock files. A record naming one of them is crafted or damaged,
@@ -67,6 +78,14 @@ _RECORDS = re.compile(
 # fullmatch (a trailing newline is not ours); ASCII, since `\d` alone also matches other
 # scripts' digits (`__٣_0...`), never names we write.
 DATA_FILE = re.compile(r"__(\d+)_(\d+)\.sw([0-9a-f]{12})" + re.escape(DEFAULT_SUFFIX), re.ASCII)
+
+
+def record_limit(listing: Mapping[str, int], name: str) -> int:
+    """The most bytes the record `name` of a folder whose plain files and sizes are
+    `listing` may hold: `RECORD_FLOOR` plus `RECORD_FACTOR` times the bytes of every
+    other file of the listing (the data it describes). What a record costs to read
+    follows what is stored, never what the record's own size says."""
+    return RECORD_FLOOR + RECORD_FACTOR * (sum(listing.values()) - listing.get(name, 0))
 
 
 def name_problem(name: Any, *, shardwise: bool) -> str | None:
@@ -187,15 +206,23 @@ def check_metadata(metadata: Any, folder: Folder, record: str, *, holes: bool = 
 
 
 def read_stock(
-    folder: Folder, name: str, data: bytes | None = None, *, holes: bool = False
+    folder: Folder,
+    name: str,
+    data: bytes | None = None,
+    *,
+    holes: bool = False,
+    listing: Mapping[str, int] | None = None,
 ) -> Metadata:
-    """DCP's record `name` (its bytes `data` when already read): unpickled with the safe
-    unpickler (`UnsafeMetadataError` when refused or unreadable), then checked
-    (`CorruptCheckpointError`)."""
+    """DCP's record `name` (its bytes `data` when already read; else read, at most
+    `record_limit` bytes of it, `listing` the folder's files when listed already):
+    unpickled with the safe unpickler (`UnsafeMetadataError` when refused or
+    unreadable; `CorruptCheckpointError` when an object it builds is not what DCP's
+    class holds), then checked (`CorruptCheckpointError`)."""
     if data is None:
-        data = folder.read(name)
+        listing = folder.sizes() if listing is None else listing
+        data = folder.read(name, record_limit(listing, name))
     try:
-        metadata = load_metadata(io.BytesIO(data))
+        metadata = load_metadata(io.BytesIO(data), folder.where(name))
     except UnsafeMetadataError as e:
         raise UnsafeMetadataError(f"{folder.where(name)}: {e}") from e
     check_metadata(metadata, folder, folder.where(name), holes=holes)

@@ -77,6 +77,28 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
+# The most one read of a record's zip structures (its directory, `data.pkl`) may take: a
+# tensor record's are a few hundred bytes; a crafted one claims what its file's size
+# allows (a sparse 8 GiB file costs no disk), and is refused before a buffer exists.
+ZIP_READ = 1 << 20
+
+
+class _Capped(io.BufferedReader):
+    """A buffered `_Window` that refuses any read of more than `ZIP_READ` bytes."""
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:  # the rest of the record
+            at = self.tell()
+            size = self.seek(0, 2) - at
+            self.seek(at)
+        if size > ZIP_READ:
+            raise RecordError(
+                f"a read of {size} bytes of a tensor record's zip structures, more than the "
+                f"{ZIP_READ} any holds (damaged or crafted)"
+            )
+        return super().read(size)
+
+
 class _StorageRef:
     """A storage's persistent id: `numel` elements of `dtype` (bytes for an untyped storage)."""
 
@@ -248,7 +270,7 @@ def _scan_head(head: bytes) -> tuple[_TensorArgs, int] | None:
 def _read_via_directory(file: RandomAccess, offset: int, length: int) -> RecordLayout:
     window = _Window(file, offset, length)
     try:
-        with zipfile.ZipFile(io.BufferedReader(window)) as archive:
+        with zipfile.ZipFile(_Capped(window)) as archive:
             infos = {i.filename.split("/", 1)[-1]: i for i in archive.infolist()}
             pkl = infos.get("data.pkl")
             if pkl is None:

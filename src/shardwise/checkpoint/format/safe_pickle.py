@@ -19,6 +19,10 @@ a BUILD opcode aimed at a shared object (an admitted class or an enum
 member) would set attributes on it for the whole process. No legitimate
 pickle does that, so `load_metadata` checks those objects afterwards and
 undoes any change before refusing the file.
+
+What the admitted classes are built with is the stream's choice too (a pickle
+fills an instance's attributes, it never calls `__init__`), so every instance
+is then held to its class's fields and their types (`metadata_fields`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from torch.distributed.checkpoint import filesystem, metadata, planner
 
 from ...errors import UnsafeMetadataError
+from .metadata_fields import check_objects
 
 __all__ = ["load_metadata"]
 
@@ -160,12 +165,14 @@ def _undo_changes(before: list[tuple[Any, dict[str, Any]]]) -> list[str]:
     return changed
 
 
-def load_metadata(stream: IO[bytes]) -> Any:
+def load_metadata(stream: IO[bytes], source: str = "the checkpoint metadata") -> Any:
     """Unpickle DCP `Metadata` from `stream`, admitting only the classes DCP writers store.
 
     Raises `UnsafeMetadataError` (a `ShardwiseError` and a `pickle.UnpicklingError`)
     naming the refused global, or the shared class it tried to alter, when the
-    pickle steps outside.
+    pickle steps outside; `CorruptCheckpointError` naming `source` (the file) when an
+    instance of DCP's classes lacks a field, holds one DCP's class has not, or one of
+    another type (`metadata_fields.check_objects`).
     """
     before = [(obj, dict(vars(obj))) for obj in _shared_objects()]
     try:
@@ -185,4 +192,5 @@ def load_metadata(stream: IO[bytes]) -> Any:
             f"refused the checkpoint metadata: its pickle alters {', '.join(changed)}, "
             f"which no DCP writer does (changes undone)"
         )
+    check_objects(loaded, source)
     return loaded

@@ -17,7 +17,7 @@ import numpy as np
 from ...errors import CorruptCheckpointError
 from ...storage import Folder
 from .manifest_entries import IndexRef, TensorEntry
-from .record_check import check_name
+from .record_check import check_name, record_limit
 
 __all__ = ["WINDOW", "section_bytes"]
 
@@ -74,6 +74,7 @@ def section_bytes(
             f"{source}: index file {where} is missing or not a plain file "
             "(links and folders are refused)"
         )
+    limit = record_limit(listing, index.file)  # what one window may cost (`record_limit`)
     file = folder.open(index.file)
     buffer = bytearray()
     try:
@@ -84,6 +85,12 @@ def section_bytes(
             if last > size:
                 raise CorruptCheckpointError(
                     f"{source}: sections up to byte {last} of {where} ({size} bytes): truncated"
+                )
+            if last - first > limit:  # past `WINDOW`: the window is its first section alone
+                raise CorruptCheckpointError(
+                    f"{source}: the section of '{keys[int(order[i])]}' claims {last - first} "
+                    f"bytes of {where}, more than the {limit} a record of this folder may "
+                    "hold (damaged or crafted: refused, nothing read)"
                 )
             if len(buffer) < last - first:
                 buffer = bytearray(last - first)

@@ -101,7 +101,7 @@ def _find_problems(
         return CorruptCheckpointError, problems
     metadata = ckpt.folder.where(".metadata")
     try:
-        if crc32c.crc32c(ckpt.folder.read(".metadata")) != ckpt.manifest.metadata_crc32c:
+        if _crc_of(ckpt.folder, ".metadata") != ckpt.manifest.metadata_crc32c:
             problems.append(
                 f"{metadata} does not match the manifest's checksum: damaged, or a save was "
                 "interrupted between its two records; stock DCP readers see something else "
@@ -119,6 +119,22 @@ def _find_problems(
         except (OSError, CorruptCheckpointError) as e:
             problems.append(str(e))
     return CorruptCheckpointError, problems
+
+
+def _crc_of(folder: Folder, name: str) -> int:
+    """The crc32c of the file `name`, read `_BLOCK` bytes at a time: never whole, so
+    verify's memory stays bounded whatever size the file has."""
+    file = folder.open(name)
+    try:
+        crc, at, size = 0, 0, file.size()
+        while at < size:
+            data = file.pread(min(_BLOCK, size - at), at)
+            if not data:  # cut short since its size was taken: its crc32c will not match
+                break
+            crc, at = crc32c.crc32c(data, crc), at + len(data)
+        return crc
+    finally:
+        file.close()
 
 
 def _verify_chunk(
