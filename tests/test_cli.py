@@ -290,3 +290,89 @@ def test_a_size_that_is_no_size_is_an_invalid_argument():
     assert parse_size("256MiB") == 256 << 20
     with pytest.raises(InvalidArgumentError, match="not a size: '12XB'"):
         parse_size("12XB")
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [
+        ("infG", "'infG' (examples"),
+        ("1e400G", "'1e400G' (examples"),
+        ("nan", "'nan' (examples"),
+        ("-5", "'-5' is -5 bytes; give a whole number of bytes, at least 1 and under 8 EiB"),
+        ("0", "'0' is 0 bytes"),
+        ("0.3K", "'0.3K' is 307.2 bytes"),
+        ("8388608T", "'8388608T' is 9.22337e+18 bytes"),
+    ],
+)
+def test_a_size_is_a_finite_whole_number_of_bytes(text, why):
+    """Never rounded, never infinite (`int(inf)` raised OverflowError), never below 1."""
+    with pytest.raises(InvalidArgumentError) as e:
+        parse_size(text)
+    assert str(e.value).startswith(f"not a size: {why}")
+
+
+def test_a_size_is_counted_exactly():
+    assert [parse_size(t) for t in ("1.5K", "0.5k", "1e3", " 7 ", "8388607T")] == [
+        1536,
+        512,
+        1000,
+        7,
+        8388607 << 40,
+    ]
+
+
+ARGUMENT_ERRORS = {
+    "infinite size": (
+        ["convert", "a", "b.safetensors", "--format", "safetensors", "--max-file-size", "infG"],
+        "shardwise convert: error: argument --max-file-size: not a size: 'infG' (examples: ",
+    ),
+    "overflowing size": (
+        ["convert", "a", "b.safetensors", "--format", "safetensors", "--max-file-size", "1e400G"],
+        "shardwise convert: error: argument --max-file-size: not a size: '1e400G' (examples: ",
+    ),
+    "negative size": (
+        ["convert", "a", "b.safetensors", "--format", "safetensors", "--max-file-size=-5"],
+        "shardwise convert: error: argument --max-file-size: not a size: '-5' is -5 bytes",
+    ),
+    "deeply nested option": (
+        ["inspect", "a", "--storage-option", "k=" + "[" * 50000],
+        "shardwise inspect: error: argument --storage-option: the value of 'k' nests too "
+        "deeply to read as JSON (50000 characters)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ARGUMENT_ERRORS)
+def test_a_bad_argument_is_a_one_line_usage_error(case, capsys):
+    argv, line = ARGUMENT_ERRORS[case]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith(f"usage: shardwise {argv[0]}")
+    assert lines[-1].startswith(line)
+
+
+def test_whatever_a_type_function_raises_is_a_usage_error(monkeypatch, capsys):
+    # argparse turns only ArgumentTypeError / TypeError / ValueError into usage errors
+    def overflowing(text):
+        raise OverflowError("too big")
+
+    monkeypatch.setattr("shardwise.cli.storage_options._option", overflowing)
+    assert main(["inspect", "a", "--storage-option", "k=v"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1] == (
+        "shardwise inspect: error: argument --storage-option: invalid value 'k=v': "
+        "OverflowError: too big"
+    )
+
+
+def test_whatever_parsing_raises_is_a_usage_error(monkeypatch, capsys):
+    def broken(self, argv=None):
+        raise RecursionError("deep\nsecond line")
+
+    monkeypatch.setattr("shardwise.cli._Parser.parse_args", broken)
+    assert main(["inspect", "a"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("usage: shardwise")
+    assert lines[-1] == "shardwise: error: RecursionError: deep"

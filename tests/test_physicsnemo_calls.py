@@ -242,6 +242,19 @@ def _scatter(rank: int, world: int) -> dict:
                 lambda bad=bad: sw.scatter_tensor(src, 1, mesh, (Shard(0),), sharding_shapes=bad)
             )
         )
+    # a piece shape with no entry at the sharded dimension (was a bare IndexError)
+    out["errors"].append(
+        _refused(
+            lambda: sw.scatter_tensor(src, 1, mesh, (Shard(1),), sharding_shapes={0: [(3,), (3,)]})
+        )
+    )
+    # sizes int() truncated (2.9 -> 2) or failed on with a bare ValueError
+    for shape in ((7.9, 6.2), ("a", 6)):
+        out["errors"].append(
+            _refused(
+                lambda shape=shape: sw.scatter_tensor(src, 1, mesh, (Shard(0),), global_shape=shape)
+            )
+        )
     return out
 
 
@@ -280,7 +293,7 @@ def test_scatter_tensor_with_every_sharding_shapes_form():
             "InvalidTypeError",
             "LayoutError",
         ]
-        + ["InvalidArgumentError"] * 3
+        + ["InvalidArgumentError"] * 6
     )
     messages = [m for _, m in r0["errors"]]
     assert "add up to 6, not the tensor's 7" in messages[0]
@@ -297,3 +310,13 @@ def test_scatter_tensor_with_every_sharding_shapes_form():
     )
     assert "sharding_shapes[0] gives size -2 for mesh coordinate 1" in messages[9]
     assert "sharding_shapes[0] gives size 3.5 for mesh coordinate 0" in messages[10]
+    assert (
+        "rank 0: sharding_shapes[0] gives shape (3,) for mesh coordinate 0, of 1 dimensions, "
+        "but the tensor has 2; give each piece's full shape, or its size along dimension 1 as "
+        "an int" in messages[11]
+    )
+    assert (
+        "rank 0: global_shape=(7.9, 6.2) gives size 7.9 for dimension 0: a size must be an "
+        "int, 0 or more" in messages[12]
+    )
+    assert "rank 1: global_shape=('a', 6) gives size 'a' for dimension 0" in messages[13]

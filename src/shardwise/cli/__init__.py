@@ -9,10 +9,11 @@ arguments), with the usage and a one-line reason on stderr, as argparse does.
 from __future__ import annotations
 
 import argparse
+import functools
 import pickle
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from ..errors import ShardwiseError
 from . import bench, convert, demo, inspect, reshard, verify
@@ -56,6 +57,32 @@ class _Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         raise _UsageError(f"{self.prog}: error: {message}")
 
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        convert = kwargs.get("type")
+        if callable(convert):
+            kwargs["type"] = _usage_errors_from(convert)
+        return super().add_argument(*args, **kwargs)
+
+
+def _usage_errors_from(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`convert` (a `type=` function), raising only what argparse reports as a usage
+    error: it lets anything but `ArgumentTypeError`, `TypeError` and `ValueError`
+    escape as a traceback (an `OverflowError`, a `RecursionError`), and words a
+    `ValueError` as "invalid <type> value", dropping a ShardwiseError's reason."""
+
+    @functools.wraps(convert)  # argparse names the type in its message
+    def checked(text: str) -> Any:
+        try:
+            return convert(text)
+        except ShardwiseError as e:  # ours say what is wrong and the fix: shown as they are
+            raise argparse.ArgumentTypeError(one_line(str(e))) from e
+        except (argparse.ArgumentTypeError, TypeError, ValueError):
+            raise
+        except Exception as e:
+            raise argparse.ArgumentTypeError(f"invalid value {text[:80]!r}: {_reason(e)}") from e
+
+    return checked
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
@@ -88,10 +115,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     error; argparse's usage and one line on stderr. `--help` prints and raises
     `SystemExit(0)`, as argparse does.
     """
+    parser = _parser()
     try:
-        args = _parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except _UsageError as e:
         print(e, file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:  # whatever else parsing raised is still bad input, not a crash
+        parser.print_usage(sys.stderr)
+        print(f"shardwise: error: {_reason(e)}", file=sys.stderr)
         return EXIT_USAGE
     try:
         return int(args.func(args) or EXIT_OK)

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from ..checkpoint import reshard
+from ..errors import InvalidArgumentError
 from ..layout import Layout
 from .storage_options import add_storage_options, storage_options
 
@@ -37,13 +38,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
+def _read_layouts(path: Path) -> dict[str, Layout]:
+    """`--layout FILE`: a JSON object, key -> layout JSON; refused naming the file otherwise."""
+    try:
+        spec = json.loads(path.read_text())
+    except (ValueError, RecursionError) as e:
+        raise InvalidArgumentError(f"--layout {path} is not readable JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise InvalidArgumentError(
+            f"--layout {path} holds a JSON {type(spec).__name__}; give an object: "
+            "key -> layout JSON"
+        )
+    return {k: Layout.from_json(json.dumps(v)) for k, v in spec.items()}
+
+
 def main(args: argparse.Namespace) -> int:
-    layouts = None
-    if args.layout is not None:
-        layouts = {
-            k: Layout.from_json(json.dumps(v))
-            for k, v in json.loads(args.layout.read_text()).items()
-        }
+    layouts = None if args.layout is None else _read_layouts(args.layout)
     out = reshard(
         args.path,
         args.out,

@@ -23,6 +23,10 @@ def _option(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except ValueError:
         return key, value
+    except RecursionError:  # argparse reports only ValueError / TypeError as usage errors
+        raise argparse.ArgumentTypeError(
+            f"the value of {key!r} nests too deeply to read as JSON ({len(value)} characters)"
+        ) from None
 
 
 def add_storage_options(p: argparse.ArgumentParser) -> None:

@@ -67,7 +67,7 @@ def scatter_tensor(
     source_meta = None
     try:
         if global_shape is not None:
-            claim = (tuple(int(s) for s in global_shape), dtype)
+            claim = (_global_shape(global_shape), dtype)
         if isinstance(global_src, bool) or not isinstance(global_src, int):
             raise InvalidArgumentError(f"global_src must be an integer rank, got {global_src!r}")
         if mesh_position(mesh) != rank or math.prod(mesh.shape) != world:
@@ -124,6 +124,28 @@ def _check_claims(
             )
 
 
+def _global_shape(global_shape: Any) -> tuple[int, ...]:
+    """`global_shape` as a tuple of ints, each a whole size (never truncated: a
+    fractional size is a wrong claim, not one to round)."""
+    try:
+        given = tuple(global_shape) if not isinstance(global_shape, (str, bytes)) else None
+    except TypeError:
+        given = None
+    if given is None:
+        raise InvalidArgumentError(
+            f"global_shape must be a sequence of ints (a torch.Size, a tuple), got {global_shape!r}"
+        )
+    shape = []
+    for d, size in enumerate(given):
+        if isinstance(size, bool) or not hasattr(size, "__index__") or size.__index__() < 0:
+            raise InvalidArgumentError(
+                f"global_shape={given!r} gives size {size!r} for dimension {d}: a size must be "
+                "an int, 0 or more"
+            )
+        shape.append(size.__index__())
+    return tuple(shape)
+
+
 def _device_of(mesh: Any, tensor: torch.Tensor) -> torch.device:
     """The mesh's device type, as PhysicsNeMo places local tensors."""
     if mesh.device_type == tensor.device.type:
@@ -137,6 +159,7 @@ def _sizes(
     sharding_shapes: Mapping[int, Sequence[Any]],
     mesh_shape: tuple[int, ...],
     sharded: dict[int, int],
+    ndim: int,
 ) -> dict[int, list[int]]:
     """Per sharded mesh dimension, piece sizes along its tensor dimension, from ints or shapes."""
     if set(sharding_shapes) != set(sharded):
@@ -153,11 +176,22 @@ def _sizes(
                 f"sharding_shapes[{m}] lists {len(pieces)} pieces for mesh dimension {m} of "
                 f"size {mesh_shape[m]}; give one per mesh coordinate"
             )
-        sizes[m] = [
-            _size(m, k, tuple(p)[sharded[m]] if isinstance(p, Sequence) else p)
-            for k, p in enumerate(pieces)
-        ]
+        sizes[m] = [_size(m, k, _along(m, k, p, sharded[m], ndim)) for k, p in enumerate(pieces)]
     return sizes
+
+
+def _along(mesh_dim: int, coordinate: int, piece: Any, dim: int, ndim: int) -> Any:
+    """A piece's size along tensor dimension `dim`: the int itself, or read off a
+    piece shape, which has the tensor's `ndim` dimensions (`from_local`'s convention)."""
+    if not isinstance(piece, Sequence) or isinstance(piece, (str, bytes)):
+        return piece
+    if len(piece) != ndim:
+        raise InvalidArgumentError(
+            f"sharding_shapes[{mesh_dim}] gives shape {tuple(piece)} for mesh coordinate "
+            f"{coordinate}, of {len(piece)} dimensions, but the tensor has {ndim}; give each "
+            f"piece's full shape, or its size along dimension {dim} as an int"
+        )
+    return piece[dim]
 
 
 def _size(mesh_dim: int, coordinate: int, size: Any) -> int:
@@ -197,7 +231,7 @@ def _plan(
         sizes = {m: _chunk_sizes(shape[d], mesh_shape[m]) for m, d in sharded.items()}
     elif isinstance(sharding_shapes, Mapping):
         sharded = _sharded_dims(placements, len(shape))
-        sizes = _sizes(sharding_shapes, mesh_shape, sharded)
+        sizes = _sizes(sharding_shapes, mesh_shape, sharded, len(shape))
         for m, d in sharded.items():
             if sum(sizes[m]) != shape[d]:
                 raise LayoutError(

@@ -235,8 +235,8 @@ def test_a_dtype_safetensors_cannot_store_is_refused_before_any_write(parts, tmp
     out = folder / "model.safetensors"
     _export(parts, out, 256)
     before = _listing(folder)
-    swc.save({**PARTS, "z": torch.zeros(64, dtype=torch.complex64)}, tmp_path / "bad")
-    with pytest.raises(InvalidArgumentError, match="'z' has dtype torch.complex64"):
+    swc.save({**PARTS, "z": torch.zeros(64, dtype=torch.complex128)}, tmp_path / "bad")
+    with pytest.raises(InvalidArgumentError, match="'z' has dtype torch.complex128"):
         _export(tmp_path / "bad", out, 256, overwrite=True)
     assert _listing(folder) == before
 
@@ -280,3 +280,114 @@ def test_renames_cut_short_leave_no_mixed_export_looking_current(parts, tmp_path
         _export(tmp_path / "newer", out, 256, overwrite=True)
     assert not (folder / "model.safetensors.index.json").exists()
     assert calls == SPLIT3[:2]
+    # the temporaries not renamed are removed: none is left beside the export
+    assert sorted(_listing(folder)) == [SPLIT3[0], *SPLIT3[1:3]]
+
+
+# -- dtypes: every one safetensors defines that torch has, the others refused by name --------------
+
+
+def _bits(t):
+    return t.dtype, tuple(t.shape), bytes(t.contiguous().view(torch.uint8).reshape(-1).tolist())
+
+
+DTYPES = {
+    "U16": torch.arange(5, dtype=torch.int32).to(torch.uint16),
+    "U32": torch.arange(5, dtype=torch.int64).to(torch.uint32),
+    "U64": (torch.arange(5) << 40).to(torch.uint64),
+    "C64": torch.arange(6.0).view(torch.complex64),
+    "F8_E4M3": torch.arange(6.0).to(torch.float8_e4m3fn),
+    "F8_E4M3FNUZ": torch.arange(6.0).to(torch.float8_e4m3fnuz),
+    "F8_E5M2": torch.arange(6.0).to(torch.float8_e5m2),
+    "F8_E5M2FNUZ": torch.arange(6.0).to(torch.float8_e5m2fnuz),
+    "F8_E8M0": torch.tensor([0.5, 1.0, 4.0]).to(torch.float8_e8m0fnu),
+    "F4": torch.arange(6, dtype=torch.uint8).reshape(2, 3).view(torch.float4_e2m1fn_x2),
+}
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_every_safetensors_dtype_torch_has_converts_both_ways(name, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    t = DTYPES[name]
+    src = tmp_path / "in.safetensors"
+    save_file({"t": t}, str(src))
+    with safe_open(str(src), framework="pt") as f:
+        assert f.get_slice("t").get_dtype() == name  # the dtype under test
+    swc.convert(src, tmp_path / "in.pt", "torch")
+    assert _bits(torch.load(tmp_path / "in.pt", weights_only=True)["t"]) == _bits(t)
+    swc.convert(src, tmp_path / "ckpt", "shardwise")
+    assert _bits(swc.read_tensor(tmp_path / "ckpt", "t")) == _bits(t)
+    swc.convert(tmp_path / "ckpt", tmp_path / "out.safetensors", "safetensors")
+    with safe_open(str(tmp_path / "out.safetensors"), framework="pt") as f:
+        assert f.get_slice("t").get_dtype() == name
+        assert _bits(f.get_tensor("t")) == _bits(t)
+
+
+def _safetensors_file(path, dtype, shape, nbytes):
+    """A file holding one tensor 't' of a dtype `safetensors.torch` cannot write."""
+    import struct
+
+    header = json.dumps({"t": {"dtype": dtype, "shape": shape, "data_offsets": [0, nbytes]}})
+    text = header.encode() + b" " * (-len(header) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(nbytes))
+
+
+@pytest.mark.parametrize("target", ["torch", "shardwise"])
+def test_a_safetensors_dtype_torch_lacks_is_refused_naming_key_dtype_and_file(target, tmp_path):
+    src = tmp_path / "in.safetensors"
+    _safetensors_file(src, "F6_E2M3", [4], 3)
+    out = tmp_path / "out"
+    with pytest.raises(InvalidArgumentError) as e:
+        swc.convert(src, out, target)
+    assert str(e.value) == (
+        f"'t' in {src} has safetensors dtype F6_E2M3, which shardwise does not convert (it "
+        "converts BF16, BOOL, C64, F16, F32, F4, F64, F8_E4M3, F8_E4M3FNUZ, F8_E5M2, "
+        "F8_E5M2FNUZ, F8_E8M0, I16, I32, I64, I8, U16, U32, U64, U8)"
+    )
+    assert not out.exists()
+
+
+def test_a_zero_dimensional_packed_tensor_is_refused_before_any_write(tmp_path):
+    zero_d = torch.zeros((), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    swc.save({"z": zero_d}, tmp_path / "ckpt")
+    with pytest.raises(InvalidArgumentError) as e:
+        swc.convert(tmp_path / "ckpt", tmp_path / "out.safetensors")
+    assert str(e.value) == (
+        "'z' is a 0-d tensor of dtype torch.float4_e2m1fn_x2: safetensors stores that "
+        "dtype's pairs along a last dimension; give it one"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+# -- a file format is never written over a folder ------------------------------------------------
+
+
+@pytest.mark.parametrize("overwrite", [True, False], ids=["overwrite", "no-overwrite"])
+@pytest.mark.parametrize("format", ["torch", "safetensors"])
+def test_a_file_format_is_never_written_over_a_folder(ckpt, tmp_path, format, overwrite):
+    # `shardwise convert ck ck --format torch --overwrite`: the file was written whole,
+    # then its rename onto the folder failed (IsADirectoryError), its temporary left
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    before = sorted(tmp_path.rglob("*"))
+    for out in (ckpt, empty):
+        with pytest.raises(InvalidArgumentError) as e:
+            swc.convert(ckpt, out, format, overwrite=overwrite)
+        assert str(e.value) == (
+            f"cannot convert to {out}: it is a folder, and format {format!r} writes one file; "
+            "name a file path instead (nothing was written)"
+        )
+    assert sorted(tmp_path.rglob("*")) == before  # no temporary file beside them
+    swc.verify(ckpt)
+
+
+@pytest.mark.parametrize("max_file_size", [0, -1, 1.5, True])
+def test_max_file_size_is_a_whole_number_of_bytes(ckpt, tmp_path, max_file_size):
+    with pytest.raises(InvalidArgumentError) as e:
+        swc.convert(ckpt, tmp_path / "out.safetensors", max_file_size=max_file_size)
+    assert str(e.value) == (
+        f"max_file_size must be None or an int of at least 1 byte, got {max_file_size!r}"
+    )
+    assert not (tmp_path / "out.safetensors").exists()

@@ -1,4 +1,5 @@
-"""`reshard`: a layout with holes is refused before anything is written or collected."""
+"""`reshard`: a layout with holes, a world size of no ranks, a layout for a key the
+checkpoint lacks: each refused before anything is written or collected."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import shardwise.checkpoint as swc
-from shardwise import Block, Layout, LayoutError
+from shardwise import Block, CheckpointMismatchError, InvalidArgumentError, Layout, LayoutError
 from shardwise.cli import main
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -92,3 +93,67 @@ def test_the_cli_refuses_a_layout_file_with_holes(ckpt, tmp_path, capsys):
     assert main([*argv, "--overwrite"]) != 0
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("shardwise ")
     assert _files(ckpt) == before
+
+
+@pytest.mark.parametrize("world_size", [0, -1, True, 2.0, "2", None])
+def test_a_world_size_of_no_ranks_never_replaces_the_checkpoint(tmp_path, world_size):
+    # a checkpoint of objects only has no tensor whose layout would refuse 0 ranks:
+    # it was committed for no ranks, unreadable, in place of the good one
+    path = tmp_path / "objects"
+    swc.save({"trainer": {"step": 1234, "lr": 0.1}}, path)
+    before = _files(path)
+    with pytest.raises(InvalidArgumentError) as e:
+        swc.reshard(path, path, world_size, overwrite=True)
+    assert str(e.value) == (
+        f"world_size must be an int of at least 1, got {world_size!r}: a checkpoint for no "
+        "ranks holds nothing, not even its objects"
+    )
+    assert _files(path) == before
+    out = {"trainer": {"step": None, "lr": None}}
+    swc.load(out, path)
+    assert out == {"trainer": {"step": 1234, "lr": 0.1}}
+    with pytest.raises(InvalidArgumentError):
+        swc.reshard(path, tmp_path / "new", world_size)
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_layout_for_a_key_the_checkpoint_lacks_is_refused(ckpt, tmp_path):
+    # a typo left the real key chunked by default, the caller's layout silently unused
+    layouts = {
+        "ww": Layout.column_wise((6, 8), [4, 4]),
+        "b": Layout.replicated((3,), 2),
+        "extra": Layout.replicated((3,), 2),
+    }
+    with pytest.raises(CheckpointMismatchError) as e:
+        swc.reshard(ckpt, tmp_path / "out", 2, layouts=layouts)
+    assert str(e.value) == (
+        f"layouts names 2 key(s) that are no tensor of {ckpt}: 'extra', 'ww' (did you mean "
+        "'w'?); its tensors are 'w', 'b'"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_cli_refuses_a_layout_file_for_a_key_the_checkpoint_lacks(ckpt, tmp_path, capsys):
+    spec = tmp_path / "layout.json"
+    spec.write_text('{"ww": ' + Layout.column_wise((6, 8), [4, 4]).to_json() + "}")
+    before = _files(ckpt)
+    argv = ["reshard", str(ckpt), str(ckpt), "--world-size", "2", "--layout", str(spec)]
+    assert main([*argv, "--overwrite"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"shardwise reshard: error: layouts names 1 key(s) that are no tensor of {ckpt}: "
+        "'ww' (did you mean 'w'?); its tensors are 'w', 'b'"
+    ]
+    assert _files(ckpt) == before
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [("[1, 2]", "holds a JSON list; give an object: key -> layout JSON"), ("{", "is not readable")],
+)
+def test_the_cli_refuses_a_layout_file_that_is_no_object(ckpt, tmp_path, capsys, text, why):
+    spec = tmp_path / "layout.json"
+    spec.write_text(text)
+    argv = ["reshard", str(ckpt), str(tmp_path / "out"), "--world-size", "2", "--layout", str(spec)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"shardwise reshard: error: --layout {spec} {why}")

@@ -94,15 +94,16 @@ def _present(folder: Folder, name: str) -> bool:
 
 
 def _metadata_json(folder: Folder) -> Any:
-    """The parsed `metadata.json`, None when absent; `CorruptCheckpointError` when it is
-    no plain file or too large, `ValueError` when it is no JSON."""
+    """The parsed `metadata.json`, None when absent, `{}` when it is no JSON (or nests
+    past the decoder's depth: no JSON Megatron writes); `CorruptCheckpointError` when
+    it is no plain file or too large."""
     data = _read_bounded(folder, METADATA_JSON, _MAX_METADATA_JSON, "Megatron's metadata.json")
     if data is None:
         return None
     try:
         return json.loads(data)
-    except RecursionError:  # nested past the decoder's depth: no JSON Megatron writes
-        raise ValueError(f"{folder.where(METADATA_JSON)} nests too deep") from None
+    except (ValueError, RecursionError):
+        return {}
 
 
 def metadata_json_problem(path: str | os.PathLike | Folder) -> BaseException | None:
@@ -120,7 +121,7 @@ def metadata_json_problem(path: str | os.PathLike | Folder) -> BaseException | N
         existing = _metadata_json(folder)
     except CorruptCheckpointError as e:  # a link, a FIFO, a huge file: never read
         return CheckpointExistsError(f"{e}; it is in the way of Megatron's metadata.json")
-    except (OSError, ValueError):
+    except OSError:
         existing = {}
     if existing is None or existing == _BACKEND:
         return None
@@ -136,11 +137,8 @@ def write_metadata_json(path: str | os.PathLike | Folder) -> None:
     `metadata_json_problem` first: a link or a FIFO planted since raises
     `CorruptCheckpointError`, never blocks."""
     folder = _folder(path)
-    try:
-        if _metadata_json(folder) == _BACKEND:
-            return
-    except ValueError:
-        pass  # no JSON (it changed since it was checked): replaced whole
+    if _metadata_json(folder) == _BACKEND:
+        return  # else (it changed since it was checked) replaced whole
     folder.make()
     folder.write_durably(METADATA_JSON, json.dumps(_BACKEND).encode())
 

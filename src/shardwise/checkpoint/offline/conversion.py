@@ -33,6 +33,7 @@ from .opening import OpenCheckpoint, open_checkpoint
 
 __all__ = ["TARGETS", "Target", "convert"]
 
+# Every dtype the safetensors format defines that torch has (F6_* it has not).
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -42,12 +43,36 @@ _SAFETENSORS_DTYPES = {
     torch.int32: "I32",
     torch.int16: "I16",
     torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.complex64: "C64",
     torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
     torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.float8_e8m0fnu: "F8_E8M0",
+    torch.float4_e2m1fn_x2: "F4",
 }
 _FROM_SAFETENSORS = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+# torch's element of F4 packs 2 of the format's: a header's shape counts the format's
+# elements, so its last dimension is twice the tensor's (as safetensors writes it)
+_PACKED = {"F4": 2}
+
+
+def _header_shape(dtype: str, shape: tuple[int, ...]) -> list[int]:
+    """The shape a safetensors header gives a tensor of `shape` and `dtype`."""
+    per = _PACKED.get(dtype, 1)
+    return [*shape[:-1], shape[-1] * per] if per > 1 else list(shape)
+
+
+def _tensor_shape(dtype: str, header: list[int]) -> tuple[int, ...]:
+    """`_header_shape` undone: the torch tensor's shape."""
+    per = _PACKED.get(dtype, 1)
+    return (*header[:-1], header[-1] // per) if per > 1 else tuple(header)
+
 
 # (open checkpoint, output, max_file_size, overwrite) -> files written
 FromCheckpoint = Callable[[OpenCheckpoint, "_Output", int | None, bool], list[Any]]
@@ -84,10 +109,12 @@ def _output(out: str | os.PathLike, storage_options: dict[str, Any] | None) -> _
 
 @dataclass(frozen=True)
 class Target:
-    """One output format: how to write it from each source it accepts (None: not accepted)."""
+    """One output format: how to write it from each source it accepts (None: not
+    accepted), and whether it writes a file at `out` (else a checkpoint folder)."""
 
     from_checkpoint: FromCheckpoint | None = None
     from_safetensors: FromSafetensors | None = None
+    writes_file: bool = True
 
 
 def convert(
@@ -119,8 +146,23 @@ def convert(
     that index names, a single file the index now stands for) are removed; no
     other file is touched.
     """
+    if max_file_size is not None and (
+        isinstance(max_file_size, bool) or not isinstance(max_file_size, int) or max_file_size < 1
+    ):
+        raise InvalidArgumentError(
+            f"max_file_size must be None or an int of at least 1 byte, got {max_file_size!r}"
+        )
     target = _output(out, storage_options)
-    existing = in_the_way(open_folder(out, storage_options), files=True)
+    at_out = open_folder(out, storage_options)
+    kind = TARGETS.get(format)
+    if kind is not None and kind.writes_file and at_out.is_folder() and not at_out.is_file():
+        # a rename onto a folder fails only after the whole file is written, and
+        # overwrite=True never means "replace a folder with a file"
+        raise InvalidArgumentError(
+            f"cannot convert to {at_out.location}: it is a folder, and format {format!r} "
+            "writes one file; name a file path instead (nothing was written)"
+        )
+    existing = in_the_way(at_out, files=True)
     if existing and not overwrite:
         raise CheckpointExistsError(existing)
     source = open_folder(path, storage_options)
@@ -134,6 +176,7 @@ def convert(
 
         with safe_open(str(local), framework="pt") as f:
             from_file = _lookup(format, "safetensors", "a safetensors file")
+            _check_safetensors_dtypes(f, local)
             return from_file(f, target, overwrite)
     ckpt = open_checkpoint(source)
     return _lookup(format, "checkpoint", "a checkpoint")(ckpt, target, max_file_size, overwrite)
@@ -179,6 +222,11 @@ def _checkpoint_to_safetensors(
         dtype = ckpt.tensor_metadata(key).properties.dtype
         if dtype not in _SAFETENSORS_DTYPES:
             raise InvalidArgumentError(f"'{key}' has dtype {dtype}, which safetensors cannot store")
+        if _SAFETENSORS_DTYPES[dtype] in _PACKED and not ckpt.tensor_metadata(key).size:
+            raise InvalidArgumentError(
+                f"'{key}' is a 0-d tensor of dtype {dtype}: safetensors stores that dtype's "
+                "pairs along a last dimension; give it one"
+            )
         n = ckpt.tensor_nbytes(key)
         if max_file_size and groups[-1] and size + n > max_file_size:
             groups.append([])
@@ -214,8 +262,14 @@ def _checkpoint_to_safetensors(
         # the renames replace shards the old index names: without it, a rename cut
         # short leaves no export looking current rather than a mixed one
         folder.remove(index_file.name)
-    for name, file in zip(staged, files):
-        folder.replace(name, file.name)
+    for i, (name, file) in enumerate(zip(staged, files)):
+        try:
+            folder.replace(name, file.name)
+        except BaseException:
+            for left in staged[i:]:  # the temporaries not renamed yet: nothing will
+                with contextlib.suppress(OSError):
+                    folder.remove(left)
+            raise
     if split:
         index = {
             "metadata": {"total_size": sum(ckpt.tensor_nbytes(k) for k in keys)},
@@ -308,9 +362,10 @@ def _write_safetensors(sink: Sink, keys: list[str], ckpt: OpenCheckpoint) -> Non
     for key in keys:
         md = ckpt.tensor_metadata(key)
         n = ckpt.tensor_nbytes(key)
+        header_dtype = _SAFETENSORS_DTYPES[md.properties.dtype]  # checked before any write
         header[key] = {
-            "dtype": _SAFETENSORS_DTYPES[md.properties.dtype],  # checked before any write
-            "shape": list(md.size),
+            "dtype": header_dtype,
+            "shape": _header_shape(header_dtype, tuple(md.size)),
             "data_offsets": [offset, offset + n],
         }
         offset += n
@@ -323,11 +378,36 @@ def _write_safetensors(sink: Sink, keys: list[str], ckpt: OpenCheckpoint) -> Non
             sink.write([byte_view(t)])
 
 
+def _check_safetensors_dtypes(f: Any, file: Path) -> None:
+    """Refuse, before anything is written, a tensor of a dtype the converters have
+    no torch dtype for (`_SAFETENSORS_DTYPES`), or a packed one whose shape no torch
+    tensor has, naming its key, dtype and file (safetensors' own error names neither)."""
+    for key in f.keys():
+        piece = f.get_slice(key)
+        dtype = piece.get_dtype()
+        if dtype not in _FROM_SAFETENSORS:
+            raise InvalidArgumentError(
+                f"'{key}' in {file} has safetensors dtype {dtype}, which shardwise does not "
+                f"convert (it converts {', '.join(sorted(_FROM_SAFETENSORS))})"
+            )
+        shape = piece.get_shape()
+        if dtype in _PACKED and (not shape or shape[-1] % _PACKED[dtype]):
+            raise InvalidArgumentError(
+                f"'{key}' in {file} has safetensors dtype {dtype} and shape {shape}: torch "
+                f"holds {_PACKED[dtype]} of its elements in one, along the last dimension"
+            )
+
+
 def _safetensors_to_torch(f: Any, out: _Output, overwrite: bool) -> list[Path | str]:
     keys = list(f.keys())
     first = {k: f.get_slice(k) for k in keys}
     items = [
-        (k, _FROM_SAFETENSORS[first[k].get_dtype()], tuple(first[k].get_shape())) for k in keys
+        (
+            k,
+            _FROM_SAFETENSORS[first[k].get_dtype()],  # checked by `convert`
+            _tensor_shape(first[k].get_dtype(), first[k].get_shape()),
+        )
+        for k in keys
     ]
     _write_file(out, lambda sink: write_torch_archive(sink, items, lambda i: f.get_tensor(keys[i])))
     return [out.location]
@@ -344,5 +424,5 @@ def _safetensors_to_shardwise(f: Any, out: _Output, overwrite: bool) -> list[Pat
 TARGETS: dict[str, Target] = {
     "safetensors": Target(from_checkpoint=_checkpoint_to_safetensors),
     "torch": Target(_checkpoint_to_torch, _safetensors_to_torch),
-    "shardwise": Target(from_safetensors=_safetensors_to_shardwise),
+    "shardwise": Target(from_safetensors=_safetensors_to_shardwise, writes_file=False),
 }

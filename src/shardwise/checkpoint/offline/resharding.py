@@ -7,6 +7,7 @@ save's are.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from collections.abc import Mapping
@@ -15,7 +16,12 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from ...errors import CheckpointExistsError, LayoutError
+from ...errors import (
+    CheckpointExistsError,
+    CheckpointMismatchError,
+    InvalidArgumentError,
+    LayoutError,
+)
 from ...layout import Block, Layout
 from ...storage import open_folder
 from ..engine.holes import first_hole, region
@@ -52,10 +58,20 @@ def reshard(
     It holds `out`'s save lease while it writes, as a save does (`CheckpointBusyError`
     while another save of `out` runs; `wait` as for `swc.save`). Every layout must
     cover its tensor, as a save requires (`LayoutError` otherwise, before the lease
-    is taken): a hole would drop those elements from the new checkpoint.
+    is taken): a hole would drop those elements from the new checkpoint. Also
+    refused before the lease: a `world_size` that is no int of at least 1
+    (`InvalidArgumentError`), and a key of `layouts` that is no tensor of the
+    checkpoint (`CheckpointMismatchError` naming each, and a typo's likely target).
     """
+    # all checked before the lease: a refusal leaves `out` (maybe `path` itself) untouched
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InvalidArgumentError(
+            f"world_size must be an int of at least 1, got {world_size!r}: a checkpoint for "
+            "no ranks holds nothing, not even its objects"
+        )
     ckpt = open_checkpoint(path, storage_options=storage_options)
     folder = open_folder(out, storage_options)
+    _check_layout_keys(layouts or {}, ckpt.tensor_keys(), path)
     plan = {}
     for key in ckpt.tensor_keys():
         shape = tuple(ckpt.tensor_metadata(key).size)
@@ -109,6 +125,30 @@ def reshard(
         folder.write_new(index_name, index)
         commit(folder, metadata, manifest, {*names, index_name}, lease=lease)
     return folder.checkpoint_id
+
+
+def _check_layout_keys(
+    layouts: Mapping[str, Layout], tensors: list[str], path: str | os.PathLike
+) -> None:
+    """`CheckpointMismatchError` naming every key of `layouts` that is no tensor of the
+    checkpoint (a typo would leave the real key chunked by default, its layout unused)."""
+    held = set(tensors)
+    unknown = sorted(k for k in layouts if k not in held)
+    if not unknown:
+        return
+    named = []
+    for key in unknown:
+        near = difflib.get_close_matches(str(key), tensors, n=1)
+        named.append(f"{key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    shown = ", ".join(repr(k) for k in tensors[:_KEYS_SHOWN])
+    more = f", ... ({len(tensors)} in all)" if len(tensors) > _KEYS_SHOWN else ""
+    raise CheckpointMismatchError(
+        f"layouts names {len(unknown)} key(s) that are no tensor of {path}: "
+        f"{', '.join(named)}; its tensors are {shown or 'none'}{more}"
+    )
+
+
+_KEYS_SHOWN = 10  # a message lists this many of a checkpoint's keys, not 100,000
 
 
 def _hole_message(key: str, layout: Layout) -> str:
