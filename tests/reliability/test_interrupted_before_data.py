@@ -18,24 +18,16 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
-import shardwise.checkpoint as swc
 from shardwise.checkpoint.engine import records
 from shardwise.errors import CheckpointNotFoundError, IncompleteCheckpointError
 
+from ..checkpoint.readers import READERS
+
 pytestmark = pytest.mark.spawned
 
-READERS: dict[str, Callable[[Path], Any]] = {
-    "verify": lambda p: swc.verify(p),
-    "verify_report": lambda p: swc.verify(p, raise_on_error=False),
-    "load": lambda p: swc.load({"a": torch.zeros(3, 4)}, p),
-    "read_tensor": lambda p: swc.read_tensor(p, "a"),
-    "inspect": lambda p: swc.inspect(p),
-}
 _SAVE = (
     "import sys, torch, shardwise.checkpoint as swc; swc.save({'a': torch.ones(3, 4)}, sys.argv[1])"
 )
