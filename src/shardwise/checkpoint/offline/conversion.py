@@ -339,14 +339,8 @@ def _indexed_files(folder: Folder, index: str) -> set[str]:
     index is untrusted: it is parsed, never followed outside the folder)."""
     if not folder.removable(index):
         return set()
-    try:
-        f = folder.open(index)
-        try:
-            if f.size() > _INDEX_BYTES:
-                return set()
-        finally:
-            f.close()
-        weight_map = json.loads(folder.read(index)).get("weight_map")
+    try:  # a larger index is refused unread (CorruptCheckpointError, an OSError)
+        weight_map = json.loads(folder.read(index, limit=_INDEX_BYTES)).get("weight_map")
     except (OSError, ValueError, AttributeError, RecursionError):
         return set()
     if not isinstance(weight_map, dict):
