@@ -16,9 +16,9 @@ from typing import Any, SupportsIndex
 import torch
 
 from ..layout import Layout
-from . import functions
 from .checkpointable import Checkpointable
 from .construction import check_shards, filled_shards
+from .functions import register_function_handler, register_named_function_handler, torch_function
 from .local_view import LocalView
 from .provided import provided
 from .provided_methods import ProvidedMethods
@@ -42,11 +42,11 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
     ) -> Any:
         # A function handler (shardwise.register_function_handler) if one is registered,
         # otherwise straight to __torch_dispatch__ (as for DTensor).
-        return functions.torch_function(func, types, args, kwargs)
+        return torch_function(func, types, args, kwargs)
 
     # PhysicsNeMo's ShardTensor registration classmethods, under the same names.
-    register_function_handler = staticmethod(functions.register_function_handler)
-    register_named_function_handler = staticmethod(functions.register_named_function_handler)
+    register_function_handler = staticmethod(register_function_handler)
+    register_named_function_handler = staticmethod(register_named_function_handler)
 
     @staticmethod
     def __new__(

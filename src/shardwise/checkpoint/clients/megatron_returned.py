@@ -114,7 +114,7 @@ def load_targets(
     pieces, ShardedObjects' `data`, non-sharded values). Collective."""
     flat, finishers = prepare_load(state_dict, group)
     objects: dict[str, list[Any]] = {}
-    _objects(state_dict, objects)
+    _returned_objects(state_dict, objects)
     for key, held in objects.items():
         _add(flat, key, None, "a ShardedObject's unique key")
         finishers.append(_object_filler(flat, key, held))
@@ -125,13 +125,13 @@ def load_targets(
     return flat, finishers
 
 
-def _objects(value: Any, out: dict[str, list[Any]]) -> None:
+def _returned_objects(value: Any, out: dict[str, list[Any]]) -> None:
     """This rank's ShardedObjects by unique key, every replica, in state-dict order."""
     if is_mcore_object(value):
         out.setdefault(value.unique_key, []).append(value)
     elif isinstance(value, Mapping):
         for v in value.values():
-            _objects(v, out)
+            _returned_objects(v, out)
 
 
 def _object_filler(flat: dict[str, Any], key: str, held: list[Any]) -> Finish:

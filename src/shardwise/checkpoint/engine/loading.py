@@ -49,10 +49,10 @@ from ..format.row_boxes import Boxes, dense
 from ..io.part_gather import words_of
 from ..io.read_executor import ReadExecutor
 from ..io.read_requests import ChunkRead, GatherRead, RecordRead
-from . import replicated
 from .inventory import Piece, pieces_of
 from .item_reads import planned_reads
 from .overlaps import fetched
+from .replicated import Batch, Value, candidates, placed, schedule, send, wanted, words
 from .stored_view import Covering, StoredBox, StoredView
 from .whole_rows import WholeRows
 
@@ -83,24 +83,24 @@ def load_state(
     problem: BaseException | None = None
     view: StoredView | None = None
     shared: dict[str, torch.Tensor] = {}
-    values: list[replicated.Value] = []
+    values: list[Value] = []
     try:
         view = StoredView.read(folder, agreement.rank)
         found = mismatches(flat, view, strict, cast_dtype)
         if found:
             problem = CheckpointMismatchError(f"{folder}: " + "; ".join(found))
         elif broadcast is not False and agreement.world_size > 1:
-            shared = replicated.candidates(flat, view)
-            values = replicated.placed(view, shared)
+            shared = candidates(flat, view)
+            values = placed(view, shared)
     except (ShardwiseError, OSError, ValueError, pickle.UnpicklingError) as e:
         problem = e
     agreement.defer(problem)
-    agreed = agreement.agree(replicated.words(values, view, verify))  # the targets-fit verdict
+    agreed = agreement.agree(words(values, view, verify))  # the targets-fit verdict
     assert view is not None
-    batches: list[replicated.Batch] = []
+    batches: list[Batch] = []
     sent: set[str] = set()  # values another rank reads and sends this one
-    if replicated.wanted(agreed, values, broadcast, folder):
-        batches = replicated.schedule(values, agreement.world_size)
+    if wanted(agreed, values, broadcast, folder):
+        batches = schedule(values, agreement.world_size)
         sent = {k for b in batches if b.reader != agreement.rank for k in b.keys}
     objects: dict[str, Any] = {}
     executor = ReadExecutor(
@@ -119,7 +119,7 @@ def load_state(
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
     agreement.defer(problem)
-    agreement.defer(replicated.send(agreement.comm, batches, shared))  # whatever it read
+    agreement.defer(send(agreement.comm, batches, shared))  # whatever it read
     agreement.verdict()
     for key, value in objects.items():
         set_element(state_dict, mappings.get(key, (key,)), value)

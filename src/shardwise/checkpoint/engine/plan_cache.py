@@ -58,7 +58,7 @@ _LOCK = threading.Lock()  # async saves (and thread ranks) keep plans from other
 
 # entries pickled into the signature's hash at a time: one pickle of 100,000 would
 # hold its bytes and its memo at once (tens of MiB)
-BATCH = 4096
+CACHE_BATCH = 4096
 
 
 def signature(entries: list[Entry], world_size: int, rank: int, storage: str) -> bytes:
@@ -68,8 +68,8 @@ def signature(entries: list[Entry], world_size: int, rank: int, storage: str) ->
     same at every save; anything else only replans."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(pickle.dumps((world_size, rank, storage, len(entries)), protocol=4))
-    for start in range(0, len(entries), BATCH):
-        batch = entries[start : start + BATCH]
+    for start in range(0, len(entries), CACHE_BATCH):
+        batch = entries[start : start + CACHE_BATCH]
         shapes = [e if e[2] is not None else (*e[:5], e[5][0]) for e in batch]
         digest.update(pickle.dumps(shapes, protocol=pickle.HIGHEST_PROTOCOL))
     return digest.digest()

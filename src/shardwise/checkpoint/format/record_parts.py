@@ -60,7 +60,7 @@ _COUNT = struct.Struct("<Q")  # the number of batches, the part's last bytes
 TRAILER = _COUNT.size
 _HEAD = b"\x80\x02}q\x00"  # PROTO 2, EMPTY_DICT, BINPUT 0
 _MARKS = tuple(f"\x00shardwise part: {n}\x00" for n in ("state", "planner", "storage"))
-_TAIL = '"planner_data":{},"tensors":{},"objects":{},"crc32c":0}'
+_EMPTY_TAIL = '"planner_data":{},"tensors":{},"objects":{},"crc32c":0}'
 
 
 def pickled_items(items: dict[Any, Any]) -> bytes:
@@ -151,8 +151,8 @@ def manifest_frame(frame: Manifest) -> list[bytes]:
     last piece ends `"crc32c":0}`: the writer seals it (`manifest.seal`)."""
     assert not frame.tensors and not frame.objects and frame.planner_data == {}
     text = frame.unsealed_json()
-    assert text.endswith(_TAIL)
-    head = text[: -len(_TAIL)]
+    assert text.endswith(_EMPTY_TAIL)
+    head = text[: -len(_EMPTY_TAIL)]
     return [
         f'{head}"planner_data":{{'.encode(),
         b'},"tensors":{',

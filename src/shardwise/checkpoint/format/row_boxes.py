@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Boxes", "dense", "one_tile_boxes", "plain", "plain_rows", "row_strides"]
 
-_LIMIT = float(1 << 62)  # bytes no chunk reaches: its int64 arithmetic stays exact
+_BYTES_LIMIT = float(1 << 62)  # bytes no chunk reaches: its int64 arithmetic stays exact
 _NON_NEGATIVE = [0, 1, 3, 4, 7]  # rank, k, record offset and length, frame
 _BOUNDED = [2, 7]  # token (48 bits), frame (a crc32c)
 _BOUNDS = ((1 << 48) - 1, 0xFFFFFFFF)
@@ -146,7 +146,7 @@ def plain(array: np.ndarray, shape: np.ndarray, itemsize: np.ndarray | int) -> n
     )
     # the bytes of a chunk in the shape may still pass 2**63: bounded first, in floats
     size = np.where(inside[:, None], size, 0)
-    ok &= size.astype(np.float64).prod(axis=1) * itemsize < _LIMIT
+    ok &= size.astype(np.float64).prod(axis=1) * itemsize < _BYTES_LIMIT
     return ok & (pay_len == np.where(ok[:, None], size, 0).prod(axis=1) * itemsize)
 
 

@@ -15,11 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .chunk_table import row_width
+from .chunk_table import _LIMIT, row_width
 
 __all__ = ["Rows", "decode"]
-
-_LIMIT = 1 << 62  # as `chunk_table`: no stored integer reaches it
 
 
 @dataclass

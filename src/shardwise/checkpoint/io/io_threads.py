@@ -10,16 +10,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["reader_pool", "writer_pool"]
 
-_POOLS: dict[str, tuple[ThreadPoolExecutor, int]] = {}  # name -> (pool, pid it belongs to)
+_THREAD_POOLS: dict[str, tuple[ThreadPoolExecutor, int]] = {}  # name -> (pool, pid it belongs to)
 
 
 def _pool(name: str) -> ThreadPoolExecutor:
-    kept = _POOLS.get(name)
+    kept = _THREAD_POOLS.get(name)
     if kept is None or kept[1] != os.getpid():
         pool = ThreadPoolExecutor(
             min(8, os.cpu_count() or 1), thread_name_prefix=f"shardwise-{name}"
         )
-        _POOLS[name] = kept = (pool, os.getpid())
+        _THREAD_POOLS[name] = kept = (pool, os.getpid())
     return kept[0]
 
 

@@ -52,8 +52,7 @@ from .box_read import box_ranges, check_record, read_box
 from .device_landing import DeviceLanding
 from .host_slabs import staging_bytes as budget_of
 from .part_gather import extents, windows
-from .prefetch_window import Job as _Job
-from .prefetch_window import run_windowed
+from .prefetch_window import Job, run_windowed
 from .read_locate import locate, open_files
 from .read_requests import ChunkRead, GatherRead, RecordRead, end_of
 from .record_decode import CONTAINER_ROOM, load_record, untransform
@@ -62,8 +61,6 @@ from .streamed_read import can_stream, read_streamed
 from .whole_chunks import Whole, read_span, spans
 
 __all__ = ["ReadExecutor"]
-
-_Ranges = dict[str, list[tuple[int, int]]]
 
 
 class ReadExecutor:
@@ -190,7 +187,7 @@ class ReadExecutor:
                 return host
         return torch.empty(layout.shape, dtype=layout.dtype)
 
-    def _record_job(self, read: RecordRead | ChunkRead) -> _Job:
+    def _record_job(self, read: RecordRead | ChunkRead) -> Job:
         """A whole stored record read: an object's, a transformed or strided chunk's."""
         info = read.info
         fn: Any = self._read_record if isinstance(read, RecordRead) else self._read_whole
@@ -234,7 +231,7 @@ class ReadExecutor:
             )
         self._fill(read, target, piece.contiguous() if target.device.type != "cpu" else piece)
 
-    def _box_job(self, read: ChunkRead, layout: RecordLayout) -> _Job:
+    def _box_job(self, read: ChunkRead, layout: RecordLayout) -> Job:
         name = read.info.relative_path
         chunk = read.info if isinstance(read.info, StoredChunk) else None
         ranges = (

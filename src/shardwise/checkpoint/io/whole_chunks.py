@@ -27,7 +27,7 @@ from .read_requests import ChunkRead
 __all__ = ["GAP", "Placed", "Whole", "read_span", "spans"]
 
 GAP = 64 << 10  # chunks closer than this in a file are read by one preadv, gap and all
-_IOVECS = 1024
+_SPAN_IOVECS = 1024
 
 Whole = tuple[ChunkRead, RecordLayout]
 Placed = tuple[ChunkRead, torch.Tensor, torch.Tensor]  # read, its target, what took the bytes
@@ -44,7 +44,7 @@ def spans(batch: list[Whole], limit: int) -> list[tuple[int, int, list[Whole]]]:
     while start < len(batch):
         end = start
         lo = pos = batch[start][1].payload_offset
-        while end < len(batch) and end - start < (_IOVECS - 1) // 2:
+        while end < len(batch) and end - start < (_SPAN_IOVECS - 1) // 2:
             at, n = batch[end][1].payload_offset, batch[end][1].payload_length
             if end > start and (at < pos or at - pos > GAP or at + n - lo > limit):
                 break
