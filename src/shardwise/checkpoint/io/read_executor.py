@@ -58,7 +58,7 @@ from .read_requests import ChunkRead, GatherRead, RecordRead, end_of
 from .record_decode import CONTAINER_ROOM, load_record, untransform
 from .shared_chunks import as_whole, read_whole
 from .streamed_read import can_stream, read_streamed
-from .whole_chunks import Whole, read_span, spans
+from .whole_chunks import Whole, read_span, whole_spans
 
 __all__ = ["ReadExecutor"]
 
@@ -117,7 +117,7 @@ class ReadExecutor:
                 wholes[name].append((as_whole(parts, layout), layout))
             limit = self._landing.slab_bytes
             for name, batch in wholes.items():
-                for lo, hi, span in spans(batch, limit):
+                for lo, hi, span in whole_spans(batch, limit):
                     jobs.append(({name: [(lo, hi)]}, _bind(self._read_span, name, span, lo)))
             # a caller's callbacks (DCP's planner resolving and committing targets) are
             # called from one thread, as DCP calls them

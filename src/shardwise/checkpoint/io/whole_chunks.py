@@ -24,7 +24,7 @@ from ..format.record_read import RecordLayout
 from .box_read import check_whole
 from .read_requests import ChunkRead
 
-__all__ = ["GAP", "Placed", "Whole", "read_span", "spans"]
+__all__ = ["GAP", "Placed", "Whole", "read_span", "whole_spans"]
 
 GAP = 64 << 10  # chunks closer than this in a file are read by one preadv, gap and all
 _SPAN_IOVECS = 1024
@@ -33,7 +33,7 @@ Whole = tuple[ChunkRead, RecordLayout]
 Placed = tuple[ChunkRead, torch.Tensor, torch.Tensor]  # read, its target, what took the bytes
 
 
-def spans(batch: list[Whole], limit: int) -> list[tuple[int, int, list[Whole]]]:
+def whole_spans(batch: list[Whole], limit: int) -> list[tuple[int, int, list[Whole]]]:
     """Whole chunks of one file as `(start, end, chunks)` spans, by offset: neighbours
     within `GAP` share one while it stays within `limit` bytes (what one staging slab
     holds, for device targets), a chunk far from (or overlapping: damaged) the last
