@@ -137,7 +137,7 @@ class Window:
         skip = np.zeros(len(self.chunks), dtype=np.int64)  # payload bytes not read, at its start
         if not verify:  # each chunk from its parts' first byte to their last, no more
             skip = _needed(reads, boxes, inverse, self.chunks)
-        self.spans = _spans(self.chunks, GAP if verify else MERGE_GAP)
+        self.spans = _chunk_spans(self.chunks, GAP if verify else MERGE_GAP)
         self.slot, self.dense, self.total = _slots(self.chunks, self.spans)
         # where each part's chunk's payload starts in scratch, in bytes (before the
         # scratch when its first bytes are not read: they are never indexed)
@@ -226,7 +226,7 @@ def _needed(
 _BOX = ("sizes", "inner", "lengths")
 
 
-def _spans(chunks: np.ndarray, gap: int) -> list[tuple[int, int]]:
+def _chunk_spans(chunks: np.ndarray, gap: int) -> list[tuple[int, int]]:
     """Runs of chunks (sorted by file, then offset) one read takes: same file, in
     order, gaps under `gap`."""
     n = len(chunks)
