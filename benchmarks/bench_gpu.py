@@ -98,7 +98,7 @@ def _budget(args: argparse.Namespace) -> int:
     the library's default (SHARDWISE_STAGING_BYTES, else 1 GiB)."""
     given = parse_size(args.staging_bytes) if args.staging_bytes else None
     try:
-        from shardwise.checkpoint.io.host_slabs import staging_bytes
+        from shardwise.checkpoint.io.device import staging_bytes
     except ImportError:  # before the staging pipeline: its documented default
         return given or parse_size(os.environ.get("SHARDWISE_STAGING_BYTES") or "1GiB")
     return staging_bytes(given)

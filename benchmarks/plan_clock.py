@@ -21,7 +21,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from shardwise.checkpoint.engine import joining, saving
+from shardwise.checkpoint.engine import records as joining
+from shardwise.checkpoint.engine import save as saving
 
 __all__ = ["begin", "clocked", "joined", "planned"]
 

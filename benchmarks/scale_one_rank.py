@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the modules beside t
 
 from scale_states import build, check, fsdp, targets  # noqa: E402
 
-from shardwise.checkpoint.engine.loading import load_state  # noqa: E402
-from shardwise.checkpoint.engine.saving import save_state  # noqa: E402
+from shardwise.checkpoint.engine.load import load_state
+from shardwise.checkpoint.engine.save import save_state
 from shardwise.comm.agreement import Agreement  # noqa: E402
 from shardwise.comm.in_process import ThreadedRank, ThreadedWorld  # noqa: E402
 

@@ -47,8 +47,8 @@ from scale_curve import print_curve  # noqa: E402
 from scale_states import Spec, build, check, fsdp, targets, torchrec  # noqa: E402
 from scale_stock import stock_load, stock_save  # noqa: E402
 
-from shardwise.checkpoint.engine.loading import load_state  # noqa: E402
-from shardwise.checkpoint.engine.saving import save_state  # noqa: E402
+from shardwise.checkpoint.engine.load import load_state
+from shardwise.checkpoint.engine.save import save_state
 from shardwise.comm.agreement import Agreement  # noqa: E402
 from shardwise.comm.in_process import ThreadedRank, ThreadedWorld  # noqa: E402
 

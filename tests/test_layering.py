@@ -205,7 +205,7 @@ from . import sharded
 if TYPE_CHECKING:
     from ..comm import gather
 def f():
-    from ..checkpoint.api import save
+    from ..checkpoint.engine import save
 """
     found = _imports_in(source, "shardwise.tensor.x", is_package=False)
     assert found == [
@@ -215,6 +215,6 @@ def f():
         ("shardwise.layout", 5),
         ("shardwise.tensor", 6),
         ("shardwise.tensor.sharded", 6),
-        ("shardwise.checkpoint.api", 10),
-        ("shardwise.checkpoint.api.save", 10),  # a submodule of that name, imported too
+        ("shardwise.checkpoint.engine", 10),
+        ("shardwise.checkpoint.engine.save", 10),  # a submodule of that name, imported too
     ]

@@ -31,7 +31,7 @@ from .interop import from_dtensor, from_shard_tensor, from_torch_sharded_tensor,
 from .layout import Block, Layout, Transfer, plan_transfers
 from .ops import register_dispatch_handler, register_op, unregister_op
 from .tensor import ShardedTensor
-from .tensor.functions import (
+from .tensor.sharded import (
     register_function_handler,
     register_named_function_handler,
     unregister_function_handler,

@@ -17,9 +17,9 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.format.chunk_table import file_of
 from shardwise.checkpoint.format.manifest import Manifest, seal
-from shardwise.checkpoint.format.safe_pickle import load_metadata
+from shardwise.checkpoint.format.pickles import load_metadata
+from shardwise.checkpoint.format.table import file_of
 from shardwise.storage import Folder, open_folder
 
 SECRET = b"top secret, never to be read through a checkpoint\n" * 64

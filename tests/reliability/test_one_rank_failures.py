@@ -72,7 +72,7 @@ def _case(rank: int, world: int, case: str, folder: str) -> tuple[str, str, floa
         return _outcome(lambda: swc.async_save({"b": bias}, target).result())
     if case == "async-save-after-staging":
         # staged everywhere; then rank 1's background save fails before its first exchange
-        import shardwise.checkpoint.engine.saving as saving
+        import shardwise.checkpoint.engine.save as saving
 
         if rank == 1:
 

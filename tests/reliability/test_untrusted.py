@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.format.record_check import DATA_FILE, check_coverage, name_problem
+from shardwise.checkpoint.format.checks import DATA_FILE, check_coverage, name_problem
 from shardwise.checkpoint.io import commit
 from shardwise.cli import main
 from shardwise.errors import CorruptCheckpointError, UnsafeMetadataError

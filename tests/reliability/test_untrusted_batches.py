@@ -19,12 +19,11 @@ import torch
 
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
-from shardwise.checkpoint.engine import stored_view
-from shardwise.checkpoint.format import row_batches
-from shardwise.checkpoint.format.chunk_table import file_of, row_width
+from shardwise.checkpoint.engine import stored as stored_view
+from shardwise.checkpoint.format import table as row_batches
 from shardwise.checkpoint.format.manifest import Manifest
-from shardwise.checkpoint.format.row_boxes import Boxes, one_tile_boxes
-from shardwise.checkpoint.io import part_gather
+from shardwise.checkpoint.format.table import Boxes, file_of, one_tile_boxes, row_width
+from shardwise.checkpoint.io import chunks as part_gather
 from shardwise.errors import CorruptCheckpointError
 from shardwise.storage import open_folder
 
@@ -138,10 +137,10 @@ def _load(ck: Ckpt, monkeypatch, batch: bool) -> tuple[dict[str, Any], str | Non
 
     with monkeypatch.context() as m:
         if batch:
-            m.setattr("shardwise.checkpoint.engine.loading.batch_boxes", spy)
+            m.setattr("shardwise.checkpoint.engine.load.batch_boxes", spy)
         else:
-            m.setattr("shardwise.checkpoint.engine.loading.batch_boxes", lambda i: [None] * len(i))
-            m.setattr("shardwise.checkpoint.engine.stored_view.one_tile_boxes", lambda *a: None)
+            m.setattr("shardwise.checkpoint.engine.load.batch_boxes", lambda i: [None] * len(i))
+            m.setattr("shardwise.checkpoint.engine.stored.one_tile_boxes", lambda *a: None)
         try:
             swc.load(targets, ck.location)
         except CorruptCheckpointError as e:
@@ -180,7 +179,7 @@ def test_every_tensor_gathered_at_once_bit_exact_ranges_checked_after(ck, monkey
 
     seen: list[Any] = []
     spy = lambda reads, *args: (seen.extend(reads), part_gather.windows(reads, *args))[1]  # noqa: E731
-    monkeypatch.setattr("shardwise.checkpoint.io.read_executor.windows", spy)
+    monkeypatch.setattr("shardwise.checkpoint.io.read.windows", spy)
     monkeypatch.setattr(stored_view, "check_read_ranges", check)
     monkeypatch.setattr(row_batches, "PAIRS", pairs)
     _sound(ck, monkeypatch)

@@ -20,10 +20,10 @@ import torch
 
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
-from shardwise.checkpoint.format.chunk_table import file_of, row_width
+from shardwise.checkpoint.format.checks import DATA_FILE
 from shardwise.checkpoint.format.manifest import Manifest
-from shardwise.checkpoint.format.record_check import DATA_FILE
-from shardwise.checkpoint.io import part_gather
+from shardwise.checkpoint.format.table import file_of, row_width
+from shardwise.checkpoint.io import chunks as part_gather
 from shardwise.errors import CorruptCheckpointError
 from shardwise.storage import open_folder
 
@@ -151,7 +151,7 @@ def gathered(monkeypatch) -> list[Any]:
     """Every `GatherRead` the loads hand the executor."""
     seen: list[Any] = []
     spy = lambda reads, *args: (seen.extend(reads), part_gather.windows(reads, *args))[1]  # noqa: E731
-    monkeypatch.setattr("shardwise.checkpoint.io.read_executor.windows", spy)
+    monkeypatch.setattr("shardwise.checkpoint.io.read.windows", spy)
     return seen
 
 
@@ -170,8 +170,8 @@ def _raised(location: str, monkeypatch, targets: dict[str, Any], gather: bool) -
     """What `swc.load` raises, None if nothing (the gather path off unless `gather`)."""
     with monkeypatch.context() as m:
         if not gather:
-            m.setattr("shardwise.checkpoint.engine.stored_view.one_tile_boxes", lambda *_a: None)
-            m.setattr("shardwise.checkpoint.engine.loading.batch_boxes", lambda i: [None] * len(i))
+            m.setattr("shardwise.checkpoint.engine.stored.one_tile_boxes", lambda *_a: None)
+            m.setattr("shardwise.checkpoint.engine.load.batch_boxes", lambda i: [None] * len(i))
         try:
             swc.load(targets, location)
         except CorruptCheckpointError as e:

@@ -22,10 +22,9 @@ import torch
 
 import shardwise.checkpoint as swc
 from shardwise import Layout, ShardedTensor
-from shardwise.checkpoint.format.chunk_table import ChunkTable, row_width
+from shardwise.checkpoint.format.index import fetcher
 from shardwise.checkpoint.format.manifest import ChunkEntry, Manifest
-from shardwise.checkpoint.format.section_encode import encode_section
-from shardwise.checkpoint.format.writer_checksums import fetcher
+from shardwise.checkpoint.format.table import ChunkTable, encode_section, row_width
 from shardwise.errors import CorruptCheckpointError
 from shardwise.storage import open_folder
 

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.format.record_check import check_coverage, name_problem
+from shardwise.checkpoint.format.checks import check_coverage, name_problem
 from shardwise.checkpoint.io import commit
 from shardwise.checkpoint.io.commit import RecordNames, collect, replaced_files
 from shardwise.checkpoint.io.lease import LOCK, Holder, Lease, live_scopes, stale_reason

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 import shardwise.checkpoint as swc
-import shardwise.checkpoint.engine.joining as joining
-import shardwise.checkpoint.engine.saving as saving
+import shardwise.checkpoint.engine.records as joining
+import shardwise.checkpoint.engine.save as saving
 from shardwise import Layout, ShardedTensor
-from shardwise.checkpoint.engine.key_owners import owner_of
-from shardwise.checkpoint.engine.loading import load_state
-from shardwise.checkpoint.engine.saving import save_state
-from shardwise.checkpoint.format.chunk_table import file_of
+from shardwise.checkpoint.engine.load import load_state
+from shardwise.checkpoint.engine.plan import owner_of
+from shardwise.checkpoint.engine.save import save_state
 from shardwise.checkpoint.format.manifest import Manifest
+from shardwise.checkpoint.format.table import file_of
 from shardwise.comm.agreement import Agreement
 from shardwise.testing import shard_of
 
@@ -297,7 +297,7 @@ def test_a_crafted_count_sizes_no_allocation_past_its_tensor(tmp_path):
 def test_a_placement_failing_on_one_rank_fails_every_rank_at_the_route(tmp_path, monkeypatch):
     """A first save's places are reported before any data: a rank whose placing failed
     sends nothing and the route raises its problem on every rank (none waits in it)."""
-    from shardwise.checkpoint.engine import plan_cache
+    from shardwise.checkpoint.engine import plan as plan_cache
 
     plan_cache.forget()
     original, local = saving.place_records, threading.local()

@@ -29,8 +29,9 @@ import torch
 
 import shardwise.checkpoint as swc
 from shardwise import Layout, ShardedTensor
-from shardwise.checkpoint.engine import stored_view, whole_rows
-from shardwise.checkpoint.engine.loading import load_state
+from shardwise.checkpoint.engine import stored as stored_view
+from shardwise.checkpoint.engine import stored as whole_rows
+from shardwise.checkpoint.engine.load import load_state
 from shardwise.comm.agreement import Agreement
 from shardwise.comm.in_process import ThreadedWorld
 from shardwise.storage import open_folder

@@ -22,9 +22,9 @@ from shardwise.storage import (
     LocalFolder,
     open_folder,
     register_backend,
-    registry,
     unregister_backend,
 )
+from shardwise.storage import location as registry
 
 
 class Mem2Folder(FsspecFolder):

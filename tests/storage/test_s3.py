@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from shardwise.checkpoint.engine.replicated import placed, schedule
-from shardwise.checkpoint.engine.stored_view import StoredView
+from shardwise.checkpoint.engine.load import placed, schedule
+from shardwise.checkpoint.engine.stored import StoredView
 from shardwise.checkpoint.format.manifest import TAIL, Manifest
 from shardwise.storage import open_folder
 from shardwise.testing import run_ranks

@@ -27,14 +27,18 @@ from ..errors import (
 )
 from . import clients  # noqa: F401  (importing registers the clients' value adapters)
 from .api import LoadInfo, SaveFuture, SaveInfo, async_save, load, read_tensor, save
-from .dcp.reader import Reader
-from .dcp.writer import Writer
-from .format.objects import allow_object_globals
-from .offline.conversion import convert
-from .offline.inspection import CheckpointInfo, TensorInfo, inspect
-from .offline.opening import OpenCheckpoint, open_checkpoint
-from .offline.resharding import reshard
-from .offline.verification import verify
+from .dcp import Reader, Writer
+from .format import allow_object_globals
+from .offline import (
+    CheckpointInfo,
+    OpenCheckpoint,
+    TensorInfo,
+    convert,
+    inspect,
+    open_checkpoint,
+    reshard,
+    verify,
+)
 
 __all__ = [
     "ArgumentMismatchError",

@@ -4,6 +4,6 @@ running pickled code. The adapters behind `swc.save`/`swc.load` are
 `checkpoint.clients.megatron`'s.
 """
 
-from .clients.megatron_format import read_common_state
+from .clients import read_common_state
 
 __all__ = ["read_common_state"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..checkpoint.offline.conversion import TARGETS, convert
+from ..checkpoint.offline import TARGETS, convert
 from .sizes import parse_size
 from .storage_options import add_storage_options, storage_options
 

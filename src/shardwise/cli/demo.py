@@ -161,7 +161,7 @@ def load_rank(rank: int, world: int, path: str, size: int, saved_world: int) -> 
 def _describe(layout: Any) -> str:
     counts = [len(b) for b in layout.blocks]
     empty = sum(1 for c in counts if c == 0)
-    from shardwise.checkpoint.offline.inspection import describe_sharding
+    from shardwise.checkpoint.offline import describe_sharding
 
     blocks = list(dict.fromkeys(b for bs in layout.blocks for b in bs))
     what = describe_sharding(layout.global_shape, blocks)

@@ -13,8 +13,16 @@ group, no torch.distributed.
 
 from .folder import Folder, RandomAccess, Sink
 from .local import LocalFolder
-from .location import BACKEND_EXTRAS, is_url, open_folder, served_url
-from .registry import ENTRY_POINT_GROUP, BackendFactory, register_backend, unregister_backend
+from .location import (
+    BACKEND_EXTRAS,
+    ENTRY_POINT_GROUP,
+    BackendFactory,
+    is_url,
+    open_folder,
+    register_backend,
+    served_url,
+    unregister_backend,
+)
 from .remote import FsspecFolder
 
 __all__ = [

@@ -1,29 +1,211 @@
-"""`ShardedTensor`: a `torch.Tensor` whose shape is global and whose data is
-this rank's blocks of a `Layout`.
+"""`ShardedTensor`: a `torch.Tensor` subclass with a global shape, holding any
+number of blocks per rank.
 
-The wrapper holds no storage of its own; `__torch_dispatch__` sends each op to
-`shardwise.ops`, which applies it shard by shard. Nothing in this module
-communicates: building from a layout is local, and the collective and
-conversion methods call the code `shardwise.comm` and `shardwise.interop`
-install in `shardwise.tensor.provided` (they sit above this module).
+The class, its local view (this rank's shards and their blocks, the
+`LocalShardsWrapper` accessors), and the dispatch of torch functions on it
+(`__torch_function__` handlers, registered by function or by name).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, SupportsIndex
 
 import torch
 
-from ..layout import Layout
+from ..errors import InvalidTypeError, LayoutError
+from ..layout import Block, Layout
 from .checkpointable import Checkpointable
 from .construction import check_shards, filled_shards
-from .functions import register_function_handler, register_named_function_handler, torch_function
-from .local_view import LocalView
 from .provided import provided
 from .provided_methods import ProvidedMethods
 
-__all__ = ["ShardedTensor"]
+__all__ = [
+    "LocalView",
+    "ShardedTensor",
+    "handler_for",
+    "register_function_handler",
+    "register_named_function_handler",
+    "torch_function",
+    "unregister_function_handler",
+]
+
+
+# -----------------------------------------------------------------------------
+# What one rank of a `ShardedTensor` holds: its blocks, shards, offsets, group.
+# -----------------------------------------------------------------------------
+
+
+class LocalView:
+    """`ShardedTensor`'s view of this rank's part; the state is set by `ShardedTensor.__new__`."""
+
+    __slots__ = ()
+
+    _layout: Layout
+    _rank: int
+    _shards: list[torch.Tensor]
+    _group: Any
+    # Per mesh dimension, this rank's offset along the tensor dimension it shards (PhysicsNeMo's
+    # `offsets()`), when built on a device mesh (`scatter_tensor`, `from_shard_tensor`); else None.
+    _mesh_offsets: tuple[int, ...] | None
+
+    @property
+    def layout_spec(self) -> Layout:
+        """The global `Layout` (named so to leave `Tensor.layout` alone)."""
+        return self._layout
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def group(self) -> Any:
+        return self._group
+
+    @property
+    def local_blocks(self) -> tuple[Block, ...]:
+        return self._layout.blocks_of(self._rank)
+
+    def local_shards(self) -> list[torch.Tensor]:
+        """The live shard tensors (in-place edits are visible), in block order."""
+        return self._shards
+
+    def local_offsets(self) -> list[torch.Size]:
+        return [torch.Size(b.offsets) for b in self.local_blocks]
+
+    def local_sizes(self) -> list[torch.Size]:
+        return [torch.Size(b.sizes) for b in self.local_blocks]
+
+    def offsets(self, mesh_dim: int | None = None) -> tuple[int, ...] | int:
+        """PhysicsNeMo's `ShardTensor.offsets`: per mesh dimension, this rank's offset along
+        the tensor dimension it shards (0 where it replicates); one int for `mesh_dim`.
+
+        Only a tensor built on a device mesh has them; `local_offsets()` gives every
+        tensor's block offsets per tensor dimension.
+        """
+        if self._mesh_offsets is None:
+            raise LayoutError(
+                f"rank {self._rank}: this ShardedTensor was not built on a device mesh, so it "
+                f"has no per-mesh-dimension offsets; shardwise.scatter_tensor and "
+                f"from_shard_tensor record them, and st.local_offsets() gives its block offsets"
+            )
+        if mesh_dim is None:
+            return self._mesh_offsets
+        return self._mesh_offsets[mesh_dim]
+
+    def is_empty_shard(self) -> bool:
+        """True when this rank holds no element of the tensor."""
+        return all(b.is_empty() for b in self.local_blocks)
+
+    def is_pinned(self, device: Any = None) -> bool:
+        return bool(self._shards) and all(s.is_pinned() for s in self._shards)
+
+
+# -----------------------------------------------------------------------------
+# Function-level handlers: `torch.*` / `torch.nn.functional` calls on ShardedTensors.
+#
+# `register_op` (in `shardwise.ops`) acts on aten ops, after autograd and
+# decomposition; some computations are only expressible one level up, where
+# `F.softmax(x, dim=1)` or `torch.sum(x)` is still one call: a softmax along an
+# unsharded dimension is per shard, a sum over every element is one collective.
+# These handlers are PhysicsNeMo's `ShardTensor.register_function_handler` /
+# `register_named_function_handler`, with its calling convention,
+# `handler(func, types, args, kwargs)`, so PhysicsNeMo handlers port unchanged
+# (they receive plain tensors as they are; PhysicsNeMo promotes them to
+# replicated DTensors first).
+#
+# `ShardedTensor.__torch_function__` asks `handler_for(func)` first (by object,
+# then by `str(func)` for `torch.library.custom_op`s, as PhysicsNeMo); without a
+# handler the call goes on exactly as before, to `__torch_dispatch__`. The
+# registry lives in the tensor layer because the type consults it; it imports
+# nothing above.
+# -----------------------------------------------------------------------------
+
+# handler(func, types, args, kwargs) -> result, as PhysicsNeMo's ShardTensor calls it.
+FunctionHandler = Callable[[Any, tuple, tuple, dict], Any]
+
+_BY_FUNCTION: dict[Any, FunctionHandler] = {}
+
+_BY_NAME: dict[str, FunctionHandler] = {}
+
+
+def register_function_handler(func: Callable[..., Any], handler: FunctionHandler) -> None:
+    """Run `handler(func, types, args, kwargs)` whenever `func` is called on a ShardedTensor.
+
+    `func` is the Python-level callable (`torch.nn.functional.gelu`,
+    `torch.sum`, `torch.Tensor.sum`, ...); its result is returned as is.
+    """
+    if not callable(func) or isinstance(func, str):
+        raise InvalidTypeError(
+            f"register_function_handler needs the function itself (e.g. torch.nn.functional.gelu), "
+            f"got {func!r}; use register_named_function_handler for a name"
+        )
+    if not callable(handler):
+        raise InvalidTypeError(f"the handler for {func!r} must be callable, got {handler!r}")
+    _BY_FUNCTION[func] = handler
+
+
+def register_named_function_handler(func_name: str, handler: FunctionHandler) -> None:
+    """As `register_function_handler`, keyed by `str(func)`: a `torch.library.custom_op`
+    called as `torch.ops.mylib.op(...)` is matched by its name, `"mylib.op.default"`."""
+    if not isinstance(func_name, str):
+        raise InvalidTypeError(
+            f"register_named_function_handler needs a name such as 'mylib.op.default', "
+            f"got {func_name!r}; use register_function_handler for a function"
+        )
+    if not callable(handler):
+        raise InvalidTypeError(f"the handler for {func_name!r} must be callable, got {handler!r}")
+    _BY_NAME[func_name] = handler
+
+
+def unregister_function_handler(func: Callable[..., Any] | str) -> None:
+    """Remove the handler registered for `func` (a function, or a name); `KeyError` if none."""
+    registry: dict[Any, FunctionHandler] = _BY_NAME if isinstance(func, str) else _BY_FUNCTION
+    try:
+        del registry[func]
+    except KeyError:
+        raise KeyError(
+            f"no function handler registered for {func!r}; register_function_handler / "
+            f"register_named_function_handler install one"
+        ) from None
+
+
+def handler_for(func: Any) -> FunctionHandler | None:
+    """The handler for `func`: by the object, then by its name; None without one."""
+    if not (_BY_FUNCTION or _BY_NAME):
+        return None
+    try:
+        handler = _BY_FUNCTION.get(func)
+    except TypeError:  # an unhashable callable is never registered
+        handler = None
+    if handler is None and _BY_NAME:
+        handler = _BY_NAME.get(str(func))
+        if handler is None and isinstance(func, torch._ops.OpOverloadPacket):
+            handler = _BY_NAME.get(f"{func}.default")  # torch.ops.mylib.op(...) called bare
+    return handler
+
+
+def torch_function(func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """`ShardedTensor.__torch_function__`: a registered handler, else the default, which
+    runs `func` with torch functions disabled so that it reaches `__torch_dispatch__`
+    (as for DTensor: no subclass wrapping of results at this level)."""
+    kwargs = kwargs or {}
+    handler = handler_for(func)
+    if handler is not None:
+        return handler(func, types, args, kwargs)
+    return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+
+
+# -----------------------------------------------------------------------------
+# `ShardedTensor`: a `torch.Tensor` whose shape is global and whose data is
+# this rank's blocks of a `Layout`.
+#
+# The wrapper holds no storage of its own; `__torch_dispatch__` sends each op to
+# `shardwise.ops`, which applies it shard by shard. Nothing in this module
+# communicates: building from a layout is local, and the collective and
+# conversion methods call the code `shardwise.comm` and `shardwise.interop`
+# install in `shardwise.tensor.provided` (they sit above this module).
+# -----------------------------------------------------------------------------
 
 
 class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):

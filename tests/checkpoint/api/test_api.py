@@ -496,7 +496,7 @@ def test_corruption_found_by_one_rank_raises_on_every_rank(saved, tmp_path):
 
 
 def _async(rank: int, world: int, folder: str) -> list[str]:
-    from shardwise.checkpoint.api.async_save import _ASYNC
+    from shardwise.checkpoint.api import _ASYNC
 
     bad = []
     state = save_state(rank, world)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.api.async_save import _ASYNC
+from shardwise.checkpoint.api import _ASYNC
 
 
 class _SlowState:

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import shardwise.checkpoint as swc
 from shardwise import Layout, ShardedTensor
-from shardwise.checkpoint.engine import plan_cache
+from shardwise.checkpoint.engine import plan as plan_cache
 from shardwise.comm.communicator import ProcessGroupCommunicator
 from shardwise.testing import run_ranks, shard_of
 

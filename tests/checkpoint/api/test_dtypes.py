@@ -18,8 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
-from shardwise.checkpoint.format.record_read import read_record_layout
-from shardwise.checkpoint.format.record_write import tensor_record
+from shardwise.checkpoint.format.archive import read_record_layout, tensor_record
 from shardwise.storage.local import LocalFile
 from tests.checkpoint.format.test_records import saved_record
 

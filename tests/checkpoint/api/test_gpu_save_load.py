@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 import shardwise.checkpoint as swc
 from shardwise import Block, CorruptCheckpointError, Layout, ShardedTensor
-from shardwise.checkpoint.io.host_slabs import slabs_for
+from shardwise.checkpoint.io.device import slabs_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import shardwise.checkpoint as swc
 from shardwise import Block, CheckpointMismatchError, Layout, ShardedTensor, ShardMismatchError
-from shardwise.checkpoint.engine.holes import first_hole
+from shardwise.checkpoint.engine.plan import first_hole
 from shardwise.testing import run_ranks
 
 pytestmark = [

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardwise import Layout, ShardedTensor
-from shardwise.checkpoint.clients.megatron_returned import (
+from shardwise.checkpoint.clients.megatron import (
     holds_megatron,
     load_targets,
     megatron_route,

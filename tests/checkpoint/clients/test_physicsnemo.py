@@ -12,8 +12,8 @@ import torch
 
 import shardwise.checkpoint  # noqa: F401 - registers the built-in adapters
 from shardwise import Layout, ShardedTensor
-from shardwise.checkpoint.engine import adapters
-from shardwise.checkpoint.engine.adapters import ValueAdapter, register_value_adapter
+from shardwise.checkpoint.engine import inventory as adapters
+from shardwise.checkpoint.engine.inventory import ValueAdapter, register_value_adapter
 from shardwise.errors import InvalidArgumentError
 
 _MODULE = "physicsnemo.domain_parallel.shard_tensor"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.engine.adapters import (
+from shardwise.checkpoint.engine.inventory import (
     ValueAdapter,
     adapted_for_load,
     adapted_for_save,

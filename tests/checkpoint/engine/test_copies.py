@@ -9,9 +9,8 @@ import time
 import pytest
 import torch
 
-from shardwise.checkpoint.engine import copies
-from shardwise.checkpoint.engine.copies import _pieces
-from shardwise.checkpoint.engine.staging import Stager
+from shardwise.checkpoint.engine import staging as copies
+from shardwise.checkpoint.engine.staging import Stager, _pieces
 
 from .stagers import cycle, pooled, stagers
 

@@ -18,12 +18,12 @@ import torch.distributed.checkpoint as dcp
 
 from shardwise import Block, Layout, ShardedTensor, ShardMismatchError
 from shardwise.checkpoint.engine.inventory import describe, serialize_objects
-from shardwise.checkpoint.engine.loading import load_state
-from shardwise.checkpoint.engine.planning import place_records, plan_save
-from shardwise.checkpoint.engine.saving import save_state
+from shardwise.checkpoint.engine.load import load_state
+from shardwise.checkpoint.engine.plan import place_records, plan_save
+from shardwise.checkpoint.engine.save import save_state
+from shardwise.checkpoint.format.archive import record_frame
+from shardwise.checkpoint.format.checksums import checksum_payload
 from shardwise.checkpoint.format.manifest import Manifest
-from shardwise.checkpoint.format.record_write import record_frame
-from shardwise.checkpoint.format.tiles import checksum_payload
 from shardwise.comm.agreement import Agreement
 from shardwise.testing import shard_of
 

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from shardwise import Layout, ShardedTensor
 from shardwise.checkpoint.engine.inventory import Serialized, describe, serialize_objects
-from shardwise.checkpoint.engine.saving import save_state
+from shardwise.checkpoint.engine.save import save_state
 from shardwise.checkpoint.format.manifest import Manifest
 from shardwise.comm.agreement import Agreement
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from shardwise import InvalidArgumentError, Layout, ShardedTensor, ShardMismatchError
-from shardwise.checkpoint.engine import plan_cache
-from shardwise.checkpoint.engine.key_owners import owner_of
-from shardwise.checkpoint.engine.saving import save_state
+from shardwise.checkpoint.engine import plan as plan_cache
+from shardwise.checkpoint.engine.plan import owner_of
+from shardwise.checkpoint.engine.save import save_state
 from shardwise.comm.agreement import Agreement
 from shardwise.comm.communicator import SingleProcess
 

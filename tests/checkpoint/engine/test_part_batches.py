@@ -19,9 +19,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from shardwise import Layout, ShardedTensor
-from shardwise.checkpoint.engine import key_owners, plan_cache
-from shardwise.checkpoint.engine.loading import load_state
-from shardwise.checkpoint.engine.saving import save_state
+from shardwise.checkpoint.engine import plan as key_owners
+from shardwise.checkpoint.engine import plan as plan_cache
+from shardwise.checkpoint.engine.load import load_state
+from shardwise.checkpoint.engine.save import save_state
 from shardwise.checkpoint.format.manifest import Manifest
 from shardwise.checkpoint.offline.verification import verify
 from shardwise.comm.agreement import Agreement

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from shardwise import Layout, ShardedTensor
-from shardwise.checkpoint.engine import plan_cache
+from shardwise.checkpoint.engine import plan as plan_cache
 from shardwise.checkpoint.engine.inventory import describe
-from shardwise.checkpoint.engine.key_owners import owner_of
-from shardwise.checkpoint.engine.loading import load_state
-from shardwise.checkpoint.engine.saving import save_state
+from shardwise.checkpoint.engine.load import load_state
+from shardwise.checkpoint.engine.plan import owner_of
+from shardwise.checkpoint.engine.save import save_state
 from shardwise.checkpoint.format.manifest import Manifest
 from shardwise.comm.agreement import Agreement
 from shardwise.comm.communicator import SingleProcess

@@ -16,12 +16,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from shardwise import Layout, ShardedTensor
-from shardwise.checkpoint.engine import rank_file
-from shardwise.checkpoint.engine.rank_file import Staging
-from shardwise.checkpoint.engine.saving import save_state
+from shardwise.checkpoint.engine import save as rank_file
+from shardwise.checkpoint.engine.save import Staging, save_state
 from shardwise.checkpoint.format.manifest import Manifest
-from shardwise.checkpoint.io.chunk_writer import DataFile
-from shardwise.checkpoint.io.host_slabs import slabs_for, staging_bytes
+from shardwise.checkpoint.io.device import slabs_for, staging_bytes
+from shardwise.checkpoint.io.write import DataFile
 from shardwise.comm.agreement import Agreement
 
 from ...comm.threaded_world import ThreadedWorld
@@ -128,7 +127,7 @@ def test_a_large_share_is_spread_over_several_files_that_every_reader_reads(
 ) -> None:
     """Past `SPLIT_BYTES` a rank writes `file_count` files at once (one writer per file
     is what file systems allow); the checkpoint stays one DCP checkpoint."""
-    from shardwise.checkpoint.engine import planning
+    from shardwise.checkpoint.engine import plan as planning
 
     assert [planning.file_count(n) for n in (0, 511 << 20, 512 << 20, 1 << 30, 64 << 30)] == [
         1,

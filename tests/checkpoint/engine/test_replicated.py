@@ -17,10 +17,9 @@ import torch
 
 import shardwise.checkpoint as swc
 from shardwise import Layout, ShardedTensor
-from shardwise.checkpoint.engine.loading import load_state
-from shardwise.checkpoint.engine.replicated import Batch, Value, placed, schedule
-from shardwise.checkpoint.engine.saving import save_state
-from shardwise.checkpoint.engine.stored_view import StoredView
+from shardwise.checkpoint.engine.load import Batch, Value, load_state, placed, schedule
+from shardwise.checkpoint.engine.save import save_state
+from shardwise.checkpoint.engine.stored import StoredView
 from shardwise.checkpoint.format.manifest import Manifest
 from shardwise.comm.agreement import Agreement
 from shardwise.errors import CorruptCheckpointError
@@ -164,7 +163,7 @@ def test_scheduling_the_values_fetches_no_checksum(tmp_path: Path, monkeypatch) 
     """Where each value lies is read off its index rows: the rows' checksums, which
     their writers keep (format version 5), are fetched once per group for the load,
     never once per value to schedule it (10,000 small values cost a read each)."""
-    from shardwise.checkpoint.format import writer_checksums
+    from shardwise.checkpoint.format import index as writer_checksums
 
     keys = [f"v{i}" for i in range(40)]
     path = tmp_path / "ck"

@@ -20,13 +20,12 @@ import torch
 
 import shardwise.checkpoint as swc
 from shardwise import Layout, ShardedTensor
-from shardwise.checkpoint.api import edge
-from shardwise.checkpoint.engine.loading import load_state
-from shardwise.checkpoint.engine.replicated import Batch, placed, schedule
-from shardwise.checkpoint.engine.saving import save_state
-from shardwise.checkpoint.engine.stored_view import StoredView
+from shardwise.checkpoint import api as edge
+from shardwise.checkpoint.engine.load import Batch, load_state, placed, schedule
+from shardwise.checkpoint.engine.save import save_state
+from shardwise.checkpoint.engine.stored import StoredView
 from shardwise.checkpoint.format.manifest import Manifest, seal
-from shardwise.checkpoint.format.section_encode import encode_section
+from shardwise.checkpoint.format.table import encode_section
 from shardwise.comm.agreement import Agreement
 from shardwise.errors import ArgumentMismatchError, CorruptCheckpointError
 from shardwise.storage import open_folder

@@ -17,7 +17,9 @@ import pytest
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from shardwise import CorruptCheckpointError
-from shardwise.checkpoint.engine.save_records import SaveRecords
+from shardwise.checkpoint.engine.plan import SaveRecords
+from shardwise.checkpoint.engine.records import join_records, part_name, write_part
+from shardwise.checkpoint.format.entries import ChunkEntry
 from shardwise.checkpoint.format.manifest import (
     VERSION,
     IndexRef,
@@ -25,9 +27,7 @@ from shardwise.checkpoint.format.manifest import (
     ObjectEntry,
     TensorEntry,
 )
-from shardwise.checkpoint.format.manifest_fields import ChunkEntry
-from shardwise.checkpoint.format.safe_pickle import load_metadata
-from shardwise.checkpoint.io.record_join import join_records, part_name, write_part
+from shardwise.checkpoint.format.pickles import load_metadata
 from shardwise.storage import open_folder
 
 META = StorageMeta(checkpoint_id="/ck", save_id="s1")

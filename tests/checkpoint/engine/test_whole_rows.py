@@ -15,8 +15,10 @@ import pytest
 import torch
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.engine import loading, stored_view, whole_rows
-from shardwise.checkpoint.format.chunk_table import file_of
+from shardwise.checkpoint.engine import load as loading
+from shardwise.checkpoint.engine import stored as stored_view
+from shardwise.checkpoint.engine import stored as whole_rows
+from shardwise.checkpoint.format.table import file_of
 
 from ..format.crafted_sections import resection, section_rows
 

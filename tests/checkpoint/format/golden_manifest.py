@@ -19,7 +19,8 @@ import torch
 
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
-from shardwise.checkpoint.format.chunk_table import row_width
+from shardwise.checkpoint.format.entries import INDEXED, INLINE
+from shardwise.checkpoint.format.index import read_sections, write_sections
 from shardwise.checkpoint.format.manifest import (
     VERSION,
     ChunkEntry,
@@ -28,9 +29,7 @@ from shardwise.checkpoint.format.manifest import (
     TensorEntry,
     tail_of,
 )
-from shardwise.checkpoint.format.manifest_entries import INDEXED, INLINE
-from shardwise.checkpoint.format.manifest_index import read_sections, write_sections
-from shardwise.checkpoint.format.section_encode import encode_section
+from shardwise.checkpoint.format.table import encode_section, row_width
 from shardwise.storage import open_folder
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise.checkpoint.format.byte_runs import SMALL, few_runs, list_spans, runs, spans
+from shardwise.checkpoint.format.checksums import SMALL, few_runs, list_spans, runs, spans
 
 DTYPES = [torch.uint8, torch.int16, torch.float32, torch.float64]  # itemsizes 1, 2, 4, 8
 

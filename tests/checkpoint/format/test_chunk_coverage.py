@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.checkpoint.format.chunk_coverage import check_coverage, checked_ints
+from shardwise.checkpoint.format.checks import check_coverage, checked_ints
 from shardwise.errors import CorruptCheckpointError
 
 _REFUSED = ": damaged or crafted; refused (nothing a chunk does not hold is ever returned)"

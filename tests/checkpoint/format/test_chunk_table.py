@@ -9,9 +9,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from shardwise.checkpoint.format.chunk_table import ChunkTable, file_of, row_width
 from shardwise.checkpoint.format.manifest import ChunkEntry
-from shardwise.checkpoint.format.section_encode import encode_section
+from shardwise.checkpoint.format.table import ChunkTable, encode_section, file_of, row_width
 from shardwise.errors import CorruptCheckpointError
 
 TOKEN = "0123456789ab"

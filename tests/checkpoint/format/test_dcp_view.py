@@ -17,8 +17,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from shardwise.checkpoint.format.dcp_view import StoredChunk, StoredObject, metadata_of
-from shardwise.checkpoint.format.manifest import ChunkEntry, Manifest, ObjectEntry, TensorEntry
+from shardwise.checkpoint.format.manifest import (
+    ChunkEntry,
+    Manifest,
+    ObjectEntry,
+    StoredChunk,
+    StoredObject,
+    TensorEntry,
+    metadata_of,
+)
 
 DATA = "__0_0.sw0123456789ab.distcp"
 

@@ -8,16 +8,21 @@ from typing import Any
 
 import pytest
 
-from shardwise.checkpoint.format.fast_entries import (
+from shardwise.checkpoint.format.entries import (
+    CHUNK,
+    FAST_CHUNK,
+    INDEXED,
+    INLINE,
+    TENSOR,
+    decode,
     dump_chunk,
     dump_tensor,
+    encode,
     parse_chunk,
     parse_tensor,
     parse_tensors,
 )
 from shardwise.checkpoint.format.manifest import READS, VERSION, ChunkEntry, Manifest, TensorEntry
-from shardwise.checkpoint.format.manifest_entries import INDEXED, INLINE
-from shardwise.checkpoint.format.manifest_fields import CHUNK, FAST_CHUNK, TENSOR, decode, encode
 
 from .broken_fields import BAD, BAD_V4
 from .golden_manifest import FILE, golden_text, minimal_manifest

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.checkpoint.format.field_kinds import (
+from shardwise.checkpoint.format.entries import (
     CRC,
     FILE,
     INDEX,
     POSITIVE,
     RANGE_OR_NULL,
     TRANSFORM,
+    FieldError,
     is_base64,
     is_crc,
     is_crc_list,
@@ -22,7 +23,6 @@ from shardwise.checkpoint.format.field_kinds import (
     is_range,
     list_of,
 )
-from shardwise.checkpoint.format.field_table import FieldError
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 
 import shardwise
-from shardwise.checkpoint.format.field_table import (
+from shardwise.checkpoint.format.archive import RecordError
+from shardwise.checkpoint.format.entries import (
+    STORAGE_META,
+    VERSION,
     Field,
     FieldError,
     Kind,
@@ -16,8 +19,6 @@ from shardwise.checkpoint.format.field_table import (
     leaf,
     show,
 )
-from shardwise.checkpoint.format.manifest_fields import STORAGE_META, VERSION
-from shardwise.checkpoint.format.zip_format import RecordError
 
 
 @pytest.mark.parametrize("cls", [FieldError, RecordError])

@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from shardwise.checkpoint.format.gc_pause import gc_paused
+from shardwise.checkpoint.format.manifest import gc_paused
 
 
 @pytest.fixture

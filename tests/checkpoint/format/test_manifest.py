@@ -14,6 +14,7 @@ import torch
 
 import shardwise
 import shardwise.checkpoint as swc
+from shardwise.checkpoint.format.entries import INLINE
 from shardwise.checkpoint.format.manifest import (
     READS,
     VERSION,
@@ -22,7 +23,6 @@ from shardwise.checkpoint.format.manifest import (
     Manifest,
     TensorEntry,
 )
-from shardwise.checkpoint.format.manifest_entries import INLINE
 
 from .broken_fields import mutate, refused
 from .golden_manifest import (

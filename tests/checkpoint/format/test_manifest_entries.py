@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardwise.checkpoint.format.manifest_entries import (
+from shardwise.checkpoint.format.entries import (
     INDEXED,
     INLINE,
     MANIFEST,

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from shardwise.checkpoint.format.entries import INLINE, RECORDS, Field
 from shardwise.checkpoint.format.manifest import (
     VERSION,
     ChunkEntry,
@@ -18,8 +19,6 @@ from shardwise.checkpoint.format.manifest import (
     ObjectEntry,
     TensorEntry,
 )
-from shardwise.checkpoint.format.manifest_entries import INLINE
-from shardwise.checkpoint.format.manifest_fields import RECORDS, Field
 
 from .broken_fields import BAD, BAD_V4, PATH, REMOVE, holds, mutate, refused
 from .golden_manifest import DOC, INDEX_FILE, full_manifest, golden_text, minimal_manifest

@@ -11,13 +11,8 @@ import pytest
 import torch
 
 import shardwise.checkpoint as swc
+from shardwise.checkpoint.format.index import Ranges, TensorChunks, check_read_ranges, read_sections
 from shardwise.checkpoint.format.manifest import ChunkEntry, IndexRef, Manifest, TensorEntry
-from shardwise.checkpoint.format.manifest_index import (
-    Ranges,
-    TensorChunks,
-    check_read_ranges,
-    read_sections,
-)
 from shardwise.storage import open_folder
 
 from .crafted_sections import CRCS, INLINE_CRCS, ROWS, V4, crafted, inline, row

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import shardwise.checkpoint as swc
+from shardwise.checkpoint.format.entries import Compact, Head
 from shardwise.checkpoint.format.manifest import Manifest, seal
-from shardwise.checkpoint.format.manifest_text import Compact, Head
 
 
 def _saved(tmp_path: Path) -> dict:

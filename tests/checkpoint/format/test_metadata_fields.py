@@ -22,8 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.format.metadata_fields import EXTRA, FIELDS
-from shardwise.checkpoint.format.safe_pickle import load_metadata
+from shardwise.checkpoint.format.pickles import EXTRA, FIELDS, load_metadata
 from shardwise.errors import CorruptCheckpointError
 
 from ..readers import READERS

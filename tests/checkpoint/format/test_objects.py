@@ -27,7 +27,7 @@ from torch.testing._internal.distributed.checkpoint_utils import (
 
 import shardwise.checkpoint as swc
 from shardwise import UnsafeMetadataError
-from shardwise.checkpoint.format.objects import load_object, vetted_stream
+from shardwise.checkpoint.format.pickles import load_object, vetted_stream
 from shardwise.testing import run_ranks
 
 pytestmark = [

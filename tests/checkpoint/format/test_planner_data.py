@@ -16,14 +16,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.format.field_table import FieldError
-from shardwise.checkpoint.format.manifest import Manifest
-from shardwise.checkpoint.format.planner_data import (
+from shardwise.checkpoint.format.entries import (
+    FieldError,
     encode_planner_data,
     pickled,
     unpickled,
     untag,
 )
+from shardwise.checkpoint.format.manifest import Manifest
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

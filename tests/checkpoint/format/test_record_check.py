@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from shardwise.checkpoint.format.record_check import (
+from shardwise.checkpoint.format.checks import (
     DATA_FILE,
     check_metadata,
     check_name,

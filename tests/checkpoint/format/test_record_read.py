@@ -8,8 +8,7 @@ import io
 import pytest
 import torch
 
-from shardwise.checkpoint.format.record_read import read_record_layout
-from shardwise.checkpoint.format.zip_format import RecordError
+from shardwise.checkpoint.format.archive import RecordError, read_record_layout
 from shardwise.storage.local import LocalFile
 
 

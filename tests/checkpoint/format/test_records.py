@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 
 import shardwise as sw
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.format.record_read import _read_via_directory, read_record_layout
-from shardwise.checkpoint.format.safe_pickle import UnsafeMetadataError, load_metadata
+from shardwise.checkpoint.format.archive import _read_via_directory, read_record_layout
+from shardwise.checkpoint.format.pickles import UnsafeMetadataError, load_metadata
 from shardwise.storage.local import LocalFile
 
 TENSORS = {

@@ -13,10 +13,8 @@ import torch
 
 import shardwise.checkpoint as swc
 from shardwise import Layout, ShardedTensor
-from shardwise.checkpoint.engine.stored_view import StoredView
-from shardwise.checkpoint.format.chunk_table import file_of
-from shardwise.checkpoint.format.row_batches import batch_boxes
-from shardwise.checkpoint.format.row_boxes import Boxes, one_tile_boxes
+from shardwise.checkpoint.engine.stored import StoredView
+from shardwise.checkpoint.format.table import Boxes, batch_boxes, file_of, one_tile_boxes
 from shardwise.storage import open_folder
 
 LAYOUTS = {  # 20 chunks each: sections decoded as arrays
@@ -96,7 +94,7 @@ def test_pieces_tested_a_few_at_a_time_give_the_same_parts(chunks, monkeypatch):
     ]
     items = [(c, lo, n, c.table.overlapping(lo, n)) for c, lo, n in items]
     whole = batch_boxes(items)
-    monkeypatch.setattr("shardwise.checkpoint.format.row_batches.PAIRS", 1)
+    monkeypatch.setattr("shardwise.checkpoint.format.table.PAIRS", 1)
     apart = batch_boxes(items)
     assert [b is not None for b in whole] == [True, True, True, True]
     assert [_rows(a) for a in apart] == [_rows(b) for b in whole]  # type: ignore[arg-type]

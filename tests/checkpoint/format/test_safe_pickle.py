@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from shardwise import ShardwiseError, UnsafeMetadataError
-from shardwise.checkpoint.format.safe_pickle import load_metadata
+from shardwise.checkpoint.format.pickles import load_metadata
 
 PROTOCOLS = [2, 4, 5]
 

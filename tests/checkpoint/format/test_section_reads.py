@@ -8,9 +8,8 @@ import json
 import pytest
 
 import shardwise.checkpoint as swc
+from shardwise.checkpoint.format.index import read_sections, section_bytes
 from shardwise.checkpoint.format.manifest import Manifest
-from shardwise.checkpoint.format.manifest_index import read_sections
-from shardwise.checkpoint.format.section_reads import section_bytes
 from shardwise.storage import open_folder
 
 from .golden_manifest import checksummed, compact, golden_folder, golden_text
@@ -32,7 +31,7 @@ def test_a_section_past_int64_is_refused_as_truncated(tmp_path, field):
 
 def test_sections_of_many_windows_are_each_their_own_bytes(tmp_path, monkeypatch):
     """Windows of one section each (the buffer reused): every section's bytes its own."""
-    monkeypatch.setattr("shardwise.checkpoint.format.section_reads.WINDOW", 1)
+    monkeypatch.setattr("shardwise.checkpoint.format.index.WINDOW", 1)
     f = open_folder(golden_folder(tmp_path))
     head = Manifest.read_head(f)
     assert head.index is not None

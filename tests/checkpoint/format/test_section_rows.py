@@ -7,8 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shardwise.checkpoint.format.chunk_table import ChunkTable
-from shardwise.checkpoint.format.section_rows import decode
+from shardwise.checkpoint.format.table import ChunkTable, decode
 from shardwise.errors import CorruptCheckpointError
 
 from .crafted_sections import CRCS, ROWS, row

@@ -15,20 +15,20 @@ from hypothesis import strategies as st
 
 import shardwise.checkpoint as swc
 from shardwise import Block
-from shardwise.checkpoint.format.checksums import byte_view
-from shardwise.checkpoint.format.manifest import Manifest
-from shardwise.checkpoint.format.tiles import (
+from shardwise.checkpoint.format.checksums import (
     RUN_BYTES,
     TILE_BYTES,
     bad_tile,
     bad_tile_in_box,
+    byte_view,
     checksum_payload,
     enclosing_box,
     grid_shape,
     tile_crcs,
     tile_shape,
 )
-from shardwise.checkpoint.io.chunk_writer import payload_checksums
+from shardwise.checkpoint.format.manifest import Manifest
+from shardwise.checkpoint.io.write import payload_checksums
 
 from .tile_data import flip_byte, random_tensor
 

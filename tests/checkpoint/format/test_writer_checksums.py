@@ -17,9 +17,9 @@ import torch
 
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
-from shardwise.checkpoint.engine.saving import save_state
-from shardwise.checkpoint.format.chunk_table import file_of
+from shardwise.checkpoint.engine.save import save_state
 from shardwise.checkpoint.format.manifest import Manifest
+from shardwise.checkpoint.format.table import file_of
 from shardwise.comm.agreement import Agreement
 from shardwise.storage.local import LocalFile
 from shardwise.testing import shard_of

@@ -10,7 +10,7 @@ import zipfile
 import pytest
 import torch
 
-from shardwise.checkpoint.format.zip_format import (
+from shardwise.checkpoint.format.archive import (
     LOCAL_HEADER,
     STORED,
     ZIP64_LIMIT,

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.format.checksums import byte_view
+from shardwise.checkpoint.format.archive import RecordLayout
+from shardwise.checkpoint.format.checksums import byte_view, enclosing_box, tile_shape
 from shardwise.checkpoint.format.manifest import StoredChunk
-from shardwise.checkpoint.format.record_read import RecordLayout
-from shardwise.checkpoint.format.tiles import enclosing_box, tile_shape
-from shardwise.checkpoint.io.box_read import check_whole, first_bad, read_box
-from shardwise.checkpoint.io.chunk_writer import DataFile
+from shardwise.checkpoint.io.chunks import check_whole, first_bad, read_box
+from shardwise.checkpoint.io.write import DataFile
 from shardwise.storage.local import LocalFile
 
 from ..format.tile_data import WIDE, flip_byte, random_tensor

@@ -14,9 +14,9 @@ import crc32c
 import pytest
 import torch
 
-from shardwise.checkpoint.format.record_write import tensor_record
-from shardwise.checkpoint.io import chunk_writer
-from shardwise.checkpoint.io.chunk_writer import DataFile
+from shardwise.checkpoint.format.archive import tensor_record
+from shardwise.checkpoint.io import write as chunk_writer
+from shardwise.checkpoint.io.write import DataFile
 
 
 def _saved(t: torch.Tensor, serialization_id: str = "0" * 40) -> bytes:

@@ -14,12 +14,11 @@ import pytest
 import torch
 
 from shardwise import CorruptCheckpointError
-from shardwise.checkpoint.format.dcp_view import StoredChunk
-from shardwise.checkpoint.format.record_read import RecordLayout
-from shardwise.checkpoint.io.chunk_writer import DataFile
-from shardwise.checkpoint.io.device_copies import HostCopier
-from shardwise.checkpoint.io.device_landing import DeviceLanding
-from shardwise.checkpoint.io.streamed_read import can_stream, read_streamed
+from shardwise.checkpoint.format.archive import RecordLayout
+from shardwise.checkpoint.format.manifest import StoredChunk
+from shardwise.checkpoint.io.device import DeviceLanding, HostCopier
+from shardwise.checkpoint.io.read import can_stream, read_streamed
+from shardwise.checkpoint.io.write import DataFile
 from shardwise.storage import open_folder
 
 MIB = 1 << 20

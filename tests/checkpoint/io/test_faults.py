@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from shardwise.checkpoint.io.faults import failpoint
+from shardwise.checkpoint.io.commit import failpoint
 
 pytestmark = pytest.mark.spawned
 

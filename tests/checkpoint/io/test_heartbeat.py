@@ -8,9 +8,7 @@ import time
 from dataclasses import asdict
 
 from shardwise.checkpoint.io import lease as lease_module
-from shardwise.checkpoint.io.heartbeat import Heartbeat
-from shardwise.checkpoint.io.lease import LOCK
-from shardwise.checkpoint.io.lock_record import Holder
+from shardwise.checkpoint.io.lease import LOCK, Heartbeat, Holder
 from shardwise.storage import open_folder
 
 from .leases import new_lease

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.io.host_slabs import host_memory, staging_bytes
+from shardwise.checkpoint.io.device import host_memory, staging_bytes
 from shardwise.errors import InvalidArgumentError
 
 

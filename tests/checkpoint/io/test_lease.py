@@ -230,7 +230,7 @@ def test_overwrite_false_looks_again_once_it_holds_the_lease(tmp_path):
 
 
 def test_a_failed_save_gives_the_lease_back(tmp_path, monkeypatch):
-    from shardwise.checkpoint.engine import joining
+    from shardwise.checkpoint.engine import records as joining
 
     def fails(*args, **kwargs):
         raise OSError("disk full")

@@ -9,7 +9,7 @@ import os
 import pytest
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.io.lock_record import (
+from shardwise.checkpoint.io.lease import (
     HOST,
     LOCK,
     LOCK_NAME,

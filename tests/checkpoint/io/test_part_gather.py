@@ -13,8 +13,9 @@ import torch
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
 from shardwise.checkpoint.format.manifest import Manifest
-from shardwise.checkpoint.io import part_gather, word_gather
-from shardwise.checkpoint.io.read_requests import GatherRead
+from shardwise.checkpoint.io import chunks as part_gather
+from shardwise.checkpoint.io import chunks as word_gather
+from shardwise.checkpoint.io.chunks import GatherRead
 
 ROWS = 40  # in 20 chunks of 2 rows: more than a section decodes as lists
 
@@ -68,7 +69,7 @@ def gathered(monkeypatch) -> list[GatherRead]:
         seen.extend(reads)
         return windows(reads, *args)
 
-    monkeypatch.setattr("shardwise.checkpoint.io.read_executor.windows", spy)
+    monkeypatch.setattr("shardwise.checkpoint.io.read.windows", spy)
     return seen
 
 

@@ -12,9 +12,9 @@ import torch
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
 from shardwise.checkpoint.format.manifest import Manifest, StoredChunk
-from shardwise.checkpoint.io import prefetch_window
-from shardwise.checkpoint.io.read_executor import ReadExecutor
-from shardwise.checkpoint.io.read_requests import ChunkRead
+from shardwise.checkpoint.io import read as prefetch_window
+from shardwise.checkpoint.io.chunks import ChunkRead
+from shardwise.checkpoint.io.read import ReadExecutor
 from shardwise.storage import open_folder
 
 FULL = torch.arange(64.0).reshape(8, 8)

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.format.record_check import DATA_FILE
-from shardwise.checkpoint.io.commit import in_the_way
-from shardwise.checkpoint.io.record_names import (
+from shardwise.checkpoint.format.checks import DATA_FILE
+from shardwise.checkpoint.io.commit import (
     GLOBAL_RECORDS,
     RecordNames,
     already_exists,
     data_file_name,
     holds_checkpoint,
+    in_the_way,
     leftover_data,
     new_token,
     per_rank_records,

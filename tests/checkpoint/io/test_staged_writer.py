@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from shardwise.checkpoint.format.record_write import tensor_record
-from shardwise.checkpoint.io import staged_writer
-from shardwise.checkpoint.io.chunk_writer import DataFile
-from shardwise.checkpoint.io.device_copies import HostCopier
-from shardwise.checkpoint.io.host_slabs import HostSlabs
+from shardwise.checkpoint.format.archive import tensor_record
+from shardwise.checkpoint.io import write as staged_writer
+from shardwise.checkpoint.io.device import HostCopier, HostSlabs
+from shardwise.checkpoint.io.write import DataFile
 
 SID = "7" * 40
 
@@ -186,7 +185,7 @@ def test_a_failure_mid_way_leaves_no_slab_out_and_no_file(
 
 
 def test_budget_rules() -> None:
-    from shardwise.checkpoint.io.host_slabs import staging_bytes
+    from shardwise.checkpoint.io.device import staging_bytes
 
     assert [
         (HostSlabs(b, False).size, HostSlabs(b, False).count) for b in (1 << 30, 8 << 30, 5 << 20)

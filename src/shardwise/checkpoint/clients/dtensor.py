@@ -14,8 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..engine.adapters import ValueAdapter, register_value_adapter
-from ..engine.inventory import Piece, is_plain_tensor
+from ..engine import Piece, ValueAdapter, is_plain_tensor, register_value_adapter
 
 __all__: list[str] = []
 

@@ -25,7 +25,7 @@ import torch
 
 from ...errors import CheckpointExistsError, CorruptCheckpointError, UnsafeMetadataError
 from ...storage import Folder, LocalFolder, open_folder
-from ..offline.opening import open_checkpoint
+from ..offline import open_checkpoint
 
 __all__ = [
     "COMMON_PT",

@@ -12,7 +12,7 @@ from typing import Any
 from ...interop.agreed import is_shard_tensor
 from ...interop.physicsnemo import from_shard_tensor
 from ...tensor import ShardedTensor
-from ..engine.adapters import ValueAdapter, register_value_adapter
+from ..engine import ValueAdapter, register_value_adapter
 
 __all__: list[str] = []
 

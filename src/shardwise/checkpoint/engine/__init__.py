@@ -1,3 +1,46 @@
 """The collective save and load engine: inventory, planning, staging, and the
 save/load pipelines every entry point runs on.
 """
+
+from .inventory import (
+    Piece,
+    Serialized,
+    ValueAdapter,
+    adapted_for_load,
+    adapted_for_save,
+    held_adapted,
+    is_plain_tensor,
+    register_value_adapter,
+    require_same_adapted,
+    serialize_objects,
+)
+from .load import item_reads, load_state
+from .plan import SaveRecords, first_hole, holes_in_plans, region
+from .save import Staging, save_state
+from .staging import Staged, Stager
+from .stored import StoredView, read_records
+
+__all__ = [
+    "Piece",
+    "SaveRecords",
+    "Serialized",
+    "Staged",
+    "Stager",
+    "Staging",
+    "StoredView",
+    "ValueAdapter",
+    "adapted_for_load",
+    "adapted_for_save",
+    "first_hole",
+    "held_adapted",
+    "holes_in_plans",
+    "is_plain_tensor",
+    "item_reads",
+    "load_state",
+    "read_records",
+    "region",
+    "register_value_adapter",
+    "require_same_adapted",
+    "save_state",
+    "serialize_objects",
+]

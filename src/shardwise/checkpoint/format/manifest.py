@@ -1,79 +1,220 @@
-"""`shardwise.json`: the plain-JSON description of a checkpoint (see docs/format.md).
+"""The manifest, `shardwise.json`: one checkpoint's description, read and written.
 
-It lists every tensor's dtype, global shape and chunks (file, byte ranges,
-checksums) and every stored object, so that loading a shardwise checkpoint
-never unpickles DCP's `.metadata`, and tools can inspect or verify it with a
-JSON parser. It is written last: its presence marks a committed checkpoint.
-Its fields are declared once, in `manifest_fields`; this module adds what
-relates several of them (byte ranges inside files, geometry); DCP's view of it
-is `dcp_view`.
+`Manifest`, built from its entries; DCP's view of it (the `Metadata` stock
+readers and `Reader` plan from); the parts different ranks encode and the
+committing rank assembles; and the pause of cyclic garbage collection around
+bulk object creation, which every manifest parse needs.
 """
 
 from __future__ import annotations
 
+import gc
+import io
 import json
 import operator
 import os
+import pickle
+import struct
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import crc32c
-from torch.distributed.checkpoint.metadata import Metadata
+import torch
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from ...errors import CorruptCheckpointError
 from ...storage import Folder, open_folder
-from .dcp_view import StoredChunk, StoredObject, metadata_of
-from .field_table import FieldError, decode, encode
-from .gc_pause import gc_paused
-from .manifest_entries import (
+from .checks import check_coverage, check_name, check_ranges, chunk_consistent, record_limit
+from .entries import (
     FORMAT,
     INLINE,
     MANIFEST,
     PAGE_SIZE,
     READS,
+    TOP,
     VERSION,
     ChunkEntry,
+    FieldError,
     IndexRef,
     ObjectEntry,
     TensorEntry,
+    decode,
     dtype_from_name,
     dtype_name,
+    encode,
+    encode_planner_data,
+    parse,
+    pickled,
+    unpickled,
 )
-from .manifest_fields import TOP
-from .manifest_index import resolve_sections, write_sections
-from .manifest_text import parse
-from .planner_data import pickled, unpickled
-from .record_check import (
-    check_coverage,
-    check_name,
-    check_ranges,
-    chunk_consistent,
-    record_limit,
-)
+from .index import resolve_sections, write_sections
 
 __all__ = [
+    "ChunkEntry",
     "FORMAT",
+    "IndexRef",
     "MANIFEST",
     "MARKER",
-    "PAGE_SIZE",
-    "READS",
-    "VERSION",
-    "ChunkEntry",
-    "IndexRef",
     "Manifest",
     "ObjectEntry",
+    "PAGE_SIZE",
+    "READS",
+    "SECTIONS",
     "StoredChunk",
     "StoredObject",
+    "TRAILER",
     "TensorEntry",
+    "VERSION",
     "dtype_from_name",
     "dtype_name",
+    "gc_paused",
+    "manifest_frame",
+    "manifest_sections",
+    "metadata_frame",
+    "metadata_of",
+    "metadata_sections",
+    "part_spans",
+    "part_trailer",
+    "pickled_items",
     "seal",
     "tail_of",
 ]
 
+
+# -----------------------------------------------------------------------------
+# DCP's view of a manifest: the `Metadata` stock readers and `Reader` plan from.
+#
+# `metadata_of` builds it from the manifest alone (nothing unpickled), with a
+# `StoredChunk` per chunk carrying what ranged, verified reads need, so a
+# reader's byte ranges always come from the metadata it was set up with.
+# -----------------------------------------------------------------------------
+
+
+@dataclass
+class StoredChunk(_StorageInfo):
+    """DCP's per-chunk storage info plus what ranged, verified reads need.
+
+    It is what `Manifest.to_metadata` puts in `Metadata.storage_data`, so a
+    reader's byte ranges always come from the metadata it was set up with.
+    `crcs` are those of the tiles of shape `tile` (format version 3), else of
+    pages of `page_size` (versions 1 and 2), else (no payload) one of the record."""
+
+    dtype: str = ""
+    sizes: tuple[int, ...] = ()
+    payload: tuple[int, int] | None = None
+    crcs: list[int] | None = None
+    page_size: int = PAGE_SIZE
+    tile: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(cls, chunk: ChunkEntry, dtype: str, page_size: int = PAGE_SIZE) -> StoredChunk:
+        """The storage info of a manifest chunk of a tensor of `dtype` (its name)."""
+        return cls(
+            chunk.file,
+            chunk.record[0],
+            chunk.record[1],
+            chunk.transform,
+            dtype,
+            chunk.sizes,
+            chunk.payload,
+            chunk.crcs,
+            page_size,
+            chunk.tile,
+        )
+
+
+@dataclass
+class StoredObject(_StorageInfo):
+    """DCP's storage info of a pickled object plus its checksum."""
+
+    crc32c: int | None = None
+
+
+def metadata_of(manifest: Manifest) -> Metadata:
+    """The DCP `Metadata` `manifest` describes, built without unpickling."""
+    state: dict[str, Any] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    for k, t in manifest.tensors.items():
+        state[k] = TensorStorageMetadata(
+            properties=TensorProperties(
+                dtype=dtype_from_name(t.dtype), requires_grad=t.requires_grad
+            ),
+            size=torch.Size(t.shape),
+            chunks=[
+                ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks
+            ],
+        )
+        for c in t.chunks:
+            storage[MetadataIndex(k, c.offsets)] = StoredChunk.of(c, t.dtype, manifest.page_size)
+    for k, o in manifest.objects.items():
+        state[k] = BytesStorageMetadata()
+        storage[MetadataIndex(k)] = StoredObject(o.file, o.offset, o.length, o.transform, o.crc32c)
+    meta = manifest.storage_meta
+    return Metadata(
+        state_dict_metadata=state,
+        planner_data=manifest.decoded_planner_data(),
+        storage_data=storage,
+        storage_meta=StorageMeta(
+            # a Path, as FileSystemWriter pickles it (its init_path makes one)
+            checkpoint_id=None
+            if meta.get("checkpoint_id") is None
+            else Path(meta["checkpoint_id"]),
+            save_id=meta.get("save_id"),
+            modules=list(meta.get("modules") or []),
+        ),
+        version=manifest.dcp_version,
+    )
+
+
+# -----------------------------------------------------------------------------
+# Cyclic garbage collection paused around bulk object creation.
+#
+# A save or load of 100,000 tensors creates millions of small containers and no
+# cycles; each of the hundreds of collections they would trigger walks every
+# one of them (it tripled the time to parse 100,000 chunks).
+# -----------------------------------------------------------------------------
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic collection inside; the collector's previous state restored after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+# -----------------------------------------------------------------------------
+# `shardwise.json`: the plain-JSON description of a checkpoint (see docs/format.md).
+#
+# It lists every tensor's dtype, global shape and chunks (file, byte ranges,
+# checksums) and every stored object, so that loading a shardwise checkpoint
+# never unpickles DCP's `.metadata`, and tools can inspect or verify it with a
+# JSON parser. It is written last: its presence marks a committed checkpoint.
+# Its fields are declared once, in `manifest_fields`; this module adds what
+# relates several of them (byte ranges inside files, geometry); DCP's view of it
+# is `dcp_view`.
+# -----------------------------------------------------------------------------
+
 MARKER = ".shardwise"  # written first: a folder with it but no manifest is incomplete
+
 METADATA = ".metadata"  # DCP's record, beside the manifest
+
 TAIL = 4096  # the last bytes of `.metadata` a load checks: its save id is there
 
 
@@ -280,3 +421,142 @@ class Manifest:
     def to_metadata(self) -> Metadata:
         """The DCP `Metadata` this manifest describes, built without unpickling."""
         return metadata_of(self)
+
+
+# -----------------------------------------------------------------------------
+# `.metadata` and `shardwise.json` assembled from parts that different ranks encode.
+#
+# A save's records list every chunk of every rank: O(W × N) entries, 1,000,000
+# at 1,024 ranks × 1,000 tensors. Encoding them on one rank puts seconds of
+# pickling and JSON on its critical path, and gathering them there puts the
+# whole records in its memory. So each key's owner (`engine.key_owners`) encodes
+# the entries of its own keys into a part (`part_trailer`), writes it beside the
+# checkpoint, and the committing rank only copies bytes: a fixed frame with
+# three holes in each record, the parts' sections poured into them in order
+# (`io.record_join`).
+#
+# `.metadata` sections are protocol-2 pickle fragments: a dict's items with their
+# own memo, whose `BINPUT`/`BINGET` carry explicit indices. Concatenated inside an
+# empty dict, each fragment re-stores the memo slots it uses before it reads
+# them, so no fragment ever sees another's objects. The frame around them is
+# pickled without a memo (`Pickler.fast`), so nothing after a fragment reads a
+# slot it overwrote. Any unpickler reads the result: stock `dcp.load`'s
+# `pickle.load` and shardwise's safe one alike. Manifest sections are the
+# members of its three objects ("planner_data", "tensors", "objects"), joined
+# by commas. The seventh section is the owner's block of the index (format
+# version 4: its keys' chunk sections, `manifest_index`), which the committing rank
+# copies into the index file; the manifest's members point into the block.
+# -----------------------------------------------------------------------------
+
+# A part's sections, in the order the frames' holes take them, then its index block.
+SECTIONS = 7  # .metadata: state, planner, storage; manifest: planner, tensors, objects; index
+
+_LENGTHS = struct.Struct(f"<{SECTIONS}Q")  # one batch's section lengths
+
+_COUNT = struct.Struct("<Q")  # the number of batches, the part's last bytes
+
+TRAILER = _COUNT.size
+
+_HEAD = b"\x80\x02}q\x00"  # PROTO 2, EMPTY_DICT, BINPUT 0
+
+_MARKS = tuple(f"\x00shardwise part: {n}\x00" for n in ("state", "planner", "storage"))
+
+_EMPTY_TAIL = '"planner_data":{},"tensors":{},"objects":{},"crc32c":0}'
+
+
+def pickled_items(items: dict[Any, Any]) -> bytes:
+    """`items` as a fragment: the opcodes that fill an empty dict with them."""
+    data = pickle.dumps(items, protocol=2)
+    assert data.startswith(_HEAD) and data.endswith(b"."), "protocol 2 opens and ends so"
+    return data[len(_HEAD) : -1]
+
+
+def _hole(mark: str) -> bytes:
+    """How the memo-less frame pickles `{mark: None}` (BINUNICODE, NONE, SETITEM)."""
+    text = mark.encode()
+    return b"}X" + len(text).to_bytes(4, "little") + text + b"Ns"
+
+
+def metadata_sections(
+    state: dict[str, Any], planner_data: dict[str, Any], storage: dict[Any, Any]
+) -> list[bytes]:
+    """A part's three `.metadata` sections."""
+    return [pickled_items(state), pickled_items(planner_data), pickled_items(storage)]
+
+
+def manifest_sections(manifest: Manifest, planner_data: dict[str, Any]) -> list[bytes]:
+    """A part's three manifest sections: the members of "planner_data" (key: DCP's
+    flattened path, a tuple of names and indices: plain JSON), "tensors" and "objects"."""
+    doc = encode(TOP, manifest, VERSION)
+    paths = {key: encode_planner_data(path) for key, path in planner_data.items()}
+    members = [paths, doc["tensors"], doc["objects"]]
+    return [json.dumps(m, separators=(",", ":"))[1:-1].encode() for m in members]
+
+
+def part_trailer(lengths: list[list[int]]) -> bytes:
+    """The end of a part written a batch of keys at a time (`io.record_join.write_part`):
+    each batch's seven section lengths, then the number of batches. An owner of 50,000
+    keys that built all their entries, `.metadata` objects and encodings at once would
+    hold hundreds of MiB, and the part's bytes; a batch at a time it holds one batch's.
+    A section's batches join as parts do: pickle fragments back to back, manifest
+    members with commas, index blocks back to back."""
+    return b"".join(_LENGTHS.pack(*n) for n in lengths) + _COUNT.pack(len(lengths))
+
+
+def part_spans(
+    read: Callable[[int, int], bytes], size: int, where: str
+) -> list[list[tuple[int, int]]]:
+    """Each section's (offset, length) pieces, batch by batch, in a part file of `size`
+    bytes (`read(n, offset)`); refused unless its batches and trailer fill it exactly."""
+    count = _COUNT.unpack(read(TRAILER, size - TRAILER))[0] if size >= TRAILER else -1
+    if count < 0 or TRAILER + count * _LENGTHS.size > size:
+        raise CorruptCheckpointError(f"{where}: a record part cut short ({size} bytes)")
+    table = read(count * _LENGTHS.size, size - TRAILER - count * _LENGTHS.size)
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(SECTIONS)]
+    at = 0
+    for lengths in _LENGTHS.iter_unpack(table):
+        for section, n in enumerate(lengths):
+            if n:
+                spans[section].append((at, n))
+            at += n
+    if at + len(table) + TRAILER != size:
+        raise CorruptCheckpointError(f"{where}: a record part whose sections do not fill it")
+    return spans
+
+
+def metadata_frame(storage_meta: StorageMeta) -> list[bytes]:
+    """DCP's pickled `Metadata` cut at its three holes (state, planner data, storage):
+    four pieces, each part's `.metadata` sections going between them in order."""
+    frame = Metadata(
+        state_dict_metadata={_MARKS[0]: None},  # type: ignore[dict-item]  # holes
+        planner_data={_MARKS[1]: None},
+        storage_data={_MARKS[2]: None},
+        storage_meta=storage_meta,
+        version=CURRENT_DCP_VERSION,
+    )
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=2)
+    pickler.fast = True  # no memo in the frame: see the module's docstring
+    pickler.dump(frame)
+    pieces, rest = [], buffer.getvalue()
+    for mark in _MARKS:
+        before, hole, rest = rest.partition(_hole(mark))
+        assert hole and _hole(mark) not in rest, "the frame holds nothing of the caller's"
+        pieces.append(before + b"}")
+    return [*pieces, rest]
+
+
+def manifest_frame(frame: Manifest) -> list[bytes]:
+    """`frame`'s manifest text (no entries, no planner data) cut at its holes: four
+    pieces, each part's manifest sections going between them, comma-separated. The
+    last piece ends `"crc32c":0}`: the writer seals it (`manifest.seal`)."""
+    assert not frame.tensors and not frame.objects and frame.planner_data == {}
+    text = frame.unsealed_json()
+    assert text.endswith(_EMPTY_TAIL)
+    head = text[: -len(_EMPTY_TAIL)]
+    return [
+        f'{head}"planner_data":{{'.encode(),
+        b'},"tensors":{',
+        b'},"objects":{',
+        b'},"crc32c":0}',
+    ]

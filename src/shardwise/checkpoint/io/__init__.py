@@ -4,3 +4,47 @@ the commit protocol and the save lease.
 Built on `storage.Folder` and `format`; knows nothing of state dicts or DCP's
 planners.
 """
+
+from .chunks import ChunkRead, GatherRead, RecordRead, words_of
+from .commit import (
+    RecordNames,
+    commit,
+    data_file_name,
+    failpoint,
+    in_the_way,
+    index_file_name,
+    leftover_data,
+    new_token,
+    per_rank_records,
+)
+from .device import Copier, DeviceCopier, HostCopier, slabs_for, staging_bytes
+from .lease import LOCK_NAME, Lease
+from .read import ReadExecutor
+from .write import DataFile, Written, write_records
+
+__all__ = [
+    "ChunkRead",
+    "Copier",
+    "DataFile",
+    "DeviceCopier",
+    "GatherRead",
+    "HostCopier",
+    "LOCK_NAME",
+    "Lease",
+    "ReadExecutor",
+    "RecordNames",
+    "RecordRead",
+    "Written",
+    "commit",
+    "data_file_name",
+    "failpoint",
+    "in_the_way",
+    "index_file_name",
+    "leftover_data",
+    "new_token",
+    "per_rank_records",
+    "slabs_for",
+    "staging_bytes",
+    "words_of",
+    "write_records",
+]

@@ -1,85 +1,333 @@
 """The save lease: at most one save of a checkpoint's records in flight at a time.
 
-Two saves of one path (two jobs, or a restarted job and its zombie) would
-otherwise each collect the other's unfinished data as leftovers and commit
-records naming deleted files. So a save first takes the path's lease, an
-exclusively created lock record beside the checkpoint, and holds it until it
-has committed and collected (or failed):
-
-- `.shardwise.lock` for the global records (`swc.save`, `dcp.save` + `Writer`),
-  `__{rank}.shardwise.lock` for one rank's records (DCP's
-  `use_collectives=False`, where every rank commits on its own): one lease per
-  record scope, taken by whoever commits that scope (the coordinator, or each rank);
-- JSON: the save id, host, pid (with its pid namespace and start time, so a
-  reused pid is not mistaken for the holder), when it was taken, and a heartbeat
-  that a daemon thread rewrites every `HEARTBEAT_S` while the lease is held
-  (`heartbeat`);
-- created with `Folder.create_exclusive`: `link(2)` of a fsynced temporary file
-  locally (atomic, NFS included), a conditional PUT (`If-None-Match: *`) on
-  object stores that offer it; elsewhere best effort (look, then write). Either
-  way the creator re-reads the record and holds the lease only if it names it.
-
-A second save fails fast with `CheckpointBusyError` naming the holder, or polls
-until the lease is free when asked to (`wait=True`, or `wait=` seconds). A stale
-lease is broken with a warning: its process is gone (same host and pid
-namespace: the pid is dead, a zombie, or a different process), it was left by a
-save of this very process that no longer holds it, or its heartbeat is older
-than `STALE_AFTER_S` (clocks of the hosts sharing the folder are assumed to agree
-to well within that). An unreadable record (anything `Holder.parse` refuses:
-garbage, over 64 KiB, not UTF-8, nested, NaN, infinite or out-of-range numbers, a
-field of the wrong type) is live, named in the refusal with the file to remove, and
-stale once a waiting save has seen it unchanged for `STALE_AFTER_S`, so `wait=True`
-never hangs on one. Nothing a lock record holds ever makes judging it raise: a
-committed save reports success whatever lock records lie beside it. A save whose
-lease was broken (it froze past the bound) learns it before committing (`confirm`)
-and commits nothing.
-
-The lock record is never a checkpoint record: readers, `holds_checkpoint` and
-stock `dcp.load` never look at it, and collection never deletes another scope's.
-The record itself (its name, its fields, reading it) is `lock_record`.
+The lease is a lock record beside the checkpoint: its name, what it says about
+its holder (host, process, start), its one validator, and its heartbeat (the
+record rewritten while the save runs, so a crashed holder goes stale and a
+live one never does).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import re
+import socket
 import threading
 import time
 import uuid
 import warnings
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TypeGuard
 
 from ...errors import CheckpointBusyError
 from ...storage import Folder
-from .heartbeat import Heartbeat
-from .lock_record import (
-    HOST,
-    LOCK,
-    LOCK_NAME,
-    PID_NAMESPACE,
-    Holder,
-    lock_name,
-    process_alive,
-    read_record,
-)
 
 __all__ = [
     "HEARTBEAT_S",
     "HOST",
+    "Heartbeat",
+    "Holder",
     "LOCK",
+    "Lease",
     "PID_NAMESPACE",
     "STALE_AFTER_S",
-    "Holder",
-    "Lease",
     "live_scopes",
     "lock_name",
+    "process_alive",
+    "read_record",
     "stale_reason",
 ]
 
+
+# -----------------------------------------------------------------------------
+# The lock record of a save lease: its name, what it says about its holder, reading it.
+#
+# A lock record (`.shardwise.lock`, or `__{rank}.shardwise.lock` for one rank's
+# records) is a few hundred bytes of JSON naming the save that holds the lease:
+# its id, host, pid (with its pid namespace and start time, so a reused pid is
+# not mistaken for the holder), when it was taken, and its last heartbeat. The
+# protocol around it (taking, breaking, the heartbeat) is in `lease.py`.
+#
+# Anyone who can write beside a checkpoint can write its lock record, so
+# `Holder.parse` is the one validator every reader goes through: it returns a
+# `Holder` whose every field is in its domain (so nothing computed from it can
+# raise), or None for anything else, whatever the bytes: too big, not UTF-8,
+# nested, NaN or infinite, a number out of range, a field of the wrong type. None
+# means "unreadable", which every consumer treats alike (`lease.py`: held, named in
+# the refusal, broken by a waiting save after its quiet period; never collected
+# around).
+# -----------------------------------------------------------------------------
+
+LOCK = ".shardwise.lock"
+
+LOCK_NAME = re.compile(r"(?:__(\d+))?" + re.escape(LOCK), re.ASCII)
+
+_FORMAT = "shardwise-lease/1"
+
+# A lock record is a few hundred bytes; a bigger one (a crafted, sparse 100 GB file) is
+# read only this far, so it parses as unreadable instead of filling memory.
+_MAX_RECORD = 1 << 16
+
+# A record is one flat JSON object; the few `[` / `{` it holds are in strings
+# ("pid:[4026531836]"). JSON nests no deeper than its count of openers, so with at
+# most this many the decoder's recursion stays shallow (40,000 nested lists would
+# raise RecursionError instead of parsing as unreadable).
+_MAX_OPENERS = 16
+
+_MAX_PID = (1 << 31) - 1  # pid_t: a bigger one overflows `os.kill`
+
+# The times a lock record may hold: 1970 to the last second `datetime` can show
+# (9999-12-31T23:59:59Z); `time.time()` is always in it, 1e20 or NaN never.
+_LATEST = 253402300799.0
+
+
+def read_record(folder: Folder, name: str) -> bytes:
+    """The lock record `name` (a plain file only), or its first `_MAX_RECORD` bytes.
+
+    Its size is read fresh: unlike data files, a lock record is rewritten
+    (heartbeats, a new holder), so a size remembered from an earlier listing (object
+    stores) would cut it short. A local file's own size is fresh (one `fstat`: a
+    listing would cost each lease check O(files in the folder), 1,000s at scale)."""
+    local = folder.local_path is not None
+    size = _MAX_RECORD if local else folder.sizes().get(name, _MAX_RECORD)  # not listed: new
+    f = folder.open(name)  # refuses a link; FileNotFoundError when it is gone
+    try:
+        return f.pread(min(f.size() if local else size, _MAX_RECORD), 0)
+    finally:
+        f.close()
+
+
+def lock_name(rank: int | None) -> str:
+    """The lock record of the global records (`rank` None) or of one rank's."""
+    return LOCK if rank is None else f"__{rank}{LOCK}"
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _process_start(pid: int) -> tuple[str, str] | None:
+    """(state, start time in clock ticks) of `pid` from `/proc`; None if it has no
+    entry; ("", "") where `/proc` is not there."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None if Path("/proc/self/stat").exists() else ("", "")
+    except OSError:
+        return ("", "")
+    fields = stat.rsplit(")", 1)[-1].split()  # the command name may hold spaces
+    return (fields[0], fields[19]) if len(fields) > 19 else ("", "")
+
+
+HOST = socket.gethostname()
+
+PID_NAMESPACE = _pid_namespace()
+
+
+def process_alive(pid: int, started: str) -> bool:
+    """Whether process `pid` of this host and pid namespace is still the holder."""
+    found = _process_start(pid)
+    if found is None:
+        return False
+    state, start = found
+    if state in ("Z", "X"):
+        return False  # a zombie holds nothing
+    if start and started:
+        return start == started  # a reused pid is another process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class Holder:
+    """What a lock record says about the save that holds it."""
+
+    save_id: str
+    host: str
+    pid: int
+    pid_namespace: str
+    process_start: str
+    since: float
+    heartbeat: float
+
+    @classmethod
+    def of_this_process(cls, save_id: str) -> Holder:
+        now = time.time()
+        state = _process_start(os.getpid())
+        start = state[1] if state else ""
+        return cls(save_id, HOST, os.getpid(), PID_NAMESPACE, start, now, now)
+
+    @classmethod
+    def parse(cls, data: bytes) -> Holder | None:
+        """The holder a lock record names, or None if it is unreadable: any bytes
+        that are not a record this module could have written, with every field in
+        its domain. Never raises; reads at most `_MAX_RECORD` bytes of JSON."""
+        if len(data) >= _MAX_RECORD:  # read only that far (`read_record`): cut short
+            return None
+        try:
+            text = data.decode("utf-8")
+            if text.count("[") + text.count("{") > _MAX_OPENERS:
+                return None
+            doc = json.loads(text)  # NaN, Infinity and 1e400 come back as floats `_is_time` refuses
+        except ValueError:  # not UTF-8, not JSON, an int over 4,300 digits
+            return None
+        if not isinstance(doc, dict):
+            return None
+        save_id, host, namespace, start = (
+            doc.get(k) for k in ("save_id", "host", "pid_namespace", "process_start")
+        )
+        pid, since, beat = doc.get("pid"), doc.get("since"), doc.get("heartbeat")
+        if not (
+            isinstance(save_id, str)
+            and isinstance(host, str)
+            and isinstance(namespace, str)
+            and isinstance(start, str)
+            and type(pid) is int
+            and 0 < pid <= _MAX_PID
+            and _is_time(since)
+            and _is_time(beat)
+        ):
+            return None
+        return cls(save_id, host, pid, namespace, start, float(since), float(beat))
+
+    def to_bytes(self) -> bytes:
+        return (json.dumps({"format": _FORMAT, **asdict(self)}, indent=1) + "\n").encode()
+
+    def describe(self) -> str:
+        # A parsed holder's `since` is always a date; one built by hand may not be,
+        # and a message about a lock must never fail in its making.
+        since = (
+            datetime.fromtimestamp(self.since, timezone.utc).isoformat(timespec="seconds")
+            if _is_time(self.since)
+            else repr(self.since)
+        )
+        beat = max(0.0, time.time() - self.heartbeat)
+        return (
+            f"save {self.save_id[:12]} of pid {self.pid} on host {self.host}, "
+            f"since {since} (last heartbeat {beat:.0f} s ago)"
+        )
+
+
+def _is_time(value: object) -> TypeGuard[float]:
+    """Whether `value` is a JSON number a clock can show (not a bool, not NaN)."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= _LATEST
+    )
+
+
+# -----------------------------------------------------------------------------
+# The heartbeat of a held save lease: its lock record rewritten while the save runs.
+#
+# A daemon thread rewrites the record's `heartbeat` every period, as long as the
+# record still names the save; a save that froze stops beating and its lease is
+# taken for stale once the heartbeat is older than `lease.STALE_AFTER_S`.
+# -----------------------------------------------------------------------------
+
+
+class Heartbeat:
+    """The heartbeat of the lock record `name` of `folder` held by save `save_id`.
+
+    `lock` is held by each beat; whoever stops the heartbeat and then removes the
+    record holds it too, so no beat writes the record back after its removal."""
+
+    def __init__(self, folder: Folder, name: str, save_id: str) -> None:
+        self.folder, self.name, self.save_id = folder, name, save_id
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def start(self, period: float) -> None:
+        self._stop.clear()
+        threading.Thread(
+            target=self._run, args=(period,), name="shardwise-lease-heartbeat", daemon=True
+        ).start()
+
+    def stop(self) -> None:
+        """Stop beating; call it holding `lock`."""
+        self._stop.set()
+
+    def _run(self, period: float) -> None:
+        while not self._stop.wait(period):
+            self.beat()
+
+    def beat(self) -> None:
+        """Rewrite the heartbeat, if the record still names this save."""
+        with self.lock:
+            if self._stop.is_set():
+                return
+            try:
+                holder = Holder.parse(read_record(self.folder, self.name))
+                if holder is None or holder.save_id != self.save_id:
+                    return  # taken over: `Lease.confirm` reports it
+                beat = Holder(**{**asdict(holder), "heartbeat": time.time()})
+                self.folder.write_durably(self.name, beat.to_bytes())
+            except OSError:
+                pass  # the next beat tries again; the bound leaves room for many misses
+
+
+# -----------------------------------------------------------------------------
+# The save lease: at most one save of a checkpoint's records in flight at a time.
+#
+# Two saves of one path (two jobs, or a restarted job and its zombie) would
+# otherwise each collect the other's unfinished data as leftovers and commit
+# records naming deleted files. So a save first takes the path's lease, an
+# exclusively created lock record beside the checkpoint, and holds it until it
+# has committed and collected (or failed):
+#
+# - `.shardwise.lock` for the global records (`swc.save`, `dcp.save` + `Writer`),
+#   `__{rank}.shardwise.lock` for one rank's records (DCP's
+#   `use_collectives=False`, where every rank commits on its own): one lease per
+#   record scope, taken by whoever commits that scope (the coordinator, or each rank);
+# - JSON: the save id, host, pid (with its pid namespace and start time, so a
+#   reused pid is not mistaken for the holder), when it was taken, and a heartbeat
+#   that a daemon thread rewrites every `HEARTBEAT_S` while the lease is held
+#   (`heartbeat`);
+# - created with `Folder.create_exclusive`: `link(2)` of a fsynced temporary file
+#   locally (atomic, NFS included), a conditional PUT (`If-None-Match: *`) on
+#   object stores that offer it; elsewhere best effort (look, then write). Either
+#   way the creator re-reads the record and holds the lease only if it names it.
+#
+# A second save fails fast with `CheckpointBusyError` naming the holder, or polls
+# until the lease is free when asked to (`wait=True`, or `wait=` seconds). A stale
+# lease is broken with a warning: its process is gone (same host and pid
+# namespace: the pid is dead, a zombie, or a different process), it was left by a
+# save of this very process that no longer holds it, or its heartbeat is older
+# than `STALE_AFTER_S` (clocks of the hosts sharing the folder are assumed to agree
+# to well within that). An unreadable record (anything `Holder.parse` refuses:
+# garbage, over 64 KiB, not UTF-8, nested, NaN, infinite or out-of-range numbers, a
+# field of the wrong type) is live, named in the refusal with the file to remove, and
+# stale once a waiting save has seen it unchanged for `STALE_AFTER_S`, so `wait=True`
+# never hangs on one. Nothing a lock record holds ever makes judging it raise: a
+# committed save reports success whatever lock records lie beside it. A save whose
+# lease was broken (it froze past the bound) learns it before committing (`confirm`)
+# and commits nothing.
+#
+# The lock record is never a checkpoint record: readers, `holds_checkpoint` and
+# stock `dcp.load` never look at it, and collection never deletes another scope's.
+# The record itself (its name, its fields, reading it) is `lock_record`.
+# -----------------------------------------------------------------------------
+
 HEARTBEAT_S = 15.0  # how often a held lease's heartbeat is rewritten
+
 STALE_AFTER_S = 300.0  # a heartbeat older than this: the holder is taken for dead
 
-
 _HELD: dict[tuple[str, str], Lease] = {}  # (folder identity, lock name) -> held by this process
+
 _HELD_LOCK = threading.Lock()
+
 # Save ids of leases this process is taking right now: between its exclusive create and
 # `_hold`, a record naming this pid is another thread's live save, not one left behind.
 _ACQUIRING: set[str] = set()

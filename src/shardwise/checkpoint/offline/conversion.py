@@ -25,10 +25,9 @@ from ...comm.communicator import SingleProcess
 from ...errors import CheckpointExistsError, InvalidArgumentError, UnsupportedStorageError
 from ...storage import Folder, Sink, is_url, open_folder
 from ...storage.folder import temporary_name
-from ..engine.saving import save_state
-from ..format.checksums import byte_view
-from ..format.record_write import write_torch_archive
-from ..io.commit import in_the_way
+from ..engine import save_state
+from ..format import byte_view, write_torch_archive
+from ..io import in_the_way
 from .opening import OpenCheckpoint, open_checkpoint
 
 __all__ = ["TARGETS", "Target", "convert"]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ...layout import Block
-from ..format.manifest import dtype_name
+from ..format import dtype_name
 from .opening import open_checkpoint
 
 __all__ = ["CheckpointInfo", "TensorInfo", "describe_sharding", "inspect"]

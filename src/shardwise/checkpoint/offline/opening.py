@@ -19,11 +19,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ...errors import CorruptCheckpointError, LayoutError
 from ...layout import Block
 from ...storage import Folder, open_folder
-from ..engine.stored_view import StoredView, read_records
-from ..format.byte_runs import nbytes
-from ..format.manifest import Manifest
-from ..io.read_executor import ReadExecutor
-from ..io.read_requests import ChunkRead, RecordRead
+from ..engine import StoredView, read_records
+from ..format import Manifest, nbytes
+from ..io import ChunkRead, ReadExecutor, RecordRead
 
 __all__ = ["OpenCheckpoint", "open_checkpoint"]
 

@@ -24,13 +24,9 @@ from ...errors import (
 )
 from ...layout import Block, Layout
 from ...storage import open_folder
-from ..engine.holes import first_hole, region
-from ..engine.save_records import SaveRecords
-from ..format.manifest import TensorEntry, dtype_name
-from ..io.chunk_writer import DataFile
-from ..io.commit import commit, data_file_name, in_the_way, new_token
-from ..io.lease import Lease
-from ..io.record_names import index_file_name
+from ..engine import SaveRecords, first_hole, region
+from ..format import TensorEntry, dtype_name
+from ..io import DataFile, Lease, commit, data_file_name, in_the_way, index_file_name, new_token
 from .opening import open_checkpoint
 
 __all__ = ["reshard"]

@@ -20,10 +20,8 @@ from ...errors import CorruptCheckpointError, IncompleteCheckpointError
 from ...layout import Block
 from ...layout.coverage import analyze
 from ...storage import Folder
-from ..format.checksums import frame_crc
-from ..format.manifest import ChunkEntry, StoredChunk, dtype_from_name
-from ..io.read_executor import ReadExecutor
-from ..io.read_requests import ChunkRead, RecordRead
+from ..format import ChunkEntry, StoredChunk, dtype_from_name, frame_crc
+from ..io import ChunkRead, ReadExecutor, RecordRead
 from .opening import open_checkpoint
 
 _BLOCK = 4 << 20  # whole tiles (or pages) are read and checked this many bytes at a time

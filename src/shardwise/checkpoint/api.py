@@ -1,0 +1,725 @@
+"""The public entry points: `save`, `async_save`, `load`, `read_tensor`.
+
+Every entry point does the same at its edge before the engine runs: it opens
+the folder once, checks its arguments the same on every rank, and lets a
+registered client route its values; then it hands one `Agreement` to the
+engine. `async_save` returns once the state is staged and writes in the
+background; its future says when the checkpoint is committed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ..comm.agreement import Agreement, digest, require_same
+from ..comm.communicator import Communicator, SingleProcess, communicator, gloo_group
+from ..errors import (
+    CheckpointExistsError,
+    InvalidArgumentError,
+    ShardwiseError,
+    UnsupportedStorageError,
+)
+from ..layout import Block
+from ..storage import Folder, open_folder
+from .clients import (
+    holds_megatron,
+    load_targets,
+    metadata_json_problem,
+    save_targets,
+    write_metadata_json,
+)
+from .engine import (
+    Staged,
+    Stager,
+    Staging,
+    adapted_for_load,
+    adapted_for_save,
+    held_adapted,
+    load_state,
+    require_same_adapted,
+    save_state,
+    serialize_objects,
+)
+from .format import Manifest, gc_paused
+from .io import in_the_way
+from .io import staging_bytes as budget_of
+from .offline import open_checkpoint
+
+__all__ = ["LoadInfo", "SaveFuture", "SaveInfo", "async_save", "load", "read_tensor", "save"]
+
+
+# -----------------------------------------------------------------------------
+# What every entry point does at the API edge, before the engine runs: the folder
+# opened, the caller's `Stateful` values read, and one exchange (`agree_route`)
+# that raises any rank's problem so far on every rank and puts every rank on the
+# same route (by Megatron key or by dict path, the same adapted values).
+# -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SaveInfo:
+    """What `save` returns: where the checkpoint is (a `Path`, or the URL) and how
+    long the save took."""
+
+    path: Path | str
+    seconds: float
+
+
+def _distributed(group: Any) -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_stateful(value: Any) -> bool:
+    return not isinstance(value, torch.Tensor) and isinstance(value, Stateful)
+
+
+def _state_dicts_of(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Top-level `Stateful` values (a model, an optimizer wrapper) replaced by
+    their `state_dict()`, as `dcp.save` does, before anything looks inside."""
+    return {k: v.state_dict() if _is_stateful(v) else v for k, v in state_dict.items()}
+
+
+def _user_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], BaseException | None]:
+    """`_state_dicts_of`, with a failure of the caller's `state_dict()` returned, not
+    raised: it rides on the first exchange, so every rank raises it together (a rank
+    raising alone would leave the others waiting in a collective)."""
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        if not _is_stateful(value):
+            out[key] = value
+            continue
+        try:
+            out[key] = value.state_dict()
+        except Exception as e:  # noqa: BLE001 - the caller's own code: raised on every rank
+            return {}, e
+    return out, None
+
+
+def _comm(process_group: Any) -> Communicator:
+    return communicator(process_group) if _distributed(process_group) else SingleProcess()
+
+
+def open_target(
+    path: str | Path | Folder, storage_options: dict[str, Any] | None
+) -> tuple[Folder | None, BaseException | None]:
+    """`open_folder`, its refusal (an unknown scheme, a missing backend) returned for
+    `agree_route` to raise on every rank."""
+    try:
+        return open_folder(path, storage_options), None
+    except ShardwiseError as e:
+        return None, e
+
+
+def agreement(group: Any, arguments: tuple[str, Any]) -> Agreement:
+    """The agreement of one collective call, made at its edge and carried through the
+    engine: `arguments` (what they are, this rank's value) must be the same on every
+    rank, checked at the first exchange."""
+    return Agreement(_comm(group), arguments)
+
+
+def agree_route(
+    state_dict: Any,
+    megatron: bool,
+    agreement: Agreement,
+    problem: BaseException | None,
+    statefuls: tuple[str, ...] = (),
+) -> bool:
+    """The edge's one exchange (one fixed-size `all_reduce`; the values gathered only
+    when they differ, to name the ranks): whether this save or load goes by Megatron key
+    (`megatron=True`, or a Megatron value on any rank), checked so that every rank
+    takes the same route. On it the ranks' top-level `Stateful` keys must agree; off
+    it, their adapted values too (`engine.adapters`). `problem` (this rank's failure
+    so far: the folder, a `state_dict()`) is raised on every rank by the exchange,
+    and the call's arguments are compared there (`agreement`)."""
+    by_key = megatron or holds_megatron(state_dict)
+    agreement.defer(problem)
+    if agreement.world_size == 1:
+        agreement.exchange()  # raises `problem`; nothing to compare with another rank
+        return by_key
+    held = None if by_key or problem is not None else held_adapted(state_dict, statefuls)
+    mine = digest((statefuls, held))
+    agreed = agreement.agree([int(by_key), mine, -mine])
+    if agreed[1] == -agreed[2]:  # every rank holds the same: one all_reduce said so
+        return bool(agreed[0])
+    everyone = agreement.exchange((by_key, statefuls, held))  # to name what differs
+    if any(b for b, _s, _h in everyone):
+        require_same(
+            [s for _b, s, _h in everyone],
+            "their Stateful values",
+            shown=str,
+            verb="hold",
+            fix="every rank must pass the same Stateful keys",
+        )
+        return True
+    require_same_adapted([h for _b, _s, h in everyone])
+    return False
+
+
+# -----------------------------------------------------------------------------
+# `save` and `async_save`: collective saves of sharded state to a DCP checkpoint.
+# -----------------------------------------------------------------------------
+
+
+class _Pending:
+    """The asynchronous save in flight, if any: a later save of this process waits for it."""
+
+    future: Future | None = None
+
+
+PENDING = _Pending()
+
+
+def _target_problem(
+    path: Folder, overwrite: bool, call: Agreement, megatron: bool = False
+) -> BaseException | None:
+    """What rank 0 finds in the way of a save: a checkpoint (unless `overwrite`; other
+    files are fine), a file, or a foreign `metadata.json` (for a Megatron-readable save).
+    Returned, never raised: every rank raises it at the next verdict, none waits alone."""
+    if call.rank != 0:
+        return None
+    try:
+        return _in_the_way(path, overwrite, megatron)
+    except Exception as e:  # noqa: BLE001 - the folder's own problem, for every rank
+        return e
+
+
+def _in_the_way(path: Folder, overwrite: bool, megatron: bool) -> BaseException | None:
+    if path.is_file():
+        return CheckpointExistsError(
+            f"{path} is a file, not a checkpoint folder: save to a folder path"
+        )
+    existing = in_the_way(path)
+    if existing and not overwrite:
+        return CheckpointExistsError(existing)
+    if megatron:
+        local = path.local_path
+        if local is None:
+            return UnsupportedStorageError(
+                f"megatron=True saves to a local folder (Megatron-Core's loader reads local "
+                f"paths), not {path}"
+            )
+        return metadata_json_problem(local)
+    return None
+
+
+def _save_arguments(where: str, overwrite: bool, megatron: bool) -> tuple[str, Any]:
+    return ("save path, overwrite and megatron", (where, overwrite, megatron))
+
+
+def _check_target(
+    path: Folder,
+    overwrite: bool,
+    call: Agreement,
+    megatron: bool = False,
+    local_problem: BaseException | None = None,
+) -> None:
+    """Collective pre-save check, one exchange of `call`: nothing in the way
+    (`_target_problem`); `local_problem` (found by the caller on this rank) raised on
+    every rank with the rest."""
+    call.defer(local_problem or _target_problem(path, overwrite, call, megatron))
+    call.verdict()
+
+
+def save(
+    state_dict: dict[str, Any],
+    path: str | Path | Folder,
+    *,
+    overwrite: bool = False,
+    process_group: Any = None,
+    megatron: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    wait: bool | float = False,
+    staging_bytes: int | None = None,
+) -> SaveInfo:
+    """Save `state_dict` to `path`. Collective.
+
+    The checkpoint appears at `path` only once every rank's data is durable;
+    an existing one is refused unless `overwrite=True`, which replaces it
+    atomically. The folder may exist and hold other files: they are kept.
+    Values may be `Stateful` (their `state_dict()` is saved), as with `dcp.save`.
+
+    Megatron-Core's `sharded_state_dict()` saves as returned (replicas by
+    `replica_id`, pieces of one key in several entries, ShardedObjects): its
+    tensors under their Megatron key, main replicas only. `megatron=True` also
+    makes it a checkpoint Megatron-Core's `dist_checkpointing.load` opens:
+    every non-sharded value in Megatron's common state object (else each is
+    stored under its dotted path), and Megatron's `metadata.json` (see
+    `shardwise.checkpoint.clients.megatron_returned`).
+
+    `path` may be an fsspec URL (`s3://bucket/ckpt`, `gs://...`, `memory://...`);
+    `storage_options` go to its backend (e.g. s3fs's `endpoint_url`, `key`). On an
+    object store the same guarantees hold, the commit record being written last
+    (`shardwise.storage`).
+
+    At most one save of a path runs at a time (a lease, `.shardwise.lock` in the
+    folder): while another process saves there, this one raises
+    `CheckpointBusyError` naming it, before writing anything — or, with
+    `wait=True` (or `wait=` seconds), waits for it to finish. A lease whose
+    holder died is broken, with a warning.
+
+    CUDA tensors are copied to the host through at most `staging_bytes` of pinned
+    memory per rank (default: `SHARDWISE_STAGING_BYTES`, else 1 GiB), on a side
+    stream that follows the caller's current stream, while earlier copies are
+    checksummed and written; a larger state goes in waves.
+
+    Collective, whatever the number of tensors: the edge's one fixed-size
+    `all_reduce` (the folder opens everywhere, one route, the same adapted
+    values: `edge.agree_route`), then `saving`'s seven (a save of a structure this
+    group saved before: four fixed-size `all_reduce`s, its plan reused), each rank's
+    traffic O(what it holds and the keys it owns) whatever the world size
+    (`engine.saving`). By Megatron
+    key, `save_targets`' own exchanges, the target check and (`megatron=True`)
+    Megatron's `metadata.json` come before `saving`'s.
+    """
+    folder, problem = open_target(path, storage_options)
+    if PENDING.future is not None:  # one save at a time: the next commit collects unnamed files
+        wait_for([PENDING.future])
+    state_dict, user_problem = _user_state(state_dict)
+    staging, staging_problem = _staging(staging_bytes)
+    where = folder.identity if folder is not None else repr(path)
+    call = agreement(process_group, _save_arguments(where, overwrite, megatron))
+    by_key = agree_route(state_dict, megatron, call, problem or user_problem or staging_problem)
+    assert folder is not None  # else `agree_route` raised its problem on every rank
+    if by_key:
+        # by Megatron key (as sharded_state_dict() returns it); megatron=True adds Megatron's files
+        state_dict = save_targets(state_dict, process_group, megatron)
+        _check_target(folder, overwrite, call, megatron)
+        if megatron:
+            _write_megatron_metadata(folder, call)
+        # overwrite=True: _check_target refused a checkpoint in the way, and
+        # Megatron's metadata.json is now in place
+        return _save(state_dict, folder, call, wait, True, staging)
+    state_dict = adapted_for_save(state_dict, process_group, agreed=True)
+    call.defer(_target_problem(folder, overwrite, call))
+    return _save(state_dict, folder, call, wait, overwrite, staging)
+
+
+def _staging(given: int | None) -> tuple[Staging, BaseException | None]:
+    """The staging budget asked for, or the problem every rank raises at the first exchange."""
+    try:
+        return Staging(budget_of(given)), None
+    except InvalidArgumentError as e:
+        return Staging(), e
+
+
+def _save(
+    state_dict: dict[str, Any],
+    path: Folder,
+    call: Agreement,
+    wait: bool | float,
+    overwrite: bool,
+    staging: Staging,
+) -> SaveInfo:
+    """The engine's save (`saving.save_state`) on the call's agreement, timed."""
+    start = time.perf_counter()
+    with gc_paused():
+        save_state(state_dict, path, call, wait=wait, overwrite=overwrite, staging=staging)
+    return SaveInfo(path.checkpoint_id, time.perf_counter() - start)
+
+
+def _write_megatron_metadata(path: Folder, call: Agreement) -> None:
+    """Megatron's `metadata.json`, written by rank 0 before the data: its content
+    never changes, so a crash at any later point leaves the old checkpoint as it
+    was (only marked Megatron's, which Megatron refuses cleanly if it was not) or
+    no `.metadata` (refused by both); never new data that only one of them opens."""
+    if call.rank == 0:
+        try:
+            local = path.local_path
+            assert local is not None  # refused by _target_problem otherwise
+            write_metadata_json(local)
+        except OSError as e:
+            call.defer(e)
+    call.verdict()
+
+
+# -----------------------------------------------------------------------------
+# `async_save`: a collective save whose writing runs in the background, its device
+# copies overlapping the caller's next steps (`SaveFuture.staged`).
+# -----------------------------------------------------------------------------
+
+
+class SaveFuture(Future):
+    """An asynchronous save: `.result()` is its `SaveInfo` once committed (or raises
+    its error); `.staged` completes once the state may be modified again.
+
+    `staging_completion` / `upload_completion` name the same two futures as DCP's
+    `AsyncSaveResponse`. `.staged` completes also when the save fails: the state
+    is then no longer read, and the error is `.result()`'s.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.staged: Future = Future()
+        self._marking = threading.Lock()
+
+    @property
+    def staging_completion(self) -> Future:
+        return self.staged
+
+    @property
+    def upload_completion(self) -> Future:
+        return self
+
+    def _mark_staged(self) -> None:
+        with self._marking:  # from the caller's thread and the save's
+            if not self.staged.done():
+                self.staged.set_result(None)
+
+
+class _AsyncSaver:
+    """One background thread and one gloo group of its own, so the save's
+    collectives never interleave with the training loop's on the default group."""
+
+    def __init__(self) -> None:
+        self.stager = Stager()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="shardwise-async-save")
+        self.groups: dict[Any, tuple[Any, Any]] = {}  # (the default group then, ours)
+        # `PENDING` names the save submitted last, so a later save waits for every earlier one
+        self.submitting = threading.Lock()
+        self.local = threading.local()  # `.saving` on the save thread while it saves
+
+    def on_save_thread(self) -> bool:
+        return getattr(self.local, "saving", False)
+
+    def submit(self, future: SaveFuture, *args: Any) -> None:
+        with self.submitting:
+            PENDING.future = future
+            self.executor.submit(_save_staged, future, *args)
+
+    def group_for(self, process_group: Any) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        world = dist.group.WORLD
+        kept = self.groups.get(process_group)
+        if kept is None or kept[0] is not world:  # none yet, or made before a re-init
+            # collective: every rank gets here together
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            kept = self.groups[process_group] = (world, gloo_group(ranks))
+        return kept[1]
+
+
+_ASYNC = _AsyncSaver()
+
+_MODES = ("blocking", "background")
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    path: str | Path | Folder,
+    *,
+    overwrite: bool = False,
+    process_group: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    wait: bool | float = False,
+    staging: str = "blocking",
+    staging_bytes: int | None = None,
+) -> SaveFuture:
+    """Save `state_dict` in the background. Collective.
+
+    Host tensors and objects are copied into buffers kept between calls before it
+    returns; each save holds its buffers until it has written them, so saves in
+    flight at once (from several threads) never share bytes. CUDA tensors are
+    copied by the background save itself, through at most `staging_bytes` of
+    pinned memory (as `save`), on a side stream that follows the caller's stream
+    as it was at the call. `staging`:
+
+    * "blocking" (default): return once every CUDA byte is on the host
+      (`.staged` is done): the state may be modified right away;
+    * "background": return once the copies are set going (milliseconds). The
+      state must not change until `.staged` is done — in a training loop, save
+      after `optimizer.step()`, let the next forward and backward run while the
+      copies do, and wait for `.staged` before the next `optimizer.step()`.
+
+    `.result()` on the returned `SaveFuture` waits for the commit and returns
+    `SaveInfo` (or raises the save's error). A previous pending save is waited
+    for first. `path`, `storage_options` and `wait` as for `save` (the lease is
+    taken in the background: `.result()` raises its `CheckpointBusyError`).
+
+    Collective: two fixed-size `all_reduce` per rank before it returns (the
+    folder and the adapted values; the staging, objects and target check; the first
+    call also creates its gloo group, `dist.new_group`), then `saving`'s in the
+    background (seven, or four when the plan is reused: `engine.saving`).
+    """
+    folder, problem = open_target(path, storage_options)
+    if PENDING.future is not None:  # its error is its future's: never every later save's
+        wait_for([PENDING.future])
+    state_dict, user_problem = _user_state(state_dict)
+    spec, staging_problem = _staging(staging_bytes)
+    if staging not in _MODES:
+        staging_problem = InvalidArgumentError(f"staging must be one of {_MODES}, got {staging!r}")
+    where = folder.identity if folder is not None else repr(path)
+    call = agreement(process_group, _save_arguments(where, overwrite, False))
+    problem = problem or user_problem or staging_problem
+    by_key = agree_route(state_dict, False, call, problem)
+    assert folder is not None  # else `agree_route` raised its problem on every rank
+    if by_key:  # as `save` stores them: Megatron's values under their Megatron keys
+        state_dict = save_targets(state_dict, process_group, False)
+    else:
+        state_dict = adapted_for_save(state_dict, process_group, agreed=True)
+    staged: Staged | None = None
+    try:  # a value that cannot be staged on one rank fails every rank, not only that one
+        staged = _ASYNC.stager.stage(state_dict)
+        spec.after = _marks(staged.cuda_devices)
+        # objects as the engine stores them: one unpicklable fails here
+        problem = problem or serialize_objects(staged.objects)[1]
+    except Exception as e:  # noqa: BLE001 - raised on every rank by _check_target
+        problem = problem or e
+    try:
+        _check_target(folder, overwrite, call, local_problem=problem)
+        group = _ASYNC.group_for(process_group)
+    except BaseException:
+        if staged is not None:
+            _ASYNC.stager.release(staged)
+        raise
+    assert staged is not None  # else `_check_target` raised its problem
+    future = SaveFuture()
+    spec.on_staged = future._mark_staged
+    if _ASYNC.on_save_thread():
+        # called by a done callback of an earlier save, on the one save thread: queued
+        # behind the callback, it would wait for itself; it runs here instead
+        _save_staged(future, staged, folder, overwrite, group, wait, spec)
+        return future
+    _ASYNC.submit(future, staged, folder, overwrite, group, wait, spec)
+    if not staged.cuda_devices:
+        future._mark_staged()  # every host value was copied by `stage`
+    if staging == "blocking":
+        future.staged.result()
+    return future
+
+
+def _marks(devices: set[int]) -> dict[int, torch.cuda.Event]:
+    """An event on each device's current stream: the background copies follow it."""
+    marks = {}
+    for index in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(index))
+        marks[index] = event
+    return marks
+
+
+def _save_staged(
+    future: SaveFuture,
+    staged: Staged,
+    path: Folder,
+    overwrite: bool,
+    group: Any,
+    wait: bool | float,
+    staging: Staging,
+) -> None:
+    """The background part of `async_save`, on its own group (targets and arguments
+    already checked in the foreground); its outcome goes to `future`. The staging
+    buffers go back to the stager once the save no longer reads them."""
+    outer, _ASYNC.local.saving = _ASYNC.on_save_thread(), True
+    try:
+        info = _save(staged.state, path, Agreement(_comm(group)), wait, overwrite, staging)
+    except BaseException as e:  # noqa: BLE001 - the caller's `.result()` raises it
+        _ASYNC.stager.release(staged)
+        future._mark_staged()
+        future.set_exception(e)
+    else:
+        _ASYNC.stager.release(staged)
+        future._mark_staged()
+        future.set_result(info)
+    finally:
+        _ASYNC.local.saving = outer
+
+
+# -----------------------------------------------------------------------------
+# `load` and `read_tensor`: filling sharded state in place from any checkpoint, any layout.
+# -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    """What `load` returns: where the checkpoint is (a `Path`, or the URL), how long
+    the load took, the bytes this rank read from data files, and the manifest it
+    followed (None for a stock DCP checkpoint, whose `.metadata` it followed)."""
+
+    path: Path | str
+    seconds: float
+    bytes_read: int
+    manifest: Manifest | None
+
+
+def load(
+    state_dict: dict[str, Any],
+    path: str | Path | Folder,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+    cast_dtype: bool = False,
+    process_group: Any = None,
+    megatron: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    trust_objects: bool = False,
+    extension_registry: Any = None,
+    staging_bytes: int | None = None,
+    broadcast_replicated: bool | None = None,
+) -> LoadInfo:
+    """Fill `state_dict`'s tensors and objects in place from `path`. Collective.
+
+    Targets may use any layout and world size: each rank reads only the byte
+    ranges its targets need. `strict=True` requires every key of `state_dict`
+    in the checkpoint (stored keys not asked for are fine, as with `dcp.load`).
+    Key, shape and dtype problems are all listed at
+    once, on every rank, before any target is modified. `cast_dtype=True`
+    casts stored values to each target's dtype instead (as `dcp.load` does,
+    e.g. an fp32 checkpoint into a bf16 model). `Stateful` values are filled
+    through their `state_dict()` / `load_state_dict()`, as with `dcp.load`.
+    Megatron-Core's `sharded_state_dict()` loads as it nests it: its pieces are
+    found anywhere and loaded by their Megatron key (ShardedObjects' `data` by
+    their unique key), the way Megatron and `swc.save` store them; other values
+    by their dotted path, or, with `megatron=True` (a Megatron-format
+    checkpoint), left as they are (`shardwise.checkpoint.megatron.read_common_state`).
+    `path` may be an fsspec URL, `storage_options` its backend's options (as for `save`).
+    A checkpoint is untrusted input: non-tensor values unpickle only as far as
+    `torch.load(weights_only=True)` allows (plus `allow_object_globals`); anything
+    else raises `UnsafeMetadataError` on every rank, before it runs.
+    `trust_objects=True` unpickles them with plain `pickle` (only for checkpoints
+    you trust). A stored tensor against a non-tensor target, or the reverse, is a
+    `CheckpointMismatchError`, as with `dcp.load`. `extension_registry` (DCP's
+    `ExtensionRegistry`, as `FileSystemReader`'s `_extension_registry`) decodes
+    records written through custom stream extensions.
+    CUDA targets are filled through at most `staging_bytes` of pinned host memory
+    per rank (as `save`), reads overlapping the copies to the device on a side
+    stream; when `load` returns, the copies are done.
+    Values every rank loads whole (plain tensors, replicated DTensors and
+    ShardedTensors, on the CPU) can be read by one rank each and broadcast to
+    the others, so their bytes leave the storage once instead of once per rank:
+    `broadcast_replicated=None` does so when reading from an object store or
+    when the ranks span several hosts (a shared file system), `True` always,
+    `False` never. It applies only when every rank loads the same such values.
+    Returns a `LoadInfo` (its `bytes_read` says what this rank read).
+
+    Collective: three fixed-size `all_reduce` per rank, whatever the number of
+    tensors or the kind of checkpoint (shardwise, stock DCP, per-rank records): the
+    edge's one exchange (`agree_route`: the folder opens everywhere, the Megatron
+    route, the adapted values), then `loading`'s targets-fit check and read verdict;
+    four when the state holds a `Stateful` (one more after its `load_state_dict()`);
+    and when replicated values are broadcast, one `broadcast` per batch of them.
+    """
+    started = time.perf_counter()
+    folder, problem = open_target(path, storage_options)
+    try:
+        budget = budget_of(staging_bytes)
+    except InvalidArgumentError as e:  # raised on every rank by `agree_route`
+        budget, problem = 0, problem or e
+    # Stateful values as their state dicts first (as dcp.load does), so that what they
+    # hold is adapted too; filled back through load_state_dict after.
+    statefuls = {k: v for k, v in state_dict.items() if _is_stateful(v)}
+    plain, user_problem = _user_state(state_dict) if statefuls else (state_dict, None)
+    where = folder.identity if folder is not None else repr(path)
+    call = agreement(
+        process_group,
+        (
+            "load path, strict, cast_dtype, trust_objects and broadcast_replicated",
+            (where, strict, cast_dtype, trust_objects, broadcast_replicated),
+        ),
+    )
+    # the one exchange at the edge: raises either problem everywhere, one route for all
+    by_key = agree_route(plain, megatron, call, problem or user_problem, tuple(sorted(statefuls)))
+    assert folder is not None  # else `agree_route` raised its problem on every rank
+    problem = None
+
+    def read(targets: dict[str, Any]) -> tuple[int, Manifest | None]:
+        return _load_adapted(
+            targets,
+            folder,
+            call,
+            strict,
+            verify,
+            cast_dtype,
+            trust_objects,
+            (extension_registry, budget, broadcast_replicated),
+        )
+
+    if by_key:
+        # by Megatron key, as sharded_state_dict() nests it; megatron=True: rest left as is
+        targets, finishers = load_targets(plain, process_group, megatron)
+        done = read(targets)
+        for finish in finishers:
+            finish()
+    else:
+        # other libraries' values as ShardedTensors (agreed on by `agree_route`)
+        with adapted_for_load(plain, process_group, agreed=True) as adapted:
+            done = read(plain)
+            adapted.finish()
+    # As dcp.load ends: Stateful values load their state, every other top-level value
+    # is assigned back (`state_dict[key] = ...`, which a dict subclass may observe).
+    for key in sorted(state_dict):  # sorted: load_state_dict may be collective
+        if key in statefuls:
+            try:  # every rank still calls the others: they may be collective
+                statefuls[key].load_state_dict(plain[key])
+            except Exception as e:  # noqa: BLE001 - the caller's own code: raised on every rank
+                problem = problem or e
+        elif key in plain:
+            state_dict[key] = plain[key]
+    if statefuls:  # every rank has the same Stateful keys (agreed above): all get here
+        call.defer(problem)
+        call.verdict()
+    return LoadInfo(folder.checkpoint_id, time.perf_counter() - started, *done)
+
+
+def _load_adapted(
+    state_dict: dict[str, Any],
+    path: Folder,
+    call: Agreement,
+    strict: bool,
+    verify: bool,
+    cast_dtype: bool,
+    trust_objects: bool,
+    reading: tuple[Any, int, bool | None],
+) -> tuple[int, Manifest | None]:
+    """The engine's load; `reading`: (extension registry, staging budget, broadcast)."""
+    extension_registry, budget, broadcast = reading
+    with gc_paused():
+        return load_state(
+            state_dict,
+            path,
+            call,
+            strict=strict,
+            verify=verify,
+            cast_dtype=cast_dtype,
+            trust_objects=trust_objects,
+            extension_registry=extension_registry,
+            staging_bytes=budget,
+            broadcast=broadcast,
+        )
+
+
+def read_tensor(
+    path: str | Path,
+    fqn: str,
+    region: Block | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    extension_registry: Any = None,
+) -> torch.Tensor:
+    """Read tensor `fqn` (or only `region` of it, in global coordinates) offline.
+
+    One process, no process group; reads only the bytes of the region (ranged
+    GETs when `path` is a URL). `extension_registry` as for `load`.
+    """
+    ckpt = open_checkpoint(
+        path, storage_options=storage_options, extension_registry=extension_registry
+    )
+    return ckpt.read(fqn, region)
+
+
+# -----------------------------------------------------------------------------
+# The public entry points: `save`, `async_save`, `load`, `read_tensor`.
+#
+# `edge` holds what each of them does first (open the folder on every rank, read
+# the caller's `Stateful` values, agree on problems); `save` and `load` hand the
+# state to the engine (`checkpoint.engine`).
+# -----------------------------------------------------------------------------

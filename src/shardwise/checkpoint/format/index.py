@@ -1,0 +1,640 @@
+"""The index of a version 4 and 5 checkpoint: its tensors' chunk sections and the
+checksums their writers keep, written and read within bounds.
+
+A load reads only the sections of the tensors it wants, window by window, each
+checked before use (every row's and file's byte ranges are in bounds before a
+byte is read); version 5 rows keep their checksums in their writers' data
+files, fetched for the rows a reader takes.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import crc32c
+import numpy as np
+
+from ...errors import CorruptCheckpointError
+from ...storage import Folder
+from .checks import (
+    DATA_FILE,
+    check_coverage,
+    check_name,
+    check_ranges,
+    chunk_consistent,
+    record_limit,
+)
+from .entries import VERSION, ChunkEntry, IndexRef, TensorEntry, dtype_from_name
+from .table import ChunkTable, Fetch, Slots, encode_section, fetchable, file_of
+
+__all__ = [
+    "GAP",
+    "Pending",
+    "Ranges",
+    "RowSpans",
+    "TensorChunks",
+    "WINDOW",
+    "check_read_ranges",
+    "fetch_slots",
+    "fetcher",
+    "read_sections",
+    "resolve_rows",
+    "resolve_sections",
+    "section_bytes",
+    "write_sections",
+]
+
+
+# -----------------------------------------------------------------------------
+# The sections a load reads from a version 4 index, as checked bytes, window by window.
+#
+# A load of 100,000 small tensors reads 100,000 sections. Where each lies is kept
+# as a few int64 columns (not a tuple of Python integers a section: 13 MiB), and
+# the windows of adjacent sections are read into one buffer reused for the whole
+# load (a fresh 8 MiB `bytes` a window left that much of the heap behind each
+# time); each section is copied out of it, its checksum checked.
+# -----------------------------------------------------------------------------
+
+WINDOW = 8 << 20  # bytes of adjacent sections read at once
+
+_HUGE = 1 << 61  # past any file: larger stored values are cut to it, sums of three stay exact
+
+
+def section_bytes(
+    folder: Folder,
+    index: IndexRef,
+    keys: Sequence[str],
+    tensors: Mapping[str, TensorEntry],
+    source: str,
+    listing: dict[str, int],
+) -> Iterator[tuple[str, TensorEntry, bytes, str]]:
+    """The sections of `tensors[key]` for `keys` as bytes matching their checksums, in
+    index order, and each one's name in errors: adjacent sections read together, a
+    window of at most `WINDOW` bytes (or one section) at a time."""
+    check_name(folder, "index", index.file, source, shardwise=True)
+    where = folder.where(index.file)
+    heads = [tensors[key].section for key in keys]
+    assert None not in heads
+    try:
+        table = np.asarray(heads, dtype=np.int64).reshape(-1, 5)
+    except OverflowError:  # crafted: past any file
+        table = np.asarray([[min(v, _HUGE) for v in h] for h in heads], dtype=np.int64)  # type: ignore[union-attr]
+    del heads
+    table = np.minimum(table, _HUGE)
+    block = table[:, 0]
+    bad = np.flatnonzero(block >= len(index.blocks))
+    if len(bad):
+        key = keys[int(bad[0])]
+        raise CorruptCheckpointError(
+            f"{source}: '{key}' names block {tensors[key].section[0]} of its index"  # type: ignore[index]
+        )
+    blocks = np.minimum(np.asarray([min(b, _HUGE) for b in index.blocks], dtype=np.int64), _HUGE)
+    start = blocks[block] + table[:, 1]
+    order = np.argsort(start, kind="stable")
+    start, length, crc = start[order], table[order, 2], table[order, 4]
+    del table, block
+    end = start + length
+    # no two sections share bytes (no writer makes them so): many keys naming one section
+    # would each hold a copy of it before any row is checked
+    solid = np.flatnonzero(length > 0)
+    clash = np.flatnonzero(start[solid][1:] < end[solid][:-1])
+    if len(clash):
+        a, b = (keys[int(order[solid[i]])] for i in (clash[0], clash[0] + 1))
+        raise CorruptCheckpointError(
+            f"{source}: the sections of '{a}' and '{b}' overlap in {where}: damaged or crafted"
+        )
+    size = listing.get(index.file)  # plain files only: never a link or a folder
+    if size is None:
+        raise CorruptCheckpointError(
+            f"{source}: index file {where} is missing or not a plain file "
+            "(links and folders are refused)"
+        )
+    limit = record_limit(listing, index.file)  # what one window may cost (`record_limit`)
+    file = folder.open(index.file)
+    buffer = bytearray()
+    try:
+        i = 0
+        while i < len(order):
+            j = _window(start, end, i)
+            first, last = int(start[i]), int(end[i:j].max())
+            if last > size:
+                raise CorruptCheckpointError(
+                    f"{source}: sections up to byte {last} of {where} ({size} bytes): truncated"
+                )
+            if last - first > limit:  # past `WINDOW`: the window is its first section alone
+                raise CorruptCheckpointError(
+                    f"{source}: the section of '{keys[int(order[i])]}' claims {last - first} "
+                    f"bytes of {where}, more than the {limit} a record of this folder may "
+                    "hold (damaged or crafted: refused, nothing read)"
+                )
+            if len(buffer) < last - first:
+                buffer = bytearray(last - first)
+            got = file.readinto([memoryview(buffer)[: last - first]], first) if last > first else 0
+            window = memoryview(buffer)[:got]  # short: what lies past it fails its checksum
+            spans = zip(start[i:j].tolist(), length[i:j].tolist(), crc[i:j].tolist())
+            for (at, n, expected), which in zip(spans, order[i:j].tolist()):
+                data = bytes(window[at - first : at - first + n])
+                key = keys[which]
+                if crc32c.crc32c(data) != expected:
+                    raise CorruptCheckpointError(
+                        f"{where}: the section of '{key}' does not match its checksum (damaged)"
+                    )
+                yield key, tensors[key], data, f"{where} '{key}'"
+            window.release()
+            i = j
+    finally:
+        file.close()
+
+
+def _window(start: np.ndarray, end: np.ndarray, i: int) -> int:
+    """Where the window from section `i` (sorted by start) ends: before the first later
+    section ending more than `WINDOW` bytes past its start (found in doubling steps:
+    linear in the window's sections, however many follow)."""
+    limit, step = int(start[i]) + WINDOW, 64
+    while True:
+        over = np.flatnonzero(end[i + 1 : i + 1 + step] > limit)
+        if len(over):
+            return i + 1 + int(over[0])
+        if i + 1 + step >= len(end):
+            return len(end)
+        step *= 2
+
+
+# -----------------------------------------------------------------------------
+# What a load of a version 4 index reads, checked before any byte is: every row's and
+# object's byte range inside its data file, none in the index file, no two overlapping.
+#
+# Rows found one at a time land in `Ranges` (a dict); rows found as arrays — a
+# reshard's parts (`row_boxes`), a load's whole chunks (`engine.whole_rows`) — in
+# `RowSpans`, one array per batch, checked with a few numpy passes over all of
+# them (a dict entry per row costs about 170 bytes: 17 MiB at 100,000 rows).
+# -----------------------------------------------------------------------------
+
+# what a load reads, by tensor key and row (an object: row -1), as (key, file, offset, length)
+Ranges = dict[tuple[str, int], tuple[str, str, int, int]]
+
+
+class RowSpans:
+    """The byte ranges of rows a load found as arrays (`row_boxes`, `whole_rows`): arrays
+    of (key id, row, rank, k, token, offset, length), one per piece or batch."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []  # by key id
+        self.keys: dict[str, int] = {}  # the ids of keys added one at a time (`add`)
+        self.parts: list[np.ndarray] = []
+
+    def add(self, key: str, rows: np.ndarray, where: np.ndarray) -> None:
+        """Rows `rows` of `key`'s section, `where` they are: (rank, k, token, offset, length)."""
+        kid = self.keys.get(key)
+        if kid is None:
+            kid = self.keys[key] = len(self.names)
+            self.names.append(key)
+        ids = np.full(len(rows), kid, dtype=np.int64)
+        self.parts.append(np.column_stack([ids, rows, where]))
+
+    def add_many(
+        self, keys: list[str], which: np.ndarray, rows: np.ndarray, where: np.ndarray
+    ) -> None:
+        """Rows `rows` of the sections of `keys[which]`, `where` they are, as `add`: keys
+        added by no other call (a load takes each key's section once), so with ids of
+        their own, not in `keys` (a dict entry a key: 100 bytes, 10 MiB at 100,000)."""
+        base = len(self.names)
+        self.names += keys
+        self.parts.append(np.column_stack([which + base, rows, where]))
+
+
+def check_read_ranges(
+    folder: Folder,
+    ranges: Ranges,
+    sizes: dict[str, int],
+    spans: RowSpans | None = None,
+    index: str | None = None,
+) -> None:
+    """The byte ranges of every row and object a load reads (`TensorChunks.ranges`, and
+    `spans` as arrays), once all are known and before any is read: inside their data
+    files, none in the `index` file (its name is a data file's), no two overlapping —
+    two rows naming the same bytes included (one row found by several pieces is one
+    entry)."""
+    if index is not None:
+        _refuse_index(folder, index, ranges, spans)
+    if spans is None or not spans.parts:
+        check_ranges(folder, sorted(ranges.values()), sizes)
+        return
+    listed = _listed(ranges, spans)
+    if listed is None:  # something is wrong: the plain check names it
+        check_ranges(folder, sorted(_every(ranges, spans)), sizes)
+        return
+    files, ids, offset, length = listed
+    size = np.asarray([sizes.get(name, -1) for name in files], dtype=np.int64)[ids]
+    end = offset + length
+    order = np.lexsort((offset, ids))
+    nonzero = order[length[order] > 0]
+    same = ids[nonzero][1:] == ids[nonzero][:-1]
+    if (
+        (size < 0).any()
+        or (end > size).any()
+        or (offset[nonzero][1:] < end[nonzero][:-1])[same].any()
+    ):
+        check_ranges(folder, sorted(_every(ranges, spans)), sizes)
+
+
+def _refuse_index(folder: Folder, index: str, ranges: Ranges, spans: RowSpans | None) -> None:
+    key = next((k for k, name, _at, _n in ranges.values() if name == index), None)
+    named = DATA_FILE.fullmatch(index)
+    if key is None and named is not None and spans is not None and spans.parts:
+        triple = (int(named.group(1)), int(named.group(2)), int(named.group(3), 16))
+        found = np.concatenate(spans.parts)
+        hit = np.flatnonzero((found[:, 2:5] == triple).all(axis=1))
+        if len(hit):
+            key = spans.names[int(found[hit[0], 0])]
+    if key is not None:
+        raise CorruptCheckpointError(
+            f"'{key}': its stored bytes would be read from the index file {folder.where(index)}: "
+            "damaged or crafted records"
+        )
+
+
+def _listed(
+    ranges: Ranges, spans: RowSpans
+) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray] | None:
+    """Every range once, as (file names, file id, offset, length) arrays; None when one
+    row has two descriptions (never from one section: `_every` lists them)."""
+    found = np.concatenate(spans.parts)  # key id, row, rank, k, token, offset, length
+    found = found[np.lexsort(found.T[::-1])]
+    same = (found[1:, :2] == found[:-1, :2]).all(axis=1)
+    if (found[1:][same] != found[:-1][same]).any():
+        return None
+    found = found[np.append(True, ~same)]
+    both = [(spans.keys[k], row) for k, row in ranges if k in spans.keys]
+    if both:  # rows also found one at a time: listed there
+        taken = np.asarray([kid << 40 | row for kid, row in both], dtype=np.int64)
+        found = found[~np.isin(found[:, 0] << 40 | found[:, 1], taken)]
+    files = found[:, 2:5]
+    order = np.lexsort(files.T[::-1])
+    new = np.ones(len(found), dtype=bool)
+    new[1:] = (files[order][1:] != files[order][:-1]).any(axis=1)
+    ids = np.empty(len(found), dtype=np.int64)
+    ids[order] = np.cumsum(new) - 1
+    names = [file_of(*t) for t in files[order][new].tolist()]
+    index = {name: i for i, name in enumerate(names)}
+    extra = [(index.setdefault(name, len(index)), at, n) for _k, name, at, n in ranges.values()]
+    more = np.asarray(extra, dtype=np.int64).reshape(-1, 3)
+    return (
+        list(index),
+        np.concatenate([ids, more[:, 0]]),
+        np.concatenate([found[:, 5], more[:, 1]]),
+        np.concatenate([found[:, 6], more[:, 2]]),
+    )
+
+
+def _every(ranges: Ranges, spans: RowSpans) -> list[tuple[str, str, int, int]]:
+    """Every range as `check_ranges` takes them (a row found twice listed once)."""
+    keys = spans.names
+    out = dict(ranges)
+    for part in spans.parts:
+        for kid, row, rank, k, token, at, n in part.tolist():
+            out.setdefault((keys[kid], row), (keys[kid], file_of(rank, k, token), at, n))
+    return list(out.values())
+
+
+# -----------------------------------------------------------------------------
+# Checksums kept by their writers (format version 5), fetched for the rows a reader takes.
+#
+# A collective save's writer puts each chunk's frame and tile checksums in its own
+# data file, after its records (`engine.rank_file`): the index rows then follow
+# from the plan alone, so a repeated save of one structure routes no checksums to
+# the keys' owners and exchanges a few bytes per rank (`engine.saving`). A reader
+# fetches them only for the rows it takes, per data file, the wanted slots in runs
+# (slots less than `GAP` apart read together): a rank loading its own 1,000 chunks
+# reads one run of 8 KB of its writer's file, a rank loading a column of every
+# writer's chunks one run per writer. Nothing is read before its range is checked:
+# inside a plain data file of the listing (never the index), no two slots
+# overlapping, so what is read is bounded by the files' real sizes.
+# -----------------------------------------------------------------------------
+
+GAP = 4096  # bytes between two wanted slots of a file below which both are one read
+
+# what a fetch gives: each slot's frame and first checksum, all of those with more
+Fetched = tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]
+
+
+def fetcher(folder: Folder, listing: dict[str, int], index: str) -> Fetch:
+    """The fetch of the tables a reader decodes from `folder`'s index file `index`."""
+
+    def fetch(slots: Slots) -> Fetched:
+        return fetch_slots(folder, listing, index, slots)
+
+    return fetch
+
+
+def fetch_slots(folder: Folder, listing: dict[str, int], index: str, slots: Slots) -> Fetched:
+    """Each slot's frame and checksums, read file by file in runs of neighbours, each
+    file's slots checked first (`_runs`)."""
+    n = len(slots.at)
+    frame, first = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint32)
+    many: dict[int, np.ndarray] = {}
+    files, which = _files(slots.files)
+    order = np.lexsort((slots.at, which.reshape(-1)))
+    bounds = np.searchsorted(which.reshape(-1)[order], np.arange(len(files) + 1))
+    for f, (rank, k, token) in enumerate(files.tolist()):
+        mine = order[bounds[f] : bounds[f + 1]]
+        name = file_of(rank, k, token)
+        at = slots.at[mine]
+        count = np.minimum(slots.count[mine], 1 << 58)  # past any file: `stop` cannot wrap
+        stop = at + 4 * (1 + count)
+        handle = None
+        try:
+            for lo, hi in _runs(folder, listing, index, name, (mine, at, stop), slots):
+                start, end = int(at[lo]), int(stop[hi - 1])
+                handle = handle or folder.open(name)
+                data = handle.pread(end - start, start)
+                if len(data) != end - start:
+                    where = slots.names[slots.table[mine[lo]]]
+                    raise CorruptCheckpointError(
+                        f"{where}: chunk checksums at bytes {start}..{end} of data file "
+                        f"{folder.where(name)} cut short (truncated)"
+                    )
+                _decode(data, at[lo:hi] - start, count[lo:hi], mine[lo:hi], (frame, first, many))
+        finally:
+            if handle is not None:
+                handle.close()
+    return frame, first, many
+
+
+@dataclass
+class Pending:
+    """Slots a caller fetches with the rows of tables (`resolve_rows`): `slots.table`
+    indexes `slots.names`; `fill` is handed each slot's frame and first checksum."""
+
+    slots: Slots
+    fill: Callable[[np.ndarray, np.ndarray], None]
+
+
+def resolve_rows(
+    pairs: Sequence[tuple[ChunkTable, Sequence[int]]],
+    pending: Sequence[Pending] = (),
+    fetch: Fetch | None = None,
+) -> None:
+    """Fetch, in one pass over the files, the checksums of every table's rows whose
+    writers keep them (`ChunkTable.resolve` for many tables), and the `pending` slots
+    (with `fetch`, where no table is asked): which can be fetched is one numpy pass per
+    ndim over all of them (`kept_checksums.fetchable`); every slot is checked with all
+    the others before its file is read (`fetch_slots`)."""
+    rows_of: dict[int, list[Sequence[int]]] = {}
+    tables: dict[int, ChunkTable] = {}
+    for table, some in pairs:
+        if len(some):
+            rows_of.setdefault(id(table), []).append(some)
+            tables[id(table)] = table
+    by_ndim: dict[int, list[tuple[ChunkTable, np.ndarray, np.ndarray]]] = {}
+    for key, table in tables.items():
+        asked_rows = rows_of[key]
+        joined = asked_rows[0] if len(asked_rows) == 1 else np.concatenate(asked_rows)
+        wanted, cols = table.candidates(joined)
+        if len(wanted):
+            by_ndim.setdefault(table.ndim, []).append((table, wanted, cols))
+    asked: list[tuple[ChunkTable, np.ndarray]] = []
+    parts: list[tuple[np.ndarray, ...]] = []
+    for ndim, found in by_ndim.items():
+        cols = np.concatenate([c for _t, _r, c in found])
+        lengths = [len(r) for _t, r, _c in found]
+        shapes = np.asarray([t.shape for t, _r, _c in found], dtype=np.int64)
+        shapes = np.repeat(shapes.reshape(len(found), ndim), lengths, axis=0)
+        take = fetchable(cols, ndim, shapes)  # sorted
+        owner = np.repeat(
+            np.arange(len(asked), len(asked) + len(found)), [len(r) for _t, r, _c in found]
+        )
+        taken = np.concatenate([r for _t, r, _c in found])
+        at = np.concatenate([t.crc_at_of(r) for t, r, _c in found])
+        asked += [(t, r) for t, r, _c in found]
+        d = 3 * ndim
+        parts.append((cols[take, d : d + 3], at[take], cols[take, -2], owner[take], taken[take]))
+    names = [t.where for t, _r in asked]
+    mine = sum(len(p[1]) for p in parts)  # the tables' slots, first
+    for p in pending:
+        s = p.slots
+        parts.append((s.files, s.at, s.count, s.table + len(names), np.zeros_like(s.at)))
+        names += s.names
+    if not parts:
+        return
+    files, at, count, owners, rows = (np.concatenate([p[i] for p in parts]) for i in range(5))
+    slots = Slots(files.reshape(-1, 3), at, count, owners, names)
+    if not len(slots.at):
+        return
+    fetch = asked[0][0].fetch if asked else fetch
+    if fetch is None:  # a reader's bug: a version 5 section read without its files
+        raise CorruptCheckpointError(f"{names[0]}: checksums kept with data, not read")
+    frame, first, many = fetch(slots)
+    start = mine
+    for p in pending:
+        end = start + len(p.slots.at)
+        p.fill(frame[start:end], first[start:end])
+        start = end
+    _fill(asked, slots.table[:mine], rows[:mine], (frame, first, many))
+
+
+def _fill(
+    asked: list[tuple[ChunkTable, np.ndarray]],
+    owners: np.ndarray,
+    rows: np.ndarray,
+    fetched: Fetched,
+) -> None:
+    """What was fetched for the tables' rows (the first `len(owners)` slots) into them."""
+    frame, first, many = fetched
+    order = np.argsort(owners, kind="stable")
+    bounds = np.searchsorted(owners[order], np.arange(len(asked) + 1)).tolist()
+    lists: dict[int, dict[int, np.ndarray]] = {}
+    for j, crcs in many.items():
+        if j < len(owners):
+            lists.setdefault(int(owners[j]), {})[int(rows[j])] = crcs
+    for n, (table, _wanted) in enumerate(asked):
+        mine = order[bounds[n] : bounds[n + 1]]
+        if len(mine):
+            table.fill(rows[mine], frame[mine], first[mine], lists.get(n, {}))
+
+
+def _files(named: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct (rank, k, token) of `named`, and which each row names: one save's
+    rows share a token, so (rank, k) alone sort them (`np.unique` by rows is slower)."""
+    if len(named) and (named[:, 2] == named[0, 2]).all() and named[:, :2].max() < 1 << 31:
+        keys, which = np.unique(named[:, 0] << 31 | named[:, 1], return_inverse=True)
+        files = np.stack([keys >> 31, keys & ((1 << 31) - 1), np.full_like(keys, named[0, 2])], 1)
+        return files, which
+    return np.unique(named, axis=0, return_inverse=True)
+
+
+def _decode(
+    data: bytes,
+    offsets: np.ndarray,
+    count: np.ndarray,
+    slots: np.ndarray,
+    out: tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]],
+) -> None:
+    """The slots at `offsets` of `data` (a run read at once) into `out`."""
+    frame, first, many = out
+    if (offsets % 4 == 0).all():  # the writer's blocks: one slot after the other
+        words = np.frombuffer(data, dtype="<u4", count=len(data) // 4)
+        frame[slots], first[slots] = words[offsets // 4], words[offsets // 4 + 1]
+        for j in np.flatnonzero(count > 1).tolist():
+            at = int(offsets[j]) // 4 + 1
+            many[int(slots[j])] = words[at : at + int(count[j])]
+        return
+    for j, (at, n) in enumerate(zip(offsets.tolist(), count.tolist())):  # crafted: as they lie
+        slot = np.frombuffer(data, dtype="<u4", count=1 + n, offset=at)
+        frame[slots[j]], first[slots[j]] = slot[0], slot[1]
+        if n > 1:
+            many[int(slots[j])] = slot[1:]
+
+
+def _runs(
+    folder: Folder,
+    listing: dict[str, int],
+    index: str,
+    name: str,
+    spans: tuple[np.ndarray, np.ndarray, np.ndarray],
+    slots: Slots,
+) -> list[tuple[int, int]]:
+    """The slots of data file `name` (sorted: positions, starts, ends), checked —
+    inside a listed plain data file, not the index, none overlapping the one before —
+    as runs of positions read together."""
+    mine, at, stop = spans
+    size = listing.get(name)
+    if size is None or name == index:
+        what = "the index" if name == index else "missing or not a plain file"
+        raise CorruptCheckpointError(
+            f"{slots.names[slots.table[mine[0]]]}: data file {folder.where(name)} is {what} "
+            "(it keeps chunk checksums)"
+        )
+    bad = np.flatnonzero((stop > size) | (at < np.concatenate([[-1], stop[:-1]])))
+    if len(bad):
+        j = int(bad[0])
+        raise CorruptCheckpointError(
+            f"{slots.names[slots.table[mine[j]]]}: chunk checksums at bytes {at[j]}..{stop[j]} "
+            f"of data file {folder.where(name)} ({size} bytes) "
+            + ("lie past its end" if stop[j] > size else "overlap another chunk's")
+        )
+    cuts = np.flatnonzero(at[1:] - stop[:-1] >= GAP) + 1
+    edges = [0, *cuts.tolist(), len(at)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+# -----------------------------------------------------------------------------
+# The index of a version 4 checkpoint: its tensors' chunk sections, written and read.
+#
+# A save writes every tensor's section (`chunk_table`) into one data file of its
+# own, the index, block by block (one block per writer of sections: each owner of
+# keys in a collective save, `io.record_join`), and the manifest points at each
+# section. Readers take what they need from it:
+#
+# - a load (`StoredView`) reads the sections of the tensors it loads, in windows
+#   of adjacent sections (one read per window, never the whole index at once), and
+#   decodes only the rows that overlap its pieces (`TensorChunks`): for each piece
+#   the rows it reads are checked as a manifest's chunks are — in bounds,
+#   consistent sizes and checksums, covering the piece exactly once — and the byte
+#   ranges of all the rows it reads lie inside their data files, no two
+#   overlapping (`check_read_ranges`);
+# - tools (`Manifest.read`) resolve every section into the entries a version 3
+#   manifest lists, then check them all together.
+# -----------------------------------------------------------------------------
+
+
+def write_sections(tensors: dict[str, TensorEntry], block: int) -> bytes:
+    """The sections of `tensors` as block `block` of an index: each tensor's `section`
+    and `transforms` set to point into it."""
+    out, at = [], 0
+    for t in tensors.values():
+        t.transforms = []
+        data = encode_section(t.chunks, len(t.shape), t.transforms)
+        t.section = (block, at, len(data), len(t.chunks), crc32c.crc32c(data))
+        out.append(data)
+        at += len(data)
+    return b"".join(out)
+
+
+def read_sections(
+    folder: Folder,
+    index: IndexRef,
+    tensors: Sequence[tuple[str, TensorEntry]],
+    source: str,
+    listing: dict[str, int] | None = None,
+    version: int = VERSION,
+) -> Iterator[tuple[str, ChunkTable]]:
+    """Each of `tensors`' chunk tables, checked, in index order: adjacent sections read
+    together, a window of at most `WINDOW` bytes (or one section) at a time. `listing`:
+    the folder's plain files and sizes, when the caller has listed it already;
+    `version`: the manifest's (5: rows may keep their checksums in data files)."""
+    listing = folder.sizes() if listing is None else listing
+    fetch = fetcher(folder, listing, index.file)
+    keys, heads = [key for key, _t in tensors], dict(tensors)
+    for key, t, data, name in section_bytes(folder, index, keys, heads, source, listing):
+        assert t.section is not None
+        shape = tuple(t.shape)
+        yield (
+            key,
+            ChunkTable(data, len(shape), t.section[3], t.transforms, name, version, fetch, shape),
+        )
+
+
+def resolve_sections(
+    folder: Folder, index: IndexRef, tensors: dict[str, TensorEntry], source: str, version: int
+) -> None:
+    """Every tensor's chunk entries, from its section (for tools: `Manifest.read`): the
+    checksums their writers keep fetched for all sections at once."""
+    tables = list(read_sections(folder, index, list(tensors.items()), source, version=version))
+    resolve_rows([(table, range(len(table))) for _key, table in tables])
+    for key, table in tables:
+        tensors[key].chunks = table.entries()
+
+
+class TensorChunks:
+    """One tensor's stored chunks as a load reads them from its section: the entries
+    overlapping each piece, checked (see the module's docstring)."""
+
+    def __init__(
+        self,
+        key: str,
+        entry: TensorEntry,
+        table: ChunkTable,
+        ranges: Ranges,
+        spans: RowSpans | None = None,
+    ) -> None:
+        self.key, self.entry, self.table = key, entry, table
+        self.ranges = ranges  # every byte range the load reads: `check_read_ranges`
+        self.spans = spans  # the same, of rows found as arrays (None: none are)
+        self.itemsize = dtype_from_name(entry.dtype).itemsize
+        self.plain: np.ndarray | None = None  # which rows are plain one-tile chunks, once
+
+    def covering(
+        self, offsets: tuple[int, ...], sizes: tuple[int, ...], rows: list[int] | None = None
+    ) -> list[ChunkEntry]:
+        """The stored chunks overlapping the non-empty box (`offsets`, `sizes`): `rows`,
+        when the caller found them (`ChunkTable.overlapping`)."""
+        shape, where = self.entry.shape, self.table.where
+        if rows is None:
+            rows = self.table.overlapping(offsets, sizes)
+        found = [self.table.entry(i) for i in rows]
+        for c in found:
+            if not (
+                all(map(operator.le, map(operator.add, c.offsets, c.sizes), shape))
+                and chunk_consistent(c, self.itemsize, 4, 0)
+            ):
+                raise CorruptCheckpointError(
+                    f"{where}: chunk at offsets {c.offsets} has inconsistent sizes or byte "
+                    f"ranges (file {c.file}, payload {c.payload})"
+                )
+        self.ranges.update(
+            {(self.key, i): (self.key, c.file, *c.record) for i, c in zip(rows, found)}
+        )
+        clipped = []
+        for c in found:
+            lo = [max(a, b) for a, b in zip(offsets, c.offsets)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, c.offsets, c.sizes)]
+            clipped.append(
+                (tuple(x - a for x, a in zip(lo, offsets)), tuple(h - x for x, h in zip(lo, hi)))
+            )
+        if math.prod(sizes):
+            check_coverage(f"{self.key} (at {offsets})", sizes, clipped, where, replicas=False)
+        return found
