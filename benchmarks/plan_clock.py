@@ -8,8 +8,8 @@ whole save's CPU. Rank 0's join
 of the records runs on a thread of its own beside its writes: its CPU is measured
 there (`joined()`).
 
-`clocked()` wraps `saving.owned_part`, `saving.write_rank_file` and
-`joining.join_records` for its duration; in a rank's thread, `begin()` before the save
+`clocked()` wraps `engine.save.owned_part`, `engine.save.write_rank_file` and
+`engine.records.join_records` for its duration; in a rank's thread, `begin()` before the save
 and `planned()` after it give the seconds.
 """
 

@@ -8,7 +8,7 @@ this saves the FSDP-style state on W thread ranks, then times that one load.
 
 With `--reshard` the rank then loads its share of the reshard target as well
 (`scale_states.fsdp(..., reshard=True)`: columns over W/2 ranks, so each piece is a
-band of all W row chunks of its tensor: the gathered parts, `io.part_gather`).
+band of all W row chunks of its tensor: the gathered parts, `io.chunks`).
 
 Run: `python benchmarks/scale_one_rank.py --world 1024 --tensors 1000 [--rank 5] [--reshard]`.
 """

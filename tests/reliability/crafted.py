@@ -188,7 +188,7 @@ def reshaped(place: Place, stock: bool, shape: tuple[int, ...], second_at: tuple
 
 
 def nested_manifest(place: Place, depth: int = 100_000) -> None:
-    """A manifest whose `planner_data` nests `depth` lists, its checksum right."""
+    """A manifest whose `format.entries` nests `depth` lists, its checksum right."""
     doc = json.loads(place.folder.read("shardwise.json"))
     mark = uuid.uuid4().hex
     doc["planner_data"], doc["crc32c"] = mark, 0
@@ -198,7 +198,7 @@ def nested_manifest(place: Place, depth: int = 100_000) -> None:
 
 
 def nested_pickle(place: Place, depth: int = 100_000) -> None:
-    """A stock `.metadata` whose `planner_data` nests `depth` lists (built from opcodes:
+    """A stock `.metadata` whose `format.entries` nests `depth` lists (built from opcodes:
     `pickle.dumps` itself cannot go that deep)."""
     md = place.metadata()
     mark = uuid.uuid4().hex

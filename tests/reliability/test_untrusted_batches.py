@@ -1,4 +1,4 @@
-"""Pieces of many tensors planned at once (`row_batches.batch_boxes`: sections of ndim 1,
+"""Pieces of many tensors planned at once (`format.table.batch_boxes`: sections of ndim 1,
 2, 3, dtypes and row counts stacked) load bit for bit as one at a time; one crafted section
 is refused with the one-piece path's message, every target as it was. Every section either
 way version 5 reads (`form`): its rows' checksums kept by their writer in the data file (as
@@ -53,7 +53,7 @@ def _box(b: Block) -> tuple[slice, ...]:
 
 
 def _cols(key: str) -> dict[str, int]:
-    """A section row's columns after offsets, sizes and tile (`chunk_table`)."""
+    """A section row's columns after offsets, sizes and tile (`format.table`)."""
     d = len(TENSORS[key][0])
     names = ["rank", "k", "token", "rec", "rec_len", "pay", "pay_len", "frame", "count"]
     names += ["transform", "crc_at"]

@@ -1,4 +1,4 @@
-"""A crafted index read by the gather path (`row_boxes`, `part_gather`) is refused as the old
+"""A crafted index read by the gather path (`format.table`, `io.chunks`) is refused as the old
 path (`TensorChunks.covering`) refuses it, its message observed on the same checkpoint: the
 same `CorruptCheckpointError`, every target as it was. 'w' (40 x 8) is stored in 20 row
 chunks (a section decoded as an array) and loaded by column bands: each piece overlaps all.

@@ -2,7 +2,7 @@
 section, index file or pointer into it is refused by `swc.load` with `CorruptCheckpointError`
 naming the file and the tensor, before a byte lands in a target: never misread.
 
-Crafted sections are encoded as a writer would (`chunk_table.encode_section`, or edited as
+Crafted sections are encoded as a writer would (`format.table.encode_section`, or edited as
 rows), their checksums fixed and the manifest sealed again: only the checks refuse them. Each
 row crafted both ways version 5 reads (`form`): its checksums kept by its writer in its data
 file (`crc_at`, as `swc.save` writes them; a crafted copy of a row gets its own slot there),

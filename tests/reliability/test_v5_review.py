@@ -221,7 +221,7 @@ def test_a_repeated_save_reusing_its_places_loads_the_new_values(tmp_path):
 
 
 def _only_on(rank: int) -> str:
-    """A key whose owner (`key_owners.owner_of`) is not `rank`: held there only, its
+    """A key whose owner (`engine.plan.owner_of`) is not `rank`: held there only, its
     object is written by a rank that does not own it (its crc32c routed at every save)."""
     return next(k for k in (f"extra{i}" for i in range(100)) if owner_of(k, W) != rank)
 

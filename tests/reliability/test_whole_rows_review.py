@@ -1,8 +1,8 @@
-"""Review of the whole-chunk load path (commit ffebf91: `engine.whole_rows`,
-`format.section_rows`, `format.section_reads`, `format.read_ranges`), as an attacker.
+"""Review of the whole-chunk load path (commit ffebf91: `engine.stored`,
+`format.table`, `format.index`, `format.index`), as an attacker.
 
 Its claim: nothing is accepted as arrays that the one-piece path (`ChunkTable`,
-`TensorChunks.covering`, `check_read_ranges`, `kept_checksums.fetchable`) refuses; a
+`TensorChunks.covering`, `check_read_ranges`, `format.table.fetchable`) refuses; a
 section failing any check is planned alone and raises the very error it raised before.
 Each crafted checkpoint here is loaded both ways (arrays, and `take` handing every
 section back: the one-piece path) and the outcomes compared, with the groups, batches
@@ -173,7 +173,7 @@ def test_sections_sharing_index_bytes_are_refused_before_copies_pile_up(
     """DEFECT (stored_view.Sections/_groups with whole_rows.take; section_reads.section_bytes):
     48 keys name one 1 MiB section that no `ChunkTable` accepts. Before ffebf91 the first
     was refused at once (about 4 MiB held, measured on `git show ffebf91^`); grouped,
-    every key's copy of the same bytes is held, and joined again by `section_rows.decode`,
+    every key's copy of the same bytes is held, and joined again by `format.table.decode`,
     before any is checked: about 150 MiB here, GROUP_SECTIONS copies of up to the whole
     index in general (4,096 x a 64 MiB index: 768 GiB)."""
     path, values = _sharing(tmp_path, one_row=False)
@@ -184,7 +184,7 @@ def test_sections_sharing_index_bytes_are_refused_before_copies_pile_up(
 
 def test_many_keys_naming_one_large_section_hold_it_once(tmp_path, monkeypatch) -> None:
     """DEFECT, older than ffebf91 (its one-piece path held a table per key until
-    `overlaps.GROUP` rows: about 100 MiB here), doubled by it (about 190 MiB as loaded,
+    `engine.stored.GROUP` rows: about 100 MiB here), doubled by it (about 190 MiB as loaded,
     145 with `take` off): sections that overlap in the index are never refused, so what a
     load holds is bounded by neither the index nor the listing, only by keys x index."""
     path, values = _sharing(tmp_path, one_row=True)
@@ -485,7 +485,7 @@ def test_seeded_random_crafts_are_refused_or_loaded_alike(tmp_path, monkeypatch,
 
 def test_a_whole_row_claiming_a_gathered_rows_bytes_is_refused_alike(tmp_path, monkeypatch) -> None:
     """'w' (32 row chunks, a numpy table) loaded as two halves: its rows found as arrays
-    one piece at a time (`row_boxes`, `RowSpans.add`); t02, a whole chunk (`add_many`),
+    one piece at a time (`format.table`, `RowSpans.add`); t02, a whole chunk (`add_many`),
     claims the bytes of w's sixth chunk: the ranges of both kinds are checked together."""
     full = torch.arange(128.0).reshape(32, 4)
     single = Layout.row_wise((32, 4), [1] * 32)

@@ -138,7 +138,7 @@ def agree_route(
     when they differ, to name the ranks): whether this save or load goes by Megatron key
     (`megatron=True`, or a Megatron value on any rank), checked so that every rank
     takes the same route. On it the ranks' top-level `Stateful` keys must agree; off
-    it, their adapted values too (`engine.adapters`). `problem` (this rank's failure
+    it, their adapted values too (`engine.inventory`). `problem` (this rank's failure
     so far: the folder, a `state_dict()`) is raised on every rank by the exchange,
     and the call's arguments are compared there (`agreement`)."""
     by_key = megatron or holds_megatron(state_dict)
@@ -254,7 +254,7 @@ def save(
     makes it a checkpoint Megatron-Core's `dist_checkpointing.load` opens:
     every non-sharded value in Megatron's common state object (else each is
     stored under its dotted path), and Megatron's `metadata.json` (see
-    `shardwise.checkpoint.clients.megatron_returned`).
+    `shardwise.checkpoint.clients.megatron`).
 
     `path` may be an fsspec URL (`s3://bucket/ckpt`, `gs://...`, `memory://...`);
     `storage_options` go to its backend (e.g. s3fs's `endpoint_url`, `key`). On an
@@ -274,12 +274,12 @@ def save(
 
     Collective, whatever the number of tensors: the edge's one fixed-size
     `all_reduce` (the folder opens everywhere, one route, the same adapted
-    values: `edge.agree_route`), then `saving`'s seven (a save of a structure this
+    values: `api.agree_route`), then `engine.save`'s seven (a save of a structure this
     group saved before: four fixed-size `all_reduce`s, its plan reused), each rank's
     traffic O(what it holds and the keys it owns) whatever the world size
-    (`engine.saving`). By Megatron
+    (`engine.save`). By Megatron
     key, `save_targets`' own exchanges, the target check and (`megatron=True`)
-    Megatron's `metadata.json` come before `saving`'s.
+    Megatron's `metadata.json` come before `engine.save`'s.
     """
     folder, problem = open_target(path, storage_options)
     if PENDING.future is not None:  # one save at a time: the next commit collects unnamed files
@@ -320,7 +320,7 @@ def _save(
     overwrite: bool,
     staging: Staging,
 ) -> SaveInfo:
-    """The engine's save (`saving.save_state`) on the call's agreement, timed."""
+    """The engine's save (`engine.save.save_state`) on the call's agreement, timed."""
     start = time.perf_counter()
     with gc_paused():
         save_state(state_dict, path, call, wait=wait, overwrite=overwrite, staging=staging)
@@ -447,8 +447,8 @@ def async_save(
 
     Collective: two fixed-size `all_reduce` per rank before it returns (the
     folder and the adapted values; the staging, objects and target check; the first
-    call also creates its gloo group, `dist.new_group`), then `saving`'s in the
-    background (seven, or four when the plan is reused: `engine.saving`).
+    call also creates its gloo group, `dist.new_group`), then `engine.save`'s in the
+    background (seven, or four when the plan is reused: `engine.save`).
     """
     folder, problem = open_target(path, storage_options)
     if PENDING.future is not None:  # its error is its future's: never every later save's
@@ -604,7 +604,7 @@ def load(
     Collective: three fixed-size `all_reduce` per rank, whatever the number of
     tensors or the kind of checkpoint (shardwise, stock DCP, per-rank records): the
     edge's one exchange (`agree_route`: the folder opens everywhere, the Megatron
-    route, the adapted values), then `loading`'s targets-fit check and read verdict;
+    route, the adapted values), then `engine.load`'s targets-fit check and read verdict;
     four when the state holds a `Stateful` (one more after its `load_state_dict()`);
     and when replicated values are broadcast, one `broadcast` per batch of them.
     """
@@ -719,7 +719,7 @@ def read_tensor(
 # -----------------------------------------------------------------------------
 # The public entry points: `save`, `async_save`, `load`, `read_tensor`.
 #
-# `edge` holds what each of them does first (open the folder on every rank, read
+# `api` holds what each of them does first (open the folder on every rank, read
 # the caller's `Stateful` values, agree on problems); `save` and `load` hand the
 # state to the engine (`checkpoint.engine`).
 # -----------------------------------------------------------------------------

@@ -106,7 +106,7 @@ class FolderBacked:
 # -----------------------------------------------------------------------------
 # `Writer`'s translation between DCP's write items and the one chunk writer.
 #
-# Each item is resolved by DCP's planner and stored by `chunk_writer.DataFile`
+# Each item is resolved by DCP's planner and stored by `io.write.DataFile`
 # (a tensor as its `torch.save` record, an object as its bytes, or, with stream
 # extensions, the record stock's own item writer encodes); its `WriteResult`
 # carries stock's `_StorageInfo` and where it went. `records_of` turns DCP's
@@ -201,7 +201,7 @@ def _descriptors(info: _StorageInfo) -> list[str] | None:
 # Stock `FileSystemWriter` planning, constructor and `.metadata`, and data
 # files in its format, so stock `dcp.load` reads the result. Every rank writes
 # its items under fresh token-named files (`__0_0.sw<token>.distcp`) through
-# `chunk_writer`, then fsyncs them; the coordinator then commits (`commit.py`):
+# `io.write`, then fsyncs them; the coordinator then commits (`commit.py`):
 # `.metadata`, `shardwise.json`, the marker, each renamed into place, and
 # collects the files of the checkpoint it replaced. Other files in the folder
 # are never touched. The coordinator (every rank, without collectives) holds the
@@ -408,14 +408,14 @@ def _release(held: list[Lease]) -> None:
 # range it reads comes from the `Metadata` it was set up with
 # (`set_up_storage_reader`): a reset reader keeps nothing of the previous
 # checkpoint. It reads only the byte ranges of each stored chunk that the load
-# targets need (`byte_runs`), widened to the checksum tiles (or, in older
+# targets need (`format.checksums`), widened to the checksum tiles (or, in older
 # checkpoints, pages) that cover them, and verifies those.
 #
 # Call order (DCP's): reset -> read_metadata -> set_up_storage_reader ->
 # prepare plans (collective) -> read_data on every rank. The records are found
-# and checked by `stored_view.read_records`, as for `swc.load`; `read_data` only
+# and checked by `engine.stored.read_records`, as for `swc.load`; `read_data` only
 # translates DCP's `ReadItem`s into the one read executor's requests
-# (`item_reads`): what is read, prefetched and verified is `io.read_executor`'s.
+# (`item_reads`): what is read, prefetched and verified is `io.read`'s.
 # -----------------------------------------------------------------------------
 
 
@@ -428,7 +428,7 @@ class Reader(FolderBacked, FileSystemReader):
     whole tiles or pages it needs). Stored objects are vetted with PyTorch's
     `weights_only` unpickler before DCP's planner (which unpickles with
     `weights_only=False`) sees them: a refused global raises `UnsafeMetadataError`
-    unless `trust_objects=True` (`shardwise.checkpoint.format.objects`). Per-rank
+    unless `trust_objects=True` (`shardwise.checkpoint.format.pickles`). Per-rank
     checkpoints (saved with `use_collectives=False`) are read through
     `read_metadata(rank=...)`, as stock. `path` may be an fsspec URL (as with
     stock `FsspecReader`); `storage_options` go to its backend.

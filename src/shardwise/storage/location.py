@@ -119,7 +119,7 @@ def _rescan() -> None:
 # From what a caller passes (a path, or a URL) to a `Folder`; the one place that tells them apart.
 #
 # A location is a URL when it starts with `scheme://`. Which backend opens it
-# is the registry's answer (`registry.py`): built in, `file://` URLs and plain
+# is the registry's answer (`storage.location.py`): built in, `file://` URLs and plain
 # paths are local (`LocalFolder`, no fsspec detour) and every other scheme goes
 # to the fsspec backend registered for it. A scheme no installed backend
 # serves is refused, naming the package (extra) to install, before anything is

@@ -1,8 +1,8 @@
 """How many collectives each save and load makes, per rank, pinned exactly.
 
 Every exchange is a round trip through every rank: the number of them is part of
-each entry point's contract (stated in the docstrings of `api.save`/`api.load`,
-`saving` and `loading`). A counting shim wraps torch.distributed's collectives at
+each entry point's contract (stated in the docstrings of `api`/`api`,
+`engine.save` and `engine.load`). A counting shim wraps torch.distributed's collectives at
 the `torch.distributed` module attributes (shardwise and DCP both call them as
 `dist.<name>`; calls nested inside `distributed_c10d` itself are not counted) and
 shardwise's `ProcessGroupCommunicator` methods, on 2 spawned gloo ranks, around one
@@ -103,7 +103,7 @@ _HELPERS = {"_agree", "exchange", "agree", "verdict", "route", *_COMM}
 def _site() -> str:
     """Who asked for this collective: the innermost shardwise function past the
     agreement helpers, then DCP's step below it (`_DistWrapper`'s method), e.g.
-    `loading.load_state`, or `dcp.reduce_scatter` for a call of DCP's own."""
+    `engine.load.load_state`, or `dcp.reduce_scatter` for a call of DCP's own."""
     frames = traceback.extract_stack()[:-2]
     ours = theirs = ""
     for f in reversed(frames):

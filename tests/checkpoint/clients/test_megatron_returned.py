@@ -1,4 +1,4 @@
-"""Megatron-Core state dicts as `sharded_state_dict()` returns them (`megatron_returned`), in
+"""Megatron-Core state dicts as `sharded_state_dict()` returns them (`clients.megatron`), in
 one process and without Megatron-Core: its values are recognised by their type's module and
 name, so stand-ins of those names play them. With the real package: tests/clients."""
 

@@ -468,7 +468,7 @@ def _sharded_optimizer(rank: int, world: int, folder: str) -> bool:
 
 
 def test_load_sharded_optimizer_state_dict_through_reader(tmp_path):
-    """DCP's FSDP-era helper reads `planner_data` from `read_metadata()`."""
+    """DCP's FSDP-era helper reads `format.entries` from `read_metadata()`."""
     assert run_ranks(_sharded_optimizer, 2, str(tmp_path / "ckpt"), timeout=60) == [True, True]
 
 

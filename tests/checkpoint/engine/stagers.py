@@ -1,4 +1,4 @@
-"""Stagers in each copy mode, shared by the tests of `staging` and `copies`."""
+"""Stagers in each copy mode, shared by the tests of `staging` and `engine.staging`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The copies of a snapshot (`copies`): byte ranges cut into pieces for the kept pool, copied
+"""The copies of a snapshot (`engine.staging`): byte ranges cut into pieces for the kept pool, copied
 by several threads (memcpy or `copy_`), bit for bit in every dtype."""
 
 from __future__ import annotations

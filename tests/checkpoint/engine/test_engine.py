@@ -1,4 +1,4 @@
-"""The save/load engine (`planning`, `saving`, `loading`) with ranks as threads.
+"""The save/load engine (`engine.plan`, `engine.save`, `engine.load`) with ranks as threads.
 
 The plan is a pure function of the exchanged inventories, so its decisions
 (who writes what, where every record lands, what is refused) are checked

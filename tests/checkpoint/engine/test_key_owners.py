@@ -1,4 +1,4 @@
-"""Each key planned by its owner (`key_owners`): the same checks and errors on every
+"""Each key planned by its owner (`engine.plan`): the same checks and errors on every
 rank, and traffic per rank that does not grow with the world size."""
 
 from __future__ import annotations

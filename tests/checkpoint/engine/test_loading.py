@@ -1,4 +1,4 @@
-"""`engine.loading`: one load path for every checkpoint `swc.load` reads: shardwise,
+"""`engine.load`: one load path for every checkpoint `swc.load` reads: shardwise,
 stock DCP, transformed chunks, values only DCP's planner knows; no `dcp.load` fallback."""
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ _ACROSS_DIM_1 = {
         _cuts((6, 10), 1, [3, 8]),
     ),
     # more than 16 stored chunks: shardwise's pieces are gathered from arrays of parts
-    # (`format.row_boxes`, `io.word_gather`); stock and cast ones are read box by box
+    # (`format.table`, `io.chunks`); stock and cast ones are read box by box
     "many": (
         (3, 40, 2),
         _cuts((3, 40, 2), 1, list(range(2, 40, 2))),

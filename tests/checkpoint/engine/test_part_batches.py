@@ -1,4 +1,4 @@
-"""An owner builds and encodes its part a batch of keys at a time (`key_owners.owned_part`).
+"""An owner builds and encodes its part a batch of keys at a time (`engine.plan.owned_part`).
 
 With batches of 3 keys, each owner's tensors and objects span several batches;
 the joined records must be exactly those one batch makes (but for the names

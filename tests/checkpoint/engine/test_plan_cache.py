@@ -1,4 +1,4 @@
-"""Repeated saves reuse their plan (`plan_cache`), and any change of structure replans.
+"""Repeated saves reuse their plan (`engine.plan`), and any change of structure replans.
 
 Ranks run as threads (ThreadedWorld): the collectives each save makes are
 observed exactly (`world.calls`), so a reused plan is seen as the two

@@ -1,4 +1,4 @@
-"""`rank_file`: a save's records through the staging pipeline, on CPU.
+"""`engine.save`: a save's records through the staging pipeline, on CPU.
 
 `Staging(host=True)` sends host tensors through the slabs as device tensors go
 on a GPU, so the engine-level behaviour — bytes and checksums equal to a direct

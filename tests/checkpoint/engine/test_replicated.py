@@ -1,4 +1,4 @@
-"""`engine.replicated`: values every rank loads whole are read by one rank and broadcast.
+"""`engine.load`: values every rank loads whole are read by one rank and broadcast.
 
 Thread ranks on the in-process communicator (its `received` counts what each rank
 gets over the wire, `calls` every collective), and one spawned gloo run for

@@ -1,4 +1,4 @@
-"""Attacks on `engine.replicated` (issue 22): loads where ranks could call different
+"""Attacks on `engine.load` (issue 22): loads where ranks could call different
 collectives (a hang), broadcast different sizes, or end with wrong values silently.
 
 Thread ranks time out after `T` seconds, so a hang fails fast (`BrokenBarrierError`);

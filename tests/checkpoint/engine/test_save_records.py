@@ -133,7 +133,7 @@ def _placeless(manifest: Manifest) -> Manifest:
 
 def test_records_joined_from_owners_parts_are_the_whole_records(tmp_path: Path) -> None:
     """Each owner writes its keys' part; the committing rank joins bytes
-    (`io.record_join`): the same `.metadata` objects, and a manifest and index holding
+    (`engine.records`): the same `.metadata` objects, and a manifest and index holding
     the same checkpoint, as one rank encoding every entry. Only where each section sits
     differs: one block per owner."""
     whole, owners = _split()

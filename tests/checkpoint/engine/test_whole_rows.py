@@ -1,4 +1,4 @@
-"""`engine.whole_rows`: pieces that are whole stored chunks, planned as arrays a group of
+"""`engine.stored`: pieces that are whole stored chunks, planned as arrays a group of
 sections at a time and read a batch of requests at a time. Groups and batches are made
 tiny here (12 tensors: sections in groups of 5, checksums fetched every 3 rows, requests
 2 at a time), so that boundaries fall between neighbouring tensors: a load across them is
@@ -74,7 +74,7 @@ def test_a_load_across_group_and_batch_boundaries_is_bit_exact(tmp_path, small) 
 
 
 def _refused(path: Path, monkeypatch: pytest.MonkeyPatch, arrays: bool) -> str:
-    """The error a load of `path` raises (arrays: through `whole_rows`, else one piece at a
+    """The error a load of `path` raises (arrays: through `engine.stored`, else one piece at a
     time); no target written."""
     with monkeypatch.context() as m:
         if not arrays:

@@ -1,5 +1,5 @@
 """Ways to break one field of a golden manifest, and what the reader must say: shared by
-the tests of `manifest`, `manifest_fields` and `fast_entries`."""
+the tests of `manifest`, `format.entries` and `format.entries`."""
 
 from __future__ import annotations
 

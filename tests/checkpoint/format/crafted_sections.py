@@ -1,6 +1,6 @@
 """Crafted sections of the golden checkpoint (`golden_manifest`): model.w's rows in version 4
 and 5 as the writers lay them out, and the golden checkpoint with them replaced; shared by
-the tests of `manifest_index` and `writer_checksums`."""
+the tests of `format.index` and `format.index`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The golden manifests (tests/checkpoint/golden): what a save of `golden_state` writes once
 normalised, its index, and manifests with every optional field or none; shared by the tests
-of `manifest`, `manifest_fields`, `fast_entries` and `manifest_index`.
+of `manifest`, `format.entries`, `format.entries` and `format.index`.
 `python -m tests.checkpoint.format.golden_manifest` regenerates the golden file of the
 current version."""
 
@@ -97,7 +97,7 @@ def kept_chunks(tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
 
 
 def data_file(tensors: dict[str, TensorEntry], objects: dict[str, ObjectEntry]) -> bytes:
-    """A data file of zeros as long as the byte ranges of `tensors` and `objects` need, with
+    """A data file of zeros as long as the byte ranges of `tensors` and `format.pickles` need, with
     each chunk's frame and checksums at its `crc_at` (if any)."""
     chunks = [c for t in tensors.values() for c in t.chunks]
     ends = [sum(c.record) for c in chunks] + [o.offset + o.length for o in objects.values()]

@@ -1,4 +1,4 @@
-"""`byte_runs`: the byte ranges of a sub-box, checked against torch's own slicing.
+"""`format.checksums`: the byte ranges of a sub-box, checked against torch's own slicing.
 
 A stored chunk is C-contiguous; gathering the bytes of the runs `runs` computes
 for a sub-box must give exactly the bytes of `chunk[box].contiguous()`.

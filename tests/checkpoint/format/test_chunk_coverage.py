@@ -1,4 +1,4 @@
-"""The chunks a record claims for a tensor (`chunk_coverage`): in bounds, each element in
+"""The chunks a record claims for a tensor (`format.checks`): in bounds, each element in
 exactly one distinct chunk, and every refusal naming what is wrong."""
 
 from __future__ import annotations

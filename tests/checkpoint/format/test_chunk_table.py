@@ -1,4 +1,4 @@
-"""`chunk_table`: a section decodes to the chunks it was encoded from, by lists (a few
+"""`format.table`: a section decodes to the chunks it was encoded from, by lists (a few
 rows) and by numpy (many) alike, in version 4 and 5, and both refuse the same impossible
 rows; the checksums of rows whose writers keep them are fetched once, when asked for."""
 

@@ -1,4 +1,4 @@
-"""DCP's view of a manifest (`dcp_view`): the `Metadata` stock readers and `Reader` plan
+"""DCP's view of a manifest (`format.manifest`): the `Metadata` stock readers and `Reader` plan
 from, built from the manifest alone, each chunk's storage info carrying its byte ranges and
 checksums."""
 

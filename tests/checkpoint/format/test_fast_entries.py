@@ -1,4 +1,4 @@
-"""The fast path for the common chunk and tensor (`fast_entries`): it accepts exactly what
+"""The fast path for the common chunk and tensor (`format.entries`): it accepts exactly what
 the field tables accept, and writes what they write."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a leaf field of shardwise.json may hold (`field_kinds`): the predicates the tables
+"""What a leaf field of shardwise.json may hold (`format.entries`): the predicates the tables
 and the fast path share, and the kinds built on them naming what they expected."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The field-table machinery (`field_table`): its error is in the tree, and `encode` /
+"""The field-table machinery (`format.entries`): its error is in the tree, and `encode` /
 `decode` write and check exactly a table's fields."""
 
 from __future__ import annotations

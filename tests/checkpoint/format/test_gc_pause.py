@@ -1,4 +1,4 @@
-"""Cyclic collection paused around bulk object creation (`gc_pause`): off inside, the
+"""Cyclic collection paused around bulk object creation (`format.manifest`): off inside, the
 collector's previous state back after, an exception included."""
 
 from __future__ import annotations

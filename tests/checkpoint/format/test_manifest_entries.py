@@ -1,4 +1,4 @@
-"""The entries of shardwise.json as Python values (`manifest_entries`): dtype names both
+"""The entries of shardwise.json as Python values (`format.entries`): dtype names both
 ways, and the defaults an entry built without its optional fields has."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The field tables of shardwise.json (`manifest_fields`): docs/format.md holds them, the
+"""The field tables of shardwise.json (`format.entries`): docs/format.md holds them, the
 writer emits exactly them, and the reader names each missing, malformed or unexpected field."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The index of versions 4 and 5 (`chunk_table`, `manifest_index`): the section layout of
+"""The index of versions 4 and 5 (`format.table`, `format.index`): the section layout of
 docs/format.md, byte for byte, what a reader refuses in a damaged or crafted index, a load's
 reads of its tensors' sections only (`TensorChunks`). Kept checksums: test_writer_checksums."""
 

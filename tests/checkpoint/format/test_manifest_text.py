@@ -1,4 +1,4 @@
-"""A manifest's text parsed compactly (`manifest_text`): heads as tuples, tags as tuples,
+"""A manifest's text parsed compactly (`format.entries`): heads as tuples, tags as tuples,
 and nothing else changed: an object shaped like a head outside "tensors" stays an
 object, and a bad head among good ones is named by the tables as before."""
 

@@ -1,4 +1,4 @@
-"""`metadata_fields`: every object the safe unpickler builds from a `.metadata` holds the
+"""`format.pickles`: every object the safe unpickler builds from a `.metadata` holds the
 fields and types of DCP's dataclass (issue 35, point 11). One flipped bit in a field's name
 made `verify`, `load` and `read_tensor` raise `AttributeError: 'TensorStorageMetadata'
 object has no attribute 'chunks'`; now any such object is a `CorruptCheckpointError`

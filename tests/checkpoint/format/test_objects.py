@@ -1,4 +1,4 @@
-"""Stored objects (`objects`) unpickle only as far as `torch.load(weights_only=True)` admits
+"""Stored objects (`format.pickles`) unpickle only as far as `torch.load(weights_only=True)` admits
 (plus an allowlist) unless the caller trusts the checkpoint, on every load path and every
 rank (issue 20, point 9).
 

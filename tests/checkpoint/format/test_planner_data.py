@@ -1,4 +1,4 @@
-"""DCP's `planner_data` in the manifest (`planner_data`): plain JSON where it is, else a
+"""DCP's `format.entries` in the manifest (`format.entries`): plain JSON where it is, else a
 pickle read with the safe unpickler; the manifest's own copy, never `.metadata`'s."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What records claim, checked before anything is opened (`record_check`): the names a
+"""What records claim, checked before anything is opened (`format.checks`): the names a
 record may give a data file, byte ranges inside their files and apart, and stock
 `.metadata` read with the safe unpickler and then checked."""
 

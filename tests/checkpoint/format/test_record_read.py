@@ -1,4 +1,4 @@
-"""Reading where a tensor's bytes sit in a `torch.save` record (`record_read`), without
+"""Reading where a tensor's bytes sit in a `torch.save` record (`format.archive`), without
 loading it; what is not one plain tensor is a `RecordError`. More record cases: test_records."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`section_reads.section_bytes`: a load's sections read window by window into one buffer;
+"""`format.index.section_bytes`: a load's sections read window by window into one buffer;
 where a head points past any file (past int64 too) it is refused, nothing misread."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`section_rows.decode`: a group of sections decoded at once accepts exactly the sections
+"""`format.table.decode`: a group of sections decoded at once accepts exactly the sections
 `ChunkTable` accepts (a refused one is only marked: its caller decodes it alone, and the
 table names what is wrong), and gives the same rows and first checksums for them."""
 

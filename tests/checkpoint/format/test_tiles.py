@@ -1,4 +1,4 @@
-"""Tiled checksums (`tiles`): the tile shapes, the checksums against torch's own slicing,
+"""Tiled checksums (`format.checksums`): the tile shapes, the checksums against torch's own slicing,
 boxes of whole tiles, and whole checkpoints: what a verified read costs, corruption inside
 and outside what a read touches. Verified ranged reads of one chunk: io/test_box_read;
 pages (format versions 1 and 2): test_checksums."""

@@ -1,4 +1,4 @@
-"""Checksums kept by their writers (format version 5, `writer_checksums`): each data file of
+"""Checksums kept by their writers (format version 5, `format.index`): each data file of
 a collective save ends with its chunks' frames and tile checksums, exactly where their rows'
 `crc_at` say, and a load reads them in one read a file; a damaged word is found by a load
 (a tile's, by the loads reading that tile) and by `verify`, and every crafted `crc_at` (past

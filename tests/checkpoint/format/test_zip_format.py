@@ -1,4 +1,4 @@
-"""The zip structures of a `torch.save` record (`zip_format`): headers read, the end of an
+"""The zip structures of a `torch.save` record (`format.archive`): headers read, the end of an
 archive written as readers expect."""
 
 from __future__ import annotations

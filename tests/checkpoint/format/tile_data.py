@@ -1,4 +1,4 @@
-"""Tensors of known bytes and byte flips, shared by the tests of `tiles` and `box_read`."""
+"""Tensors of known bytes and byte flips, shared by the tests of `format.checksums` and `io.chunks`."""
 
 from __future__ import annotations
 

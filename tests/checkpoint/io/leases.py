@@ -1,4 +1,4 @@
-"""Leases and planted lock records, shared by the tests of `lease` and `heartbeat`."""
+"""Leases and planted lock records, shared by the tests of `lease` and `io.lease`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Verified ranged reads of one stored chunk (`box_read`): the bytes a read reads, the
+"""Verified ranged reads of one stored chunk (`io.chunks`): the bytes a read reads, the
 target it fills, corruption inside and outside the tiles it touches, short reads, and a
 whole payload checked in memory."""
 

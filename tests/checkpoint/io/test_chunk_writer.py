@@ -1,4 +1,4 @@
-"""`chunk_writer.DataFile`: the one writer of chunk and object bytes.
+"""`io.write.DataFile`: the one writer of chunk and object bytes.
 
 Records are framed exactly as `torch.save` frames them, batched many per write
 (host copies bounded), and the crash tests' failpoints fire where they expect:

@@ -1,4 +1,4 @@
-"""What a save may delete after its commit (`collection.collect` / `replaced_files`): only
+"""What a save may delete after its commit (`io.commit.collect` / `replaced_files`): only
 data files that a record of the replaced checkpoint names, and leftovers of dead
 saves. A record naming anything else decides nothing, and the new records are never
 deleted, whatever the old records say."""

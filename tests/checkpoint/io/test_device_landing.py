@@ -1,4 +1,4 @@
-"""`device_landing` and `streamed_read`: a load's bytes for device targets, on CPU.
+"""`io.device` and `io.read`: a load's bytes for device targets, on CPU.
 
 `HostCopier` stands for the side stream, so the slab bookkeeping (stand-ins
 carved in order, a slab reused only once all its stand-ins were sent, the

@@ -1,4 +1,4 @@
-"""Failpoints for crash tests (`faults`): `name[@rank]` parsed, the process killed only at
+"""Failpoints for crash tests (`io.commit`): `name[@rank]` parsed, the process killed only at
 the named point of the named rank, and a pausepoint that waits for its go."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_unset_failpoints_do_nothing(pause_dir):
     assert sorted(p.name for p in pause_dir.iterdir()) == ["go"]
 
 
-_CALL = "from shardwise.checkpoint.io.faults import failpoint; failpoint('mid-data'); print('past')"
+_CALL = "from shardwise.checkpoint.io.commit import failpoint; failpoint('mid-data'); print('past')"
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The heartbeat of a held lease (`heartbeat`): the lock record's `heartbeat` rewritten
+"""The heartbeat of a held lease (`io.lease`): the lock record's `io.lease` rewritten
 while held, never after the lease is given back, never over another save's record."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`host_slabs`: the staging budget is checked up front, against what this host has."""
+"""`io.device`: the staging budget is checked up front, against what this host has."""
 
 from __future__ import annotations
 

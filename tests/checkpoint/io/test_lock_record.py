@@ -1,4 +1,4 @@
-"""The lock record of a save lease (`lock_record`): what it says about its holder, its
+"""The lock record of a save lease (`io.lease`): what it says about its holder, its
 names, and reading it when it is damaged, oversized or a link."""
 
 from __future__ import annotations

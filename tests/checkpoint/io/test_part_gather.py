@@ -1,4 +1,4 @@
-"""Parts of many small chunks gathered as arrays (`format.row_boxes`, `io.part_gather`):
+"""Parts of many small chunks gathered as arrays (`format.table`, `io.chunks`):
 the values of every dtype and layout bit for bit, the bytes read, damage refused."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`io.read_executor`: the one place chunk bytes are read — whole chunks by one preadv
+"""`io.read`: the one place chunk bytes are read — whole chunks by one preadv
 straight into their targets, one prefetch window, one missing-file error, one verifier."""
 
 from __future__ import annotations

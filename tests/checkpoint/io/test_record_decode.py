@@ -1,4 +1,4 @@
-"""Chunks and objects stored through DCP's stream extensions (`record_decode`): a custom
+"""Chunks and objects stored through DCP's stream extensions (`io.read`): a custom
 `_extension_registry` is honoured on every read path, and a missing one is named with the
 fix (issue 20, point 10)."""
 

@@ -1,4 +1,4 @@
-"""The names of records and data files (`record_names`): whose each name is, and whether a
+"""The names of records and data files (`io.commit`): whose each name is, and whether a
 folder already holds a checkpoint."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`staged_writer.write_records`: records from device memory through bounded host slabs.
+"""`io.write.write_records`: records from device memory through bounded host slabs.
 
 On CPU the pipeline runs through `HostCopier` (CPU tensors staged as device
 tensors would be), so its logic — waves, cut and packed records, order, the
@@ -200,7 +200,7 @@ def test_budget_rules() -> None:
 
 
 def test_records_spread_over_files_keep_each_files_order(tmp_path: Path) -> None:
-    """Records interleaved over two files (as `planning.place_records` spreads a large
+    """Records interleaved over two files (as `engine.plan.place_records` spreads a large
     share): each file holds its records, in order, as direct writes would."""
     records = _records()
     which = [k % 2 for k in range(len(records))]

@@ -1,8 +1,8 @@
 """Other libraries' values in checkpoints, one module per client, each registering
-its `engine.adapters.ValueAdapter` on import: `dtensor` (DTensor and
+its `engine.inventory.ValueAdapter` on import: `dtensor` (DTensor and
 `LocalShardsWrapper`, described in place), `physicsnemo` (ShardTensor),
 `megatron` (Megatron-Core's values, and checkpoints Megatron opens) with
-`megatron_returned` (its state dicts as `sharded_state_dict()` returns them).
+`clients.megatron` (its state dicts as `sharded_state_dict()` returns them).
 """
 
 from . import dtensor, megatron, physicsnemo  # noqa: F401  (importing registers their adapters)

@@ -1,6 +1,6 @@
 """DTensor (a plain local tensor, or torch's `LocalShardsWrapper`) in checkpoints.
 
-Described in place (`engine.adapters.ValueAdapter.pieces`): the engine reads and
+Described in place (`engine.inventory.ValueAdapter.pieces`): the engine reads and
 writes each rank's local boxes where they are, found from the DTensor's own
 placements, with no conversion and nothing collective; a rank outside the
 DTensor's mesh holds nothing.

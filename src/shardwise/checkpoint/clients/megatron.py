@@ -47,7 +47,7 @@ __all__ = [
 #
 # - A value adapter (registered on import) lets `swc.async_save` take Megatron's
 #   objects directly (the DCP key is the state dict's key); `swc.save`/`swc.load`
-#   take Megatron's values by Megatron key instead (`megatron_returned`).
+#   take Megatron's values by Megatron key instead (`clients.megatron`).
 # - `swc.save(..., megatron=True)` (`prepare_save`) stores what Megatron's
 #   `dist_checkpointing.load` needs beside the DCP data: tensors under their
 #   Megatron key, the common state object and ShardedObjects (its files:
@@ -226,7 +226,7 @@ def _mcore_keys(
     """This rank's Megatron pieces by key, and every rank's keys with their global
     shapes (one exchange), so a rank holding nothing of a key still takes part.
 
-    A save passes this rank's `objects` (`_objects`): which ShardedObject keys it
+    A save passes this rank's `format.pickles` (`_objects`): which ShardedObject keys it
     holds, and whether as main replica, ride on the same exchange (O(objects held)
     more bytes per rank), so every rank refuses alike a key no rank saves."""
     mcore = {

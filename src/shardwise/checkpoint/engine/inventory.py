@@ -304,7 +304,7 @@ class adapted_for_load:
 # -----------------------------------------------------------------------------
 # What one rank holds of a flattened state dict, as plain data the ranks exchange once.
 #
-# The save and load engines (`saving`, `loading`) never build DCP's per-item
+# The save and load engines (`engine.save`, `engine.load`) never build DCP's per-item
 # `WriteItem`/`ReadItem` objects. Each rank describes its values compactly —
 # per key: dtype, global shape and the (offsets, sizes) of the pieces it holds,
 # or the byte length of a serialized object — and keeps the tensors beside
@@ -333,7 +333,7 @@ class Piece(NamedTuple):
 # One key as exchanged: (key, path, dtype name, global shape, requires_grad, boxes
 # held) for a tensor; (key, path, None, None, False, (byte length, crc32c)) for an
 # object, whose bytes every rank serializes before the exchange. `path` is DCP's
-# (`planner_data`), None where it is `(key,)` (a flat state's). Tuples of builtins:
+# (`format.entries`), None where it is `(key,)` (a flat state's). Tuples of builtins:
 # they pickle fast and compare exactly.
 Entry = tuple[str, tuple[Any, ...] | None, str | None, tuple[int, ...] | None, bool, Any]
 
@@ -433,7 +433,7 @@ class Held:
 def describe(
     flat: dict[str, Any], mappings: dict[str, tuple[Any, ...]], objects: dict[str, bytes]
 ) -> tuple[list[Entry], Held]:
-    """`(entries, the tensors they describe)` for a flattened state dict. `objects`
+    """`(entries, the tensors they describe)` for a flattened state dict. `format.pickles`
     holds the serialized bytes of each non-tensor value (`serialize_objects`). Like
     shapes and boxes are one tuple (10,000 tensors sharded alike share theirs): held
     once here, and pickled once to their owners."""

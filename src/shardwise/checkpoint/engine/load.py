@@ -88,7 +88,7 @@ __all__ = [
 # Only CPU targets of the stored dtype with plain contiguous bytes take part: a
 # device target reads its own bytes (its broadcast would belong on the device's
 # own backend). A rank that is sent a value still checks its stored rows with the
-# rows it reads (`loading._plan`), as if it read them: a crafted index cannot pass
+# rows it reads (`engine.load._plan`), as if it read them: a crafted index cannot pass
 # one rank's checks by splitting its rows between readers.
 # -----------------------------------------------------------------------------
 
@@ -147,7 +147,7 @@ def candidates(flat: dict[str, Any], view: StoredView) -> dict[str, torch.Tensor
 def placed(view: StoredView, shared: dict[str, torch.Tensor]) -> list[Value]:
     """The `shared` values with where the checkpoint stores them (their first chunk),
     in storage order. Their rows' byte ranges are checked where the load plans
-    (`loading._plan`, on every rank, read or sent): here the places only order the
+    (`engine.load._plan`, on every rank, read or sent): here the places only order the
     values, so the sections are taken without that check's listing of the folder."""
     values = []
     keys = sorted(shared)
@@ -288,7 +288,7 @@ def item_reads(
     trust_objects: bool,
 ) -> list[ChunkRead | RecordRead]:
     """The executor's requests for DCP's `items`; stored objects reach `planner.load_bytes`
-    only once vetted by `objects.vetted_stream` (`trust_objects`)."""
+    only once vetted by `format.pickles.vetted_stream` (`trust_objects`)."""
     out: list[ChunkRead | RecordRead] = []
     shapes: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
     for req in items:
@@ -356,7 +356,7 @@ def _load_bytes(planner: LoadPlanner, req: ReadItem, where: str, trust: bool) ->
 # of checkpoint, each one fixed-size `all_reduce` (`Agreement.verdict`): one to
 # agree that the targets fit the checkpoint (every problem listed, on every rank,
 # before any target is touched), one after reading so that corruption found by one
-# rank is raised on all. `swc.load` makes one before them (`api.edge.agree_route`:
+# rank is raised on all. `swc.load` makes one before them (`api.agree_route`:
 # the folder opens on every rank, the Megatron route, the adapted values) and,
 # when the state holds a `Stateful`, one after its `load_state_dict()`: three per
 # rank, four with a `Stateful`. Pinned by tests/checkpoint/api/test_collective_counts.py.
@@ -368,10 +368,10 @@ def _load_bytes(planner: LoadPlanner, req: ReadItem, where: str, trust: bool) ->
 # reads the checkpoint's records once (`StoredView`: `shardwise.json`, or DCP's
 # `.metadata` for stock checkpoints, stale manifests and per-rank records), matches
 # its targets' pieces against the stored chunks and hands the reads to the one
-# `ReadExecutor` (`io.read_executor`): whole chunks straight into the targets'
+# `ReadExecutor` (`io.read`): whole chunks straight into the targets'
 # memory, parts of chunks by byte runs, transformed chunks whole through the
 # extension registry; a piece in many small chunks (a reshard: a column band of
-# every row chunk) as arrays (`GatherRead`, `format.row_boxes`). Values only DCP's
+# every row chunk) as arrays (`GatherRead`, `format.table`). Values only DCP's
 # planner knows how to fill (a `_Checkpointable` that is no tensor, an unknown
 # tensor subclass) are planned by DCP's `DefaultLoadPlanner`, locally, into the
 # same executor (`item_reads`).
@@ -393,7 +393,7 @@ def load_state(
 ) -> tuple[int, Manifest | None]:
     """Fill `state_dict` (values already adapted) from the checkpoint at `path`.
     Collective. Returns the bytes this rank read and the manifest it followed (None:
-    it followed DCP's `.metadata`). Objects unpickle by `objects.load_object`'s rules
+    it followed DCP's `.metadata`). Objects unpickle by `format.pickles.load_object`'s rules
     (`trust_objects`); `extension_registry` decodes stream extensions. `broadcast`:
     whether values every rank loads whole are read once and broadcast (`replicated`;
     None: where that pays)."""
@@ -463,7 +463,7 @@ def _plan(
     sent: set[str],
     verify: bool,
 ) -> tuple[list[ChunkRead | RecordRead | GatherRead], WholeRows | None]:
-    """This rank's reads: objects (unpickled into `objects`), the stored chunks its
+    """This rank's reads: objects (unpickled into `format.pickles`), the stored chunks its
     pieces overlap (from a version 4 index: only its tensors' sections, only the rows
     it reads), and DCP's own plan for values only DCP knows how to fill. The values
     in `sent` are not read (another rank sends them) but their rows are checked with
@@ -472,7 +472,7 @@ def _plan(
     planned as arrays (`GatherRead`): verifying, each chunk is read whole (it is one
     checksum tile); not verifying, each part's bytes from first to last, where a
     ranged read would read them so too. Pieces that are whole stored chunks are planned
-    as arrays (`whole_rows`), and read after the rest, a batch of requests at a time."""
+    as arrays (`engine.stored`), and read after the rest, a batch of requests at a time."""
     reads: list[ChunkRead | RecordRead | GatherRead] = []
     by_dcp: dict[str, Any] = {}
     held: dict[str, list[Piece]] = {}
@@ -516,7 +516,7 @@ def _plan(
     for (key, stored, piece, _rows), boxes in zip(together, batch, strict=True):
         found = stored.parts(piece.offsets, piece.sizes) if boxes is None else boxes
         # not verifying, a part reads its bytes from first to last: when its runs would be
-        # read together anyway (`row_boxes.dense`)
+        # read together anyway (`format.table.dense`)
         if isinstance(found, Boxes) and (verify or dense(found, piece.tensor.element_size())):
             words = words_of(piece.tensor)
             if words is not None:

@@ -91,10 +91,10 @@ __all__ = [
 # Where a rank's records lie: one row of five integers per record, not one object.
 #
 # A rank keeps its records' places, and an owner those of its keys' records,
-# from one save to the next (`plan_cache`): 100,000 records as frozen dataclass
+# from one save to the next (`engine.plan`): 100,000 records as frozen dataclass
 # instances held 30 MiB of Python objects per rank, the same as an int64 array
 # of 4 MiB. The places are also what a writer reports to an owner on a first
-# save (`key_owners.reports_for`): an array pickles as one buffer.
+# save (`engine.plan.reports_for`): an array pickles as one buffer.
 # -----------------------------------------------------------------------------
 
 FIELDS = 5  # offset, length, payload, file, crc_at: `Placement`'s, in order
@@ -138,7 +138,7 @@ class Places:
 # Holes in a save: the regions of a tensor no chunk covers, found and named.
 #
 # A hole would read back as whatever memory the reader allocated, so the engine's
-# plan (`planning`) and `Writer`'s global plan refuse them, naming the first
+# plan (`engine.plan`) and `Writer`'s global plan refuse them, naming the first
 # uncovered region as the slice that selects it.
 # -----------------------------------------------------------------------------
 
@@ -223,7 +223,7 @@ def region(found: tuple[tuple[int, ...], tuple[int, ...]] | None) -> str:
 #
 # No process group here: `plan_save` is a pure function of the ranks'
 # `inventory.Entry` lists. In a collective save each rank runs it over the keys
-# it owns (`key_owners`), fed every rank's entries of those keys; its cost is
+# it owns (`engine.plan`), fed every rank's entries of those keys; its cost is
 # linear in the number of entries (plus a sort of the replicated ones). It decides:
 #
 # * which rank writes each distinct box: a box one rank holds is written by it;
@@ -288,7 +288,7 @@ def plan_save(
 ) -> SavePlan:
     """The plan for every rank's `inventory.describe` entries, in rank order. `first`:
     where ties between the holders of a shared box start, and the writer of the objects
-    it holds (the planning owner: `key_owners`); `loads`: the bytes each rank
+    it holds (the planning owner: `engine.plan`); `loads`: the bytes each rank
     holds in all (when `inventories` are a part of what they hold), the load shared
     boxes are balanced against."""
     tensors: dict[str, TensorPlan] = {}
@@ -490,14 +490,14 @@ def place_records(
 # `.metadata` needs no checksums: it can be built as soon as the places are known.
 # Like objects are shared in its pickle (tensor properties, shapes, boxes), so it
 # stays small and fast at 100,000 tensors.
-# A collective save builds the records of each key on its owner (`key_owners`):
-# `part` encodes them there, `io.record_join` joins every owner's part.
+# A collective save builds the records of each key on its owner (`engine.plan`):
+# `part` encodes them there, `engine.records` joins every owner's part.
 # -----------------------------------------------------------------------------
 
 
 class SaveRecords:
     """What a new checkpoint holds, as manifest entries: add them to `tensors` and
-    `objects` (chunks in the order `.metadata` lists them), then build the records."""
+    `format.pickles` (chunks in the order `.metadata` lists them), then build the records."""
 
     def __init__(self, world_size: int, storage_meta: StorageMeta, planner_data: Any) -> None:
         self.world_size = world_size
@@ -547,8 +547,8 @@ class SaveRecords:
         return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
 
     def part(self, planner_data: dict[str, Any], block: int) -> list[list[bytes]]:
-        """These entries (an owner's keys) and their `planner_data` as a part of a
-        collective save's records (`io.record_join.write_part`), in one batch, their
+        """These entries (an owner's keys) and their `format.entries` as a part of a
+        collective save's records (`engine.records.write_part`), in one batch, their
         chunk sections as block `block` of its index."""
         return [self.sections(planner_data, block, 0)]
 
@@ -621,10 +621,11 @@ def plan_records(
     storage_meta: StorageMeta,
     object_crcs: dict[str, int],
 ) -> SaveRecords:
-    """The records of `plan`'s keys (an owner's share of a save, `key_owners`), all
+    """The records of `plan`'s keys (an owner's share of a save, `engine.plan`), all
     known from the plan and the places: each chunk's checksums are where its place
     says in its writer's file (`crc_at`, format version 5), its tiles those
-    `tiles.tile_shape` picks. `file_name(rank, k)`: the name of a rank's k-th data file."""
+    `format.checksums.tile_shape` picks. `file_name(rank, k)`: the name of a rank's
+    k-th data file."""
     records = SaveRecords(len(placements), storage_meta, plan.mappings)
     itemsizes: dict[str, int] = {}
     tiles: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
@@ -659,12 +660,12 @@ def plan_records(
 # its time grows with the world; stock DCP's `create_global_plan` is that
 # design. Here key k belongs to rank crc32c(k) mod W. Each rank routes each of
 # its entries to the key's owner (one `all_to_all`); each owner runs
-# `planning.plan_save` — the same checks, the same choice of writers — over the
+# `engine.plan.plan_save` — the same checks, the same choice of writers — over the
 # entries of its keys, and routes back to each rank only which of its boxes it
 # writes (a second `all_to_all`). Each rank reports the places of its records to
 # their owners, which build their keys' share of the records (`owned_part`).
 # The checksums stay with the writers, in their files: an owner keeps the places
-# (`plan_cache`), so a repeated save reports nothing, unless an object is written
+# (`engine.plan`), so a repeated save reports nothing, unless an object is written
 # by a rank other than its owner (an owner holding the object writes it itself:
 # `plan_save(first=)`), whose crc32c its owner needs. A rank thus receives what the world holds of
 # the keys it owns (N/W keys × W pieces ≈ N in an FSDP layout) and one decision
@@ -696,7 +697,7 @@ class MyWrites:
     """What this rank writes, in its inventory order: each record's key and the index
     of its box in the key's entry (-1: an object), and, per owner, the positions of
     that owner's records, in the order the owner expects their reports. Arrays and
-    one list of keys: a plan keeps them from save to save (`plan_cache`)."""
+    one list of keys: a plan keeps them from save to save (`engine.plan`)."""
 
     keys: list[str]
     boxes: np.ndarray  # int64, one per record
@@ -738,7 +739,7 @@ def plan_by_owners(
             at = {e[0]: i for i, e in enumerate(theirs)}
             chosen = [(at[key], index) for key, index in plan.writes[r]]
             replies.append((np.array(chosen, np.int64).reshape(-1, 2), plan.problems))
-        plan.writes.clear()  # replied: the plan this rank keeps (`plan_cache`) needs them no more
+        plan.writes.clear()  # replied: the plan this rank keeps (`engine.plan`) needs them no more
     except Exception as e:  # noqa: BLE001 - raised on every rank by the route below
         agreement.defer(e)
     back = agreement.route(replies)
@@ -801,7 +802,7 @@ def owned_part(
     rank: int,
 ) -> Iterator[list[bytes]]:
     """The part of the keys this rank owns (`SaveRecords.sections`), as block `rank` of
-    the index, batch by batch: the `places` its writers reported, per writer in plan
+    the index, batch by batch: the `engine.plan` its writers reported, per writer in plan
     order; `crcs`: its objects' crc32c. `BATCH` keys at a time, each batch written as
     it is made (`write_part`): an owner holds one batch's entries, `.metadata` objects
     and bytes, not 50,000 keys'."""
@@ -843,7 +844,7 @@ def remote_objects(plan: SavePlan, rank: int) -> int:
 # A training loop saves one structure again and again: the same keys, dtypes,
 # shapes, layouts and world. Each rank keeps what the last plans of its group
 # decided for it — its writes and their places, and as an owner its keys' plan
-# (`key_owners`) — under a signature of what it described (its `inventory.Entry`
+# (`engine.plan`) — under a signature of what it described (its `inventory.Entry`
 # list with objects by length, the world size, its rank, the kind of storage).
 # The next save computes its signature and every rank learns in one fixed-size
 # `all_reduce` (`Agreement.agree`) whether every rank found its own signature
@@ -866,7 +867,7 @@ GROUPS = 1024
 @dataclass(frozen=True)
 class Planned:
     """One rank's share of a plan: what it writes and where, its keys' plan and where
-    their records lie (`places`, per writer), and whether any rank writes an object
+    their records lie (`engine.plan`, per writer), and whether any rank writes an object
     it does not own (`routes`: its crc32c is then reported at every save)."""
 
     plan_id: int

@@ -52,7 +52,7 @@ __all__ = ["Joining", "join_records", "part_name", "read_records", "save_leftove
 # agreement) the committing rank copies every part's index block into the save's
 # index file (a new data file, format version 4 on), then streams the frames and
 # every part's sections into two temporary files (`join_records`), checksumming as
-# it goes — on a thread of its own beside the data writes (`engine.joining`) — and
+# it goes — on a thread of its own beside the data writes (`engine.records`) — and
 # `commit` renames them into place once every rank's data is durable. Its work is
 # copying bytes: no entry is decoded or encoded, nothing is received over the
 # network, and its memory holds one section at a time — the
@@ -73,7 +73,7 @@ def part_name(token: str, rank: int) -> str:
 
 def write_part(folder: Folder, token: str, rank: int, batches: Iterable[list[bytes]]) -> None:
     """`rank`'s part: each batch's seven sections (`SaveRecords.sections`) as it comes,
-    then their lengths (`record_parts.part_trailer`); read once by the committing rank,
+    then their lengths (`format.manifest.part_trailer`); read once by the committing rank,
     which fails the save if it is not whole; never fsynced (the records made from it
     are). Nothing of it remains if writing fails."""
     sink = folder.create(part_name(token, rank))
@@ -169,7 +169,7 @@ def _copy(out: _Crc, part: RandomAccess, offset: int, length: int) -> None:
 def _require_plain_planner_data(parts: list[RandomAccess], spans: list[Any]) -> None:
     """Refuse the one planner data a manifest may read back wrong: a state dict whose
     only key is `__tuple__` (readers that decode tags from the outside in, as
-    shardwise did before `planner_data.untag`, take a dict of that one key for a
+    shardwise did before `format.entries.untag`, take a dict of that one key for a
     tuple). Only a handful of bytes are ever read to tell."""
     pieces = [(p, offset, n) for p, part in zip(parts, spans) for offset, n in part[3]]
     if sum(n for _p, _offset, n in pieces) > 256:  # the manifest's planner data sections
@@ -222,7 +222,7 @@ def _written(
 # Rank 0's share of a collective save: the records joined beside its writes, committed.
 #
 # The join copies every owner's part into `.metadata`, `shardwise.json` and the index
-# (`io.record_join`): O(W × N) bytes, 155 MiB at 1,024 ranks × 1,000 tensors. Since
+# (`engine.records`): O(W × N) bytes, 155 MiB at 1,024 ranks × 1,000 tensors. Since
 # format version 5 the parts follow from the plan and the places alone (the checksums
 # stay in the writers' files), so every part is written before any data: the join
 # then runs on a thread of its own while every rank writes its data, off the save's
@@ -289,7 +289,7 @@ class Joining:
 
 
 def _frame(world: int, meta: StorageMeta) -> Manifest:
-    """The manifest's fields but its entries and planner data (`record_join`)."""
+    """The manifest's fields but its entries and planner data (`engine.records`)."""
     frame = SaveRecords(world, meta, {}).draft()
     frame.set_planner_data({})
     return frame

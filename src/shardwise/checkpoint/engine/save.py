@@ -61,7 +61,7 @@ __all__ = ["Once", "Staging", "save_state", "write_rank_file"]
 # -----------------------------------------------------------------------------
 # One rank's data files of a save: its records in plan order, device tensors staged.
 #
-# Split from `saving` (the collective steps) so that how bytes leave the device —
+# Split from `engine.save` (the collective steps) so that how bytes leave the device —
 # bounded pinned slabs, side streams, the staged signal — reads on its own.
 # -----------------------------------------------------------------------------
 
@@ -70,9 +70,9 @@ _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 
 @dataclass
 class Staging:
-    """How a save's device tensors reach its files (`io.staged_writer`).
+    """How a save's device tensors reach its files (`io.write`).
 
-    `budget`: host bytes per rank for staging (None: `host_slabs.staging_bytes`).
+    `budget`: host bytes per rank for staging (None: `io.device.staging_bytes`).
     `after`: per CUDA device, an event on the caller's stream the copies follow
     (None: the caller's current stream, when the save runs on the caller's thread).
     `on_staged`: called once this rank no longer reads the state (every byte it
@@ -109,8 +109,8 @@ def write_rank_file(
     staged: Once,
 ) -> None:
     """This rank's records (tensors, objects' bytes), in plan order, each into the new
-    file of `names` its place says (`planning.place_records`): device tensors through
-    the staging slabs (`staged_writer`), host tensors straight from their memory.
+    file of `names` its place says (`engine.plan.place_records`): device tensors through
+    the staging slabs (`io.write`), host tensors straight from their memory.
     Each file then ends with the frame and tile checksums of its tensor records, where
     their places say (`crc_at`): the checksums stay with their writer (format 5)."""
     failpoint("before-write")
@@ -178,14 +178,14 @@ def _always(t: torch.Tensor) -> bool:
 # pre-serialized objects another (`inventory.Serialized`); nothing falls back to
 # `dcp.save`. No step makes a rank hold or process every rank's description:
 # each rank's work and traffic is O(what it holds + the keys it owns), whatever
-# the world size W (`key_owners`). The exchanges:
+# the world size W (`engine.plan`). The exchanges:
 #
 # 1. `agree` (one fixed-size `all_reduce`): any rank's problem so far (its
 #    state, the path's lease), this save's token and id from rank 0, and whether
-#    every rank holds this structure's plan from an earlier save (`plan_cache`);
+#    every rank holds this structure's plan from an earlier save (`engine.plan`);
 # 2. only when it does not: two `all_to_all`s plan the save, each key on its
-#    owner (`key_owners.plan_by_owners`), and each rank places its own records
-#    (`planning.place_records`);
+#    owner (`engine.plan.plan_by_owners`), and each rank places its own records
+#    (`engine.plan.place_records`);
 # 3. on a first save each rank routes each record's place to the key's owner
 #    (one `all_to_all`), which keeps them with its plan: a repeated save routes
 #    nothing, unless an object is written by a rank other than its owner (its
@@ -194,8 +194,8 @@ def _always(t: torch.Tensor) -> bool:
 #    file (`SaveRecords.part`), from the places alone; one fixed-size
 #    `all_reduce` says every part is written (and whether any object needs
 #    routing); then rank 0 joins the parts into the records on a thread of its
-#    own (`joining`: bytes, not entries, nothing received) while every rank
-#    writes its records into fresh token-named files (`rank_file.write_rank_file`),
+#    own (`engine.records`: bytes, not entries, nothing received) while every rank
+#    writes its records into fresh token-named files (`engine.save.write_rank_file`),
 #    each file ending with its records' checksums (format version 5: they stay
 #    with their writer), and fsyncs them;
 # 5. one fixed-size `all_reduce` says every rank's data is durable; rank 0
@@ -205,7 +205,7 @@ def _always(t: torch.Tensor) -> bool:
 # So a first save makes seven collectives here and a repeated one four, each a
 # fixed-size `all_reduce`: a training loop's next save exchanges a few dozen bytes
 # per rank, whatever W and N, and its coordinator's copying overlaps the writes.
-# `swc.save` makes one before them (`api.edge.agree_route`): eight and five per rank.
+# `swc.save` makes one before them (`api.agree_route`): eight and five per rank.
 # `async_save` makes two before it returns (the adapted values, its target check;
 # its first call also creates its own gloo group), then these. Pinned by
 # tests/checkpoint/api/test_collective_counts.py.
@@ -407,7 +407,7 @@ def _write(
     serialization_id: str,
     how: tuple[bool, Staging, Once],
 ) -> BaseException | None:
-    """This rank's data files (`rank_file`); the problem, raised on every rank."""
+    """This rank's data files (`engine.save`); the problem, raised on every rank."""
     (mine, placed, files), (held, objects), (sync, staging, staged) = plan, state, how
     try:
         if not len(mine):

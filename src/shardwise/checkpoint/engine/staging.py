@@ -50,7 +50,7 @@ def _copy_range(dst: torch.Tensor, src: torch.Tensor, start: int, n: int, memcpy
 
 
 def _pieces(copies: list[tuple[torch.Tensor, torch.Tensor]], piece: int) -> list[list[_Range]]:
-    """Cut the concatenation of the (destination, source) byte views in `copies`
+    """Cut the concatenation of the (destination, source) byte views in `engine.staging`
     into consecutive pieces of `piece` bytes (the last one shorter)."""
     pieces: list[list[_Range]] = []
     current: list[_Range] = []
@@ -180,7 +180,7 @@ class CopyPool:
 #
 # CUDA tensors are not copied here: they stay where they are, and the save
 # copies them through its bounded pinned slabs on a side stream while it writes
-# (`rank_file`, `io.staged_writer`), signalling when the state is free again.
+# (`engine.save`, `io.write`), signalling when the state is free again.
 # `cuda_devices` lists the devices they live on, so the caller can mark its
 # streams before it returns.
 #
@@ -288,7 +288,7 @@ class Stager:
         return buf
 
     def _copy(self, key: tuple[Any, ...], t: torch.Tensor, copies: _Walk) -> torch.Tensor:
-        """The buffer for `key`, with a copy of `t` into it added to `copies`."""
+        """The buffer for `key`, with a copy of `t` into it added to `engine.staging`."""
         buffers = copies.buffers.tensors
         buf = buffers.get(key)
         cls = type(t)

@@ -78,12 +78,12 @@ __all__ = [
 # what it saved) — made one `ChunkTable`, one `ChunkEntry`, one `StoredChunk` and
 # one `ChunkRead` per piece before reading any, and a dict entry per byte range:
 # about 4 KB and 100 µs a piece, 100,000 small tensors costing 200 MiB and 10 s
-# a rank. Here the sections of a group are decoded together (`section_rows`) and
+# a rank. Here the sections of a group are decoded together (`format.table`) and
 # each piece checked against its section's rows by numpy passes over the group:
 # exactly one row overlaps it and that row's box is the piece's (so it is covered
 # exactly once), the row is a plain one-tile chunk in bounds with consistent byte
-# ranges (`row_boxes.plain`), the checksums its writer keeps fetchable and fetched
-# with the other rows' (`writer_checksums.Pending`), its byte range added to the load's as
+# ranges (`format.table.plain`), the checksums its writer keeps fetchable and fetched
+# with the other rows' (`format.index.Pending`), its byte range added to the load's as
 # arrays (`RowSpans`, checked before any read). A section any of whose pieces
 # fails any of that is handed back, and planned alone as before (`ChunkTable`,
 # `TensorChunks.covering`), which names what is wrong: nothing is accepted here
@@ -245,7 +245,7 @@ class WholeRows:
 
     def fetching(self) -> list[Pending]:
         """The checksum slots of the rows taken since last asked, to fetch with the rows
-        found one at a time (`overlaps.fetched`): one read per data file and group."""
+        found one at a time (`engine.stored.fetched`): one read per data file and group."""
         pending, self.pending, self.slots = self.pending, [], 0
         return pending
 
@@ -386,7 +386,7 @@ class StoredView:
         """Each of the stored tensors `keys` as what `covering` a box finds in it: from
         a version 4 index, the sections of these keys only, read in index order; once
         all are taken, the names and byte ranges of every row found and of the stored
-        `objects` read with them are checked together (a version 4 manifest was read
+        `format.pickles` read with them are checked together (a version 4 manifest was read
         without them: `read_records`)."""
         sections = self.sections(keys, objects)
         yield from sections
@@ -395,7 +395,7 @@ class StoredView:
     def sections(self, keys: list[str], objects: list[str], take: Take | None = None) -> Sections:
         """`stored_chunks` as an iterable whose check the caller makes (`Sections.check`),
         once it has found all it reads; `take` is offered each group of sections first
-        (`whole_rows`) and gives back those it leaves, which the iteration yields."""
+        (`engine.stored`) and gives back those it leaves, which the iteration yields."""
         return Sections(self, keys, objects, take)
 
     def chunks(self, key: str) -> list[StoredBox]:
@@ -436,7 +436,7 @@ def _storage(metadata: Metadata, index: MetadataIndex) -> Any:
 class Covering(Protocol):
     @property
     def sectioned(self) -> TensorChunks | None:
-        """Its section's rows, to plan many pieces at once (`row_batches`)."""
+        """Its section's rows, to plan many pieces at once (`format.table`)."""
         ...
 
     def covering(
@@ -447,12 +447,12 @@ class Covering(Protocol):
         ...
 
     def parts(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox] | Boxes:
-        """The same, or as arrays when they are all small plain chunks (`row_boxes`)."""
+        """The same, or as arrays when they are all small plain chunks (`format.table`)."""
         ...
 
 
 class _Sectioned:
-    """A tensor's chunks from its section (`manifest_index.TensorChunks`)."""
+    """A tensor's chunks from its section (`format.index.TensorChunks`)."""
 
     def __init__(self, chunks: TensorChunks) -> None:
         self.chunks = self.sectioned = chunks
@@ -496,7 +496,7 @@ class _Listed:
         ]
 
 
-# what a load takes of a group of sections itself (`whole_rows`); it gives back the rest
+# what a load takes of a group of sections itself (`engine.stored`); it gives back the rest
 Take = Callable[[list[Section]], list[Section]]
 
 GROUP_ROWS = 1 << 16  # rows of the sections offered to a `Take` at once
@@ -570,7 +570,7 @@ def _groups(found: Iterator[Section], grouped: bool) -> Iterator[list[Section]]:
 # The stored rows each piece of a load overlaps, their checksums fetched in groups.
 #
 # From format version 5 a collective save's writers keep each chunk's checksums in
-# their own data files (`format.writer_checksums`). A load needs those of the rows
+# their own data files (`format.index`). A load needs those of the rows
 # it reads, and fetching them row by row would cost one read per row (1,000 per
 # rank, each a request on an object store); fetched for many sections at once,
 # they cost one read per data file and group.
@@ -588,7 +588,7 @@ def fetched(
 ) -> Iterator[tuple[str, Covering, list[list[int] | None]]]:
     """Each section with the rows each of its pieces overlaps (None: not sectioned),
     sections of up to `GROUP` rows at a time, the checksums of those rows that their
-    writers keep fetched for the group at once (`writer_checksums`), with those of the
+    writers keep fetched for the group at once (`format.index`), with those of the
     rows `whole` took since: a read per data file and group, not one a row."""
     group: list[tuple[str, Covering, list[list[int] | None]]] = []
     rows = 0

@@ -166,7 +166,7 @@ def end_of_archive(entries: int, directory_size: int, directory_offset: int) -> 
 # storage (`torch.FloatStorage`, ...) for the dtypes that have one, and
 # `_rebuild_tensor_v3` over an `UntypedStorage` (sized in bytes) plus the dtype
 # for the newer ones (`torch.storage._new_dtypes()`: float8, uint16/32/64, ...).
-# Both are read here; `record_write` writes them.
+# Both are read here; `format.archive` writes them.
 # -----------------------------------------------------------------------------
 
 
@@ -457,7 +457,7 @@ def _layout(
 # The same archive torch.save(tensor) writes (entries stored, data aligned to
 # 64 bytes, CRCs 0 as with torch.serialization.set_crc32_options(False)),
 # produced directly so the payload goes from tensor memory to the file with
-# no copy and no pickling machinery per tensor. `record_read` reads them back.
+# no copy and no pickling machinery per tensor. `format.archive` reads them back.
 # -----------------------------------------------------------------------------
 
 _QUANTIZED = {

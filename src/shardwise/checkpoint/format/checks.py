@@ -50,7 +50,7 @@ __all__ = [
 # -----------------------------------------------------------------------------
 # The chunks a record claims for a tensor: in bounds, and covering it exactly.
 #
-# Checked before anything is read or allocated (see `record_check`): every chunk
+# Checked before anything is read or allocated (see `format.checks`): every chunk
 # has its tensor's ndim and lies in bounds, and the distinct chunks cover it
 # exactly (no partial overlap, no hole: nothing a reader returns was left
 # unfilled), in O(n log n) (`layout.coverage`).
@@ -96,7 +96,7 @@ def check_coverage(
     holes: bool = False,
 ) -> None:
     """The chunks `(offsets, sizes)` of tensor `key` have its ndim, lie in bounds and
-    cover it exactly: no partial overlap, no element left out (unless `holes`: a
+    cover it exactly: no partial overlap, no element left out (unless `engine.plan`: a
     per-rank record holds its rank's chunks only). Exact duplicates count as
     replicas unless `replicas` is False (a manifest stores each once)."""
     if len(chunks) == 1 and _whole(shape, *chunks[0]):
@@ -137,7 +137,7 @@ def check_coverage(
 def _tiles(
     blocks: list[tuple[tuple[int, ...], tuple[int, ...]]], shape: tuple[int, ...], holes: bool
 ) -> str | None:
-    """Why non-empty distinct `blocks` fail to tile `shape` exactly, or with `holes`
+    """Why non-empty distinct `blocks` fail to tile `shape` exactly, or with `engine.plan`
     overlap (None: they do not).
     The common layouts (one whole chunk, a cut along one dimension) are checked
     directly; anything else by `layout.coverage.analyze`."""
@@ -187,7 +187,7 @@ def _tiles(
 # * every byte range lies inside its file, and ranges of one file never
 #   overlap (so no chunk claims more bytes than the files hold);
 # * every chunk has its tensor's ndim and lies in bounds; the distinct chunks
-#   of a tensor cover it exactly (`chunk_coverage`);
+#   of a tensor cover it exactly (`format.checks`);
 # * a stock chunk's record is at least as long as the chunk's elements;
 # * a record read whole (a manifest, a `.metadata`, an index section) holds at
 #   most `record_limit` bytes, checked before anything is allocated for it.
@@ -284,7 +284,7 @@ def check_ranges(
 def check_metadata(metadata: Any, folder: Folder, record: str, *, holes: bool = False) -> None:
     """A stock `Metadata` (unpickled with the safe unpickler) is sound enough to read
     from: see the module docstring. Its data files may have any plain name that is
-    not one of the checkpoint's records. `holes`: a per-rank record (its rank's
+    not one of the checkpoint's records. `engine.plan`: a per-rank record (its rank's
     chunks only)."""
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(

@@ -55,7 +55,7 @@ __all__ = [
 #
 # One definition each, so what a writer checksums is exactly what a reader checks.
 # Pages of `PAGE_SIZE` are the checksums of format versions 1 and 2, still read and
-# verified; version 3 checksums tiles (`tiles`).
+# verified; version 3 checksums tiles (`format.checksums`).
 # -----------------------------------------------------------------------------
 
 
@@ -215,7 +215,7 @@ def spans(
 # payload is one crc32c call per tile, in memory order, never a copy.
 #
 # Pure math and crc32c over buffers that are passed in: no I/O, no process group.
-# Format version 3 stores `tile` and `tiles` per chunk (docs/format.md).
+# Format version 3 stores `tile` and `format.checksums` per chunk (docs/format.md).
 # -----------------------------------------------------------------------------
 
 TILE_BYTES = 256 * 1024  # at most this many bytes per tile (unless one element is larger)
@@ -428,7 +428,7 @@ def _any_tiles(
     shape: Shape, itemsize: int, tile: Shape, offsets: Shape, lengths: Shape
 ) -> Iterator[tuple[int, Sequence[tuple[int, int]], int, int]]:
     """Any tile shape (a manifest may name one `tile_shape` would not pick): each tile
-    is the runs `byte_runs.runs` finds, computed once per tile size and moved."""
+    is the runs `format.checksums.runs` finds, computed once per tile size and moved."""
     grid_strides = c_strides(grid_shape(shape, tile))
     box_strides = [s * itemsize for s in c_strides(lengths)]
     payload_strides = [s * itemsize for s in c_strides(shape)]
@@ -456,9 +456,9 @@ def _any_tiles(
 # Tile checksums of a payload that arrives in pieces: a chunk staged through bounded
 # host buffers is checksummed as each buffer lands, never whole in memory at once.
 #
-# `TileHasher` gives exactly what `tiles.checksum_payload` gives for the whole
+# `TileHasher` gives exactly what `format.checksums.checksum_payload` gives for the whole
 # payload (the same tile shape, the same crc32c per tile), whatever the piece
-# boundaries: the writer's tiles (`tiles.tile_shape`) are contiguous and back to
+# boundaries: the writer's tiles (`format.checksums.tile_shape`) are contiguous and back to
 # back in memory order, so their byte lengths are a fixed sequence and a tile cut
 # by a piece boundary continues its crc32c in the next piece.
 # -----------------------------------------------------------------------------

@@ -65,8 +65,8 @@ __all__ = [
 # -----------------------------------------------------------------------------
 # The entries of `shardwise.json` as Python values, and the format versions.
 #
-# What the field tables (`manifest_fields`) decode a manifest into and encode from;
-# kept apart from the tables so the fast path (`fast_entries`) and the readers can
+# What the field tables (`format.entries`) decode a manifest into and encode from;
+# kept apart from the tables so the fast path (`format.entries`) and the readers can
 # build them without the table machinery.
 # -----------------------------------------------------------------------------
 
@@ -75,8 +75,8 @@ FORMAT = "shardwise.checkpoint"
 VERSION = 5  # the version written
 
 # the versions read; 2 added transforms, planner data, storage_meta, requires_grad;
-# 3 replaced pages of `page_size` with tiles (a chunk's `tile` and `tiles`);
-# 4 moved the chunks into binary sections of an index file (`chunk_table`);
+# 3 replaced pages of `page_size` with tiles (a chunk's `tile` and `format.checksums`);
+# 4 moved the chunks into binary sections of an index file (`format.table`);
 # 5 let a chunk's checksums stay in its data file, with its writer (`crc_at`)
 READS = (1, 2, 3, 4, 5)
 
@@ -161,7 +161,7 @@ class IndexRef:
 # `encode` writes exactly a table's fields and `decode` reads them back, checking
 # presence, type and range, so the writer, the reader and the field tables of
 # docs/format.md (held to the tables by a test) cannot drift apart. The tables
-# themselves are in `manifest_fields`.
+# themselves are in `format.entries`.
 # -----------------------------------------------------------------------------
 
 
@@ -419,7 +419,7 @@ def record_list(
 # -----------------------------------------------------------------------------
 # What a leaf field of `shardwise.json` may hold: the checks and the kinds built on them.
 #
-# Each check is a plain predicate, so the fast path (`fast_entries`) applies the
+# Each check is a plain predicate, so the fast path (`format.entries`) applies the
 # same rules as the tables without building a field path.
 # -----------------------------------------------------------------------------
 
@@ -510,16 +510,16 @@ STR_OR_NULL = leaf("a string or null", lambda v: v is None or is_str(v))
 
 
 # -----------------------------------------------------------------------------
-# DCP's `planner_data` in a manifest: plain JSON where it is, else a pickle.
+# DCP's `format.entries` in a manifest: plain JSON where it is, else a pickle.
 #
 # The manifest keeps its own copy (never `.metadata`'s), so the two records never
 # depend on each other; a pickle is read back with the unpickler of stock
-# `.metadata` (`safe_pickle`).
+# `.metadata` (`format.pickles`).
 # -----------------------------------------------------------------------------
 
 
 def encode_planner_data(value: Any) -> Any:
-    """DCP's `planner_data` as JSON, tuples tagged so they come back as tuples
+    """DCP's `format.entries` as JSON, tuples tagged so they come back as tuples
     (the default planner maps keys to tuple paths); `FieldError` (a `ValueError`) when it holds
     anything else than plain containers, strings and numbers."""
     kind = type(
@@ -580,7 +580,7 @@ def unpickled(planner_data: Any, planner_data_pickle: str | None) -> Any:
 # the entries made from them; `json.loads` calls `Compact` with each object's
 # pairs as it completes, so a head is a small tuple from the start (equal dtypes
 # and shapes one object) and planner data's tags are tuples (`untag`). A head is
-# only made of an object whose fields and types are a head's; `fast_entries`
+# only made of an object whose fields and types are a head's; `format.entries`
 # checks its values as it checks an object's, and gives it back as the object it
 # was (`Head.as_object`) wherever a table must name what is wrong. An object shaped
 # like a head outside "tensors" (planner data may hold any JSON) is found by count
@@ -851,7 +851,7 @@ def _heads(value: Any) -> dict[str, TensorEntry] | None:
     shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
     out = {}
     for key, t in value.items():
-        if type(t) is Head:  # checked as parsed (`manifest_text`): its values below
+        if type(t) is Head:  # checked as parsed (`format.entries`): its values below
             dtype, shape, section, requires_grad, _named = t
         elif type(t) is not dict:
             return _objects(value)
@@ -934,7 +934,7 @@ def dump_tensor(t: TensorEntry, version: int) -> dict[str, Any] | None:
 # The fields of `shardwise.json`, each declared once: one table per record of the
 # file (the top level, a tensor, a chunk, an object, DCP's storage meta).
 #
-# `field_table.encode` / `decode` run these tables; checks that relate several
+# `format.entries.encode` / `decode` run these tables; checks that relate several
 # fields (byte ranges inside files, geometry) stay in `manifest.py`, which runs
 # them on the decoded entries.
 # -----------------------------------------------------------------------------

@@ -168,7 +168,7 @@ def _window(start: np.ndarray, end: np.ndarray, i: int) -> int:
 # object's byte range inside its data file, none in the index file, no two overlapping.
 #
 # Rows found one at a time land in `Ranges` (a dict); rows found as arrays — a
-# reshard's parts (`row_boxes`), a load's whole chunks (`engine.whole_rows`) — in
+# reshard's parts (`format.table`), a load's whole chunks (`engine.stored`) — in
 # `RowSpans`, one array per batch, checked with a few numpy passes over all of
 # them (a dict entry per row costs about 170 bytes: 17 MiB at 100,000 rows).
 # -----------------------------------------------------------------------------
@@ -178,7 +178,7 @@ Ranges = dict[tuple[str, int], tuple[str, str, int, int]]
 
 
 class RowSpans:
-    """The byte ranges of rows a load found as arrays (`row_boxes`, `whole_rows`): arrays
+    """The byte ranges of rows a load found as arrays (`format.table`, `engine.stored`): arrays
     of (key id, row, rank, k, token, offset, length), one per piece or batch."""
 
     def __init__(self) -> None:
@@ -304,9 +304,9 @@ def _every(ranges: Ranges, spans: RowSpans) -> list[tuple[str, str, int, int]]:
 # Checksums kept by their writers (format version 5), fetched for the rows a reader takes.
 #
 # A collective save's writer puts each chunk's frame and tile checksums in its own
-# data file, after its records (`engine.rank_file`): the index rows then follow
+# data file, after its records (`engine.save`): the index rows then follow
 # from the plan alone, so a repeated save of one structure routes no checksums to
-# the keys' owners and exchanges a few bytes per rank (`engine.saving`). A reader
+# the keys' owners and exchanges a few bytes per rank (`engine.save`). A reader
 # fetches them only for the rows it takes, per data file, the wanted slots in runs
 # (slots less than `GAP` apart read together): a rank loading its own 1,000 chunks
 # reads one run of 8 KB of its writer's file, a rank loading a column of every
@@ -381,7 +381,7 @@ def resolve_rows(
     """Fetch, in one pass over the files, the checksums of every table's rows whose
     writers keep them (`ChunkTable.resolve` for many tables), and the `pending` slots
     (with `fetch`, where no table is asked): which can be fetched is one numpy pass per
-    ndim over all of them (`kept_checksums.fetchable`); every slot is checked with all
+    ndim over all of them (`format.table.fetchable`); every slot is checked with all
     the others before its file is read (`fetch_slots`)."""
     rows_of: dict[int, list[Sequence[int]]] = {}
     tables: dict[int, ChunkTable] = {}
@@ -524,9 +524,9 @@ def _runs(
 # -----------------------------------------------------------------------------
 # The index of a version 4 checkpoint: its tensors' chunk sections, written and read.
 #
-# A save writes every tensor's section (`chunk_table`) into one data file of its
+# A save writes every tensor's section (`format.table`) into one data file of its
 # own, the index, block by block (one block per writer of sections: each owner of
-# keys in a collective save, `io.record_join`), and the manifest points at each
+# keys in a collective save, `engine.records`), and the manifest points at each
 # section. Readers take what they need from it:
 #
 # - a load (`StoredView`) reads the sections of the tensors it loads, in windows

@@ -206,9 +206,9 @@ def gc_paused() -> Iterator[None]:
 # checksums) and every stored object, so that loading a shardwise checkpoint
 # never unpickles DCP's `.metadata`, and tools can inspect or verify it with a
 # JSON parser. It is written last: its presence marks a committed checkpoint.
-# Its fields are declared once, in `manifest_fields`; this module adds what
+# Its fields are declared once, in `format.entries`; this module adds what
 # relates several of them (byte ranges inside files, geometry); DCP's view of it
-# is `dcp_view`.
+# is `format.manifest`.
 # -----------------------------------------------------------------------------
 
 MARKER = ".shardwise"  # written first: a folder with it but no manifest is incomplete
@@ -329,7 +329,7 @@ class Manifest:
         cls, folder: Folder, name: str = MANIFEST, listing: dict[str, int] | None = None
     ) -> Manifest:
         """The manifest `name` in `folder` as the file holds it: from version 4 without
-        chunks (a load reads the sections it needs: `manifest_index`), checked alone.
+        chunks (a load reads the sections it needs: `format.index`), checked alone.
         At most `record_limit` bytes are read (`listing`: the folder's files and sizes,
         when the caller listed it already)."""
         path = folder.where(name)
@@ -341,7 +341,7 @@ class Manifest:
         return cls._parsed(held, path)
 
     def check_coverage(self, source: str, *, holes: bool = False) -> None:
-        """The chunks of each tensor cover it exactly, each element once (`holes`: a
+        """The chunks of each tensor cover it exactly, each element once (`engine.plan`: a
         per-rank manifest, its rank's chunks only, still never overlapping)."""
         for k, t in self.tensors.items():
             chunks = [(c.offsets, c.sizes) for c in t.chunks]
@@ -412,7 +412,7 @@ class Manifest:
                     )
 
     def set_planner_data(self, value: Any) -> None:
-        """Keep DCP's `planner_data` (`planner_data.pickled`)."""
+        """Keep DCP's `format.entries` (`format.entries.pickled`)."""
         self.planner_data, self.planner_data_pickle = pickled(value)
 
     def decoded_planner_data(self) -> Any:
@@ -429,11 +429,11 @@ class Manifest:
 # A save's records list every chunk of every rank: O(W × N) entries, 1,000,000
 # at 1,024 ranks × 1,000 tensors. Encoding them on one rank puts seconds of
 # pickling and JSON on its critical path, and gathering them there puts the
-# whole records in its memory. So each key's owner (`engine.key_owners`) encodes
+# whole records in its memory. So each key's owner (`engine.plan`) encodes
 # the entries of its own keys into a part (`part_trailer`), writes it beside the
 # checkpoint, and the committing rank only copies bytes: a fixed frame with
 # three holes in each record, the parts' sections poured into them in order
-# (`io.record_join`).
+# (`engine.records`).
 #
 # `.metadata` sections are protocol-2 pickle fragments: a dict's items with their
 # own memo, whose `BINPUT`/`BINGET` carry explicit indices. Concatenated inside an
@@ -444,7 +444,7 @@ class Manifest:
 # `pickle.load` and shardwise's safe one alike. Manifest sections are the
 # members of its three objects ("planner_data", "tensors", "objects"), joined
 # by commas. The seventh section is the owner's block of the index (format
-# version 4: its keys' chunk sections, `manifest_index`), which the committing rank
+# version 4: its keys' chunk sections, `format.index`), which the committing rank
 # copies into the index file; the manifest's members point into the block.
 # -----------------------------------------------------------------------------
 
@@ -494,7 +494,7 @@ def manifest_sections(manifest: Manifest, planner_data: dict[str, Any]) -> list[
 
 
 def part_trailer(lengths: list[list[int]]) -> bytes:
-    """The end of a part written a batch of keys at a time (`io.record_join.write_part`):
+    """The end of a part written a batch of keys at a time (`engine.records.write_part`):
     each batch's seven section lengths, then the number of batches. An owner of 50,000
     keys that built all their entries, `.metadata` objects and encodings at once would
     hold hundreds of MiB, and the part's bytes; a batch at a time it holds one batch's.

@@ -39,7 +39,7 @@ __all__ = [
 # -----------------------------------------------------------------------------
 # DCP's metadata dataclasses as a `.metadata` pickle must build them: every field, of its type.
 #
-# The safe unpickler (`safe_pickle`) admits DCP's classes by name, but a pickle
+# The safe unpickler (`format.pickles`) admits DCP's classes by name, but a pickle
 # builds an instance by filling its `__dict__` with whatever the stream holds,
 # without calling `__init__`: one flipped bit in a field's name (`chunks` read
 # as `chunkr`) leaves a `TensorStorageMetadata` without `chunks`, and a reader
@@ -373,7 +373,7 @@ def _path_to(root: Any, target: Any) -> str:
 # Read a stock DCP `.metadata` without letting its pickle run anything.
 #
 # Stock DCP pickles its `Metadata` dataclass, and writers put more in it: the
-# planner's `planner_data`, the storage's `storage_data`, `storage_meta`, and
+# planner's `format.entries`, the storage's `storage_data`, `storage_meta`, and
 # Megatron-Core adds `all_local_plans` (every rank's `SavePlan`) and
 # `mcore_data`. A checkpoint from elsewhere can carry any pickle, and
 # `pickle.load` would run whatever `__reduce__` it names.
@@ -394,7 +394,7 @@ def _path_to(root: Any, target: Any) -> str:
 #
 # What the admitted classes are built with is the stream's choice too (a pickle
 # fills an instance's attributes, it never calls `__init__`), so every instance
-# is then held to its class's fields and their types (`metadata_fields`).
+# is then held to its class's fields and their types (`format.pickles`).
 # -----------------------------------------------------------------------------
 
 _DCP_CLASSES = (
@@ -529,7 +529,7 @@ def load_metadata(stream: IO[bytes], source: str = "the checkpoint metadata") ->
     naming the refused global, or the shared class it tried to alter, when the
     pickle steps outside; `CorruptCheckpointError` naming `source` (the file) when an
     instance of DCP's classes lacks a field, holds one DCP's class has not, or one of
-    another type (`metadata_fields.check_objects`).
+    another type (`format.pickles.check_objects`).
     """
     before = [(obj, dict(vars(obj))) for obj in _shared_objects()]
     try:

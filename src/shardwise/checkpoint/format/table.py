@@ -56,8 +56,8 @@ __all__ = [
 #
 # A column rank of a reshard takes a band of every chunk of every tensor: 32,000
 # rows at 32 ranks × 1,000 tensors. Row by row in Python their checksums cost more
-# than the load's reads; as arrays they cost a few numpy passes (`writer_checksums`
-# reads them, `chunk_table.ChunkTable` keeps them here).
+# than the load's reads; as arrays they cost a few numpy passes (`format.index`
+# reads them, `format.table.ChunkTable` keeps them here).
 # -----------------------------------------------------------------------------
 
 TOKEN = (1 << 48) - 1
@@ -147,7 +147,7 @@ def written_count(c: ChunkEntry) -> int:
 # where its data file holds them (`1 + crc_count` uint32, the frame first) and its
 # `frame` column is 0. A collective save writes them so: its rows are then known
 # from the plan alone, and a repeated save exchanges no checksums
-# (`writer_checksums`, which fetches them for the rows a reader takes).
+# (`format.index`, which fetches them for the rows a reader takes).
 # -----------------------------------------------------------------------------
 
 _LIMIT = 1 << 62  # no stored integer reaches it: sums of two stay in int64
@@ -305,7 +305,7 @@ class ChunkTable:
 
     def place(self, i: int) -> tuple[str, int] | None:
         """Where row `i`'s record starts (its file, offset), its checksums not fetched:
-        what orders values (`engine.replicated`); None when a value is impossible."""
+        what orders values (`engine.load`); None when a value is impossible."""
         d = self.ndim
         row = self.rows[i] if self.array is None else self.array[i].tolist()
         rank, k, token, rec_off = row[3 * d : 3 * d + 4]
@@ -315,7 +315,7 @@ class ChunkTable:
 
     def candidates(self, rows: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Of `rows`, those whose writers keep their checksums, not fetched yet, and
-        their version 4 columns: `kept_checksums.fetchable` says which can be fetched."""
+        their version 4 columns: `format.table.fetchable` says which can be fetched."""
         if self.array is not None and len(rows) == 1:  # a piece in one chunk: the common case
             i = int(rows[0])
             if self._kept_at[i] < 0 or self.kept.frame[i] >= 0:
@@ -397,7 +397,7 @@ def _ints(code: str, data: bytes) -> list[int]:
 
 
 # -----------------------------------------------------------------------------
-# A tensor's chunk entries encoded as its section of the index (`chunk_table` reads it).
+# A tensor's chunk entries encoded as its section of the index (`format.table` reads it).
 #
 # Rows of version 5: a chunk with a `crc_at` keeps its frame and checksums in its data
 # file (a collective save's writers put them there), the others hold theirs in the
@@ -527,7 +527,7 @@ def decode(sections: list[tuple[bytes, int]], ndim: int, version: int) -> Rows:
 # piece are checked together with numpy, by the same rules — in bounds, byte
 # ranges consistent with the sizes, one checksum tile, the rows covering the
 # piece exactly once — and handed on as arrays (`Boxes`) that the read executor
-# gathers (`io.part_gather`), a few µs a part. Only plain one-tile chunks take
+# gathers (`io.chunks`), a few µs a part. Only plain one-tile chunks take
 # this path (a part of one reads its whole payload to verify it anyway); for any
 # other row, or anything wrong, `one_tile_boxes` returns None and the caller
 # takes `covering`, whose checks name the problem.
@@ -547,7 +547,7 @@ class Boxes:
     """Parts of `k` stored chunks of one tensor: row `i` is the box at `inner[i]` of
     `lengths[i]` of its chunk (of `sizes[i]`), going to `dest[i]` of the piece. The
     chunk's payload is bytes `payload[i]` (offset, length) of its record `record[i]` in
-    the data file named by `file[i]` (rank, k, token: `chunk_table.file_of`), its one
+    the data file named by `file[i]` (rank, k, token: `format.table.file_of`), its one
     checksum `crc[i]`."""
 
     file: np.ndarray  # (k, 3) int64
@@ -613,7 +613,7 @@ def row_strides(sizes: np.ndarray) -> np.ndarray:
 
 def dense(boxes: Boxes, itemsize: int) -> bool:
     """Whether reading each part's bytes from its first to its last reads only what a
-    ranged read of its runs would (`byte_runs.spans`: runs closer than `MERGE_GAP` are
+    ranged read of its runs would (`format.checksums.spans`: runs closer than `MERGE_GAP` are
     read together): no gap between its runs reaches `MERGE_GAP`."""
     sizes, lengths = boxes.sizes, boxes.lengths
     strides = row_strides(sizes)
@@ -686,7 +686,7 @@ def _tiles(clo: np.ndarray, chi: np.ndarray, lo: np.ndarray, n: np.ndarray) -> b
 # piece checking its rows one piece at a time. Here the rows each piece overlaps
 # (found in its tensor's section: `ChunkTable.overlapping`) are stacked, for all
 # pieces of one ndim, and the same rules applied per piece with sorted segment
-# operations: every row the piece overlaps a plain one-tile chunk (`row_boxes.plain`'s
+# operations: every row the piece overlaps a plain one-tile chunk (`format.table.plain`'s
 # rules), at least two of them, the clipped boxes cut along one dimension and
 # tiling it exactly. A piece that passes gets its `Boxes` (rows in the order they
 # tile it); any other gets None and goes the one-piece way (`one_tile_boxes`,

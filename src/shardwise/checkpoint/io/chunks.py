@@ -74,8 +74,8 @@ __all__ = [
 # `ChunkRead` is a box of one stored chunk bound for a target tensor; `RecordRead`
 # a stored record's bytes (an object, a transformed chunk, framing bytes) bound
 # for a callback; `GatherRead` the parts of many small chunks bound for one
-# target, as arrays (`format.row_boxes`). Planners (the load engine, `Reader`'s translation of DCP's
-# `ReadItem`s, the offline tools) make them; `read_executor` runs them.
+# target, as arrays (`format.table`). Planners (the load engine, `Reader`'s translation of DCP's
+# `ReadItem`s, the offline tools) make them; `io.read` runs them.
 # -----------------------------------------------------------------------------
 
 
@@ -112,7 +112,7 @@ class RecordRead:
 class GatherRead:
     """The parts `boxes` of small stored chunks (plain, one checksum tile each) into one
     target, given as its memory: `words`, flat, `factor` words an element, of `shape`
-    in elements (`part_gather.words_of`)."""
+    in elements (`io.chunks.words_of`)."""
 
     name: str
     words: np.ndarray
@@ -129,11 +129,11 @@ def end_of(info: _StorageInfo) -> int:
 # -----------------------------------------------------------------------------
 # Reading a box of a stored chunk, verified: where checksums decide which bytes are read.
 #
-# A sub-box of a C-order payload is a set of equal runs of bytes (`byte_runs`).
+# A sub-box of a C-order payload is a set of equal runs of bytes (`format.checksums`).
 # What is read around them depends on the chunk's checksums:
 #
 # - tiles (format version 3): the tile-aligned box enclosing the request is read,
-#   as runs, and every tile in it verified (`tiles`), so a column band of a
+#   as runs, and every tile in it verified (`format.checksums`), so a column band of a
 #   row-wise chunk costs the band widened to whole tiles;
 # - pages (versions 1 and 2): each run is widened to whole `page_size` pages and
 #   every page read is verified;
@@ -405,10 +405,10 @@ def _check_pages(
 # The fast path of every load: a target piece that is exactly a stored chunk takes
 # the chunk's payload bytes in its own memory (when it is contiguous, on the CPU
 # and of the stored dtype; else scratch it is copied from: a pinned stand-in for
-# a device target, `device_landing`). Chunks closer than
+# a device target, `io.device`). Chunks closer than
 # `GAP` in a file share one read, the small frames between them landing in
 # scratch. Each payload is then verified against its checksums by the same
-# functions a ranged read uses (`box_read.check_whole`).
+# functions a ranged read uses (`io.chunks.check_whole`).
 # -----------------------------------------------------------------------------
 
 GAP = 64 << 10  # chunks closer than this in a file are read by one preadv, gap and all
@@ -467,7 +467,7 @@ def read_span(
         )
         dest = target if direct else scratch(target, layout)
         view = byte_view(dest) if dest.numel() else memoryview(b"")
-        if layout.payload_length < len(view):  # `record_read` refuses it: never trusted here
+        if layout.payload_length < len(view):  # `format.archive` refuses it: never trusted here
             raise CorruptCheckpointError(
                 f"'{read.name}' in {where}: its payload holds {layout.payload_length} bytes, "
                 f"its chunk needs {len(view)}"
@@ -496,12 +496,12 @@ def _check(name: str, chunk: StoredChunk, view: memoryview, where: str) -> None:
 # Parts of one-tile chunks read as whole chunks, once per chunk, on the whole-chunk path.
 #
 # Verifying, a part of a chunk costs the checksum tiles it touches, and a chunk of
-# up to 256 KiB is one tile (`format.tiles`): a part of it reads the whole payload
+# up to 256 KiB is one tile (`format.checksums`): a part of it reads the whole payload
 # anyway. A reshard reads many such parts (a column band of each row chunk of
 # every tensor): one `read_box` each, a dozen steps per part for a few hundred
 # bytes, and a chunk read again for each of this rank's pieces it overlaps. So
 # such parts become one whole-chunk read per chunk into scratch, batched with its
-# file's neighbours into one `preadv` and verified once (`whole_chunks`), whose
+# file's neighbours into one `preadv` and verified once (`io.chunks`), whose
 # `done` copies each part's box into its target: the same bytes read, the same
 # checks, a fraction of the steps.
 # -----------------------------------------------------------------------------
@@ -545,7 +545,7 @@ def as_whole(parts: list[ChunkRead], layout: RecordLayout) -> ChunkRead:
 # -----------------------------------------------------------------------------
 # Parts of chunks copied from scratch into their targets as words, many at a time.
 #
-# The chunks a window read lie in one scratch buffer (`part_gather`), each payload
+# The chunks a window read lie in one scratch buffer (`io.chunks`), each payload
 # where its file had it (so not aligned to its element size). A target is viewed
 # as flat words (`words_of`: an element is one word, or two for complex128); so
 # is the scratch, from each byte offset a payload may start at. Every small part
@@ -610,7 +610,7 @@ def _gather_rows(reads: list[GatherRead], at: np.ndarray, views: _Views) -> None
         view = views(words.dtype, int(skew[i]))
         span = int(((lengths[i] - 1) * src_stride[i]).sum()) + 1  # its first word to its last
         source = view[src[i] : src[i] + span]
-        if len(source) != span:  # never: `part_gather` read its chunk's bytes; never unchecked
+        if len(source) != span:  # never: `io.chunks` read its chunk's bytes; never unchecked
             raise CorruptCheckpointError(
                 f"'{reads[int(owner[i])].name}': a part lies outside its chunk"
             )
@@ -675,10 +675,10 @@ def _expand(
 # * the distinct chunks are read whole, neighbours in a file by one `preadv` (gaps
 #   into one junk buffer), each payload into a 16-byte-aligned slot of one scratch
 #   buffer, and each verified against its checksum;
-# * the parts go from scratch into their targets as words (`word_gather`).
+# * the parts go from scratch into their targets as words (`io.chunks`).
 #
 # Host memory: the window's scratch (its chunks, at least one target's) and
-# `word_gather`'s index arrays.
+# `io.chunks`'s index arrays.
 # -----------------------------------------------------------------------------
 
 WINDOW = 8 << 20  # bytes of chunks a window reads into scratch
@@ -714,7 +714,7 @@ def words_of(target: torch.Tensor) -> tuple[np.ndarray, int] | None:
 
 def extents(reads: list[GatherRead]) -> dict[str, tuple[int, int, str]]:
     """Each data file the gathers read: the record that ends last in it (start, end) and
-    its key, as `read_locate.open_files` names a file too short for it."""
+    its key, as `io.read.open_files` names a file too short for it."""
     if not reads:
         return {}
     files = np.concatenate([r.boxes.file for r in reads])

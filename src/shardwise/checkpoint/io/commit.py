@@ -372,7 +372,7 @@ def replaced_files(folder: FolderLike, names: RecordNames = GLOBAL_RECORDS) -> s
 #
 # A checkpoint folder can hold files that are not ours (a `model.pt`, notes, a
 # previous checkpoint). So a save never renames or deletes the folder; it works
-# file by file (the names: `record_names`; collection: `collection`):
+# file by file (the names: `io.commit`; collection: `io.commit`):
 #
 # 1. every rank writes its data under fresh names that carry its save's token
 #    (`__0_0.sw1a2b3c4d5e6f.distcp`), so nothing committed is overwritten, and
@@ -426,7 +426,7 @@ def commit(
 
     `metadata` and `manifest` are the records' bytes, or the names of files beside
     them already holding them, durably (`Folder.write_temporary`, written by
-    another rank; `record_join`), moved into place.
+    another rank; `engine.records`), moved into place.
     `referenced`: the data files the new records name. Returns the names removed.
     With `sync=False` nothing is fsynced (as stock's `sync_files=False`): a
     power loss may then lose the new checkpoint and the one it replaced.

@@ -56,7 +56,7 @@ __all__ = [
 # kernel launches, not 10,000 copies.
 #
 # `HostCopier` is the same interface over CPU tensors, copying at once: the
-# pipelines that use these (`staged_writer`, `read_executor`) are tested on
+# pipelines that use these (`io.write`, `io.read`) are tested on
 # machines without a GPU through it.
 # -----------------------------------------------------------------------------
 
@@ -369,8 +369,8 @@ def _rounded(budget: int) -> int:
 # Where a load's bytes for device targets land: pinned stand-ins, then the device.
 #
 # A read into a CUDA target reads into a stand-in — a host tensor of the chunk's
-# shape carved from a pinned slab (`host_slabs`, the load's own pool) — and the
-# stand-in is then copied to the target on a side stream (`device_copies`), so
+# shape carved from a pinned slab (`io.device`, the load's own pool) — and the
+# stand-in is then copied to the target on a side stream (`io.device`), so
 # the next read runs while the copy engine moves the last one. Never through
 # pageable or mmap'd memory, and within the staging budget: slabs are carved in
 # order, and one is carved again only once every stand-in in it was handed to the

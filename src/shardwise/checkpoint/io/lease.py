@@ -232,7 +232,7 @@ def _is_time(value: object) -> TypeGuard[float]:
 # -----------------------------------------------------------------------------
 # The heartbeat of a held save lease: its lock record rewritten while the save runs.
 #
-# A daemon thread rewrites the record's `heartbeat` every period, as long as the
+# A daemon thread rewrites the record's `io.lease` every period, as long as the
 # record still names the save; a save that froze stops beating and its lease is
 # taken for stale once the heartbeat is older than `lease.STALE_AFTER_S`.
 # -----------------------------------------------------------------------------
@@ -294,7 +294,7 @@ class Heartbeat:
 # - JSON: the save id, host, pid (with its pid namespace and start time, so a
 #   reused pid is not mistaken for the holder), when it was taken, and a heartbeat
 #   that a daemon thread rewrites every `HEARTBEAT_S` while the lease is held
-#   (`heartbeat`);
+#   (`io.lease`);
 # - created with `Folder.create_exclusive`: `link(2)` of a fsynced temporary file
 #   locally (atomic, NFS included), a conditional PUT (`If-None-Match: *`) on
 #   object stores that offer it; elsewhere best effort (look, then write). Either
@@ -317,7 +317,7 @@ class Heartbeat:
 #
 # The lock record is never a checkpoint record: readers, `holds_checkpoint` and
 # stock `dcp.load` never look at it, and collection never deletes another scope's.
-# The record itself (its name, its fields, reading it) is `lock_record`.
+# The record itself (its name, its fields, reading it) is `io.lease`.
 # -----------------------------------------------------------------------------
 
 HEARTBEAT_S = 15.0  # how often a held lease's heartbeat is rewritten

@@ -294,7 +294,7 @@ def load_record(data: bytes, name: str, where: str) -> torch.Tensor:
 # A whole chunk larger than a staging slab, read into a device target slab by slab.
 #
 # Each slab-sized piece of the payload is read into a pinned stand-in
-# (`device_landing`), checksummed as it comes (`TileHasher`: the same tiles the
+# (`io.device`), checksummed as it comes (`TileHasher`: the same tiles the
 # writer took) and sent to its place in the target on the side stream while the
 # next piece is read. Host memory stays within the slabs however large the
 # chunk. The target holds the bytes before they are all verified (as a direct
@@ -389,22 +389,22 @@ def _check(
 #   for a stock record its head is read to find it) goes straight into the
 #   target's memory, neighbouring chunks of a file in one `preadv` (the small
 #   frames between them land in scratch), each payload verified;
-# * a part of a chunk goes through `box_read.read_box`: only the byte runs (with
+# * a part of a chunk goes through `io.chunks.read_box`: only the byte runs (with
 #   verification, the checksum tiles) the part needs — but parts of a one-tile
 #   chunk, which verifying reads whole anyway, become one whole-chunk read per
-#   chunk on the path above (`shared_chunks`), or, planned as arrays
-#   (`GatherRead`), are gathered a window of chunks at a time (`part_gather`);
+#   chunk on the path above (`io.chunks`), or, planned as arrays
+#   (`GatherRead`), are gathered a window of chunks at a time (`io.chunks`);
 # * a chunk stored through stream extensions, or a strided stock record, is read
-#   whole and decoded (`record_decode`), its box copied;
+#   whole and decoded (`io.read`), its box copied;
 # * objects are read first, so one refused (an untrusted pickle) stops the load
 #   before it writes into any target;
 # * a device target's bytes land in a pinned stand-in and go on to the device on
-#   a side stream while the next read runs (`device_landing`; a chunk larger than
-#   a staging slab piece by piece, `streamed_read`); when `run` returns, every
+#   a side stream while the next read runs (`io.device`; a chunk larger than
+#   a staging slab piece by piece, `io.read`); when `run` returns, every
 #   copy is done.
 #
 # On an object store (`Folder.wants_prefetch`) every read is planned first and its
-# byte ranges fetched concurrently, a window at a time (`prefetch_window`), after
+# byte ranges fetched concurrently, a window at a time (`io.read`), after
 # the heads of stock records, which planning needs, all at once; locally reads
 # just run.
 # -----------------------------------------------------------------------------
@@ -412,9 +412,9 @@ def _check(
 
 class ReadExecutor:
     """Runs reads against one folder; `bytes_read` counts every byte read from data files.
-    `verify=False` skips checksums; `registry` decodes stream extensions;
+    `verify=False` skips checksums; `storage.location` decodes stream extensions;
     `staging_bytes` bounds the pinned memory device targets are filled through
-    (`host_slabs.staging_bytes`)."""
+    (`io.device.staging_bytes`)."""
 
     def __init__(
         self,
@@ -431,7 +431,7 @@ class ReadExecutor:
         self._files: dict[str, RandomAccess] = {}
         self._landing = DeviceLanding(budget_of(staging_bytes))
         self._told: list[tuple[ChunkRead, torch.Tensor]] = []  # device targets' `done`, at the end
-        self._lock = threading.Lock()  # reads run on several threads (`prefetch_window`)
+        self._lock = threading.Lock()  # reads run on several threads (`io.read`)
 
     def run(self, reads: Sequence[ChunkRead | RecordRead | GatherRead]) -> None:
         self._landing.follow_caller()

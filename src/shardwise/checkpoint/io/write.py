@@ -47,7 +47,7 @@ __all__ = [
 
 # -----------------------------------------------------------------------------
 # Writing a data file record by record: the one place chunk and object bytes are
-# framed, written and checksummed, for `saving`, `Writer` and `reshard` alike.
+# framed, written and checksummed, for `engine.save`, `Writer` and `reshard` alike.
 #
 # A tensor is framed as the `torch.save` record stock DCP reads, its payload
 # written straight from the tensor's memory and checksummed tile by tile while in
@@ -111,7 +111,7 @@ class DataFile:
     object store it becomes visible only when closed without an error. Records are
     queued and written in batches: `Written` says where each will be.
 
-    Failpoints (`faults`): "mid-data" after the file's first write, "after-data"
+    Failpoints (`io.commit`): "mid-data" after the file's first write, "after-data"
     once `finish` has closed it."""
 
     def __init__(self, folder: Folder | str | os.PathLike, name: str) -> None:
@@ -172,7 +172,7 @@ class DataFile:
     def write_tensor(self, tensor: torch.Tensor, serialization_id: str = "0" * 40) -> Written:
         """A tensor (any device, any strides) as the `torch.save` record stock DCP reads,
         its payload written from a contiguous CPU tensor's own memory and checksummed
-        tile by tile (`tiles`)."""
+        tile by tile (`format.checksums`)."""
         source = tensor.detach()
         tensor = source.cpu().contiguous()
         copied = tensor.nbytes if tensor.data_ptr() != source.data_ptr() else 0
@@ -320,7 +320,7 @@ class TensorRecord:
 # One pipeline, one thread driving it, three engines kept busy at once:
 #
 # * the copy engine: device tensors are copied into free slabs (`HostSlabs`) on a
-#   side stream (`device_copies`) as far ahead as the slabs allow — large ones
+#   side stream (`io.device`) as far ahead as the slabs allow — large ones
 #   in slab-sized pieces, small ones packed on the device and copied in one go;
 # * a checksum thread: each slab's large pieces are checksummed tile by tile
 #   (`TileHasher`, crc32c releases the GIL) while
@@ -335,7 +335,7 @@ class TensorRecord:
 # state larger than the budget is staged in waves. `on_staged` is called once
 # the last device byte is on the host: from then on the state may change.
 #
-# Nothing here knows about plans or ranks; `engine.saving` hands it one rank's
+# Nothing here knows about plans or ranks; `engine.save` hands it one rank's
 # records in order.
 # -----------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Reading a checkpoint in one process, with no process group: what every offline tool builds on.
 
-`open_checkpoint` reads the records once (`engine.stored_view`, as `swc.load`
+`open_checkpoint` reads the records once (`engine.stored`, as `swc.load`
 does); `read` fetches a tensor or a region of it and `object_bytes` a stored
 object's bytes, verified and never unpickled, both through the one read executor
 (only the bytes of the region, widened to whole checksum tiles when verifying;

@@ -1,7 +1,7 @@
 """`reshard`: rewrite a checkpoint offline into the per-rank files of another layout.
 
 A job of M ranks then reads one contiguous file per rank. Chunks are written
-through `chunk_writer`, its records built by `SaveRecords` and committed as a
+through `io.write`, its records built by `SaveRecords` and committed as a
 save's are.
 """
 

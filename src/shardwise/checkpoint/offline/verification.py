@@ -145,7 +145,7 @@ def _verify_chunk(
 ) -> list[str]:
     """A chunk's problem, if any: its record framing, then every checksum tile (or page)
     of its payload, read and checked by the read executor as a load reads and checks
-    them (`box_read`), `_BLOCK` bytes at a time."""
+    them (`io.chunks`), `_BLOCK` bytes at a time."""
     where = f"'{key}' chunk at {chunk.offsets}"
     info = StoredChunk.of(chunk, dtype, page)
     reader = ReadExecutor(folder)
