@@ -218,3 +218,52 @@ def f():
         ("shardwise.checkpoint.engine", 10),
         ("shardwise.checkpoint.engine.save", 10),  # a submodule of that name, imported too
     ]
+
+
+# Sub-packages with a face: their `__init__` exports what other parts use.
+FACED = ("format", "io", "engine", "clients", "offline")
+
+
+def _face_of(module: str) -> str | None:
+    """The faced checkpoint sub-package `module` lies in, if any."""
+    parts = module.split(".")
+    if parts[:2] == ["shardwise", "checkpoint"] and len(parts) > 2 and parts[2] in FACED:
+        return ".".join(parts[:3])
+    return None
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_into_a_checkpoint_sub_package_go_through_its_face(module: str) -> None:
+    """A module outside a faced sub-package imports only the sub-package itself
+    (`from ..format import Manifest`), never one of its modules
+    (`from ..format.manifest import Manifest`): the face is the sub-package's surface."""
+    own = _face_of(module)
+    wrong = [
+        f"{module}:{line} imports {name}; import it from {_face_of(name)}"
+        for name, line in _imports(module)
+        if _face_of(name) not in (None, own)
+        and name != _face_of(name)
+        and name.rpartition(".")[2] not in _exported(_face_of(name))  # `from ..io import commit`
+    ]
+    assert wrong == []
+
+
+def _exported(face: str | None) -> set[str]:
+    """The names a face's `__init__` lists in `__all__` (a name there is the face's
+    attribute, even where a module of that name exists: `io.commit`)."""
+    tree = ast.parse(MODULES[face].read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return {ast.literal_eval(e) for e in node.value.elts}  # type: ignore[attr-defined]
+    return set()
+
+
+def test_the_face_check_sees_a_sibling_module_import() -> None:
+    found = _imports_in(
+        "from ..format.table import ChunkTable\nfrom ..io import Lease\n",
+        "shardwise.checkpoint.engine.x",
+        is_package=False,
+    )
+    assert [n for n, _ in found if _face_of(n) != n] == ["shardwise.checkpoint.format.table"]

@@ -31,14 +31,9 @@ from ..errors import (
 )
 from ..layout import Block
 from ..storage import Folder, open_folder
-from .clients import (
-    holds_megatron,
-    load_targets,
-    metadata_json_problem,
-    save_targets,
-    write_metadata_json,
-)
+from .clients import MEGATRON, metadata_json_problem, write_metadata_json
 from .engine import (
+    Route,
     Staged,
     Stager,
     Staging,
@@ -47,6 +42,9 @@ from .engine import (
     held_adapted,
     load_state,
     require_same_adapted,
+    route_named,
+    route_of,
+    routes,
     save_state,
     serialize_objects,
 )
@@ -133,36 +131,40 @@ def agree_route(
     agreement: Agreement,
     problem: BaseException | None,
     statefuls: tuple[str, ...] = (),
-) -> bool:
+) -> Route | None:
     """The edge's one exchange (one fixed-size `all_reduce`; the values gathered only
-    when they differ, to name the ranks): whether this save or load goes by Megatron key
-    (`megatron=True`, or a Megatron value on any rank), checked so that every rank
-    takes the same route. On it the ranks' top-level `Stateful` keys must agree; off
-    it, their adapted values too (`engine.inventory`). `problem` (this rank's failure
-    so far: the folder, a `state_dict()`) is raised on every rank by the exchange,
-    and the call's arguments are compared there (`agreement`)."""
-    by_key = megatron or holds_megatron(state_dict)
+    when they differ, to name the ranks): the client route this save or load takes
+    (`engine.inventory.Route`, found by the classes of the state's values:
+    Megatron-Core's when `megatron=True` or a Megatron value is on any rank), or
+    None, checked so that every rank takes the same route. On a route the ranks'
+    top-level `Stateful` keys must agree; off it, their adapted values too
+    (`engine.inventory`). `problem` (this rank's failure so far: the folder, a
+    `state_dict()`) is raised on every rank by the exchange, and the call's
+    arguments are compared there (`agreement`)."""
+    route = route_named(MEGATRON) if megatron else route_of(state_dict)
+    mine_route = 0 if route is None else routes().index(route) + 1
     agreement.defer(problem)
     if agreement.world_size == 1:
         agreement.exchange()  # raises `problem`; nothing to compare with another rank
-        return by_key
-    held = None if by_key or problem is not None else held_adapted(state_dict, statefuls)
+        return route
+    held = None if route is not None or problem is not None else held_adapted(state_dict, statefuls)
     mine = digest((statefuls, held))
-    agreed = agreement.agree([int(by_key), mine, -mine])
-    if agreed[1] == -agreed[2]:  # every rank holds the same: one all_reduce said so
-        return bool(agreed[0])
-    everyone = agreement.exchange((by_key, statefuls, held))  # to name what differs
-    if any(b for b, _s, _h in everyone):
+    any_route, most, least = agreement.agree([mine_route, mine, -mine])  # maxima
+    if most == -least:  # the largest digest is the smallest: every rank holds the same
+        return routes()[any_route - 1] if any_route else None
+    everyone = agreement.exchange((mine_route, statefuls, held))  # to name what differs
+    taken = max(r for r, _s, _h in everyone)
+    if taken:
         require_same(
-            [s for _b, s, _h in everyone],
+            [s for _r, s, _h in everyone],
             "their Stateful values",
             shown=str,
             verb="hold",
             fix="every rank must pass the same Stateful keys",
         )
-        return True
-    require_same_adapted([h for _b, _s, h in everyone])
-    return False
+        return routes()[taken - 1]
+    require_same_adapted([h for _r, _s, h in everyone])
+    return None
 
 
 # -----------------------------------------------------------------------------
@@ -288,11 +290,11 @@ def save(
     staging, staging_problem = _staging(staging_bytes)
     where = folder.identity if folder is not None else repr(path)
     call = agreement(process_group, _save_arguments(where, overwrite, megatron))
-    by_key = agree_route(state_dict, megatron, call, problem or user_problem or staging_problem)
+    route = agree_route(state_dict, megatron, call, problem or user_problem or staging_problem)
     assert folder is not None  # else `agree_route` raised its problem on every rank
-    if by_key:
+    if route is not None:
         # by Megatron key (as sharded_state_dict() returns it); megatron=True adds Megatron's files
-        state_dict = save_targets(state_dict, process_group, megatron)
+        state_dict = route.save_targets(state_dict, process_group, megatron)
         _check_target(folder, overwrite, call, megatron)
         if megatron:
             _write_megatron_metadata(folder, call)
@@ -460,10 +462,10 @@ def async_save(
     where = folder.identity if folder is not None else repr(path)
     call = agreement(process_group, _save_arguments(where, overwrite, False))
     problem = problem or user_problem or staging_problem
-    by_key = agree_route(state_dict, False, call, problem)
+    route = agree_route(state_dict, False, call, problem)
     assert folder is not None  # else `agree_route` raised its problem on every rank
-    if by_key:  # as `save` stores them: Megatron's values under their Megatron keys
-        state_dict = save_targets(state_dict, process_group, False)
+    if route is not None:  # as `save` stores them: Megatron's values under their Megatron keys
+        state_dict = route.save_targets(state_dict, process_group, False)
     else:
         state_dict = adapted_for_save(state_dict, process_group, agreed=True)
     staged: Staged | None = None
@@ -627,7 +629,7 @@ def load(
         ),
     )
     # the one exchange at the edge: raises either problem everywhere, one route for all
-    by_key = agree_route(plain, megatron, call, problem or user_problem, tuple(sorted(statefuls)))
+    route = agree_route(plain, megatron, call, problem or user_problem, tuple(sorted(statefuls)))
     assert folder is not None  # else `agree_route` raised its problem on every rank
     problem = None
 
@@ -643,9 +645,9 @@ def load(
             (extension_registry, budget, broadcast_replicated),
         )
 
-    if by_key:
+    if route is not None:
         # by Megatron key, as sharded_state_dict() nests it; megatron=True: rest left as is
-        targets, finishers = load_targets(plain, process_group, megatron)
+        targets, finishers = route.load_targets(plain, process_group, megatron)
         done = read(targets)
         for finish in finishers:
             finish()

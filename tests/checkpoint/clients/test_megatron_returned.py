@@ -12,11 +12,12 @@ import torch
 
 from shardwise import Layout, ShardedTensor
 from shardwise.checkpoint.clients.megatron import (
-    holds_megatron,
+    MEGATRON,
     load_targets,
     megatron_route,
     save_targets,
 )
+from shardwise.checkpoint.engine.inventory import route_named, route_of
 from shardwise.errors import CorruptCheckpointError, InvalidArgumentError, ShardMismatchError
 
 _MAPPING = "megatron.core.dist_checkpointing.mapping"
@@ -58,8 +59,8 @@ def _state() -> dict[str, Any]:
     ],
     ids=["plain", "nested-object", "in-a-tuple", "itself", "nonpersistent"],
 )
-def test_holds_megatron_looks_everywhere(value, holds):
-    assert holds_megatron(value) is holds
+def test_the_megatron_route_is_found_everywhere(value, holds):
+    assert (route_of(value) is route_named(MEGATRON)) is holds
 
 
 def test_the_route_in_one_process():

@@ -37,7 +37,7 @@ def test_importing_shardwise_does_not_import_physicsnemo():
         pytest.skip("PhysicsNeMo was imported by another test of this process")
     plain = ShardedTensor.from_layout(Layout.chunked((4,), 0, 1), [torch.ones(4)], rank=0)
     for value in (torch.ones(2), plain, None, {"a": 1}):
-        assert not _adapter().matches(value)
+        assert not _adapter().takes(value)
     assert _MODULE not in sys.modules
 
 
@@ -47,7 +47,9 @@ def test_it_matches_instances_of_the_loaded_shard_tensor_class(monkeypatch):
     class ShardTensor(torch.Tensor):
         pass
 
+    ShardTensor.__module__, ShardTensor.__qualname__ = _MODULE, "ShardTensor"
+
     module.ShardTensor = ShardTensor  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, _MODULE, module)
-    assert _adapter().matches(torch.ones(2).as_subclass(ShardTensor))
-    assert not _adapter().matches(torch.ones(2))
+    assert _adapter().takes(torch.ones(2).as_subclass(ShardTensor))
+    assert not _adapter().takes(torch.ones(2))

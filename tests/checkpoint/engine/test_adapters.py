@@ -12,6 +12,7 @@ from shardwise.checkpoint.engine.inventory import (
     ValueAdapter,
     adapted_for_load,
     adapted_for_save,
+    adapter_of,
     held_adapted,
     pieces_in_place,
     register_value_adapter,
@@ -53,9 +54,7 @@ def holder_adapter():
 
         return target, finish
 
-    register_value_adapter(
-        ValueAdapter("holder", lambda v: isinstance(v, Holder), for_save, for_load)
-    )
+    register_value_adapter(ValueAdapter("holder", Holder, for_save, for_load))
     yield calls
     unregister_value_adapter("holder")
 
@@ -124,7 +123,7 @@ def test_a_failing_swap_restores_what_it_swapped(holder_adapter):
         return torch.empty_like(h.data), None
 
     unregister_value_adapter("holder")
-    register_value_adapter(ValueAdapter("holder", lambda v: isinstance(v, Holder), id, refuse_b))
+    register_value_adapter(ValueAdapter("holder", Holder, id, refuse_b))
     with pytest.raises(ValueError, match="b cannot be loaded"):
         with adapted_for_load(sd):
             pass
@@ -133,9 +132,7 @@ def test_a_failing_swap_restores_what_it_swapped(holder_adapter):
 
 def _rank_missing_a_value(rank: int, world: int, path: str) -> tuple[str, bool]:
     register_value_adapter(
-        ValueAdapter(
-            "holder", lambda v: isinstance(v, Holder), lambda h: h.data, lambda h: (h.data, None)
-        )
+        ValueAdapter("holder", Holder, lambda h: h.data, lambda h: (h.data, None))
     )
     sd = (
         {"b": Holder(torch.ones(2))}
@@ -206,12 +203,56 @@ def test_require_same_adapted_names_the_odd_ranks_and_the_adapters_hint():
     )
 
 
-def test_pieces_in_place_asks_the_first_in_place_adapter_that_matches():
+class Boxed(torch.Tensor):
+    """A tensor subclass a client describes in place."""
+
+
+def test_pieces_in_place_asks_the_adapter_of_the_values_class():
     boxes = [(torch.ones(2), (0,), (2,))]
-    register_value_adapter(ValueAdapter("boxed", lambda v: v == "boxed", pieces=lambda v: boxes))
+    register_value_adapter(ValueAdapter("boxed", Boxed, pieces=lambda v: boxes))
     try:
-        assert pieces_in_place("boxed") is boxes
+        assert pieces_in_place(torch.ones(2).as_subclass(Boxed)) is boxes
         assert pieces_in_place(torch.ones(2)) is None
     finally:
         unregister_value_adapter("boxed")
-    assert pieces_in_place("boxed") is None
+    assert pieces_in_place(torch.ones(2).as_subclass(Boxed)) is None
+
+
+@pytest.mark.parametrize(
+    "types, shown",
+    [(str, "str"), ((Boxed, Holder), "Holder"), ("tests.Boxed", "'tests.Boxed'")],
+    ids=["a-plain-type", "one-of-two", "a-name"],
+)
+def test_an_in_place_adapter_for_anything_but_tensor_classes_is_refused(types, shown):
+    """A value that is no tensor would be pickled at save and refused at load: the
+    adapter is refused when it is made instead, naming the type."""
+    with pytest.raises(InvalidArgumentError) as info:
+        ValueAdapter("boxed", types, pieces=lambda v: [])
+    assert str(info.value) == (
+        f"value adapter 'boxed': pieces= describes tensors in place, and {shown} is not a "
+        "torch.Tensor subclass given as a class (a save would pickle such a value as an object "
+        "and a load refuse it); convert it with for_save and for_load instead"
+    )
+
+
+@pytest.mark.parametrize("types", [(), "Holder", 3], ids=["none", "unqualified", "not-a-type"])
+def test_an_adapters_types_are_classes_or_qualified_names(types):
+    with pytest.raises(InvalidArgumentError, match="value adapter 'x': "):
+        ValueAdapter("x", types, id, id)
+
+
+def test_the_nearest_class_decides_and_a_name_stands_for_an_unimported_class():
+    class Sub(Holder):
+        pass
+
+    register_value_adapter(ValueAdapter("named", f"{__name__}.Holder", id, id))
+    try:
+        assert adapter_of(Sub(torch.ones(1))).name == "named"  # a base named, not imported
+        register_value_adapter(ValueAdapter("sub", Sub, id, id))
+        assert adapter_of(Sub(torch.ones(1))).name == "sub"  # its own class is nearer
+        assert adapter_of(Holder(torch.ones(1))).name == "named"
+        assert adapter_of(torch.ones(1)) is None
+    finally:
+        unregister_value_adapter("named")
+        unregister_value_adapter("sub")
+    assert adapter_of(Sub(torch.ones(1))) is None  # forgotten with the registration

@@ -6,14 +6,12 @@ its `engine.inventory.ValueAdapter` on import: `dtensor` (DTensor and
 """
 
 from . import dtensor, megatron, physicsnemo  # noqa: F401  (importing registers their adapters)
-from .megatron import holds_megatron, load_targets, save_targets
+from .megatron import MEGATRON
 from .megatron_format import metadata_json_problem, read_common_state, write_metadata_json
 
 __all__ = [
-    "holds_megatron",
-    "load_targets",
+    "MEGATRON",
     "metadata_json_problem",
     "read_common_state",
-    "save_targets",
     "write_metadata_json",
 ]

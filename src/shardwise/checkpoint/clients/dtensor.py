@@ -19,10 +19,6 @@ from ..engine import Piece, ValueAdapter, is_plain_tensor, register_value_adapte
 __all__: list[str] = []
 
 
-def _is_dtensor(value: Any) -> bool:
-    return isinstance(value, DTensor)
-
-
 def _pieces(value: Any) -> list[Piece] | None:
     """This rank's boxes of `value`; None when its local tensor is itself a subclass
     the engine does not know (left to DCP's per-item machinery)."""
@@ -42,4 +38,4 @@ def _pieces(value: Any) -> list[Piece] | None:
     return [Piece(local, tuple(offsets), tuple(sizes))]
 
 
-register_value_adapter(ValueAdapter("dtensor", _is_dtensor, pieces=_pieces))
+register_value_adapter(ValueAdapter("dtensor", DTensor, pieces=_pieces))

@@ -29,11 +29,18 @@ from ...interop.megatron import (
     to_shardwise,
 )
 from ...tensor import ShardedTensor
-from ..engine import Serialized, ValueAdapter, register_value_adapter
+from ..engine import (
+    Route,
+    Serialized,
+    ValueAdapter,
+    register_route,
+    register_value_adapter,
+    route_of,
+)
 from .megatron_format import COMMON_STATE_KEY
 
 __all__ = [
-    "holds_megatron",
+    "MEGATRON",
     "load_targets",
     "megatron_route",
     "prepare_load",
@@ -103,10 +110,18 @@ def _adapter_for_load(value: Any) -> tuple[ShardedTensor, Any]:
         ) from e
 
 
+MEGATRON = "megatron-core"  # the route `megatron=True` takes
+_MAPPING = "megatron.core.dist_checkpointing.mapping"
+_WRAPPERS = "megatron.core.dist_checkpointing.strategies.checkpointable"
+
 register_value_adapter(
     ValueAdapter(
         "megatron-core",
-        is_mcore_value,
+        (
+            f"{_MAPPING}.ShardedTensor",
+            f"{_WRAPPERS}.CheckpointableShardedTensor",
+            f"{_WRAPPERS}.LocalShardsContainer",
+        ),
         _for_save,
         _adapter_for_load,
         hint=(
@@ -337,17 +352,6 @@ def _serialized(values: list[Any]) -> Serialized:
 Finish = Callable[[], None]
 
 
-def holds_megatron(value: Any) -> bool:
-    """Whether a Megatron ShardedTensor, wrapper or ShardedObject sits anywhere in `value`."""
-    if is_mcore_value(value) or is_mcore_object(value):
-        return True
-    if isinstance(value, Mapping):
-        return any(holds_megatron(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(holds_megatron(v) for v in value)
-    return False
-
-
 def megatron_route(
     state_dict: Any,
     megatron: bool,
@@ -359,7 +363,7 @@ def megatron_route(
     value on any rank. Collective (one small exchange, which also raises `problem`,
     this rank's own failure so far, on every rank): every rank takes the same route.
     On that route the ranks' top-level `Stateful` keys must agree, as elsewhere."""
-    mine = (megatron or holds_megatron(state_dict), statefuls)
+    mine = (megatron or route_of(state_dict) is not None, statefuls)
     if not (dist.is_available() and dist.is_initialized()):
         if problem is not None:
             raise problem
@@ -456,3 +460,20 @@ def _value_filler(flat: dict[str, Any], path: str, container: Any, key: Any) -> 
         container[key] = flat[path]
 
     return finish
+
+
+# A state dict holding any Megatron value goes by Megatron key (`save_targets`,
+# `load_targets`): chosen by class at the API edge, like an adapter.
+register_route(
+    Route(
+        MEGATRON,
+        (
+            f"{_MAPPING}.ShardedTensor",
+            f"{_MAPPING}.ShardedObject",
+            f"{_WRAPPERS}.CheckpointableShardedTensor",
+            f"{_WRAPPERS}.LocalShardsContainer",
+        ),
+        save_targets,
+        load_targets,
+    )
+)

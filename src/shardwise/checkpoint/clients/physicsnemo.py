@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...interop.agreed import is_shard_tensor
 from ...interop.physicsnemo import from_shard_tensor
 from ...tensor import ShardedTensor
 from ..engine import ValueAdapter, register_value_adapter
@@ -25,4 +24,6 @@ def _for_load(value: Any) -> tuple[ShardedTensor, None]:
     return from_shard_tensor(value), None
 
 
-register_value_adapter(ValueAdapter("physicsnemo", is_shard_tensor, _for_save, _for_load))
+# Named, not imported: shardwise never imports PhysicsNeMo (without it, no value is one).
+_SHARD_TENSOR = "physicsnemo.domain_parallel.shard_tensor.ShardTensor"
+register_value_adapter(ValueAdapter("physicsnemo", _SHARD_TENSOR, _for_save, _for_load))

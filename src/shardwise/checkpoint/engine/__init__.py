@@ -4,14 +4,19 @@ save/load pipelines every entry point runs on.
 
 from .inventory import (
     Piece,
+    Route,
     Serialized,
     ValueAdapter,
     adapted_for_load,
     adapted_for_save,
     held_adapted,
     is_plain_tensor,
+    register_route,
     register_value_adapter,
     require_same_adapted,
+    route_named,
+    route_of,
+    routes,
     serialize_objects,
 )
 from .load import item_reads, load_state
@@ -22,6 +27,7 @@ from .stored import StoredView, read_records
 
 __all__ = [
     "Piece",
+    "Route",
     "SaveRecords",
     "Serialized",
     "Staged",
@@ -39,8 +45,12 @@ __all__ = [
     "load_state",
     "read_records",
     "region",
+    "register_route",
     "register_value_adapter",
     "require_same_adapted",
+    "route_named",
+    "route_of",
+    "routes",
     "save_state",
     "serialize_objects",
 ]

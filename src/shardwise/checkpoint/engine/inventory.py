@@ -11,7 +11,7 @@ value is.
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -30,8 +30,10 @@ __all__ = [
     "Entry",
     "Held",
     "Piece",
+    "Route",
     "Serialized",
     "ValueAdapter",
+    "adapter_of",
     "adapted_for_load",
     "adapted_for_save",
     "dcp_pieces",
@@ -40,8 +42,12 @@ __all__ = [
     "is_plain_tensor",
     "pieces_in_place",
     "pieces_of",
+    "register_route",
     "register_value_adapter",
     "require_same_adapted",
+    "route_named",
+    "route_of",
+    "routes",
     "serialize_objects",
     "unregister_value_adapter",
 ]
@@ -60,9 +66,38 @@ __all__ = [
 Finish = Callable[[], None]
 
 
+TypeName = type | str  # a class, or "module.QualName" of one its library need not import
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _type_names(owner: str, types: TypeName | tuple[TypeName, ...]) -> tuple[str, ...]:
+    """`types` as qualified class names, each checked (one validator for adapters and routes)."""
+    given = types if isinstance(types, tuple) else (types,)
+    names = []
+    for t in given:
+        if isinstance(t, type):
+            names.append(_qualified(t))
+        elif isinstance(t, str) and "." in t.strip(".") and " " not in t:
+            names.append(t)
+        else:
+            raise InvalidArgumentError(
+                f"{owner}: types must be classes or qualified class names "
+                f"('package.module.Class'), not {t!r}"
+            )
+    if not names:
+        raise InvalidArgumentError(f"{owner}: give at least one type it takes")
+    return tuple(names)
+
+
 @dataclass(frozen=True)
 class ValueAdapter:
-    """How one foreign type goes through a checkpoint, in one of two ways.
+    """How values of the classes `types` (their subclasses too) go through a
+    checkpoint, in one of two ways. A value's adapter is found by its class alone
+    (a registry, not a question asked of every adapter), so a plain state dict
+    runs no client's code.
 
     Converted: `for_save(value)` gives what the engine saves (usually a
     ShardedTensor sharing the value's storage); `for_load(value)` gives the target
@@ -74,10 +109,13 @@ class ValueAdapter:
     Described in place: `pieces(value)` gives the (tensor, offsets, sizes) boxes
     this rank holds of the value's global tensor, read and written where they are
     (DTensor, `LocalShardsWrapper`). Nothing collective, so nothing to agree on.
+    Only tensor classes can be described in place: the engine treats any other
+    value as an object, so `types` must be `torch.Tensor` subclasses, given as
+    classes (checked when the adapter is made).
     """
 
     name: str
-    matches: Callable[[Any], bool]
+    types: TypeName | tuple[TypeName, ...]
     for_save: Callable[[Any], Any] | None = None
     for_load: Callable[[Any], tuple[Any, Finish | None]] | None = None
     hint: str = ""  # added to the error when ranks hold different values of this kind
@@ -92,16 +130,61 @@ class ValueAdapter:
                 f"value adapter {self.name!r}: give for_save and for_load (converted), "
                 "or pieces (described in place), not both"
             )
+        names = _type_names(f"value adapter {self.name!r}", self.types)
+        if self.pieces is not None:
+            given = self.types if isinstance(self.types, tuple) else (self.types,)
+            odd = [t for t in given if not (isinstance(t, type) and issubclass(t, torch.Tensor))]
+            if odd:
+                shown = odd[0].__name__ if isinstance(odd[0], type) else repr(odd[0])
+                raise InvalidArgumentError(
+                    f"value adapter {self.name!r}: pieces= describes tensors in place, and "
+                    f"{shown} is not a torch.Tensor subclass given as a class (a save would "
+                    "pickle such a value as an object and a load refuse it); convert it with "
+                    "for_save and for_load instead"
+                )
+        object.__setattr__(self, "_names", names)
+
+    def takes(self, value: Any) -> bool:
+        """Whether `value`'s class, or one of its bases, is one of `types`."""
+        return any(_qualified(c) in self._names for c in type(value).__mro__)  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Route:
+    """A client that saves and loads a whole state dict its own way once any of its
+    values (`types`, subclasses too) is in it, e.g. Megatron-Core by Megatron key.
+    `save_targets(state_dict, group, own_format)` gives the flat state dict the
+    engine saves; `load_targets(state_dict, group, own_format)` the flat targets it
+    fills and what to run after. Both collective. Found by class, like adapters."""
+
+    name: str
+    types: TypeName | tuple[TypeName, ...]
+    save_targets: Callable[[Any, Any, bool], dict[str, Any]]
+    load_targets: Callable[[Any, Any, bool], tuple[dict[str, Any], list[Finish]]]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_names", _type_names(f"route {self.name!r}", self.types))
 
 
 _REGISTERED: list[ValueAdapter] = []
+_ROUTES: list[Route] = []
+# class -> its adapter (None: none), filled on first sight, emptied on (un)registering
+_BY_CLASS: dict[type, ValueAdapter | None] = {}
+_ROUTE_OF_CLASS: dict[type, Route | None] = {}
+
+
+def _forget() -> None:
+    _BY_CLASS.clear()
+    _ROUTE_OF_CLASS.clear()
 
 
 def register_value_adapter(adapter: ValueAdapter) -> None:
-    """Make `swc.save`/`swc.load` convert values `adapter.matches` (first match wins)."""
+    """Make `swc.save`/`swc.load` convert or describe values of `adapter.types`
+    (the first registered adapter whose type is nearest in a value's class wins)."""
     if any(a.name == adapter.name for a in _REGISTERED):
         raise InvalidArgumentError(f"a value adapter named {adapter.name!r} is already registered")
     _REGISTERED.append(adapter)
+    _forget()
 
 
 def unregister_value_adapter(name: str) -> None:
@@ -109,24 +192,80 @@ def unregister_value_adapter(name: str) -> None:
     for i, a in enumerate(_REGISTERED):
         if a.name == name:
             del _REGISTERED[i]
+            _forget()
             return
     raise KeyError(f"no value adapter named {name!r}")
 
 
-def _adapter_for(value: Any) -> ValueAdapter | None:
-    """The first converting adapter that matches `value`."""
-    for adapter in _REGISTERED:
-        if adapter.pieces is None and adapter.matches(value):
-            return adapter
+def register_route(route: Route) -> None:
+    """Make state dicts holding values of `route.types` go by `route`."""
+    if any(r.name == route.name for r in _ROUTES):
+        raise InvalidArgumentError(f"a route named {route.name!r} is already registered")
+    _ROUTES.append(route)
+    _forget()
+
+
+def routes() -> list[Route]:
+    """The registered routes, in registration order (every rank registers alike)."""
+    return list(_ROUTES)
+
+
+def route_named(name: str) -> Route:
+    for route in _ROUTES:
+        if route.name == name:
+            return route
+    raise KeyError(f"no route named {name!r}")
+
+
+def _nearest(cls: type, found: list[Any]) -> Any:
+    """The first of `found` (adapters or routes) naming `cls` or its nearest base."""
+    for base in cls.__mro__:
+        name = _qualified(base)
+        for item in found:
+            if name in item._names:
+                return item
     return None
 
 
+def adapter_of(value: Any) -> ValueAdapter | None:
+    """The adapter registered for `value`'s class; one dict lookup once its class was seen."""
+    cls = type(value)
+    try:
+        return _BY_CLASS[cls]
+    except KeyError:
+        found = _BY_CLASS[cls] = _nearest(cls, _REGISTERED)
+        return found
+
+
+def route_of(value: Any) -> Route | None:
+    """The route of the first value in `value` (mappings, lists and tuples walked)
+    whose class has one; None for a plain state dict, which asks no client."""
+    cls = type(value)
+    if cls in _NEVER_ADAPTED:
+        return None
+    if isinstance(value, Mapping):
+        return next((r for r in map(route_of, value.values()) if r is not None), None)
+    if isinstance(value, (list, tuple)):
+        return next((r for r in map(route_of, value) if r is not None), None)
+    try:
+        return _ROUTE_OF_CLASS[cls]
+    except KeyError:
+        found = _ROUTE_OF_CLASS[cls] = _nearest(cls, _ROUTES)
+        return found
+
+
+def _adapter_for(value: Any) -> ValueAdapter | None:
+    """The converting adapter of `value`, if its adapter converts."""
+    adapter = adapter_of(value)
+    return adapter if adapter is not None and adapter.pieces is None else None
+
+
 def pieces_in_place(value: Any) -> list[Any] | None:
-    """The boxes this rank holds of `value` by the first in-place adapter matching it
-    (`ValueAdapter.pieces`); None when none does."""
-    for adapter in _REGISTERED:
-        if adapter.pieces is not None and adapter.matches(value):
-            return adapter.pieces(value)
+    """The boxes this rank holds of `value` by its in-place adapter
+    (`ValueAdapter.pieces`); None when it has none."""
+    adapter = adapter_of(value)
+    if adapter is not None and adapter.pieces is not None:
+        return adapter.pieces(value)
     return None
 
 

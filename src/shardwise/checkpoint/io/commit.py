@@ -292,6 +292,8 @@ def collect(
 def _record_names(folder: Folder, names: RecordNames, which: str) -> list[str] | None:
     """Every file name the record `which` (manifest or metadata) of scope `names`
     holds, as stored; None when it is missing or unreadable."""
+    if not folder.has(names.manifest if which == "manifest" else names.metadata):
+        return None  # a first save: nothing replaced (and no error built to be dropped)
     try:
         if which == "manifest":
             head = Manifest.read_head(folder, names.manifest)
