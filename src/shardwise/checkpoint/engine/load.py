@@ -196,9 +196,10 @@ def wanted(agreed: list[int], values: list[Value], broadcast: bool | None, folde
     """Whether to broadcast, from the verdict's maxima of every rank's `words`: every
     rank shares the same values, and `broadcast` says so or, when None, the bytes
     come from an object store or the ranks span several hosts."""
-    if not values or agreed[0] != -agreed[1] or broadcast is False:
+    most_values, least_values, most_host, least_host = agreed  # maxima of `words`
+    if not values or most_values != -least_values or broadcast is False:
         return False
-    return broadcast is True or folder.wants_prefetch or agreed[2] != -agreed[3]
+    return broadcast is True or folder.wants_prefetch or most_host != -least_host
 
 
 def schedule(values: list[Value], world: int, batch: int | None = None) -> list[Batch]:

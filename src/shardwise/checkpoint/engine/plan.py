@@ -444,7 +444,10 @@ def place_records(
     `file_count` of them for a large share, each record in the one holding the
     fewest bytes so far (so consecutive large records go to different files and
     are written at once)."""
-    boxes = {e[0]: e for e in entries}
+    boxes: dict[str, Entry] = {}
+    for entry in entries:
+        key, _path, _dtype, _shape, _grad, _held = entry
+        boxes[key] = entry
     # (dtype, sizes) -> (the record's length, its head's, its checksums)
     frames: dict[tuple[str | None, tuple[int, ...]], tuple[int, int, int]] = {}
     # (length, head length; -1 for an object, checksums: 0 for an object)
@@ -452,7 +455,8 @@ def place_records(
     for key, index in writes:
         _key, _path, dtype, _shape, _grad, held = boxes[key]
         if index < 0:
-            sized.append((held[0], -1, 0))  # an object's entry holds its length and crc32c
+            length, _crc = held  # an object's entry holds its length and crc32c
+            sized.append((length, -1, 0))
             continue
         sizes = held[index][1]
         known = frames.get((dtype, sizes))
@@ -720,7 +724,8 @@ def plan_by_owners(
     sent: list[list[Entry]] = [[] for _ in range(world)]
     where: list[list[int]] = [[] for _ in range(world)]  # positions in `entries`
     for position, entry in enumerate(entries):
-        owner = owner_of(entry[0], world)
+        key, _path, _dtype, _shape, _grad, _held = entry
+        owner = owner_of(key, world)
         sent[owner].append(entry)
         where[owner].append(position)
     total = 0
@@ -736,7 +741,7 @@ def plan_by_owners(
         plan = plan_save([e for _n, e in received], first=rank, loads=[n for n, _e in received])
         replies = []
         for r, (_n, theirs) in enumerate(received):
-            at = {e[0]: i for i, e in enumerate(theirs)}
+            at = {key: i for i, (key, _p, _d, _s, _g, _h) in enumerate(theirs)}
             chosen = [(at[key], index) for key, index in plan.writes[r]]
             replies.append((np.array(chosen, np.int64).reshape(-1, 2), plan.problems))
         plan.writes.clear()  # replied: the plan this rank keeps (`engine.plan`) needs them no more
@@ -758,7 +763,8 @@ def _mine(entries: list[Entry], where: list[list[int]], back: list[np.ndarray]) 
     rank_of[order] = np.arange(len(order))  # where each decision's record is written
     ends = np.cumsum([len(d) for d in back]).tolist()
     for_owner = [rank_of[start:end] for start, end in zip([0, *ends[:-1]], ends)]
-    keys = [entries[p][0] for p in positions[order].tolist()]
+    key_of = [key for key, _path, _dtype, _shape, _grad, _held in entries]
+    keys = [key_of[p] for p in positions[order].tolist()]
     return MyWrites(keys, boxes[order], for_owner)
 
 
@@ -887,6 +893,16 @@ _LOCK = threading.Lock()  # async saves (and thread ranks) keep plans from other
 CACHE_BATCH = 4096
 
 
+def _structure(entry: Entry) -> Entry:
+    """An entry as a plan depends on it: an object's crc32c left out (its bytes may
+    change, its length may not)."""
+    key, path, dtype, shape, grad, held = entry
+    if dtype is not None:
+        return entry
+    length, _crc = held
+    return (key, path, dtype, shape, grad, length)
+
+
 def signature(entries: list[Entry], world_size: int, rank: int, storage: str) -> bytes:
     """What a plan depends on, hashed: every field of every entry but an object's
     crc32c (its bytes may change, its length may not). Like shapes and boxes are one
@@ -896,7 +912,7 @@ def signature(entries: list[Entry], world_size: int, rank: int, storage: str) ->
     digest.update(pickle.dumps((world_size, rank, storage, len(entries)), protocol=4))
     for start in range(0, len(entries), CACHE_BATCH):
         batch = entries[start : start + CACHE_BATCH]
-        shapes = [e if e[2] is not None else (*e[:5], e[5][0]) for e in batch]
+        shapes = [_structure(entry) for entry in batch]
         digest.update(pickle.dumps(shapes, protocol=pickle.HIGHEST_PROTOCOL))
     return digest.digest()
 

@@ -332,10 +332,14 @@ def _save_leased(
         except Exception as e:  # noqa: BLE001 - raised on every rank by `agree`
             agreement.defer(e)
     kept_id = 0 if kept is None else kept.plan_id
-    agreed = agreement.agree([int(kept is None), kept_id, -kept_id, *words])
-    token, save_id = f"{agreed[3] & 0xFFFFFFFFFFFF:012x}", _save_id(agreed[3:])
+    # maxima: a rank without a kept plan; the largest kept plan id and the negated
+    # smallest (equal only when every rank kept the same plan); the save id's words
+    replan, most_kept, least_kept, *ids = agreement.agree(
+        [int(kept is None), kept_id, -kept_id, *words]
+    )
+    token, save_id = f"{ids[0] & 0xFFFFFFFFFFFF:012x}", _save_id(ids)
     serialization_id = save_id.replace("-", "")[:40].ljust(40, "0")
-    fresh = kept is None or agreed[0] or agreed[1] != -agreed[2]
+    fresh = kept is None or replan or most_kept != -least_kept
     if fresh:
         mine, owned, problems = plan_by_owners(entries, agreement)
         if problems:
@@ -345,10 +349,13 @@ def _save_leased(
             placed = place_records(mine.pairs(), entries, serialization_id)
         except Exception as e:  # noqa: BLE001 - raised on every rank by the next route
             agreement.defer(e)
-        kept = plan_cache.Planned(agreed[3] | 1, mine, placed, owned)
+        kept = plan_cache.Planned(ids[0] | 1, mine, placed, owned)
     assert kept is not None
     mine, placed, places = kept.mine, kept.placed, kept.places
-    crcs = {e[0]: e[5][1] for e in entries if e[2] is None}  # each object's, known already
+    crcs = {}  # each object's, known already
+    for key, _path, dtype, _shape, _grad, described in entries:
+        if dtype is None:  # an object's: (byte length, crc32c)
+            _length, crcs[key] = described
     meta = StorageMeta(checkpoint_id=path.checkpoint_id, save_id=save_id)
     if kept.routes:  # a first save, or an object written by a rank not its owner
         reports: list[Any] = [[] for _ in range(world)]
