@@ -293,3 +293,24 @@ def test_a_manifest_of_many_small_tensors_round_trips():
 def test_a_manifest_that_is_no_json_object_is_corrupt():
     with pytest.raises(shardwise.CorruptCheckpointError, match="src: .* not a JSON object"):
         Manifest.from_json(b"[1, 2]", "src")
+
+
+def test_a_top_level_field_declared_after_the_frames_holes_is_refused_by_name():
+    """A field added last in the top-level table would land inside the parts a
+    collective save pours into the frame: refused when the table is checked (at
+    import), naming the field and where to declare it, not a bare assert at save."""
+    from shardwise.checkpoint.format.entries import POSITIVE, TOP, Field
+    from shardwise.checkpoint.format.manifest import FRAME_TAIL, check_frame_order
+    from shardwise.errors import InvalidArgumentError
+
+    check_frame_order(TOP)  # the table as it is: fine
+    late = Field("late", POSITIVE, "a field added last")
+    with pytest.raises(InvalidArgumentError) as info:
+        check_frame_order((*TOP, late))
+    assert str(info.value) == (
+        "the manifest's top-level field table must end with planner_data, planner_data_pickle, "
+        "tensors, objects, crc32c (the holes the parts of a collective save fill, "
+        "`format.manifest.manifest_frame`), but it ends with planner_data_pickle, tensors, "
+        "objects, crc32c, late; declare 'late' before 'planner_data'"
+    )
+    assert FRAME_TAIL[-1] == TOP[-1].name

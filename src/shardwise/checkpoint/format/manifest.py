@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ...errors import CorruptCheckpointError
+from ...errors import CorruptCheckpointError, InvalidArgumentError
 from ...storage import Folder, open_folder
 from .checks import check_coverage, check_name, check_ranges, chunk_consistent, record_limit
 from .entries import (
@@ -46,6 +46,7 @@ from .entries import (
     TOP,
     VERSION,
     ChunkEntry,
+    Field,
     FieldError,
     IndexRef,
     ObjectEntry,
@@ -463,6 +464,28 @@ _MARKS = tuple(f"\x00shardwise part: {n}\x00" for n in ("state", "planner", "sto
 
 _EMPTY_TAIL = '"planner_data":{},"tensors":{},"objects":{},"crc32c":0}'
 
+# The manifest's last members, in this order: the holes the parts are poured into
+# (`manifest_frame`; "planner_data_pickle" is absent from a frame, its default).
+FRAME_TAIL = ("planner_data", "planner_data_pickle", "tensors", "objects", "crc32c")
+
+
+def check_frame_order(fields: tuple[Field, ...], version: int = VERSION) -> None:
+    """Refuse a top-level field table (`format.entries.TOP`) that does not end with
+    `FRAME_TAIL`: a field declared after them would land inside a part's bytes, and
+    every collective save would fail. Checked when this module is imported."""
+    names = tuple(f.name for f in fields if f.in_version(version))
+    tail = names[-len(FRAME_TAIL) :]
+    if tail == FRAME_TAIL:
+        return
+    start = names.index("planner_data") + 1 if "planner_data" in names else len(names)
+    after = [n for n in names[start:] if n not in FRAME_TAIL]
+    raise InvalidArgumentError(
+        f"the manifest's top-level field table must end with {', '.join(FRAME_TAIL)} "
+        "(the holes the parts of a collective save fill, `format.manifest.manifest_frame`), "
+        f"but it ends with {', '.join(tail)}"
+        + (f"; declare {after[0]!r} before 'planner_data'" if after else "")
+    )
+
 
 def pickled_items(items: dict[Any, Any]) -> bytes:
     """`items` as a fragment: the opcodes that fill an empty dict with them."""
@@ -552,7 +575,8 @@ def manifest_frame(frame: Manifest) -> list[bytes]:
     last piece ends `"crc32c":0}`: the writer seals it (`manifest.seal`)."""
     assert not frame.tensors and not frame.objects and frame.planner_data == {}
     text = frame.unsealed_json()
-    assert text.endswith(_EMPTY_TAIL)
+    if not text.endswith(_EMPTY_TAIL):  # `check_frame_order` refuses such a table at import
+        raise InvalidArgumentError(f"the manifest frame does not end with {_EMPTY_TAIL!r}")
     head = text[: -len(_EMPTY_TAIL)]
     return [
         f'{head}"planner_data":{{'.encode(),
@@ -560,3 +584,6 @@ def manifest_frame(frame: Manifest) -> list[bytes]:
         b'},"objects":{',
         b'},"crc32c":0}',
     ]
+
+
+check_frame_order(TOP)
