@@ -50,7 +50,7 @@ own ``FileExistsError`` from an exclusive create.
 pickled back. Two ShardwiseErrors never reach a caller, so they live beside what
 raises them:
 ``FieldError`` (a malformed `shardwise.json` field, `checkpoint.format.field_table`)
-and ``RecordError`` (a `torch.save` record that is not one plain tensor,
+and ``ArchiveError`` (a `torch.save` record that is not one plain tensor,
 `checkpoint.format.zip_format`). Both are ``ValueError``s, caught by their readers
 and raised again as ``CorruptCheckpointError`` naming the file.
 

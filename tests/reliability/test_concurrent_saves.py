@@ -32,7 +32,7 @@ pytestmark = pytest.mark.spawned
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 VICTIM = b"the user's notes\n" * 10
-RECORDS = {".metadata", "shardwise.json", ".shardwise"}
+ENTRY_TABLES = {".metadata", "shardwise.json", ".shardwise"}
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -128,7 +128,7 @@ def test_a_second_save_is_refused_naming_the_holder_then_waits_and_wins(tmp_path
     assert _committed_files_present(folder)
     # the holder's checkpoint was replaced and collected: nothing but the winner's is left
     names = set(os.listdir(folder))
-    assert names == RECORDS | {"notes.txt"} | referenced_files(folder), names
+    assert names == ENTRY_TABLES | {"notes.txt"} | referenced_files(folder), names
     assert (folder / "notes.txt").read_bytes() == VICTIM
 
 
@@ -144,7 +144,7 @@ def test_a_killed_holder_is_broken_with_a_warning(tmp_path):
         swc.save(_state(2), folder, overwrite=True)
     assert _loads(str(folder), 2) and _committed_files_present(folder)
     # the dead save's unfinished data is collected; the user's file is not
-    assert set(os.listdir(folder)) == RECORDS | {"notes.txt"} | referenced_files(folder)
+    assert set(os.listdir(folder)) == ENTRY_TABLES | {"notes.txt"} | referenced_files(folder)
     assert (folder / "notes.txt").read_bytes() == VICTIM
 
 
@@ -163,7 +163,7 @@ def test_the_holder_commits_even_while_refused_saves_come_and_go(tmp_path):
         holder.join(60)
     assert holder.exitcode == 0
     assert _loads(str(folder), 1) and _committed_files_present(folder)
-    assert set(os.listdir(folder)) == RECORDS | {"notes.txt"} | referenced_files(folder)
+    assert set(os.listdir(folder)) == ENTRY_TABLES | {"notes.txt"} | referenced_files(folder)
 
 
 def test_s3_a_second_save_is_refused_while_one_is_mid_write(tmp_path, s3_bucket):

@@ -300,14 +300,14 @@ def test_a_placement_failing_on_one_rank_fails_every_rank_at_the_route(tmp_path,
     from shardwise.checkpoint.engine import plan as plan_cache
 
     plan_cache.forget()
-    original, local = saving.place_records, threading.local()
+    original, local = saving.place_archives, threading.local()
 
     def place(*args: Any) -> Any:
         if local.rank == 1:
             raise OSError("no room to place on rank 1")
         return original(*args)
 
-    monkeypatch.setattr(saving, "place_records", place)
+    monkeypatch.setattr(saving, "place_archives", place)
 
     def run(c: Any) -> None:
         local.rank = c.rank

@@ -160,7 +160,7 @@ def _write_transformed(
     encoded = io.BytesIO()
     stock = _write_item(transforms, encoded, data, item, out.name, SerializationFormat.TORCH_SAVE)
     descriptors = cast(_StorageInfo, stock.storage_data).transform_descriptors
-    return out.write_record(encoded.getbuffer()), list(descriptors) if descriptors else None
+    return out.write_archive(encoded.getbuffer()), list(descriptors) if descriptors else None
 
 
 def records_of(

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 import shardwise.checkpoint as swc
 from shardwise import Block, Layout, ShardedTensor
-from shardwise.checkpoint.format.archive import read_record_layout, tensor_record
+from shardwise.checkpoint.format.archive import read_archive_layout, tensor_archive
 from shardwise.storage.local import LocalFile
 from tests.checkpoint.format.test_records import saved_record
 
@@ -102,7 +102,7 @@ def test_the_list_is_every_dtype_torch_save_writes():
 @pytest.mark.parametrize("shape", [SHAPE, (), (0, 3)], ids=["2-d", "0-d", "empty"])
 def test_our_record_is_what_torch_load_reads(dtype, shape):
     t = sample(dtype, shape)
-    head, payload, tail = tensor_record(t)
+    head, payload, tail = tensor_archive(t)
     back = torch.load(io.BytesIO(bytes(head) + bytes(payload) + bytes(tail)), weights_only=True)
     assert same_bits(back, t)
 
@@ -110,13 +110,13 @@ def test_our_record_is_what_torch_load_reads(dtype, shape):
 @pytest.mark.parametrize("dtype", DTYPES, ids=NAMES)
 def test_our_record_parses_back(dtype):
     t = sample(dtype)
-    head, payload, tail = tensor_record(t)
+    head, payload, tail = tensor_archive(t)
     with tempfile.TemporaryFile() as f:
         f.write(b"x" * 100)
         f.write(head + payload + tail)
         f.flush()
         length = len(head) + len(payload) + len(tail)
-        layout = read_record_layout(LocalFile.wrap(f.fileno()), 100, length)
+        layout = read_archive_layout(LocalFile.wrap(f.fileno()), 100, length)
     assert layout.payload_offset == 100 + len(head) and layout.payload_length == len(payload)
     assert (layout.dtype, layout.shape, layout.c_contiguous) == (dtype, SHAPE, True)
 
@@ -133,7 +133,7 @@ def test_stock_record_payload_is_found(dtype):
 def test_a_conjugate_view_is_written_as_its_values():
     """A conjugate bit is no flag in our records: the bytes must be the conjugated values."""
     z = torch.complex(torch.randn(4, 3), torch.randn(4, 3)).conj()
-    head, payload, tail = tensor_record(z)
+    head, payload, tail = tensor_archive(z)
     back = torch.load(io.BytesIO(bytes(head) + bytes(payload) + bytes(tail)), weights_only=True)
     assert not back.is_conj() and torch.equal(back, z.resolve_conj())
 
@@ -144,7 +144,7 @@ def test_a_stock_record_with_a_conjugate_bit_is_not_read_raw():
         torch.save(z, f)  # stores the raw storage plus metadata {"conj": True}
         length = f.tell()
         f.flush()
-        assert not read_record_layout(LocalFile.wrap(f.fileno()), 0, length).c_contiguous
+        assert not read_archive_layout(LocalFile.wrap(f.fileno()), 0, length).c_contiguous
 
 
 def _state(seed: int = 1) -> dict[str, torch.Tensor]:

@@ -19,9 +19,9 @@ import torch.distributed.checkpoint as dcp
 from shardwise import Block, Layout, ShardedTensor, ShardMismatchError
 from shardwise.checkpoint.engine.inventory import describe, serialize_objects
 from shardwise.checkpoint.engine.load import load_state
-from shardwise.checkpoint.engine.plan import place_records, plan_save
+from shardwise.checkpoint.engine.plan import place_archives, plan_save
 from shardwise.checkpoint.engine.save import save_state
-from shardwise.checkpoint.format.archive import record_frame
+from shardwise.checkpoint.format.archive import archive_frame
 from shardwise.checkpoint.format.checksums import checksum_payload
 from shardwise.checkpoint.format.manifest import Manifest
 from shardwise.comm.agreement import Agreement
@@ -74,9 +74,9 @@ def test_sharded_chunks_stay_with_their_holder_and_count_toward_its_load() -> No
 def test_record_placement_follows_record_lengths() -> None:
     entries = _entries({"x": torch.zeros(3, 5), "y": torch.zeros(7, dtype=torch.bfloat16)})
     plan = plan_save([entries])
-    places = place_records(plan.writes[0], entries, "0" * 40)
-    hx, tx = record_frame(torch.float32, (3, 5))
-    hy, ty = record_frame(torch.bfloat16, (7,))
+    places = place_archives(plan.writes[0], entries, "0" * 40)
+    hx, tx = archive_frame(torch.float32, (3, 5))
+    hy, ty = archive_frame(torch.bfloat16, (7,))
     x_len = len(hx) + 60 + len(tx)
     assert places.rows[:, :3].tolist() == [
         [0, x_len, len(hx)],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import shardwise
-from shardwise.checkpoint.format.archive import RecordError
+from shardwise.checkpoint.format.archive import ArchiveError
 from shardwise.checkpoint.format.entries import (
     STORAGE_META,
     VERSION,
@@ -21,7 +21,7 @@ from shardwise.checkpoint.format.entries import (
 )
 
 
-@pytest.mark.parametrize("cls", [FieldError, RecordError])
+@pytest.mark.parametrize("cls", [FieldError, ArchiveError])
 def test_internal_errors_are_shardwise_value_errors(cls):
     assert issubclass(cls, shardwise.ShardwiseError) and issubclass(cls, ValueError)
 

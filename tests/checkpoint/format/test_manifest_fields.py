@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from shardwise.checkpoint.format.entries import INLINE, RECORDS, Field
+from shardwise.checkpoint.format.entries import ENTRY_TABLES, INLINE, Field
 from shardwise.checkpoint.format.manifest import (
     VERSION,
     ChunkEntry,
@@ -35,11 +35,13 @@ def _presence(f: Field) -> str:
 def markdown_table(record: str) -> str:
     """The table docs/format.md must hold for `record`."""
     rows = [f"| {record} field | value | presence | meaning |", "|---|---|---|---|"]
-    rows += [f"| `{f.name}` | {f.kind.doc} | {_presence(f)} | {f.doc} |" for f in RECORDS[record]]
+    rows += [
+        f"| `{f.name}` | {f.kind.doc} | {_presence(f)} | {f.doc} |" for f in ENTRY_TABLES[record]
+    ]
     return "\n".join(rows)
 
 
-@pytest.mark.parametrize("record", RECORDS)
+@pytest.mark.parametrize("record", ENTRY_TABLES)
 def test_doc_tables_match_the_field_table(record):
     expected = markdown_table(record)
     assert expected in DOC.read_text(), f"docs/format.md should hold:\n\n{expected}\n"
@@ -56,7 +58,7 @@ def test_doc_tables_match_the_field_table(record):
     ],
 )
 def test_entries_hold_the_stored_fields_with_the_table_defaults(record, entry):
-    table = {f.name: f for f in RECORDS[record] if f.stored}
+    table = {f.name: f for f in ENTRY_TABLES[record] if f.stored}
     # what is compared is what is stored: `Manifest.resolved` is state, not a field; a
     # chunk's `crc_at` is a column of its index row only (version 5), never JSON
     attributes = {a.name: a for a in dataclass_fields(entry) if a.compare and a.name != "crc_at"}
@@ -81,11 +83,11 @@ def _records(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _held(version: int) -> set[str]:
     """The records a manifest of `version` has: chunks up to 3, the index from 4."""
-    return set(RECORDS) - {"index" if version <= INLINE else "chunk"}
+    return set(ENTRY_TABLES) - {"index" if version <= INLINE else "chunk"}
 
 
 def _fields(record: str, version: int) -> list[Field]:
-    return [f for f in RECORDS[record] if f.in_version(version)]
+    return [f for f in ENTRY_TABLES[record] if f.in_version(version)]
 
 
 @pytest.mark.parametrize("version", [INLINE, VERSION])
@@ -105,7 +107,7 @@ def test_writer_emits_exactly_the_table_fields(version):
 REQUIRED = [
     (version, record, f.name)
     for version in (INLINE, 4, VERSION)
-    for record, table in RECORDS.items()
+    for record, table in ENTRY_TABLES.items()
     for f in table
     if f.required and f.in_version(version) and holds(json.loads(golden_text(version)), record)
 ]
@@ -125,7 +127,7 @@ def test_a_missing_required_field_is_named(version, record, name):
 def test_every_record_of_each_version_is_in_its_golden_file():
     for version in (INLINE, 4, VERSION):
         doc = json.loads(golden_text(version))
-        assert {r for r in RECORDS if holds(doc, r)} == _held(version), version
+        assert {r for r in ENTRY_TABLES if holds(doc, r)} == _held(version), version
 
 
 @pytest.mark.parametrize("record, name, value, reason", BAD.values(), ids=BAD.keys())

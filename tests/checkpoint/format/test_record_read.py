@@ -1,5 +1,5 @@
 """Reading where a tensor's bytes sit in a `torch.save` record (`format.archive`), without
-loading it; what is not one plain tensor is a `RecordError`. More record cases: test_records."""
+loading it; what is not one plain tensor is a `ArchiveError`. More record cases: test_records."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import io
 import pytest
 import torch
 
-from shardwise.checkpoint.format.archive import RecordError, read_record_layout
+from shardwise.checkpoint.format.archive import ArchiveError, read_archive_layout
 from shardwise.storage.local import LocalFile
 
 
@@ -22,10 +22,10 @@ def test_a_record_that_is_not_one_tensor_is_a_record_error(tmp_path):
     buffer = io.BytesIO()
     torch.save({"a": torch.zeros(2), "b": torch.ones(2)}, buffer)
     data = buffer.getvalue()
-    with pytest.raises(RecordError, match="something other than a single tensor"):
-        read_record_layout(_file(data, tmp_path), 0, len(data))
-    with pytest.raises(RecordError, match="not a readable tensor record"):
-        read_record_layout(_file(b"garbage" * 20, tmp_path), 0, 140)
+    with pytest.raises(ArchiveError, match="something other than a single tensor"):
+        read_archive_layout(_file(data, tmp_path), 0, len(data))
+    with pytest.raises(ArchiveError, match="not a readable tensor record"):
+        read_archive_layout(_file(b"garbage" * 20, tmp_path), 0, 140)
 
 
 @pytest.mark.parametrize(
@@ -46,7 +46,7 @@ def test_the_payload_of_a_record_inside_a_file(tmp_path, t):
     path.write_bytes(b"x" * 100 + record)  # the record does not start the file
     f = LocalFile(str(path))
     try:
-        layout = read_record_layout(f, 100, len(record))
+        layout = read_archive_layout(f, 100, len(record))
     finally:
         f.close()
     assert (layout.dtype, layout.shape, layout.c_contiguous) == (t.dtype, tuple(t.shape), True)
@@ -60,5 +60,5 @@ def test_a_strided_record_says_its_payload_is_not_in_c_order(tmp_path):
     t = torch.arange(12, dtype=torch.int16).reshape(3, 4).t()  # a transposed view, saved as is
     buffer = io.BytesIO()
     torch.save(t, buffer)
-    layout = read_record_layout(_file(buffer.getvalue(), tmp_path), 0, len(buffer.getvalue()))
+    layout = read_archive_layout(_file(buffer.getvalue(), tmp_path), 0, len(buffer.getvalue()))
     assert (layout.shape, layout.dtype, layout.c_contiguous) == ((4, 3), torch.int16, False)

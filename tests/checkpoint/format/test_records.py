@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 import shardwise as sw
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.format.archive import _read_via_directory, read_record_layout
+from shardwise.checkpoint.format.archive import _read_via_directory, read_archive_layout
 from shardwise.checkpoint.format.pickles import UnsafeMetadataError, load_metadata
 from shardwise.storage.local import LocalFile
 
@@ -29,7 +29,7 @@ TENSORS = {
 
 
 def saved_record(t: torch.Tensor, prefix: bytes):
-    """(layout, payload bytes or None) that `read_record_layout` finds in
+    """(layout, payload bytes or None) that `read_archive_layout` finds in
     `torch.save(t)` written after `prefix`, checked against the zip central
     directory's answer; the payload is read only where it is C-contiguous."""
     with tempfile.TemporaryFile() as f:
@@ -38,7 +38,7 @@ def saved_record(t: torch.Tensor, prefix: bytes):
         torch.save(t, f)
         length = f.tell() - start
         f.flush()
-        layout = read_record_layout(LocalFile.wrap(f.fileno()), start, length)
+        layout = read_archive_layout(LocalFile.wrap(f.fileno()), start, length)
         assert layout == _read_via_directory(LocalFile.wrap(f.fileno()), start, length)
         raw = (
             bytearray(os.pread(f.fileno(), layout.nbytes, layout.payload_offset))
@@ -76,13 +76,13 @@ def test_records_that_are_not_plain_tensors_are_refused():
         length = f.tell()
         f.flush()
         with pytest.raises(ValueError):
-            read_record_layout(LocalFile.wrap(f.fileno()), 0, length)
+            read_archive_layout(LocalFile.wrap(f.fileno()), 0, length)
     with tempfile.TemporaryFile() as f:
         torch.save(_Boom(), f)
         length = f.tell()
         f.flush()
         with pytest.raises(ValueError, match="refused global"):
-            read_record_layout(LocalFile.wrap(f.fileno()), 0, length)
+            read_archive_layout(LocalFile.wrap(f.fileno()), 0, length)
 
 
 def test_stock_metadata_is_admitted(tmp_path):

@@ -14,14 +14,14 @@ from shardwise.checkpoint.format.archive import (
     LOCAL_HEADER,
     STORED,
     ZIP64_LIMIT,
-    RecordError,
+    ArchiveError,
     end_of_archive,
     local_header,
 )
 
 
 def test_no_zip_local_header_is_a_record_error():
-    with pytest.raises(RecordError, match="bad zip local header"):
+    with pytest.raises(ArchiveError, match="bad zip local header"):
         local_header(b"PK\x05\x06" + bytes(40))
 
 
@@ -45,7 +45,7 @@ def test_the_local_header_of_a_torch_save_record():
 
 @pytest.mark.parametrize("data", [b"", b"PK\x03", bytes(40)], ids=["empty", "short", "zeros"])
 def test_no_local_header_where_there_is_none(data):
-    with pytest.raises(RecordError, match="bad zip local header"):
+    with pytest.raises(ArchiveError, match="bad zip local header"):
         local_header(data)
 
 

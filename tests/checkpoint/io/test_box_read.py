@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import shardwise.checkpoint as swc
-from shardwise.checkpoint.format.archive import RecordLayout
+from shardwise.checkpoint.format.archive import ArchiveLayout
 from shardwise.checkpoint.format.checksums import byte_view, enclosing_box, tile_shape
 from shardwise.checkpoint.format.manifest import StoredChunk
 from shardwise.checkpoint.io.chunks import check_whole, first_bad, read_box
@@ -22,7 +22,7 @@ from shardwise.storage.local import LocalFile
 from ..format.tile_data import WIDE, flip_byte, random_tensor
 
 
-def _written(tmp_path: Path, t: torch.Tensor) -> tuple[Path, StoredChunk, RecordLayout]:
+def _written(tmp_path: Path, t: torch.Tensor) -> tuple[Path, StoredChunk, ArchiveLayout]:
     with DataFile(tmp_path, "data.distcp") as f:
         f.write_object(b"x" * 100)  # the chunk does not start the file
         w = f.write_tensor(t)
@@ -30,7 +30,7 @@ def _written(tmp_path: Path, t: torch.Tensor) -> tuple[Path, StoredChunk, Record
     chunk = w.chunk_entry((0,) * t.ndim, tuple(t.shape))
     stored = StoredChunk.of(chunk, str(t.dtype).removeprefix("torch."))
     assert w.payload is not None
-    layout = RecordLayout(w.payload[0], w.payload[1], t.dtype, tuple(t.shape), True)
+    layout = ArchiveLayout(w.payload[0], w.payload[1], t.dtype, tuple(t.shape), True)
     return tmp_path / "data.distcp", stored, layout
 
 

@@ -14,13 +14,13 @@ import crc32c
 import pytest
 import torch
 
-from shardwise.checkpoint.format.archive import tensor_record
+from shardwise.checkpoint.format.archive import tensor_archive
 from shardwise.checkpoint.io import write as chunk_writer
 from shardwise.checkpoint.io.write import DataFile
 
 
 def _saved(t: torch.Tensor, serialization_id: str = "0" * 40) -> bytes:
-    head, payload, tail = tensor_record(t, serialization_id)
+    head, payload, tail = tensor_archive(t, serialization_id)
     return head + bytes(payload) + tail
 
 
@@ -96,7 +96,7 @@ def test_a_write_per_batch_when_buffers_or_copies_fill_it(
 def test_an_encoded_record_is_stored_as_is_with_one_checksum(tmp_path: Path) -> None:
     with DataFile(tmp_path, "f.distcp") as f:
         f.write_object(b"x" * 5)
-        w = f.write_record(io.BytesIO(b"compressed").getbuffer())
+        w = f.write_archive(io.BytesIO(b"compressed").getbuffer())
         f.finish()
     assert (w.offset, w.length, w.crcs, w.payload, w.tile) == (
         5,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shardwise import CorruptCheckpointError
-from shardwise.checkpoint.format.archive import RecordLayout
+from shardwise.checkpoint.format.archive import ArchiveLayout
 from shardwise.checkpoint.format.manifest import StoredChunk
 from shardwise.checkpoint.io.device import DeviceLanding, HostCopier
 from shardwise.checkpoint.io.read import can_stream, read_streamed
@@ -54,14 +54,14 @@ def test_a_slab_with_a_stand_in_not_yet_sent_is_not_reused() -> None:
     landing.finish()
 
 
-def _chunk(tmp_path: Path, tensor: torch.Tensor) -> tuple[StoredChunk, RecordLayout]:
+def _chunk(tmp_path: Path, tensor: torch.Tensor) -> tuple[StoredChunk, ArchiveLayout]:
     with DataFile(tmp_path, "f") as f:
         written = f.write_tensor(tensor)
         f.finish()
     chunk = StoredChunk.of(written.chunk_entry((0,) * tensor.dim(), tuple(tensor.shape)), "float32")
     assert written.payload is not None
     at, n = written.payload
-    return chunk, RecordLayout(at, n, tensor.dtype, tuple(tensor.shape), True)
+    return chunk, ArchiveLayout(at, n, tensor.dtype, tuple(tensor.shape), True)
 
 
 def test_a_chunk_larger_than_a_slab_is_read_piecewise_and_verified(tmp_path: Path) -> None:

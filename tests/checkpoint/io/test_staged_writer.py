@@ -1,4 +1,4 @@
-"""`io.write.write_records`: records from device memory through bounded host slabs.
+"""`io.write.write_archives`: records from device memory through bounded host slabs.
 
 On CPU the pipeline runs through `HostCopier` (CPU tensors staged as device
 tensors would be), so its logic — waves, cut and packed records, order, the
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardwise.checkpoint.format.archive import tensor_record
+from shardwise.checkpoint.format.archive import tensor_archive
 from shardwise.checkpoint.io import write as staged_writer
 from shardwise.checkpoint.io.device import HostCopier, HostSlabs
 from shardwise.checkpoint.io.write import DataFile
@@ -41,7 +41,7 @@ def _expected(records: list) -> bytes:
     out = b""
     for r in records:
         if isinstance(r, torch.Tensor):
-            head, payload, tail = tensor_record(r.resolve_conj().contiguous(), SID)
+            head, payload, tail = tensor_archive(r.resolve_conj().contiguous(), SID)
             out += head + bytes(payload) + tail
         else:
             out += r
@@ -59,9 +59,9 @@ def _direct(tmp_path: Path, records: list, name: str = "direct") -> list:
 
 
 def _write(f: DataFile, records: list, slabs: HostSlabs, stage, on_staged=None) -> list:
-    """`write_records` of `records` into the one file `f`, through `HostCopier`."""
+    """`write_archives` of `records` into the one file `f`, through `HostCopier`."""
     one_file = (records, [0] * len(records))
-    return staged_writer.write_records(
+    return staged_writer.write_archives(
         [f], one_file, SID, slabs, HostCopier(), stage=stage, on_staged=on_staged
     )
 
@@ -200,13 +200,13 @@ def test_budget_rules() -> None:
 
 
 def test_records_spread_over_files_keep_each_files_order(tmp_path: Path) -> None:
-    """Records interleaved over two files (as `engine.plan.place_records` spreads a large
+    """Records interleaved over two files (as `engine.plan.place_archives` spreads a large
     share): each file holds its records, in order, as direct writes would."""
     records = _records()
     which = [k % 2 for k in range(len(records))]
     slabs = HostSlabs(4 << 20, pin=False)
     with slabs.lease(), DataFile(tmp_path, "a") as a, DataFile(tmp_path, "b") as b:
-        written = staged_writer.write_records(
+        written = staged_writer.write_archives(
             [a, b], (records, which), SID, slabs, HostCopier(), stage=lambda t: True
         )
         a.finish()

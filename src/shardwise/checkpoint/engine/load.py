@@ -35,7 +35,7 @@ from ...errors import (
 )
 from ...storage import Folder, open_folder
 from ..format import Boxes, ChunkTable, Manifest, batch_boxes, dense, load_object, vetted_stream
-from ..io import ChunkRead, GatherRead, ReadExecutor, RecordRead, words_of
+from ..io import ArchiveRead, ChunkRead, GatherRead, ReadExecutor, words_of
 from .inventory import Piece, pieces_of
 from .stored import Covering, StoredBox, StoredView, WholeRows, fetched
 
@@ -273,7 +273,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 #
 # `Reader.read_data` (under stock `dcp.load`) and the load engine's one DCP branch
 # (targets only DCP's planner understands: a `_Checkpointable`, an unknown tensor
-# subclass) both turn a `LoadPlan` into `ChunkRead`/`RecordRead` here, with the
+# subclass) both turn a `LoadPlan` into `ChunkRead`/`ArchiveRead` here, with the
 # planner's `resolve_tensor`/`commit_tensor`/`load_bytes` as the callbacks, and run
 # them through the one `ReadExecutor`.
 # -----------------------------------------------------------------------------
@@ -287,17 +287,17 @@ def item_reads(
     folder: Folder,
     *,
     trust_objects: bool,
-) -> list[ChunkRead | RecordRead]:
+) -> list[ChunkRead | ArchiveRead]:
     """The executor's requests for DCP's `items`; stored objects reach `planner.load_bytes`
     only once vetted by `format.pickles.vetted_stream` (`trust_objects`)."""
-    out: list[ChunkRead | RecordRead] = []
+    out: list[ChunkRead | ArchiveRead] = []
     shapes: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
     for req in items:
         fqn = req.storage_index.fqn
         info = storage[req.storage_index]
         if req.type == LoadItemType.BYTE_IO:
             where = folder.where(info.relative_path)
-            out.append(RecordRead(fqn, info, _load_bytes(planner, req, where, trust_objects)))
+            out.append(ArchiveRead(fqn, info, _load_bytes(planner, req, where, trust_objects)))
             continue
         md = metadata.state_dict_metadata.get(fqn)
         if not isinstance(md, TensorStorageMetadata):
@@ -327,7 +327,7 @@ def item_reads(
 
 def planned_reads(
     targets: dict[str, Any], metadata: Metadata, folder: Folder, *, trust_objects: bool
-) -> list[ChunkRead | RecordRead]:
+) -> list[ChunkRead | ArchiveRead]:
     """Reads for `targets` (flat keys) planned by DCP's own `DefaultLoadPlanner`, locally:
     the one branch for values only DCP's per-item machinery knows how to fill."""
     planner = DefaultLoadPlanner(allow_partial_load=True)
@@ -463,7 +463,7 @@ def _plan(
     trust: bool,
     sent: set[str],
     verify: bool,
-) -> tuple[list[ChunkRead | RecordRead | GatherRead], WholeRows | None]:
+) -> tuple[list[ChunkRead | ArchiveRead | GatherRead], WholeRows | None]:
     """This rank's reads: objects (unpickled into `format.pickles`), the stored chunks its
     pieces overlap (from a version 4 index: only its tensors' sections, only the rows
     it reads), and DCP's own plan for values only DCP knows how to fill. The values
@@ -474,14 +474,14 @@ def _plan(
     checksum tile); not verifying, each part's bytes from first to last, where a
     ranged read would read them so too. Pieces that are whole stored chunks are planned
     as arrays (`engine.stored`), and read after the rest, a batch of requests at a time."""
-    reads: list[ChunkRead | RecordRead | GatherRead] = []
+    reads: list[ChunkRead | ArchiveRead | GatherRead] = []
     by_dcp: dict[str, Any] = {}
     held: dict[str, list[Piece]] = {}
     stored_objects = []
     for key, value in flat.items():
         if not isinstance(value, torch.Tensor) and view.is_object(key):
             info = view.object_info(key)
-            reads.append(RecordRead(key, info, _keep(objects, key, view, info, trust)))
+            reads.append(ArchiveRead(key, info, _keep(objects, key, view, info, trust)))
             stored_objects.append(key)
             continue
         if view.tensor(key) is None:
@@ -534,7 +534,7 @@ def _plan(
 
 def _reads(
     key: str, view: StoredView, chunks: list[StoredBox], piece: Piece
-) -> list[ChunkRead | RecordRead]:
+) -> list[ChunkRead | ArchiveRead]:
     """`piece` read from the stored `chunks` that overlap it: one whole chunk straight
     into it, else the part of each chunk it takes."""
     dtype = view.tensor(key)[1]  # type: ignore[index]  # a stored tensor
@@ -544,7 +544,7 @@ def _reads(
         info = view.storage(key, chunk[2])
         return [_read(key, chunk, info, dtype, zero, chunk[1], piece.tensor)]
     target = piece.tensor
-    reads: list[ChunkRead | RecordRead] = []
+    reads: list[ChunkRead | ArchiveRead] = []
     for chunk in chunks:
         offsets, sizes, _info = chunk
         lo = [max(a, b) for a, b in zip(piece.offsets, offsets)]

@@ -44,10 +44,10 @@ from ..format import (
     Manifest,
     ObjectEntry,
     TensorEntry,
+    archive_frame,
     dtype_from_name,
     manifest_sections,
     metadata_sections,
-    record_frame,
     tile_count,
     tile_shape,
     write_sections,
@@ -75,7 +75,7 @@ __all__ = [
     "lookup",
     "owned_part",
     "owner_of",
-    "place_records",
+    "place_archives",
     "plan_by_owners",
     "plan_records",
     "plan_save",
@@ -232,9 +232,9 @@ def region(found: tuple[tuple[int, ...], tuple[int, ...]] | None) -> str:
 #   to the holder nearest after rank `first` (each owner passes its own rank, so
 #   owners spread replicated state over different ranks deterministically); an
 #   object by the lowest rank holding it;
-# * where each record goes (`place_records`, on the writing rank): its records
+# * where each record goes (`place_archives`, on the writing rank): its records
 #   in its own inventory order, so every offset follows from the records'
-#   lengths (`record_frame`), known before any byte is written;
+#   lengths (`archive_frame`), known before any byte is written;
 # * what is wrong: a key held as a tensor on one rank and an object on another,
 #   or with different dtypes or global shapes, boxes out of bounds or
 #   overlapping, or not covering the tensor. Stock DCP accepts holes in a
@@ -436,7 +436,7 @@ def _check_boxes(key: str, plan: TensorPlan) -> str | None:
     return None
 
 
-def place_records(
+def place_archives(
     writes: Iterable[tuple[str, int]], entries: list[Entry], serialization_id: str
 ) -> Places:
     """Where each record of a rank's `writes` ((key, box index), -1 for an object)
@@ -462,7 +462,7 @@ def place_records(
         known = frames.get((dtype, sizes))
         if known is None:
             torch_dtype = dtype_from_name(dtype)  # type: ignore[arg-type]
-            head, tail = record_frame(torch_dtype, sizes, serialization_id)
+            head, tail = archive_frame(torch_dtype, sizes, serialization_id)
             nbytes = math.prod(sizes) * torch_dtype.itemsize
             crcs = tile_count(sizes, tile_shape(sizes, torch_dtype.itemsize))
             known = frames[(dtype, sizes)] = (len(head) + nbytes + len(tail), len(head), crcs)

@@ -38,7 +38,7 @@ from ..io import (
     in_the_way,
     slabs_for,
     staging_bytes,
-    write_records,
+    write_archives,
 )
 from . import plan as plan_cache
 from .inventory import Entry, Held, describe, serialize_objects
@@ -47,7 +47,7 @@ from .plan import (
     Places,
     file_name,
     owned_part,
-    place_records,
+    place_archives,
     plan_by_owners,
     remote_objects,
     reports_for,
@@ -109,7 +109,7 @@ def write_rank_file(
     staged: Once,
 ) -> None:
     """This rank's records (tensors, objects' bytes), in plan order, each into the new
-    file of `names` its place says (`engine.plan.place_records`): device tensors through
+    file of `names` its place says (`engine.plan.place_archives`): device tensors through
     the staging slabs (`io.write`), host tensors straight from their memory.
     Each file then ends with the frame and tile checksums of its tensor records, where
     their places say (`crc_at`): the checksums stay with their writer (format 5)."""
@@ -120,7 +120,7 @@ def write_rank_file(
     slabs = slabs_for("save", staging_bytes(staging.budget))
     with slabs.lease(), ExitStack() as stack:
         files = [stack.enter_context(DataFile(folder, name)) for name in names]
-        written = write_records(
+        written = write_archives(
             files,
             (values, placed.rows[:, 3].tolist()),
             serialization_id,
@@ -150,7 +150,7 @@ def _write_checksums(file: DataFile, k: int, placed: Places, written: list[Writt
         words.extend(w.crcs)
     if sys.byteorder != "little":
         words.byteswap()
-    file.write_record(words.tobytes())
+    file.write_archive(words.tobytes())
 
 
 def _any_on_device(records: list[Any]) -> bool:
@@ -185,7 +185,7 @@ def _always(t: torch.Tensor) -> bool:
 #    every rank holds this structure's plan from an earlier save (`engine.plan`);
 # 2. only when it does not: two `all_to_all`s plan the save, each key on its
 #    owner (`engine.plan.plan_by_owners`), and each rank places its own records
-#    (`engine.plan.place_records`);
+#    (`engine.plan.place_archives`);
 # 3. on a first save each rank routes each record's place to the key's owner
 #    (one `all_to_all`), which keeps them with its plan: a repeated save routes
 #    nothing, unless an object is written by a rank other than its owner (its
@@ -346,7 +346,7 @@ def _save_leased(
             raise ShardMismatchError(f"cannot save to {path}: " + "; ".join(problems))
         placed = Places()
         try:
-            placed = place_records(mine.pairs(), entries, serialization_id)
+            placed = place_archives(mine.pairs(), entries, serialization_id)
         except Exception as e:  # noqa: BLE001 - raised on every rank by the next route
             agreement.defer(e)
         kept = plan_cache.Planned(ids[0] | 1, mine, placed, owned)

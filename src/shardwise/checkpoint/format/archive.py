@@ -34,8 +34,8 @@ __all__ = [
     "LOCAL_HEADER",
     "LOCAL_SIGNATURE",
     "LocalHeader",
-    "RecordError",
-    "RecordLayout",
+    "ArchiveError",
+    "ArchiveLayout",
     "STORED",
     "UTF8_NAMES",
     "VERSION",
@@ -44,9 +44,9 @@ __all__ = [
     "ZIP64_LIMIT",
     "end_of_archive",
     "local_header",
-    "read_record_layout",
-    "record_frame",
-    "tensor_record",
+    "read_archive_layout",
+    "archive_frame",
+    "tensor_archive",
     "write_torch_archive",
 ]
 
@@ -59,7 +59,7 @@ __all__ = [
 # -----------------------------------------------------------------------------
 
 
-class RecordError(ShardwiseError, ValueError):
+class ArchiveError(ShardwiseError, ValueError):
     """A `torch.save` record that is not a single plain tensor, or is damaged.
     Internal: its readers catch it (as a `ValueError`) and raise
     `CorruptCheckpointError` naming the tensor and the file, or fall back to
@@ -114,9 +114,9 @@ class LocalHeader(NamedTuple):
 
 
 def local_header(buf: bytes, pos: int = 0) -> LocalHeader:
-    """The local header at `pos` of `buf`; `RecordError` when there is none."""
+    """The local header at `pos` of `buf`; `ArchiveError` when there is none."""
     if len(buf) < pos + LOCAL_HEADER.size or buf[pos : pos + 4] != LOCAL_SIGNATURE:
-        raise RecordError("bad zip local header in the record")
+        raise ArchiveError("bad zip local header in the record")
     fields = LOCAL_HEADER.unpack_from(buf, pos)
     return LocalHeader(fields[3], fields[9], fields[10])
 
@@ -171,7 +171,7 @@ def end_of_archive(entries: int, directory_size: int, directory_offset: int) -> 
 
 
 @dataclass(frozen=True)
-class RecordLayout:
+class ArchiveLayout:
     """A tensor record: payload bytes at `payload_offset` (absolute, in the file)."""
 
     payload_offset: int
@@ -228,7 +228,7 @@ class _Capped(io.BufferedReader):
             size = self.seek(0, 2) - at
             self.seek(at)
         if size > ZIP_READ:
-            raise RecordError(
+            raise ArchiveError(
                 f"a read of {size} bytes of a tensor record's zip structures, more than the "
                 f"{ZIP_READ} any holds (damaged or crafted)"
             )
@@ -324,7 +324,7 @@ _STORAGE_DTYPES = {
 _UNTYPED = (("torch.storage", "UntypedStorage"), ("torch", "UntypedStorage"))
 
 
-class _TensorRecordUnpickler(pickle.Unpickler):
+class _TensorArchiveUnpickler(pickle.Unpickler):
     """Reads `data.pkl` of a single-tensor record into `_TensorArgs`; refuses anything else."""
 
     def find_class(self, module: str, name: str) -> object:
@@ -349,11 +349,11 @@ class _TensorRecordUnpickler(pickle.Unpickler):
         return _StorageRef(dtype, str(key), int(numel))
 
 
-def read_record_layout(file: RandomAccess, offset: int, length: int) -> RecordLayout:
+def read_archive_layout(file: RandomAccess, offset: int, length: int) -> ArchiveLayout:
     """Parse the `torch.save` record at `[offset, offset + length)` of `file`.
 
     Reads the record's first few KiB (its small entries come before the
-    payload) or, failing that, its zip directory. Raises `RecordError` (a
+    payload) or, failing that, its zip directory. Raises `ArchiveError` (a
     `ValueError`) when the record is not a single plain tensor.
     """
     head = file.pread(min(length, HEAD_BYTES), offset)
@@ -369,14 +369,14 @@ def read_record_layout(file: RandomAccess, offset: int, length: int) -> RecordLa
     return _read_via_directory(file, offset, length)
 
 
-HEAD_BYTES = 4096  # what `read_record_layout` reads first: a plain record's leading entries
+HEAD_BYTES = 4096  # what `read_archive_layout` reads first: a plain record's leading entries
 
 
 def _stored_entry_at(head: bytes, pos: int) -> tuple[str, int]:
     """(entry name without the archive folder, data start) of the local header at `pos`."""
     header = local_header(head, pos)
     if header.method != STORED:
-        raise RecordError("not a stored zip entry")
+        raise ArchiveError("not a stored zip entry")
     at = pos + LOCAL_HEADER.size
     name = head[at : at + header.name_length].decode("utf-8", "replace")
     return name.split("/", 1)[-1], pos + header.data_offset
@@ -390,7 +390,7 @@ def _scan_head(head: bytes) -> tuple[_TensorArgs, int] | None:
     if name != "data.pkl":
         return None
     stream = io.BytesIO(head[start:])
-    args = _TensorRecordUnpickler(stream).load()
+    args = _TensorArchiveUnpickler(stream).load()
     if not isinstance(args, _TensorArgs):
         return None
     pos = start + stream.tell()
@@ -404,22 +404,22 @@ def _scan_head(head: bytes) -> tuple[_TensorArgs, int] | None:
         pos = data_start
 
 
-def _read_via_directory(file: RandomAccess, offset: int, length: int) -> RecordLayout:
+def _read_via_directory(file: RandomAccess, offset: int, length: int) -> ArchiveLayout:
     window = _Window(file, offset, length)
     try:
         with zipfile.ZipFile(_Capped(window)) as archive:
             infos = {i.filename.split("/", 1)[-1]: i for i in archive.infolist()}
             pkl = infos.get("data.pkl")
             if pkl is None:
-                raise RecordError("no data.pkl in the record")
-            args = _TensorRecordUnpickler(io.BytesIO(archive.read(pkl))).load()
+                raise ArchiveError("no data.pkl in the record")
+            args = _TensorArchiveUnpickler(io.BytesIO(archive.read(pkl))).load()
     except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, struct.error, TypeError) as e:
-        raise RecordError(f"not a readable tensor record: {e}") from e
+        raise ArchiveError(f"not a readable tensor record: {e}") from e
     if not isinstance(args, _TensorArgs):
-        raise RecordError("the record holds something other than a single tensor")
+        raise ArchiveError("the record holds something other than a single tensor")
     entry = infos.get(f"data/{args.storage.key}")
     if entry is None or entry.compress_type != zipfile.ZIP_STORED:
-        raise RecordError("tensor payload missing or compressed")
+        raise ArchiveError("tensor payload missing or compressed")
     header = local_header(file.pread(LOCAL_HEADER.size, offset + entry.header_offset))
     data_start = entry.header_offset + header.data_offset
     return _layout(args, offset, data_start, entry.file_size, length)
@@ -427,13 +427,13 @@ def _read_via_directory(file: RandomAccess, offset: int, length: int) -> RecordL
 
 def _layout(
     args: object, offset: int, data_start: int, data_size: int, length: int
-) -> RecordLayout:
+) -> ArchiveLayout:
     if not isinstance(args, _TensorArgs):
-        raise RecordError("the record holds something other than a single tensor")
+        raise ArchiveError("the record holds something other than a single tensor")
     if data_size < 0:
-        raise RecordError(f"tensor payload of {data_size} bytes")
+        raise ArchiveError(f"tensor payload of {data_size} bytes")
     if data_start + data_size > length:
-        raise RecordError("tensor payload runs past the end of the record")
+        raise ArchiveError("tensor payload runs past the end of the record")
     shape = args.size
     contiguous = (
         args.plain
@@ -444,11 +444,11 @@ def _layout(
         )
     )
     if contiguous and data_size < nbytes(shape, args.dtype):  # the storage must hold them all
-        raise RecordError(
+        raise ArchiveError(
             f"tensor payload of {data_size} bytes, fewer than its {tuple(shape)} "
             f"{args.dtype} elements need ({nbytes(shape, args.dtype)})"
         )
-    return RecordLayout(offset + data_start, data_size, args.dtype, shape, contiguous)
+    return ArchiveLayout(offset + data_start, data_size, args.dtype, shape, contiguous)
 
 
 # -----------------------------------------------------------------------------
@@ -673,7 +673,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def tensor_record(
+def tensor_archive(
     t: torch.Tensor, serialization_id: str = "0" * 40
 ) -> tuple[bytes, memoryview, bytes]:
     """`(head, payload, tail)` of the record `torch.save(t)` would write; `t` must be a
@@ -681,11 +681,11 @@ def tensor_record(
     conjugate or negative bit); it starts at `len(head)`."""
     t = _plain(t)
     payload = byte_view(t) if t.numel() else memoryview(b"")
-    head, tail = record_frame(t.dtype, tuple(t.shape), serialization_id)
+    head, tail = archive_frame(t.dtype, tuple(t.shape), serialization_id)
     return head, payload, tail
 
 
-def record_frame(
+def archive_frame(
     dtype: torch.dtype, shape: tuple[int, ...], serialization_id: str = "0" * 40
 ) -> tuple[bytes, bytes]:
     """`(head, tail)`: the bytes of a tensor record around its payload. They depend
@@ -698,7 +698,7 @@ def record_frame(
 def _frame(
     dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, serialization_id: str
 ) -> tuple[bytes, bytes]:
-    """`record_frame`, cached: a state of many like-shaped tensors builds each frame once."""
+    """`archive_frame`, cached: a state of many like-shaped tensors builds each frame once."""
     archive = _Archive()
     head = bytearray()
     for name, data in _leading(_data_pkl(dtype, shape)):

@@ -45,7 +45,7 @@ __all__ = [
     "OBJECT",
     "ObjectEntry",
     "READS",
-    "RECORDS",
+    "ENTRY_TABLES",
     "STORAGE_META",
     "TENSOR",
     "TOP",
@@ -336,7 +336,7 @@ def const(value: Any) -> Kind:
     return leaf(json.dumps(value), lambda v: type(v) is type(value) and v == value)
 
 
-def record(fields: tuple[Field, ...], make: Callable[..., Any]) -> Kind:
+def entry_kind(fields: tuple[Field, ...], make: Callable[..., Any]) -> Kind:
     return Kind(
         "an object (fields below)",
         lambda doc, version, path: make(**decode(fields, doc, version, path)),
@@ -344,7 +344,7 @@ def record(fields: tuple[Field, ...], make: Callable[..., Any]) -> Kind:
     )
 
 
-# A record kind's fast path: `parse(value, version)` returns the entry, or None to
+# An entry kind's fast path: `parse(value, version)` returns the entry, or None to
 # leave the value to the table (which also names what is wrong); `dump(entry, version)`
 # returns the JSON object, or None likewise.
 FastParse = Callable[[Any, int], Any]
@@ -352,7 +352,7 @@ FastParse = Callable[[Any, int], Any]
 FastDump = Callable[[Any, int], Any]
 
 
-def record_map(
+def entry_map(
     doc: str,
     fields: tuple[Field, ...],
     make: Callable[..., Any],
@@ -387,7 +387,7 @@ def record_map(
     return Kind(doc, parse, dump)
 
 
-def record_list(
+def entry_list(
     doc: str,
     fields: tuple[Field, ...],
     make: Callable[..., Any],
@@ -949,17 +949,17 @@ CHUNK = (
     Field("offsets", INDEX, "where the stored block starts, in global coordinates"),
     Field("sizes", INDEX, "the stored block's sizes"),
     Field("file", FILE, "its data file"),
-    Field("record", RANGE, "the chunk's `torch.save` record in the file: what stock DCP reads"),
+    Field("record", RANGE, "the chunk's `torch.save` archive in the file: what stock DCP reads"),
     Field(
         "payload",
         RANGE_OR_NULL,
-        "the raw element bytes in C order inside the record; `null` when transformed",
+        "the raw element bytes in C order inside the archive; `null` when transformed",
     ),
     Field(
         "pages",
         CRCS,
         "crc32c of each `page_size` slice of the payload (the last may be shorter); "
-        "when transformed, one crc32c of the whole record",
+        "when transformed, one crc32c of the whole archive",
         until=2,
         attr="crcs",
     ),
@@ -977,15 +977,15 @@ CHUNK = (
         "tiles",
         CRCS,
         "crc32c of each tile of the payload, in the tile grid's C order; when transformed, "
-        "one crc32c of the whole record",
+        "one crc32c of the whole archive",
         since=3,
         attr="crcs",
     ),
-    Field("frame", CRC, "crc32c of the record's bytes before the payload, then after it"),
+    Field("frame", CRC, "crc32c of the archive's bytes before the payload, then after it"),
     Field(
         "transform",
         TRANSFORM,
-        "DCP stream-transform descriptors (e.g. `stream.zstd/1`): the record is read whole",
+        "DCP stream-transform descriptors (e.g. `stream.zstd/1`): the archive is read whole",
         default=None,
         since=2,
     ),
@@ -1003,7 +1003,7 @@ TENSOR = (
     ),
     Field(
         "chunks",
-        record_list("a list of chunks", CHUNK, ChunkEntry, (parse_chunk, dump_chunk)),
+        entry_list("a list of chunks", CHUNK, ChunkEntry, (parse_chunk, dump_chunk)),
         "the stored blocks",
         until=3,
     ),
@@ -1066,12 +1066,12 @@ TOP = (
     ),
     Field(
         "index",
-        record(INDEX_REF, IndexRef),
+        entry_kind(INDEX_REF, IndexRef),
         "the index file holding the tensors' chunk sections",
         since=4,
     ),
     Field("dcp_version", STR_OR_NULL, "DCP's `Metadata.version`", since=2),
-    Field("storage_meta", record(STORAGE_META, dict), "DCP's `StorageMeta`", since=2),
+    Field("storage_meta", entry_kind(STORAGE_META, dict), "DCP's `StorageMeta`", since=2),
     Field(
         "planner_data",
         Kind(
@@ -1093,7 +1093,7 @@ TOP = (
     ),
     Field(
         "tensors",
-        record_map(
+        entry_map(
             "an object: key to tensor",
             TENSOR,
             TensorEntry,
@@ -1104,7 +1104,7 @@ TOP = (
     ),
     Field(
         "objects",
-        record_map("an object: key to object", OBJECT, ObjectEntry),
+        entry_map("an object: key to object", OBJECT, ObjectEntry),
         "the stored Python objects (pickled), by key",
     ),
     Field(
@@ -1117,7 +1117,7 @@ TOP = (
 )
 
 # every record type, as docs/format.md titles its table
-RECORDS = {
+ENTRY_TABLES = {
     "top level": TOP,
     "storage_meta": STORAGE_META,
     "tensor": TENSOR,

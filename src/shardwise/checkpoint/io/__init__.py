@@ -5,7 +5,7 @@ Built on `storage.Folder` and `format`; knows nothing of state dicts or DCP's
 planners.
 """
 
-from .chunks import ChunkRead, GatherRead, RecordRead, words_of
+from .chunks import ArchiveRead, ChunkRead, GatherRead, words_of
 from .commit import (
     RecordNames,
     commit,
@@ -20,7 +20,7 @@ from .commit import (
 from .device import Copier, DeviceCopier, HostCopier, slabs_for, staging_bytes
 from .lease import LOCK_NAME, Lease
 from .read import ReadExecutor
-from .write import DataFile, Written, write_records
+from .write import DataFile, Written, write_archives
 
 __all__ = [
     "ChunkRead",
@@ -33,7 +33,7 @@ __all__ = [
     "Lease",
     "ReadExecutor",
     "RecordNames",
-    "RecordRead",
+    "ArchiveRead",
     "Written",
     "commit",
     "data_file_name",
@@ -46,5 +46,5 @@ __all__ = [
     "slabs_for",
     "staging_bytes",
     "words_of",
-    "write_records",
+    "write_archives",
 ]

@@ -24,8 +24,8 @@ from ...errors import CorruptCheckpointError
 from ...storage import Folder, RandomAccess
 from ..format import (
     MERGE_GAP,
+    ArchiveLayout,
     Boxes,
-    RecordLayout,
     StoredChunk,
     bad_page,
     bad_tile,
@@ -47,13 +47,13 @@ __all__ = [
     "GAP",
     "GatherRead",
     "Placed",
-    "RecordRead",
+    "ArchiveRead",
     "SMALL",
     "Whole",
     "Window",
     "as_whole",
     "box_ranges",
-    "check_record",
+    "check_archive",
     "check_whole",
     "end_of",
     "extents",
@@ -71,7 +71,7 @@ __all__ = [
 # -----------------------------------------------------------------------------
 # What a read asks for, as plain data: the requests every reader hands the read executor.
 #
-# `ChunkRead` is a box of one stored chunk bound for a target tensor; `RecordRead`
+# `ChunkRead` is a box of one stored chunk bound for a target tensor; `ArchiveRead`
 # a stored record's bytes (an object, a transformed chunk, framing bytes) bound
 # for a callback; `GatherRead` the parts of many small chunks bound for one
 # target, as arrays (`format.table`). Planners (the load engine, `Reader`'s translation of DCP's
@@ -97,7 +97,7 @@ class ChunkRead:
 
 
 @dataclass
-class RecordRead:
+class ArchiveRead:
     """A stored record's bytes (an object's; a transformed chunk's, or any byte range, to
     verify), read whole, checked against its checksum, its stream extensions undone
     unless not to `decode`, handed to `use`."""
@@ -152,7 +152,7 @@ def _checked(chunk: StoredChunk | None, verify: bool) -> list[int] | None:
 
 def _box_to_read(
     chunk: StoredChunk | None,
-    layout: RecordLayout,
+    layout: ArchiveLayout,
     offsets: tuple[int, ...],
     lengths: tuple[int, ...],
     verify: bool,
@@ -170,7 +170,7 @@ def _box_to_read(
 
 
 def _spans(
-    layout: RecordLayout, offsets: tuple[int, ...], lengths: tuple[int, ...], page: int | None
+    layout: ArchiveLayout, offsets: tuple[int, ...], lengths: tuple[int, ...], page: int | None
 ) -> tuple[torch.Tensor, int, list[tuple[int, int, int, int]]]:
     """(run starts, run bytes, spans) of a box of the payload: what `_read_runs` reads."""
     starts, run = runs(layout.shape, offsets, lengths, layout.dtype.itemsize)
@@ -181,7 +181,7 @@ def _spans(
 
 def box_ranges(
     chunk: StoredChunk | None,
-    layout: RecordLayout,
+    layout: ArchiveLayout,
     offsets: tuple[int, ...],
     lengths: tuple[int, ...],
     verify: bool,
@@ -200,7 +200,7 @@ def read_box(
     path: str,
     name: str,
     chunk: StoredChunk | None,
-    layout: RecordLayout,
+    layout: ArchiveLayout,
     offsets: tuple[int, ...],
     lengths: tuple[int, ...],
     dest: torch.Tensor,
@@ -278,7 +278,7 @@ def first_bad(payload: memoryview | bytes, chunk: StoredChunk) -> tuple[int, int
     return None if k is None else (k, k + min(chunk.page_size, len(payload) - k))
 
 
-def check_record(data: memoryview | bytes, chunk: StoredChunk, path: str, name: str) -> None:
+def check_archive(data: memoryview | bytes, chunk: StoredChunk, path: str, name: str) -> None:
     """Verify a transformed chunk's stored record (its one checksum), read whole."""
     if chunk.crcs and crc32c.crc32c(data) != chunk.crcs[0]:
         raise _failed(name, path, chunk.offset, chunk.offset + chunk.length)
@@ -292,7 +292,7 @@ def _read_runs(
     file: RandomAccess,
     path: str,
     name: str,
-    layout: RecordLayout,
+    layout: ArchiveLayout,
     offsets: tuple[int, ...],
     lengths: tuple[int, ...],
     out: torch.Tensor,
@@ -345,7 +345,7 @@ def _read_few_runs(
     file: RandomAccess,
     path: str,
     name: str,
-    layout: RecordLayout,
+    layout: ArchiveLayout,
     found: tuple[list[int], int],
     out: torch.Tensor,
     page: int | None,
@@ -388,7 +388,7 @@ def _check_pages(
     start: int,
     page: int,
     pages: list[int],
-    layout: RecordLayout,
+    layout: ArchiveLayout,
     name: str,
     path: str,
 ) -> None:
@@ -415,7 +415,7 @@ GAP = 64 << 10  # chunks closer than this in a file are read by one preadv, gap 
 
 _SPAN_IOVECS = 1024
 
-Whole = tuple[ChunkRead, RecordLayout]
+Whole = tuple[ChunkRead, ArchiveLayout]
 
 Placed = tuple[ChunkRead, torch.Tensor, torch.Tensor]  # read, its target, what took the bytes
 
@@ -449,7 +449,7 @@ def read_span(
     lo: int,
     resolve: Callable[[ChunkRead], torch.Tensor],
     verify: bool,
-    scratch: Callable[[torch.Tensor, RecordLayout], torch.Tensor],
+    scratch: Callable[[torch.Tensor, ArchiveLayout], torch.Tensor],
 ) -> tuple[int, list[Placed]]:
     """Read one span (`resolve` gives each chunk's target), verify each payload; the
     bytes read, and where each chunk's bytes went (its target, or `scratch` — a
@@ -507,7 +507,7 @@ def _check(name: str, chunk: StoredChunk, view: memoryview, where: str) -> None:
 # -----------------------------------------------------------------------------
 
 
-def read_whole(read: ChunkRead, layout: RecordLayout, verify: bool) -> bool:
+def read_whole(read: ChunkRead, layout: ArchiveLayout, verify: bool) -> bool:
     """Whether part `read` reads its whole chunk anyway: verifying a one-tile chunk,
     into a tensor on the CPU (a device target keeps its staged path)."""
     info = read.info
@@ -523,7 +523,7 @@ def read_whole(read: ChunkRead, layout: RecordLayout, verify: bool) -> bool:
     )
 
 
-def as_whole(parts: list[ChunkRead], layout: RecordLayout) -> ChunkRead:
+def as_whole(parts: list[ChunkRead], layout: ArchiveLayout) -> ChunkRead:
     """One read of the whole chunk `parts` (all `read_whole`) are parts of, into scratch;
     its `done` copies each part's box into that part's target."""
     first = parts[0]

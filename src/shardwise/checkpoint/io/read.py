@@ -27,22 +27,22 @@ from ...errors import CorruptCheckpointError, UnsupportedStorageError
 from ...storage import Folder, RandomAccess
 from ..format import (
     HEAD_BYTES,
-    RecordLayout,
+    ArchiveLayout,
     StoredChunk,
     StoredObject,
     TileHasher,
     byte_view,
-    read_record_layout,
+    read_archive_layout,
     tile_lengths,
 )
 from .chunks import (
+    ArchiveRead,
     ChunkRead,
     GatherRead,
-    RecordRead,
     Whole,
     as_whole,
     box_ranges,
-    check_record,
+    check_archive,
     end_of,
     extents,
     read_box,
@@ -61,7 +61,7 @@ __all__ = [
     "ReadExecutor",
     "WINDOW",
     "can_stream",
-    "load_record",
+    "load_archive",
     "locate",
     "open_files",
     "read_streamed",
@@ -80,7 +80,7 @@ _Ranges = dict[str, list[tuple[int, int]]]
 
 def open_files(
     folder: Folder,
-    reads: Sequence[ChunkRead | RecordRead | GatherRead],
+    reads: Sequence[ChunkRead | ArchiveRead | GatherRead],
     files: dict[str, RandomAccess],
     ends: dict[str, tuple[int, int, str]],
 ) -> None:
@@ -113,11 +113,11 @@ def open_files(
 
 def locate(
     folder: Folder, files: dict[str, RandomAccess], reads: list[ChunkRead]
-) -> dict[int, RecordLayout]:
+) -> dict[int, ArchiveLayout]:
     """Where each chunk's payload is, by `id` of its read: from its manifest entry, else
     (stock records) from the record's head, all heads fetched at once on a store.
     Transformed chunks have none."""
-    layouts: dict[int, RecordLayout] = {}
+    layouts: dict[int, ArchiveLayout] = {}
     heads: _Ranges = defaultdict(list)
     pending: list[ChunkRead] = []
     for r in reads:
@@ -126,7 +126,7 @@ def locate(
             continue
         if isinstance(info, StoredChunk) and info.payload is not None:
             at, n = info.payload
-            layouts[id(r)] = RecordLayout(at, n, r.dtype, r.shape, True)
+            layouts[id(r)] = ArchiveLayout(at, n, r.dtype, r.shape, True)
         else:
             pending.append(r)
             heads[info.relative_path].append(
@@ -137,12 +137,12 @@ def locate(
     if folder.wants_prefetch:
         folder.prefetch(heads)
     try:
-        found: dict[tuple[str, int], RecordLayout] = {}
+        found: dict[tuple[str, int], ArchiveLayout] = {}
         for r in pending:
             name, at = r.info.relative_path, r.info.offset
             layout = found.get((name, at))
             if layout is None:
-                layout = found[(name, at)] = _record_layout(folder, files, r)
+                layout = found[(name, at)] = _archive_layout(folder, files, r)
             layouts[id(r)] = layout
     finally:
         if folder.wants_prefetch:
@@ -150,10 +150,10 @@ def locate(
     return layouts
 
 
-def _record_layout(folder: Folder, files: dict[str, RandomAccess], r: ChunkRead) -> RecordLayout:
+def _archive_layout(folder: Folder, files: dict[str, RandomAccess], r: ChunkRead) -> ArchiveLayout:
     where = folder.where(r.info.relative_path)
     try:
-        layout = read_record_layout(files[r.info.relative_path], r.info.offset, r.info.length)
+        layout = read_archive_layout(files[r.info.relative_path], r.info.offset, r.info.length)
     except ValueError as e:
         raise CorruptCheckpointError(f"'{r.name}' in {where}: {e}") from e
     if layout.shape != r.shape:
@@ -279,7 +279,7 @@ def untransform(
     return plain
 
 
-def load_record(data: bytes, name: str, where: str) -> torch.Tensor:
+def load_archive(data: bytes, name: str, where: str) -> torch.Tensor:
     """The tensor of a whole `torch.save` record (tensors only: `weights_only`)."""
     try:
         value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -304,7 +304,7 @@ def load_record(data: bytes, name: str, where: str) -> torch.Tensor:
 
 
 def can_stream(
-    chunk: StoredChunk | None, layout: RecordLayout, target: torch.Tensor, verify: bool
+    chunk: StoredChunk | None, layout: ArchiveLayout, target: torch.Tensor, verify: bool
 ) -> bool:
     """Whether a whole chunk can go to `target` piecewise: a contiguous target of the
     stored dtype, and checksums (if any are checked) in the writer's tiles."""
@@ -321,7 +321,7 @@ def read_streamed(
     where: str,
     name: str,
     chunk: StoredChunk | None,
-    layout: RecordLayout,
+    layout: ArchiveLayout,
     target: torch.Tensor,
     landing: DeviceLanding,
     verify: bool,
@@ -357,7 +357,7 @@ def read_streamed(
 
 
 def _check(
-    hasher: TileHasher, chunk: StoredChunk, layout: RecordLayout, where: str, name: str
+    hasher: TileHasher, chunk: StoredChunk, layout: ArchiveLayout, where: str, name: str
 ) -> None:
     tile, crcs = hasher.result()
     expected = list(chunk.crcs or [])
@@ -380,7 +380,7 @@ def _check(
 # from data files.
 #
 # Callers describe reads as plain data — `ChunkRead` (a box of a stored chunk into a
-# target) and `RecordRead` (a stored object's bytes, handed on) — and one
+# target) and `ArchiveRead` (a stored object's bytes, handed on) — and one
 # `ReadExecutor` runs them. Each data file is opened once and checked to hold every
 # range read from it (a missing or short file is one `CorruptCheckpointError`,
 # before any target is touched). Then
@@ -433,7 +433,7 @@ class ReadExecutor:
         self._told: list[tuple[ChunkRead, torch.Tensor]] = []  # device targets' `done`, at the end
         self._lock = threading.Lock()  # reads run on several threads (`io.read`)
 
-    def run(self, reads: Sequence[ChunkRead | RecordRead | GatherRead]) -> None:
+    def run(self, reads: Sequence[ChunkRead | ArchiveRead | GatherRead]) -> None:
         self._landing.follow_caller()
         try:
             gathers = [r for r in reads if isinstance(r, GatherRead)]
@@ -444,15 +444,15 @@ class ReadExecutor:
             # objects first: one refused stops the load before any target; then the
             # gathers, on this thread: numpy work for the most part, as the cores are
             # busy with the job's other ranks
-            jobs = [self._record_job(r) for r in reads if isinstance(r, RecordRead)]
+            jobs = [self._archive_job(r) for r in reads if isinstance(r, ArchiveRead)]
             jobs += [(w.ranges, w.run) for w in batches]
             first = len(jobs)
             wholes: dict[str, list[Whole]] = defaultdict(list)
-            shared: dict[tuple[str, int], tuple[list[ChunkRead], RecordLayout]] = {}
+            shared: dict[tuple[str, int], tuple[list[ChunkRead], ArchiveLayout]] = {}
             for read in chunks:
                 layout = layouts.get(id(read))
                 if layout is None or not layout.c_contiguous:
-                    jobs.append(self._record_job(read))
+                    jobs.append(self._archive_job(read))
                 elif read.lengths == layout.shape and not any(read.offsets):
                     wholes[read.info.relative_path].append((read, layout))
                 elif read_whole(read, layout, self.verify):
@@ -525,7 +525,7 @@ class ReadExecutor:
             else:  # told once its copy is done
                 self._told.append((read, target))
 
-    def _scratch(self, target: torch.Tensor, layout: RecordLayout) -> torch.Tensor:
+    def _scratch(self, target: torch.Tensor, layout: ArchiveLayout) -> torch.Tensor:
         """Where a chunk bound for `target` is read when not into it: a pinned stand-in
         for a device target (host memory otherwise, or when it exceeds a slab)."""
         if target.device.type != "cpu":
@@ -534,18 +534,18 @@ class ReadExecutor:
                 return host
         return torch.empty(layout.shape, dtype=layout.dtype)
 
-    def _record_job(self, read: RecordRead | ChunkRead) -> Job:
+    def _archive_job(self, read: ArchiveRead | ChunkRead) -> Job:
         """A whole stored record read: an object's, a transformed or strided chunk's."""
         info = read.info
-        fn: Any = self._read_record if isinstance(read, RecordRead) else self._read_whole
+        fn: Any = self._read_archive if isinstance(read, ArchiveRead) else self._read_whole
         return {info.relative_path: [(info.offset, end_of(info))]}, _bind(fn, read)
 
-    def _read_record(self, read: RecordRead) -> None:
+    def _read_archive(self, read: ArchiveRead) -> None:
         info = read.info
         data = self._pread(info, read.name)
         where = self.folder.where(info.relative_path)
         if isinstance(info, StoredChunk) and self.verify:
-            check_record(data, info, where, read.name)
+            check_archive(data, info, where, read.name)
         crc = info.crc32c if isinstance(info, StoredObject) else None
         if crc is not None and self.verify and crc32c.crc32c(data) != crc:
             raise CorruptCheckpointError(
@@ -564,12 +564,12 @@ class ReadExecutor:
         data = self._pread(info, read.name)
         if info.transform_descriptors:
             if isinstance(info, StoredChunk) and self.verify:
-                check_record(data, info, where, read.name)
+                check_archive(data, info, where, read.name)
             limit = math.prod(read.shape) * read.dtype.itemsize + CONTAINER_ROOM
             data = untransform(
                 self.registry, info.transform_descriptors, data, read.name, str(self.folder), limit
             )
-        whole = load_record(data, read.name, where)
+        whole = load_archive(data, read.name, where)
         piece = whole[tuple(slice(o, o + n) for o, n in zip(read.offsets, read.lengths))]
         target = self._resolve(read)
         if tuple(piece.shape) != tuple(target.shape):
@@ -578,7 +578,7 @@ class ReadExecutor:
             )
         self._fill(read, target, piece.contiguous() if target.device.type != "cpu" else piece)
 
-    def _box_job(self, read: ChunkRead, layout: RecordLayout) -> Job:
+    def _box_job(self, read: ChunkRead, layout: ArchiveLayout) -> Job:
         name = read.info.relative_path
         chunk = read.info if isinstance(read.info, StoredChunk) else None
         ranges = (
@@ -588,7 +588,7 @@ class ReadExecutor:
         )
         return ranges, lambda: self._read_box(read, chunk, layout)
 
-    def _read_box(self, read: ChunkRead, chunk: StoredChunk | None, layout: RecordLayout) -> None:
+    def _read_box(self, read: ChunkRead, chunk: StoredChunk | None, layout: ArchiveLayout) -> None:
         name = read.info.relative_path
         target = self._resolve(read)
         dest = target

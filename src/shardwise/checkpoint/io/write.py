@@ -26,11 +26,11 @@ from ..format import (
     ChunkEntry,
     ObjectEntry,
     TileHasher,
+    archive_frame,
     byte_view,
     checksum_payload,
     frame_crc,
-    record_frame,
-    tensor_record,
+    tensor_archive,
 )
 from .commit import failpoint
 from .device import PACK_BYTES, Copier, HostSlabs, Mark, writer_pool
@@ -38,10 +38,10 @@ from .device import PACK_BYTES, Copier, HostSlabs, Mark, writer_pool
 __all__ = [
     "DataFile",
     "SMALL_BYTES",
-    "TensorRecord",
+    "TensorArchive",
     "Written",
     "payload_checksums",
-    "write_records",
+    "write_archives",
 ]
 
 
@@ -98,7 +98,7 @@ def payload_checksums(tensor: torch.Tensor) -> tuple[tuple[int, ...], list[int]]
     place: what the manifest records for the chunk it is stored as."""
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise InvalidArgumentError("payload_checksums needs a contiguous CPU tensor")
-    plain = tensor.resolve_conj().resolve_neg()  # the values, as `tensor_record` stores them
+    plain = tensor.resolve_conj().resolve_neg()  # the values, as `tensor_archive` stores them
     payload = byte_view(plain) if plain.numel() else memoryview(b"")
     return checksum_payload(payload, tuple(plain.shape), plain.element_size())
 
@@ -161,9 +161,9 @@ class DataFile:
 
     def write_object(self, data: Any) -> Written:
         """Bytes stored as they are (a pickled object), with one checksum."""
-        return self.write_record(data)
+        return self.write_archive(data)
 
-    def write_record(self, data: Any) -> Written:
+    def write_archive(self, data: Any) -> Written:
         """An already-encoded record (an object's bytes, a stream-transformed chunk)
         stored as it is, with one checksum of the whole range."""
         self._queue((data,), len(data), len(data))
@@ -176,7 +176,7 @@ class DataFile:
         source = tensor.detach()
         tensor = source.cpu().contiguous()
         copied = tensor.nbytes if tensor.data_ptr() != source.data_ptr() else 0
-        head, payload, tail = tensor_record(tensor, serialization_id)
+        head, payload, tail = tensor_archive(tensor, serialization_id)
         tile, crcs = checksum_payload(payload, tuple(tensor.shape), tensor.element_size())
         self._queue((head, payload, tail), copied, len(head) + len(payload) + len(tail))
         payload_at = (self.pos + len(head), len(payload))
@@ -189,12 +189,12 @@ class DataFile:
         shape: tuple[int, ...],
         serialization_id: str = "0" * 40,
         hasher: TileHasher | None = None,
-    ) -> TensorRecord:
-        """A tensor record whose payload comes in pieces (`TensorRecord.add`): a device
+    ) -> TensorArchive:
+        """A tensor record whose payload comes in pieces (`TensorArchive.add`): a device
         tensor staged through host buffers, written the same bytes `write_tensor` would.
         Its place in the file is taken now; nothing else is written until it `end`s."""
-        head, tail = record_frame(dtype, shape, serialization_id)
-        record = TensorRecord(self, dtype, shape, head, tail, hasher)
+        head, tail = archive_frame(dtype, shape, serialization_id)
+        record = TensorArchive(self, dtype, shape, head, tail, hasher)
         self._queue((head,), 0, len(head))
         return record
 
@@ -271,7 +271,7 @@ class DataFile:
         return written
 
 
-class TensorRecord:
+class TensorArchive:
     """One tensor record of a `DataFile` being written piece by piece, in order. The
     pieces are queued, not copied: keep them unchanged until the file is `flush`ed.
     Checksums are taken by the `hasher`, fed by the caller (possibly on another
@@ -465,7 +465,7 @@ class _Pipeline:
             slab.hashing = self.hasher_thread.submit(_hash, large)
         return slab
 
-    def write(self, i: int, record: TensorRecord) -> None:
+    def write(self, i: int, record: TensorArchive) -> None:
         """Queue record `i`'s payload from the slabs it was copied into."""
         tensor, hasher = self.staged[i]
         left = _nbytes(tensor)
@@ -517,7 +517,7 @@ class _Pipeline:
         self.copier.close()
 
 
-def write_records(
+def write_archives(
     files: Sequence[DataFile],
     records: tuple[Sequence[Any], Sequence[int]],
     serialization_id: str,
@@ -543,7 +543,7 @@ def write_records(
         on_staged()
         on_staged = None
     pipeline = _Pipeline(files, staged, slabs, copier, on_staged)
-    out: list[Written | TensorRecord] = []
+    out: list[Written | TensorArchive] = []
     try:
         pipeline.fill()
         for i, r in enumerate(values):
@@ -558,7 +558,7 @@ def write_records(
                 out.append(file.write_object(r))
     finally:
         pipeline.drain()
-    return [w.written() if isinstance(w, TensorRecord) else w for w in out]
+    return [w.written() if isinstance(w, TensorArchive) else w for w in out]
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -21,7 +21,7 @@ from ...layout import Block
 from ...storage import Folder, open_folder
 from ..engine import StoredView, read_records
 from ..format import Manifest, nbytes
-from ..io import ChunkRead, ReadExecutor, RecordRead
+from ..io import ArchiveRead, ChunkRead, ReadExecutor
 
 __all__ = ["OpenCheckpoint", "open_checkpoint"]
 
@@ -90,7 +90,7 @@ class OpenCheckpoint:
         if region.ndim != len(shape) or any(e > s for e, s in zip(region.ends, shape)):
             raise LayoutError(f"region {region} is out of bounds of '{fqn}' with shape {shape}")
         out = torch.empty(region.sizes, dtype=md.properties.dtype)
-        reads: list[ChunkRead | RecordRead] = []
+        reads: list[ChunkRead | ArchiveRead] = []
         filled = 0
         boxes = {(offsets, sizes): info for offsets, sizes, info in self._view.chunks(fqn)}
         for (offsets, sizes), info in boxes.items():  # exact replicas read once
@@ -122,7 +122,7 @@ class OpenCheckpoint:
         if not self._view.is_object(fqn):
             raise KeyError(f"no object '{fqn}' in {self.path}")
         got: list[bytes] = []
-        self._executor.run([RecordRead(fqn, self._view.object_info(fqn), got.append)])
+        self._executor.run([ArchiveRead(fqn, self._view.object_info(fqn), got.append)])
         return got[0]
 
 

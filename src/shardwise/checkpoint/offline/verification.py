@@ -21,7 +21,7 @@ from ...layout import Block
 from ...layout.coverage import analyze
 from ...storage import Folder
 from ..format import ChunkEntry, StoredChunk, dtype_from_name, frame_crc
-from ..io import ChunkRead, ReadExecutor, RecordRead
+from ..io import ArchiveRead, ChunkRead, ReadExecutor
 from .opening import open_checkpoint
 
 _BLOCK = 4 << 20  # whole tiles (or pages) are read and checked this many bytes at a time
@@ -151,13 +151,13 @@ def _verify_chunk(
     reader = ReadExecutor(folder)
     try:
         if chunk.payload is None:  # stored through a transform (e.g. zstd): one checksum over it
-            reader.run([RecordRead(key, info, _counted(progress), decode=False)])
+            reader.run([ArchiveRead(key, info, _counted(progress), decode=False)])
             return []
         (start, length), (record_start, record_length) = chunk.payload, chunk.record
         frames: list[bytes] = []
         reader.run(
             [
-                RecordRead(key, _StorageInfo(chunk.file, at, n), frames.append, decode=False)
+                ArchiveRead(key, _StorageInfo(chunk.file, at, n), frames.append, decode=False)
                 for at, n in (
                     (record_start, start - record_start),
                     (start + length, record_start + record_length - start - length),
@@ -178,7 +178,7 @@ def _verify_chunk(
 
 def _payload_reads(
     key: str, info: StoredChunk, progress: Callable[[int], None] | None
-) -> list[ChunkRead | RecordRead]:
+) -> list[ChunkRead | ArchiveRead]:
     """Reads of a chunk's whole payload in boxes of whole tiles (or, paged, of whole
     pages of its bytes) of at most `_BLOCK` bytes each (or one tile), into scratch."""
     assert info.payload is not None
