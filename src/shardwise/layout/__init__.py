@@ -7,8 +7,8 @@ process.
 
 from __future__ import annotations
 
-from .block import Block
+from .block import Block, overlap
 from .layout import Layout
 from .transfers import BlockIndex, Transfer, plan_transfers
 
-__all__ = ["Block", "BlockIndex", "Layout", "Transfer", "plan_transfers"]
+__all__ = ["Block", "BlockIndex", "Layout", "Transfer", "overlap", "plan_transfers"]

@@ -104,18 +104,12 @@ class Block:
                 f"cannot intersect {self}, a {self.ndim}-d block, with {other}, a "
                 f"{other.ndim}-d block (ndim); both must index the same tensor"
             )
-        offsets = []
-        sizes = []
-        for a0, an, b0, bn in zip(self.offsets, self.sizes, other.offsets, other.sizes):
-            lo = a0 if a0 > b0 else b0
-            hi = min(a0 + an, b0 + bn)
-            if hi <= lo:
-                return None
-            offsets.append(lo)
-            sizes.append(hi - lo)
+        common = overlap(self.offsets, self.sizes, other.offsets, other.sizes)
+        if common is None:
+            return None
         if self.ndim == 0:
             return self  # a 0-d block is the single element of a scalar
-        return Block(tuple(offsets), tuple(sizes))
+        return Block(*common)
 
     def contains(self, other: Block) -> bool:
         """True when every element of `other` lies inside this block."""
@@ -141,3 +135,26 @@ class Block:
 
     def __str__(self) -> str:
         return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes)) + "]"
+
+
+def overlap(
+    a_offsets: tuple[int, ...],
+    a_sizes: tuple[int, ...],
+    b_offsets: tuple[int, ...],
+    b_sizes: tuple[int, ...],
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The common box (offsets, sizes) of two boxes of one tensor, or None when they
+    share no element (touching boxes and zero-size ones share none): the one
+    intersection, for `Block.intersect` and for callers holding boxes as tuples
+    (a load's pieces and stored chunks, a save's chunk check), who skip building
+    Blocks in their inner loops."""
+    offsets = []
+    sizes = []
+    for a0, an, b0, bn in zip(a_offsets, a_sizes, b_offsets, b_sizes):
+        lo = a0 if a0 > b0 else b0
+        hi = min(a0 + an, b0 + bn)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        sizes.append(hi - lo)
+    return tuple(offsets), tuple(sizes)

@@ -33,6 +33,7 @@ from ...errors import (
     InvalidArgumentError,
     ShardwiseError,
 )
+from ...layout import overlap
 from ...storage import Folder, open_folder
 from ..format import Boxes, ChunkTable, Manifest, batch_boxes, dense, load_object, vetted_stream
 from ..io import ArchiveRead, ChunkRead, GatherRead, ReadExecutor, words_of
@@ -156,7 +157,7 @@ def placed(view: StoredView, shared: dict[str, torch.Tensor]) -> list[Value]:
         where = _first(stored.sectioned.table, t) if stored.sectioned is not None else None
         if where is None:  # no index, or rows to refuse: as a load takes them
             infos = [
-                view.storage(key, c[2]) for c in stored.covering((0,) * t.dim(), tuple(t.shape))
+                view.storage(key, c.stored) for c in stored.covering((0,) * t.dim(), tuple(t.shape))
             ]
             where = min((i.relative_path, i.offset) for i in infos)
         values.append(Value(key, t.numel() * t.element_size(), *where))
@@ -538,23 +539,21 @@ def _reads(
     """`piece` read from the stored `chunks` that overlap it: one whole chunk straight
     into it, else the part of each chunk it takes."""
     dtype = view.tensor(key)[1]  # type: ignore[index]  # a stored tensor
-    if len(chunks) == 1 and chunks[0][:2] == (piece.offsets, piece.sizes):
-        chunk = chunks[0]
+    if len(chunks) == 1 and (chunks[0].offsets, chunks[0].sizes) == (piece.offsets, piece.sizes):
+        (chunk,) = chunks
         zero = (0,) * len(piece.offsets)
-        info = view.storage(key, chunk[2])
-        return [_read(key, chunk, info, dtype, zero, chunk[1], piece.tensor)]
+        info = view.storage(key, chunk.stored)
+        return [_read(key, chunk, info, dtype, zero, chunk.sizes, piece.tensor)]
     target = piece.tensor
     reads: list[ChunkRead | ArchiveRead] = []
     for chunk in chunks:
-        offsets, sizes, _info = chunk
-        lo = [max(a, b) for a, b in zip(piece.offsets, offsets)]
-        hi = [min(a + n, b + m) for a, n, b, m in zip(piece.offsets, piece.sizes, offsets, sizes)]
-        if any(h <= lo_ for lo_, h in zip(lo, hi)):
+        common = overlap(piece.offsets, piece.sizes, chunk.offsets, chunk.sizes)
+        if common is None:
             continue
-        lengths = tuple(h - lo_ for lo_, h in zip(lo, hi))
-        in_chunk = tuple(a - o for a, o in zip(lo, offsets))
+        lo, lengths = common
+        in_chunk = tuple(a - o for a, o in zip(lo, chunk.offsets))
         dest = target[tuple(slice(a - o, a - o + n) for a, o, n in zip(lo, piece.offsets, lengths))]
-        info = view.storage(key, chunk[2])
+        info = view.storage(key, chunk.stored)
         reads.append(_read(key, chunk, info, dtype, in_chunk, lengths, dest))
     return reads
 
@@ -568,7 +567,7 @@ def _read(
     lengths: tuple[int, ...],
     dest: torch.Tensor,
 ) -> ChunkRead:
-    return ChunkRead(key, info, chunk[1], dtype, offsets, lengths, dest.detach())
+    return ChunkRead(key, info, chunk.sizes, dtype, offsets, lengths, dest.detach())
 
 
 def _keep(objects: dict[str, Any], key: str, view: StoredView, info: Any, trust: bool) -> Any:

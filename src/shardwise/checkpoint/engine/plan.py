@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...comm.agreement import Agreement
-from ...layout import Block
+from ...layout import Block, overlap
 from ...layout.coverage import analyze
 from ..format import (
     ChunkEntry,
@@ -344,7 +344,8 @@ def plan_save(
             chunks = tensors[key].chunks
             for index, box in enumerate(held):
                 if boxes[box] == (rank, index):
-                    chunks.append((box[0], box[1], rank, len(mine)))
+                    offsets, sizes = box
+                    chunks.append((offsets, sizes, rank, len(mine)))
                     mine.append((key, index))
     for key, plan in tensors.items():
         problem = _check_boxes(key, plan)
@@ -369,7 +370,8 @@ def _assign_writers(
         if itemsize is None:
             itemsize = itemsizes[dtype] = dtype_from_name(dtype).itemsize
         for box, holders in boxes.items():
-            nbytes = math.prod(box[1]) * itemsize
+            _offsets, sizes = box
+            nbytes = math.prod(sizes) * itemsize
             if type(holders) is tuple:  # its sole holder writes it
                 if loads is None:
                     load[holders[0]] += nbytes
@@ -421,10 +423,7 @@ def _check_boxes(key: str, plan: TensorPlan) -> str | None:
     else:
         for i, (ao, an) in enumerate(solid):
             for bo, bn in solid[i + 1 :]:
-                for d in range(ndim):
-                    if ao[d] >= bo[d] + bn[d] or bo[d] >= ao[d] + an[d]:
-                        break  # apart along d: no overlap
-                else:
+                if overlap(ao, an, bo, bn) is not None:
                     return f"'{key}': chunks at offsets {ao} and {bo} overlap"
     if volume != math.prod(shape):
         hole = region(first_hole(solid, shape))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import CorruptCheckpointError
+from ...layout import overlap
 from ...storage import Folder
 from ..format import (
     MANIFEST,
@@ -320,8 +321,14 @@ def _requests(
 # manifest builds nothing for the rest.
 # -----------------------------------------------------------------------------
 
-# offsets, sizes, and the stored chunk (its manifest entry, or DCP's storage info)
-StoredBox = tuple[tuple[int, ...], tuple[int, ...], Any]
+
+class StoredBox(NamedTuple):
+    """A stored chunk's box, and the chunk: its manifest entry, or DCP's storage info
+    (`StoredView.storage` turns either into what reading it needs)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    stored: Any
 
 
 class StoredView:
@@ -402,12 +409,14 @@ class StoredView:
         """The stored chunks of tensor `key`: their boxes, and what `storage` turns into
         what reading one needs (only for the chunks a load reads: most it never touches)."""
         if self.manifest is not None:
-            return [(c.offsets, c.sizes, c) for c in self.manifest.tensors[key].chunks]
+            return [StoredBox(c.offsets, c.sizes, c) for c in self.manifest.tensors[key].chunks]
         metadata = self.metadata()
         md = metadata.state_dict_metadata[key]
         assert isinstance(md, TensorStorageMetadata)
         return [
-            (tuple(c.offsets), tuple(c.sizes), _storage(metadata, MetadataIndex(key, c.offsets)))
+            StoredBox(
+                tuple(c.offsets), tuple(c.sizes), _storage(metadata, MetadataIndex(key, c.offsets))
+            )
             for c in md.chunks
         ]
 
@@ -460,7 +469,9 @@ class _Sectioned:
     def covering(
         self, offsets: tuple[int, ...], sizes: tuple[int, ...], rows: list[int] | None = None
     ) -> list[StoredBox]:
-        return [(c.offsets, c.sizes, c) for c in self.chunks.covering(offsets, sizes, rows)]
+        return [
+            StoredBox(c.offsets, c.sizes, c) for c in self.chunks.covering(offsets, sizes, rows)
+        ]
 
     def parts(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox] | Boxes:
         rows = self.chunks.table.overlapping(offsets, sizes)
@@ -477,7 +488,7 @@ class _Listed:
     def __init__(self, chunks: list[StoredBox]) -> None:
         self.chunks = chunks
         # many chunks (a tensor sharded over many ranks): a box read whole is found at once
-        self.exact = {(c[0], c[1]): c for c in chunks} if len(chunks) > 8 else None
+        self.exact = {(c.offsets, c.sizes): c for c in chunks} if len(chunks) > 8 else None
 
     def parts(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox]:
         return self.covering(offsets, sizes)  # checked whole when read: few rows, or old formats
@@ -489,11 +500,7 @@ class _Listed:
             same = self.exact.get((offsets, sizes))
             if same is not None:
                 return [same]
-        return [
-            c
-            for c in self.chunks
-            if all(o < a + n and a < o + m and m for a, n, o, m in zip(offsets, sizes, c[0], c[1]))
-        ]
+        return [c for c in self.chunks if overlap(offsets, sizes, c.offsets, c.sizes) is not None]
 
 
 # what a load takes of a group of sections itself (`engine.stored`); it gives back the rest
