@@ -8,7 +8,7 @@ validation, transfer planning, DCP chunk lists, load planning) goes through
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from ..errors import InvalidTypeError, LayoutError
 
@@ -138,10 +138,10 @@ class Block:
 
 
 def overlap(
-    a_offsets: tuple[int, ...],
-    a_sizes: tuple[int, ...],
-    b_offsets: tuple[int, ...],
-    b_sizes: tuple[int, ...],
+    a_offsets: Sequence[int],
+    a_sizes: Sequence[int],
+    b_offsets: Sequence[int],
+    b_sizes: Sequence[int],
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The common box (offsets, sizes) of two boxes of one tensor, or None when they
     share no element (touching boxes and zero-size ones share none): the one

@@ -52,6 +52,7 @@ from ..format import (
     one_tile_boxes,
     plain,
     resolve_rows,
+    row_columns,
     section_bytes,
 )
 from ..io import ChunkRead, RecordNames, per_rank_records
@@ -218,15 +219,16 @@ class WholeRows:
     ) -> None:
         """The accepted pieces: checksums their writers keep to fetch (each row once),
         byte ranges added to the load's, the rest kept to read."""
-        c = rows.columns
+        c, col = rows.columns, row_columns(d)
+        file = slice(col.rank, col.token + 1)  # rank k token: the data file's name
         crc = rows.first[r]
         kept = np.flatnonzero(rows.crc_at[r] >= 0)
         if len(kept):
             wanted, back = np.unique(r[kept], return_inverse=True)
             slots = Slots(
-                c[wanted, 3 * d : 3 * d + 3],
+                c[wanted, file],
                 rows.crc_at[wanted],
-                c[wanted, -2],
+                c[wanted, col.crc_count],
                 rows.sec[wanted],
                 [name for _k, _t, _b, name in part],
             )
@@ -235,11 +237,11 @@ class WholeRows:
             if self.slots >= SLOTS:  # fetched now, not kept until the next group of rows
                 resolve_rows([], self.fetching(), self.fetch)
         keys = [key for key, _t, _b, _n in part]
-        self.spans.add_many(keys, sec, r - rows.start[sec], c[r, 3 * d : 3 * d + 5])
+        self.spans.add_many(keys, sec, r - rows.start[sec], c[r, col.rank : col.record.stop])
         self.taken += len(sec)
         read = np.flatnonzero(~np.asarray([key in self.sent for key in keys], dtype=bool)[sec])
         if len(read):
-            cols = np.hstack([c[r[read], 3 * d : 3 * d + 7], n[read]])
+            cols = np.hstack([c[r[read], col.stored], n[read]])
             picked = [tensors[i] for i in read.tolist()]
             dtypes = [t.dtype for _k, t, _b, _n in part]
             self.wholes.append(_Wholes(keys, dtypes, sec[read], picked, cols, crc, read))
@@ -275,7 +277,8 @@ def _row_of(rows: Rows, sec: np.ndarray, lo: np.ndarray, n: np.ndarray, d: int) 
     per = rows.count[sec]
     pair = np.repeat(np.arange(len(sec)), per)
     row = rows.start[sec][pair] + np.arange(len(pair)) - (np.cumsum(per) - per)[pair]
-    at, size = rows.columns[row, :d], rows.columns[row, d : 2 * d]
+    col = row_columns(d)
+    at, size = rows.columns[row, col.offsets], rows.columns[row, col.sizes]
     plo, pn = lo[pair], n[pair]
     hit = ((at < plo + pn) & (at + size > plo) & (size > 0)).all(axis=1)
     same = hit & (at == plo).all(axis=1) & (size == pn).all(axis=1)

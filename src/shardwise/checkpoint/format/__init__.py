@@ -82,6 +82,7 @@ from .table import (
     file_of,
     one_tile_boxes,
     plain,
+    row_columns,
     row_strides,
 )
 
@@ -151,6 +152,7 @@ __all__ = [
     "read_stock",
     "archive_frame",
     "resolve_rows",
+    "row_columns",
     "row_strides",
     "runs",
     "section_bytes",

@@ -28,7 +28,7 @@ from .checks import (
     record_limit,
 )
 from .entries import VERSION, ChunkEntry, IndexRef, TensorEntry, dtype_from_name
-from .table import ChunkTable, Fetch, Slots, encode_section, fetchable, file_of
+from .table import ChunkTable, Fetch, Slots, encode_section, fetchable, file_of, row_columns
 
 __all__ = [
     "GAP",
@@ -410,8 +410,11 @@ def resolve_rows(
         taken = np.concatenate([r for _t, r, _c in found])
         at = np.concatenate([t.crc_at_of(r) for t, r, _c in found])
         asked += [(t, r) for t, r, _c in found]
-        d = 3 * ndim
-        parts.append((cols[take, d : d + 3], at[take], cols[take, -2], owner[take], taken[take]))
+        col = row_columns(ndim)
+        file = slice(col.rank, col.token + 1)  # rank k token: the data file's name
+        parts.append(
+            (cols[take, file], at[take], cols[take, col.crc_count], owner[take], taken[take])
+        )
     names = [t.where for t, _r in asked]
     mine = sum(len(p[1]) for p in parts)  # the tables' slots, first
     for p in pending:

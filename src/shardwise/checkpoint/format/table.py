@@ -11,16 +11,18 @@ here (`ChunkTable`'s columns), never by offset arithmetic of its own.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from ...errors import CorruptCheckpointError
+from ...layout import overlap
 from .checks import DATA_FILE, check_coverage
 from .checksums import MERGE_GAP, tile_count, valid_tile
 from .entries import VERSION, ChunkEntry
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     from .index import TensorChunks
 
 __all__ = [
+    "Columns",
+    "row_columns",
     "Boxes",
     "ChunkTable",
     "Kept",
@@ -103,10 +107,10 @@ def fetchable(cols: np.ndarray, ndim: int, shapes: np.ndarray) -> np.ndarray:
     file, lie inside their tensor and whose count fits their tile grid (one per tile;
     one for a transformed chunk): a count is never trusted past its tensor's size.
     The others are never fetched: their entries fail the chunk checks."""
-    d = ndim
-    offsets, sizes, tile = cols[:, :d], cols[:, d : 2 * d], cols[:, 2 * d : 3 * d]
-    rank, k, token = cols[:, 3 * d], cols[:, 3 * d + 1], cols[:, 3 * d + 2]
-    count, transform = cols[:, -2], cols[:, -1]
+    col = row_columns(ndim)
+    offsets, sizes, tile = cols[:, col.offsets], cols[:, col.sizes], cols[:, col.tile]
+    rank, k, token = cols[:, col.rank], cols[:, col.k], cols[:, col.token]
+    count, transform = cols[:, col.crc_count], cols[:, col.transform]
     inside = (sizes <= shapes).all(axis=1) & (offsets <= shapes - sizes).all(axis=1)
     transformed, tiled = transform >= 0, ~(tile == -1).any(axis=1)
     fits = np.where(transformed, count == 1, tiled & (tile == sizes).all(axis=1) & (count == 1))
@@ -161,6 +165,54 @@ def row_width(ndim: int, version: int = VERSION) -> int:
     return 3 * ndim + (11 if version >= 5 else 10)
 
 
+class Columns(NamedTuple):
+    """Where each field of a chunk row of one ndim lies (the row above), by name: the
+    one home of the chunk-row columns. Every reader of rows, here and beyond
+    (`engine.stored`, `format.index`), takes its columns from `row_columns`, so a
+    per-chunk field is a column here, a field in `format.entries` and its value in
+    `engine.plan`'s records."""
+
+    offsets: slice
+    sizes: slice
+    box: slice  # offsets, then sizes
+    tile: slice
+    rank: int
+    k: int
+    token: int
+    record: slice  # the archive's offset and length (the on-disk name of the field)
+    payload: slice  # offset, length
+    stored: slice  # rank .. payload length: where a row's bytes lie
+    frame: int
+    crc_count: int  # checksums counted (in the section unless kept by the writer)
+    transform: int
+    crc_at: int  # from version 5; the width of a version 4 row
+
+
+def _range(columns: slice) -> list[int]:
+    return list(range(columns.start, columns.stop))
+
+
+@functools.cache
+def row_columns(ndim: int) -> Columns:
+    d, c = ndim, 3 * ndim
+    return Columns(
+        offsets=slice(0, d),
+        sizes=slice(d, 2 * d),
+        box=slice(0, 2 * d),
+        tile=slice(2 * d, c),
+        rank=c,
+        k=c + 1,
+        token=c + 2,
+        record=slice(c + 3, c + 5),
+        payload=slice(c + 5, c + 7),
+        stored=slice(c, c + 7),
+        frame=c + 7,
+        crc_count=c + 8,
+        transform=c + 9,
+        crc_at=c + 10,
+    )
+
+
 def file_of(rank: int, k: int, token: int) -> str:
     return f"__{rank}_{k}.sw{token:012x}.distcp"
 
@@ -192,6 +244,7 @@ class ChunkTable:
         # its tensor's: no row past it has its checksums fetched (None: none bounds them)
         self.shape = (_LIMIT,) * ndim if shape is None else shape
         width, old = row_width(ndim, version), row_width(ndim, 4)
+        col = row_columns(ndim)
         head = count * width * 8
         if len(data) < head or (len(data) - head) % 4:
             raise CorruptCheckpointError(
@@ -202,33 +255,37 @@ class ChunkTable:
             values = _ints("q", data[:head])
             rows = [values[i * width : (i + 1) * width] for i in range(count)]
             self.rows = [row[:old] for row in rows]
-            self.crc_at: Any = [row[old] if width > old else -1 for row in rows]
+            self.crc_at: Any = [row[col.crc_at] if width > old else -1 for row in rows]
             self.crcs: Any = _ints(_U32, data[head:])
-            negative = min((row[-2] for row in self.rows), default=0) < 0
-            counts = [row[-2] if at < 0 else 0 for row, at in zip(self.rows, self.crc_at)]
+            negative = min((row[col.crc_count] for row in self.rows), default=0) < 0
+            counts = [
+                row[col.crc_count] if at < 0 else 0 for row, at in zip(self.rows, self.crc_at)
+            ]
             self.starts = [0, *itertools.accumulate(counts)]
-            framed = any(row[-3] for row, at in zip(self.rows, self.crc_at) if at >= 0)
+            framed = any(row[col.frame] for row, at in zip(self.rows, self.crc_at) if at >= 0)
             lowest = min(values, default=0)
-            boxes = min((v for row in self.rows for v in row[: 2 * ndim]), default=0)
+            boxes = min((v for row in self.rows for v in row[col.box]), default=0)
             highest = max(values, default=0)
             self._kept_at = np.asarray(self.crc_at, dtype=np.int64)
         else:
             full = np.frombuffer(data, dtype="<i8", count=count * width).reshape(count, width)
             self.array, self.rows = full[:, :old], []
-            kept = full[:, old] >= 0 if width > old else None
-            self.crc_at = self._kept_at = full[:, old] if kept is not None else np.full(count, -1)
+            kept = full[:, col.crc_at] >= 0 if width > old else None
+            self.crc_at = self._kept_at = (
+                full[:, col.crc_at] if kept is not None else np.full(count, -1)
+            )
             self.crcs = np.frombuffer(data, dtype="<u4", offset=head)
-            raw = full[:, old - 2]
+            raw = full[:, col.crc_count]
             negative = count > 0 and int(raw.min()) < 0
             if kept is not None and kept.all():  # a collective save's: none in the section
                 self.starts = [0] * (count + 1)
-                framed = bool(np.count_nonzero(full[:, old - 3]))
+                framed = bool(np.count_nonzero(full[:, col.frame]))
             else:
                 inline = raw if kept is None else np.where(kept, 0, raw)
                 self.starts = [0, *np.cumsum(inline).tolist()]
-                framed = kept is not None and bool(np.count_nonzero(full[kept, old - 3]))
+                framed = kept is not None and bool(np.count_nonzero(full[kept, col.frame]))
             lowest, highest = int(full.min()), int(full.max())
-            boxes = int(full[:, : 2 * ndim].min()) if ndim else 0
+            boxes = int(full[:, col.box].min()) if ndim else 0
         if lowest < -1 or highest >= _LIMIT or negative or boxes < 0:
             raise CorruptCheckpointError(f"{where}: a chunk row holds an impossible value")
         if framed:  # a row whose writer keeps its frame holds none itself
@@ -256,31 +313,30 @@ class ChunkTable:
         d = self.ndim
         if not d:
             return list(range(self.count))
+        col = row_columns(d)
         if self.array is None:
             return [
                 i
                 for i, row in enumerate(self.rows)
-                if all(
-                    row[j] < offsets[j] + sizes[j]
-                    and row[j] + row[d + j] > offsets[j]
-                    and row[d + j] > 0
-                    for j in range(d)
-                )
+                if overlap(row[col.offsets], row[col.sizes], offsets, sizes) is not None
             ]
         lo = np.asarray(offsets, dtype=np.int64)
-        start, length = self.array[:, :d], self.array[:, d : 2 * d]
+        start, length = self.array[:, col.offsets], self.array[:, col.sizes]
         hit = ((start < lo + np.asarray(sizes)) & (start + length > lo) & (length > 0)).all(axis=1)
         return np.flatnonzero(hit).tolist()
 
     def entry(self, i: int) -> ChunkEntry:
         """Row `i` as a manifest entry; its values are checked against each other and
         the tensor by the reader (`Manifest`'s geometry rules), as a JSON entry's are."""
-        d = self.ndim
+        col = row_columns(self.ndim)
         row = self.rows[i] if self.array is None else self.array[i].tolist()
-        rank, k, token, rec_off, rec_len, pay_off, pay_len, frame, _, transform = row[3 * d :]
+        rank, k, token, frame, transform = (
+            row[j] for j in (col.rank, col.k, col.token, col.frame, col.transform)
+        )
+        (rec_off, rec_len), (pay_off, pay_len) = row[col.record], row[col.payload]
         if token > TOKEN or transform >= len(self.transforms) or not 0 <= frame <= 0xFFFFFFFF:
             raise CorruptCheckpointError(f"{self.where}: chunk row {i} holds an impossible value")
-        tile = tuple(row[2 * d : 3 * d])
+        tile = tuple(row[col.tile])
         transformed = transform >= 0
         if -1 in (rank, k, rec_off, rec_len) or (pay_off == -1) != transformed:
             raise CorruptCheckpointError(f"{self.where}: chunk row {i} holds an impossible value")
@@ -292,8 +348,8 @@ class ChunkTable:
                 self.resolve([i])
             frame, crcs = self.kept.of(i)
         return ChunkEntry(
-            tuple(row[:d]),
-            tuple(row[d : 2 * d]),
+            tuple(row[col.offsets]),
+            tuple(row[col.sizes]),
             file_of(rank, k, token),
             (rec_off, rec_len),
             None if transformed else (pay_off, pay_len),
@@ -306,9 +362,9 @@ class ChunkTable:
     def place(self, i: int) -> tuple[str, int] | None:
         """Where row `i`'s record starts (its file, offset), its checksums not fetched:
         what orders values (`engine.load`); None when a value is impossible."""
-        d = self.ndim
+        col = row_columns(self.ndim)
         row = self.rows[i] if self.array is None else self.array[i].tolist()
-        rank, k, token, rec_off = row[3 * d : 3 * d + 4]
+        rank, k, token, rec_off = row[col.rank], row[col.k], row[col.token], row[col.record][0]
         if min(rank, k, token, rec_off) < 0 or token > TOKEN:
             return None
         return file_of(rank, k, token), rec_off
@@ -494,15 +550,16 @@ def decode(sections: list[tuple[bytes, int]], ndim: int, version: int) -> Rows:
     full = np.frombuffer(b"".join(heads), dtype="<i8").reshape(-1, width)
     crcs = np.frombuffer(b"".join(tails), dtype="<u4")
     sec = np.repeat(np.arange(n), count)
+    col = row_columns(ndim)
     columns = full[:, :old]
-    crc_at = full[:, old] if width > old else np.full(len(full), -1, dtype=np.int64)
+    crc_at = full[:, col.crc_at] if width > old else np.full(len(full), -1, dtype=np.int64)
     kept = crc_at >= 0
-    held = columns[:, old - 2]  # checksums counted: in the section unless kept
-    bad = (held < 0) | (kept & (columns[:, old - 3] != 0))  # a kept row holds no frame
+    held = columns[:, col.crc_count]  # checksums counted: in the section unless kept
+    bad = (held < 0) | (kept & (columns[:, col.frame] != 0))  # a kept row holds no frame
     if len(full):
         bad |= (full.min(axis=1) < -1) | (full.max(axis=1) >= _LIMIT)
         if ndim:
-            bad |= columns[:, : 2 * ndim].min(axis=1) < 0
+            bad |= columns[:, col.box].min(axis=1) < 0
     inline = np.where(kept, 0, held)
     bad |= inline > len(crcs)  # never a valid count: its sums below stay exact
     inline = np.where(bad, 0, inline)
@@ -535,9 +592,6 @@ def decode(sections: list[tuple[bytes, int]], ndim: int, version: int) -> Rows:
 
 _BYTES_LIMIT = float(1 << 62)  # bytes no chunk reaches: its int64 arithmetic stays exact
 
-_NON_NEGATIVE = [0, 1, 3, 4, 7]  # rank, k, record offset and length, frame
-
-_BOUNDED = [2, 7]  # token (48 bits), frame (a crc32c)
 
 _BOUNDS = ((1 << 48) - 1, 0xFFFFFFFF)
 
@@ -578,7 +632,8 @@ def one_tile_boxes(
         chunks.plain = plain_rows(chunks)
     if not chunks.plain[hit].all():
         return None
-    at, size = rows[:, :d], rows[:, d : 2 * d]
+    col = row_columns(d)
+    at, size = rows[:, col.offsets], rows[:, col.sizes]
     clo, chi = np.maximum(at, lo), np.minimum(at + size, lo + n)
     if not _tiles(clo, chi, lo, n):
         if _cut_dims(clo, chi, lo, n) < 2:
@@ -589,12 +644,12 @@ def one_tile_boxes(
         ]
         where = chunks.table.where
         check_coverage(f"{chunks.key} (at {offsets})", sizes, boxes, where, replicas=False)
-    c = 3 * d  # rank k token record_offset record_length payload_offset payload_length
-    chunks.spans.add(chunks.key, hit, rows[:, c : c + 5])
+    file = slice(col.rank, col.token + 1)  # rank k token: the data file's name
+    chunks.spans.add(chunks.key, hit, rows[:, col.rank : col.record.stop])
     return Boxes(
-        rows[:, c : c + 3],
-        rows[:, c + 3 : c + 5],
-        rows[:, c + 5 : c + 7],
+        rows[:, file],
+        rows[:, col.record],
+        rows[:, col.payload],
         table.first_crcs(hit),
         size,
         clo - at,
@@ -637,18 +692,16 @@ def plain(array: np.ndarray, shape: np.ndarray, itemsize: np.ndarray | int) -> n
     """Which section rows (`array`, of tensors of `shape` and `itemsize`: one, or one per
     row) are plain one-tile chunks that check out alone: in bounds, byte ranges
     consistent with the sizes, names and frame possible."""
-    d = (array.shape[1] - 10) // 3
-    at, size, tile = array[:, :d], array[:, d : 2 * d], array[:, 2 * d : 3 * d]
-    # rank k token record_offset record_length payload_offset payload_length frame count transform
-    cols = array[:, 3 * d :]
-    rec_off, rec_len, pay_off, pay_len = cols[:, 3], cols[:, 4], cols[:, 5], cols[:, 6]
+    col = row_columns((array.shape[1] - row_width(0, 4)) // 3)
+    at, size, tile = array[:, col.offsets], array[:, col.sizes], array[:, col.tile]
+    (rec_off, rec_len), (pay_off, pay_len) = array[:, col.record].T, array[:, col.payload].T
     inside = (at + size <= shape).all(axis=1)
     ok = (
         inside
         & (tile == size).all(axis=1)
-        & (cols[:, _NON_NEGATIVE] >= 0).all(axis=1)
-        & (cols[:, _BOUNDED] <= _BOUNDS).all(axis=1)
-        & (cols[:, 8:] == (1, -1)).all(axis=1)  # one checksum, no transform
+        & (array[:, [col.rank, col.k, *_range(col.record), col.frame]] >= 0).all(axis=1)
+        & (array[:, [col.token, col.frame]] <= _BOUNDS).all(axis=1)  # 48 bits, a crc32c
+        & (array[:, [col.crc_count, col.transform]] == (1, -1)).all(axis=1)  # one crc, no transform
         & (pay_off >= rec_off)
         & (pay_off + pay_len <= rec_off + rec_len)
     )
@@ -734,7 +787,8 @@ def _batch(items: list[Item], d: int) -> list[Boxes | None]:
     n = np.asarray([s for _c, _o, s, _f in items], dtype=np.int64).reshape(-1, d)
     piece = np.repeat(np.arange(m), per)
     row = np.arange(len(piece))  # in `rows`
-    at, size, plo, pn = rows[:, :d], rows[:, d : 2 * d], lo[piece], n[piece]
+    col = row_columns(d)
+    at, size, plo, pn = rows[:, col.offsets], rows[:, col.sizes], lo[piece], n[piece]
     hit = ((at < plo + pn) & (at + size > plo) & (size > 0)).all(axis=1)  # as found: checked
     pairs = _Pairs(piece[hit], local[hit], row[hit], at[hit], size[hit], plo[hit], pn[hit])
     found = np.bincount(pairs.piece, minlength=m)
@@ -781,7 +835,7 @@ def _boxes(
     items: list[Item], pairs: _Pairs, rows: np.ndarray, crcs: np.ndarray, d: int
 ) -> list[Boxes | None]:
     """Each accepted piece's `Boxes`; its rows' byte ranges added to its load's."""
-    stored = rows[pairs.row, 3 * d : 3 * d + 7]  # rank k token record (2) payload (2)
+    stored = rows[pairs.row, row_columns(d).stored]  # rank k token record (2) payload (2)
     inner, lengths, dest = pairs.clo - pairs.at, pairs.chi - pairs.clo, pairs.clo - pairs.plo
     first = np.flatnonzero(np.append(True, pairs.piece[1:] != pairs.piece[:-1]))
     bounds = [*first.tolist(), len(pairs.piece)]
@@ -790,7 +844,7 @@ def _boxes(
         p = int(pairs.piece[a])
         chunks = items[p][0]
         assert chunks.spans is not None
-        chunks.spans.add(chunks.key, pairs.local[a:b], stored[a:b, :5])
+        chunks.spans.add(chunks.key, pairs.local[a:b], stored[a:b, :5])  # through the record
         out[p] = Boxes(
             stored[a:b, :3],
             stored[a:b, 3:5],
