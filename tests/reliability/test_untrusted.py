@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import shardwise.checkpoint as swc
 from shardwise.checkpoint.format.checks import DATA_FILE, check_coverage, name_problem
-from shardwise.checkpoint.io import commit
+from shardwise.checkpoint.io.commit import _DATA, data_file_name
 from shardwise.cli import main
 from shardwise.errors import CorruptCheckpointError, UnsafeMetadataError
 
@@ -190,8 +190,8 @@ def test_stock_metadata_naming_a_record_is_refused(place, capsys, name):
 
 
 def test_name_rules():
-    data = commit.data_file_name("__3_", 7, "0123456789ab")
-    assert DATA_FILE.pattern == commit._DATA.pattern and DATA_FILE.fullmatch(data)
+    data = data_file_name("__3_", 7, "0123456789ab")
+    assert DATA_FILE.pattern == _DATA.pattern and DATA_FILE.fullmatch(data)
     assert name_problem(data, shardwise=True) is None
     assert name_problem("__0_0.distcp", shardwise=False) is None  # stock's own names
     assert name_problem("__0_0.distcp", shardwise=True) is not None

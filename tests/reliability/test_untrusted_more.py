@@ -22,8 +22,13 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import shardwise.checkpoint as swc
 from shardwise.checkpoint.format.checks import check_coverage, name_problem
-from shardwise.checkpoint.io import commit
-from shardwise.checkpoint.io.commit import RecordNames, collect, replaced_files
+from shardwise.checkpoint.io.commit import (
+    RecordNames,
+    collect,
+    leftover_data,
+    per_rank_records,
+    replaced_files,
+)
 from shardwise.checkpoint.io.lease import LOCK, Holder, Lease, live_scopes, stale_reason
 from shardwise.cli import main
 from shardwise.errors import (
@@ -84,13 +89,13 @@ def test_unicode_digits_are_not_our_data_names(tmp_path):
     assert name_problem(arabic, shardwise=True) is not None
     victim = "__\u0663_0.distcp"
     (tmp_path / victim).write_bytes(crafted.NOTES)
-    assert commit.leftover_data(tmp_path) == []
+    assert leftover_data(tmp_path) == []
     assert collect(tmp_path, set(), {victim}) == []
     (tmp_path / arabic).write_bytes(crafted.NOTES)
     assert collect(tmp_path, set(), set()) == []
-    assert commit.per_rank_records(tmp_path) == []
+    assert per_rank_records(tmp_path) == []
     (tmp_path / "__\u0663.metadata").write_bytes(b"x")
-    assert commit.per_rank_records(tmp_path) == []
+    assert per_rank_records(tmp_path) == []
     assert (tmp_path / victim).read_bytes() == crafted.NOTES
 
 
