@@ -48,12 +48,18 @@ from torch.futures import Future
 from ..errors import InvalidArgumentError, ShardMismatchError, UsageError
 from ..storage import Folder, open_folder, served_url
 from .engine import SaveRecords, holes_in_plans, item_reads, read_records
-from .format import Manifest, TensorEntry, check_metadata, check_name, dtype_name
+from .format import (
+    Manifest,
+    RecordNames,
+    TensorEntry,
+    check_metadata,
+    check_name,
+    dtype_name,
+)
 from .io import (
     DataFile,
     Lease,
     ReadExecutor,
-    RecordNames,
     Written,
     commit,
     data_file_name,

@@ -24,6 +24,7 @@ from ...errors import CheckpointNotFoundError, IncompleteCheckpointError, Invali
 from ...storage import Folder
 from ...storage.folder import TEMPORARY, RandomAccess, Sink, temporary_name
 from ..format import (
+    LOCK_NAME,
     MANIFEST,
     MARKER,
     METADATA,
@@ -31,6 +32,7 @@ from ..format import (
     TAIL,
     IndexRef,
     Manifest,
+    RecordNames,
     follow_replaced,
     manifest_frame,
     metadata_frame,
@@ -38,7 +40,7 @@ from ..format import (
     part_trailer,
     read_stock,
 )
-from ..io import LOCK_NAME, Lease, RecordNames, commit, leftover_data, per_rank_records
+from ..io import Lease, commit, leftover_data, per_rank_records
 from .plan import SaveRecords, file_name
 
 __all__ = ["Joining", "join_records", "part_name", "read_records", "save_leftovers", "write_part"]

@@ -35,6 +35,7 @@ from ..format import (
     Manifest,
     Pending,
     Ranges,
+    RecordNames,
     Rows,
     RowSpans,
     Slots,
@@ -55,7 +56,7 @@ from ..format import (
     row_columns,
     section_bytes,
 )
-from ..io import ChunkRead, RecordNames, per_rank_records
+from ..io import ChunkRead, per_rank_records
 from .inventory import Piece
 from .records import read_records
 

@@ -13,7 +13,19 @@ from .archive import (
     tensor_archive,
     write_torch_archive,
 )
-from .checks import DATA_FILE, check_metadata, check_name, follow_replaced, read_stock
+from .checks import (
+    DATA_FILE,
+    GLOBAL_RECORDS,
+    LOCK,
+    LOCK_NAME,
+    METADATA,
+    RecordNames,
+    check_metadata,
+    check_name,
+    follow_replaced,
+    lock_name,
+    read_stock,
+)
 from .checksums import (
     MERGE_GAP,
     TileHasher,
@@ -48,7 +60,6 @@ from .index import (
 from .manifest import (
     MANIFEST,
     MARKER,
-    METADATA,
     SECTIONS,
     TAIL,
     ChunkEntry,
@@ -87,6 +98,12 @@ from .table import (
 )
 
 __all__ = [
+    "GLOBAL_RECORDS",
+    "LOCK",
+    "LOCK_NAME",
+    "METADATA",
+    "RecordNames",
+    "lock_name",
     "Boxes",
     "ChunkEntry",
     "ChunkTable",

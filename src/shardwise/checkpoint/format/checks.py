@@ -12,6 +12,7 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,10 +30,16 @@ from ...layout.coverage import analyze
 from ...storage import Folder
 from ...storage.folder import TEMPORARY
 from .checksums import tile_count, valid_tile
-from .entries import ChunkEntry
+from .entries import MANIFEST, ChunkEntry
 from .pickles import load_metadata
 
 __all__ = [
+    "GLOBAL_RECORDS",
+    "LOCK",
+    "LOCK_NAME",
+    "METADATA",
+    "RecordNames",
+    "lock_name",
     "DATA_FILE",
     "check_coverage",
     "check_metadata",
@@ -216,6 +223,47 @@ _RECORDS = re.compile(
 # fullmatch (a trailing newline is not ours); ASCII, since `\d` alone also matches other
 # scripts' digits (`__٣_0...`), never names we write.
 DATA_FILE = re.compile(r"__(\d+)_(\d+)\.sw([0-9a-f]{12})" + re.escape(DEFAULT_SUFFIX), re.ASCII)
+
+METADATA = ".metadata"  # DCP's record, beside the manifest
+
+# The lock record of a save lease (`io.lease`): named here with the records it guards.
+LOCK = ".shardwise.lock"
+
+LOCK_NAME = re.compile(r"(?:__(\d+))?" + re.escape(LOCK), re.ASCII)
+
+
+def lock_name(rank: int | None) -> str:
+    """The lock record of the global records (`rank` None) or of one rank's."""
+    return LOCK if rank is None else f"__{rank}{LOCK}"
+
+
+@dataclass(frozen=True)
+class RecordNames:
+    """The commit records of one checkpoint: the global ones, or one rank's
+    when DCP saves without collectives (`__{rank}.metadata`)."""
+
+    rank: int | None = None
+
+    @property
+    def metadata(self) -> str:
+        return METADATA if self.rank is None else f"__{self.rank}{METADATA}"
+
+    @property
+    def manifest(self) -> str:
+        return MANIFEST if self.rank is None else f"__{self.rank}.{MANIFEST}"
+
+    @property
+    def lock(self) -> str:
+        """The lease's lock record of this scope (`io.lease`): never a checkpoint record."""
+        return lock_name(self.rank)
+
+    def owns(self, data_name: str) -> bool:
+        """Whether a token-named data file is in this record's scope (all ranks, or its rank)."""
+        m = DATA_FILE.fullmatch(data_name)
+        return m is not None and (self.rank is None or int(m.group(1)) == self.rank)
+
+
+GLOBAL_RECORDS = RecordNames()  # the global records: `.metadata`, `shardwise.json`
 
 
 def record_limit(listing: Mapping[str, int], name: str) -> int:

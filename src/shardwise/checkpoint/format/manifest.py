@@ -36,7 +36,14 @@ from torch.distributed.checkpoint.metadata import (
 
 from ...errors import CorruptCheckpointError, InvalidArgumentError
 from ...storage import Folder, open_folder
-from .checks import check_coverage, check_name, check_ranges, chunk_consistent, record_limit
+from .checks import (
+    METADATA,
+    check_coverage,
+    check_name,
+    check_ranges,
+    chunk_consistent,
+    record_limit,
+)
 from .entries import (
     FORMAT,
     INLINE,
@@ -214,7 +221,6 @@ def gc_paused() -> Iterator[None]:
 
 MARKER = ".shardwise"  # written first: a folder with it but no manifest is incomplete
 
-METADATA = ".metadata"  # DCP's record, beside the manifest
 
 TAIL = 4096  # the last bytes of `.metadata` a load checks: its save id is there
 

@@ -7,7 +7,6 @@ planners.
 
 from .chunks import ArchiveRead, ChunkRead, GatherRead, words_of
 from .commit import (
-    RecordNames,
     commit,
     data_file_name,
     failpoint,
@@ -18,7 +17,7 @@ from .commit import (
     per_rank_records,
 )
 from .device import Copier, DeviceCopier, HostCopier, slabs_for, staging_bytes
-from .lease import LOCK_NAME, Lease
+from .lease import Lease
 from .read import ReadExecutor
 from .write import DataFile, Written, write_archives
 
@@ -29,10 +28,8 @@ __all__ = [
     "DeviceCopier",
     "GatherRead",
     "HostCopier",
-    "LOCK_NAME",
     "Lease",
     "ReadExecutor",
-    "RecordNames",
     "ArchiveRead",
     "Written",
     "commit",

@@ -17,7 +17,6 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
@@ -25,15 +24,20 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from ...errors import CorruptCheckpointError
 from ...storage import Folder, open_folder
 from ...storage.folder import TEMPORARY
-from ..format import DATA_FILE, MANIFEST, MARKER, Manifest, load_metadata, read_sections
-from .lease import Lease, live_scopes, lock_name
+from ..format import (
+    DATA_FILE,
+    GLOBAL_RECORDS,
+    MARKER,
+    Manifest,
+    RecordNames,
+    load_metadata,
+    read_sections,
+)
+from .lease import Lease, live_scopes
 
 __all__ = [
     "FolderLike",
-    "GLOBAL_RECORDS",
-    "METADATA",
     "PAUSE_S",
-    "RecordNames",
     "already_exists",
     "collect",
     "commit",
@@ -59,8 +63,6 @@ __all__ = [
 # whose, and whether a save without overwrite would replace a checkpoint.
 # -----------------------------------------------------------------------------
 
-METADATA = ".metadata"
-
 FolderLike = Folder | str | os.PathLike  # a Folder, or what `open_folder` opens
 
 _PER_RANK = re.compile(r"__(\d+)\.(?:metadata|shardwise\.json)", re.ASCII)
@@ -84,35 +86,6 @@ def index_file_name(written: Iterable[str], rank: int, token: str) -> str:
         if m is not None and int(m.group(1)) == rank and m.group(3) == token
     ]
     return data_file_name(f"__{rank}_", 1 + max(ks, default=-1), token)
-
-
-@dataclass(frozen=True)
-class RecordNames:
-    """The commit records of one checkpoint: the global ones, or one rank's
-    when DCP saves without collectives (`__{rank}.metadata`)."""
-
-    rank: int | None = None
-
-    @property
-    def metadata(self) -> str:
-        return METADATA if self.rank is None else f"__{self.rank}{METADATA}"
-
-    @property
-    def manifest(self) -> str:
-        return MANIFEST if self.rank is None else f"__{self.rank}.{MANIFEST}"
-
-    @property
-    def lock(self) -> str:
-        """The lease's lock record of this scope (`lease.py`): never a checkpoint record."""
-        return lock_name(self.rank)
-
-    def owns(self, data_name: str) -> bool:
-        """Whether a token-named data file is in this record's scope (all ranks, or its rank)."""
-        m = DATA_FILE.fullmatch(data_name)
-        return m is not None and (self.rank is None or int(m.group(1)) == self.rank)
-
-
-GLOBAL_RECORDS = RecordNames()  # the global records: `.metadata`, `shardwise.json`
 
 
 def holds_checkpoint(folder: FolderLike, names: RecordNames = GLOBAL_RECORDS) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import socket
 import threading
 import time
@@ -24,6 +23,7 @@ from typing import TypeGuard
 
 from ...errors import CheckpointBusyError
 from ...storage import Folder
+from ..format import LOCK, LOCK_NAME, lock_name
 
 __all__ = [
     "HEARTBEAT_S",
@@ -61,10 +61,6 @@ __all__ = [
 # around).
 # -----------------------------------------------------------------------------
 
-LOCK = ".shardwise.lock"
-
-LOCK_NAME = re.compile(r"(?:__(\d+))?" + re.escape(LOCK), re.ASCII)
-
 _FORMAT = "shardwise-lease/1"
 
 # A lock record is a few hundred bytes; a bigger one (a crafted, sparse 100 GB file) is
@@ -98,11 +94,6 @@ def read_record(folder: Folder, name: str) -> bytes:
         return f.pread(min(f.size() if local else size, _MAX_RECORD), 0)
     finally:
         f.close()
-
-
-def lock_name(rank: int | None) -> str:
-    """The lock record of the global records (`rank` None) or of one rank's."""
-    return LOCK if rank is None else f"__{rank}{LOCK}"
 
 
 def _pid_namespace() -> str:
