@@ -227,14 +227,18 @@ def _nearest(cls: type, found: list[Any]) -> Any:
     return None
 
 
-def adapter_of(value: Any) -> ValueAdapter | None:
-    """The adapter registered for `value`'s class; one dict lookup once its class was seen."""
-    cls = type(value)
+def _seen(cache: dict[type, Any], cls: type, found: list[Any]) -> Any:
+    """`_nearest(cls, found)`, kept in `cache`: one dict lookup once a class was seen."""
     try:
-        return _BY_CLASS[cls]
+        return cache[cls]
     except KeyError:
-        found = _BY_CLASS[cls] = _nearest(cls, _REGISTERED)
-        return found
+        item = cache[cls] = _nearest(cls, found)
+        return item
+
+
+def adapter_of(value: Any) -> ValueAdapter | None:
+    """The adapter registered for `value`'s class."""
+    return _seen(_BY_CLASS, type(value), _REGISTERED)
 
 
 def route_of(value: Any) -> Route | None:
@@ -247,11 +251,7 @@ def route_of(value: Any) -> Route | None:
         return next((r for r in map(route_of, value.values()) if r is not None), None)
     if isinstance(value, (list, tuple)):
         return next((r for r in map(route_of, value) if r is not None), None)
-    try:
-        return _ROUTE_OF_CLASS[cls]
-    except KeyError:
-        found = _ROUTE_OF_CLASS[cls] = _nearest(cls, _ROUTES)
-        return found
+    return _seen(_ROUTE_OF_CLASS, cls, _ROUTES)
 
 
 def _adapter_for(value: Any) -> ValueAdapter | None:
