@@ -320,11 +320,12 @@ def require_same_adapted(everyone: list[tuple[Any, ...]]) -> None:
         theirs = everyone[odd[0]]
         differ = sorted(set(theirs) ^ set(everyone[ref]))
         kinds = sorted({a for _, a in differ})
+        first, _adapter = differ[0]
         hints = {a.name: a.hint for a in _REGISTERED}
         hint = "".join(f"; {hints[k]}" for k in kinds if hints.get(k))
         require_same(
             everyone,
-            f"the {', '.join(kinds)} values they hold (first difference: '{differ[0][0]}')",
+            f"the {', '.join(kinds)} values they hold (first difference: '{first}')",
             shown=lambda held: f"{len(held)} of them",
             verb="held",
             fix="every rank must hold every such value, under the same key (a rank holding "

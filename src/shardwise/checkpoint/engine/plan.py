@@ -399,8 +399,10 @@ def _check_boxes(key: str, plan: TensorPlan) -> str | None:
     refuses across ranks only). Plain loops, no generators: this runs once per tensor."""
     shape = plan.shape
     chunks = plan.chunks
-    if len(chunks) == 1 and chunks[0][1] == shape and not any(chunks[0][0]):
-        return None  # one chunk, the whole tensor: the common case
+    if len(chunks) == 1:
+        offsets, sizes, _rank, _index = chunks[0]
+        if sizes == shape and not any(offsets):
+            return None  # one chunk, the whole tensor: the common case
     ndim = len(shape)
     volume = 0
     solid = []
@@ -773,7 +775,7 @@ def held_bytes(entries: list[Entry]) -> int:
     tensor may be a replica every rank holds, so it does not count."""
     total = 0
     for _key, _path, dtype, shape, _grad, held in entries:
-        if dtype is None or (len(held) == 1 and held[0][1] == shape):
+        if dtype is None or (len(held) == 1 and [s for _o, s in held] == [shape]):
             continue
         itemsize = dtype_from_name(dtype).itemsize
         total += sum(math.prod(sizes) for _offsets, sizes in held) * itemsize

@@ -151,7 +151,7 @@ def _tiles(
     total = math.prod(shape)
     if total == 0:
         return None  # nothing to cover, and a non-empty block of an empty tensor is out of bounds
-    if (len(blocks) == 1 and blocks[0][1] == shape) or (holes and len(blocks) <= 1):
+    if (len(blocks) == 1 and [s for _o, s in blocks] == [shape]) or (holes and len(blocks) <= 1):
         return None
     cut = {d for _, s in blocks for d in range(len(shape)) if s[d] != shape[d]}
     if len(cut) == 1:

@@ -423,11 +423,13 @@ def resolve_rows(
         names += s.names
     if not parts:
         return
-    files, at, count, owners, rows = (np.concatenate([p[i] for p in parts]) for i in range(5))
+    files, at, count, owners, rows = (np.concatenate(column) for column in zip(*parts))
     slots = Slots(files.reshape(-1, 3), at, count, owners, names)
     if not len(slots.at):
         return
-    fetch = asked[0][0].fetch if asked else fetch
+    if asked:
+        first_table, _rows = asked[0]
+        fetch = first_table.fetch
     if fetch is None:  # a reader's bug: a version 5 section read without its files
         raise CorruptCheckpointError(f"{names[0]}: checksums kept with data, not read")
     frame, first, many = fetch(slots)
