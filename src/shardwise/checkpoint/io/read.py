@@ -613,8 +613,9 @@ class ReadExecutor:
 
     def _read_span(self, name: str, span: list[Whole], lo: int) -> None:
         where = self.folder.where(name)
-        read, layout = span[0]
-        if len(span) == 1 and layout.payload_length > self._landing.slab_bytes:
+        alone = span[0] if len(span) == 1 else None  # (read, layout) of a span's only chunk
+        if alone is not None and alone[1].payload_length > self._landing.slab_bytes:
+            read, layout = alone
             target = self._resolve(read)
             chunk = read.info if isinstance(read.info, StoredChunk) else None
             if target.device.type != "cpu" and can_stream(chunk, layout, target, self.verify):
