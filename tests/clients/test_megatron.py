@@ -345,8 +345,8 @@ def test_megatron_save_keeps_a_foreign_metadata_json_and_writes_its_own(tmp_path
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
 
     piece = ShardedTensor.from_rank_offsets("p", torch.ones(2))
-    with pytest.raises(TypeError, match="a list holding Megatron sharded values"):
-        swc.save({"w": st, "l": [1, piece]}, tmp_path / "mixed", megatron=True)
+    with pytest.raises(TypeError, match="'l' is a tuple holding Megatron or shardwise sharded"):
+        swc.save({"w": st, "l": (1, piece)}, tmp_path / "mixed", megatron=True)
     assert not (tmp_path / "mixed").exists()
 
     legacy = tmp_path / "legacy"  # a legacy common.pt would shadow the new common state

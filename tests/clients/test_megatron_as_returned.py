@@ -95,29 +95,24 @@ def _save(rank: int, ws: int, path: str, megatron: bool) -> None:
     swc.save(_mcore_sd(rank, "a"), path, megatron=megatron)
 
 
-def _load_plain(rank: int, ws: int, path: str) -> tuple[list[str], object, object]:
-    _megatron()
-    sd = _with_common(_mcore_sd3(rank))
-    swc.load(sd, path)
-    return _check_mcore(sd), sd["extra"].data, {k: sd[k] for k in COMMON}
-
-
 def _load_from_megatron_format(rank: int, ws: int, path: str) -> dict:
-    """megatron=True: common values left as they are; megatron=False: fine without them."""
+    """megatron=True or not, the stored common state is merged in, as Megatron's load
+    returns it: placeholders replaced, keys the state dict lacked added."""
     _megatron()
     sd = _with_common(_mcore_sd3(rank))
     swc.load(sd, path, megatron=True)
     result = {"true": (_check_mcore(sd), sd["extra"].data, sd["iteration"], sd["args"])}
     sd = _mcore_sd3(rank)
     swc.load(sd, path)
-    result["false"] = (_check_mcore(sd), sd["extra"].data)
+    result["false"] = (_check_mcore(sd), sd["extra"].data, sd["iteration"], sd["args"])
     return result
 
 
-def test_plain_save_2_ranks_plain_load_3_ranks(tmp_path) -> None:
-    path = tmp_path / "plain"
-    run_ranks(_save, 2, str(path), False, timeout=90)
-    assert not (path / "metadata.json").exists()  # not Megatron's format: megatron=False
+@pytest.mark.parametrize("megatron", [False, True], ids=["plain", "megatron"])
+def test_a_save_2_ranks_is_megatrons_format_and_loads_on_3(tmp_path, megatron) -> None:
+    path = tmp_path / "ck"
+    run_ranks(_save, 2, str(path), megatron, timeout=90)
+    assert (path / "metadata.json").exists()  # Megatron's format, flag or not
     info = swc.inspect(str(path))
     assert {t.key: t.shape for t in info.tensors} == SHAPES  # by Megatron key
     assert {t.key: t.chunks for t in info.tensors} == {  # main replicas only
@@ -127,35 +122,15 @@ def test_plain_save_2_ranks_plain_load_3_ranks(tmp_path) -> None:
         "multi": 3,
         "bias": 1,
     }
-    assert sorted(info.objects) == [
-        "args.lr",
-        "args.name",
-        "extra/shard_0_2",
-        "extra/shard_1_2",
-        "iteration",
-    ]
+    assert sorted(info.objects) == ["common_state/shard_0_1", "extra/shard_0_2", "extra/shard_1_2"]
     for key in SHAPES:
         assert torch.equal(swc.read_tensor(str(path), key), full(key)), key
-    results = run_ranks(_load_plain, 3, str(path), timeout=90)
-    assert results == [
-        ([], {"rank": 0}, COMMON),
-        ([], {"rank": 1}, COMMON),
-        ([], {"rank": 0}, COMMON),
-    ]
-
-
-def test_megatron_save_2_ranks_opens_in_megatron_and_loads_on_3(tmp_path) -> None:
-    path = tmp_path / "mcore"
-    run_ranks(_save, 2, str(path), True, timeout=90)
-    assert (path / "metadata.json").exists()
     # Megatron's own loader opens it, into another layout, common state included
     assert run_ranks(_megatron_load, 2, str(path), timeout=90) == [([], COMMON)] * 2
     results = run_ranks(_load_from_megatron_format, 3, str(path), timeout=90)
     for rank, r in enumerate(results):
-        assert r == {
-            "true": ([], {"rank": rank % 2}, -1, {"lr": 0.0, "name": ""}),
-            "false": ([], {"rank": rank % 2}),
-        }, rank
+        expected = ([], {"rank": rank % 2}, COMMON["iteration"], COMMON["args"])
+        assert r == {"true": expected, "false": expected}, rank
 
 
 def _shardwise_save(rank: int, ws: int, path: str) -> None:

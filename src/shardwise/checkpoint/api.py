@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from .engine import (
     Staged,
     Stager,
     Staging,
+    Targets,
     adapted_for_load,
     adapted_for_save,
     held_adapted,
@@ -250,13 +252,13 @@ def save(
     atomically. The folder may exist and hold other files: they are kept.
     Values may be `Stateful` (their `state_dict()` is saved), as with `dcp.save`.
 
-    Megatron-Core's `sharded_state_dict()` saves as returned (replicas by
-    `replica_id`, pieces of one key in several entries, ShardedObjects): its
-    tensors under their Megatron key, main replicas only. `megatron=True` also
-    makes it a checkpoint Megatron-Core's `dist_checkpointing.load` opens:
-    every non-sharded value in Megatron's common state object (else each is
-    stored under its dotted path), and Megatron's `metadata.json` (see
-    `shardwise.checkpoint.clients.megatron`).
+    Megatron-Core's state dicts save as returned (model and optimizer
+    `sharded_state_dict()`s, virtual pipeline chunks, factories, the distributed
+    optimizer's buckets, ShardedObjects) as Megatron's `dist_checkpointing.save`
+    saves them: tensors under their Megatron key, main replicas only, every
+    non-sharded value in Megatron's common state object, and in a local folder
+    Megatron's `metadata.json`, so Megatron opens the checkpoint. `megatron=True`
+    saves so without a Megatron value (see `shardwise.checkpoint.clients.megatron`).
 
     `path` may be an fsspec URL (`s3://bucket/ckpt`, `gs://...`, `memory://...`);
     `storage_options` go to its backend (e.g. s3fs's `endpoint_url`, `key`). On an
@@ -293,10 +295,11 @@ def save(
     route = agree_route(state_dict, megatron, call, problem or user_problem or staging_problem)
     assert folder is not None  # else `agree_route` raised its problem on every rank
     if route is not None:
-        # by Megatron key (as sharded_state_dict() returns it); megatron=True adds Megatron's files
-        state_dict = route.save_targets(state_dict, process_group, megatron)
-        _check_target(folder, overwrite, call, megatron)
-        if megatron:
+        # by Megatron key (as sharded_state_dict() returns it), with Megatron's files
+        state_dict = route.save_targets(state_dict, process_group)
+        files = _megatron_files(route, folder, megatron)
+        _check_target(folder, overwrite, call, files)
+        if files:
             _write_megatron_metadata(folder, call)
         # overwrite=True: _check_target refused a checkpoint in the way, and
         # Megatron's metadata.json is now in place
@@ -304,6 +307,13 @@ def save(
     state_dict = adapted_for_save(state_dict, process_group, agreed=True)
     call.defer(_target_problem(folder, overwrite, call))
     return _save(state_dict, folder, call, wait, overwrite, staging)
+
+
+def _megatron_files(route: Route, folder: Folder, megatron: bool) -> bool:
+    """Whether a save on `route` writes Megatron's `metadata.json`: always with
+    `megatron=True` (which refuses a remote folder), else on Megatron's route into a
+    local folder (Megatron's loader reads local paths only)."""
+    return megatron or (route.name == MEGATRON and folder.local_path is not None)
 
 
 def _staging(given: int | None) -> tuple[Staging, BaseException | None]:
@@ -464,8 +474,9 @@ def async_save(
     problem = problem or user_problem or staging_problem
     route = agree_route(state_dict, False, call, problem)
     assert folder is not None  # else `agree_route` raised its problem on every rank
+    files = route is not None and _megatron_files(route, folder, False)
     if route is not None:  # as `save` stores them: Megatron's values under their Megatron keys
-        state_dict = route.save_targets(state_dict, process_group, False)
+        state_dict = route.save_targets(state_dict, process_group)
     else:
         state_dict = adapted_for_save(state_dict, process_group, agreed=True)
     staged: Staged | None = None
@@ -477,7 +488,10 @@ def async_save(
     except Exception as e:  # noqa: BLE001 - raised on every rank by _check_target
         problem = problem or e
     try:
-        _check_target(folder, overwrite, call, local_problem=problem)
+        _check_target(folder, overwrite, call, files, local_problem=problem)
+        if files:  # before any data, as `save` writes it
+            _write_megatron_metadata(folder, call)
+            overwrite = True  # `_check_target` refused a checkpoint in the way
         group = _ASYNC.group_for(process_group)
     except BaseException:
         if staged is not None:
@@ -567,6 +581,7 @@ def load(
     extension_registry: Any = None,
     staging_bytes: int | None = None,
     broadcast_replicated: bool | None = None,
+    shape_mismatch: Iterable[str] = (),
 ) -> LoadInfo:
     """Fill `state_dict`'s tensors and objects in place from `path`. Collective.
 
@@ -578,11 +593,17 @@ def load(
     casts stored values to each target's dtype instead (as `dcp.load` does,
     e.g. an fp32 checkpoint into a bf16 model). `Stateful` values are filled
     through their `state_dict()` / `load_state_dict()`, as with `dcp.load`.
-    Megatron-Core's `sharded_state_dict()` loads as it nests it: its pieces are
-    found anywhere and loaded by their Megatron key (ShardedObjects' `data` by
-    their unique key), the way Megatron and `swc.save` store them; other values
-    by their dotted path, or, with `megatron=True` (a Megatron-format
-    checkpoint), left as they are (`shardwise.checkpoint.megatron.read_common_state`).
+    `shape_mismatch` names keys (dotted paths) whose stored global shape may differ
+    from the target's (same number of dimensions): their overlap is loaded and the
+    rest left as it is, as for a vocabulary padded to another multiple.
+    Megatron-Core's `sharded_state_dict()` loads as Megatron's
+    `dist_checkpointing.load` loads it, filled in place: its pieces are found
+    anywhere and loaded by their Megatron key (factories merged, ShardedObjects'
+    `data` by their unique key, `allow_shape_mismatch` pieces zeroed and their
+    overlap loaded), and the checkpoint's common state merged into `state_dict`
+    (`iteration`, `args`..., keys it lacks added); common values of a checkpoint
+    without one are loaded by their dotted path. `megatron=True` takes that route
+    without a Megatron value in `state_dict`.
     `path` may be an fsspec URL, `storage_options` its backend's options (as for `save`).
     A checkpoint is untrusted input: non-tensor values unpickle only as far as
     `torch.load(weights_only=True)` allows (plus `allow_object_globals`); anything
@@ -633,28 +654,26 @@ def load(
     assert folder is not None  # else `agree_route` raised its problem on every rank
     problem = None
 
-    def read(targets: dict[str, Any]) -> tuple[int, Manifest | None]:
+    def read(targets: Targets) -> tuple[int, Manifest | None]:
         return _load_adapted(
             targets,
             folder,
             call,
-            strict,
-            verify,
-            cast_dtype,
-            trust_objects,
+            (strict, verify, cast_dtype, trust_objects),
             (extension_registry, budget, broadcast_replicated),
         )
 
+    mismatch = frozenset(shape_mismatch)
     if route is not None:
-        # by Megatron key, as sharded_state_dict() nests it; megatron=True: rest left as is
-        targets, finishers = route.load_targets(plain, process_group, megatron)
-        done = read(targets)
-        for finish in finishers:
+        # by Megatron key, as sharded_state_dict() nests it
+        targets = route.load_targets(plain, process_group)
+        done = read(targets._replace(shape_mismatch=targets.shape_mismatch | mismatch))
+        for finish in targets.finishers:
             finish()
     else:
         # other libraries' values as ShardedTensors (agreed on by `agree_route`)
         with adapted_for_load(plain, process_group, agreed=True) as adapted:
-            done = read(plain)
+            done = read(Targets(plain, [], mismatch))
             adapted.finish()
     # As dcp.load ends: Stateful values load their state, every other top-level value
     # is assigned back (`state_dict[key] = ...`, which a dict subclass may observe).
@@ -666,6 +685,8 @@ def load(
                 problem = problem or e
         elif key in plain:
             state_dict[key] = plain[key]
+    for key in plain.keys() - state_dict.keys():  # added by a merged Megatron common state
+        state_dict[key] = plain[key]
     if statefuls:  # every rank has the same Stateful keys (agreed above): all get here
         call.defer(problem)
         call.verdict()
@@ -673,20 +694,19 @@ def load(
 
 
 def _load_adapted(
-    state_dict: dict[str, Any],
+    targets: Targets,
     path: Folder,
     call: Agreement,
-    strict: bool,
-    verify: bool,
-    cast_dtype: bool,
-    trust_objects: bool,
+    checks: tuple[bool, bool, bool, bool],
     reading: tuple[Any, int, bool | None],
 ) -> tuple[int, Manifest | None]:
-    """The engine's load; `reading`: (extension registry, staging budget, broadcast)."""
+    """The engine's load of `targets`; `checks`: (strict, verify, cast_dtype,
+    trust_objects); `reading`: (extension registry, staging budget, broadcast)."""
+    strict, verify, cast_dtype, trust_objects = checks
     extension_registry, budget, broadcast = reading
     with gc_paused():
         return load_state(
-            state_dict,
+            targets.flat,
             path,
             call,
             strict=strict,
@@ -696,6 +716,8 @@ def _load_adapted(
             extension_registry=extension_registry,
             staging_bytes=budget,
             broadcast=broadcast,
+            shape_mismatch=targets.shape_mismatch,
+            optional=targets.optional,
         )
 
 

@@ -39,8 +39,11 @@ class Checkpointable:
         """DCP's description of this tensor: global size, this rank's chunks."""
         return dcp_hooks.storage_metadata(_sharded(self))
 
-    def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
-        return dcp_hooks.create_write_items(_sharded(self), fqn)
+    def __create_write_items__(
+        self, fqn: str, object: Any, index: int | None = None
+    ) -> list[WriteItem]:
+        # `index`: a container's hint, its position in it (Megatron's LocalShardsContainer)
+        return dcp_hooks.create_write_items(_sharded(self), fqn, index)
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return dcp_hooks.create_chunk_list(_sharded(self))

@@ -56,18 +56,23 @@ def storage_metadata(st: ShardedTensor) -> TensorStorageMetadata:
     )
 
 
-def create_write_items(st: ShardedTensor, fqn: str) -> list[WriteItem]:
+def create_write_items(st: ShardedTensor, fqn: str, hint: int | None = None) -> list[WriteItem]:
+    """One write item per distinct non-empty block, its `MetadataIndex.index` the block's
+    position, or a container's `hint` (the tensor's position in it) where the tensor
+    holds one block: `get_tensor_shard` finds the block by offset either way."""
     properties = TensorProperties(dtype=st.dtype, requires_grad=st.requires_grad)
     size = torch.Size(st.layout_spec.global_shape)
     items = []
     seen = set()
-    for i, block in enumerate(st.local_blocks):
+    blocks = st.local_blocks
+    for i, block in enumerate(blocks):
         if block.is_empty() or block in seen:  # a block listed twice is written once
             continue
         seen.add(block)
+        position = hint if hint is not None and len(blocks) == 1 else i
         items.append(
             WriteItem(
-                index=MetadataIndex(fqn, torch.Size(block.offsets), i),
+                index=MetadataIndex(fqn, torch.Size(block.offsets), position),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
                     chunk=_chunk(block.offsets, block.sizes),
@@ -84,11 +89,23 @@ def create_chunk_list(st: ShardedTensor) -> list[ChunkStorageMetadata]:
 
 
 def get_tensor_shard(st: ShardedTensor, index: MetadataIndex) -> torch.Tensor:
-    """The live shard at `index.offset`, probing `index.index` first."""
+    """The live shard at `index.offset`, probing `index.index` first. An index without
+    an offset (a container asking its element, as Megatron's do) names the tensor's
+    only non-empty block, or the one at `index.index`."""
     blocks = st.local_blocks
     shards = st.local_shards()
     offset = tuple(index.offset) if index.offset is not None else None
     hint = index.index
+    if offset is None:
+        held = [i for i, block in enumerate(blocks) if not block.is_empty()]
+        if len(held) == 1:
+            return shards[held[0]]
+        if hint is not None and hint in held:
+            return shards[hint]
+        raise ShardMismatchError(
+            f"an index of '{index.fqn}' without offsets names no block of rank {st.rank}: it "
+            f"holds {len(held)} (its blocks: {', '.join(map(str, blocks)) or 'none'})"
+        )
     if hint is not None and 0 <= hint < len(blocks) and blocks[hint].offsets == offset:
         if not blocks[hint].is_empty():
             return shards[hint]

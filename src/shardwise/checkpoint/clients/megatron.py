@@ -10,19 +10,24 @@ replica, common state written as Megatron writes it).
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ...comm.agreement import exchange, require_same
-from ...errors import CorruptCheckpointError, InvalidArgumentError, LayoutError, ShardMismatchError
+from ...errors import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    LayoutError,
+    ShardMismatchError,
+)
 from ...interop.megatron import (
     is_main_replica,
     is_mapping_class,
     is_mcore_object,
-    is_mcore_piece,
     is_mcore_value,
     pieces_of,
     pieces_problem,
@@ -32,7 +37,10 @@ from ...tensor import ShardedTensor
 from ..engine import (
     Route,
     Serialized,
+    Targets,
     ValueAdapter,
+    adapter_of,
+    is_plain_tensor,
     register_route,
     register_value_adapter,
     route_of,
@@ -41,9 +49,10 @@ from .megatron_format import COMMON_STATE_KEY
 
 __all__ = [
     "MEGATRON",
+    "Found",
+    "find",
     "load_targets",
     "megatron_route",
-    "prepare_load",
     "prepare_save",
     "save_targets",
 ]
@@ -71,15 +80,23 @@ def _for_save(value: Any) -> ShardedTensor:
 
 
 def _for_load(
-    value: Any, global_shape: Sequence[int] | None = None, group: Any = None
+    value: Any,
+    global_shape: Sequence[int] | None = None,
+    group: Any = None,
+    may_differ: bool = False,
 ) -> tuple[ShardedTensor, Any]:
     """A target over the pieces' own data (allocated where Megatron left it None);
     a strided piece is loaded into a contiguous copy and copied back by `finish`.
-    `global_shape` is needed on a rank holding no piece of the key."""
+    `global_shape` is needed on a rank holding no piece of the key. A key that may
+    load only its overlap with a stored shape (`may_differ`, Megatron's
+    `allow_shape_mismatch`) is zeroed first, as Megatron zeroes it: what the
+    checkpoint does not hold reads as zeros."""
     pieces = pieces_of(value)
     for p in pieces:
         if p.data is None and pieces_problem([p]) is None:
             p.init_data("cpu", init_fn=torch.zeros if p.allow_shape_mismatch else torch.empty)
+        elif p.data is not None and (p.allow_shape_mismatch or may_differ):
+            p.data.detach().zero_()
     strided = [p for p in pieces if p.data is not None and not p.data.is_contiguous()]
     if global_shape is None and pieces:
         global_shape = pieces[0].global_shape
@@ -131,134 +148,188 @@ register_value_adapter(
     )
 )
 
-_NONE = object()  # "no part here" in _split's pairs
+_NONE = object()  # "no common part here" in `_walk`
 
 
-def _split(value: Any) -> tuple[Any, Any]:
-    """(sharded part, common part) of a nested state dict, as Megatron splits it:
-    tensors that are sharded (shardwise or Megatron) vs everything else."""
+class Found:
+    """What one walk of a state dict finds, split as Megatron's own save and load
+    preprocessing split it (`apply_factories`, `extract_nonpersistent`,
+    `extract_sharded_base`): sharded values by where they are stored, and the rest.
+
+    `pieces`: Megatron key -> this rank's pieces, from every entry that holds one
+    (stacked layers, virtual pipeline chunks, optimizer state: one key's pieces sit
+    in several entries). `objects`: ShardedObject unique key -> this rank's, in
+    state-dict order. `tensors`: dotted path -> a tensor stored under its path (a
+    shardwise ShardedTensor; a tensor subclass DCP or an in-place client describes,
+    such as torch's legacy ShardedTensor Megatron makes for stacked layers;
+    `io.BytesIO`). `factories`: (factory, what it built) for the merges after a
+    load. `leaves`: (container, key, dotted path) of every common value. `common`:
+    the common part, nested as Megatron's `extract_matching_values` nests it: what
+    Megatron's common state object holds."""
+
+    def __init__(self) -> None:
+        self.pieces: dict[str, list[Any]] = {}
+        self.objects: dict[str, list[Any]] = {}
+        self.tensors: dict[str, Any] = {}
+        self.factories: list[tuple[Any, Any]] = []
+        self.leaves: list[tuple[Any, Any, str]] = []
+        self.common: Any = {}
+
+
+def find(state_dict: Mapping[str, Any]) -> Found:
+    """`Found` of `state_dict` (dicts and lists walked; tuples are leaves, as for
+    Megatron). Factories are built here, never in the caller's containers."""
+    found = Found()
+    common = _walk(state_dict, found, "")
+    found.common = {} if common is _NONE else common
+    return found
+
+
+def _walk(value: Any, found: Found, path: str) -> Any:
+    """The common part of the container `value` (`_NONE`: none), recording its
+    sharded values in `found`. As Megatron's split: a container is in the common
+    part when some common value is inside it, or when it is empty."""
     if isinstance(value, Mapping):
-        parts = {k: _split(v) for k, v in value.items()}
-        return (
-            {k: s for k, (s, _) in parts.items() if s is not _NONE},
-            {k: c for k, (_, c) in parts.items() if c is not _NONE},
-        )
-    if isinstance(value, ShardedTensor) or is_mcore_value(value) or is_mcore_object(value):
-        return value, _NONE
-    if isinstance(value, list) and value and all(is_mcore_piece(v) for v in value):
-        return value, _NONE
+        common: Any = {}
+        for key, v in value.items():
+            part = _entry(value, key, v, found, f"{path}{key}")
+            if part is not _NONE:
+                common[key] = part
+    else:
+        common = []
+        for i, v in enumerate(value):
+            part = _entry(value, i, v, found, f"{path}{i}")
+            if part is not _NONE:
+                common.append(part)
+    return common if common or not value else _NONE
+
+
+def _entry(container: Any, key: Any, value: Any, found: Found, path: str) -> Any:
+    """One entry of a container: recorded in `found` if sharded; its common part."""
+    if isinstance(value, (Mapping, list)):
+        return _walk(value, found, path + ".")
+    if is_mapping_class(value, "ShardedTensorFactory"):
+        built = value.build()  # Megatron's `apply_factories`, on a value of our own
+        found.factories.append((value, built))
+        return _entry({}, key, built, found, path)  # what it built, in its place
+    if is_mcore_value(value):
+        for piece in pieces_of(value):
+            found.pieces.setdefault(piece.key, []).append(piece)
+        return _NONE
+    if is_mcore_object(value):
+        found.objects.setdefault(value.unique_key, []).append(value)
+        return _NONE
     if is_mapping_class(value, "LocalNonpersistentObject"):
-        return _NONE, _NONE  # Megatron does not persist these either
-    if is_mapping_class(value, "ShardedTensorFactory") or _holds_sharded(value):
+        return _NONE  # never stored, left as it is by a load (Megatron's own rule)
+    if _stored_by_path(value):
+        if path in found.tensors:
+            raise InvalidArgumentError(f"two values of the state dict have the path '{path}'")
+        found.tensors[path] = value
+        return _NONE
+    if isinstance(value, tuple) and _holds_sharded(value):
         raise TypeError(
-            f"a {type(value).__name__} holding Megatron sharded values: shardwise takes Megatron "
-            f"ShardedTensors in dicts (or lists of pieces of one key); apply Megatron's "
-            f"factories first (dist_checkpointing.mapping.apply_factories) and key other lists "
-            f"by name"
+            f"'{path}' is a tuple holding Megatron or shardwise sharded values: Megatron keeps "
+            f"tuples whole, in its common state; put them in a list or a dict"
         )
-    return _NONE, value
+    found.leaves.append((container, key, path))
+    return value
+
+
+def _stored_by_path(value: Any) -> bool:
+    """A tensor the engine stores under its own path: a shardwise ShardedTensor, a
+    tensor subclass (DCP's own chunks, or an in-place client's), raw bytes. A plain
+    tensor is common state, as Megatron keeps it."""
+    if isinstance(value, ShardedTensor) or isinstance(value, io.BytesIO):
+        return True
+    if isinstance(value, torch.Tensor) and not is_plain_tensor(value):
+        adapter = adapter_of(value)
+        if adapter is not None and adapter.pieces is None:  # converted, collectively
+            raise TypeError(
+                f"a {type(value).__name__} ({adapter.name}) beside Megatron-Core values: save it "
+                f"in a separate call, or as a shardwise ShardedTensor"
+            )
+        return True
+    return False
 
 
 def _holds_sharded(value: Any) -> bool:
-    """A list or tuple with a sharded value somewhere inside (Megatron's own walk sees it)."""
-    if not isinstance(value, (list, tuple)):
-        return False
-    return any(
-        isinstance(v, ShardedTensor)
-        or is_mcore_value(v)
-        or is_mcore_object(v)
-        or _holds_sharded(v)
-        or (isinstance(v, Mapping) and _split(v)[0])
-        for v in value
-    )
+    """A container with a sharded value somewhere inside (tuples too)."""
+    values = value.values() if isinstance(value, Mapping) else value
+    for v in values:
+        if isinstance(v, (list, tuple, Mapping)):
+            if _holds_sharded(v):
+                return True
+        elif not _split_leaf(v):
+            return True
+    return False
 
 
-def _sharded_entries(sharded: Any, prefix: str = "") -> dict[Any, Any]:
-    """Flat DCP key -> value: shardwise tensors under their dotted path, Megatron
-    pieces under their own key (grouped: pieces of one key make one entry), and
-    ShardedObjects under their unique key (every replica: `_objects` picks)."""
-    out: dict[Any, Any] = {}  # dotted path, or (kind, Megatron key) for grouped entries
-    for k, v in sharded.items():
-        path = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out.update(_sharded_entries(v, path + "."))
-        elif isinstance(v, ShardedTensor):
-            out[path] = v
-        elif is_mcore_object(v):
-            out.setdefault(("object", v.unique_key), []).append(v)
-        else:
-            for piece in pieces_of(v):
-                out.setdefault(("mcore", piece.key), []).append(piece)
-    return out
+def prepare_save(state_dict: Mapping[str, Any], group: Any = None) -> dict[str, Any]:
+    """The flat state dict a save on the Megatron route stores, as Megatron's
+    `dist_checkpointing.save` stores it. Collective.
 
-
-def prepare_save(
-    state_dict: Mapping[str, Any], group: Any = None, *, common_state: bool = True
-) -> dict[str, Any]:
-    """The flat state dict `swc.save(..., megatron=True)` saves. Collective.
-
-    Sharded tensors under their Megatron key (Megatron pieces grouped by key,
-    every rank taking part for every key, main replicas only), Megatron
-    ShardedObjects under their unique key (main replicas only: a key no rank
-    holds as `replica_id` 0 raises `ShardMismatchError` on every rank, as a
-    tensor with a hole does), everything else in Megatron's common state
-    object, each as `dist_checkpointing.save` writes it. `common_state=False`
-    leaves the rest out (a plain save stores it by path). Per rank: one
-    all-gather of its Megatron keys (with shapes) and ShardedObject keys, then
-    `to_shardwise`'s checks, one per Megatron key.
+    Megatron pieces grouped by key (every rank taking part for every key, main
+    replicas only), factories as they build, ShardedObjects under their unique key
+    (main replicas only: a key no rank holds as `replica_id` 0 raises
+    `ShardMismatchError` on every rank, as a tensor with a hole does), other
+    tensors under their dotted path, and everything else in Megatron's common state
+    object (rank 0's, as Megatron keeps it). Per rank: one all-gather of its
+    Megatron keys (with shapes) and ShardedObject keys, then `to_shardwise`'s
+    checks, one per Megatron key.
     """
-    sharded, common = _split(state_dict)
-    entries = _sharded_entries(sharded)
-    objects = _objects(entries)
-    mcore, shapes = _mcore_keys(entries, group, objects)
-    flat: dict[str, Any] = {k: v for k, v in entries.items() if not isinstance(k, tuple)}
+    found = find(state_dict)
+    objects = _main_objects(found)
+    shapes = _mcore_keys(found, group, objects)
+    flat: dict[str, Any] = dict(found.tensors)
     for key in sorted(shapes):  # the same order on every rank: one collective per key
         _refuse_clash(key, flat)
         flat[key] = to_shardwise(
-            mcore.get(key, []), replicas=False, global_shape=shapes[key], group=group
+            found.pieces.get(key, []), replicas=False, global_shape=shapes[key][0], group=group
         )
     for key, values in objects.items():  # ShardedObjects: this rank's, as Megatron stores them
         if values:  # Megatron writes main replicas only (`_mcore_keys` saw one somewhere)
+            _refuse_clash(key, flat)
             flat[key] = _serialized(values)
-    if common_state and _rank(group) == 0:  # rank 0's, as Megatron keeps (replica_id: rank)
-        flat[COMMON_STATE_KEY] = _serialized([common])
+    if _rank(group) == 0:  # rank 0's, as Megatron keeps (replica_id: rank)
+        _refuse_clash(COMMON_STATE_KEY, flat)
+        flat[COMMON_STATE_KEY] = _serialized([found.common])
     return flat
 
 
-def _objects(entries: dict[Any, Any]) -> dict[str, list[Any]]:
+def _main_objects(found: Found) -> dict[str, list[Any]]:
     """This rank's ShardedObjects by unique key: the data of its main replicas (none
     where it holds only other replicas)."""
     return {
-        key[1]: [o.data for o in held if is_main_replica(o.replica_id)]
-        for key, held in entries.items()
-        if isinstance(key, tuple) and key[0] == "object"
+        key: [o.data for o in held if is_main_replica(o.replica_id)]
+        for key, held in found.objects.items()
     }
 
 
 def _mcore_keys(
-    entries: dict[Any, Any], group: Any, objects: Mapping[str, list[Any]] | None = None
-) -> tuple[dict[str, list[Any]], dict[str, tuple[int, ...]]]:
-    """This rank's Megatron pieces by key, and every rank's keys with their global
-    shapes (one exchange), so a rank holding nothing of a key still takes part.
+    found: Found, group: Any, objects: Mapping[str, list[Any]] | None = None
+) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Every rank's Megatron keys with their global shapes and whether they may load
+    their overlap with a stored shape (`allow_shape_mismatch`), from one exchange, so
+    that a rank holding nothing of a key still takes part and treats it alike.
 
-    A save passes this rank's `format.pickles` (`_objects`): which ShardedObject keys it
+    A save passes this rank's main ShardedObjects (`_main_objects`): which keys it
     holds, and whether as main replica, ride on the same exchange (O(objects held)
     more bytes per rank), so every rank refuses alike a key no rank saves."""
-    mcore = {
-        key[1]: pieces
-        for key, pieces in entries.items()
-        if isinstance(key, tuple) and key[0] == "mcore"
+    local = {
+        k: (tuple(p[0].global_shape), any(bool(x.allow_shape_mismatch) for x in p))
+        for k, p in found.pieces.items()
     }
-    local = {k: tuple(p[0].global_shape) for k, p in mcore.items()}
     held = {k: bool(values) for k, values in (objects or {}).items()}
     distributed = dist.is_available() and dist.is_initialized()
     everyone = exchange(None, (local, held), group) if distributed else [(local, held)]
     _refuse_unsaved_objects([theirs for _, theirs in everyone])
-    shapes: dict[str, tuple[int, ...]] = {}
+    shapes: dict[str, tuple[tuple[int, ...], bool]] = {}
     for theirs, _ in everyone:
-        for k, shape in theirs.items():
-            shapes.setdefault(k, shape)
-    return mcore, shapes
+        for k, (shape, may_differ) in theirs.items():
+            known = shapes.setdefault(k, (shape, may_differ))
+            if may_differ and not known[1]:
+                shapes[k] = (known[0], True)
+    return shapes
 
 
 def _refuse_unsaved_objects(held: list[dict[str, bool]]) -> None:
@@ -288,36 +359,12 @@ def _rank(group: Any) -> int:
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
-def _refuse_clash(key: str, flat: Mapping[str, Any]) -> None:
+def _refuse_clash(key: str, flat: Mapping[str, Any], what: str = "a Megatron key") -> None:
     if key in flat:
         raise InvalidArgumentError(
-            f"key '{key}' is both a shardwise tensor and a Megatron ShardedTensor key"
+            f"key '{key}' is both {what} and a sharded (Megatron or shardwise) value's path; "
+            f"rename one"
         )
-
-
-def prepare_load(
-    state_dict: Mapping[str, Any], group: Any = None
-) -> tuple[dict[str, Any], list[Any]]:
-    """The flat targets `swc.load(..., megatron=True)` hands to DCP, and the
-    finishers to run after it. Collective.
-
-    Megatron pieces anywhere in `state_dict` (nested as Megatron's
-    `sharded_state_dict()` nests them) are grouped by their Megatron key, one
-    target per key over the pieces' own storage; shardwise ShardedTensors stay
-    under their dotted path. Other values (Megatron's common state, its
-    ShardedObjects) are not filled: `read_common_state(path)` reads the former.
-    """
-    sharded, _ = _split(state_dict)
-    entries = _sharded_entries(sharded)
-    mcore, shapes = _mcore_keys(entries, group)
-    flat: dict[str, Any] = {k: v for k, v in entries.items() if not isinstance(k, tuple)}
-    finishers = []
-    for key in sorted(shapes):  # the same order on every rank: one collective per key
-        _refuse_clash(key, flat)
-        flat[key], finish = _for_load(mcore.get(key, []), shapes[key], group)
-        if finish is not None:
-            finishers.append(finish)
-    return flat, finishers
 
 
 def _serialized(values: list[Any]) -> Serialized:
@@ -328,25 +375,26 @@ def _serialized(values: list[Any]) -> Serialized:
 
 
 # -----------------------------------------------------------------------------
-# Megatron-Core state dicts as `sharded_state_dict()` returns them, in plain `swc.save`/`swc.load`.
+# Megatron-Core state dicts as `sharded_state_dict()` returns them, in `swc.save`/`swc.load`.
 #
 # Megatron's nesting differs per rank by design: a replicated value sits on every
-# rank under its `replica_id`, the pieces of one key may sit in several dict
-# entries of one rank (stacked layers), and `ShardedObject`s are keyed by their
-# shard. Matching values by dict path, as the value adapters do, would refuse
-# that; so when any rank holds a Megatron value, `save` and `load` go by
-# Megatron key instead (`prepare_save` / `prepare_load`, as `megatron=True`
-# does). `megatron` then only decides the format of the rest:
+# rank under its `replica_id`, the pieces of one key sit in several entries (stacked
+# layers, virtual pipeline chunks, optimizer state), optimizer state comes in lists
+# of buckets keyed by int and dtype, and `ShardedObject`s are keyed by their shard.
+# Matching values by dict path, as the value adapters do, would refuse that; so when
+# any rank holds a Megatron value (or `megatron=True`), `save` and `load` go by
+# Megatron key, storing what Megatron's `dist_checkpointing.save` stores:
 #
-# - `megatron=True`: Megatron's common state object and `metadata.json`, so that
-#   Megatron's own `dist_checkpointing.load` opens the checkpoint; a load leaves
-#   non-tensor values as they are (`read_common_state` reads them).
-# - `megatron=False`: every other value under its dotted dict path, as any plain
-#   save stores it, and filled in place by a plain load.
+# - tensors under their Megatron key (main replicas only), factories as they build;
+# - ShardedObjects under their unique key;
+# - every other value in Megatron's common state object, and (in a local folder)
+#   Megatron's `metadata.json`, so `dist_checkpointing.load` opens the checkpoint.
 #
-# Either way tensors are stored under their Megatron key (main replicas only) and
-# ShardedObjects under their unique key, as Megatron stores them; a load fills a
-# ShardedObject's `data` with the value stored under its unique key.
+# A load fills the state in place: pieces' `data` (the model's own parameters, which
+# `sharded_state_dict()` holds), factories' `data` with their merge, ShardedObjects'
+# `data`, and the stored common state merged into the caller's dict as
+# `dist_checkpointing.load` merges it into what it returns (a checkpoint without one,
+# saved plainly, fills common values by their dotted path instead).
 # -----------------------------------------------------------------------------
 
 Finish = Callable[[], None]
@@ -381,62 +429,82 @@ def megatron_route(
     return route
 
 
-def _common_leaves(value: Mapping[str, Any], prefix: str = "") -> list[tuple[Any, Any, str]]:
-    """(container, key, dotted path) of every value that is neither sharded nor
-    nonpersistent: what Megatron puts in its common state."""
-    out: list[tuple[Any, Any, str]] = []
-    for key, v in value.items():
-        path = f"{prefix}{key}"
-        if isinstance(v, Mapping):
-            out.extend(_common_leaves(v, path + "."))
-        elif _split(v)[1] is not _NONE:
-            out.append((value, key, path))
-    return out
+def save_targets(state_dict: Mapping[str, Any], group: Any) -> dict[str, Any]:
+    """The flat state dict DCP saves (see above). Collective."""
+    return prepare_save(state_dict, group)
 
 
-def _add(flat: dict[str, Any], key: str, value: Any, what: str) -> None:
-    if key in flat:
-        raise InvalidArgumentError(
-            f"key '{key}' is both {what} and a sharded (Megatron or shardwise) key; rename one"
-        )
-    flat[key] = value
+class _Unread:
+    """The common state's target before the load: nothing stored there yet."""
+
+    def __repr__(self) -> str:
+        return "<Megatron common state, not read>"
 
 
-def save_targets(state_dict: Mapping[str, Any], group: Any, megatron: bool) -> dict[str, Any]:
-    """The flat state dict DCP saves (see the module docstring). Collective."""
-    if megatron:
-        return prepare_save(state_dict, group)
-    flat = prepare_save(state_dict, group, common_state=False)
-    for container, key, path in _common_leaves(state_dict):
-        _add(flat, path, container[key], "a non-sharded value's path")
-    return flat
-
-
-def load_targets(
-    state_dict: Mapping[str, Any], group: Any, megatron: bool
-) -> tuple[dict[str, Any], list[Finish]]:
-    """The flat targets DCP fills, and what to run after it (copies into strided
-    pieces, ShardedObjects' `data`, non-sharded values). Collective."""
-    flat, finishers = prepare_load(state_dict, group)
-    objects: dict[str, list[Any]] = {}
-    _returned_objects(state_dict, objects)
-    for key, held in objects.items():
-        _add(flat, key, None, "a ShardedObject's unique key")
+def load_targets(state_dict: Mapping[str, Any], group: Any) -> Targets:
+    """The flat targets DCP fills and what to run after it, in Megatron's order: copies
+    into strided pieces, factories' merges, ShardedObjects' `data`, then the common
+    state (stored common values at their paths, keys the caller lacks added).
+    Collective: `_mcore_keys`' one exchange, then one per Megatron key."""
+    found = find(state_dict)
+    shapes = _mcore_keys(found, group)
+    flat: dict[str, Any] = dict(found.tensors)
+    finishers: list[Finish] = []
+    for key in sorted(shapes):  # the same order on every rank: one collective per key
+        _refuse_clash(key, flat)
+        shape, may_differ = shapes[key]
+        flat[key], finish = _for_load(found.pieces.get(key, []), shape, group, may_differ)
+        if finish is not None:
+            finishers.append(finish)
+    for factory, built in found.factories:
+        finishers.append(_factory_merge(factory, built))
+    for key, held in found.objects.items():
+        _refuse_clash(key, flat, "a ShardedObject's unique key")
+        flat[key] = None
         finishers.append(_object_filler(flat, key, held))
-    if not megatron:
-        for container, key, path in _common_leaves(state_dict):
-            _add(flat, path, container[key], "a non-sharded value's path")
-            finishers.append(_value_filler(flat, path, container, key))
-    return flat, finishers
+    _refuse_clash(COMMON_STATE_KEY, flat, "Megatron's common state key")
+    flat[COMMON_STATE_KEY] = unread = _Unread()
+    optional: dict[str, str | None] = {COMMON_STATE_KEY: None}
+    for container, key, path in found.leaves:  # read by path where it has no common state
+        _refuse_clash(path, flat, "a common value's path")
+        flat[path] = container[key]
+        optional[path] = COMMON_STATE_KEY
+    finishers.append(_common_filler(flat, unread, state_dict, found.leaves))
+    mismatch = frozenset(k for k, (_shape, may_differ) in shapes.items() if may_differ)
+    return Targets(flat, finishers, mismatch, optional)
 
 
-def _returned_objects(value: Any, out: dict[str, list[Any]]) -> None:
-    """This rank's ShardedObjects by unique key, every replica, in state-dict order."""
-    if is_mcore_object(value):
-        out.setdefault(value.unique_key, []).append(value)
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            _returned_objects(v, out)
+def _factory_merge(factory: Any, built: Any) -> Finish:
+    """Megatron's `apply_factory_merges` for one factory: its `merge_fn` of what it built,
+    as loaded, into the factory's `data` (in place where it has the merged shape, so a
+    parameter the factory was made from holds it)."""
+
+    def finish() -> None:
+        merged = factory.merge_fn(_loaded(built))
+        data = factory.data
+        if (
+            isinstance(data, torch.Tensor)
+            and isinstance(merged, torch.Tensor)
+            and data.shape == merged.shape
+            and data.dtype == merged.dtype
+        ):
+            if data.data_ptr() != merged.data_ptr():
+                data.detach().copy_(merged)
+        else:
+            factory.data = merged
+
+    return finish
+
+
+def _loaded(value: Any) -> Any:
+    """What a factory built, as `dist_checkpointing.load` returns it: values' `data`."""
+    if isinstance(value, Mapping):
+        return {k: _loaded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_loaded(v) for v in value]
+    if is_mcore_value(value) or is_mcore_object(value):
+        return value.data
+    return value
 
 
 def _object_filler(flat: dict[str, Any], key: str, held: list[Any]) -> Finish:
@@ -455,11 +523,67 @@ def _object_filler(flat: dict[str, Any], key: str, held: list[Any]) -> Finish:
     return finish
 
 
-def _value_filler(flat: dict[str, Any], path: str, container: Any, key: Any) -> Finish:
+def _common_filler(
+    flat: dict[str, Any], unread: _Unread, state_dict: Any, leaves: list[tuple[Any, Any, str]]
+) -> Finish:
+    """Fill the common values: from the stored common state when there is one (merged as
+    Megatron merges it), else from their dotted paths."""
+
     def finish() -> None:
-        container[key] = flat[path]
+        stored = flat[COMMON_STATE_KEY]
+        if stored is unread:
+            for container, key, path in leaves:
+                container[key] = flat[path]
+            return
+        if not isinstance(stored, list) or not stored:  # Megatron stores [common state]
+            raise CorruptCheckpointError(
+                f"object '{COMMON_STATE_KEY}' holds {type(stored).__name__}, not Megatron's "
+                f"[common state]"
+            )
+        _merge(state_dict, stored[0], COMMON_STATE_KEY)
 
     return finish
+
+
+def _merge(into: Any, stored: Any, where: str) -> None:
+    """Megatron's `dict_utils.merge` of a stored common state into the caller's state,
+    in place: keys the caller lacks are added, common values replaced; a sharded value
+    is never replaced (the checkpoint's common state would have to hold its path)."""
+    if isinstance(stored, Mapping) and isinstance(into, MutableMapping):
+        pairs: list[tuple[Any, Any]] = list(stored.items())
+    elif isinstance(stored, list) and isinstance(into, list) and len(into) == len(stored):
+        pairs = list(enumerate(stored))
+    else:
+        raise CheckpointMismatchError(
+            f"{where}: the checkpoint's common state holds a {type(stored).__name__} where "
+            f"the state dict holds a {type(into).__name__}"
+        )
+    for key, value in pairs:
+        if isinstance(into, MutableMapping) and key not in into:
+            into[key] = value
+            continue
+        mine = into[key]
+        if isinstance(mine, (Mapping, list)) and isinstance(value, (Mapping, list)):
+            _merge(mine, value, f"{where}.{key}")
+        elif _split_leaf(mine):
+            into[key] = value
+        else:
+            raise CheckpointMismatchError(
+                f"{where}.{key}: the checkpoint's common state holds a value where the state "
+                f"dict holds a sharded {type(mine).__name__}"
+            )
+
+
+def _split_leaf(value: Any) -> bool:
+    """A value Megatron keeps in its common state (neither sharded nor nonpersistent)."""
+    return not (
+        isinstance(value, (ShardedTensor, io.BytesIO))
+        or (isinstance(value, torch.Tensor) and not is_plain_tensor(value))
+        or is_mcore_value(value)
+        or is_mcore_object(value)
+        or is_mapping_class(value, "ShardedTensorFactory")
+        or is_mapping_class(value, "LocalNonpersistentObject")
+    )
 
 
 # A state dict holding any Megatron value goes by Megatron key (`save_targets`,
@@ -470,6 +594,7 @@ register_route(
         (
             f"{_MAPPING}.ShardedTensor",
             f"{_MAPPING}.ShardedObject",
+            f"{_MAPPING}.ShardedTensorFactory",
             f"{_WRAPPERS}.CheckpointableShardedTensor",
             f"{_WRAPPERS}.LocalShardsContainer",
         ),

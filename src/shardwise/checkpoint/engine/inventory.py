@@ -32,6 +32,7 @@ __all__ = [
     "Piece",
     "Route",
     "Serialized",
+    "Targets",
     "ValueAdapter",
     "adapter_of",
     "adapted_for_load",
@@ -149,18 +150,31 @@ class ValueAdapter:
         return any(_qualified(c) in self._names for c in type(value).__mro__)  # type: ignore[attr-defined]
 
 
+class Targets(NamedTuple):
+    """What a route hands the load engine: the flat targets it fills (`flat`), what
+    to run after (`finishers`), the keys that may load only their overlap with a
+    stored shape of the same rank (`shape_mismatch`), and the keys that may be
+    missing from the checkpoint (`optional`: key -> a key whose presence excuses it,
+    None when nothing needs to be)."""
+
+    flat: dict[str, Any]
+    finishers: list[Finish]
+    shape_mismatch: frozenset[str] = frozenset()
+    optional: dict[str, str | None] = {}
+
+
 @dataclass(frozen=True)
 class Route:
     """A client that saves and loads a whole state dict its own way once any of its
     values (`types`, subclasses too) is in it, e.g. Megatron-Core by Megatron key.
-    `save_targets(state_dict, group, own_format)` gives the flat state dict the
-    engine saves; `load_targets(state_dict, group, own_format)` the flat targets it
-    fills and what to run after. Both collective. Found by class, like adapters."""
+    `save_targets(state_dict, group)` gives the flat state dict the engine saves;
+    `load_targets(state_dict, group)` the `Targets` it fills. Both collective.
+    Found by class, like adapters."""
 
     name: str
     types: TypeName | tuple[TypeName, ...]
-    save_targets: Callable[[Any, Any, bool], dict[str, Any]]
-    load_targets: Callable[[Any, Any, bool], tuple[dict[str, Any], list[Finish]]]
+    save_targets: Callable[[Any, Any], dict[str, Any]]
+    load_targets: Callable[[Any, Any], Targets]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_names", _type_names(f"route {self.name!r}", self.types))

@@ -392,13 +392,17 @@ def load_state(
     extension_registry: ExtensionRegistry | None = None,
     staging_bytes: int | None = None,
     broadcast: bool | None = None,
+    shape_mismatch: frozenset[str] = frozenset(),
+    optional: Mapping[str, str | None] | None = None,
 ) -> tuple[int, Manifest | None]:
     """Fill `state_dict` (values already adapted) from the checkpoint at `path`.
     Collective. Returns the bytes this rank read and the manifest it followed (None:
     it followed DCP's `.metadata`). Objects unpickle by `format.pickles.load_object`'s rules
     (`trust_objects`); `extension_registry` decodes stream extensions. `broadcast`:
     whether values every rank loads whole are read once and broadcast (`replicated`;
-    None: where that pays)."""
+    None: where that pays). Tensors under a key in `shape_mismatch` load their overlap
+    with a stored shape of as many dimensions (the rest left as it is); a key in
+    `optional` may be missing (`Targets.optional`)."""
     folder = open_folder(path)
     flat, mappings = _flatten(state_dict)
     problem: BaseException | None = None
@@ -407,7 +411,7 @@ def load_state(
     values: list[Value] = []
     try:
         view = StoredView.read(folder, agreement.rank)
-        found = mismatches(flat, view, strict, cast_dtype)
+        found = mismatches(flat, view, strict, cast_dtype, shape_mismatch, optional or {})
         if found:
             problem = CheckpointMismatchError(f"{folder}: " + "; ".join(found))
         elif broadcast is not False and agreement.world_size > 1:
@@ -429,7 +433,7 @@ def load_state(
     )
     problem = None
     try:
-        reads, whole = _plan(flat, view, objects, trust_objects, sent, verify)
+        reads, whole = _plan(flat, view, objects, trust_objects, sent, verify, shape_mismatch)
         # whole chunks a batch of requests at a time, the first with the rest: a small
         # load is one run (on an object store, one window of prefetches)
         wholes = whole.reads(view.manifest.page_size) if whole and view.manifest else iter(())
@@ -464,6 +468,7 @@ def _plan(
     trust: bool,
     sent: set[str],
     verify: bool,
+    shape_mismatch: frozenset[str] = frozenset(),
 ) -> tuple[list[ChunkRead | ArchiveRead | GatherRead], WholeRows | None]:
     """This rank's reads: objects (unpickled into `format.pickles`), the stored chunks its
     pieces overlap (from a version 4 index: only its tensors' sections, only the rows
@@ -491,6 +496,8 @@ def _plan(
         if pieces is None:  # a `_Checkpointable` or an unknown tensor subclass
             by_dcp[key] = value
             continue
+        if key in shape_mismatch:
+            pieces = _within(pieces, view.tensor(key)[0])  # type: ignore[index]
         pieces = [p for p in pieces if p.tensor.numel()]
         if pieces:
             held[key] = pieces
@@ -579,12 +586,34 @@ def _keep(objects: dict[str, Any], key: str, view: StoredView, info: Any, trust:
     return keep
 
 
-def mismatches(flat: dict[str, Any], view: StoredView, strict: bool, cast: bool) -> list[str]:
+def _within(pieces: list[Piece], shape: tuple[int, ...]) -> list[Piece]:
+    """The parts of `pieces` inside a stored global `shape` (a key loading its overlap)."""
+    out = []
+    for p in pieces:
+        sizes = tuple(max(0, min(o + n, m) - o) for o, n, m in zip(p.offsets, p.sizes, shape))
+        if sizes == p.sizes:
+            out.append(p)
+        elif all(sizes):
+            out.append(Piece(p.tensor[tuple(slice(0, n) for n in sizes)], p.offsets, sizes))
+    return out
+
+
+def mismatches(
+    flat: dict[str, Any],
+    view: StoredView,
+    strict: bool,
+    cast: bool,
+    shape_mismatch: frozenset[str] = frozenset(),
+    optional: Mapping[str, str | None] | None = None,
+) -> list[str]:
     """Every key, kind, shape and dtype problem of `flat`'s targets against the
     checkpoint. A tensor against an object (either way) is a problem even when not
     strict, as `dcp.load` refuses it: nothing would be loaded, silently. Keys stored
-    but not asked for are fine, as with `dcp.load` (a partial state dict)."""
+    but not asked for are fine, as with `dcp.load` (a partial state dict). Keys in
+    `shape_mismatch` may differ in shape (not in rank); a key in `optional` may be
+    missing (when the key it names is stored, or it names none)."""
     problems = []
+    optional = optional or {}
     for key, value in flat.items():
         stored = view.tensor(key)
         if stored is None:
@@ -593,7 +622,7 @@ def mismatches(flat: dict[str, Any], view: StoredView, strict: bool, cast: bool)
                     problems.append(
                         f"'{key}' is a tensor here but a Python object in the checkpoint"
                     )
-            elif strict:
+            elif strict and not _excused(key, optional, view):
                 problems.append(f"'{key}' is missing from the checkpoint")
             continue
         if not isinstance(value, torch.Tensor):
@@ -604,8 +633,16 @@ def mismatches(flat: dict[str, Any], view: StoredView, strict: bool, cast: bool)
                 )
             continue
         here, (there, dtype) = tuple(value.shape), stored
-        if here != there:
+        if here != there and not (key in shape_mismatch and len(here) == len(there)):
             problems.append(f"'{key}' shape {here} here, {there} in the checkpoint")
         if value.dtype != dtype and not cast:
             problems.append(f"'{key}' dtype {value.dtype} here, {dtype} in the checkpoint")
     return problems
+
+
+def _excused(key: str, optional: Mapping[str, str | None], view: StoredView) -> bool:
+    """Whether `key` may be missing: optional, and the key excusing it (if any) stored."""
+    if key not in optional:
+        return False
+    other = optional[key]
+    return other is None or view.tensor(other) is not None or view.is_object(other)
