@@ -150,3 +150,24 @@ def test_hooks_directly():
     assert found is st.local_shards()[1]
     with pytest.raises(ValueError, match="rank 0 holds no block at offsets \\(0, 2\\)"):
         st.__get_tensor_shard__(MetadataIndex("w", (0, 2)))
+
+
+def test_hooks_take_a_containers_index_and_an_index_without_offsets():
+    # Megatron's LocalShardsContainer passes each element its position (`index=`) and
+    # may ask an element for its shard by an index without offsets
+    layout = Layout((4, 4), {0: [Block((0, 2), (4, 2))], 1: [Block((0, 0), (4, 2))]})
+    st = ShardedTensor.from_layout(layout, [torch.ones(4, 2)], rank=0)
+    (item,) = st.__create_write_items__("w", st, index=3)
+    assert (tuple(item.index.offset), item.index.index) == ((0, 2), 3)
+    assert st.__get_tensor_shard__(MetadataIndex("w")) is st.local_shards()[0]
+    two = Layout((4, 4), {0: [Block((0, 0), (4, 2)), Block((0, 2), (4, 2))]})
+    both = ShardedTensor.from_layout(two, [torch.zeros(4, 2), torch.ones(4, 2)], rank=0)
+    items = both.__create_write_items__("w", both, index=3)  # two blocks: their own positions
+    assert [i.index.index for i in items] == [0, 1]
+    assert both.__get_tensor_shard__(MetadataIndex("w", None, 1)) is both.local_shards()[1]
+    with pytest.raises(ValueError) as info:
+        both.__get_tensor_shard__(MetadataIndex("w"))
+    assert str(info.value) == (
+        "an index of 'w' without offsets names no block of rank 0: it holds 2 (its blocks: "
+        f"{both.local_blocks[0]}, {both.local_blocks[1]})"
+    )

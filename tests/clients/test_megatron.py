@@ -371,3 +371,41 @@ def test_megatron_save_keeps_a_foreign_metadata_json_and_writes_its_own(tmp_path
 def test_swc_load_megatron_nesting_by_megatron_key(megatron_ckpt: str) -> None:
     results = run_ranks(_swc_load_nested, 2, megatron_ckpt, timeout=90)
     assert results == [([], []), ([], [])]
+
+
+def _save_megatrons_dcp_objects(rank: int, ws: int, path: str) -> list[str]:
+    """Megatron's own DCP objects (`mcore_to_pyt_state_dict`: legacy torch ShardedTensors for
+    stacked layers, Megatron's wrappers, BytesIO for objects), with common values, saved by
+    swc.save(megatron=True)."""
+    _megatron()
+    from megatron.core.dist_checkpointing.strategies.torch import mcore_to_pyt_state_dict
+
+    by_key: dict = {}
+    stack = [_mcore_sd(rank, "a")]
+    while stack:
+        node = stack.pop()
+        for v in node.values() if isinstance(node, dict) else node:
+            if isinstance(v, (dict, list)):
+                stack.append(v)
+            elif hasattr(v, "key") and type(v).__name__ == "ShardedTensor":
+                by_key.setdefault(v.key, []).append(v)
+    pyt = mcore_to_pyt_state_dict(by_key)
+    kinds = sorted({type(v).__name__ for v in pyt.values()})
+    swc.save({**pyt, **COMMON}, path, megatron=True)
+    return kinds
+
+
+def test_megatrons_dcp_objects_save_as_tensors_with_the_flag(tmp_path) -> None:
+    path = tmp_path / "dcp_objects"
+    kinds = run_ranks(_save_megatrons_dcp_objects, 2, str(path), timeout=90)
+    assert "ShardedTensor" in kinds[0]  # torch's legacy class, for the stacked layers
+    info = swc.inspect(str(path))
+    assert {t.key: t.shape for t in info.tensors} == SHAPES  # layers.weight among them
+    assert sorted(info.objects) == ["common_state/shard_0_1"]
+    for key in SHAPES:
+        assert torch.equal(swc.read_tensor(str(path), key), full(key)), key
+    from shardwise.checkpoint.megatron import read_common_state
+
+    assert read_common_state(path) == COMMON
+    # and Megatron opens it into another layout
+    assert run_ranks(_megatron_load, 2, str(path), timeout=90) == [([], COMMON)] * 2
