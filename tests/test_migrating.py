@@ -56,6 +56,10 @@ EXPECTED = {
             "[(2, 12), (2, 12), (2, 12)] True True",
         ],
     ),
+    "megatron_resume": (
+        "megatron.core.tensor_parallel",
+        ["(100, 100, 100) True"],
+    ),
     "torchrec": (
         "torchrec.distributed",
         ["0 [] True", "1 [] True", "2 [(40, 8)] True"],
@@ -88,7 +92,7 @@ def test_readme_migration_block_runs(tmp_path):
 
 def test_every_snippet_is_tested():
     markers = re.findall(r"<!-- snippet: (\w+) -->", PAGE)
-    assert markers == ["legacy", "physicsnemo", "megatron", "torchrec"]
+    assert markers == ["legacy", "physicsnemo", "megatron", "megatron_resume", "torchrec"]
     assert sorted(SNIPPETS) == sorted(markers) == sorted(EXPECTED)  # each with its prints block
     assert PAGE.count("```python") == len(markers)  # no python block without a marker
     assert README_SECTION.count("```python") == 1

@@ -1,10 +1,11 @@
-"""Megatron-Core values in `swc.save` / `swc.load`, and state dicts as
-`sharded_state_dict()` returns them.
+"""Megatron-Core state dicts in `swc.save` / `swc.load`, as Megatron's training
+loop hands them to `dist_checkpointing.save` / `.load`.
 
-Megatron's sharded tensors and objects are described by their adapter like any
-other client's values; a state dict that holds them is routed through this
-client (its keys agreed across ranks, ShardedObjects saved once from their main
-replica, common state written as Megatron writes it).
+Model and optimizer `sharded_state_dict()`s, virtual pipeline chunks, factories,
+the distributed optimizer's buckets, ShardedObjects and common state: saved as
+Megatron saves them (its files: `megatron_format`), loaded in place as Megatron
+loads them. A state dict holding any of them is routed through this client (its
+keys agreed across ranks, ShardedObjects saved once from their main replica).
 """
 
 from __future__ import annotations
@@ -59,19 +60,12 @@ __all__ = [
 
 
 # -----------------------------------------------------------------------------
-# Megatron-Core values in `swc.save`/`swc.load`, and checkpoints Megatron opens.
+# Megatron-Core values, one at a time: the value adapter.
 #
-# - A value adapter (registered on import) lets `swc.async_save` take Megatron's
-#   objects directly (the DCP key is the state dict's key); `swc.save`/`swc.load`
-#   take Megatron's values by Megatron key instead (`clients.megatron`).
-# - `swc.save(..., megatron=True)` (`prepare_save`) stores what Megatron's
-#   `dist_checkpointing.load` needs beside the DCP data: tensors under their
-#   Megatron key, the common state object and ShardedObjects (its files:
-#   `megatron_format`).
-# - `swc.load(..., megatron=True)` (`prepare_load`) loads Megatron's own nesting
-#   by Megatron key.
-#
-# The conversions themselves are `shardwise.interop.megatron`'s.
+# Registered on import, it describes a Megatron value standing alone under a state
+# dict key (its DCP key), as any client's value is. A state dict holding Megatron
+# values goes by Megatron key instead (the route below), so the adapter serves
+# direct conversions; the conversions themselves are `shardwise.interop.megatron`'s.
 # -----------------------------------------------------------------------------
 
 
