@@ -1,14 +1,24 @@
-"""shardwise checkpoints against Megatron-Core's own (torch_dist), same sharded state dict.
+"""shardwise checkpoints against Megatron-Core's own (torch_dist, fully parallel), same GPT state.
 
-Run: `shardwise bench megatron [--size 256MiB] [--repeat 3] [--quick] [--dir /tmp]`.
-On 2 local ranks (gloo), one Megatron sharded state dict (tensor-parallel
-column splits, a replicated bias): Megatron's `dist_checkpointing.save` vs
-`swc.save` (through the Megatron value adapter, and with `megatron=True`, the
-checkpoint Megatron's load also opens), then `dist_checkpointing.load` vs
-`swc.load` into the same Megatron ShardedTensors, and `swc.load` of the
-checkpoint Megatron wrote. Every load is checked bit for bit against the saved
-values. Times are the slowest rank's, median of `--repeat`. Ratios > 1 mean
-shardwise is faster. On CPU, Megatron's CUDA calls get the stand-ins of
+Run: `shardwise bench megatron [--hidden 512] [--layers 4] [--vocab 16000] [--tp 1]
+[--repeat 3] [--quick] [--dir /tmp]`.
+
+On 2 local ranks (gloo; TP 1 gives DP 2, so Megatron's fully parallel strategies
+have replicas to spread), the state Megatron's training loop checkpoints: a real
+`GPTModel`'s `sharded_state_dict()` with its optimizer's (Megatron's own
+`get_megatron_optimizer`, Adam `exp_avg` / `exp_avg_sq` after two steps), the
+iteration, args and RNG state (`tests/clients/megatron_gpt.py` builds it).
+
+Megatron saves and loads it the way its training does with
+`--ckpt-fully-parallel-save/load`: `dist_checkpointing.save/load` with the
+`torch_dist` strategy wrapped in `FullyParallelSaveStrategyWrapper` /
+`FullyParallelLoadStrategyWrapper` over the data-parallel group. shardwise:
+`swc.save` / `swc.load` of the same state, and each reading the other's
+checkpoint. Every load is checked bit for bit against the saved global values
+(targets reset to -1 first). Times are the slowest rank's, median of
+`--repeat`; ratios > 1 mean shardwise is faster. The physical limit is the
+storage's write / read bandwidth for the bytes stored once (main replicas
+only, by both). On CPU, Megatron's CUDA calls get the stand-ins of
 tests/clients/megatron_harness.py.
 """
 
@@ -18,102 +28,133 @@ import argparse
 import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shardwise.cli.sizes import parse_size
 from shardwise.testing import seconds_across_ranks
 
-
-def _median(fn, repeat: int, before=None) -> float:
-    """No warm-up: each save writes a fresh checkpoint, as a training job's would."""
-    return seconds_across_ranks(fn, repeat, before=before, warmup=False)
+_REPO = Path(__file__).resolve().parents[1]
+# how Megatron's fully parallel load hands loaded shards to the other replicas: by NCCL
+# broadcast on a GPU (its default); on CPU ranks by `all_gather_object` (its broadcast
+# and gather exchanges allocate on the CUDA device)
+_EXCHANGE = "broadcast" if torch.cuda.is_available() else "gather_object"
 
 
 def _clean(path: Path) -> None:
+    """An empty folder (Megatron's save wants it to exist, as its training makes it)."""
     if dist.get_rank() == 0:
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
     dist.barrier()
 
 
-def _values(rank: int, world: int, nbytes: int, n_tensors: int = 8) -> dict[str, torch.Tensor]:
-    """This rank's column block of each weight (distinct values per key and column)."""
-    rows = 1024
-    cols = max(world, nbytes // 4 // n_tensors // rows // world * world)
-    width = cols // world
-    out = {}
-    for i in range(n_tensors):
-        block = torch.arange(rows * width, dtype=torch.float32).reshape(rows, width)
-        out[f"layer{i}.weight"] = block + (i * 1e6 + rank * rows * width)
-    out["final.bias"] = torch.arange(4096, dtype=torch.float32)
-    return out
+def _reset(state: Any) -> None:
+    """Every sharded tensor of `state` (parameters, optimizer state) set to -1."""
+    from tests.clients.megatron_gpt import sharded_leaves
+
+    with torch.no_grad():
+        for leaf in sharded_leaves(state, tensors_only=True).values():
+            leaf.data.fill_(-1.0)
 
 
-def _mcore_sd(rank: int, world: int, values: dict[str, torch.Tensor]) -> dict:
-    from megatron.core.dist_checkpointing import ShardedTensor
-
-    sd = {}
-    for key, t in values.items():
-        if key.endswith("bias"):
-            sd[key] = ShardedTensor.from_rank_offsets(key, t, replica_id=rank)
-        else:
-            sd[key] = ShardedTensor.from_rank_offsets(key, t, (1, rank, world))
-    return sd
-
-
-def _bench_rank(rank: int, world: int, folder: str, nbytes: int, repeat: int) -> dict:
-    repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo))
-    from tests.clients.megatron_harness import patch_for_cpu
-
-    patch_for_cpu()
+def _bench_rank(rank: int, world: int, folder: str, shape: dict, repeat: int) -> dict:
+    sys.path.insert(0, str(_REPO))
+    warnings.simplefilter("ignore")  # Megatron warns about Apex / TE on every import
     import megatron.core.dist_checkpointing as mdc
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_load_sharded_strategy,
+        get_default_save_sharded_strategy,
+    )
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+    from tests.clients.megatron_gpt import (
+        Setup,
+        build,
+        global_shapes,
+        setup_parallel,
+        state_dict,
+        unwrapped,
+        wrong_values,
+    )
 
     import shardwise.checkpoint as swc
 
     torch.set_num_threads(1)
+    s = Setup(**shape)
+    setup_parallel(s)
+    chunks, optimizer = build(s)
+    source = state_dict(s, chunks, optimizer, 100)
+    saved = global_shapes(source)
+    dp = ps.get_data_parallel_group(with_context_parallel=True)
     base = Path(folder)
-    values = _values(rank, world, nbytes)
-    source = _mcore_sd(rank, world, values)
-    theirs, ours, ours_mg = base / "megatron", base / "shardwise", base / "shardwise_megatron"
-    out: dict[str, float] = {"local MiB": sum(t.nbytes for t in values.values()) / 2**20}
+    theirs, ours = base / "megatron", base / "shardwise"
+    local = sum(leaf.data.numel() * leaf.data.element_size() for leaf in _leaves(source))
+    out: dict[str, Any] = {"local MiB": local / 2**20}
 
-    out["megatron save"] = _median(
-        lambda: mdc.save(source, str(theirs)), repeat, before=lambda: _clean(theirs)
+    def megatron_save() -> None:
+        strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(), dp)
+        mdc.save(source, str(theirs), sharded_strategy=strategy)
+
+    out["megatron save"] = seconds_across_ranks(
+        megatron_save, repeat, before=lambda: _clean(theirs), warmup=False
     )
-    out["shardwise save"] = _median(lambda: swc.save(source, ours, overwrite=True), repeat)
-    out["shardwise save megatron=True"] = _median(
-        lambda: swc.save(source, ours_mg, overwrite=True, megatron=True), repeat
+    out["shardwise save"] = seconds_across_ranks(  # into an empty folder, as Megatron's
+        lambda: swc.save(source, ours), repeat, before=lambda: _clean(ours), warmup=False
     )
+    out["bytes"] = {
+        "megatron": _stored_bytes(theirs),
+        "shardwise": _stored_bytes(ours),
+    }
 
-    targets = _mcore_sd(rank, world, {k: torch.full_like(v, -1.0) for k, v in values.items()})
+    # loads: into freshly built models, as a resumed job has them
+    targets, target_opt = build(s, trained=False)
+    held: dict[str, Any] = {}
 
-    def exact() -> bool:
-        ok = all(torch.equal(targets[k].data, values[k]) for k in values)
-        flag = torch.tensor([int(ok)])
+    def fresh() -> None:  # untimed: a state dict to load into, every value -1
+        held["state"] = state_dict(s, targets, target_opt, None, loading=True, rng=False)
+        _reset(held["state"])
+
+    def megatron_load(path: Path) -> None:
+        strategy = FullyParallelLoadStrategyWrapper(
+            get_default_load_sharded_strategy(path), dp, exchange_algo=_EXCHANGE
+        )
+        held["loaded"] = mdc.load(held["state"], str(path), sharded_strategy=strategy)
+
+    def shardwise_load(path: Path) -> None:
+        swc.load(held["state"], path)
+        held["loaded"] = unwrapped(held["state"])
+
+    checks: dict[str, bool] = {}
+    for label, load, path in (
+        ("megatron load", megatron_load, theirs),
+        ("shardwise load", shardwise_load, ours),
+        ("shardwise load of megatron's checkpoint", shardwise_load, theirs),
+        ("megatron load of shardwise's checkpoint", megatron_load, ours),
+    ):
+        out[label] = seconds_across_ranks(lambda: load(path), repeat, before=fresh, warmup=False)
+        wrong = wrong_values(held["state"], held["loaded"], saved)
+        flag = torch.tensor([int(not wrong)])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        for t in targets.values():
-            t.data.fill_(-1.0)
-        return bool(flag.item())
-
-    checks = {}
-    out["megatron load"] = _median(lambda: mdc.load(targets, str(theirs)), repeat)
-    checks["megatron load"] = exact()
-    out["shardwise load"] = _median(lambda: swc.load(targets, ours), repeat)
-    checks["shardwise load"] = exact()
-    out["shardwise load of megatron's checkpoint"] = _median(
-        lambda: swc.load(targets, theirs), repeat
-    )
-    checks["shardwise load of megatron's checkpoint"] = exact()
-    out["megatron load of shardwise megatron=True"] = _median(
-        lambda: mdc.load(targets, str(ours_mg)), repeat
-    )
-    checks["megatron load of shardwise megatron=True"] = exact()
+        checks[label] = bool(flag.item())
     out["checks"] = checks
     return out
+
+
+def _leaves(state: Any) -> list[Any]:
+    from tests.clients.megatron_gpt import sharded_leaves
+
+    return list(sharded_leaves(state, tensors_only=True).values())
+
+
+def _stored_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def _ratio(theirs: float, ours: float) -> str:
@@ -126,46 +167,56 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--size", default="256MiB", help="global state size (default 256MiB)")
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size (default 512)")
+    parser.add_argument("--layers", type=int, default=4, help="transformer layers (default 4)")
+    parser.add_argument("--vocab", type=int, default=16000, help="vocabulary (default 16000)")
+    parser.add_argument("--tp", type=int, choices=(1, 2), default=1, help="TP (DP = 2 / TP)")
     parser.add_argument("--repeat", type=int, default=3, help="repeats; the median is reported")
     parser.add_argument("--dir", default=tempfile.gettempdir())
-    parser.add_argument("--quick", action="store_true", help="16MiB, 1 repeat: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="a tiny model, 1 repeat: a smoke run")
     args = parser.parse_args()
-    nbytes, repeat = (
-        (parse_size("16MiB"), 1) if args.quick else (parse_size(args.size), args.repeat)
-    )
+    shape = dict(tp=args.tp, hidden=args.hidden, layers=args.layers, vocab=args.vocab,
+                 heads=8, seq=64)  # fmt: skip
+    repeat = args.repeat
+    if args.quick:
+        shape.update(hidden=32, layers=2, vocab=256, heads=2)
+        repeat = 1
     folder = tempfile.mkdtemp(prefix="shardwise-bench-megatron-", dir=args.dir)
     try:
-        r = run_ranks(_bench_rank, 2, folder, nbytes, repeat, timeout=3600)[0]
+        r = run_ranks(_bench_rank, 2, folder, shape, repeat, timeout=3600)[0]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     mib = r["local MiB"]
+    stored = r["bytes"]
     print(
-        f"\n== {args.dir}: {nbytes / 2**20:.0f} MiB Megatron sharded state dict, 2 ranks "
-        f"({mib:.0f} MiB per rank), median of {repeat}"
+        f"\n== {args.dir}: GPT (hidden {shape['hidden']}, {shape['layers']} layers, vocab "
+        f"{shape['vocab']}) + Adam state, 2 ranks at TP {args.tp} / DP {2 // args.tp} "
+        f"({mib:.0f} MiB of sharded state per rank; stored: Megatron "
+        f"{stored['megatron'] / 2**20:.0f} MiB, shardwise {stored['shardwise'] / 2**20:.0f} MiB), "
+        f"median of {repeat}"
     )
-    print(f"{'':46}{'seconds':>9}{'MiB/s/rank':>12}{'vs Megatron':>13}{'bit exact':>11}")
+    print(f"{'':50}{'seconds':>9}{'MiB/s/rank':>12}{'vs Megatron':>13}{'bit exact':>11}")
     rows = [
-        ("megatron dist_checkpointing.save", "megatron save", None),
-        ("swc.save (value adapter)", "shardwise save", "megatron save"),
-        ("swc.save(megatron=True)", "shardwise save megatron=True", "megatron save"),
-        ("megatron dist_checkpointing.load", "megatron load", None),
-        ("swc.load (value adapter)", "shardwise load", "megatron load"),
+        ("megatron save (torch_dist, fully parallel)", "megatron save", None),
+        ("swc.save", "shardwise save", "megatron save"),
+        ("megatron load (torch_dist, fully parallel)", "megatron load", None),
+        ("swc.load", "shardwise load", "megatron load"),
         (
             "swc.load of Megatron's checkpoint",
             "shardwise load of megatron's checkpoint",
             "megatron load",
-        ),
+        ),  # fmt: skip
         (
-            "megatron load of swc.save(megatron=True)",
-            "megatron load of shardwise megatron=True",
+            "megatron load of swc's checkpoint",
+            "megatron load of shardwise's checkpoint",
             "megatron load",
-        ),
+        ),  # fmt: skip
     ]
     for label, key, ref in rows:
         exact = r["checks"].get(key)
         print(
-            f"  {label:44}{r[key]:9.3f}{mib / r[key]:12.0f}{(_ratio(r[ref], r[key]) if ref else ''):>13}"
+            f"  {label:48}{r[key]:9.3f}{mib / r[key]:12.0f}"
+            f"{(_ratio(r[ref], r[key]) if ref else ''):>13}"
             f"{('' if exact is None else 'yes' if exact else 'NO'):>11}"
         )
     if not all(r["checks"].values()):

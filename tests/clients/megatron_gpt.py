@@ -54,6 +54,7 @@ from tests.clients.megatron_harness import patch_for_cpu
 
 __all__ = [
     "Setup",
+    "at",
     "args_of",
     "build",
     "differences",
@@ -363,7 +364,7 @@ def wrong_values(
     `allow_shape_mismatch`)."""
     wrong = []
     for path, leaf in sharded_leaves(sharded, tensors_only=True).items():
-        got = _at(values, path)
+        got = at(values, path)
         if not isinstance(got, torch.Tensor):
             wrong.append(f"{_dotted(path)}: {type(got).__name__}")
             continue
@@ -415,7 +416,8 @@ def sharded_leaves(state: Any, tensors_only: bool = False) -> dict[Path, Any]:
     return out
 
 
-def _at(node: Any, path: Path) -> Any:
+def at(node: Any, path: Path) -> Any:
+    """The value in nested dicts / lists at `path`."""
     for k in path:
         node = node[k]
     return node
@@ -446,25 +448,41 @@ def unwrapped(state: Any) -> Any:
     return state
 
 
-def differences(got: Any, want: Any, path: Path = ()) -> list[str]:
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def differences(
+    got: Any, want: Any, path: Path = (), skip: frozenset[Path] = frozenset()
+) -> list[str]:
     """Where `got` and `want` differ, bit for bit: the same keys, tensors of the same
-    dtype and shape `torch.equal`, numpy arrays `array_equal`, `BytesIO` by their
-    bytes, other values `==` and of the same type."""
+    dtype, shape and bits (a NaN equals the same NaN), numpy arrays `array_equal`,
+    `BytesIO` by their bytes, other values `==` and of the same type. At the paths in
+    `skip` only the type is compared."""
     where = _dotted(path) or "<root>"
+    if path in skip:
+        same = type(got) is type(want)
+        return [] if same else [f"{where}: {type(got).__name__} != {type(want).__name__}"]
     if isinstance(want, dict) and isinstance(got, dict):
-        out = [f"{where}.{k}: only in the first" for k in got if k not in want]
-        out += [f"{where}.{k}: only in the second" for k in want if k not in got]
-        return out + [d for k in want if k in got for d in differences(got[k], want[k], (*path, k))]
+        out = [f"{where}.{k!r}: only in the first" for k in got if k not in want]
+        out += [f"{where}.{k!r}: only in the second" for k in want if k not in got]
+        return out + [
+            d for k in want if k in got for d in differences(got[k], want[k], (*path, k), skip)
+        ]
     if isinstance(want, (list, tuple)) and type(got) is type(want):
         if len(got) != len(want):
             return [f"{where}: length {len(got)} != {len(want)}"]
-        return [d for i, (g, w) in enumerate(zip(got, want)) for d in differences(g, w, (*path, i))]
+        return [
+            d
+            for i, (g, w) in enumerate(zip(got, want))
+            for d in differences(g, w, (*path, i), skip)
+        ]
     if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor):
         if got.dtype != want.dtype:
             return [f"{where}: dtype {got.dtype} != {want.dtype}"]
         if got.shape != want.shape:
             return [f"{where}: shape {tuple(got.shape)} != {tuple(want.shape)}"]
-        if not torch.equal(got, want):
+        if not torch.equal(_bits(got), _bits(want)):
             return [f"{where}: {tuple(got.shape)} values differ"]
         return []
     if isinstance(want, np.ndarray) and isinstance(got, np.ndarray):

@@ -255,7 +255,7 @@ def save(
     Megatron-Core's state dicts save as returned (model and optimizer
     `sharded_state_dict()`s, virtual pipeline chunks, factories, the distributed
     optimizer's buckets, ShardedObjects) as Megatron's `dist_checkpointing.save`
-    saves them: tensors under their Megatron key, main replicas only, every
+    saves them: tensors under their Megatron key, each block written once, every
     non-sharded value in Megatron's common state object, and in a local folder
     Megatron's `metadata.json`, so Megatron opens the checkpoint. `megatron=True`
     saves so without a Megatron value (see `shardwise.checkpoint.clients.megatron`).

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..comm.build import from_local_shards_checked
+from ..comm.build import from_local_shards_checked, from_local_shards_many
 from ..errors import InvalidTypeError, ShardMismatchError
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
@@ -42,6 +42,7 @@ __all__ = [
     "pieces_of",
     "to_megatron",
     "to_shardwise",
+    "to_shardwise_many",
     "pieces_problem",
 ]
 
@@ -108,15 +109,20 @@ def pieces_problem(pieces: list[Any]) -> BaseException | None:
                 f"pieces of one value disagree: '{p.key}' {tuple(p.global_shape)} {p.dtype} vs "
                 f"'{first.key}' {tuple(first.global_shape)} {first.dtype}"
             )
-        if p.data is not None and (
-            tuple(p.data.shape) != tuple(p.local_shape) or p.data.dtype != p.dtype
-        ):
+        if p.data is not None and (_shape_problem(p) or p.data.dtype != p.dtype):
             return ShardMismatchError(
                 f"key '{p.key}' at offset {tuple(p.global_offset)}: data "
                 f"{tuple(p.data.shape)} {p.data.dtype} does not match local_shape "
                 f"{tuple(p.local_shape)} / dtype {p.dtype}"
             )
     return None
+
+
+def _shape_problem(piece: Any) -> bool:
+    """Whether the data is not the piece's local shape: as Megatron made it, or with the
+    prepended axes as Megatron's own save leaves it (it views the data so, in place)."""
+    local = tuple(piece.local_shape)
+    return tuple(piece.data.shape) not in (local, (1,) * piece.prepend_axis_num + local)
 
 
 def _block_data(piece: Any) -> torch.Tensor:
@@ -140,10 +146,27 @@ def to_shardwise(
     key; `[]` on a rank holding nothing, which then must pass `global_shape`),
     a `CheckpointableShardedTensor` or a `LocalShardsContainer`. The shards
     share the pieces' storage (a strided piece is copied). `replicas=False`
-    keeps only main replicas (`replica_id` 0, the data owners: what a save
-    writes); with `True` every replica is a block of its own rank (what a load
-    fills). Problems on any rank raise on every rank.
+    keeps only main replicas (`replica_id` 0, the data owners); with `True`
+    every replica is a block of its own rank (what a load fills, and what a save
+    writes once). Problems on any rank raise on every rank.
     """
+    return from_local_shards_checked(*_described(value, replicas, global_shape), group)
+
+
+def to_shardwise_many(
+    values: Sequence[tuple[Any, Sequence[int] | None]], *, replicas: bool = True, group: Any = None
+) -> list[ShardedTensor]:
+    """`to_shardwise` of each (value, global shape) of `values`, every rank passing the
+    same keys in the same order, over one exchange for all. Collective."""
+    return from_local_shards_many(
+        [_described(value, replicas, shape) for value, shape in values], group
+    )
+
+
+def _described(
+    value: Any, replicas: bool, global_shape: Sequence[int] | None
+) -> tuple[list[torch.Tensor], list[tuple[int, ...]], tuple[int, ...] | None, Any]:
+    """(shards, offsets, global shape, problem) of this rank's pieces of one key."""
     pieces = pieces_of(value)
     problem = pieces_problem(pieces)
     if problem is None and any(p.data is None for p in pieces):
@@ -156,9 +179,7 @@ def to_shardwise(
         if global_shape is not None
         else (tuple(pieces[0].global_shape) if pieces else None)
     )
-    shards = [_block_data(p) for p in kept]
-    offsets = [tuple(p.global_offset) for p in kept]
-    return from_local_shards_checked(shards, offsets, shape, group, problem)
+    return [_block_data(p) for p in kept], [tuple(p.global_offset) for p in kept], shape, problem
 
 
 def _regular_grid(layout: Layout) -> tuple[int, ...] | None:

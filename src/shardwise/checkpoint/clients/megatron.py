@@ -11,7 +11,7 @@ keys agreed across ranks, ShardedObjects saved once from their main replica).
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from ...interop.megatron import (
     pieces_of,
     pieces_problem,
     to_shardwise,
+    to_shardwise_many,
 )
 from ...tensor import ShardedTensor
 from ..engine import (
@@ -73,35 +74,37 @@ def _for_save(value: Any) -> ShardedTensor:
     return to_shardwise(value, replicas=False)
 
 
-def _for_load(
-    value: Any,
-    global_shape: Sequence[int] | None = None,
-    group: Any = None,
-    may_differ: bool = False,
-) -> tuple[ShardedTensor, Any]:
+def _for_load(value: Any) -> tuple[ShardedTensor, Any]:
     """A target over the pieces' own data (allocated where Megatron left it None);
-    a strided piece is loaded into a contiguous copy and copied back by `finish`.
-    `global_shape` is needed on a rank holding no piece of the key. A key that may
-    load only its overlap with a stored shape (`may_differ`, Megatron's
-    `allow_shape_mismatch`) is zeroed first, as Megatron zeroes it: what the
-    checkpoint does not hold reads as zeros."""
-    pieces = pieces_of(value)
+    a strided piece is loaded into a contiguous copy and copied back by `finish`."""
+    pieces = _ready(pieces_of(value), False)
+    return _load_target(pieces, to_shardwise(pieces, replicas=True))
+
+
+def _ready(pieces: list[Any], may_differ: bool) -> list[Any]:
+    """`pieces` ready to load into: data allocated where Megatron left it None; a key
+    that may load only its overlap with a stored shape (`may_differ`, Megatron's
+    `allow_shape_mismatch`) zeroed first, as Megatron zeroes it: what the checkpoint
+    does not hold reads as zeros."""
     for p in pieces:
         if p.data is None and pieces_problem([p]) is None:
             p.init_data("cpu", init_fn=torch.zeros if p.allow_shape_mismatch else torch.empty)
         elif p.data is not None and (p.allow_shape_mismatch or may_differ):
             p.data.detach().zero_()
+    return pieces
+
+
+def _load_target(pieces: list[Any], target: ShardedTensor) -> tuple[ShardedTensor, Any]:
+    """`target` (over `pieces`), and the `finish` copying a strided piece's loaded copy
+    back (None when no piece is strided)."""
     strided = [p for p in pieces if p.data is not None and not p.data.is_contiguous()]
-    if global_shape is None and pieces:
-        global_shape = pieces[0].global_shape
-    target = to_shardwise(pieces, replicas=True, global_shape=global_shape, group=group)
     if not strided:
         return target, None
     copies = {id(p): shard for p, shard in zip(pieces, target.local_shards())}
 
     def finish() -> None:
         for p in strided:
-            p.data.copy_(copies[id(p)].view(tuple(p.local_shape)))
+            p.data.copy_(copies[id(p)].view(p.data.shape))
 
     return target, finish
 
@@ -262,24 +265,25 @@ def prepare_save(state_dict: Mapping[str, Any], group: Any = None) -> dict[str, 
     """The flat state dict a save on the Megatron route stores, as Megatron's
     `dist_checkpointing.save` stores it. Collective.
 
-    Megatron pieces grouped by key (every rank taking part for every key, main
-    replicas only), factories as they build, ShardedObjects under their unique key
-    (main replicas only: a key no rank holds as `replica_id` 0 raises
-    `ShardMismatchError` on every rank, as a tensor with a hole does), other
-    tensors under their dotted path, and everything else in Megatron's common state
-    object (rank 0's, as Megatron keeps it). Per rank: one all-gather of its
-    Megatron keys (with shapes) and ShardedObject keys, then `to_shardwise`'s
-    checks, one per Megatron key.
+    Megatron pieces grouped by key (every rank taking part for every key; a block
+    held by several replicas written once, by whichever holder has written least, as
+    Megatron's fully parallel save spreads them), factories as they build,
+    ShardedObjects under their unique key (main replicas only: a key no rank holds
+    as `replica_id` 0 raises `ShardMismatchError` on every rank), other tensors
+    under their dotted path, and everything else in Megatron's common state object
+    (rank 0's, as Megatron keeps it). Per rank: two all-gathers, whatever the number
+    of keys: of its Megatron keys (with shapes) and ShardedObject keys, then of its
+    blocks of every key (`to_shardwise_many`), O(blocks held) bytes each.
     """
     found = find(state_dict)
     objects = _main_objects(found)
     shapes = _mcore_keys(found, group, objects)
     flat: dict[str, Any] = dict(found.tensors)
-    for key in sorted(shapes):  # the same order on every rank: one collective per key
+    keys = sorted(shapes)  # the same order on every rank: one exchange for all
+    values = [(found.pieces.get(key, []), shapes[key][0]) for key in keys]
+    for key, target in zip(keys, to_shardwise_many(values, replicas=True, group=group)):
         _refuse_clash(key, flat)
-        flat[key] = to_shardwise(
-            found.pieces.get(key, []), replicas=False, global_shape=shapes[key][0], group=group
-        )
+        flat[key] = target
     for key, values in objects.items():  # ShardedObjects: this rank's, as Megatron stores them
         if values:  # Megatron writes main replicas only (`_mcore_keys` saw one somewhere)
             _refuse_clash(key, flat)
@@ -379,7 +383,8 @@ def _serialized(values: list[Any]) -> Serialized:
 # any rank holds a Megatron value (or `megatron=True`), `save` and `load` go by
 # Megatron key, storing what Megatron's `dist_checkpointing.save` stores:
 #
-# - tensors under their Megatron key (main replicas only), factories as they build;
+# - tensors under their Megatron key (each block once, from any of its replicas),
+#   factories as they build;
 # - ShardedObjects under their unique key;
 # - every other value in Megatron's common state object, and (in a local folder)
 #   Megatron's `metadata.json`, so `dist_checkpointing.load` opens the checkpoint.
@@ -439,15 +444,18 @@ def load_targets(state_dict: Mapping[str, Any], group: Any) -> Targets:
     """The flat targets DCP fills and what to run after it, in Megatron's order: copies
     into strided pieces, factories' merges, ShardedObjects' `data`, then the common
     state (stored common values at their paths, keys the caller lacks added).
-    Collective: `_mcore_keys`' one exchange, then one per Megatron key."""
+    Collective: `_mcore_keys`' exchange, then one for every Megatron key at once."""
     found = find(state_dict)
     shapes = _mcore_keys(found, group)
     flat: dict[str, Any] = dict(found.tensors)
     finishers: list[Finish] = []
-    for key in sorted(shapes):  # the same order on every rank: one collective per key
+    keys = sorted(shapes)  # the same order on every rank: one exchange for all
+    pieces = [_ready(found.pieces.get(key, []), shapes[key][1]) for key in keys]
+    values = [(held, shapes[key][0]) for key, held in zip(keys, pieces)]
+    targets = to_shardwise_many(values, replicas=True, group=group)
+    for key, held, target in zip(keys, pieces, targets):
         _refuse_clash(key, flat)
-        shape, may_differ = shapes[key]
-        flat[key], finish = _for_load(found.pieces.get(key, []), shape, group, may_differ)
+        flat[key], finish = _load_target(held, target)
         if finish is not None:
             finishers.append(finish)
     for factory, built in found.factories:
