@@ -17,8 +17,8 @@ from shardwise.checkpoint.clients.megatron import (
     megatron_route,
     save_targets,
 )
-from shardwise.checkpoint.engine.inventory import route_named, route_of
 from shardwise.checkpoint.clients.megatron_format import COMMON_STATE_KEY
+from shardwise.checkpoint.engine.inventory import route_named, route_of
 from shardwise.errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,

@@ -22,6 +22,7 @@ from ...errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
     InvalidArgumentError,
+    InvalidTypeError,
     LayoutError,
     ShardMismatchError,
 )
@@ -224,7 +225,7 @@ def _entry(container: Any, key: Any, value: Any, found: Found, path: str) -> Any
         found.tensors[path] = value
         return _NONE
     if isinstance(value, tuple) and _holds_sharded(value):
-        raise TypeError(
+        raise InvalidTypeError(
             f"'{path}' is a tuple holding Megatron or shardwise sharded values: Megatron keeps "
             f"tuples whole, in its common state; put them in a list or a dict"
         )
@@ -241,7 +242,7 @@ def _stored_by_path(value: Any) -> bool:
     if isinstance(value, torch.Tensor) and not is_plain_tensor(value):
         adapter = adapter_of(value)
         if adapter is not None and adapter.pieces is None:  # converted, collectively
-            raise TypeError(
+            raise InvalidTypeError(
                 f"a {type(value).__name__} ({adapter.name}) beside Megatron-Core values: save it "
                 f"in a separate call, or as a shardwise ShardedTensor"
             )
