@@ -19,7 +19,9 @@ checkpoint. Every load is checked bit for bit against the saved global values
 `--repeat`; ratios > 1 mean shardwise is faster. The physical limit is the
 storage's write / read bandwidth for the bytes stored once (main replicas
 only, by both). On CPU, Megatron's CUDA calls get the stand-ins of
-tests/clients/megatron_harness.py.
+tests/clients/megatron_harness.py, and its fully parallel load hands shards to
+the other replicas by `all_gather_object` (its broadcast exchange needs CUDA):
+the row "each replica reads" is Megatron's load without that exchange.
 """
 
 from __future__ import annotations
@@ -127,6 +129,9 @@ def _bench_rank(rank: int, world: int, folder: str, shape: dict, repeat: int) ->
         )
         held["loaded"] = mdc.load(held["state"], str(path), sharded_strategy=strategy)
 
+    def megatron_plain_load(path: Path) -> None:  # every replica reads its own
+        held["loaded"] = mdc.load(held["state"], str(path))
+
     def shardwise_load(path: Path) -> None:
         swc.load(held["state"], path)
         held["loaded"] = unwrapped(held["state"])
@@ -134,6 +139,7 @@ def _bench_rank(rank: int, world: int, folder: str, shape: dict, repeat: int) ->
     checks: dict[str, bool] = {}
     for label, load, path in (
         ("megatron load", megatron_load, theirs),
+        ("megatron plain load", megatron_plain_load, theirs),
         ("shardwise load", shardwise_load, ours),
         ("shardwise load of megatron's checkpoint", shardwise_load, theirs),
         ("megatron load of shardwise's checkpoint", megatron_load, ours),
@@ -200,6 +206,11 @@ def main() -> None:
         ("megatron save (torch_dist, fully parallel)", "megatron save", None),
         ("swc.save", "shardwise save", "megatron save"),
         ("megatron load (torch_dist, fully parallel)", "megatron load", None),
+        (
+            "megatron load (torch_dist, each replica reads)",
+            "megatron plain load",
+            "megatron load",
+        ),  # fmt: skip
         ("swc.load", "shardwise load", "megatron load"),
         (
             "swc.load of Megatron's checkpoint",
