@@ -667,6 +667,7 @@ def load(
     if route is not None:
         # by Megatron key, as sharded_state_dict() nests it
         targets = route.load_targets(plain, process_group)
+        call.defer(targets.problem)  # raised on every rank by the load's first exchange
         done = read(targets._replace(shape_mismatch=targets.shape_mismatch | mismatch))
         for finish in targets.finishers:
             finish()

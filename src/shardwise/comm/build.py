@@ -19,7 +19,7 @@ from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .agreement import exchange, odd_ranks, raise_agreed
 
-__all__ = ["from_local_shards", "from_local_shards_many"]
+__all__ = ["from_local_shards"]
 
 
 def _check_local(
@@ -86,32 +86,6 @@ def from_local_shards_checked(
 ) -> ShardedTensor:
     """`from_local_shards`, taking a problem the caller found first (`from_dtensor`'s)
     into the same exchange, so that it too raises on every rank."""
-    problem, shards, meta = _local(shards, offsets, global_shape, problem)
-    return _built(exchange(problem, meta, group), shards, group)
-
-
-def from_local_shards_many(
-    items: Sequence[tuple[Any, Any, Any, BaseException | None]], group: Any
-) -> list[ShardedTensor]:
-    """`from_local_shards_checked` of each (shards, offsets, global shape, problem) of
-    `items`, every rank passing as many in the same order, over one exchange for all
-    (not one each: a state of 1,000 tensors is one collective). A problem of any item
-    on any rank raises on every rank."""
-    if not items:  # none on every rank (they pass the same number)
-        return []
-    local = [_local(*item) for item in items]
-    problem = next((p for p, _s, _m in local if p is not None), None)
-    everyone = exchange(problem, [m for _p, _s, m in local], group)
-    return [
-        _built([theirs[i] for theirs in everyone], shards, group)
-        for i, (_p, shards, _m) in enumerate(local)
-    ]
-
-
-def _local(
-    shards: Any, offsets: Any, global_shape: Any, problem: BaseException | None
-) -> tuple[BaseException | None, list[torch.Tensor], dict[str, Any]]:
-    """This rank's first problem, its shards, and what the others learn of them."""
     blocks: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     shape = None
     try:
@@ -138,12 +112,7 @@ def _local(
         "requires_grad": ok and any(s.requires_grad for s in shards),
         "shape": shape,
     }
-    return problem, shards, meta
-
-
-def _built(everyone: list[dict[str, Any]], shards: list[torch.Tensor], group: Any) -> ShardedTensor:
-    """The ShardedTensor every rank's `_local` description makes (this rank's `shards`),
-    or the problem they show, raised alike on every rank."""
+    everyone = exchange(problem, meta, group)
     # From here on every rank reasons over identical data, so raises identically.
     problems: list[Any] = [None] * len(everyone)
     holders = [(r, m) for r, m in enumerate(everyone) if m["dtype"] is not None]

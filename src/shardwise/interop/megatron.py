@@ -28,12 +28,13 @@ from typing import Any
 
 import torch
 
-from ..comm.build import from_local_shards_checked, from_local_shards_many
+from ..comm.build import from_local_shards_checked
 from ..errors import InvalidTypeError, ShardMismatchError
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 
 __all__ = [
+    "block_data",
     "is_main_replica",
     "is_mapping_class",
     "is_mcore_object",
@@ -42,7 +43,6 @@ __all__ = [
     "pieces_of",
     "to_megatron",
     "to_shardwise",
-    "to_shardwise_many",
     "pieces_problem",
 ]
 
@@ -125,7 +125,7 @@ def _shape_problem(piece: Any) -> bool:
     return tuple(piece.data.shape) not in (local, (1,) * piece.prepend_axis_num + local)
 
 
-def _block_data(piece: Any) -> torch.Tensor:
+def block_data(piece: Any) -> torch.Tensor:
     """The piece's data as a block of the global tensor: prepended axes as a view."""
     data = piece.data.detach()
     if not data.is_contiguous():
@@ -153,16 +153,6 @@ def to_shardwise(
     return from_local_shards_checked(*_described(value, replicas, global_shape), group)
 
 
-def to_shardwise_many(
-    values: Sequence[tuple[Any, Sequence[int] | None]], *, replicas: bool = True, group: Any = None
-) -> list[ShardedTensor]:
-    """`to_shardwise` of each (value, global shape) of `values`, every rank passing the
-    same keys in the same order, over one exchange for all. Collective."""
-    return from_local_shards_many(
-        [_described(value, replicas, shape) for value, shape in values], group
-    )
-
-
 def _described(
     value: Any, replicas: bool, global_shape: Sequence[int] | None
 ) -> tuple[list[torch.Tensor], list[tuple[int, ...]], tuple[int, ...] | None, Any]:
@@ -179,7 +169,7 @@ def _described(
         if global_shape is not None
         else (tuple(pieces[0].global_shape) if pieces else None)
     )
-    return [_block_data(p) for p in kept], [tuple(p.global_offset) for p in kept], shape, problem
+    return [block_data(p) for p in kept], [tuple(p.global_offset) for p in kept], shape, problem
 
 
 def _regular_grid(layout: Layout) -> tuple[int, ...] | None:

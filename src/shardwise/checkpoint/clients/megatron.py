@@ -27,6 +27,7 @@ from ...errors import (
     ShardMismatchError,
 )
 from ...interop.megatron import (
+    block_data,
     is_main_replica,
     is_mapping_class,
     is_mcore_object,
@@ -34,10 +35,11 @@ from ...interop.megatron import (
     pieces_of,
     pieces_problem,
     to_shardwise,
-    to_shardwise_many,
 )
 from ...tensor import ShardedTensor
 from ..engine import (
+    LocalPieces,
+    Piece,
     Route,
     Serialized,
     Targets,
@@ -82,7 +84,7 @@ def _for_load(value: Any) -> tuple[ShardedTensor, Any]:
     return _load_target(pieces, to_shardwise(pieces, replicas=True))
 
 
-def _ready(pieces: list[Any], may_differ: bool) -> list[Any]:
+def _ready(pieces: list[Any], may_differ: bool = False) -> list[Any]:
     """`pieces` ready to load into: data allocated where Megatron left it None; a key
     that may load only its overlap with a stored shape (`may_differ`, Megatron's
     `allow_shape_mismatch`) zeroed first, as Megatron zeroes it: what the checkpoint
@@ -145,6 +147,27 @@ register_value_adapter(
         ),
     )
 )
+
+
+def _key_value(key: str, pieces: list[Any]) -> tuple[LocalPieces | None, Any]:
+    """This rank's pieces of `key` as one `LocalPieces` (every replica), or the problem
+    that makes them unusable (raised on every rank by the caller's next exchange)."""
+    problem = pieces_problem(pieces)
+    if problem is None and any(p.data is None for p in pieces):
+        problem = ShardMismatchError(f"key '{key}': a piece has no data (call init_data)")
+    if problem is not None:
+        return None, problem
+    first = pieces[0]
+    boxes = [
+        Piece(
+            block_data(p),
+            tuple(p.global_offset),
+            (1,) * p.prepend_axis_num + tuple(p.local_shape),
+        )
+        for p in pieces
+    ]
+    return LocalPieces(key, tuple(first.global_shape), first.dtype, boxes), None
+
 
 _NONE = object()  # "no common part here" in `_walk`
 
@@ -266,27 +289,29 @@ def prepare_save(state_dict: Mapping[str, Any], group: Any = None) -> dict[str, 
     """The flat state dict a save on the Megatron route stores, as Megatron's
     `dist_checkpointing.save` stores it. Collective.
 
-    Megatron pieces grouped by key (every rank taking part for every key; a block
-    held by several replicas written once, by whichever holder has written least, as
-    Megatron's fully parallel save spreads them), factories as they build,
-    ShardedObjects under their unique key (main replicas only: a key no rank holds
-    as `replica_id` 0 raises `ShardMismatchError` on every rank), other tensors
-    under their dotted path, and everything else in Megatron's common state object
-    (rank 0's, as Megatron keeps it). Per rank: two all-gathers, whatever the number
-    of keys: of its Megatron keys (with shapes) and ShardedObject keys, then of its
-    blocks of every key (`to_shardwise_many`), O(blocks held) bytes each.
+    This rank's pieces of each Megatron key as one value described in place
+    (`LocalPieces`: a block held by several replicas is written once, by whichever
+    holder has written least, as Megatron's fully parallel save spreads them),
+    factories as they build, ShardedObjects under their unique key (main replicas
+    only: a key no rank holds as `replica_id` 0 raises `ShardMismatchError` on every
+    rank), other tensors under their dotted path, and everything else in Megatron's
+    common state object (rank 0's, as Megatron keeps it). Per rank: one all-gather of
+    its ShardedObject keys (O(objects held) bytes; it also raises a problem with any
+    rank's pieces on every rank), nothing per tensor: the engine's save checks and
+    plans the keys with its own exchanges, whose per-rank cost does not grow with the
+    world size.
     """
     found = find(state_dict)
     objects = _main_objects(found)
-    shapes = _mcore_keys(found, group, objects)
     flat: dict[str, Any] = dict(found.tensors)
-    keys = sorted(shapes)  # the same order on every rank: one exchange for all
-    values = [(found.pieces.get(key, []), shapes[key][0]) for key in keys]
-    for key, target in zip(keys, to_shardwise_many(values, replicas=True, group=group)):
-        _refuse_clash(key, flat)
-        flat[key] = target
+    problem = None
+    for key, pieces in found.pieces.items():
+        value, trouble = _key_value(key, pieces)
+        problem = problem or trouble or _clash(key, flat)
+        flat[key] = value
+    _check_objects(objects, group, problem)
     for key, values in objects.items():  # ShardedObjects: this rank's, as Megatron stores them
-        if values:  # Megatron writes main replicas only (`_mcore_keys` saw one somewhere)
+        if values:  # Megatron writes main replicas only (`_check_objects` saw one somewhere)
             _refuse_clash(key, flat)
             flat[key] = _serialized(values)
     if _rank(group) == 0:  # rank 0's, as Megatron keeps (replica_id: rank)
@@ -304,31 +329,19 @@ def _main_objects(found: Found) -> dict[str, list[Any]]:
     }
 
 
-def _mcore_keys(
-    found: Found, group: Any, objects: Mapping[str, list[Any]] | None = None
-) -> dict[str, tuple[tuple[int, ...], bool]]:
-    """Every rank's Megatron keys with their global shapes and whether they may load
-    their overlap with a stored shape (`allow_shape_mismatch`), from one exchange, so
-    that a rank holding nothing of a key still takes part and treats it alike.
-
-    A save passes this rank's main ShardedObjects (`_main_objects`): which keys it
-    holds, and whether as main replica, ride on the same exchange (O(objects held)
-    more bytes per rank), so every rank refuses alike a key no rank saves."""
-    local = {
-        k: (tuple(p[0].global_shape), any(bool(x.allow_shape_mismatch) for x in p))
-        for k, p in found.pieces.items()
-    }
-    held = {k: bool(values) for k, values in (objects or {}).items()}
-    distributed = dist.is_available() and dist.is_initialized()
-    everyone = exchange(None, (local, held), group) if distributed else [(local, held)]
-    _refuse_unsaved_objects([theirs for _, theirs in everyone])
-    shapes: dict[str, tuple[tuple[int, ...], bool]] = {}
-    for theirs, _ in everyone:
-        for k, (shape, may_differ) in theirs.items():
-            known = shapes.setdefault(k, (shape, may_differ))
-            if may_differ and not known[1]:
-                shapes[k] = (known[0], True)
-    return shapes
+def _check_objects(
+    objects: Mapping[str, list[Any]], group: Any, problem: BaseException | None
+) -> None:
+    """Raise, on every rank, `problem` (this rank's, with its pieces) or a ShardedObject
+    key no rank holds as main replica: which keys each rank holds, and whether as main
+    replica, are all-gathered (O(objects held) bytes per rank)."""
+    held = {k: bool(values) for k, values in objects.items()}
+    if not (dist.is_available() and dist.is_initialized()):
+        if problem is not None:
+            raise problem
+        _refuse_unsaved_objects([held])
+        return
+    _refuse_unsaved_objects(exchange(problem, held, group))
 
 
 def _refuse_unsaved_objects(held: list[dict[str, bool]]) -> None:
@@ -359,11 +372,17 @@ def _rank(group: Any) -> int:
 
 
 def _refuse_clash(key: str, flat: Mapping[str, Any], what: str = "a Megatron key") -> None:
-    if key in flat:
-        raise InvalidArgumentError(
-            f"key '{key}' is both {what} and a sharded (Megatron or shardwise) value's path; "
-            f"rename one"
-        )
+    problem = _clash(key, flat, what)
+    if problem is not None:
+        raise problem
+
+
+def _clash(key: str, flat: Mapping[str, Any], what: str = "a Megatron key") -> BaseException | None:
+    if key not in flat:
+        return None
+    return InvalidArgumentError(
+        f"key '{key}' is both {what} and a sharded (Megatron or shardwise) value's path; rename one"
+    )
 
 
 def _serialized(values: list[Any]) -> Serialized:
@@ -444,37 +463,59 @@ class _Unread:
 def load_targets(state_dict: Mapping[str, Any], group: Any) -> Targets:
     """The flat targets DCP fills and what to run after it, in Megatron's order: copies
     into strided pieces, factories' merges, ShardedObjects' `data`, then the common
-    state (stored common values at their paths, keys the caller lacks added).
-    Collective: `_mcore_keys`' exchange, then one for every Megatron key at once."""
+    state (stored common values at their paths, keys the caller lacks added). Nothing
+    collective: each rank's pieces of a key are one target described in place
+    (`LocalPieces`); a problem with them is `Targets.problem`, raised on every rank
+    by the load's first exchange."""
     found = find(state_dict)
-    shapes = _mcore_keys(found, group)
     flat: dict[str, Any] = dict(found.tensors)
     finishers: list[Finish] = []
-    keys = sorted(shapes)  # the same order on every rank: one exchange for all
-    pieces = [_ready(found.pieces.get(key, []), shapes[key][1]) for key in keys]
-    values = [(held, shapes[key][0]) for key, held in zip(keys, pieces)]
-    targets = to_shardwise_many(values, replicas=True, group=group)
-    for key, held, target in zip(keys, pieces, targets):
-        _refuse_clash(key, flat)
-        flat[key], finish = _load_target(held, target)
+    problem = None
+    mismatch = set()
+    for key, pieces in found.pieces.items():
+        value, trouble = _key_value(key, _ready(pieces))
+        problem = problem or trouble or _clash(key, flat)
+        flat[key] = value
+        if any(p.allow_shape_mismatch for p in pieces):
+            mismatch.add(key)
+        finish = _copy_back(pieces, value)
         if finish is not None:
             finishers.append(finish)
     for factory, built in found.factories:
         finishers.append(_factory_merge(factory, built))
     for key, held in found.objects.items():
-        _refuse_clash(key, flat, "a ShardedObject's unique key")
+        problem = problem or _clash(key, flat, "a ShardedObject's unique key")
         flat[key] = None
         finishers.append(_object_filler(flat, key, held))
-    _refuse_clash(COMMON_STATE_KEY, flat, "Megatron's common state key")
+    problem = problem or _clash(COMMON_STATE_KEY, flat, "Megatron's common state key")
     flat[COMMON_STATE_KEY] = unread = _Unread()
     optional: dict[str, str | None] = {COMMON_STATE_KEY: None}
     for container, key, path in found.leaves:  # read by path where it has no common state
-        _refuse_clash(path, flat, "a common value's path")
+        problem = problem or _clash(path, flat, "a common value's path")
         flat[path] = container[key]
         optional[path] = COMMON_STATE_KEY
     finishers.append(_common_filler(flat, unread, state_dict, found.leaves))
-    mismatch = frozenset(k for k, (_shape, may_differ) in shapes.items() if may_differ)
-    return Targets(flat, finishers, mismatch, optional)
+    return Targets(flat, finishers, frozenset(mismatch), optional, problem)
+
+
+def _copy_back(pieces: list[Any], value: LocalPieces | None) -> Finish | None:
+    """The `finish` copying the loaded copy of each strided piece back into it (None
+    when no piece is strided)."""
+    if value is None:
+        return None
+    strided = [
+        (p, box.tensor)
+        for p, box in zip(pieces, value.pieces)
+        if box.tensor.data_ptr() != p.data.data_ptr()  # a contiguous copy (`block_data`)
+    ]
+    if not strided:
+        return None
+
+    def finish() -> None:
+        for p, loaded in strided:
+            p.data.copy_(loaded.view(p.data.shape))
+
+    return finish
 
 
 def _factory_merge(factory: Any, built: Any) -> Finish:

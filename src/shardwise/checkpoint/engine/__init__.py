@@ -3,6 +3,7 @@ save/load pipelines every entry point runs on.
 """
 
 from .inventory import (
+    LocalPieces,
     Piece,
     Route,
     Serialized,
@@ -28,6 +29,7 @@ from .staging import Staged, Stager
 from .stored import StoredView, read_records
 
 __all__ = [
+    "LocalPieces",
     "Piece",
     "Route",
     "SaveRecords",

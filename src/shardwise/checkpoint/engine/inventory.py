@@ -29,6 +29,7 @@ from ..format import dtype_name
 __all__ = [
     "Entry",
     "Held",
+    "LocalPieces",
     "Piece",
     "Route",
     "Serialized",
@@ -155,12 +156,14 @@ class Targets(NamedTuple):
     to run after (`finishers`), the keys that may load only their overlap with a
     stored shape of the same rank (`shape_mismatch`), and the keys that may be
     missing from the checkpoint (`optional`: key -> a key whose presence excuses it,
-    None when nothing needs to be)."""
+    None when nothing needs to be), and this rank's problem making them, which the
+    load's first exchange raises on every rank."""
 
     flat: dict[str, Any]
     finishers: list[Finish]
     shape_mismatch: frozenset[str] = frozenset()
     optional: dict[str, str | None] = {}
+    problem: BaseException | None = None
 
 
 @dataclass(frozen=True)
@@ -484,6 +487,42 @@ class Piece(NamedTuple):
     sizes: tuple[int, ...]
 
 
+class LocalPieces(torch.Tensor):
+    """A tensor known only by its global shape and dtype and by the pieces this rank
+    holds of it: what a client hands the engine when building a global layout would
+    mean gathering every rank's pieces (Megatron-Core's, by key). Described in place
+    (its own `ValueAdapter`): the engine writes and reads the pieces where they are
+    and checks the key across ranks (shapes, dtypes, overlaps, holes) with its own
+    exchanges, as for any tensor. Pieces several ranks hold alike (replicas) are
+    written once and read by each. A rank holding no piece of a tensor passes no
+    value for it. No op runs on it."""
+
+    key: str
+    pieces: list[Piece]
+
+    @staticmethod
+    def __new__(
+        cls, key: str, shape: tuple[int, ...], dtype: torch.dtype, pieces: list[Piece]
+    ) -> LocalPieces:
+        device = pieces[0].tensor.device if pieces else torch.device("cpu")
+        out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+        out.key, out.pieces = key, pieces
+        return out
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        raise NotImplementedError(f"{func} on {args[0]!r}: it is a checkpoint's value only")
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"LocalPieces({self.key!r}, {tuple(self.shape)}, {len(self.pieces)} pieces)"
+
+    def with_pieces(self, pieces: list[Piece]) -> LocalPieces:
+        """The same tensor over other storage (the stager's copies)."""
+        return LocalPieces(self.key, tuple(self.shape), self.dtype, pieces)
+
+
 # One key as exchanged: (key, path, dtype name, global shape, requires_grad, boxes
 # held) for a tensor; (key, path, None, None, False, (byte length, crc32c)) for an
 # object, whose bytes every rank serializes before the exchange. `path` is DCP's
@@ -622,3 +661,6 @@ def describe(
             data = objects[key]
             entries.append((key, path, None, None, False, (len(data), crc32c.crc32c(data))))
     return entries, Held(flat, pieces)
+
+
+register_value_adapter(ValueAdapter("local pieces", LocalPieces, pieces=lambda v: v.pieces))

@@ -26,6 +26,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from ...errors import InvalidArgumentError
 from ...interop import from_torch_sharded_tensor
 from ...tensor import ShardedTensor
+from .inventory import LocalPieces
 
 __all__ = ["Copies", "CopyPool", "Staged", "Stager", "bytes_of", "bytewise"]
 
@@ -356,6 +357,12 @@ class Stager:
             return self._sharded(path, state, copies)
         if isinstance(state, DTensor):
             return self._dtensor(path, state, copies)
+        if isinstance(state, LocalPieces):
+            held = [p.tensor for p in state.pieces]
+            shards = [self._copy(path + (i,), t, copies) for i, t in enumerate(held)]
+            if all(x is y for x, y in zip(shards, held)):  # kept on their device
+                return state
+            return state.with_pieces([p._replace(tensor=t) for p, t in zip(state.pieces, shards)])
         if isinstance(state, torch.Tensor):
             if hasattr(state, "metadata") and hasattr(
                 state, "local_shards"
