@@ -409,3 +409,17 @@ def test_megatrons_dcp_objects_save_as_tensors_with_the_flag(tmp_path) -> None:
     assert read_common_state(path) == COMMON
     # and Megatron opens it into another layout
     assert run_ranks(_megatron_load, 2, str(path), timeout=90) == [([], COMMON)] * 2
+
+
+def test_a_strided_piece_is_loaded_through_a_copy_and_filled(tmp_path) -> None:
+    """One process: a piece whose data is a transposed view (not contiguous) is loaded
+    into a contiguous copy and copied back, its base tensor getting the values."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    value = torch.arange(12.0).reshape(3, 4)
+    swc.save({"w": ShardedTensor.from_rank_offsets("w", value.clone())}, tmp_path / "ck")
+    base = torch.full((4, 3), -1.0)
+    piece = ShardedTensor.from_rank_offsets("w", base.t())  # strided, (3, 4)
+    assert not piece.data.is_contiguous()
+    swc.load({"model": {"w": piece}}, tmp_path / "ck")
+    assert torch.equal(base.t(), value) and torch.equal(piece.data, value)

@@ -73,6 +73,9 @@ __all__ = [
 # -----------------------------------------------------------------------------
 
 
+Finish = Callable[[], None]
+
+
 def _for_save(value: Any) -> ShardedTensor:
     return to_shardwise(value, replicas=False)
 
@@ -80,36 +83,40 @@ def _for_save(value: Any) -> ShardedTensor:
 def _for_load(value: Any) -> tuple[ShardedTensor, Any]:
     """A target over the pieces' own data (allocated where Megatron left it None);
     a strided piece is loaded into a contiguous copy and copied back by `finish`."""
-    pieces = _ready(pieces_of(value), False)
-    return _load_target(pieces, to_shardwise(pieces, replicas=True))
+    pieces = _ready(pieces_of(value))
+    target = to_shardwise(pieces, replicas=True)
+    return target, _copy_back(pieces, target.local_shards())
 
 
-def _ready(pieces: list[Any], may_differ: bool = False) -> list[Any]:
-    """`pieces` ready to load into: data allocated where Megatron left it None; a key
-    that may load only its overlap with a stored shape (`may_differ`, Megatron's
+def _ready(pieces: list[Any]) -> list[Any]:
+    """`pieces` ready to load into: data allocated where Megatron left it None; a piece
+    that may load only its overlap with a stored shape (Megatron's
     `allow_shape_mismatch`) zeroed first, as Megatron zeroes it: what the checkpoint
     does not hold reads as zeros."""
     for p in pieces:
         if p.data is None and pieces_problem([p]) is None:
             p.init_data("cpu", init_fn=torch.zeros if p.allow_shape_mismatch else torch.empty)
-        elif p.data is not None and (p.allow_shape_mismatch or may_differ):
+        elif p.data is not None and p.allow_shape_mismatch:
             p.data.detach().zero_()
     return pieces
 
 
-def _load_target(pieces: list[Any], target: ShardedTensor) -> tuple[ShardedTensor, Any]:
-    """`target` (over `pieces`), and the `finish` copying a strided piece's loaded copy
-    back (None when no piece is strided)."""
-    strided = [p for p in pieces if p.data is not None and not p.data.is_contiguous()]
+def _copy_back(pieces: list[Any], loaded: list[torch.Tensor]) -> Finish | None:
+    """The `finish` copying into each strided piece the contiguous copy it was loaded
+    through (`block_data`; `loaded` in the pieces' order), None when none is strided."""
+    strided = [
+        (p, t)
+        for p, t in zip(pieces, loaded)
+        if p.data is not None and t.data_ptr() != p.data.data_ptr()
+    ]
     if not strided:
-        return target, None
-    copies = {id(p): shard for p, shard in zip(pieces, target.local_shards())}
+        return None
 
     def finish() -> None:
-        for p in strided:
-            p.data.copy_(copies[id(p)].view(p.data.shape))
+        for p, t in strided:
+            p.data.copy_(t.view(p.data.shape))
 
-    return target, finish
+    return finish
 
 
 def _adapter_for_load(value: Any) -> tuple[ShardedTensor, Any]:
@@ -416,8 +423,6 @@ def _serialized(values: list[Any]) -> Serialized:
 # saved plainly, fills common values by their dotted path instead).
 # -----------------------------------------------------------------------------
 
-Finish = Callable[[], None]
-
 
 def megatron_route(
     state_dict: Any,
@@ -478,7 +483,7 @@ def load_targets(state_dict: Mapping[str, Any], group: Any) -> Targets:
         flat[key] = value
         if any(p.allow_shape_mismatch for p in pieces):
             mismatch.add(key)
-        finish = _copy_back(pieces, value)
+        finish = None if value is None else _copy_back(pieces, [b.tensor for b in value.pieces])
         if finish is not None:
             finishers.append(finish)
     for factory, built in found.factories:
@@ -496,26 +501,6 @@ def load_targets(state_dict: Mapping[str, Any], group: Any) -> Targets:
         optional[path] = COMMON_STATE_KEY
     finishers.append(_common_filler(flat, unread, state_dict, found.leaves))
     return Targets(flat, finishers, frozenset(mismatch), optional, problem)
-
-
-def _copy_back(pieces: list[Any], value: LocalPieces | None) -> Finish | None:
-    """The `finish` copying the loaded copy of each strided piece back into it (None
-    when no piece is strided)."""
-    if value is None:
-        return None
-    strided = [
-        (p, box.tensor)
-        for p, box in zip(pieces, value.pieces)
-        if box.tensor.data_ptr() != p.data.data_ptr()  # a contiguous copy (`block_data`)
-    ]
-    if not strided:
-        return None
-
-    def finish() -> None:
-        for p, loaded in strided:
-            p.data.copy_(loaded.view(p.data.shape))
-
-    return finish
 
 
 def _factory_merge(factory: Any, built: Any) -> Finish:
