@@ -423,3 +423,17 @@ def test_a_strided_piece_is_loaded_through_a_copy_and_filled(tmp_path) -> None:
     assert not piece.data.is_contiguous()
     swc.load({"model": {"w": piece}}, tmp_path / "ck")
     assert torch.equal(base.t(), value) and torch.equal(piece.data, value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_megatron_pieces_on_cuda_save_and_load_in_place(tmp_path) -> None:
+    """One process, pieces on the GPU: saved through pinned staging, loaded in place
+    into CUDA pieces (a strided one through its copy), bit for bit."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    value = torch.arange(12.0).reshape(3, 4)
+    swc.save({"w": ShardedTensor.from_rank_offsets("w", value.cuda())}, tmp_path / "ck")
+    base = torch.full((4, 3), -1.0, device="cuda")
+    piece = ShardedTensor.from_rank_offsets("w", base.t())
+    swc.load({"model": {"w": piece}}, tmp_path / "ck")
+    assert piece.data.is_cuda and torch.equal(piece.data.cpu(), value)
