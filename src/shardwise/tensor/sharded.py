@@ -385,6 +385,27 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         out._mesh_offsets = self._mesh_offsets  # same layout, same rank: same mesh offsets
         return out
 
+    def _with_layout(
+        self,
+        layout: Layout,
+        shards: list[torch.Tensor],
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> ShardedTensor:
+        """A new ShardedTensor of `layout` on this tensor's rank and group around `shards`
+        (an op's result whose blocks differ from its input's)."""
+        if shards:
+            dtype, device = shards[0].dtype, shards[0].device
+        return ShardedTensor(
+            layout,
+            shards,
+            self._rank,
+            dtype=dtype or self.dtype,
+            device=device or self.device,
+            group=self._group,
+        )
+
     # Shadows torch.Tensor.gather (so not in `ProvidedMethods`: mypy checks bases agree).
     # Its legacy ShardedTensor's collective, not the indexing op.
     def gather(  # type: ignore[override]
