@@ -26,8 +26,8 @@ LAYERS: dict[str, float] = {
     "shardwise.layout": 1,
     "shardwise.storage": 1,
     "shardwise.tensor": 2,
-    "shardwise.ops": 3,
     "shardwise.comm": 3,
+    "shardwise.ops": 3.5,  # op rules move data: they call comm's transfers
     "shardwise.interop": 4,
     "shardwise.checkpoint": 5,  # the package itself (`swc`): the public names, above its parts
     # checkpoint's parts, lowest first: the format on disk, moving its bytes, the
@@ -47,7 +47,7 @@ LAYERS: dict[str, float] = {
 }
 
 # Modules that may import torch.distributed beyond the DCP metadata types.
-PROCESS_GROUP_UNITS = {"shardwise.comm", "shardwise.interop"} | {
+PROCESS_GROUP_UNITS = {"shardwise.comm", "shardwise.ops", "shardwise.interop"} | {
     u for u in LAYERS if u == "shardwise.checkpoint" or u.startswith("shardwise.checkpoint.")
 }
 # What any layer may import from torch.distributed: plain data types, no process group.

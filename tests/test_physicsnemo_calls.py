@@ -166,10 +166,18 @@ def test_registration_refuses_what_it_cannot_key(registered):
     assert ShardedTensor.register_function_handler is sw.register_function_handler
 
 
-def test_offsets_need_a_mesh():
+def test_offsets_come_from_the_layout_on_a_1d_mesh_over_the_group():
+    from torch.distributed.tensor import Shard
+
     st = _on_rank(LAYOUT, FULL, 1)
-    with pytest.raises(LayoutError, match="not built on a device mesh.*local_offsets"):
-        st.offsets()
+    assert st.offsets() == (5,) and st.offsets(mesh_dim=0) == 5
+    assert st.placements == (Shard(0),) and st.mesh_shape == (2,)
+    two_per_rank = Layout.column_wise(SHAPE, [1, 2, 1, 2], ranks=[0, 1, 0, 1], world_size=2)
+    odd = _on_rank(two_per_rank, FULL, 0)
+    with pytest.raises(
+        LayoutError, match=r"Layout\(7x6, 4 blocks on 2 ranks\) cannot be expressed"
+    ):
+        odd.offsets()
 
 
 # -- on 2 spawned ranks -------------------------------------------------------

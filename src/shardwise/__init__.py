@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .comm import distribute, equal, from_local
+from .comm import distribute, equal
 from .errors import (
     ArgumentMismatchError,
     CheckpointBusyError,
@@ -27,7 +27,13 @@ from .errors import (
     UnsupportedStorageError,
     UsageError,
 )
-from .interop import from_dtensor, from_shard_tensor, from_torch_sharded_tensor, scatter_tensor
+from .interop import (
+    from_dtensor,
+    from_local,
+    from_shard_tensor,
+    from_torch_sharded_tensor,
+    scatter_tensor,
+)
 from .layout import Block, Layout, Transfer, plan_transfers
 from .ops import register_dispatch_handler, register_op, unregister_op
 from .tensor import ShardedTensor

@@ -47,7 +47,7 @@ from torch.futures import Future
 
 from ..errors import InvalidArgumentError, ShardMismatchError, UsageError
 from ..storage import Folder, open_folder, served_url
-from .engine import SaveRecords, holes_in_plans, item_reads, read_records
+from .engine import SaveRecords, holes_in_plans, item_reads, kind_disagreements, read_records
 from .format import (
     Manifest,
     RecordNames,
@@ -298,12 +298,19 @@ class Writer(FolderBacked, FileSystemWriter):
         )
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Replicas that disagree: DCP's planner kept one item per (key, offsets) of them,
+        # so only what each rank held before (`prepare_local_plan`) shows it.
+        kinds = [p.storage_data.of if isinstance(p.storage_data, _Kinds) else {} for p in plans]
+        plans = [
+            dataclasses.replace(p, storage_data=None) if isinstance(p.storage_data, _Kinds) else p
+            for p in plans
+        ]
         # Holes would read back as memory no chunk filled: refused even in one process,
         # where stock DCP's own check (across ranks only) lets them through.
         # Per-rank records (use_collectives=False) each hold only their rank's part.
-        holes = holes_in_plans(plans) if self.use_collectives else []
-        if holes:
-            raise ShardMismatchError(f"cannot save to {self.folder}: " + "; ".join(holes))
+        problems = kind_disagreements(kinds) + holes_in_plans(plans) if self.use_collectives else []
+        if problems:
+            raise ShardMismatchError(f"cannot save to {self.folder}: " + "; ".join(problems))
         plans = super().prepare_global_plan(plans)
         self._take_lease()
         return plans
@@ -333,6 +340,8 @@ class Writer(FolderBacked, FileSystemWriter):
             raise UsageError(f"Checkpoint already exists and self.overwrite=False: {existing}")
         if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
+        elif self.use_collectives:
+            plan = dataclasses.replace(plan, storage_data=_Kinds(_kinds_of(plan)))
         return plan
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -398,6 +407,30 @@ class Writer(FolderBacked, FileSystemWriter):
             )
         finally:
             _release(self._lease)
+
+
+@dataclass(frozen=True)
+class _Kinds:
+    """A rank's local plan's values as (dtype name, global shape) by key ((None, None):
+    an object), carried to the coordinator in the plan's `storage_data`, where
+    `FileSystemWriter.prepare_global_plan` puts its file prefix. DCP's planner keeps one
+    write item per (key, offsets) of those several ranks hold (`dedup_save_plans`),
+    whatever their shapes or dtypes: replicas that disagree (the DP copies of a TP-sharded
+    weight built otherwise on one DP row) would lose all but one copy unseen. DCP's
+    coordinator gathers every rank's plan anyway; this adds one pair per key to it."""
+
+    of: dict[str, tuple[str | None, tuple[int, ...] | None]]
+
+
+def _kinds_of(plan: SavePlan) -> dict[str, tuple[str | None, tuple[int, ...] | None]]:
+    kinds: dict[str, tuple[str | None, tuple[int, ...] | None]] = {}
+    for item in plan.items:
+        data = item.tensor_data
+        if data is None:
+            kinds[item.index.fqn] = (None, None)
+        elif item.index.fqn not in kinds:
+            kinds[item.index.fqn] = (dtype_name(data.properties.dtype), tuple(data.size))
+    return kinds
 
 
 def _release(held: list[Lease]) -> None:

@@ -18,6 +18,7 @@ from ..errors import InvalidTypeError, LayoutError, ShardMismatchError
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .agreement import exchange, odd_ranks, raise_agreed
+from .group import resolve_group
 
 __all__ = ["from_local_shards"]
 
@@ -75,7 +76,9 @@ def from_local_shards(
     """Collective: every rank passes its shards and their global offsets.
 
     The global shape is inferred as the bounding box of all blocks when not
-    given. Overlaps, holes, bounds, dtype/device mismatches and non-contiguous
+    given. `group` is a ProcessGroup (None: the default) or a DeviceMesh /
+    sub-mesh: the exchange and every later collective run over its ranks only.
+    Overlaps, holes, bounds, dtype/device mismatches and non-contiguous
     shards raise the same exception on every rank, naming the faulty rank.
     """
     return from_local_shards_checked(shards, offsets, global_shape, group)
@@ -85,7 +88,9 @@ def from_local_shards_checked(
     shards: Any, offsets: Any, global_shape: Any, group: Any, problem: BaseException | None = None
 ) -> ShardedTensor:
     """`from_local_shards`, taking a problem the caller found first (`from_dtensor`'s)
-    into the same exchange, so that it too raises on every rank."""
+    into the same exchange, so that it too raises on every rank. `group` is a
+    ProcessGroup or a DeviceMesh / sub-mesh (layout rank r = its position r)."""
+    group, mesh = resolve_group(group)
     blocks: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     shape = None
     try:
@@ -171,6 +176,7 @@ def from_local_shards_checked(
         device=device,
         group=group,
         requires_grad=any(m["requires_grad"] for m in everyone),
+        mesh=mesh,
     )
 
 

@@ -19,18 +19,28 @@ from ..layout import Layout
 from ..tensor import ShardedTensor
 from .agreement import exchange, odd_ranks
 from .communicator import communicator
+from .group import resolve_group
 from .transfer import agree, move
 
 __all__ = ["distribute", "equal", "full_tensor", "gather", "redistribute"]
 
 
 def _wrap(layout: Layout, shards: list[torch.Tensor], like: ShardedTensor) -> ShardedTensor:
+    """`shards` in `layout`, on `like`'s rank, group and mesh."""
     return ShardedTensor(
-        layout, shards, like.rank, dtype=like.dtype, device=like.device, group=like.group
+        layout,
+        shards,
+        like.rank,
+        dtype=like.dtype,
+        device=like.device,
+        group=like.group,
+        mesh=like._mesh,
     )
 
 
-def _slice_into(full: torch.Tensor, layout: Layout, rank: int, group: Any) -> ShardedTensor:
+def _slice_into(
+    full: torch.Tensor, layout: Layout, rank: int, group: Any, mesh: Any = None
+) -> ShardedTensor:
     """A full tensor, identical on every rank, as this rank's blocks of `layout`."""
     return ShardedTensor(
         layout,
@@ -39,6 +49,7 @@ def _slice_into(full: torch.Tensor, layout: Layout, rank: int, group: Any) -> Sh
         dtype=full.dtype,
         device=full.device,
         group=group,
+        mesh=mesh,
     )
 
 
@@ -46,13 +57,13 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, st: ShardedTensor, layout: Layout, stats: dict | None) -> ShardedTensor:
         ctx.src_layout, ctx.dst_layout = st.layout_spec, layout
-        ctx.rank, ctx.group = st.rank, st.group
+        ctx.rank, ctx.group, ctx.mesh = st.rank, st.group, st._mesh
         return _wrap(layout, move(st, layout, stats, checked=True), st)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[ShardedTensor, None, None]:
         if not isinstance(grad, ShardedTensor):
-            grad = _slice_into(grad, ctx.dst_layout, ctx.rank, ctx.group)
+            grad = _slice_into(grad, ctx.dst_layout, ctx.rank, ctx.group, ctx.mesh)
         return _wrap(ctx.src_layout, move(grad, ctx.src_layout), grad), None, None
 
 
@@ -72,14 +83,14 @@ class _FullTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, st: ShardedTensor) -> torch.Tensor:
         ctx.layout = st.layout_spec
-        ctx.rank, ctx.group = st.rank, st.group
+        ctx.rank, ctx.group, ctx.mesh = st.rank, st.group, st._mesh
         whole = Layout.replicated(st.shape, st.layout_spec.world_size)
         (full,) = move(st, whole)
         return full
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> ShardedTensor:
-        return _slice_into(grad, ctx.layout, ctx.rank, ctx.group)
+        return _slice_into(grad, ctx.layout, ctx.rank, ctx.group, ctx.mesh)
 
 
 def full_tensor(st: ShardedTensor) -> torch.Tensor:
@@ -111,8 +122,10 @@ def distribute(
     """Scatter `tensor` from rank `src` into `layout`. Collective; others pass None.
 
     Only rank `src` needs the data; dtype and device type travel with the
-    first collective, and each rank receives only its own blocks.
+    first collective, and each rank receives only its own blocks. `group` is a
+    ProcessGroup or a DeviceMesh / sub-mesh; `src` is a rank of it (its position).
     """
+    group, mesh = resolve_group(group)
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     problem: BaseException | None = None
@@ -166,7 +179,7 @@ def distribute(
             else torch.device(device_type)
         )
         shards = []
-    source = ShardedTensor(whole, shards, rank, dtype=dtype, device=device, group=group)
+    source = ShardedTensor(whole, shards, rank, dtype=dtype, device=device, group=group, mesh=mesh)
     return _wrap(layout, move(source, layout), source)
 
 

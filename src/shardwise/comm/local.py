@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,35 +25,62 @@ from ..errors import InvalidArgumentError, InvalidTypeError, LayoutError, ShardM
 from ..layout import Layout
 from ..tensor import ShardedTensor
 from .agreement import Problem, exchange, odd_ranks, raise_agreed
+from .group import resolve_group
+from .transfer import move
 
-__all__ = ["from_local", "to_local"]
+__all__ = ["GradPlan", "from_local", "to_local", "wrap_local"]
 
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, tensor: torch.Tensor, layout: Layout, rank: int, group: Any
+        ctx: Any, tensor: torch.Tensor, layout: Layout, rank: int, group: Any, mesh: Any = None
     ) -> ShardedTensor:
         ctx.shape = tensor.shape
         holds = bool(layout.blocks_of(rank))
         # view_as: the output must not be the input object itself (as in DTensor).
         shards = [tensor.view_as(tensor)] if holds else []
         return ShardedTensor(
-            layout, shards, rank, dtype=tensor.dtype, device=tensor.device, group=group
+            layout, shards, rank, dtype=tensor.dtype, device=tensor.device, group=group, mesh=mesh
         )
 
     @staticmethod
-    def backward(ctx: Any, grad: ShardedTensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: ShardedTensor) -> tuple[torch.Tensor | None, ...]:
         shards = grad.local_shards()
         if not shards:
-            return torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device), None, None, None
-        return shards[0], None, None, None
+            return (
+                torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device),
+                None,
+                None,
+                None,
+                None,
+            )
+        return shards[0], None, None, None, None
+
+
+def wrap_local(
+    tensor: torch.Tensor, layout: Layout, rank: int, group: Any, mesh: Any = None
+) -> ShardedTensor:
+    """`tensor` as this rank's one block of `layout`, differentiably (its graph is kept:
+    the gradient of the result's shard flows back to `tensor`). No communication: the
+    caller has checked the layout, on every rank."""
+    return _FromLocal.apply(tensor, layout, rank, group, mesh)
+
+
+class GradPlan(NamedTuple):
+    """What `to_local(grad_placements=...)`'s backward does with the local gradient:
+    sum it over each of `reduce_groups` (the mesh dimensions a `Partial` names), then
+    read it as this rank's block of `layout` and move it to the tensor's own layout."""
+
+    layout: Layout
+    reduce_groups: tuple[Any, ...]
 
 
 class _ToLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, st: ShardedTensor) -> torch.Tensor:
-        ctx.layout, ctx.rank, ctx.group = st.layout_spec, st.rank, st.group
+    def forward(ctx: Any, st: ShardedTensor, plan: GradPlan | None) -> torch.Tensor:
+        ctx.layout, ctx.rank, ctx.group, ctx.mesh = st.layout_spec, st.rank, st.group, st._mesh
+        ctx.plan = plan
         shards = st.local_shards()
         if len(shards) > 1:
             raise LayoutError(
@@ -65,16 +92,37 @@ class _ToLocal(torch.autograd.Function):
         return shards[0].view_as(shards[0])
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> ShardedTensor:
-        shards = [grad] if ctx.layout.blocks_of(ctx.rank) else []
-        return ShardedTensor(
-            ctx.layout, shards, ctx.rank, dtype=grad.dtype, device=grad.device, group=ctx.group
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[ShardedTensor, None]:
+        plan: GradPlan | None = ctx.plan
+        layout = ctx.layout if plan is None else plan.layout
+        if plan is not None and plan.reduce_groups:
+            grad = grad.contiguous().clone()
+            for group in plan.reduce_groups:  # a Partial gradient: the ranks' sum
+                dist.all_reduce(grad, group=group)
+        blocks = layout.blocks_of(ctx.rank)
+        if blocks and tuple(grad.shape) != blocks[0].sizes:
+            raise ShardMismatchError(
+                f"rank {ctx.rank}: the gradient of to_local() has shape {tuple(grad.shape)} but "
+                f"grad_placements give this rank's block {blocks[0]}"
+            )
+        out = ShardedTensor(
+            layout,
+            [grad] if blocks else [],
+            ctx.rank,
+            dtype=grad.dtype,
+            device=grad.device,
+            group=ctx.group,
+            mesh=ctx.mesh,
         )
+        if layout != ctx.layout:  # the gradient's placements are not the tensor's: move it
+            out = out._with_layout(ctx.layout, move(out, ctx.layout))
+        return out, None
 
 
-def to_local(st: ShardedTensor) -> torch.Tensor:
-    """This rank's single shard (an empty tensor on a rank holding none). Differentiable."""
-    return _ToLocal.apply(st)
+def to_local(st: ShardedTensor, plan: GradPlan | None = None) -> torch.Tensor:
+    """This rank's single shard (an empty tensor on a rank holding none). Differentiable:
+    the gradient is this rank's block, or as `plan` (DTensor's `grad_placements`) says."""
+    return _ToLocal.apply(st, plan)
 
 
 def from_local(
@@ -99,9 +147,11 @@ def from_local(
     rank, naming the faulty rank, and the group stays usable. `run_check=False`
     skips the exchange for a `Layout` or an explicit list of sizes (as
     `DTensor.from_local(run_check=False)`): the caller vouches that the ranks
-    agree, and a bad input raises on its own rank only.
+    agree, and a bad input raises on its own rank only. `group` is a
+    ProcessGroup or a DeviceMesh / sub-mesh (layout rank r = its position r).
     """
     distributed = dist.is_available() and dist.is_initialized()
+    group, mesh = resolve_group(group) if distributed else (group, None)
     rank = dist.get_rank(group) if distributed else 0
     world = dist.get_world_size(group) if distributed else 1
     problem: BaseException | None = None
@@ -124,7 +174,7 @@ def from_local(
         built = layout
     else:
         built = _layout_along(everyone, meta, world)
-    return _FromLocal.apply(tensor, built, rank, group)
+    return _FromLocal.apply(tensor, built, rank, group, mesh)
 
 
 def _local_meta(

@@ -30,6 +30,7 @@ from .agreed import (
     base_meta,
     convert_agreed,
     mesh_position,
+    shared_local,
 )
 from .physicsnemo import inspect_shard_tensor
 
@@ -57,10 +58,10 @@ def _inspect_dtensor(dt: DTensor) -> Inspection:
             f"{tuple(local.shape)}; an unevenly built DTensor has no layout shardwise can trust"
         )
 
-    def finish(everyone: list[dict[str, Any]]) -> ShardedTensor:
-        return ShardedTensor(
-            layout, [local] if blocks else [], position, dtype=dt.dtype, device=local.device
-        )
+    def finish(everyone: list[dict[str, Any]], group: Any, mesh: Any) -> ShardedTensor:
+        out = shared_local(dt, layout, position, group, mesh)
+        out._placements = tuple(dt.placements)
+        return out
 
     return Inspection(base_meta(dt, DTENSOR), finish)
 
@@ -76,8 +77,10 @@ def _inspect_wrapped(dt: DTensor) -> Inspection:
     meta = base_meta(dt, WRAPPED)
     meta["key"] = (None, None, meta["key"][2])  # placements say nothing about the blocks here
 
-    def finish(everyone: list[dict[str, Any]]) -> ShardedTensor:
-        return from_local_shards_checked(shards, offsets, tuple(dt.shape), None)
+    def finish(everyone: list[dict[str, Any]], group: Any, mesh: Any) -> ShardedTensor:
+        out = from_local_shards_checked(shards, offsets, tuple(dt.shape), group)
+        out._mesh = mesh
+        return out
 
     return Inspection(meta, finish)
 
@@ -134,6 +137,7 @@ def from_torch_sharded_tensor(legacy: Any) -> ShardedTensor:
 
     Its global metadata already lists every shard's rank, so no communication.
     Empty shards (a chunk spec's chunks past the end of the tensor) are left out.
+    On a subgroup, its placements' global ranks become the group's ranks.
     """
     md = legacy.metadata()
     group = getattr(legacy, "_process_group", None)
@@ -142,6 +146,8 @@ def from_torch_sharded_tensor(legacy: Any) -> ShardedTensor:
         if 0 in shard_md.shard_sizes:
             continue
         rank = shard_md.placement.rank()
+        if group is not None:
+            rank = dist.get_group_rank(group, rank)
         blocks.setdefault(rank, []).append(Block(shard_md.shard_offsets, shard_md.shard_sizes))
     world = dist.get_world_size(group)
     layout = Layout(tuple(md.size), blocks, world)

@@ -34,7 +34,7 @@ from torch.distributed._shard.sharding_spec import (
 from ..errors import InvalidArgumentError, LayoutError, ShardMismatchError
 from ..layout import Layout
 from ..tensor import ShardedTensor
-from .legacy_create import empty, full, ones, rand, zeros
+from .legacy_create import empty, full, ones, rand, spec_layout, zeros
 
 __all__ = [
     "empty",
@@ -188,7 +188,7 @@ def reshard(st: ShardedTensor, spec: ShardingSpec) -> ShardedTensor:
     replaced the tensor's shards in place, this returns a new tensor (the data
     stays on `st`'s device)."""
     world = st.layout_spec.world_size
-    return st.redistribute(Layout.from_sharding_spec(spec, tuple(st.shape), world))
+    return st.redistribute(spec_layout(spec, tuple(st.shape), world, st.group))
 
 
 def gather_into(st: ShardedTensor, dst: int = 0, out: torch.Tensor | None = None) -> Any:

@@ -9,13 +9,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.sharding_spec import ChunkShardingSpec, ShardingSpec
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharding_spec import (
+    ChunkShardingSpec,
+    EnumerableShardingSpec,
+    ShardingSpec,
+)
+from torch.distributed.remote_device import _remote_device as _RemoteDevice
 
 from ..comm.group import current_rank
+from ..errors import LayoutError
 from ..layout import Layout
 from ..tensor import ShardedTensor
 
-__all__ = ["empty", "full", "ones", "rand", "zeros"]
+__all__ = ["empty", "full", "ones", "rand", "spec_layout", "zeros"]
 
 
 def _sizes(size: tuple[Any, ...]) -> tuple[int, ...]:
@@ -34,7 +41,7 @@ def _create(
 ) -> ShardedTensor:
     shape = _sizes(size)
     world = dist.get_world_size(process_group)
-    layout = Layout.from_sharding_spec(spec, shape, world)
+    layout = spec_layout(spec, shape, world, process_group)
     rank = current_rank(process_group, layout)
     me = dist.get_global_rank(process_group, rank) if process_group is not None else rank
     placements = (
@@ -117,3 +124,33 @@ def rand(
 ) -> ShardedTensor:
     """Uniform [0, 1) from each rank's own generator, as `sharded_tensor.rand(spec, *size)`."""
     return _create(lambda s: s.uniform_(0, 1), spec, size, dtype, requires_grad, process_group)
+
+
+def spec_layout(spec: ShardingSpec, shape: tuple[int, ...], world: int, group: Any) -> Layout:
+    """The layout of a legacy spec on `group`: its placements name global ranks (as
+    legacy ones do), which become the group's ranks (`LayoutError` for one outside it)."""
+    if group is None or list(dist.get_process_group_ranks(group)) == list(range(world)):
+        return Layout.from_sharding_spec(spec, shape, world)
+    ranks = list(dist.get_process_group_ranks(group))
+
+    def local(placement: Any) -> Any:
+        if isinstance(placement, str):
+            placement = _RemoteDevice(placement)
+        rank = placement.rank()
+        if rank not in ranks:
+            raise LayoutError(
+                f"placement {placement} names global rank {rank}, which is not in the process "
+                f"group of ranks {ranks}"
+            )
+        return _RemoteDevice(f"rank:{ranks.index(rank)}/{placement.device()}")
+
+    if isinstance(spec, ChunkShardingSpec):
+        spec = ChunkShardingSpec(spec.dim, [local(p) for p in spec.placements])
+    else:
+        spec = EnumerableShardingSpec(
+            [
+                ShardMetadata(list(m.shard_offsets), list(m.shard_sizes), local(m.placement))
+                for m in spec.shards  # type: ignore[attr-defined]
+            ]
+        )
+    return Layout.from_sharding_spec(spec, shape, world)

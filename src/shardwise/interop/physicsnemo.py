@@ -34,7 +34,14 @@ from ..errors import LayoutError, ShardMismatchError
 from ..layout import Block, Layout
 from ..layout.layout import mesh_coordinates
 from ..tensor import ShardedTensor
-from .agreed import SHARD_TENSOR, Inspection, base_meta, convert_agreed, mesh_position
+from .agreed import (
+    SHARD_TENSOR,
+    Inspection,
+    base_meta,
+    convert_agreed,
+    mesh_position,
+    shared_local,
+)
 
 __all__ = ["from_shard_tensor", "inspect_shard_tensor", "to_shard_tensor"]
 
@@ -125,15 +132,15 @@ def inspect_shard_tensor(st: Any) -> Inspection:
     def check(everyone: list[dict[str, Any]]) -> list[Problem]:
         return _recorded_vs_held(everyone, mesh_shape, sharded)
 
-    def finish(everyone: list[dict[str, Any]]) -> ShardedTensor:
+    def finish(everyone: list[dict[str, Any]], group: Any, mesh: Any) -> ShardedTensor:
         blocks = {
             r: [Block(m["offsets"], m["held"])]
             for r, m in enumerate(everyone)
             if math.prod(m["held"])
         }
         layout = Layout(shape, blocks, len(everyone))  # same data everywhere: raises alike
-        shards = [local] if layout.blocks_of(rank) else []
-        out = ShardedTensor(layout, shards, rank, dtype=st.dtype, device=local.device)
+        out = shared_local(st, layout, rank, group, mesh)
+        out._placements = tuple(spec.placements)
         # PhysicsNeMo's `offsets()`: per mesh dimension, the offset along the dimension it shards.
         out._mesh_offsets = tuple(
             offsets[sharded[m]] if m in sharded else 0 for m in range(len(mesh_shape))

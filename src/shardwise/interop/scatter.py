@@ -17,13 +17,12 @@ Same argument names and defaults as `physicsnemo.domain_parallel.scatter_tensor`
 
 Built on `shardwise.distribute`: only the source holds the tensor and each rank
 receives only its own block (PhysicsNeMo broadcasts the whole tensor). Every
-problem, on any rank, raises the same error on every rank. Uses the default
-group; the mesh must list its ranks 0..N-1 in order.
+problem, on any rank, raises the same error on every rank. Runs over the
+mesh's ranks only (`shardwise.comm.group.mesh_group`), on any mesh or sub-mesh.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch.distributed as dist
 
 from ..comm import distribute
 from ..comm.agreement import exchange, odd_ranks
+from ..comm.group import agreement_group, mesh_group, mesh_ranks
 from ..errors import ArgumentMismatchError, InvalidArgumentError, InvalidTypeError, LayoutError
 from ..layout import Layout
 from ..layout.layout import _chunk_sizes, mesh_coordinates
@@ -56,42 +56,47 @@ def scatter_tensor(
 ) -> ShardedTensor:
     """Scatter `tensor` from global rank `global_src` over `mesh` as `placements` say.
 
-    Collective over the default group; ranks other than `global_src` may pass
-    None. `global_shape` / `dtype`, when given, are checked against the source's
-    tensor. The result is a leaf ShardedTensor (`requires_grad` as asked) whose
-    `offsets()` are PhysicsNeMo's.
+    Collective over the mesh's ranks (any mesh or sub-mesh: ranks of other
+    sub-meshes scatter their own tensors at the same time); ranks other than
+    `global_src`, a global rank of the mesh, may pass None. `global_shape` /
+    `dtype`, when given, are checked against the source's tensor. The result is
+    a leaf ShardedTensor (`requires_grad` as asked) whose `offsets()` are
+    PhysicsNeMo's.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
     problem: BaseException | None = None
     claim: tuple[Any, Any] = (None, dtype)
     source_meta = None
+    group, rank, src = None, 0, 0
     try:
+        ranks = mesh_ranks(mesh)
+        group = mesh_group(mesh)
+        rank = mesh_position(mesh)
         if global_shape is not None:
             claim = (_global_shape(global_shape), dtype)
         if isinstance(global_src, bool) or not isinstance(global_src, int):
             raise InvalidArgumentError(f"global_src must be an integer rank, got {global_src!r}")
-        if mesh_position(mesh) != rank or math.prod(mesh.shape) != world:
-            raise LayoutError(f"the mesh {tuple(mesh.shape)} must span all {world} ranks")
-        if not 0 <= global_src < world:
+        if global_src not in ranks:
             raise InvalidArgumentError(
-                f"global_src {global_src} is not a rank of the mesh (0..{world - 1})"
+                f"global_src {global_src} is not a rank of the mesh (ranks {ranks})"
             )
-        if rank == global_src:
+        src = ranks.index(global_src)
+        if dist.get_rank() == global_src:
             if not isinstance(tensor, torch.Tensor) or isinstance(tensor, ShardedTensor):
                 got = "None" if tensor is None else f"a {type(tensor).__name__}"
                 raise InvalidTypeError(f"the source rank must pass a plain tensor, got {got}")
             source_meta = (tuple(tensor.shape), tensor.dtype)
     except Exception as e:  # noqa: BLE001 - every rank raises it, through the exchange
         problem = e
-    everyone = exchange(problem, (claim, source_meta), None)
-    shape, src_dtype = everyone[global_src][1]
+    group = agreement_group(group)
+    everyone = exchange(problem, (claim, source_meta), group)
+    shape, src_dtype = everyone[src][1]
     _check_claims([c for c, _ in everyone], shape, src_dtype)
     layout, offsets = None, None
     try:
         layout, offsets = _plan(shape, tuple(mesh.shape), tuple(placements), sharding_shapes, rank)
     except Exception as e:  # noqa: BLE001 - as above
         problem = e
-    hashes = exchange(problem, hash(layout), None)
+    hashes = exchange(problem, hash(layout), group)
     ref, odd = odd_ranks(hashes)
     if odd:
         raise LayoutError(
@@ -99,12 +104,13 @@ def scatter_tensor(
             f"rank {ref}; every rank must pass the same"
         )
     assert layout is not None  # the exchange raised otherwise
-    if rank == global_src:
+    if rank == src:
         assert tensor is not None
         tensor = tensor.to(device=_device_of(mesh, tensor))
     with torch.no_grad():
-        out = distribute(tensor if rank == global_src else None, layout, global_src)
+        out = distribute(tensor if rank == src else None, layout, src, group=mesh)
     out._mesh_offsets = offsets
+    out._placements = tuple(placements)
     if requires_grad:
         out.requires_grad_(True)  # a leaf, as PhysicsNeMo's
     return out

@@ -1,10 +1,18 @@
-"""How aten ops run on a `ShardedTensor`: shard by shard, never on the whole.
+"""How aten ops run on a `ShardedTensor`: by rules that know the layouts.
 
-Three sources of handlers, consulted in order:
+Handlers are consulted in order:
 1. the user registry (`register_op` / `unregister_op`), so a user can override anything;
-2. the built-in table (`builtin`: copies, views, factories, equality);
-3. every op tagged `torch.Tag.pointwise`, applied to matching shards (`per_shard`).
-Anything else raises `NotImplementedError` naming the op.
+2. the built-in table (`builtin`: copies, factories, equality, functional collectives);
+3. the rules by family: `reductions` (sums, extrema, norms, softmax, layer norm),
+   `shape` (layout transforms, slicing, cat), `linalg` (products, embeddings,
+   convolutions), `random` (in-place samplers, `nn.init`);
+4. every op tagged `torch.Tag.pointwise`, shard by shard once the operands
+   share a layout (`pointwise`);
+5. anything else runs on whole tensors and comes back sharded (`fallback`): slower,
+   never wrong. The README's op table lists the rule and the bytes moved per op.
+
+One level up, `functions` promotes plain tensors that require grad and gives
+`sum`/`mean` a backward that keeps the input's layout.
 """
 
 from __future__ import annotations
@@ -17,9 +25,15 @@ import torch
 from ..errors import InvalidTypeError
 from ..tensor.provided import provide
 from .builtin import BUILTIN_HANDLERS
-from .per_shard import pointwise
+from .fallback import FALLBACK_OPS, fallback
+from .functions import torch_function
+from .linalg import LINALG_HANDLERS
+from .pointwise import pointwise
+from .random import RANDOM_HANDLERS
+from .reductions import REDUCTION_HANDLERS
+from .shape import SHAPE_HANDLERS
 
-__all__ = ["register_dispatch_handler", "register_op", "unregister_op"]
+__all__ = ["FALLBACK_OPS", "register_dispatch_handler", "register_op", "unregister_op"]
 
 Handler = Callable[..., Any]
 
@@ -57,15 +71,24 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     user = _USER_HANDLERS.get(func)
     if user is not None:
         return user(*args, **kwargs)
-    builtin = BUILTIN_HANDLERS.get(func)
-    if builtin is not None:
-        return builtin(func, args, kwargs)
+    rule = _RULES.get(func)
+    if rule is not None:
+        return rule(func, args, kwargs)
     if torch.Tag.pointwise in func.tags:
         return pointwise(func, args, kwargs)
-    raise NotImplementedError(
-        f"{func} is not supported on shardwise.ShardedTensor; register a handler with "
-        f"shardwise.register_op({func}, handler), or work on st.local_shards()"
-    )
+    return fallback(func, args, kwargs)
 
 
-provide(dispatch=dispatch, register_dispatch_handler=register_dispatch_handler)
+_RULES: dict[Any, Handler] = {
+    **REDUCTION_HANDLERS,
+    **SHAPE_HANDLERS,
+    **LINALG_HANDLERS,
+    **RANDOM_HANDLERS,
+    **BUILTIN_HANDLERS,
+}
+
+provide(
+    dispatch=dispatch,
+    register_dispatch_handler=register_dispatch_handler,
+    torch_function=torch_function,
+)

@@ -8,9 +8,11 @@ from typing import Any
 
 import torch
 
-from ..errors import LayoutError
 from ..tensor import ShardedTensor
-from .per_shard import per_shard, pointwise
+from .exchange import local_in, whole
+from .fallback import fallback
+from .per_shard import per_shard
+from .pointwise import pointwise
 
 __all__ = ["BUILTIN_HANDLERS"]
 
@@ -28,23 +30,31 @@ def _handles(*ops: Any) -> Callable[[Callable], Callable]:
     return register
 
 
-_handles(aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)(pointwise)
+_handles(
+    aten.fill_.Scalar,
+    aten.fill_.Tensor,
+    aten.zero_.default,
+    # elementwise, though not tagged pointwise
+    aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor,
+    aten.masked_fill_.Scalar,
+    aten.masked_fill_.Tensor,
+)(pointwise)
 
 
 @_handles(aten.copy_.default)
 def _copy(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Into a ShardedTensor from any layout (redistributed) or a plain tensor (each
+    block its part); into a plain tensor from a ShardedTensor (gathered whole)."""
     dst, src = args[0], args[1]
     if not isinstance(dst, ShardedTensor):
-        raise NotImplementedError(
-            "copying a ShardedTensor into a plain tensor needs communication; "
-            "use st.full_tensor() or st.gather()"
-        )
+        return dst.copy_(whole(src), *args[2:], **kwargs)
     if isinstance(src, ShardedTensor) and src._layout != dst._layout:
-        raise LayoutError(
-            f"copy_ between different layouts ({src._layout} into {dst._layout}); "
-            f"use src.redistribute(dst.layout_spec) first"
-        )
-    per_shard(func, args, kwargs)
+        if tuple(src.shape) != tuple(dst.shape):
+            src = whole(src)
+        else:
+            src = dst._with_layout(dst._layout, local_in(src, dst._layout))
+    per_shard(func, (dst, src, *args[2:]), kwargs)
     return dst
 
 
@@ -80,41 +90,14 @@ def _shardwise(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
 )
 def _new_factory(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
     ref, size = args[0], tuple(args[1])
-    if size != tuple(ref.shape):
-        raise NotImplementedError(
-            f"{func} with size {size} on a ShardedTensor of global shape "
-            f"{tuple(ref.shape)}: only the same global shape keeps a layout"
-        )
+    if size != tuple(ref.shape):  # another shape: a replicated tensor (no layout to keep)
+        return fallback(func, args, kwargs)
     shards = [func(s, list(s.shape), *args[2:], **kwargs) for s in ref._shards]
     return ref._with_shards(
         shards,
         dtype=kwargs.get("dtype") or ref.dtype,
         device=torch.device(kwargs["device"]) if kwargs.get("device") else ref.device,
     )
-
-
-# -- views ---------------------------------------------------------------------
-
-
-@_handles(
-    aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default, aten.reshape.default
-)
-def _view(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
-    ref = args[0]
-    shape = tuple(ref.shape)
-    size = list(args[1])
-    if size.count(-1) == 1 and ref.numel():
-        known = 1
-        for s in size:
-            known *= s if s != -1 else 1
-        size[size.index(-1)] = ref.numel() // known
-    if tuple(size) != shape:
-        raise NotImplementedError(
-            f"{func} to {tuple(args[1])} on a ShardedTensor of global shape {shape}: "
-            f"blocks do not survive a change of shape; only a view to the same "
-            f"global shape is supported"
-        )
-    return ref._with_shards([s.view(s.shape) for s in ref._shards])
 
 
 # -- comparisons -----------------------------------------------------------------

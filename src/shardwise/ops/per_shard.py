@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..errors import LayoutError
 from ..tensor import ShardedTensor
 
-__all__ = ["is_inplace", "per_shard", "pointwise", "sharded_args", "wrap"]
+__all__ = ["is_inplace", "named", "per_shard", "sharded_args", "wrap"]
 
 
 def sharded_args(args: tuple, kwargs: dict) -> list[ShardedTensor]:
@@ -99,19 +99,14 @@ def is_inplace(func: Any) -> bool:
     return func._schema.name.endswith("_")
 
 
-# -- pointwise -------------------------------------------------------------------
-
-
-def pointwise(func: Any, args: tuple, kwargs: dict) -> Any:
-    if is_inplace(func) and not isinstance(args[0], ShardedTensor):
-        raise NotImplementedError(
-            f"{func} writes into a plain tensor from a ShardedTensor; that needs "
-            f"communication: use st.full_tensor() first"
-        )
-    results = per_shard(func, args, kwargs)
-    if "out" in kwargs:
-        return kwargs["out"]
-    if is_inplace(func):
-        return args[0]
-    ref = sharded_args(args, kwargs)[0]
-    return wrap(func, ref, results, args, kwargs)
+def named(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """`func`'s arguments by schema name, defaults filled in."""
+    out: dict[str, Any] = {}
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            out[arg.name] = args[i]
+        elif arg.name in kwargs:
+            out[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+    return out

@@ -7,6 +7,11 @@ write (`__create_write_items__`), which chunks do you want filled
 DCP has nothing to store or fill for them, and its coverage check counts
 volumes. A write item's `index.index` is the block's position in the rank's
 block list, so lookups take the fast path.
+
+Blocks are in global coordinates whatever the tensor's group: the copies of a
+block on several ranks (the DP copies of a tensor on a TP subgroup) have the same
+`MetadataIndex` (key, offsets; the position is not compared), so DCP's planner
+(`dedup_save_plans`) writes each once, and any layout loads them back.
 """
 
 from __future__ import annotations

@@ -25,7 +25,14 @@ PROVIDERS: dict[str, str] = {
     "full_tensor": "shardwise.comm",
     "gather": "shardwise.comm",
     "redistribute": "shardwise.comm",
+    "resolve_group": "shardwise.comm",
     "to_local": "shardwise.comm",
+    "device_mesh": "shardwise.interop",
+    "from_local_placements": "shardwise.interop",
+    "grad_plan": "shardwise.interop",
+    "mesh_offsets": "shardwise.interop",
+    "placements": "shardwise.interop",
+    "redistribute_placements": "shardwise.interop",
     "to_dtensor": "shardwise.interop",
     "to_shard_tensor": "shardwise.interop",
     "gather_into": "shardwise.interop",
@@ -36,6 +43,7 @@ PROVIDERS: dict[str, str] = {
     "to_torch_sharded_tensor": "shardwise.interop",
     "dispatch": "shardwise.ops",
     "register_dispatch_handler": "shardwise.ops",
+    "torch_function": "shardwise.ops",
 }
 
 _INSTALLED: dict[str, Callable[..., Any]] = {}

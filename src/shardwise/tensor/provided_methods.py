@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..layout import Layout
 from .provided import provided
 
 if TYPE_CHECKING:
-    from ..layout import Layout
     from .sharded import ShardedTensor
 
 __all__ = ["ProvidedMethods"]
@@ -46,15 +46,65 @@ class ProvidedMethods:
         """
         return provided("from_local_shards")(shards, offsets, global_shape, group)
 
+    @classmethod
+    def from_local(
+        cls,
+        local: torch.Tensor,
+        device_mesh: Any,
+        placements: Sequence[Any] | None = None,
+        *,
+        sharding_shapes: str | dict[int, Sequence[Any]] = "infer",
+        global_shape: Sequence[int] | None = None,
+    ) -> ShardedTensor:
+        """This rank's piece of a tensor with `placements` on `device_mesh` (any mesh or
+        sub-mesh), as `DTensor.from_local` / PhysicsNeMo's `ShardTensor.from_local`:
+        `sharding_shapes` "infer" (one exchange of piece shapes; uneven pieces),
+        "chunk" (torch.chunk pieces of `global_shape`, no communication) or
+        `{mesh_dim: [piece shapes]}`. Differentiable; see
+        `shardwise.interop.placements.from_local_placements`."""
+        return provided("from_local_placements")(
+            local,
+            device_mesh,
+            placements,
+            sharding_shapes=sharding_shapes,
+            global_shape=global_shape,
+        )
+
     # -- collectives (shardwise.comm) ---------------------------------------
 
-    def full_tensor(self) -> torch.Tensor:
-        """The whole tensor on every rank. Collective; differentiable."""
-        return provided("full_tensor")(self)
+    def full_tensor(self, *, grad_placements: Sequence[Any] | None = None) -> torch.Tensor:
+        """The whole tensor on every rank. Collective; differentiable.
 
-    def redistribute(self, layout: Layout, *, stats: dict[str, int] | None = None) -> ShardedTensor:
-        """The same values in `layout`. Collective; differentiable."""
-        return provided("redistribute")(self, layout, stats=stats)
+        As DTensor's: the gradient of the result is taken as identical on every
+        rank (each shard takes its slice), unless `grad_placements` says otherwise
+        (`[Partial()]`: the ranks' gradients are summed first)."""
+        if grad_placements is None:
+            return provided("full_tensor")(self)
+        me: Any = self  # a ShardedTensor
+        replicated = Layout.replicated(tuple(me.shape), me.layout_spec.world_size)
+        whole = provided("redistribute")(self, replicated)
+        return whole.to_local(grad_placements=grad_placements)
+
+    def redistribute(
+        self,
+        device_mesh: Any = None,
+        placements: Sequence[Any] | None = None,
+        *,
+        async_op: bool = False,
+        stats: dict[str, int] | None = None,
+    ) -> ShardedTensor:
+        """The same values in another layout. Collective; differentiable.
+
+        `st.redistribute(layout)` takes any `shardwise.Layout` (`stats` then receives
+        the bytes this rank sent and received); `st.redistribute(device_mesh,
+        placements)` takes DTensor's form (`device_mesh` None with placements: its
+        own mesh; a mesh without placements: its current ones), DTensor's
+        torch.chunk sizes for a new placement, the tensor's own (uneven) sizes
+        for its own."""
+        mesh_form = placements is not None or hasattr(device_mesh, "get_coordinate")
+        if not mesh_form:  # a Layout, or what the Layout form refuses on every rank alike
+            return provided("redistribute")(self, device_mesh, stats=stats)
+        return provided("redistribute_placements")(self, device_mesh, placements, async_op=async_op)
 
     def to_dtensor(self, mesh: Any, placements: Sequence[Any]) -> Any:
         """A DTensor sharing this rank's shard, when the layout is expressible."""
@@ -65,9 +115,14 @@ class ProvidedMethods:
         when the layout is a grid `placements` express; see `shardwise.interop.physicsnemo`."""
         return provided("to_shard_tensor")(self, mesh, placements)
 
-    def to_local(self) -> torch.Tensor:
-        """This rank's single shard; differentiable (see `shardwise.from_local`)."""
-        return provided("to_local")(self)
+    def to_local(self, *, grad_placements: Sequence[Any] | None = None) -> torch.Tensor:
+        """This rank's single shard; differentiable (see `shardwise.from_local`).
+
+        `grad_placements`, as DTensor's: the placements of the gradient that will
+        flow into the result (default: the tensor's own); `Partial()` on a mesh
+        dimension means the ranks along it hold addends, summed in backward."""
+        plan = None if grad_placements is None else provided("grad_plan")(self, grad_placements)
+        return provided("to_local")(self, plan)
 
     # -- the legacy torch.distributed._shard API (shardwise.interop.legacy) --
 

@@ -13,7 +13,7 @@ from typing import Any, SupportsIndex
 
 import torch
 
-from ..errors import InvalidTypeError, LayoutError
+from ..errors import InvalidTypeError
 from ..layout import Block, Layout
 from .checkpointable import Checkpointable
 from .construction import check_shards, filled_shards
@@ -45,9 +45,15 @@ class LocalView:
     _rank: int
     _shards: list[torch.Tensor]
     _group: Any
+    # The DeviceMesh (or sub-mesh) the tensor was built on, else None: then its mesh is a
+    # 1-d one over `_group`. Layout rank r is the mesh's row-major position r.
+    _mesh: Any
     # Per mesh dimension, this rank's offset along the tensor dimension it shards (PhysicsNeMo's
-    # `offsets()`), when built on a device mesh (`scatter_tensor`, `from_shard_tensor`); else None.
+    # `offsets()`), once known (set by `scatter_tensor`, `from_shard_tensor`, or computed).
     _mesh_offsets: tuple[int, ...] | None
+    # The placements the tensor was built with (DTensor, ShardTensor, `from_local`), a hint
+    # for `placements` where several express the layout; None: found from the layout.
+    _placements: tuple[Any, ...] | None
 
     @property
     def layout_spec(self) -> Layout:
@@ -60,7 +66,29 @@ class LocalView:
 
     @property
     def group(self) -> Any:
+        """The process group every collective on this tensor runs over (None: the default
+        group); for a tensor on a (sub-)mesh, a group of exactly the mesh's ranks."""
         return self._group
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor's device mesh: its mesh's, else `(world size,)`."""
+        if self._mesh is not None:
+            return tuple(int(n) for n in self._mesh.shape)
+        return (self._layout.world_size,)
+
+    @property
+    def device_mesh(self) -> Any:
+        """DTensor's `device_mesh`: the mesh the tensor was built on, else a 1-d mesh over
+        its process group (`DeviceMesh.from_group`, no communication)."""
+        return provided("device_mesh")(self)
+
+    @property
+    def placements(self) -> tuple[Any, ...]:
+        """DTensor's `placements` of the layout on `device_mesh`: `Shard(d)` (uneven sizes
+        allowed, as PhysicsNeMo's) or `Replicate()` per mesh dimension; `LayoutError`,
+        naming the layout, where no placements express it."""
+        return provided("placements")(self)
 
     @property
     def local_blocks(self) -> tuple[Block, ...]:
@@ -80,18 +108,17 @@ class LocalView:
         """PhysicsNeMo's `ShardTensor.offsets`: per mesh dimension, this rank's offset along
         the tensor dimension it shards (0 where it replicates); one int for `mesh_dim`.
 
-        Only a tensor built on a device mesh has them; `local_offsets()` gives every
-        tensor's block offsets per tensor dimension.
+        Computed from the layout and `mesh_shape` (no communication); a layout no
+        placements express raises `LayoutError` naming it. `local_offsets()` gives
+        every tensor's block offsets per tensor dimension.
         """
-        if self._mesh_offsets is None:
-            raise LayoutError(
-                f"rank {self._rank}: this ShardedTensor was not built on a device mesh, so it "
-                f"has no per-mesh-dimension offsets; shardwise.scatter_tensor and "
-                f"from_shard_tensor record them, and st.local_offsets() gives its block offsets"
-            )
+        offsets = self._mesh_offsets
+        if offsets is None:
+            offsets = provided("mesh_offsets")(self)
+            self._mesh_offsets = offsets  # type: ignore[misc]  # set on the instance
         if mesh_dim is None:
-            return self._mesh_offsets
-        return self._mesh_offsets[mesh_dim]
+            return offsets
+        return offsets[mesh_dim]
 
     def is_empty_shard(self) -> bool:
         """True when this rank holds no element of the tensor."""
@@ -186,14 +213,15 @@ def handler_for(func: Any) -> FunctionHandler | None:
 
 
 def torch_function(func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
-    """`ShardedTensor.__torch_function__`: a registered handler, else the default, which
+    """`ShardedTensor.__torch_function__`: a registered handler, else `shardwise.ops`'
+    (plain parameters promoted, `sum`/`mean` with a layout-keeping backward), which
     runs `func` with torch functions disabled so that it reaches `__torch_dispatch__`
     (as for DTensor: no subclass wrapping of results at this level)."""
     kwargs = kwargs or {}
     handler = handler_for(func)
     if handler is not None:
         return handler(func, types, args, kwargs)
-    return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+    return provided("torch_function")(func, types, args, kwargs)
 
 
 # -----------------------------------------------------------------------------
@@ -241,8 +269,10 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         device: torch.device,
         group: Any = None,
         requires_grad: bool = False,
+        mesh: Any = None,
     ) -> ShardedTensor:
-        # Internal: callers go through from_layout, which validates.
+        # Internal: callers go through from_layout, which validates. `group` is the process
+        # group of `mesh`'s ranks when a mesh is given (`shardwise.comm.resolve_group`).
         out = torch.Tensor._make_wrapper_subclass(
             cls,
             layout.global_shape,
@@ -254,7 +284,9 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         out._rank = rank
         out._shards = shards
         out._group = group
+        out._mesh = mesh
         out._mesh_offsets = None
+        out._placements = None
         return out
 
     # -- construction ---------------------------------------------------------
@@ -276,8 +308,14 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         No communication: every rank calls it with its own shards, and the
         caller vouches that the ranks agree on `layout`. `dtype` / `device`
         are needed only on a rank that holds no shard. The rank is `rank`, or
-        this process's rank in `group` (or the default group), or 0.
+        this process's rank in `group` (or the default group), or 0. `group`
+        is a ProcessGroup or a DeviceMesh / sub-mesh (layout rank r = its
+        row-major position r; for an n-d sub-mesh the first call on its ranks
+        makes its group, collectively over them).
         """
+        mesh = None
+        if group is not None:
+            group, mesh = provided("resolve_group")(group)
         if rank is None:
             rank = provided("current_rank")(group, layout)
         shards = list(shards)
@@ -292,6 +330,7 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
             device=device,
             group=group,
             requires_grad=requires_grad,
+            mesh=mesh,
         )
 
     @classmethod
@@ -352,7 +391,8 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         rank: int | None,
         requires_grad: bool,
     ) -> ShardedTensor:
-        rank = provided("current_rank")(group, layout) if rank is None else rank
+        if rank is None:
+            rank = provided("current_rank")(_process_group(group), layout)
         shards, dtype, device = filled_shards(factory, extra, layout, rank, dtype, device)
         return cls.from_layout(
             layout,
@@ -381,8 +421,10 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
             dtype=dtype or self.dtype,
             device=device or self.device,
             group=self._group,
+            mesh=self._mesh,
         )
-        out._mesh_offsets = self._mesh_offsets  # same layout, same rank: same mesh offsets
+        # same layout, rank and mesh: same mesh offsets and placements
+        out._mesh_offsets, out._placements = self._mesh_offsets, self._placements
         return out
 
     def _with_layout(
@@ -397,6 +439,7 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         (an op's result whose blocks differ from its input's)."""
         if shards:
             dtype, device = shards[0].dtype, shards[0].device
+        # the same group and mesh; offsets and placements belong to the old layout
         return ShardedTensor(
             layout,
             shards,
@@ -404,6 +447,7 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
             dtype=dtype or self.dtype,
             device=device or self.device,
             group=self._group,
+            mesh=self._mesh,
         )
 
     # Shadows torch.Tensor.gather (so not in `ProvidedMethods`: mypy checks bases agree).
@@ -434,7 +478,7 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         )
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
-        # The group is process-local and is not pickled: a loaded tensor has none.
+        # The group and mesh are process-local and not pickled: a loaded tensor has none.
         return (
             _rebuild,
             (
@@ -453,6 +497,11 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         out.requires_grad_(self.requires_grad)
         memo[id(self)] = out
         return out
+
+
+def _process_group(group: Any) -> Any:
+    """The process group of what a caller passed as `group` (a mesh's own group)."""
+    return provided("resolve_group")(group)[0] if group is not None else None
 
 
 def _rebuild(

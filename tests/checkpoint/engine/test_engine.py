@@ -97,7 +97,10 @@ def test_disagreements_and_bad_chunks_are_all_listed() -> None:
         "'w': rank 0 holds a tensor of dtype float32, shape (2,) but rank 1 holds a tensor "
         "of dtype float32, shape (3,)",
         "'o': rank 0 holds a Python object but rank 1 holds a tensor of dtype float32, shape (1,)",
-        "'s': chunks at offsets (0, 0) and (4, 0) overlap",
+        "'s': the block [0:6, 0:8] held by rank 0 and the block [4:6, 0:8] held by rank 1 "
+        "partly overlap; ranks holding copies of a part (replicas, such as the data-parallel "
+        "copies of a tensor-parallel weight) must hold identical blocks: give every copy the "
+        "same layout",
     ]
 
 

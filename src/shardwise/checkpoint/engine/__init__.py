@@ -23,7 +23,7 @@ from .inventory import (
     serialize_objects,
 )
 from .load import item_reads, load_state
-from .plan import SaveRecords, first_hole, holes_in_plans, region
+from .plan import SaveRecords, first_hole, holes_in_plans, kind_disagreements, region
 from .save import Staging, save_state
 from .staging import Staged, Stager
 from .stored import StoredView, read_records
@@ -48,6 +48,7 @@ __all__ = [
     "holes_in_plans",
     "is_plain_tensor",
     "item_reads",
+    "kind_disagreements",
     "load_state",
     "read_records",
     "region",

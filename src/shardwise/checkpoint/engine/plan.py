@@ -72,6 +72,7 @@ __all__ = [
     "held_bytes",
     "holes_in_plans",
     "keep",
+    "kind_disagreements",
     "lookup",
     "owned_part",
     "owner_of",
@@ -79,6 +80,7 @@ __all__ = [
     "plan_by_owners",
     "plan_records",
     "plan_save",
+    "ranks_text",
     "region",
     "remote_objects",
     "reports_for",
@@ -298,6 +300,8 @@ def plan_save(
     # key -> (dtype, shape, first rank, {box: its holder (rank, box index), or a list of
     # several; later its writer})
     keys: dict[str, tuple[str | None, Any, int, dict[Box, Any] | None]] = {}
+    # (key, dtype, shape) unlike the key's first holder's -> the ranks holding it so
+    odd: dict[tuple[str, str | None, Any], list[int]] = {}
     for rank, entries in enumerate(inventories):
         for key, path, dtype, shape, requires_grad, held in entries:
             info = keys.get(key)
@@ -312,7 +316,7 @@ def plan_save(
                 keys[key] = (dtype, shape, rank, boxes)
                 tensors[key] = TensorPlan(dtype, shape, requires_grad)  # type: ignore[arg-type]
             elif info[0] != dtype or info[1] != shape:
-                problems.append(_disagreement(key, info[:3], (dtype, shape, rank)))
+                odd.setdefault((key, dtype, shape), []).append(rank)
                 continue
             else:
                 boxes = info[3]
@@ -328,6 +332,8 @@ def plan_save(
                     boxes[box] = [holders, (rank, index)]
                 else:
                     holders.append((rank, index))
+    for (key, dtype, shape), ranks in odd.items():
+        problems.append(_disagreement(key, keys[key][:3], (dtype, shape, ranks)))
     _assign_writers(keys, len(inventories), first, loads)
     writes: list[list[tuple[str, int]]] = [[] for _ in inventories]
     for rank, entries in enumerate(inventories):  # each rank writes in its own inventory order
@@ -348,7 +354,7 @@ def plan_save(
                     chunks.append((offsets, sizes, rank, len(mine)))
                     mine.append((key, index))
     for key, plan in tensors.items():
-        problem = _check_boxes(key, plan)
+        problem = _check_boxes(key, plan, partial(_holders, inventories, key))
         if problem:
             problems.append(problem)
     return SavePlan(tensors, objects, writes, mappings, problems)
@@ -384,19 +390,79 @@ def _assign_writers(
         load[rank] -= minus_nbytes
 
 
+def ranks_text(ranks: Sequence[int]) -> str:
+    """`rank 3`, `ranks 2, 3`, `ranks 0-7, 9`: runs of three or more as ranges, at most
+    eight items (then how many ranks in all), so a message stays short at any world size."""
+    if len(ranks) <= 1:
+        return f"rank {ranks[0]}" if ranks else "no rank"
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    items: list[str] = []
+    for lo, hi in runs:
+        items.extend([f"{lo}-{hi}"] if hi - lo >= 2 else [str(r) for r in range(lo, hi + 1)])
+    shown = ", ".join(items[:8])
+    more = f", ... ({len(ranks)} ranks)" if len(items) > 8 else ""
+    return f"ranks {shown}{more}"
+
+
 def _disagreement(key: str, first: tuple[Any, ...], other: tuple[Any, ...]) -> str:
-    def what(kind: tuple[Any, ...]) -> str:
-        dtype, shape, rank = kind
+    """`first`: (dtype, shape, rank) of the key's first holder; `other`: (dtype, shape,
+    ranks) of the holders unlike it."""
+
+    def what(dtype: str | None, shape: Any, who: str, verb: str) -> str:
         if dtype is None:
-            return f"rank {rank} holds a Python object"
-        return f"rank {rank} holds a tensor of dtype {dtype}, shape {tuple(shape)}"
+            return f"{who} {verb} a Python object"
+        return f"{who} {verb} a tensor of dtype {dtype}, shape {tuple(shape)}"
 
-    return f"'{key}': {what(first)} but {what(other)}"
+    dtype, shape, rank = first
+    odd_dtype, odd_shape, ranks = other
+    theirs = what(odd_dtype, odd_shape, ranks_text(ranks), "holds" if len(ranks) == 1 else "hold")
+    return f"'{key}': {what(dtype, shape, f'rank {rank}', 'holds')} but {theirs}"
 
 
-def _check_boxes(key: str, plan: TensorPlan) -> str | None:
+def kind_disagreements(kinds: Sequence[dict[str, tuple[str | None, Any]]]) -> list[str]:
+    """The keys whose dtype or global shape differ between ranks, worded as `plan_save`
+    words them: `kinds[r]` is rank r's (dtype name, shape) per key, (None, None) for an
+    object. For `Writer`, whose global plan has lost the replicas DCP's planner dropped
+    (one item per (key, offsets), whatever its shape or dtype)."""
+    first: dict[str, tuple[Any, ...]] = {}
+    odd: dict[tuple[str, str | None, Any], list[int]] = {}
+    for rank, held in enumerate(kinds):
+        for key, (dtype, shape) in held.items():
+            seen = first.setdefault(key, (dtype, shape, rank))
+            if seen[0] != dtype or seen[1] != shape:
+                odd.setdefault((key, dtype, shape), []).append(rank)
+    return [_disagreement(k, first[k], (d, s, ranks)) for (k, d, s), ranks in odd.items()]
+
+
+def _holders(inventories: list[list[Entry]], key: str, box: Box) -> list[int]:
+    """The ranks whose entry of tensor `key` holds `box` (for a refusal's message: a
+    pass over every entry)."""
+    return [
+        rank
+        for rank, entries in enumerate(inventories)
+        for k, _path, dtype, _shape, _grad, held in entries
+        if k == key and dtype is not None and box in held
+    ]
+
+
+# Where two blocks of a tensor partly overlap, the usual cause is replicas that disagree:
+# the copies of a tensor on a process subgroup (one per data-parallel row) built with
+# different layouts.
+_REPLICAS = (
+    "ranks holding copies of a part (replicas, such as the data-parallel copies of a "
+    "tensor-parallel weight) must hold identical blocks: give every copy the same layout"
+)
+
+
+def _check_boxes(key: str, plan: TensorPlan, holders: Callable[[Box], list[int]]) -> str | None:
     """Out of bounds, overlapping (as stock DCP refuses) or not covering (which stock
-    refuses across ranks only). Plain loops, no generators: this runs once per tensor."""
+    refuses across ranks only); `holders(box)`: the ranks holding a box, for the message.
+    Plain loops, no generators: this runs once per tensor."""
     shape = plan.shape
     chunks = plan.chunks
     if len(chunks) == 1:
@@ -418,15 +484,27 @@ def _check_boxes(key: str, plan: TensorPlan) -> str | None:
         volume += n
         if n:
             solid.append((offsets, sizes))
+    pair = None
     if len(solid) > _PAIRWISE:
         found = analyze([Block(o, s) for o, s in solid], shape).overlap
         if found is not None:
-            return f"'{key}': chunks at offsets {found[0].offsets} and {found[1].offsets} overlap"
+            pair = ((found[0].offsets, found[0].sizes), (found[1].offsets, found[1].sizes))
     else:
         for i, (ao, an) in enumerate(solid):
             for bo, bn in solid[i + 1 :]:
                 if overlap(ao, an, bo, bn) is not None:
-                    return f"'{key}': chunks at offsets {ao} and {bo} overlap"
+                    pair = ((ao, an), (bo, bn))
+                    break
+            if pair is not None:
+                break
+    if pair is not None:
+        (a, at), (b, bt) = sorted((box, holders(box)) for box in pair)
+        if bt and (not at or bt[0] < at[0]):  # the block of the lowest rank first
+            (a, at), (b, bt) = (b, bt), (a, at)
+        return (
+            f"'{key}': the block {region(a)} held by {ranks_text(at)} and the block "
+            f"{region(b)} held by {ranks_text(bt)} partly overlap; {_REPLICAS}"
+        )
     if volume != math.prod(shape):
         hole = region(first_hole(solid, shape))
         return (
@@ -679,6 +757,18 @@ def plan_records(
 # An owner's problems (disagreeing dtypes or shapes, overlaps, holes) go to
 # every rank with the decisions: every rank raises the same error, listing them
 # in owner order.
+#
+# A tensor of a process subgroup (`st.group`: the TP group of a DP × TP job) is no
+# special case: a rank describes the global boxes it holds, whatever its group, so
+# the DP copies of a block are one box with several holders, written once, and its
+# copies are checked against each other by the key's owner like any entries. Per
+# such key a holder sends its entry (key, dtype, shape, its boxes: tens of bytes plus
+# 16 × ndim per box) and receives one row of two int64 per box it writes; the owner
+# receives one entry per rank holding the key (W for a TP weight copied over every DP
+# row), about N entries over its N / W keys. Measured (`test_subgroup_plan`), a rank
+# receives about 45 B per key plus 270 B per peer of message framing: 11.8 KB at
+# W = 4 and 12.4 KB at W = 16 for N = 256. No rank gathers a group's layout or any
+# other rank's entries of keys it does not own, and nothing here asks for `st.group`.
 # -----------------------------------------------------------------------------
 
 # The records a writer reports to a key's owner: one int64 row each, its place

@@ -1,0 +1,348 @@
+"""Matrix products, embeddings and convolutions on ShardedTensors.
+
+`mm` / `addmm` / `bmm` / `baddbmm` (what `matmul`, `linear` and `einsum`
+decompose into), by the layouts of the operands, cheapest first:
+
+1. the left operand's blocks span the contracted dimension: each block is
+   multiplied by the right operand, taken whole (free when it is replicated,
+   a plain tensor or a parameter; else gathered once). The result has the
+   left operand's rows: no communication for `linear` on row-sharded inputs.
+2. the right operand's blocks span it: the mirror image, the result has its
+   columns (column-parallel linear layers).
+3. both are sharded along the contracted dimension the same way on every
+   rank (the weight gradient `xᵀ·g` of a row-sharded `linear`): each rank
+   multiplies its blocks, one all-reduce sums the partial products, the
+   result is replicated. Bytes per rank: about 2× the result.
+4. batch-aligned `bmm` (both split along the batch only, alike): per block.
+
+Anything else goes to the fallback. `embedding` looks rows up locally in a
+column-wise table or for sharded indices, and sums masked lookups of a
+row-wise table with one all-reduce of the result; `convolution` is local for
+inputs split along the batch (a halo exchange for split spatial dimensions
+is not built: those gather, through the fallback).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..layout import Block, Layout
+from ..tensor import ShardedTensor
+from .exchange import all_reduce, is_replicated, primary_blocks, replicated, whole
+from .fallback import fallback
+from .per_shard import named
+from .reductions import spans
+
+__all__ = ["LINALG_HANDLERS"]
+
+aten = torch.ops.aten
+
+LINALG_HANDLERS: dict[Any, Callable[[Any, tuple, dict], Any]] = {}
+
+
+def _handles(*ops: Any) -> Callable[[Callable], Callable]:
+    def register(fn: Callable) -> Callable:
+        for op in ops:
+            LINALG_HANDLERS[op] = fn
+        return fn
+
+    return register
+
+
+def _whole(x: Any) -> torch.Tensor:
+    return whole(x) if isinstance(x, ShardedTensor) else x
+
+
+def _is_whole(x: Any) -> bool:
+    return not isinstance(x, ShardedTensor) or is_replicated(x._layout)
+
+
+@functools.lru_cache(maxsize=4096)
+def _product_layout(
+    layout: Layout, keep: tuple[int, ...], shape: tuple[int, ...], where: tuple[int, ...]
+) -> Layout:
+    """Blocks of a product: the operand's extent along its dims `keep`, placed at result
+    dims `where`; every other result dim whole."""
+    blocks: dict[int, list[Block]] = {}
+    for r, rank_blocks in enumerate(layout.blocks):
+        out = []
+        for b in rank_blocks:
+            if b.is_empty():
+                out.append(Block((0,) * len(shape), (0,) * len(shape)))
+                continue
+            offsets, sizes = [0] * len(shape), list(shape)
+            for src, dst in zip(keep, where):
+                offsets[dst], sizes[dst] = b.offsets[src], b.sizes[src]
+            out.append(Block(tuple(offsets), tuple(sizes)))
+        blocks[r] = out
+    return Layout(shape, blocks, layout.world_size)
+
+
+def _product(
+    left: Any, right: Any, batched: bool, mult: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> Any:
+    """The rules 1-4 above for `left @ right` (2-d, or 3-d with a batch); None: no rule."""
+    k_left, k_right = (2, 1) if batched else (1, 0)
+    ref = left if isinstance(left, ShardedTensor) else right
+    m, n = left.shape[-2], right.shape[-1]
+    shape = (left.shape[0], m, n) if batched else (m, n)
+    dtype = torch.promote_types(left.dtype, right.dtype)
+    both = isinstance(left, ShardedTensor) and isinstance(right, ShardedTensor)
+    if batched and both and left._layout.world_size == right._layout.world_size:
+        aligned = _batch_aligned(left, right)
+        if aligned is not None:
+            return aligned
+    if isinstance(left, ShardedTensor) and spans(left._layout, (k_left,)):
+        r = _whole(right)
+        keep = (0, 1) if batched else (0,)
+        layout = _product_layout(left._layout, keep, shape, keep)
+        shards = [
+            mult(s, r[b.slices()[0]] if batched else r)
+            for s, b in zip(left._shards, left.local_blocks)
+        ]
+        return left._with_layout(layout, shards, dtype=dtype, device=left.device)
+    if isinstance(right, ShardedTensor) and spans(right._layout, (k_right,)):
+        lw = _whole(left)
+        keep, where = ((0, 2), (0, 2)) if batched else ((1,), (1,))
+        layout = _product_layout(right._layout, keep, shape, where)
+        shards = [
+            mult(lw[b.slices()[0]] if batched else lw, s)
+            for s, b in zip(right._shards, right.local_blocks)
+        ]
+        return right._with_layout(layout, shards, dtype=dtype, device=right.device)
+    if not both:
+        return None
+    return _contracted(left, right, batched, shape, dtype, mult, ref)
+
+
+def _batch_aligned(left: ShardedTensor, right: ShardedTensor) -> ShardedTensor | None:
+    if not (spans(left._layout, (1, 2)) and spans(right._layout, (1, 2))):
+        return None
+    for r in range(left._layout.world_size):
+        lb, rb = left._layout.blocks_of(r), right._layout.blocks_of(r)
+        if [(b.offsets[0], b.sizes[0]) for b in lb] != [(b.offsets[0], b.sizes[0]) for b in rb]:
+            return None
+    shape = (left.shape[0], left.shape[1], right.shape[2])
+    layout = _product_layout(left._layout, (0,), shape, (0,))
+    shards = [torch.bmm(a, b) for a, b in zip(left._shards, right._shards)]
+    return left._with_layout(layout, shards, dtype=left.dtype, device=left.device)
+
+
+def _contracted(
+    left: ShardedTensor,
+    right: ShardedTensor,
+    batched: bool,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    mult: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ref: ShardedTensor,
+) -> ShardedTensor | None:
+    """Rule 3: matching splits of the contracted dimension, partial products summed."""
+    k_left, k_right = (2, 1) if batched else (1, 0)
+    other_left = (0, 1) if batched else (0,)
+    other_right = (0, 2) if batched else (1,)
+    if not (spans(left._layout, other_left) and spans(right._layout, other_right)):
+        return None
+    world = left._layout.world_size
+    if right._layout.world_size != world:
+        return None
+    for r in range(world):
+        kl = [(b.offsets[k_left], b.sizes[k_left]) for b in left._layout.blocks_of(r)]
+        kr = [(b.offsets[k_right], b.sizes[k_right]) for b in right._layout.blocks_of(r)]
+        if kl != kr:
+            return None
+    out = torch.zeros(shape, dtype=dtype, device=ref.device)
+    for i in primary_blocks(left._layout, left._rank):
+        a, b = left._shards[i], right._shards[i]
+        if a.numel() and b.numel():
+            out.add_(mult(a, b))
+    all_reduce(out, dist.ReduceOp.SUM, ref)
+    return ref._with_layout(replicated(shape, world), [out], dtype=dtype, device=ref.device)
+
+
+@_handles(aten.mm.default)
+def _mm(func: Any, args: tuple, kwargs: dict) -> Any:
+    out = _product(args[0], args[1], False, torch.mm)
+    return fallback(func, args, kwargs) if out is None else out
+
+
+@_handles(aten.bmm.default)
+def _bmm(func: Any, args: tuple, kwargs: dict) -> Any:
+    out = _product(args[0], args[1], True, torch.bmm)
+    return fallback(func, args, kwargs) if out is None else out
+
+
+@_handles(aten.addmm.default, aten.baddbmm.default)
+def _addmm(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    batched = func is aten.baddbmm.default
+    left, right = (a["batch1"], a["batch2"]) if batched else (a["mat1"], a["mat2"])
+    product = _product(left, right, batched, torch.bmm if batched else torch.mm)
+    if product is None:
+        return fallback(func, args, kwargs)
+    beta, alpha = a.get("beta", 1), a.get("alpha", 1)
+    if alpha != 1:
+        product = aten.mul.Tensor(product, alpha)
+    bias = a["self"]
+    if beta == 0:
+        return product
+    if beta != 1:
+        bias = aten.mul.Tensor(bias, beta)
+    return aten.add.Tensor(product, bias)
+
+
+# -- embeddings ---------------------------------------------------------------------
+
+
+@_handles(aten.embedding.default)
+def _embedding(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    weight, indices = a["weight"], a["indices"]
+    rest = (a["padding_idx"], a["scale_grad_by_freq"], a["sparse"])
+    dim = weight.shape[1]
+    shape = (*indices.shape, dim)
+    if (
+        isinstance(indices, ShardedTensor)
+        and _is_whole(weight)
+        and not is_replicated(indices._layout)
+    ):
+        w = _whole(weight)
+        keep = tuple(range(indices.ndim))
+        layout = _product_layout(indices._layout, keep, shape, keep)
+        shards = [func(w, s, *rest) for s in indices._shards]
+        return indices._with_layout(layout, shards, dtype=weight.dtype, device=indices.device)
+    if isinstance(weight, ShardedTensor) and _is_whole(indices):
+        idx = _whole(indices)
+        if spans(weight._layout, (0,)):  # column-wise: each block its columns
+            layout = _product_layout(weight._layout, (1,), shape, (len(shape) - 1,))
+            shards = [func(s, idx, *rest) for s in weight._shards]
+            return weight._with_layout(layout, shards, dtype=weight.dtype, device=weight.device)
+        if spans(weight._layout, (1,)):  # row-wise: masked local lookups, one sum
+            out = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+            blocks = weight._layout.blocks_of(weight._rank)
+            for i in primary_blocks(weight._layout, weight._rank):
+                lo, size = blocks[i].offsets[0], blocks[i].sizes[0]
+                if not size:
+                    continue
+                mine = (idx >= lo) & (idx < lo + size)
+                rows = torch.nn.functional.embedding(
+                    (idx - lo).clamp(0, size - 1), weight._shards[i]
+                )
+                out.add_(rows * mine.unsqueeze(-1))
+            all_reduce(out, dist.ReduceOp.SUM, weight)
+            layout = replicated(shape, weight._layout.world_size)
+            return weight._with_layout(layout, [out])
+    return fallback(func, args, kwargs)
+
+
+@_handles(aten.embedding_dense_backward.default)
+def _embedding_backward(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    grad, indices = a["grad_output"], a["indices"]
+    rows = a["num_weights"]
+    rest = (rows, a["padding_idx"], a["scale_grad_by_freq"])
+    if not isinstance(grad, ShardedTensor) or a["scale_grad_by_freq"]:
+        return fallback(func, args, kwargs)
+    dim = grad.shape[-1]
+    lead = tuple(range(grad.ndim - 1))
+    if _is_whole(indices) and spans(grad._layout, lead):  # column-wise table
+        idx = _whole(indices)
+        layout = _product_layout(grad._layout, (grad.ndim - 1,), (rows, dim), (1,))
+        shards = [func(s, idx, *rest) for s in grad._shards]
+        return grad._with_layout(layout, shards)
+    if isinstance(indices, ShardedTensor) and spans(grad._layout, (grad.ndim - 1,)):
+        out = torch.zeros((rows, dim), dtype=grad.dtype, device=grad.device)
+        lookup = _index_blocks(indices, grad)
+        if lookup is None:
+            return fallback(func, args, kwargs)
+        for i in primary_blocks(grad._layout, grad._rank):
+            out.add_(func(grad._shards[i], lookup[i], *rest))
+        all_reduce(out, dist.ReduceOp.SUM, grad)
+        return grad._with_layout(replicated((rows, dim), grad._layout.world_size), [out])
+    return fallback(func, args, kwargs)
+
+
+def _index_blocks(indices: ShardedTensor, grad: ShardedTensor) -> list[torch.Tensor] | None:
+    """The indices of each of `grad`'s blocks (the same blocks without the last dim)."""
+    want = [Block(b.offsets[:-1], b.sizes[:-1]) for b in grad.local_blocks]
+    have = list(indices.local_blocks)
+    if want != have:
+        return None
+    return list(indices._shards)
+
+
+# -- convolution ----------------------------------------------------------------------
+
+
+@_handles(aten.convolution.default)
+def _convolution(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    x = a["input"]
+    if not isinstance(x, ShardedTensor) or not spans(x._layout, tuple(range(1, x.ndim))):
+        return fallback(func, args, kwargs)
+    if not (_is_whole(a["weight"]) and _is_whole(a["bias"])):
+        return fallback(func, args, kwargs)
+    w, bias = _whole(a["weight"]), _whole(a["bias"])
+    rest = [a[k] for k in ("stride", "padding", "dilation", "transposed", "output_padding")]
+    shards = [func(s, w, bias, *rest, a["groups"]) for s in x._shards]
+    meta = func(
+        torch.empty(x.shape, dtype=x.dtype, device="meta"),
+        torch.empty(w.shape, dtype=w.dtype, device="meta"),
+        None if bias is None else torch.empty(bias.shape, dtype=bias.dtype, device="meta"),
+        *rest,
+        a["groups"],
+    )
+    layout = _product_layout(x._layout, (0,), tuple(meta.shape), (0,))
+    return x._with_layout(layout, shards, dtype=meta.dtype, device=x.device)
+
+
+@_handles(aten.convolution_backward.default)
+def _convolution_backward(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    grad, x = a["grad_output"], a["input"]
+    if not (isinstance(x, ShardedTensor) and isinstance(grad, ShardedTensor)):
+        return fallback(func, args, kwargs)
+    if not spans(x._layout, tuple(range(1, x.ndim))) or not _is_whole(a["weight"]):
+        return fallback(func, args, kwargs)
+    out_layout = _product_layout(x._layout, (0,), tuple(grad.shape), (0,))
+    from .exchange import local_in
+
+    grads = local_in(grad, out_layout)
+    w = _whole(a["weight"])
+    rest = [
+        a[k]
+        for k in (
+            "bias_sizes",
+            "stride",
+            "padding",
+            "dilation",
+            "transposed",
+            "output_padding",
+            "groups",
+        )
+    ]
+    mask = list(a["output_mask"])
+    grad_in, grad_w, grad_b = [], None, None
+    primary = set(primary_blocks(x._layout, x._rank))
+    for i, (g, s) in enumerate(zip(grads, x._shards)):
+        gi, gw, gb = func(g, s, w, *rest, mask)
+        grad_in.append(gi)
+        if i in primary and s.numel():
+            if mask[1]:
+                grad_w = gw if grad_w is None else grad_w + gw
+            if mask[2]:
+                grad_b = gb if grad_b is None else grad_b + gb
+    from .reductions import _summed
+
+    w_meta = torch.empty(w.shape, dtype=w.dtype, device="meta")
+    b_meta = torch.empty(list(a["bias_sizes"] or [0]), dtype=w.dtype, device="meta")
+    return (
+        x._with_layout(x._layout, grad_in, dtype=x.dtype, device=x.device) if mask[0] else None,
+        _summed(grad_w, w_meta, x) if mask[1] else None,
+        _summed(grad_b, b_meta, x) if mask[2] else None,
+    )

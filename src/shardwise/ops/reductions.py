@@ -1,0 +1,433 @@
+"""Reductions and ops that work along dimensions: sums, extrema, norms, variances,
+softmax, layer norm.
+
+Two rules, chosen by where the dimensions an op works along lie:
+
+- **Along unsharded dimensions** (every block spans them whole): each block
+  computes on its own. The result keeps the blocks, projected onto the
+  remaining dimensions (size 1 where `keepdim`). No communication.
+- **Along a sharded dimension** (sums, means, extrema, norms, variances):
+  each rank reduces the blocks it is the first holder of (so replicas count
+  once) into a buffer of the result's shape, and one all-reduce over the
+  group combines the buffers. The result is replicated: its layout says the
+  value is whole on every rank. Bytes per rank: about 2× the result's size
+  (a scalar for `x.sum()`), twice that for a variance (mean, then squares).
+
+Anything else here (an arg-extremum or a softmax along a sharded dimension)
+goes to the fallback. Values of sharded-dimension reductions equal torch's
+on the whole tensor up to floating-point summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..layout import Block, Layout
+from ..tensor import ShardedTensor
+from .exchange import all_reduce, is_replicated, local_in, primary_blocks, replicated, whole
+from .fallback import fallback
+from .per_shard import named, sharded_args
+
+__all__ = ["REDUCTION_HANDLERS", "project", "spans"]
+
+aten = torch.ops.aten
+
+REDUCTION_HANDLERS: dict[Any, Callable[[Any, tuple, dict], Any]] = {}
+
+
+def _handles(*ops: Any) -> Callable[[Callable], Callable]:
+    def register(fn: Callable) -> Callable:
+        for op in ops:
+            REDUCTION_HANDLERS[op] = fn
+        return fn
+
+    return register
+
+
+def _dims(dim: Any, ndim: int) -> tuple[int, ...]:
+    """Normalised reduced dimensions; None or [] mean all of them (as torch)."""
+    if dim is None:
+        return tuple(range(ndim))
+    if isinstance(dim, int):
+        dim = [dim]
+    dims = tuple(sorted({d % ndim if ndim else 0 for d in dim}))
+    return dims if dims else tuple(range(ndim))
+
+
+@functools.lru_cache(maxsize=4096)
+def spans(layout: Layout, dims: tuple[int, ...]) -> bool:
+    """Every block covers `dims` whole, so work along them is local to each block."""
+    shape = layout.global_shape
+    return all(
+        b.offsets[d] == 0 and b.sizes[d] == shape[d]
+        for rank_blocks in layout.blocks
+        for b in rank_blocks
+        for d in dims
+    )
+
+
+def _projected_block(block: Block, dims: tuple[int, ...], keepdim: bool) -> Block:
+    offsets, sizes = [], []
+    for d, (o, s) in enumerate(zip(block.offsets, block.sizes)):
+        if d in dims:
+            if keepdim:
+                offsets.append(0)
+                sizes.append(1)
+        else:
+            offsets.append(o)
+            sizes.append(s)
+    return Block(tuple(offsets), tuple(sizes))
+
+
+@functools.lru_cache(maxsize=4096)
+def project(layout: Layout, dims: tuple[int, ...], keepdim: bool) -> Layout:
+    """The layout of a result reduced along `dims` when every block spans them."""
+    shape = tuple(
+        (1 if keepdim else None) if d in dims else n for d, n in enumerate(layout.global_shape)
+    )
+    blocks = {
+        r: [_projected_block(b, dims, keepdim) for b in rank_blocks]
+        for r, rank_blocks in enumerate(layout.blocks)
+    }
+    return Layout(tuple(n for n in shape if n is not None), blocks, layout.world_size)
+
+
+def _meta(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`func`'s result on meta tensors of the operands' global shapes: shapes and dtypes."""
+
+    def to_meta(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return torch.empty(x.shape, dtype=x.dtype, device="meta")
+        return x
+
+    from torch.utils._pytree import tree_map
+
+    meta_args, meta_kwargs = tree_map(to_meta, (args, kwargs))
+    return func(*meta_args, **meta_kwargs)
+
+
+def _blockwise(
+    func: Any, st: ShardedTensor, args: tuple, kwargs: dict, dims: tuple[int, ...], keepdim: bool
+) -> Any:
+    """Run `func` on each block (which spans `dims`); results in the projected layout."""
+    layout = project(st._layout, dims, keepdim)
+    results = [func(shard, *args[1:], **kwargs) for shard in st._shards]
+    return _wrap_all(st, layout, results, func, args, kwargs)
+
+
+def _wrap_all(
+    st: ShardedTensor, layout: Layout, results: list[Any], func: Any, args: tuple, kwargs: dict
+) -> Any:
+    """Per-block results (tensors, or tuples of them) as ShardedTensors of `layout`."""
+    sample = results[0] if results else _meta(func, args, kwargs)
+    if isinstance(sample, (tuple, list)):
+        return type(sample)(
+            _wrap(st, layout, [r[j] for r in results], func, args, kwargs, j)
+            for j in range(len(sample))
+        )
+    return _wrap(st, layout, results, func, args, kwargs, None)
+
+
+def _wrap(
+    st: ShardedTensor,
+    layout: Layout,
+    shards: list[torch.Tensor],
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    index: int | None,
+) -> ShardedTensor:
+    if shards:
+        return st._with_layout(layout, shards)
+    out = _meta(func, args, kwargs)
+    if index is not None:
+        out = out[index]
+    return st._with_layout(layout, [], dtype=out.dtype, device=st.device)
+
+
+# -- sums, means and extrema: local along unsharded dims, else one all-reduce ------
+
+_SUM, _MAX, _MIN = "sum", "max", "min"
+
+
+def _partial(
+    st: ShardedTensor,
+    dims: tuple[int, ...],
+    kind: str,
+    out_dtype: torch.dtype,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The reduction along `dims` of every element, keepdim, whole on every rank."""
+    layout = st._layout
+    shape = tuple(1 if d in dims else n for d, n in enumerate(layout.global_shape))
+    if kind == _SUM:
+        buffer = torch.zeros(shape, dtype=out_dtype, device=st.device)
+    else:
+        low = kind == _MAX
+        if out_dtype.is_floating_point:
+            fill = -math.inf if low else math.inf
+        elif out_dtype == torch.bool:
+            fill = not low
+        else:
+            info = torch.iinfo(out_dtype)
+            fill = info.min if low else info.max
+        buffer = torch.full(shape, fill, dtype=out_dtype, device=st.device)
+    blocks = layout.blocks_of(st._rank)
+    for i in primary_blocks(layout, st._rank):
+        shard, block = st._shards[i], blocks[i]
+        if shard.numel() == 0:
+            continue
+        value = transform(shard) if transform is not None else shard
+        region = buffer[_projected_block(block, dims, True).slices()]
+        if kind == _SUM:
+            region.add_(value.sum(dim=dims, keepdim=True, dtype=out_dtype))
+        elif kind == _MAX:
+            torch.maximum(region, value.amax(dim=dims, keepdim=True).to(out_dtype), out=region)
+        else:
+            torch.minimum(region, value.amin(dim=dims, keepdim=True).to(out_dtype), out=region)
+    op = {_SUM: dist.ReduceOp.SUM, _MAX: dist.ReduceOp.MAX, _MIN: dist.ReduceOp.MIN}[kind]
+    return all_reduce(buffer, op, st)
+
+
+def _finish(
+    st: ShardedTensor, value: torch.Tensor, dims: tuple[int, ...], keepdim: bool
+) -> ShardedTensor:
+    """A keepdim result, whole on every rank, as a replicated ShardedTensor."""
+    if not keepdim:
+        value = value.reshape([n for d, n in enumerate(value.shape) if d not in dims])
+    layout = replicated(tuple(value.shape), st._layout.world_size)
+    return st._with_layout(layout, [value])
+
+
+def _count(st: ShardedTensor, dims: tuple[int, ...]) -> int:
+    return math.prod(st.shape[d] for d in dims)
+
+
+@_handles(
+    aten.sum.default,
+    aten.sum.dim_IntList,
+    aten.mean.default,
+    aten.mean.dim,
+    aten.amax.default,
+    aten.amin.default,
+    aten.max.default,
+    aten.min.default,
+    aten.nansum.default,
+)
+def _reduce(func: Any, args: tuple, kwargs: dict) -> Any:
+    st = args[0]
+    if not isinstance(st, ShardedTensor) or len(sharded_args(args, kwargs)) > 1:
+        return fallback(func, args, kwargs)
+    a = named(func, args, kwargs)
+    dims = _dims(a.get("dim"), st.ndim)
+    keepdim = bool(a.get("keepdim", False))
+    if st.ndim == 0 or spans(st._layout, dims):
+        return _blockwise(func, st, args, kwargs, dims, keepdim)
+    out_dtype = _meta(func, args, kwargs).dtype
+    name = func._schema.name
+    if name in ("aten::sum", "aten::mean", "aten::nansum"):
+        compute = out_dtype if name != "aten::mean" else out_dtype
+        nan = (lambda s: s.nan_to_num(nan=0.0)) if name == "aten::nansum" else None
+        value = _partial(st, dims, _SUM, compute, nan)
+        if name == "aten::mean":
+            value = value / _count(st, dims)
+    elif name in ("aten::amax", "aten::max"):
+        value = _partial(st, dims, _MAX, out_dtype)
+    else:
+        value = _partial(st, dims, _MIN, out_dtype)
+    if a.get("dim") is None and name in ("aten::max", "aten::min"):
+        keepdim = False
+    return _finish(st, value.to(out_dtype), dims, keepdim)
+
+
+@_handles(aten.linalg_vector_norm.default)
+def _norm(func: Any, args: tuple, kwargs: dict) -> Any:
+    st = args[0]
+    if not isinstance(st, ShardedTensor):
+        return fallback(func, args, kwargs)
+    a = named(func, args, kwargs)
+    dims = _dims(a.get("dim"), st.ndim)
+    keepdim = bool(a.get("keepdim", False))
+    if st.ndim == 0 or spans(st._layout, dims):
+        return _blockwise(func, st, args, kwargs, dims, keepdim)
+    out_dtype = _meta(func, args, kwargs).dtype
+    ord_ = float(a.get("ord", 2))
+    if ord_ == math.inf:
+        value = _partial(st, dims, _MAX, out_dtype, lambda s: s.abs().to(out_dtype))
+    elif ord_ == -math.inf:
+        value = _partial(st, dims, _MIN, out_dtype, lambda s: s.abs().to(out_dtype))
+    elif ord_ == 0:
+        value = _partial(st, dims, _SUM, out_dtype, lambda s: (s != 0).to(out_dtype))
+    else:
+        value = _partial(st, dims, _SUM, out_dtype, lambda s: s.to(out_dtype).abs().pow(ord_))
+        value = value.pow(1.0 / ord_)
+    return _finish(st, value, dims, keepdim)
+
+
+@_handles(aten.var.correction, aten.std.correction)
+def _variance(func: Any, args: tuple, kwargs: dict) -> Any:
+    st = args[0]
+    if not isinstance(st, ShardedTensor):
+        return fallback(func, args, kwargs)
+    a = named(func, args, kwargs)
+    dims = _dims(a.get("dim"), st.ndim)
+    keepdim = bool(a.get("keepdim", False))
+    if st.ndim == 0 or spans(st._layout, dims):
+        return _blockwise(func, st, args, kwargs, dims, keepdim)
+    out_dtype = _meta(func, args, kwargs).dtype
+    correction = a.get("correction")
+    correction = 1 if correction is None else float(correction)
+    count = _count(st, dims)
+    mean = _partial(st, dims, _SUM, out_dtype) / count
+    blocks = st._layout.blocks_of(st._rank)
+    squares = torch.zeros_like(mean)
+    for i in primary_blocks(st._layout, st._rank):
+        shard = st._shards[i]
+        if shard.numel() == 0:
+            continue
+        centre = mean[_projected_block(blocks[i], dims, True).slices()]
+        region = squares[_projected_block(blocks[i], dims, True).slices()]
+        region.add_((shard.to(out_dtype) - centre).pow(2).sum(dim=dims, keepdim=True))
+    all_reduce(squares, dist.ReduceOp.SUM, st)
+    value = squares / max(count - correction, 0)
+    if func._schema.name == "aten::std":
+        value = value.sqrt()
+    return _finish(st, value, dims, keepdim)
+
+
+# -- along one dimension, shape kept or reduced: local when every block spans it ---
+
+
+def _along(dim_arg: str, *, keeps_shape: bool) -> Callable[[Any, tuple, dict], Any]:
+    def handler(func: Any, args: tuple, kwargs: dict) -> Any:
+        sharded = sharded_args(args, kwargs)
+        ref = sharded[0]
+        a = named(func, args, kwargs)
+        dims = _dims(a.get(dim_arg), ref.ndim)
+        if ref.ndim and not spans(ref._layout, dims):
+            return fallback(func, args, kwargs)
+        if len(sharded) > 1:  # backward ops: every operand has the first one's shape
+            if any(tuple(x.shape) != tuple(ref.shape) for x in sharded):
+                return fallback(func, args, kwargs)
+            args = tuple(
+                ref._with_layout(ref._layout, local_in(x, ref._layout))
+                if isinstance(x, ShardedTensor)
+                else x
+                for x in args
+            )
+            results = [
+                func(*[x._shards[i] if isinstance(x, ShardedTensor) else x for x in args], **kwargs)
+                for i in range(len(ref._shards))
+            ]
+            return _wrap_all(ref, ref._layout, results, func, args, kwargs)
+        if keeps_shape:
+            return _blockwise(func, ref, args, kwargs, (), False)
+        return _blockwise(func, ref, args, kwargs, dims, bool(a.get("keepdim", False)))
+
+    return handler
+
+
+REDUCTION_HANDLERS.update(
+    {
+        aten._softmax.default: _along("dim", keeps_shape=True),
+        aten._log_softmax.default: _along("dim", keeps_shape=True),
+        aten._softmax_backward_data.default: _along("dim", keeps_shape=True),
+        aten._log_softmax_backward_data.default: _along("dim", keeps_shape=True),
+        aten.cumsum.default: _along("dim", keeps_shape=True),
+        aten.logsumexp.default: _along("dim", keeps_shape=False),
+        aten.max.dim: _along("dim", keeps_shape=False),
+        aten.min.dim: _along("dim", keeps_shape=False),
+        aten.argmax.default: _along("dim", keeps_shape=False),
+        aten.argmin.default: _along("dim", keeps_shape=False),
+    }
+)
+
+
+# -- layer norm: local when every block spans the normalised dimensions ------------
+
+
+def _whole_or_none(x: Any) -> Any:
+    return whole(x) if isinstance(x, ShardedTensor) else x
+
+
+@_handles(aten.native_layer_norm.default)
+def _layer_norm(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    st, shape = a["input"], tuple(a["normalized_shape"])
+    dims = tuple(range(st.ndim - len(shape), st.ndim))
+    if not isinstance(st, ShardedTensor) or not spans(st._layout, dims):
+        return fallback(func, args, kwargs)
+    weight, bias = _whole_or_none(a["weight"]), _whole_or_none(a["bias"])
+    results = [func(s, list(shape), weight, bias, a["eps"]) for s in st._shards]
+    stats = project(st._layout, dims, True)
+    out = [r[0] for r in results]
+    meta = _meta(func, (st, list(shape), a["weight"], a["bias"], a["eps"]), {})
+    return (
+        st._with_layout(st._layout, out, dtype=meta[0].dtype),
+        st._with_layout(stats, [r[1] for r in results], dtype=meta[1].dtype),
+        st._with_layout(stats, [r[2] for r in results], dtype=meta[2].dtype),
+    )
+
+
+@_handles(aten.native_layer_norm_backward.default)
+def _layer_norm_backward(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    grad, st, shape = a["grad_out"], a["input"], tuple(a["normalized_shape"])
+    if not isinstance(st, ShardedTensor) or not isinstance(grad, ShardedTensor):
+        return fallback(func, args, kwargs)
+    dims = tuple(range(st.ndim - len(shape), st.ndim))
+    if not spans(st._layout, dims):
+        return fallback(func, args, kwargs)
+    stats = project(st._layout, dims, True)
+    grads = local_in(grad, st._layout)
+    means = _stat(a["mean"], stats)
+    rstds = _stat(a["rstd"], stats)
+    weight, bias = _whole_or_none(a["weight"]), _whole_or_none(a["bias"])
+    mask = list(a["output_mask"])
+    grad_in: list[torch.Tensor] = []
+    grad_w = grad_b = None
+    primary = set(primary_blocks(st._layout, st._rank))
+    for i, shard in enumerate(st._shards):
+        gi, gw, gb = func(grads[i], shard, list(shape), means[i], rstds[i], weight, bias, mask)
+        grad_in.append(gi)
+        if i in primary:
+            if mask[1] and gw is not None:
+                grad_w = gw if grad_w is None else grad_w + gw
+            if mask[2] and gb is not None:
+                grad_b = gb if grad_b is None else grad_b + gb
+    meta = _meta(func, args, kwargs)
+    first = st._with_layout(st._layout, grad_in, dtype=meta[0].dtype) if mask[0] else None
+    return (
+        first,
+        _summed(grad_w, meta[1], st) if mask[1] else None,
+        _summed(grad_b, meta[2], st) if mask[2] else None,
+    )
+
+
+def _stat(x: Any, layout: Layout) -> list[torch.Tensor]:
+    if isinstance(x, ShardedTensor):
+        return local_in(x, layout)
+    return [x[b.slices()] for b in layout.blocks_of(0)]  # pragma: no cover - plain stats
+
+
+def _summed(value: torch.Tensor | None, meta: Any, like: ShardedTensor) -> ShardedTensor:
+    """A parameter's gradient summed over every block of every rank, replicated."""
+    if value is None:
+        value = torch.zeros(meta.shape, dtype=meta.dtype, device=like.device)
+    value = value.contiguous()
+    all_reduce(value, dist.ReduceOp.SUM, like)
+    return like._with_layout(replicated(tuple(value.shape), like._layout.world_size), [value])
+
+
+def is_whole(x: Any) -> bool:
+    return not isinstance(x, ShardedTensor) or is_replicated(x._layout)
+
+
+def dims_of(dim: Any, ndim: int) -> Sequence[int]:
+    return _dims(dim, ndim)

@@ -1,0 +1,462 @@
+"""Shape ops as layout transforms: the blocks move, the data does not.
+
+`t`/`transpose`/`permute` permute every block's dimensions; `unsqueeze`,
+`squeeze` and `expand` add, drop or broadcast dimensions of extent 1;
+`view`/`reshape` map each block to a block of the new shape when its
+elements stay a box (always for dimensions a block spans whole, or for a
+split or merge that keeps each block's rows whole); slicing (`slice` with any
+step, `select`, `narrow`, `split`) intersects the blocks with the slice and
+views each shard; `cat`/`stack` lay the operands' blocks side by side, so a
+rank holds the blocks of every operand it held (several blocks per rank, no
+copy). None of them communicates; a `view` whose blocks are no box in the
+new shape goes to the fallback. Empty blocks stay empty.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..layout import Block, Layout
+from ..tensor import ShardedTensor
+from .exchange import is_replicated, replicated
+from .fallback import fallback
+from .per_shard import named, sharded_args
+
+__all__ = ["SHAPE_HANDLERS"]
+
+aten = torch.ops.aten
+
+SHAPE_HANDLERS: dict[Any, Callable[[Any, tuple, dict], Any]] = {}
+
+
+def _handles(*ops: Any) -> Callable[[Callable], Callable]:
+    def register(fn: Callable) -> Callable:
+        for op in ops:
+            SHAPE_HANDLERS[op] = fn
+        return fn
+
+    return register
+
+
+def _empty(ndim: int) -> Block:
+    return Block((0,) * ndim, (0,) * ndim)
+
+
+_MAPPED: dict[tuple[Any, ...], Layout | None] = {}
+
+
+def _mapped(
+    layout: Layout,
+    shape: tuple[int, ...],
+    how: Callable[[Block], Block | None],
+    key: tuple[Any, ...],
+) -> Layout | None:
+    """`layout` with every block mapped by `how` (empty blocks stay empty); None when a
+    block has no image. Cached by `key` (what `how` depends on besides the block)."""
+    full_key = (layout, shape, *key)
+    if full_key in _MAPPED:
+        return _MAPPED[full_key]
+    if len(_MAPPED) > 4096:
+        _MAPPED.clear()
+    _MAPPED[full_key] = result = _map(layout, shape, how)
+    return result
+
+
+def _map(
+    layout: Layout, shape: tuple[int, ...], how: Callable[[Block], Block | None]
+) -> Layout | None:
+    blocks: dict[int, list[Block]] = {}
+    for rank, rank_blocks in enumerate(layout.blocks):
+        out = []
+        for b in rank_blocks:
+            if b.is_empty():
+                out.append(_empty(len(shape)))
+                continue
+            mapped = how(b)
+            if mapped is None:
+                return None
+            out.append(mapped if not mapped.is_empty() else _empty(len(shape)))
+        blocks[rank] = out
+    return Layout(shape, blocks, layout.world_size)
+
+
+def _result(
+    st: ShardedTensor,
+    layout: Layout,
+    view: Callable[[torch.Tensor, Block, Block], torch.Tensor],
+) -> ShardedTensor:
+    old, new = st._layout.blocks_of(st._rank), layout.blocks_of(st._rank)
+    shards = []
+    for shard, b, nb in zip(st._shards, old, new):
+        if b.is_empty() or nb.is_empty():
+            shards.append(shard.new_empty(nb.sizes))
+        else:
+            shards.append(view(shard, b, nb))
+    return st._with_layout(layout, shards, dtype=st.dtype, device=st.device)
+
+
+# -- permutations ----------------------------------------------------------------
+
+
+def _permuted(order: tuple[int, ...]) -> Callable[[Block], Block]:
+    return lambda b: Block(tuple(b.offsets[d] for d in order), tuple(b.sizes[d] for d in order))
+
+
+def _permute(st: ShardedTensor, order: Sequence[int]) -> ShardedTensor:
+    n = st.ndim
+    order = tuple(d % n for d in order) if n else ()
+    shape = tuple(st.shape[d] for d in order)
+    layout = _mapped(st._layout, shape, _permuted(order), ("permute", order))
+    assert layout is not None
+    return _result(st, layout, lambda s, b, nb: s.permute(order))
+
+
+@_handles(aten.permute.default)
+def _permute_op(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    return _permute(a["self"], a["dims"])
+
+
+@_handles(aten.transpose.int)
+def _transpose(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    st = a["self"]
+    order = list(range(st.ndim))
+    if st.ndim:
+        d0, d1 = a["dim0"] % st.ndim, a["dim1"] % st.ndim
+        order[d0], order[d1] = order[d1], order[d0]
+    return _permute(st, order)
+
+
+@_handles(aten.t.default)
+def _t(func: Any, args: tuple, kwargs: dict) -> Any:
+    st = args[0]
+    return _permute(st, list(reversed(range(st.ndim))))
+
+
+# -- extent-1 dimensions -----------------------------------------------------------
+
+
+@_handles(aten.unsqueeze.default)
+def _unsqueeze(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    st, dim = a["self"], a["dim"] % (a["self"].ndim + 1)
+    shape = (*st.shape[:dim], 1, *st.shape[dim:])
+
+    def how(b: Block) -> Block:
+        return Block((*b.offsets[:dim], 0, *b.offsets[dim:]), (*b.sizes[:dim], 1, *b.sizes[dim:]))
+
+    layout = _mapped(st._layout, tuple(shape), how, ("unsqueeze", dim))
+    assert layout is not None
+    return _result(st, layout, lambda s, b, nb: s.unsqueeze(dim))
+
+
+@_handles(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+def _squeeze(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    st = a["self"]
+    if "dim" in a:
+        wanted = [a["dim"]] if isinstance(a["dim"], int) else list(a["dim"])
+    else:
+        wanted = list(range(st.ndim))
+    dims = {d % st.ndim for d in wanted if st.ndim and st.shape[d % st.ndim] == 1}
+    keep = [d for d in range(st.ndim) if d not in dims]
+    shape = tuple(st.shape[d] for d in keep)
+    layout = _mapped(
+        st._layout,
+        shape,
+        lambda b: Block(tuple(b.offsets[d] for d in keep), tuple(b.sizes[d] for d in keep)),
+        ("squeeze", tuple(keep)),
+    )
+    assert layout is not None
+    return _result(st, layout, lambda s, b, nb: s.reshape(nb.sizes))
+
+
+@_handles(aten.expand.default)
+def _expand(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    st, size = a["self"], list(a["size"])
+    lead = len(size) - st.ndim
+    shape = tuple(
+        (st.shape[d - lead] if s == -1 else s) if d >= lead else s for d, s in enumerate(size)
+    )
+    if is_replicated(st._layout):
+        whole = replicated(shape, st._layout.world_size)
+        return st._with_layout(whole, [st._shards[0].expand(shape)])
+
+    def how(b: Block) -> Block:
+        offsets, sizes = [0] * lead, list(shape[:lead])
+        for d in range(st.ndim):
+            grows = st.shape[d] == 1 and shape[lead + d] != 1
+            offsets.append(0 if grows else b.offsets[d])
+            sizes.append(shape[lead + d] if grows else b.sizes[d])
+        return Block(tuple(offsets), tuple(sizes))
+
+    layout = _mapped(st._layout, shape, how, ("expand",))
+    assert layout is not None
+    return _result(st, layout, lambda s, b, nb: s.expand(nb.sizes))
+
+
+# -- view / reshape ------------------------------------------------------------------
+
+
+def _groups(old: Sequence[int], new: Sequence[int]) -> list[tuple[list[int], list[int]]] | None:
+    """Matching groups of old and new dimensions (of extent > 1) with equal products."""
+    o = [d for d, n in enumerate(old) if n != 1]
+    w = [d for d, n in enumerate(new) if n != 1]
+    groups, i, j = [], 0, 0
+    while i < len(o) and j < len(w):
+        go, gw = [o[i]], [w[j]]
+        po, pw = old[o[i]], new[w[j]]
+        while po != pw:
+            if po < pw:
+                i += 1
+                if i >= len(o):
+                    return None
+                go.append(o[i])
+                po *= old[o[i]]
+            else:
+                j += 1
+                if j >= len(w):
+                    return None
+                gw.append(w[j])
+                pw *= new[w[j]]
+        groups.append((go, gw))
+        i, j = i + 1, j + 1
+    return groups if i == len(o) and j == len(w) else None
+
+
+def _range_in(block: Block, dims: list[int], shape: Sequence[int]) -> tuple[int, int] | None:
+    """The block along `dims` as a flat range [start, stop) of their row-major order, if it
+    is one (partial in one dimension, single indices before it, whole after it)."""
+    strides = [math.prod(shape[e] for e in dims[k + 1 :]) for k in range(len(dims))]
+    partial = [k for k, d in enumerate(dims) if block.sizes[d] != shape[d]]
+    if not partial:
+        return 0, math.prod(shape[d] for d in dims)
+    k = partial[0]
+    if any(block.sizes[dims[q]] != 1 for q in range(k)) or any(
+        block.sizes[dims[q]] != shape[dims[q]] for q in range(k + 1, len(dims))
+    ):
+        return None
+    start = sum(block.offsets[dims[q]] * strides[q] for q in range(k + 1))
+    return start, start + block.sizes[dims[k]] * strides[k]
+
+
+def _box_in(start: int, stop: int, dims: list[int], shape: Sequence[int]) -> dict | None:
+    """The flat range [start, stop) as a box of `dims` (offset, size per dim), if it is one."""
+    strides = [math.prod(shape[e] for e in dims[k + 1 :]) for k in range(len(dims))]
+    length = stop - start
+    for k, d in enumerate(dims):
+        s = strides[k]
+        if s <= length:
+            if length % s or start % s:
+                return None
+            first, count = (start // s) % shape[d], length // s
+            if first + count > shape[d]:
+                return None
+            box = {}
+            for q in range(k):
+                box[dims[q]] = ((start // strides[q]) % shape[dims[q]], 1)
+            box[d] = (first, count)
+            for q in range(k + 1, len(dims)):
+                box[dims[q]] = (0, shape[dims[q]])
+            return box
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _view_layout(layout: Layout, shape: tuple[int, ...]) -> Layout | None:
+    old = layout.global_shape
+    groups = _groups(old, shape)
+    if groups is None:
+        return None
+
+    def how(b: Block) -> Block | None:
+        offsets, sizes = [0] * len(shape), [1] * len(shape)
+        for go, gw in groups:
+            flat = _range_in(b, go, old)
+            if flat is None:
+                return None
+            box = _box_in(*flat, gw, shape)
+            if box is None:
+                return None
+            for d, (off, size) in box.items():
+                offsets[d], sizes[d] = off, size
+        return Block(tuple(offsets), tuple(sizes))
+
+    return _map(layout, shape, how)
+
+
+@_handles(
+    aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default, aten.reshape.default
+)
+def _view(func: Any, args: tuple, kwargs: dict) -> Any:
+    st, size = args[0], list(args[1])
+    if size.count(-1) == 1:
+        known = math.prod(s for s in size if s != -1)
+        size[size.index(-1)] = st.numel() // known if known else 0
+    torch.empty(st.shape, device="meta").view(list(args[1]))  # torch's own error if invalid
+    shape = tuple(size)
+    if shape == tuple(st.shape):
+        return st._with_shards([s.view(s.shape) for s in st._shards])
+    if is_replicated(st._layout):
+        whole = replicated(shape, st._layout.world_size)
+        return st._with_layout(whole, [st._shards[0].reshape(shape)])
+    layout = _view_layout(st._layout, shape) if st.numel() else None
+    if layout is None:
+        return fallback(aten.reshape.default, (st, list(shape)), {})
+    return _result(st, layout, lambda s, b, nb: s.reshape(nb.sizes))
+
+
+# -- slicing -------------------------------------------------------------------------
+
+
+def _slice(st: ShardedTensor, dim: int, start: int, stop: int, step: int) -> ShardedTensor:
+    n = st.shape[dim]
+    count = max(0, -(-(stop - start) // step))
+    shape = tuple(count if d == dim else s for d, s in enumerate(st.shape))
+
+    def how(b: Block) -> Block:
+        lo, hi = b.offsets[dim], b.offsets[dim] + b.sizes[dim]
+        first = max(0, -(-(lo - start) // step))  # first k with start + k*step >= lo
+        last = min(count, -(-(hi - start) // step))  # first k with start + k*step >= hi
+        offsets, sizes = list(b.offsets), list(b.sizes)
+        if last <= first:
+            return _empty(len(shape))
+        offsets[dim], sizes[dim] = first, last - first
+        return Block(tuple(offsets), tuple(sizes))
+
+    del n
+    layout = _mapped(st._layout, shape, how, ("slice", dim, start, step))
+    assert layout is not None
+
+    def view(s: torch.Tensor, b: Block, nb: Block) -> torch.Tensor:
+        begin = start + nb.offsets[dim] * step - b.offsets[dim]
+        index = [slice(None)] * st.ndim
+        index[dim] = slice(begin, begin + (nb.sizes[dim] - 1) * step + 1, step)
+        return s[tuple(index)]
+
+    return _result(st, layout, view)
+
+
+def _bounds(n: int, start: Any, end: Any) -> tuple[int, int]:
+    start = 0 if start is None else start
+    end = n if end is None else end
+    start = start + n if start < 0 else start
+    end = end + n if end < 0 else end
+    return min(max(start, 0), n), min(max(end, 0), n)
+
+
+@_handles(aten.slice.Tensor)
+def _slice_op(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    st = a["self"]
+    dim = a["dim"] % st.ndim
+    start, stop = _bounds(st.shape[dim], a["start"], a["end"])
+    return _slice(st, dim, start, max(start, stop), a["step"])
+
+
+@_handles(aten.select.int)
+def _select(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    st = a["self"]
+    dim = a["dim"] % st.ndim
+    torch.empty(st.shape, device="meta").select(
+        dim, a["index"]
+    )  # torch's own error if out of range
+    index = a["index"] + st.shape[dim] if a["index"] < 0 else a["index"]
+    one = _slice(st, dim, index, index + 1, 1)
+    return _squeeze(aten.squeeze.dim, (one, dim), {})
+
+
+@_handles(aten.split.Tensor, aten.split_with_sizes.default)
+def _split(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    st = a["self"]
+    dim = a["dim"] % st.ndim
+    n = st.shape[dim]
+    if "split_sizes" in a:
+        sizes = list(a["split_sizes"])
+    else:
+        step = a["split_size"]
+        sizes = [min(step, n - i) for i in range(0, n, step)] if step else [n]
+    out, start = [], 0
+    for size in sizes:
+        out.append(_slice(st, dim, start, start + size, 1))
+        start += size
+    return out
+
+
+@_handles(aten.unbind.int)
+def _unbind(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    st = a["self"]
+    dim = a["dim"] % st.ndim
+    return [_select(aten.select.int, (st, dim, i), {}) for i in range(st.shape[dim])]
+
+
+# -- cat / stack -------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1024)
+def _cat_layout(layouts: tuple[Layout, ...], dim: int) -> Layout:
+    world = layouts[0].world_size
+    shape = list(layouts[0].global_shape)
+    shape[dim] = sum(layout.global_shape[dim] for layout in layouts)
+    blocks: dict[int, list[Block]] = {r: [] for r in range(world)}
+    base = 0
+    for layout in layouts:
+        for r in range(world):
+            for b in layout.blocks_of(r):
+                if b.is_empty():
+                    blocks[r].append(_empty(len(shape)))
+                    continue
+                offsets = list(b.offsets)
+                offsets[dim] += base
+                blocks[r].append(Block(tuple(offsets), b.sizes))
+        base += layout.global_shape[dim]
+    return Layout(tuple(shape), blocks, world)
+
+
+def _as_sharded(x: Any, like: ShardedTensor) -> ShardedTensor:
+    """A plain operand as a replicated ShardedTensor on `like`'s group."""
+    if isinstance(x, ShardedTensor):
+        return x
+    return like._with_layout(replicated(tuple(x.shape), like._layout.world_size), [x])
+
+
+@_handles(aten.cat.default)
+def _cat(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    tensors = list(a["tensors"])
+    like = sharded_args((tensors,), {})[0]
+    # torch's legacy rule: 1-d empty tensors are skipped
+    tensors = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0)] or tensors[:1]
+    ndim = tensors[0].ndim
+    dim = a["dim"] % ndim
+    parts = [_as_sharded(t, like) for t in tensors]
+    if any(p._layout.world_size != like._layout.world_size for p in parts) or any(
+        tuple(p.shape[:dim]) + tuple(p.shape[dim + 1 :])
+        != tuple(like.shape[:dim]) + tuple(like.shape[dim + 1 :])
+        for p in parts
+    ):
+        return fallback(func, args, kwargs)
+    layout = _cat_layout(tuple(p._layout for p in parts), dim)
+    dtype = functools.reduce(torch.promote_types, [p.dtype for p in parts])
+    shards = [s.to(dtype) for p in parts for s in p._shards]
+    return like._with_layout(layout, shards, dtype=dtype, device=like.device)
+
+
+@_handles(aten.stack.default)
+def _stack(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    tensors = list(a["tensors"])
+    like = sharded_args((tensors,), {})[0]
+    dim = a["dim"] % (tensors[0].ndim + 1)
+    lifted = [_unsqueeze(aten.unsqueeze.default, (_as_sharded(t, like), dim), {}) for t in tensors]
+    return _cat(aten.cat.default, (lifted, dim), {})

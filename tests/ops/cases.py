@@ -1,0 +1,182 @@
+"""Op cases run on ShardedTensors and on the whole tensor, values and gradients compared.
+
+Each case: a name, the input shapes, a function of the inputs (the same code runs
+on ShardedTensors and on plain tensors), whether the result must be bit-exact
+(ops that only move or select elements) or close (float64 arithmetic summed in
+another order), and whether the rules may use the fallback (False: every aten
+op of its forward and backward passes has a rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shardwise import Block, Layout
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    shapes: tuple[tuple[int, ...], ...]
+    fn: Callable[..., Any]
+    exact: bool = False
+    fallback_ok: bool = False
+    # which inputs are sharded (the others are plain parameters that require grad)
+    sharded: tuple[int, ...] = (0,)
+    layouts: tuple[str, ...] = ("rows", "cols", "blocks", "replicated")
+    integer_inputs: tuple[int, ...] = field(default=())
+
+
+def _layer_norm(x: Any, w: Any, b: Any) -> Any:
+    return F.layer_norm(x, (x.shape[-1],), w, b)
+
+
+def _attention(x: Any, wq: Any, wk: Any) -> Any:
+    q, k = x @ wq, x @ wk
+    return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ x
+
+
+CASES: list[Case] = [
+    # reductions, whole and per dim
+    Case("sum", ((7, 6),), lambda x: x.sum()),
+    Case("sum_dim0", ((7, 6),), lambda x: x.sum(dim=0)),
+    Case("sum_dim1_keepdim", ((7, 6),), lambda x: x.sum(dim=1, keepdim=True)),
+    Case("torch_sum_dims", ((7, 6),), lambda x: torch.sum(x, (0, 1))),
+    Case("mean", ((7, 6),), lambda x: x.mean()),
+    Case("mean_dim1", ((7, 6),), lambda x: x.mean(1)),
+    Case("mean_dim0_keepdim", ((7, 6),), lambda x: x.mean(0, keepdim=True)),
+    Case("amax", ((7, 6),), lambda x: x.amax()),
+    Case("amax_dim0", ((7, 6),), lambda x: x.amax(dim=0)),
+    Case("amin_dim1_keepdim", ((7, 6),), lambda x: x.amin(dim=1, keepdim=True)),
+    Case("max", ((7, 6),), lambda x: x.max()),
+    Case("min", ((7, 6),), lambda x: x.min()),
+    Case("max_dim1", ((7, 6),), lambda x: x.max(dim=1).values, fallback_ok=True),
+    Case("norm", ((7, 6),), lambda x: x.norm()),
+    Case("norm_dim0", ((7, 6),), lambda x: torch.linalg.vector_norm(x, dim=0)),
+    Case("norm_inf", ((7, 6),), lambda x: torch.linalg.vector_norm(x, ord=float("inf"))),
+    Case("var", ((7, 6),), lambda x: x.var()),
+    Case("var_dim0", ((7, 6),), lambda x: x.var(dim=0)),
+    Case("std_dim1_keepdim", ((7, 6),), lambda x: x.std(dim=1, keepdim=True)),
+    # along a dimension
+    Case("softmax_dim1", ((7, 6),), lambda x: torch.softmax(x, dim=1), fallback_ok=True),
+    Case("softmax_dim0", ((7, 6),), lambda x: F.softmax(x, dim=0), fallback_ok=True),
+    Case("log_softmax_dim1", ((7, 6),), lambda x: F.log_softmax(x, dim=-1), fallback_ok=True),
+    Case(
+        "layer_norm",
+        ((7, 6), (6,), (6,)),
+        _layer_norm,
+        fallback_ok=True,
+    ),
+    Case("rms_norm", ((7, 6), (6,)), lambda x, w: F.rms_norm(x, (6,), w), fallback_ok=True),
+    # shape ops
+    Case("transpose", ((7, 6),), lambda x: x.transpose(0, 1) * 2, exact=True),
+    Case("t", ((7, 6),), lambda x: x.t() * 2, exact=True),
+    Case("permute", ((5, 3, 4),), lambda x: x.permute(2, 0, 1) * 2, exact=True),
+    Case("unsqueeze", ((7, 6),), lambda x: x.unsqueeze(1) * 2, exact=True),
+    Case("squeeze", ((7, 1, 6),), lambda x: x.squeeze(1) * 2, exact=True),
+    Case(
+        "reshape_merge", ((5, 3, 4),), lambda x: x.reshape(5, 12) * 2, exact=True, fallback_ok=True
+    ),
+    Case("view_split", ((6, 8),), lambda x: x.view(6, 2, 4) * 2, exact=True, fallback_ok=True),
+    Case("flatten", ((5, 3, 4),), lambda x: x.flatten(1) * 2, exact=True, fallback_ok=True),
+    Case("flatten_all", ((7, 6),), lambda x: x.flatten() * 2, exact=True, fallback_ok=True),
+    Case("expand", ((7, 1),), lambda x: x.expand(7, 5) * 2, exact=True),
+    # slicing
+    Case("slice_cols", ((7, 6),), lambda x: x[:, 1:4] * 2, exact=True, fallback_ok=True),
+    Case("slice_rows_step", ((7, 6),), lambda x: x[1::2] * 2, exact=True, fallback_ok=True),
+    Case("narrow", ((7, 6),), lambda x: x.narrow(0, 2, 4) * 2, exact=True, fallback_ok=True),
+    Case("select", ((7, 6),), lambda x: x[3] * 2, exact=True, fallback_ok=True),
+    Case("select_col", ((7, 6),), lambda x: x[:, -2] * 2, exact=True, fallback_ok=True),
+    Case(
+        "index_tensor",
+        ((7, 6),),
+        lambda x: x[torch.tensor([0, 5, 2])] * 2,
+        exact=True,
+        fallback_ok=True,
+    ),
+    Case("split", ((7, 6),), lambda x: x.split(3, dim=1)[1] * 2, exact=True, fallback_ok=True),
+    Case(
+        "chunk",
+        ((7, 6),),
+        lambda x: torch.cat(x.chunk(2, dim=0)[::-1]) * 2,
+        exact=True,
+        fallback_ok=True,
+    ),
+    # joining
+    Case("cat_self", ((7, 6),), lambda x: torch.cat([x, x * 2], dim=0), exact=True),
+    Case("cat_dim1", ((7, 6),), lambda x: torch.cat([x, x + 1], dim=1), exact=True),
+    Case("cat_plain", ((7, 6), (2, 6)), lambda x, p: torch.cat([x, p], dim=0), exact=True),
+    Case("stack", ((7, 6),), lambda x: torch.stack([x, x * 3], dim=1), exact=True),
+    # products
+    Case("linear", ((7, 6), (4, 6), (4,)), lambda x, w, b: F.linear(x, w, b)),
+    Case("linear_nobias", ((7, 6), (4, 6)), lambda x, w: F.linear(x, w)),
+    Case("matmul_xxT", ((7, 6),), lambda x: x @ x.T, fallback_ok=True),
+    Case("matmul_xTx", ((7, 6),), lambda x: x.T @ x, fallback_ok=True),
+    Case("bmm", ((3, 5, 4), (3, 4, 2)), lambda x, w: torch.bmm(x, w), fallback_ok=True),
+    Case(
+        "einsum", ((7, 6), (6, 3)), lambda x, w: torch.einsum("ij,jk->ik", x, w), fallback_ok=True
+    ),
+    Case("linear_3d", ((1, 7, 6), (4, 6)), lambda x, w: F.linear(x, w), fallback_ok=True),
+    Case("attention", ((1, 7, 6), (6, 6), (6, 6)), _attention, fallback_ok=True),
+    # convolution along unsharded dims
+    Case(
+        "conv1d",
+        ((5, 2, 6), (3, 2, 3), (3,)),
+        lambda x, w, b: F.conv1d(x, w, b, padding=1),
+        fallback_ok=True,
+    ),
+    Case("conv2d", ((4, 2, 5, 5), (3, 2, 3, 3)), lambda x, w: F.conv2d(x, w), fallback_ok=True),
+    Case(
+        "conv3d", ((3, 1, 3, 4, 4), (2, 1, 2, 2, 2)), lambda x, w: F.conv3d(x, w), fallback_ok=True
+    ),
+    # losses made of the above
+    Case("mse_sum", ((7, 6),), lambda x: ((x - 0.5) ** 2).sum()),
+    Case(
+        "mse_loss",
+        ((7, 6),),
+        lambda x: F.mse_loss(x, torch.zeros(7, 6, dtype=x.dtype)),
+        fallback_ok=True,
+    ),
+    Case("gelu_mean", ((7, 6),), lambda x: F.gelu(x).mean()),
+]
+
+
+def layout_for(kind: str, shape: tuple[int, ...], world: int) -> Layout:
+    """Uneven layouts with an empty rank, several blocks per rank, or replicas."""
+    if kind == "replicated":
+        return Layout.replicated(shape, world)
+    rows = shape[0]
+    if kind == "rows":
+        sizes = _uneven(rows, world)
+        return Layout.row_wise(shape, sizes) if len(shape) == 2 else Layout.along(shape, 0, sizes)
+    if kind == "cols":
+        sizes = _uneven(shape[-1], world)
+        return Layout.along(shape, len(shape) - 1, sizes)
+    if kind == "blocks":  # two blocks per rank where possible, dealt round-robin, rows
+        pieces = _uneven(rows, 2 * world)
+        blocks: dict[int, list[Block]] = {r: [] for r in range(world)}
+        start = 0
+        for i, size in enumerate(pieces):
+            if size:
+                offsets = (start,) + (0,) * (len(shape) - 1)
+                blocks[i % world].append(Block(offsets, (size, *shape[1:])))
+            start += size
+        return Layout(shape, blocks, world)
+    raise ValueError(kind)
+
+
+def _uneven(n: int, world: int) -> list[int]:
+    """Uneven sizes adding up to n, with rank 1 empty when world > 1."""
+    if world == 1:
+        return [n]
+    weights = [k + 1 for k in range(world)]
+    weights[1] = 0
+    total = sum(weights)
+    sizes = [n * w // total for w in weights]
+    sizes[-1] += n - sum(sizes)
+    return sizes
