@@ -258,9 +258,8 @@ PINNED_ON_PURPOSE: dict[str, dict[str, int]] = {
     "checkpoint/offline/opening.py": {"KeyError": 3},
     "layout/block.py": {"AttributeError": 1},
     "layout/layout.py": {"IndexError": 1},
-    "ops/__init__.py": {"KeyError": 1, "NotImplementedError": 1},
-    "ops/builtin.py": {"NotImplementedError": 3},
-    "ops/per_shard.py": {"NotImplementedError": 1},
+    "ops/__init__.py": {"KeyError": 1},
+    "ops/pointwise.py": {"NotImplementedError": 1},
     "tensor/sharded.py": {"KeyError": 1},
     "tensor/provided.py": {"KeyError": 1},
 }

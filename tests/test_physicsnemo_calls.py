@@ -82,8 +82,8 @@ def registered():
 
 def test_softmax_along_an_unsharded_dim_runs_through_its_handler(registered):
     st = _on_rank(LAYOUT, FULL, 1)
-    with pytest.raises(NotImplementedError, match="_softmax"):
-        F.softmax(st, dim=1)  # no aten-level rule: it needs the function-level handler
+    local = F.softmax(st, dim=1)  # the aten-level rule: local along an unsharded dimension
+    assert torch.equal(local.local_shards()[0], F.softmax(FULL, dim=1)[5:]) and CALLS == []
     registered(F.softmax, by_shard)
     out = F.softmax(st, dim=1)
     assert isinstance(out, ShardedTensor) and out.layout_spec == LAYOUT and out.rank == 1
@@ -113,8 +113,8 @@ def test_without_a_handler_everything_falls_through_unchanged(registered):
         total.local_shards()[0], FULL[:5] * 2 + 1
     )
     assert st.shape == SHAPE and st.dtype == torch.float64 and CALLS == []
-    with pytest.raises(NotImplementedError, match="aten.sum.default"):
-        torch.sum(st)
+    with pytest.raises(sw.UsageError, match="needs a process group"):
+        torch.sum(st)  # the built-in rule: a sum over both ranks' blocks
 
 
 @torch.library.custom_op("shardwise_test::twice", mutates_args=())
@@ -129,8 +129,8 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 def test_named_handler_matches_a_custom_op_by_name(registered):
     st = _on_rank(LAYOUT, FULL, 0)
-    with pytest.raises(NotImplementedError, match="shardwise_test.twice.default"):
-        twice(st)
+    with pytest.raises(sw.UsageError, match="needs a process group"):
+        twice(st)  # no rule: the fallback gathers the whole tensor over the group
     registered("shardwise_test.twice.default", by_shard)
     for out in (twice(st), torch.ops.shardwise_test.twice(st)):
         assert torch.equal(out.local_shards()[0], FULL[:5] * 2)

@@ -28,9 +28,9 @@ def _full(value: Any) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, sw.ShardedTensor) else value
 
 
-def _run_case(case: Case, kind: str, rank: int, world: int) -> str | None:
+def _run_case(case: Case, kind: str, rank: int, world: int, device: str = "cpu") -> str | None:
     """None when the case matches on this rank, else what differs."""
-    fulls = _inputs(case, seed=len(case.name))
+    fulls = [t.to(device) for t in _inputs(case, seed=len(case.name))]
     # reference on whole tensors
     ref_in = [t.clone().requires_grad_() for t in fulls]
     ref_out = case.fn(*ref_in)
@@ -44,7 +44,7 @@ def _run_case(case: Case, kind: str, rank: int, world: int) -> str | None:
         if i in case.sharded:
             layout = layout_for(kind, tuple(t.shape), world)
             shards = [t[b.slices()].clone() for b in layout.blocks_of(rank)]
-            st = sw.ShardedTensor.from_layout(layout, shards, dtype=t.dtype, device="cpu")
+            st = sw.ShardedTensor.from_layout(layout, shards, dtype=t.dtype, device=t.device)
             ins.append(st.requires_grad_())
         else:
             ins.append(t.clone().requires_grad_())
@@ -84,15 +84,18 @@ def _run_case(case: Case, kind: str, rank: int, world: int) -> str | None:
     return "; ".join(problems) or None
 
 
-def _all_cases(rank: int, world: int) -> dict[str, str | None]:
+def _all_cases(rank: int, world: int, device: str = "cpu") -> dict[str, str | None]:
     torch.manual_seed(1234)  # identical on every rank: the same cotangents
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
     results: dict[str, str | None] = {}
     for case in CASES:
         for kind in case.layouts:
             key = f"{case.name}[{kind}]"
             FALLBACK_OPS.clear()
             try:
-                results[key] = _run_case(case, kind, rank, world)
+                results[key] = _run_case(case, kind, rank, world, device)
             except Exception as e:  # noqa: BLE001 - reported per case
                 # This rank left the collective sequence mid-case: stop, or every later
                 # case would pair collectives wrongly (the others time out and stop too).
@@ -106,6 +109,13 @@ def outcomes() -> dict[int, list[dict[str, str | None]]]:
     return {w: run_ranks(_all_cases, w, timeout=240) for w in WORLDS}
 
 
+@pytest.fixture(scope="module")
+def cuda_outcomes() -> list[dict[str, str | None]]:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices (NCCL ranks)")
+    return run_ranks(_all_cases, 2, "cuda", timeout=240, backend="nccl")
+
+
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("key", [f"{c.name}[{k}]" for c in CASES for k in c.layouts])
 def test_op_matches_the_whole_tensor(outcomes: Any, world: int, key: str) -> None:
@@ -116,3 +126,13 @@ def test_op_matches_the_whole_tensor(outcomes: Any, world: int, key: str) -> Non
         if res.get(key, "") is not None
     }
     assert not failures, f"{key} on {world} ranks: {failures}"
+
+
+@pytest.mark.parametrize("key", [f"{c.name}[{k}]" for c in CASES for k in c.layouts])
+def test_op_matches_the_whole_tensor_on_cuda(cuda_outcomes: Any, key: str) -> None:
+    failures = {
+        r: res.get(key, "not run: an earlier case failed on this rank")
+        for r, res in enumerate(cuda_outcomes)
+        if res.get(key, "") is not None
+    }
+    assert not failures, f"{key} on 2 CUDA ranks: {failures}"

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.transfer import move
+from ..errors import UsageError
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 
@@ -54,6 +55,7 @@ def local_in(st: ShardedTensor, layout: Layout) -> list[torch.Tensor]:
     if is_replicated(st._layout):
         full = st._shards[0]
         return [full[b.slices()] for b in layout.blocks_of(st._rank)]
+    _distributed(st)  # refuses a many-rank layout with no process group
     return move(st, layout, checked=True)
 
 
@@ -61,6 +63,7 @@ def whole(st: ShardedTensor) -> torch.Tensor:
     """The whole tensor on this rank (this rank's own shard when already replicated)."""
     if is_replicated(st._layout):
         return st._shards[0]
+    _distributed(st)  # refuses a many-rank layout with no process group
     (full,) = move(st, replicated(tuple(st.shape), st._layout.world_size), checked=True)
     return full
 
@@ -76,7 +79,17 @@ def primary_blocks(layout: Layout, rank: int) -> list[int]:
 
 
 def _distributed(st: ShardedTensor) -> bool:
-    return st._layout.world_size > 1 and dist.is_available() and dist.is_initialized()
+    """Whether `st`'s group has other ranks; a layout over several ranks with no process
+    group to reach them is refused (its other ranks' values would silently be missing)."""
+    if st._layout.world_size == 1:
+        return False
+    if not (dist.is_available() and dist.is_initialized()):
+        raise UsageError(
+            f"rank {st._rank}: this op combines the values of all {st._layout.world_size} ranks "
+            f"of the tensor's layout, which needs a process group; none is initialised "
+            f"(torch.distributed.init_process_group)"
+        )
+    return True
 
 
 def all_reduce(tensor: torch.Tensor, op: Any, like: ShardedTensor) -> torch.Tensor:
