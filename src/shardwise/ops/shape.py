@@ -15,6 +15,7 @@ new shape goes to the fallback. Empty blocks stay empty.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -233,18 +234,15 @@ def _groups(old: Sequence[int], new: Sequence[int]) -> list[tuple[list[int], lis
 
 def _range_in(block: Block, dims: list[int], shape: Sequence[int]) -> tuple[int, int] | None:
     """The block along `dims` as a flat range [start, stop) of their row-major order, if it
-    is one (partial in one dimension, single indices before it, whole after it)."""
+    is one: single indices before some dimension k, any extent along k, whole after it."""
     strides = [math.prod(shape[e] for e in dims[k + 1 :]) for k in range(len(dims))]
-    partial = [k for k, d in enumerate(dims) if block.sizes[d] != shape[d]]
-    if not partial:
-        return 0, math.prod(shape[d] for d in dims)
-    k = partial[0]
-    if any(block.sizes[dims[q]] != 1 for q in range(k)) or any(
-        block.sizes[dims[q]] != shape[dims[q]] for q in range(k + 1, len(dims))
-    ):
-        return None
-    start = sum(block.offsets[dims[q]] * strides[q] for q in range(k + 1))
-    return start, start + block.sizes[dims[k]] * strides[k]
+    for k in range(len(dims)):
+        if all(block.sizes[dims[q]] == 1 for q in range(k)) and all(
+            block.sizes[dims[q]] == shape[dims[q]] for q in range(k + 1, len(dims))
+        ):
+            start = sum(block.offsets[dims[q]] * strides[q] for q in range(k + 1))
+            return start, start + block.sizes[dims[k]] * strides[k]
+    return None
 
 
 def _box_in(start: int, stop: int, dims: list[int], shape: Sequence[int]) -> dict | None:
@@ -269,27 +267,73 @@ def _box_in(start: int, stop: int, dims: list[int], shape: Sequence[int]) -> dic
     return None
 
 
+# Pieces per block a view may split it into (a sequence-split [B, S, D] viewed as
+# [B*S, D] gives B pieces per block); past this the view gathers instead.
+_MAX_PIECES = 256
+
+# One piece of an old block: its index along the dimensions split to unit extent
+# (relative to the block; -1 where the dimension is kept whole), and its new block.
+Piece = tuple[tuple[int, ...], Block]
+
+
+def _pieces(
+    b: Block, groups: list[tuple[list[int], list[int]]], old: Sequence[int], shape: Sequence[int]
+) -> list[Piece] | None:
+    """`b` as boxes of the new shape: whole when its elements stay a box, else split to unit
+    extent along the leading dimensions of a group (each piece then a box); None if not."""
+    split: list[int] = []
+    for go, _ in groups:
+        partial = [k for k, d in enumerate(go) if b.sizes[d] != old[d]]
+        if partial:
+            k = partial[0]
+            if any(b.sizes[go[q]] != old[go[q]] for q in range(k + 1, len(go))):
+                return None
+            split += [go[q] for q in range(k) if b.sizes[go[q]] != 1]
+    if math.prod(b.sizes[d] for d in split) > _MAX_PIECES:
+        return None
+    pieces: list[Piece] = []
+    for combo in itertools.product(*(range(b.sizes[d]) for d in split)):
+        offsets, sizes = list(b.offsets), list(b.sizes)
+        index = [-1] * len(old)
+        for d, k in zip(split, combo):
+            offsets[d], sizes[d], index[d] = b.offsets[d] + k, 1, k
+        unit = Block(tuple(offsets), tuple(sizes))
+        new_offsets, new_sizes = [0] * len(shape), [1] * len(shape)
+        for go, gw in groups:
+            flat = _range_in(unit, go, old)
+            box = None if flat is None else _box_in(*flat, gw, shape)
+            if box is None:
+                return None
+            for d, (off, size) in box.items():
+                new_offsets[d], new_sizes[d] = off, size
+        pieces.append((tuple(index), Block(tuple(new_offsets), tuple(new_sizes))))
+    return pieces
+
+
 @functools.lru_cache(maxsize=4096)
-def _view_layout(layout: Layout, shape: tuple[int, ...]) -> Layout | None:
+def _view_plan(
+    layout: Layout, shape: tuple[int, ...]
+) -> tuple[Layout, tuple[tuple[tuple[Piece, ...], ...], ...]] | None:
+    """The layout of `layout` viewed as `shape`, and per rank, per old block, its pieces."""
     old = layout.global_shape
     groups = _groups(old, shape)
     if groups is None:
         return None
-
-    def how(b: Block) -> Block | None:
-        offsets, sizes = [0] * len(shape), [1] * len(shape)
-        for go, gw in groups:
-            flat = _range_in(b, go, old)
-            if flat is None:
+    plan, blocks = [], {}
+    for rank, rank_blocks in enumerate(layout.blocks):
+        per_block, new_blocks = [], []
+        for b in rank_blocks:
+            if b.is_empty():
+                pieces: list[Piece] | None = [((-1,) * len(old), _empty(len(shape)))]
+            else:
+                pieces = _pieces(b, groups, old, shape)
+            if pieces is None:
                 return None
-            box = _box_in(*flat, gw, shape)
-            if box is None:
-                return None
-            for d, (off, size) in box.items():
-                offsets[d], sizes[d] = off, size
-        return Block(tuple(offsets), tuple(sizes))
-
-    return _map(layout, shape, how)
+            per_block.append(tuple(pieces))
+            new_blocks += [nb for _, nb in pieces]
+        plan.append(tuple(per_block))
+        blocks[rank] = new_blocks
+    return Layout(shape, blocks, layout.world_size), tuple(plan)
 
 
 @_handles(
@@ -307,10 +351,19 @@ def _view(func: Any, args: tuple, kwargs: dict) -> Any:
     if is_replicated(st._layout):
         whole = replicated(shape, st._layout.world_size)
         return st._with_layout(whole, [st._shards[0].reshape(shape)])
-    layout = _view_layout(st._layout, shape) if st.numel() else None
-    if layout is None:
+    planned = _view_plan(st._layout, shape) if st.numel() else None
+    if planned is None:
         return fallback(aten.reshape.default, (st, list(shape)), {})
-    return _result(st, layout, lambda s, b, nb: s.reshape(nb.sizes))
+    layout, plan = planned
+    shards = []
+    for shard, pieces in zip(st._shards, plan[st._rank]):
+        for index, nb in pieces:
+            if nb.is_empty():
+                shards.append(shard.new_empty(nb.sizes))
+                continue
+            part = shard[tuple(slice(None) if k < 0 else k for k in index)]
+            shards.append(part.reshape(nb.sizes))
+    return st._with_layout(layout, shards, dtype=st.dtype, device=st.device)
 
 
 # -- slicing -------------------------------------------------------------------------
