@@ -123,17 +123,17 @@ CASES: list[Case] = [
     ),
     Case("linear_3d", ((1, 7, 6), (4, 6)), lambda x, w: F.linear(x, w), fallback_ok=True),
     Case("attention", ((1, 7, 6), (6, 6), (6, 6)), _attention, fallback_ok=True),
-    # convolution along unsharded dims
+    # "rows"/"blocks": split along the batch; "cols": along the last spatial dimension,
+    # through the halo exchange (uneven pieces, an empty rank, padding, stride, dilation)
+    Case("conv1d", ((5, 2, 6), (3, 2, 3), (3,)), lambda x, w, b: F.conv1d(x, w, b, padding=1)),
     Case(
-        "conv1d",
-        ((5, 2, 6), (3, 2, 3), (3,)),
-        lambda x, w, b: F.conv1d(x, w, b, padding=1),
-        fallback_ok=True,
+        "conv1d_stride_dilation",
+        ((2, 2, 13), (3, 2, 3)),
+        lambda x, w: F.conv1d(x, w, stride=2, dilation=2, padding=3),
     ),
-    Case("conv2d", ((4, 2, 5, 5), (3, 2, 3, 3)), lambda x, w: F.conv2d(x, w), fallback_ok=True),
-    Case(
-        "conv3d", ((3, 1, 3, 4, 4), (2, 1, 2, 2, 2)), lambda x, w: F.conv3d(x, w), fallback_ok=True
-    ),
+    Case("conv1d_no_padding", ((2, 2, 9), (2, 2, 4)), lambda x, w: F.conv1d(x, w)),
+    Case("conv2d", ((4, 2, 5, 5), (3, 2, 3, 3)), lambda x, w: F.conv2d(x, w, padding=(1, 2))),
+    Case("conv3d", ((3, 1, 3, 4, 4), (2, 1, 2, 2, 2)), lambda x, w: F.conv3d(x, w)),
     # losses made of the above
     Case("mse_sum", ((7, 6),), lambda x: ((x - 0.5) ** 2).sum()),
     Case(

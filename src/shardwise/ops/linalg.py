@@ -35,8 +35,9 @@ from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .exchange import all_reduce, is_replicated, primary_blocks, replicated, whole
 from .fallback import fallback
+from .halo import conv_backward, conv_forward, conv_plan, sharded_spatial_dim
 from .per_shard import named
-from .reductions import spans
+from .reductions import spans, summed
 
 __all__ = ["LINALG_HANDLERS"]
 
@@ -283,12 +284,22 @@ def _index_blocks(indices: ShardedTensor, grad: ShardedTensor) -> list[torch.Ten
 def _convolution(func: Any, args: tuple, kwargs: dict) -> Any:
     a = named(func, args, kwargs)
     x = a["input"]
-    if not isinstance(x, ShardedTensor) or not spans(x._layout, tuple(range(1, x.ndim))):
-        return fallback(func, args, kwargs)
-    if not (_is_whole(a["weight"]) and _is_whole(a["bias"])):
+    if not isinstance(x, ShardedTensor) or not (_is_whole(a["weight"]) and _is_whole(a["bias"])):
         return fallback(func, args, kwargs)
     w, bias = _whole(a["weight"]), _whole(a["bias"])
     rest = [a[k] for k in ("stride", "padding", "dilation", "transposed", "output_padding")]
+    if not spans(x._layout, tuple(range(1, x.ndim))):
+        plan = _halo_plan(x, w, a)
+        if plan is None:
+            return fallback(func, args, kwargs)
+        meta = func(
+            torch.empty(x.shape, dtype=x.dtype, device="meta"),
+            torch.empty(w.shape, dtype=w.dtype, device="meta"),
+            None if bias is None else torch.empty(bias.shape, dtype=bias.dtype, device="meta"),
+            *rest,
+            a["groups"],
+        )
+        return conv_forward(func, x, w, bias, a, plan, meta)
     shards = [func(s, w, bias, *rest, a["groups"]) for s in x._shards]
     meta = func(
         torch.empty(x.shape, dtype=x.dtype, device="meta"),
@@ -307,8 +318,13 @@ def _convolution_backward(func: Any, args: tuple, kwargs: dict) -> Any:
     grad, x = a["grad_output"], a["input"]
     if not (isinstance(x, ShardedTensor) and isinstance(grad, ShardedTensor)):
         return fallback(func, args, kwargs)
-    if not spans(x._layout, tuple(range(1, x.ndim))) or not _is_whole(a["weight"]):
+    if not _is_whole(a["weight"]):
         return fallback(func, args, kwargs)
+    if not spans(x._layout, tuple(range(1, x.ndim))):
+        plan = _halo_plan(x, _whole(a["weight"]), a)
+        if plan is None:
+            return fallback(func, args, kwargs)
+        return conv_backward(func, grad, x, _whole(a["weight"]), a, plan)
     out_layout = _product_layout(x._layout, (0,), tuple(grad.shape), (0,))
     from .exchange import local_in
 
@@ -337,12 +353,28 @@ def _convolution_backward(func: Any, args: tuple, kwargs: dict) -> Any:
                 grad_w = gw if grad_w is None else grad_w + gw
             if mask[2]:
                 grad_b = gb if grad_b is None else grad_b + gb
-    from .reductions import _summed
-
     w_meta = torch.empty(w.shape, dtype=w.dtype, device="meta")
     b_meta = torch.empty(list(a["bias_sizes"] or [0]), dtype=w.dtype, device="meta")
     return (
         x._with_layout(x._layout, grad_in, dtype=x.dtype, device=x.device) if mask[0] else None,
-        _summed(grad_w, w_meta, x) if mask[1] else None,
-        _summed(grad_b, b_meta, x) if mask[2] else None,
+        summed(grad_w, w_meta, x) if mask[1] else None,
+        summed(grad_b, b_meta, x) if mask[2] else None,
+    )
+
+
+def _halo_plan(x: ShardedTensor, weight: torch.Tensor, a: dict) -> Any:
+    """The halo exchange's plan for an input split along one spatial dimension, or None."""
+    if a["transposed"]:
+        return None
+    dim = sharded_spatial_dim(x._layout)
+    if dim is None:
+        return None
+    k = dim - 2
+    return conv_plan(
+        x._layout,
+        dim,
+        int(weight.shape[dim]),
+        int(a["stride"][k]),
+        int(a["padding"][k]),
+        int(a["dilation"][k]),
     )

@@ -30,11 +30,10 @@ aten = torch.ops.aten
 @functools.lru_cache(maxsize=1024)
 def _first_holders(layout: Layout) -> Layout | None:
     """`layout` with each block on its first holder only; None when nothing is replicated."""
-    holders = layout.replica_groups
-    if all(len(ranks) == 1 for ranks in holders.values()):
+    if not layout.replica_groups:
         return None
     blocks = {
-        r: [b for b in rank_blocks if holders[b][0] == r]
+        r: [b for b in rank_blocks if layout.ranks_holding(b)[0] == r]
         for r, rank_blocks in enumerate(layout.blocks)
     }
     return Layout(layout.global_shape, blocks, layout.world_size)

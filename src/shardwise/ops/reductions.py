@@ -34,7 +34,7 @@ from .exchange import all_reduce, is_replicated, local_in, primary_blocks, repli
 from .fallback import fallback
 from .per_shard import named, sharded_args
 
-__all__ = ["REDUCTION_HANDLERS", "project", "spans"]
+__all__ = ["REDUCTION_HANDLERS", "project", "spans", "summed"]
 
 aten = torch.ops.aten
 
@@ -405,8 +405,8 @@ def _layer_norm_backward(func: Any, args: tuple, kwargs: dict) -> Any:
     first = st._with_layout(st._layout, grad_in, dtype=meta[0].dtype) if mask[0] else None
     return (
         first,
-        _summed(grad_w, meta[1], st) if mask[1] else None,
-        _summed(grad_b, meta[2], st) if mask[2] else None,
+        summed(grad_w, meta[1], st) if mask[1] else None,
+        summed(grad_b, meta[2], st) if mask[2] else None,
     )
 
 
@@ -416,7 +416,7 @@ def _stat(x: Any, layout: Layout) -> list[torch.Tensor]:
     return [x[b.slices()] for b in layout.blocks_of(0)]  # pragma: no cover - plain stats
 
 
-def _summed(value: torch.Tensor | None, meta: Any, like: ShardedTensor) -> ShardedTensor:
+def summed(value: torch.Tensor | None, meta: Any, like: ShardedTensor) -> ShardedTensor:
     """A parameter's gradient summed over every block of every rank, replicated."""
     if value is None:
         value = torch.zeros(meta.shape, dtype=meta.dtype, device=like.device)

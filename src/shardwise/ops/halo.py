@@ -1,0 +1,336 @@
+"""Convolutions along a sharded spatial dimension: a halo exchange, PhysicsNeMo's main use.
+
+An input `[N, C, *spatial]` split along one spatial dimension `d` (every block
+spanning the other dimensions, no replicas): each block computes the outputs
+whose window starts (`j·stride`) fall in it, the first block from output 0 and
+the last one to the end. For that it needs the input rows of its windows: its
+own rows plus a halo of up to `dilation·(kernel−1)` rows (less the padding)
+from the neighbouring blocks, fetched in one all-to-all (`regions`); rows
+beyond the tensor's edges are the convolution's zero padding. The local
+convolution then runs without padding along `d`.
+
+Backward: the same halo is fetched again, the local `convolution_backward`
+gives the gradient of the block's extended rows, and the halo parts of it are
+sent back and added to their owners' blocks (`add_regions`, the reverse
+all-to-all); weight and bias gradients are summed by one all-reduce.
+
+Bytes per rank: the halo rows (about `dilation·(kernel−1)·N·C·(other extents)`
+elements) each way, forward and backward, plus 2× the weight in backward.
+Planning is O(blocks of the layout) per rank, from the layout every rank has.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ..comm.communicator import communicator
+from ..layout import Block, Layout
+from ..tensor import ShardedTensor
+from .exchange import _distributed, local_in
+from .reductions import summed
+
+__all__ = ["add_regions", "conv_backward", "conv_forward", "conv_plan", "regions"]
+
+
+# -- the region exchange ----------------------------------------------------------------
+
+# (destination rank, index of its wanted region, source rank, source block, intersection)
+_Move = tuple[int, int, int, int, Block]
+
+
+@functools.lru_cache(maxsize=512)
+def _moves(layout: Layout, wants: tuple[tuple[Block, ...], ...]) -> tuple[_Move, ...]:
+    """Every piece of every rank's wanted regions, with the one rank that holds it."""
+    out = []
+    for q, regions in enumerate(wants):
+        for i, region in enumerate(regions):
+            for src in range(layout.world_size):
+                for k, block in enumerate(layout.blocks_of(src)):
+                    if block.is_empty() or layout.ranks_holding(block)[0] != src:
+                        continue
+                    part = block.intersect(region)
+                    if part is not None and not part.is_empty():
+                        out.append((q, i, src, k, part))
+    return tuple(out)
+
+
+def _view(t: torch.Tensor, outer: Block, part: Block) -> torch.Tensor:
+    return t[part.relative_to(outer).slices()]
+
+
+def regions(st: ShardedTensor, wants: tuple[tuple[Block, ...], ...]) -> list[torch.Tensor]:
+    """This rank's wanted regions (`wants[rank]`, boxes of the global tensor) filled from
+    `st`, in one all-to-all; every rank passes the same `wants`."""
+    me, layout = st._rank, st._layout
+    blocks = layout.blocks_of(me)
+    out = [torch.empty(r.sizes, dtype=st.dtype, device=st.device) for r in wants[me]]
+    sends: list[list[torch.Tensor]] = [[] for _ in range(layout.world_size)]
+    recvs: list[list[tuple[int, Block]]] = [[] for _ in range(layout.world_size)]
+    for q, i, src, k, part in _moves(layout, wants):
+        if src == me and q == me:
+            _view(out[i], wants[me][i], part).copy_(_view(st._shards[k], blocks[k], part))
+        elif src == me:
+            sends[q].append(_view(st._shards[k], blocks[k], part).reshape(-1))
+        elif q == me:
+            recvs[src].append((i, part))
+    _all_to_all(st, sends, recvs, out, wants[me], add=False)
+    return out
+
+
+def add_regions(
+    st: ShardedTensor, wants: tuple[tuple[Block, ...], ...], values: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The reverse of `regions`: each rank's `values` (one per wanted region) summed into
+    the blocks of `st`'s layout that hold those elements. Returns this rank's shards."""
+    me, layout = st._rank, st._layout
+    blocks = layout.blocks_of(me)
+    out = [
+        torch.zeros(b.sizes, dtype=values[0].dtype if values else st.dtype, device=st.device)
+        for b in blocks
+    ]
+    sends: list[list[torch.Tensor]] = [[] for _ in range(layout.world_size)]
+    recvs: list[list[tuple[int, Block]]] = [[] for _ in range(layout.world_size)]
+    for q, i, src, k, part in _moves(layout, wants):
+        # reversed: the wanting rank q sends its values of `part` to the holder src
+        if src == me and q == me:
+            _view(out[k], blocks[k], part).add_(_view(values[i], wants[me][i], part))
+        elif q == me:
+            sends[src].append(_view(values[i], wants[me][i], part).reshape(-1))
+        elif src == me:
+            recvs[q].append((k, part))
+    _all_to_all(st, sends, recvs, out, blocks, add=True)
+    return out
+
+
+def _all_to_all(
+    st: ShardedTensor,
+    sends: list[list[torch.Tensor]],
+    recvs: list[list[tuple[int, Block]]],
+    out: list[torch.Tensor],
+    outers: tuple[Block, ...],
+    *,
+    add: bool,
+) -> None:
+    if not _distributed(st):
+        return
+    world = st._layout.world_size
+    send_counts = [sum(t.numel() for t in ts) for ts in sends]
+    recv_counts = [sum(p.numel for _, p in rs) for rs in recvs]
+    if not any(send_counts) and not any(recv_counts):
+        # still collective: every rank takes part, some with nothing to move
+        pass
+    dtype = out[0].dtype if out else st.dtype
+    send = (
+        torch.cat([t for ts in sends for t in ts]).to(dtype)
+        if any(send_counts)
+        else torch.empty(0, dtype=dtype, device=st.device)
+    )
+    recv = torch.empty(sum(recv_counts), dtype=dtype, device=st.device)
+    communicator(st.group).all_to_all_single(recv, send, recv_counts, send_counts).wait()
+    at = 0
+    for src in range(world):
+        for i, part in recvs[src]:
+            piece = recv[at : at + part.numel].view(part.sizes)
+            target = _view(out[i], outers[i], part)
+            target.add_(piece) if add else target.copy_(piece)
+            at += part.numel
+
+
+# -- the convolution plan ---------------------------------------------------------------
+
+
+class ConvPlan:
+    """Per rank, per block: its output rows along `dim` and the input rows its windows need."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        dim: int,
+        kernel: int,
+        stride: int,
+        padding: int,
+        dilation: int,
+    ) -> None:
+        length = layout.global_shape[dim]
+        self.dim = dim
+        self.out_length = (length + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+        self.outputs: list[list[tuple[int, int]]] = []  # per rank, per block: [o0, o1)
+        self.inputs: list[list[tuple[int, int]]] = []  # per rank, per block: [lo, hi), unclipped
+        wants = []
+        for rank_blocks in layout.blocks:
+            outs, ins, want = [], [], []
+            for b in rank_blocks:
+                a, e = b.offsets[dim], b.offsets[dim] + b.sizes[dim]
+                if b.is_empty():
+                    o0 = o1 = 0
+                else:
+                    o0 = 0 if a == 0 else -(-a // stride)
+                    o1 = self.out_length if e == length else -(-e // stride)
+                    o1 = min(o1, self.out_length)
+                o1 = max(o0, o1)
+                lo = o0 * stride - padding
+                hi = (o1 - 1) * stride - padding + dilation * (kernel - 1) + 1 if o1 > o0 else lo
+                outs.append((o0, o1))
+                ins.append((lo, hi))
+                offsets, sizes = list(b.offsets), list(b.sizes)
+                offsets[dim] = min(max(lo, 0), length)
+                sizes[dim] = max(0, min(hi, length) - offsets[dim]) if o1 > o0 else 0
+                want.append(Block(tuple(offsets), tuple(sizes)))
+            self.outputs.append(outs)
+            self.inputs.append(ins)
+            wants.append(tuple(want))
+        self.wants = tuple(wants)
+        self.length = length
+
+
+@functools.lru_cache(maxsize=512)
+def conv_plan(
+    layout: Layout, dim: int, kernel: int, stride: int, padding: int, dilation: int
+) -> ConvPlan | None:
+    """The plan when `layout` splits only spatial dimension `dim` and has no replicas."""
+    shape = layout.global_shape
+    for rank_blocks in layout.blocks:
+        for b in rank_blocks:
+            if b.is_empty():
+                continue
+            if any(
+                b.offsets[e] != 0 or b.sizes[e] != shape[e] for e in range(len(shape)) if e != dim
+            ):
+                return None
+    if any(not b.is_empty() for b in layout.replica_groups):
+        return None
+    return ConvPlan(layout, dim, kernel, stride, padding, dilation)
+
+
+def sharded_spatial_dim(layout: Layout) -> int | None:
+    """The one spatial dimension (≥ 2) some block does not span, if exactly one."""
+    shape = layout.global_shape
+    split = {
+        e
+        for rank_blocks in layout.blocks
+        for b in rank_blocks
+        if not b.is_empty()
+        for e in range(len(shape))
+        if b.sizes[e] != shape[e]
+    }
+    if len(split) == 1 and min(split) >= 2:
+        return split.pop()
+    return None
+
+
+def _padded(x: torch.Tensor, dim: int, before: int, after: int) -> torch.Tensor:
+    if before <= 0 and after <= 0:
+        return x
+    pads = [0, 0] * (x.ndim - dim - 1) + [max(before, 0), max(after, 0)]
+    return torch.nn.functional.pad(x, pads)
+
+
+def _extended(st: ShardedTensor, plan: ConvPlan) -> list[torch.Tensor]:
+    """Each block's input rows with their halo, zero-padded past the tensor's edges."""
+    fetched = regions(st, plan.wants)
+    out = []
+    for x, (lo, hi) in zip(fetched, plan.inputs[st._rank]):
+        out.append(_padded(x, plan.dim, -lo, hi - plan.length))
+    return out
+
+
+def _out_layout(x: ShardedTensor, plan: ConvPlan, shape: tuple[int, ...]) -> Layout:
+    return _out_layout_cached(x._layout, plan, shape)
+
+
+@functools.lru_cache(maxsize=512)
+def _out_layout_cached(layout: Layout, plan: ConvPlan, shape: tuple[int, ...]) -> Layout:
+    blocks: dict[int, list[Block]] = {}
+    for r, outs in enumerate(plan.outputs):
+        row = []
+        for o0, o1 in outs:
+            if o1 <= o0:
+                row.append(Block((0,) * len(shape), (0,) * len(shape)))
+                continue
+            offsets, sizes = [0] * len(shape), list(shape)
+            offsets[plan.dim], sizes[plan.dim] = o0, o1 - o0
+            row.append(Block(tuple(offsets), tuple(sizes)))
+        blocks[r] = row
+    return Layout(shape, blocks, layout.world_size)
+
+
+def _unpadded(padding: list[int], dim: int) -> list[int]:
+    out = list(padding)
+    out[dim - 2] = 0
+    return out
+
+
+def conv_forward(
+    func: Any, x: ShardedTensor, weight: torch.Tensor, bias: Any, a: dict, plan: ConvPlan, meta: Any
+) -> ShardedTensor:
+    padding = _unpadded(list(a["padding"]), plan.dim)
+    shards = []
+    for ext, (o0, o1) in zip(_extended(x, plan), plan.outputs[x._rank]):
+        if o1 <= o0:
+            shape = list(meta.shape)
+            shape[plan.dim] = 0
+            shards.append(torch.empty(shape, dtype=meta.dtype, device=x.device))
+            continue
+        shards.append(
+            func(
+                ext,
+                weight,
+                bias,
+                a["stride"],
+                padding,
+                a["dilation"],
+                a["transposed"],
+                a["output_padding"],
+                a["groups"],
+            )
+        )
+    layout = _out_layout(x, plan, tuple(meta.shape))
+    return x._with_layout(layout, shards, dtype=meta.dtype, device=x.device)
+
+
+def conv_backward(
+    func: Any, grad: ShardedTensor, x: ShardedTensor, weight: torch.Tensor, a: dict, plan: ConvPlan
+) -> tuple[Any, Any, Any]:
+    padding = _unpadded(list(a["padding"]), plan.dim)
+    out_layout = _out_layout(x, plan, tuple(grad.shape))
+    grads = local_in(grad, out_layout)
+    mask = list(a["output_mask"])
+    ext_grads: list[torch.Tensor] = []
+    grad_w = grad_b = None
+    for g, ext, (o0, o1), (lo, _hi), want in zip(
+        grads, _extended(x, plan), plan.outputs[x._rank], plan.inputs[x._rank], plan.wants[x._rank]
+    ):
+        if o1 <= o0:
+            ext_grads.append(torch.zeros(want.sizes, dtype=x.dtype, device=x.device))
+            continue
+        gi, gw, gb = func(
+            g,
+            ext,
+            weight,
+            a["bias_sizes"],
+            a["stride"],
+            padding,
+            a["dilation"],
+            a["transposed"],
+            a["output_padding"],
+            a["groups"],
+            [True, mask[1], mask[2]],
+        )
+        # drop the zero padding past the edges: keep the wanted (clipped) rows
+        start = max(0, -lo)
+        ext_grads.append(gi.narrow(plan.dim, start, want.sizes[plan.dim]))
+        if mask[1]:
+            grad_w = gw if grad_w is None else grad_w + gw
+        if mask[2]:
+            grad_b = gb if grad_b is None else grad_b + gb
+    grad_in = add_regions(x, plan.wants, ext_grads) if mask[0] else []
+    out_in = x._with_layout(x._layout, grad_in, dtype=x.dtype, device=x.device) if mask[0] else None
+
+    w_meta = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+    b_meta = torch.empty(list(a["bias_sizes"] or [0]), dtype=weight.dtype, device="meta")
+    w = summed(grad_w, w_meta, x) if mask[1] else None
+    b = summed(grad_b, b_meta, x) if mask[2] else None
+    return out_in, w, b
