@@ -1,7 +1,8 @@
 """Per-op cost of shardwise's `ShardedTensor` against DTensor and PhysicsNeMo's ShardTensor.
 
 Run: `shardwise bench ops [--world-size 4] [--sizes 4096x1024,256x64] [--repeat 5]
-[--ops NAME,...] [--json out.json] [--profile OP] [--quick]`.
+[--ops "NAME;NAME"] [--json out.json] [--profile OP] [--quick]`. `--quick` (a smoke
+run, under a minute on 2 cores): one size, 256x64, one 2 ms batch per cell.
 
 On W real gloo processes (CPU, one thread each), a float32 tensor `x` of each
 size in `--sizes`, the same values in every system, is sharded along dim 0:
@@ -22,7 +23,12 @@ microseconds; a batch holds as many calls as fit in `--batch-ms` (at least
 one, the same count on every rank). Ratios are shardwise / the other system
 (target for the even layout: <= 1.2x). Every system's forward result is
 checked against plain torch on the whole tensor first; a wrong one is marked
-`WRONG`. An op that raises in a system prints its error in that cell.
+`WRONG`. An op that raises in a system prints its error in that cell; one that
+kills the rank processes (PhysicsNeMo's uneven `cat` aborts gloo with a size
+mismatch) is marked, with the other pass of that op, and the run resumes
+after the rows already measured. "DTensor result" gives DTensor's output
+placements: `P(sum)` is a Partial result whose all-reduce DTensor defers
+(shardwise reduces at once), which the `.full_tensor()` rows force.
 
 `F.linear(x, W)` takes a plain replicated weight (out features = the columns /
 4): a plain tensor for shardwise, which promotes it, `Replicate()` for DTensor
@@ -34,11 +40,12 @@ collectives in one shardwise call (untimed, counted by wrapping
 counts N (a ring all-reduce moves about 2(W-1)/W N on the wire),
 `all_to_all_single` the bytes for the other ranks, `broadcast` N at the
 source, `all_gather` the rank's own piece; object exchanges count their
-pickled size. "-" is nothing sent. DTensor and ShardTensor go through
-functional collectives and are not counted.
+pickled size. "-" is nothing sent; "(fallback: op)" names ops that ran through
+shardwise's gather fallback (`shardwise.ops.FALLBACK_OPS`). DTensor and
+ShardTensor go through functional collectives and are not counted.
 
-`--profile OP` runs the even-layout shardwise forward of OP under cProfile on
-rank 0 (the first size) and prints the top functions.
+`--profile OP` runs OP's even-layout shardwise calls (each size, each pass) under
+cProfile on rank 0 and prints the top functions.
 """
 
 from __future__ import annotations
@@ -48,9 +55,10 @@ import json
 import math
 import pickle
 import statistics
+import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +73,18 @@ def _linear(x: Any, w: Any) -> Any:
     return F.linear(x, w)
 
 
+def _full(y: Any) -> Any:
+    """DTensor leaves a reduction Partial (the all-reduce deferred); this row forces it."""
+    return y.full_tensor() if hasattr(y, "full_tensor") else y
+
+
 # name -> (function of (x, weight), differentiable)
 OPS: dict[str, tuple[Callable[[Any, Any], Any], bool]] = {
     "x * 2 + 1": (lambda x, w: x * 2 + 1, True),
     "x.sum()": (lambda x, w: x.sum(), True),
     "x.sum(dim=0)": (lambda x, w: x.sum(dim=0), True),
+    "x.sum().full_tensor()": (lambda x, w: _full(x.sum()), True),
+    "x.sum(dim=0).full_tensor()": (lambda x, w: _full(x.sum(dim=0)), True),
     "x.sum(dim=1)": (lambda x, w: x.sum(dim=1), True),
     "softmax(dim=1)": (lambda x, w: torch.softmax(x, dim=1), True),
     "layer_norm(last dim)": (lambda x, w: F.layer_norm(x, x.shape[-1:]), True),
@@ -132,7 +147,7 @@ class _Counter:
             src = kwargs.get("src", args[1] if len(args) > 1 else 0)
             return _nbytes(args[0]) if dist.get_rank() == src else 0
         if name == "all_to_all_single":
-            out, inp = args[0], args[1]
+            inp = args[1]
             splits = kwargs.get("input_split_sizes", args[3] if len(args) > 3 else None)
             world = dist.get_world_size(group)
             me = dist.get_rank(group)
@@ -200,24 +215,29 @@ def _whole(y: Any) -> torch.Tensor:
     return y
 
 
-def _rank(
-    rank: int,
-    world: int,
-    sizes: list[tuple[int, int]],
-    ops: list[str],
-    repeat: int,
-    batch_s: float,
-    max_calls: int,
-    profile: str | None,
-    verbose: bool = False,
-) -> dict[str, Any]:
+def _row_key(size: tuple[int, int] | list[int], op: str, pass_: str) -> str:
+    return f"{size[0]}x{size[1]} | {op} | {pass_}"
+
+
+def _rank(rank: int, world: int, work: dict[str, Any]) -> bool:
+    """Measure every row of `work` not in `work["done"]`; rank 0 appends each finished row
+    to `rows.jsonl` in `work["folder"]` and names the cell it is in in `progress`, so that
+    a cell that kills the processes (a collective mismatch aborts gloo) can be skipped on
+    a rerun. Returns whether PhysicsNeMo imported."""
+    import os
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     import shardwise as sw
+    from shardwise.ops import FALLBACK_OPS
     from shardwise.testing import seconds_across_ranks
 
+    folder = Path(work["folder"])
+    err = os.open(folder / f"rank{rank}.err", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(err, 2)  # an abort's message (gloo's) lands where the parent can read it
+    os.close(err)
     warnings.simplefilter("ignore")  # PhysicsNeMo's funcol deprecation notes
     torch.set_num_threads(1)
     try:
@@ -225,6 +245,7 @@ def _rank(
     except Exception:  # not installed, or broken: its columns are left out
         ShardTensor = None
     mesh = init_device_mesh("cpu", (world,))
+    batch_s, max_calls, repeat = work["batch_s"], work["max_calls"], work["repeat"]
 
     def agree_failed(failed: bool) -> int:
         """-1 when no rank failed, else the lowest failing rank. Collective."""
@@ -238,7 +259,7 @@ def _rank(
         even = torch.chunk(full, world, 0)[rank].clone()
         counts = uneven_rows(rows, world)
         uneven = full.split(counts)[rank].clone()
-        shapes = {0: [(n, cols) for n in counts]}
+        shapes: dict[int, Sequence[Any]] = {0: [(n, cols) for n in counts]}
         makers: dict[str, Callable[[torch.Tensor], Any]] = {
             "DTensor": lambda t: DTensor.from_local(t, mesh, [Shard(0)], run_check=False),
             "shardwise even": lambda t: sw.ShardedTensor.from_local(t, mesh, [Shard(0)]),
@@ -279,119 +300,133 @@ def _rank(
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return max(1, min(max_calls, int(batch_s / max(float(t), 1e-7))))
 
-    results: list[dict[str, Any]] = []
-    profiled: str | None = None
-    for size in sizes:
+    def measure(
+        name: str, built: Any, fn: Callable[..., Any], pass_: str, expected: Any, key: str
+    ) -> dict[str, Any]:
+        cell: dict[str, Any] = {}
+        if built is None:
+            return {"skipped": "physicsnemo.domain_parallel does not import"}
+        if isinstance(built, str):
+            return {"error": f"building the input: {built}"}
+        if key in work["crashed"]:
+            return {"error": work["crashed"][key]}
+        x, w, xg, wg = built
+        error = None
+        call: Callable[[], Any]
+        try:
+            if pass_ == "fwd":
+                y = fn(x, w)
+
+                def call(x: Any = x, w: Any = w) -> Any:
+                    return fn(x, w)
+
+            else:
+                y = fn(xg, wg)
+                g = torch.ones_like(y)
+
+                def call(xg: Any = xg, wg: Any = wg, g: Any = g) -> Any:
+                    xg.grad = None
+                    wg.grad = None
+                    fn(xg, wg).backward(g)
+
+                call()
+        except Exception as e:
+            error = _error(e)
+        failed = agree_failed(error is not None)
+        if failed >= 0:
+            return {"error": error or f"failed on rank {failed}"}
+        if pass_ == "fwd":  # the value, against plain torch on the whole tensor
+            if isinstance(y, sw.ShardedTensor):
+                cell["layout"] = repr(y.layout_spec)
+            elif isinstance(y, DTensor):
+                cell["placements"] = [str(p) for p in y.placements]
+            try:
+                got: torch.Tensor | None = _whole(y)
+            except Exception as e:
+                got, cell["check error"] = None, _error(e)
+            ok = True
+            if rank == 0 and got is not None and expected is not None:
+                ok = got.shape == expected.shape and torch.allclose(
+                    got.float(), expected, rtol=1e-4, atol=1e-3
+                )
+            right = agree_failed(not ok) < 0
+            if got is not None:
+                cell["right"] = right
+            del got
+        del y
+        if name.startswith("shardwise"):
+            before = dict(FALLBACK_OPS)
+            with _Counter() as counter:
+                call()
+            cell["sent"] = counter.calls
+            cell["fallback"] = sorted(
+                str(op) for op, k in FALLBACK_OPS.items() if k > before.get(op, 0)
+            )
+        n = calls_per_batch(call)
+
+        def batch() -> None:
+            for _ in range(n):
+                call()
+
+        seconds = seconds_across_ranks(batch, repeat, warmup=False)
+        cell["us"] = seconds / n * 1e6
+        cell["calls"] = n
+        if work["profile"] == key.split(" | ")[1] and name == "shardwise even":
+            text = _profile(call, n, rank)
+            if text is not None:
+                with open(folder / "profile.txt", "a") as f:
+                    f.write(f"\n== cProfile, rank 0, shardwise even, {key}\n\n{text}")
+        return cell
+
+    shardwise_names = [n for n in SYSTEMS if n.startswith("shardwise")]
+    for size in work["sizes"]:
+        rows_needed = [
+            (op, pass_)
+            for op in work["ops"]
+            for pass_ in (PASSES if OPS[op][1] else PASSES[:1])
+            if _row_key(size, op, pass_) not in work["done"]
+        ]
+        if not rows_needed:
+            continue
         gen = torch.Generator().manual_seed(1234)
         full = torch.randn(size, generator=gen)
         weight = torch.randn((max(1, size[1] // 4), size[1]), generator=gen)
         systems = build(full, weight)
-        for op in ops:
-            fn, differentiable = OPS[op]
-            expected: torch.Tensor | None = None
-            if rank == 0:
+        expected: dict[str, torch.Tensor | None] = {}
+        for op, pass_ in rows_needed:
+            fn = OPS[op][0]
+            if rank == 0 and op not in expected:
                 try:
-                    expected = fn(full, weight)
+                    expected[op] = fn(full, weight)
                 except Exception:
-                    expected = None
-            for pass_ in PASSES if differentiable else PASSES[:1]:
-                row: dict[str, Any] = {"size": list(size), "op": op, "pass": pass_}
-                for name in SYSTEMS:
-                    cell: dict[str, Any] = {}
-                    row[name] = cell
-                    built = systems.get(name)
-                    if built is None:
-                        cell["skipped"] = "physicsnemo.domain_parallel does not import"
+                    expected[op] = None
+            row_key = _row_key(size, op, pass_)
+            row: dict[str, Any] = {"size": list(size), "op": op, "pass": pass_}
+            for name in SYSTEMS:
+                key = f"{row_key} | {name}"
+                if rank == 0:
+                    (folder / "progress").write_text(key)
+                if work["verbose"]:
+                    print(f"rank {rank}: {key}", flush=True)
+                row[name] = measure(name, systems.get(name), fn, pass_, expected.get(op), key)
+            # the busiest rank's bytes, per shardwise cell
+            everyone: list[Any] = [None] * world
+            dist.all_gather_object(everyone, [row[n].get("sent") for n in shardwise_names])
+            if rank == 0:
+                for j, name in enumerate(shardwise_names):
+                    per_rank = [everyone[r][j] for r in range(world)]
+                    if per_rank[0] is None:
                         continue
-                    if isinstance(built, str):
-                        cell["error"] = f"building the input: {built}"
-                        continue
-                    x, w, xg, wg = built
-                    if verbose:
-                        print(f"rank {rank}: {size} {op} {pass_} {name}", flush=True)
-                    error = None
-                    call: Callable[[], Any]
-                    try:
-                        if pass_ == "fwd":
-                            y = fn(x, w)
-
-                            def call(x: Any = x, w: Any = w) -> Any:
-                                return fn(x, w)
-
-                        else:
-                            y = fn(xg, wg)
-                            g = torch.ones_like(y)
-
-                            def call(xg: Any = xg, wg: Any = wg, g: Any = g) -> Any:
-                                xg.grad = None
-                                wg.grad = None
-                                fn(xg, wg).backward(g)
-
-                            call()
-                    except Exception as e:
-                        error = _error(e)
-                    failed = agree_failed(error is not None)
-                    if failed >= 0:
-                        cell["error"] = error or f"failed on rank {failed}"
-                        continue
-                    if pass_ == "fwd":  # the value, against plain torch on the whole tensor
-                        if isinstance(y, sw.ShardedTensor):
-                            cell["layout"] = repr(y.layout_spec)
-                        elif isinstance(y, DTensor):
-                            cell["placements"] = [str(p) for p in y.placements]
-                        try:
-                            got: torch.Tensor | None = _whole(y)
-                        except Exception as e:
-                            got, cell["check error"] = None, _error(e)
-                        ok = True
-                        if rank == 0 and got is not None and expected is not None:
-                            ok = got.shape == expected.shape and torch.allclose(
-                                got.float(), expected, rtol=1e-4, atol=1e-3
-                            )
-                        right = agree_failed(not ok) < 0
-                        if got is not None:
-                            cell["right"] = right
-                        del got
-                    del y
-                    if name.startswith("shardwise"):
-                        with _Counter() as counter:
-                            call()
-                        cell["sent"] = counter.calls
-                    n = calls_per_batch(call)
-
-                    def batch(call: Callable[[], Any] = call, n: int = n) -> None:
-                        for _ in range(n):
-                            call()
-
-                    seconds = seconds_across_ranks(batch, repeat, warmup=False)
-                    cell["us"] = seconds / n * 1e6
-                    cell["calls"] = n
-                    if (
-                        profile == op
-                        and profiled is None
-                        and name == "shardwise even"
-                        and pass_ == "fwd"
-                    ):
-                        profiled = _profile(call, n, rank)
-                results.append(row)
-    # the busiest rank's bytes, per shardwise cell
-    sent = [
-        [row[name].get("sent") for name in SYSTEMS if name.startswith("shardwise")]
-        for row in results
-    ]
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, sent)
+                    totals = [sum(b for _, b in calls) for calls in per_rank]
+                    busiest = max(range(world), key=lambda r: totals[r])
+                    row[name]["sent"] = describe_sent(per_rank[busiest])
+                    row[name]["sent bytes per rank"] = totals
+                with open(folder / "rows.jsonl", "a") as f:
+                    f.write(json.dumps(row, default=str) + "\n")
+        del systems
     if rank == 0:
-        for i, row in enumerate(results):
-            for j, name in enumerate(n for n in SYSTEMS if n.startswith("shardwise")):
-                per_rank = [everyone[r][i][j] for r in range(world)]
-                if per_rank[0] is None:
-                    continue
-                totals = [sum(b for _, b in calls) for calls in per_rank]
-                busiest = max(range(world), key=lambda r: totals[r])
-                row[name]["sent"] = describe_sent(per_rank[busiest])
-                row[name]["sent bytes per rank"] = totals
-    return {"rows": results, "profile": profiled, "physicsnemo": ShardTensor is not None}
+        (folder / "progress").write_text("")
+    return ShardTensor is not None
 
 
 def _profile(call: Callable[[], Any], n: int, rank: int) -> str | None:
@@ -410,8 +445,8 @@ def _profile(call: Callable[[], Any], n: int, rank: int) -> str | None:
     profiler.disable()
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("tottime").print_stats(25)
-    stats.sort_stats("cumulative").print_stats(25)
+    stats.sort_stats("tottime").print_stats(20)
+    stats.sort_stats("cumulative").print_stats(30)
     return text.getvalue()
 
 
@@ -440,6 +475,14 @@ def _placements(c: dict[str, Any]) -> str:
     return ",".join(short.get(p, "P" if p.startswith("Partial") else p) for p in c["placements"])
 
 
+def _sent(c: dict[str, Any]) -> str:
+    text = c.get("sent", "-")
+    if c.get("fallback"):
+        ops = ", ".join(op.removeprefix("aten.") for op in c["fallback"])
+        text += f" (fallback: {ops})"
+    return text
+
+
 HEADER = (
     "| size | op | pass | DTensor µs | shardwise µs | sw/DTensor | PhysicsNeMo µs "
     "| shardwise uneven µs | sw/PhysicsNeMo | DTensor result | shardwise sent / rank "
@@ -452,7 +495,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         dt, se, pn, su = (r[name] for name in SYSTEMS)
         size = "x".join(str(s) for s in r["size"])
-        sent = f"{se.get('sent', '-')}; {su.get('sent', '-')}"
+        sent = f"{_sent(se)}; {_sent(su)}"
         lines.append(
             f"| {size} | `{r['op']}` | {r['pass']} | {_cell(dt)} | {_cell(se)} | {_ratio(se, dt)} "
             f"| {_cell(pn)} | {_cell(su)} | {_ratio(su, pn)} | {_placements(dt)} | {sent} |"
@@ -460,9 +503,85 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> None:
+def _crash_message(folder: Path, error: BaseException) -> str:
+    """What killed the ranks: an abort's `what():` line from a rank's stderr, else `error`."""
+    for path in sorted(folder.glob("rank*.err")):
+        lines = path.read_text(errors="replace").splitlines()
+        for line in reversed(lines):
+            if "what():" in line:
+                return line.split("what():", 1)[1].strip()[:300]
+    return str(error).splitlines()[0][:300]
+
+
+def measure_all(
+    world: int,
+    sizes: list[tuple[int, int]],
+    ops: list[str],
+    repeat: int,
+    batch_s: float,
+    max_calls: int,
+    *,
+    profile: str | None = None,
+    verbose: bool = False,
+    timeout: float = 1800,
+) -> tuple[list[dict[str, Any]], str | None, bool]:
+    """Every row (size, op, pass) measured on `world` ranks: (rows, profile text, whether
+    PhysicsNeMo imported). A cell that kills the ranks is marked and the run resumed."""
+    import tempfile
+
+    from shardwise.errors import RankFailureError
     from shardwise.testing import run_ranks
 
+    with tempfile.TemporaryDirectory(prefix="shardwise-bench-ops-") as tmp:
+        folder = Path(tmp)
+        work: dict[str, Any] = {
+            "folder": tmp,
+            "sizes": sizes,
+            "ops": ops,
+            "repeat": repeat,
+            "batch_s": batch_s,
+            "max_calls": max_calls,
+            "profile": profile,
+            "verbose": verbose,
+            "crashed": {},
+            "done": set(),
+        }
+        while True:
+            try:
+                physicsnemo = run_ranks(_rank, world, work, timeout=timeout)[0]
+                break
+            except RankFailureError as e:
+                progress = folder / "progress"
+                key = progress.read_text() if progress.exists() else ""
+                if not key or key in work["crashed"] or len(work["crashed"]) >= 40:
+                    raise
+                message = _crash_message(folder, e)
+                work["crashed"][key] = f"crashed the ranks: {message}"
+                crashed_pass = key.split(" | ")[2]
+                for pass_ in PASSES:  # the other pass runs the same forward: not run
+                    other = key.replace(f" | {crashed_pass} | ", f" | {pass_} | ")
+                    work["crashed"].setdefault(
+                        other, f"not run, its {crashed_pass} crashed the ranks: {message}"
+                    )
+                print(f"{key}: {message}; resuming without it", file=sys.stderr)
+                rows_file = folder / "rows.jsonl"
+                if rows_file.exists():
+                    done = [json.loads(line) for line in rows_file.read_text().splitlines()]
+                    work["done"] = {_row_key(r["size"], r["op"], r["pass"]) for r in done}
+                for path in folder.glob("rank*.err"):
+                    path.unlink()
+        rows_text = (folder / "rows.jsonl").read_text()
+        rows = [json.loads(line) for line in rows_text.splitlines()]
+        profile_file = folder / "profile.txt"
+        profiled = profile_file.read_text() if profile_file.exists() else None
+    order = {_row_key(s, o, p): i for i, (s, o, p) in enumerate(
+        (s, o, p) for s in sizes for o in ops for p in PASSES
+    )}  # fmt: skip
+    rows.sort(key=lambda r: order[_row_key(r["size"], r["op"], r["pass"])])
+    return rows, profiled, physicsnemo
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -474,16 +593,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-ms", type=float, default=20.0, help="time per batch (default 20)")
     parser.add_argument("--max-calls", type=int, default=200, help="calls per batch at most")
     parser.add_argument("--ops", help="op names separated by ; (default: all)")
-    parser.add_argument("--verbose", action="store_true", help="each rank names each cell")
     parser.add_argument("--json", help="write every number to this file")
-    parser.add_argument("--profile", metavar="OP", help="cProfile OP's shardwise forward, rank 0")
+    parser.add_argument("--profile", metavar="OP", help="cProfile OP's shardwise calls, rank 0")
+    parser.add_argument("--verbose", action="store_true", help="each rank names each cell")
     parser.add_argument(
-        "--quick", action="store_true", help="sizes 512x128,64x16, 1 repeat, 2 ms batches"
+        "--quick", action="store_true", help="size 256x64, 1 repeat, 2 ms batches: a smoke run"
     )
     args = parser.parse_args(argv)
     if args.quick:
         if args.sizes == parser.get_default("sizes"):
-            args.sizes = "512x128,64x16"
+            args.sizes = "256x64"
         args.repeat, args.batch_ms, args.max_calls = 1, 2.0, 20
     sizes = [_parse_size(s) for s in args.sizes.split(",") if s]
     ops = list(OPS) if not args.ops else [o.strip() for o in args.ops.split(";")]
@@ -493,24 +612,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile is not None and args.profile not in ops:
         parser.error(f"--profile {args.profile!r} is not among the ops run")
     start = time.perf_counter()
-    out = run_ranks(
-        _rank,
+    rows, profiled, physicsnemo = measure_all(
         args.world_size,
         sizes,
         ops,
         args.repeat,
         args.batch_ms / 1000,
         args.max_calls,
-        args.profile,
-        args.verbose,
-        timeout=3600,
-    )[0]
+        profile=args.profile,
+        verbose=args.verbose,
+    )
     elapsed = time.perf_counter() - start
-    rows = out["rows"]
     print(
         f"shardwise bench ops: {args.world_size} gloo ranks (CPU, 1 thread each), float32, "
         f"dim 0 sharded; median of {args.repeat} batches, slowest rank, µs per call; "
-        f"PhysicsNeMo {'on' if out['physicsnemo'] else 'not importable: n/a'} "
+        f"PhysicsNeMo {'on' if physicsnemo else 'not importable: n/a'} "
         f"(uneven rows {' : '.join(str(w) for w in range(args.world_size, 0, -1))}); "
         f"{elapsed:.0f} s\n"
     )
@@ -535,9 +651,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     if wrong:
         print("WRONG results (against plain torch): " + "; ".join(wrong))
-    if out["profile"]:
-        print(f"\n== cProfile, rank 0, shardwise even forward of {args.profile!r}\n")
-        print(out["profile"])
+    if profiled:
+        print(profiled)
     if args.json:
         record = {
             "world_size": args.world_size,
@@ -545,8 +660,9 @@ def main(argv: list[str] | None = None) -> None:
             "repeat": args.repeat,
             "batch_ms": args.batch_ms,
             "seconds": elapsed,
+            "physicsnemo": physicsnemo,
             "rows": rows,
-            "profile": out["profile"],
+            "profile": profiled,
         }
         Path(args.json).write_text(json.dumps(record, indent=2, default=str))
 

@@ -85,6 +85,8 @@ class _FullTensor(torch.autograd.Function):
         ctx.layout = st.layout_spec
         ctx.rank, ctx.group, ctx.mesh = st.rank, st.group, st._mesh
         whole = Layout.replicated(st.shape, st.layout_spec.world_size)
+        if st.layout_spec == whole:  # a reduction's result: already whole, nothing to move
+            return st.local_shards()[0].view_as(st.local_shards()[0])
         (full,) = move(st, whole)
         return full
 

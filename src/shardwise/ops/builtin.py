@@ -9,9 +9,8 @@ from typing import Any
 import torch
 
 from ..tensor import ShardedTensor
-from .exchange import local_in, whole
-from .fallback import fallback
-from .per_shard import per_shard
+from .exchange import local_in, replicated, whole
+from .per_shard import named, per_shard
 from .pointwise import pointwise
 
 __all__ = ["BUILTIN_HANDLERS"]
@@ -90,8 +89,11 @@ def _shardwise(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
 )
 def _new_factory(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
     ref, size = args[0], tuple(args[1])
-    if size != tuple(ref.shape):  # another shape: a replicated tensor (no layout to keep)
-        return fallback(func, args, kwargs)
+    if size != tuple(ref.shape):  # another shape: a replicated tensor, made locally
+        value = func(
+            torch.empty((), dtype=ref.dtype, device=ref.device), list(size), *args[2:], **kwargs
+        )
+        return ref._with_layout(replicated(size, ref._layout.world_size), [value])
     shards = [func(s, list(s.shape), *args[2:], **kwargs) for s in ref._shards]
     return ref._with_shards(
         shards,
@@ -147,3 +149,27 @@ def _wait_tensor(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
     for shard in args[0].local_shards():
         func(shard)
     return args[0]
+
+
+# -- losses, as the ops they are made of ---------------------------------------------
+
+
+_REDUCTIONS = {0: None, 1: aten.mean.default, 2: aten.sum.default}
+
+
+@_handles(aten.mse_loss.default)
+def _mse_loss(func: Any, args: tuple, kwargs: dict) -> Any:
+    """(input - target)², reduced: pointwise shard by shard, then one all-reduce."""
+    a = named(func, args, kwargs)
+    diff = aten.sub.Tensor(a["self"], a["target"])
+    squares = aten.mul.Tensor(diff, diff)
+    reduce = _REDUCTIONS[a["reduction"]]
+    return squares if reduce is None else reduce(squares)
+
+
+@_handles(aten.mse_loss_backward.default)
+def _mse_loss_backward(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    diff = aten.sub.Tensor(a["self"], a["target"])
+    scale = 2.0 / a["self"].numel() if a["reduction"] == 1 else 2.0
+    return aten.mul.Tensor(aten.mul.Tensor(diff, scale), a["grad_output"])

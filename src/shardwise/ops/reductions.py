@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
@@ -98,18 +99,43 @@ def project(layout: Layout, dims: tuple[int, ...], keepdim: bool) -> Layout:
     return Layout(tuple(n for n in shape if n is not None), blocks, layout.world_size)
 
 
+_META: dict[Any, Any] = {}
+
+
+def _meta_key(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.dtype)
+    if isinstance(x, (list, tuple)):
+        return tuple(_meta_key(e) for e in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _meta_key(v)) for k, v in x.items()))
+    hash(x)  # anything unhashable is not cached (TypeError, caught by the caller)
+    return x
+
+
 def _meta(func: Any, args: tuple, kwargs: dict) -> Any:
-    """`func`'s result on meta tensors of the operands' global shapes: shapes and dtypes."""
+    """`func`'s result on meta tensors of the operands' global shapes: shapes and dtypes.
+    Cached by the operands' shapes and dtypes: some meta kernels are Python references
+    (`native_layer_norm`'s costs milliseconds), and a training step repeats its calls."""
+    try:
+        key: Any = (func, _meta_key(args), _meta_key(kwargs))
+    except TypeError:
+        key = None
+    if key is not None and key in _META:
+        return _META[key]
 
     def to_meta(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return torch.empty(x.shape, dtype=x.dtype, device="meta")
         return x
 
-    from torch.utils._pytree import tree_map
-
     meta_args, meta_kwargs = tree_map(to_meta, (args, kwargs))
-    return func(*meta_args, **meta_kwargs)
+    out = func(*meta_args, **meta_kwargs)
+    if key is not None:
+        if len(_META) > 4096:
+            _META.clear()
+        _META[key] = out
+    return out
 
 
 def _blockwise(

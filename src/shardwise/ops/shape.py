@@ -513,3 +513,60 @@ def _stack(func: Any, args: tuple, kwargs: dict) -> Any:
     dim = a["dim"] % (tensors[0].ndim + 1)
     lifted = [_unsqueeze(aten.unsqueeze.default, (_as_sharded(t, like), dim), {}) for t in tensors]
     return _cat(aten.cat.default, (lifted, dim), {})
+
+
+# -- the backward of slicing: zeros around the gradient, in its blocks -------------------
+
+
+def _widened(st: ShardedTensor, sizes: tuple[int, ...], dim: int, key: tuple) -> Layout:
+    """`st`'s blocks (which span `dim`) stretched along `dim` to the input's extent."""
+
+    def how(b: Block) -> Block:
+        offsets, extent = list(b.offsets), list(b.sizes)
+        offsets[dim], extent[dim] = 0, sizes[dim]
+        return Block(tuple(offsets), tuple(extent))
+
+    layout = _mapped(st._layout, sizes, how, key)
+    assert layout is not None
+    return layout
+
+
+@_handles(aten.slice_backward.default)
+def _slice_backward(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    grad, sizes, dim = a["grad_output"], tuple(a["input_sizes"]), a["dim"] % len(a["input_sizes"])
+    from .reductions import spans
+
+    if not isinstance(grad, ShardedTensor) or not spans(grad._layout, (dim,)):
+        return fallback(func, args, kwargs)
+    start, stop = _bounds(sizes[dim], a["start"], a["end"])
+    step = a["step"]
+    layout = _widened(grad, sizes, dim, ("slice_backward", dim))
+    shards = []
+    for shard, nb in zip(grad._shards, layout.blocks_of(grad._rank)):
+        out = shard.new_zeros(nb.sizes)
+        if not nb.is_empty():
+            index = [slice(None)] * len(sizes)
+            index[dim] = slice(start, max(start, stop), step)
+            out[tuple(index)] = shard
+        shards.append(out)
+    return grad._with_layout(layout, shards, dtype=grad.dtype, device=grad.device)
+
+
+@_handles(aten.select_backward.default)
+def _select_backward(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    grad, sizes = a["grad_output"], tuple(a["input_sizes"])
+    dim = a["dim"] % len(sizes)
+    if not isinstance(grad, ShardedTensor):
+        return fallback(func, args, kwargs)
+    index = a["index"] + sizes[dim] if a["index"] < 0 else a["index"]
+    lifted = _unsqueeze(aten.unsqueeze.default, (grad, dim), {})
+    layout = _widened(lifted, sizes, dim, ("select_backward", dim))
+    shards = []
+    for shard, nb in zip(lifted._shards, layout.blocks_of(grad._rank)):
+        out = shard.new_zeros(nb.sizes)
+        if not nb.is_empty():
+            out.narrow(dim, index, 1).copy_(shard)
+        shards.append(out)
+    return grad._with_layout(layout, shards, dtype=grad.dtype, device=grad.device)

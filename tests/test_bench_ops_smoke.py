@@ -1,0 +1,70 @@
+"""`shardwise bench ops --quick` at tiny sizes on 2 gloo ranks: the table has a row for every
+op and pass, shardwise's and DTensor's cells are numbers (no timing asserted), every result
+checked against plain torch is right, and the JSON holds the same rows."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.spawned  # the bench starts its ranks as processes
+
+ROOT = Path(__file__).resolve().parents[1]
+NUMBER = re.compile(r"^\d+(\.\d+)?$")
+RATIO = re.compile(r"^\d+\.\d\dx$")
+
+
+def test_the_quick_ops_bench_prints_every_op_with_numbers(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_ops
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    out = tmp_path / "ops.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardwise",
+            "bench",
+            "ops",
+            "--quick",
+            "--world-size",
+            "2",
+            "--sizes",
+            "32x8",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("| 32x8 |")]
+    expected = [
+        (op, pass_)
+        for op, (_fn, differentiable) in bench_ops.OPS.items()
+        for pass_ in (bench_ops.PASSES if differentiable else bench_ops.PASSES[:1])
+    ]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    assert [(c[1].strip("`"), c[2]) for c in cells] == expected
+    for c in cells:
+        dtensor, ours, ratio, physicsnemo, ours_uneven = c[3], c[4], c[5], c[6], c[7]
+        assert NUMBER.match(dtensor), c
+        assert NUMBER.match(ours), c  # a number: neither an error nor WRONG
+        assert NUMBER.match(ours_uneven), c
+        assert RATIO.match(ratio), c
+        assert NUMBER.match(physicsnemo) or physicsnemo.startswith(("error:", "n/a")), c
+    assert "WRONG" not in done.stdout
+    record = json.loads(out.read_text())
+    assert [(r["op"], r["pass"]) for r in record["rows"]] == expected
+    sums = [r for r in record["rows"] if r["op"] == "x.sum()"]
+    assert sums[0]["shardwise even"]["sent"] == "all_reduce 4 B"  # one float32 scalar
+    assert sums[0]["shardwise even"]["sent bytes per rank"] == [4, 4]
