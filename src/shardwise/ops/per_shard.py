@@ -6,6 +6,7 @@ tensor broadcasts against the global shape and each shard takes its block of it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -99,14 +100,28 @@ def is_inplace(func: Any) -> bool:
     return func._schema.name.endswith("_")
 
 
+@functools.lru_cache(maxsize=None)
+def _arguments(func: Any) -> tuple[tuple[str, bool, bool, Any], ...]:
+    """(name, keyword-only, has a default, the default) of each argument of `func`."""
+    return tuple(
+        (
+            a.name,
+            a.kwarg_only,
+            a.has_default_value(),
+            a.default_value if a.has_default_value() else None,
+        )
+        for a in func._schema.arguments
+    )
+
+
 def named(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     """`func`'s arguments by schema name, defaults filled in."""
     out: dict[str, Any] = {}
-    for i, arg in enumerate(func._schema.arguments):
-        if i < len(args) and not arg.kwarg_only:
-            out[arg.name] = args[i]
-        elif arg.name in kwargs:
-            out[arg.name] = kwargs[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
+    for i, (name, kwarg_only, has_default, default) in enumerate(_arguments(func)):
+        if i < len(args) and not kwarg_only:
+            out[name] = args[i]
+        elif name in kwargs:
+            out[name] = kwargs[name]
+        elif has_default:
+            out[name] = default
     return out

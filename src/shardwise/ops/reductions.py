@@ -337,6 +337,9 @@ def _along(dim_arg: str, *, keeps_shape: bool) -> Callable[[Any, tuple, dict], A
         a = named(func, args, kwargs)
         dims = _dims(a.get(dim_arg), ref.ndim)
         if ref.ndim and not spans(ref._layout, dims):
+            across = _ACROSS.get(func)
+            if across is not None and len(dims) == 1:
+                return across(a, dims[0])
             return fallback(func, args, kwargs)
         if len(sharded) > 1:  # backward ops: every operand has the first one's shape
             if any(tuple(x.shape) != tuple(ref.shape) for x in sharded):
@@ -357,6 +360,51 @@ def _along(dim_arg: str, *, keeps_shape: bool) -> Callable[[Any, tuple, dict], A
         return _blockwise(func, ref, args, kwargs, dims, bool(a.get("keepdim", False)))
 
     return handler
+
+
+# -- softmax along a sharded dimension: the reductions it needs, each one all-reduce ---------
+#
+# Composed of aten ops on the ShardedTensors themselves (each one dispatched to its rule):
+# the row maxima and sums along `dim` are reduced across ranks (2·O bytes each, O the
+# size of the result without `dim`), everything else is pointwise on the blocks.
+
+
+def _softmax_across(a: dict, dim: int) -> Any:
+    x = _as_float(a["self"], a.get("half_to_float", False))
+    shifted = aten.sub.Tensor(x, aten.amax.default(x, [dim], True))
+    e = aten.exp.default(shifted)
+    return aten.div.Tensor(e, aten.sum.dim_IntList(e, [dim], True))
+
+
+def _log_softmax_across(a: dict, dim: int) -> Any:
+    x = _as_float(a["self"], a.get("half_to_float", False))
+    shifted = aten.sub.Tensor(x, aten.amax.default(x, [dim], True))
+    total = aten.sum.dim_IntList(aten.exp.default(shifted), [dim], True)
+    return aten.sub.Tensor(shifted, aten.log.default(total))
+
+
+def _softmax_backward_across(a: dict, dim: int) -> Any:
+    grad, out = a["grad_output"], a["output"]
+    inner = aten.sum.dim_IntList(aten.mul.Tensor(grad, out), [dim], True)
+    return aten.mul.Tensor(out, aten.sub.Tensor(grad, inner))
+
+
+def _log_softmax_backward_across(a: dict, dim: int) -> Any:
+    grad, out = a["grad_output"], a["output"]
+    total = aten.sum.dim_IntList(grad, [dim], True)
+    return aten.sub.Tensor(grad, aten.mul.Tensor(aten.exp.default(out), total))
+
+
+def _as_float(x: Any, half_to_float: bool) -> Any:
+    return aten._to_copy.default(x, dtype=torch.float32) if half_to_float else x
+
+
+_ACROSS: dict[Any, Callable[[dict, int], Any]] = {
+    aten._softmax.default: _softmax_across,
+    aten._log_softmax.default: _log_softmax_across,
+    aten._softmax_backward_data.default: _softmax_backward_across,
+    aten._log_softmax_backward_data.default: _log_softmax_backward_across,
+}
 
 
 REDUCTION_HANDLERS.update(
