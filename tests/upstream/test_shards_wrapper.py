@@ -7,12 +7,13 @@ of that file is about one op, `aten.constant_pad_nd` (`F.pad(mode="constant")`),
 which LocalShardsWrapper handled in that version.
 
 Torch 2.13 does not: its installed `_shards_wrapper.py` has no such handler and
-raises NotImplementedError (asserted below), and shardwise refuses it the same way
-by design (SPEC §2: "Any other op raises NotImplementedError naming the op and
-pointing to sw.register_op(op, handler)"). So each upstream scenario runs twice:
+raises NotImplementedError (asserted below). shardwise has no rule for it either and
+runs it through its fallback (SPEC §9: an op without a rule falls back, never a
+silent wrong answer): the whole tensor padded, as `F.pad` pads it. So each upstream
+scenario runs twice:
 
-1. built in: the op is refused, naming itself and `register_op`, as torch 2.13's
-   LocalShardsWrapper refuses it;
+1. built in: the fallback gives `F.pad` of the whole tensor (torch's own error for an
+   invalid pad), where torch 2.13's LocalShardsWrapper refuses the op;
 2. through the registry: `sw.register_op(aten.constant_pad_nd.default, pad_blocks)`
    with a handler written here on the public API only (Layout/Block geometry,
    `from_layout`), and every upstream assertion (shard values and shapes, offsets,
@@ -160,20 +161,36 @@ VALID = [name for name in SCENARIOS if "invalid" not in name]
 
 
 @pytest.mark.parametrize("origin", list(SCENARIOS))
-def test_padding_is_refused_like_torch_2_13(origin):
-    """Every LocalShardsWrapperPaddingTest scenario: shardwise differs from the upstream
-    file (and agrees with torch 2.13): constant_pad_nd is not a built-in op (SPEC §2)."""
+def test_padding_falls_back_to_f_pad_of_the_whole(origin):
+    """Every LocalShardsWrapperPaddingTest scenario, built in: shardwise has no rule for
+    constant_pad_nd, so its fallback pads the whole tensor (torch 2.13's
+    LocalShardsWrapper refuses the op)."""
+    from shardwise.ops import FALLBACK_OPS
+
     make, calls = SCENARIOS[origin]
     shards, offsets = make()
     for pad, value in calls:
-        with pytest.raises(NotImplementedError, match=r"constant_pad_nd.*register_op"):
-            PAD(one_rank(shards, offsets), pad, value)
-        if len(pad) % 2 == 0:  # F.pad itself refuses odd lengths before any dispatch
-            with pytest.raises(NotImplementedError, match="constant_pad_nd"):
-                F.pad(one_rank(shards, offsets), pad, value=value)
+        st = one_rank(shards, offsets)
+        whole = _assembled(st)
+        if len(pad) % 2:  # torch's own error for an odd pad length, as on the whole tensor
+            with pytest.raises(RuntimeError, match="Length of pad must be even"):
+                PAD(st, pad, value)
+            continue
+        FALLBACK_OPS.clear()
+        out = PAD(st, pad, value)
+        assert FALLBACK_OPS == {PAD: 1}
+        assert torch.equal(_assembled(out), F.pad(whole, pad, value=value))
         if "invalid_1d" not in origin:  # upstream's 1-d fixture is malformed (see below)
             with pytest.raises(NotImplementedError, match="constant_pad_nd"):
                 PAD(LocalShardsWrapper(shards, offsets), pad, value)
+
+
+def _assembled(st: ShardedTensor) -> torch.Tensor:
+    """The whole tensor of a one-rank ShardedTensor, from its blocks."""
+    out = torch.zeros(st.shape, dtype=st.dtype)
+    for shard, block in zip(st.local_shards(), st.local_blocks):
+        out[block.slices()] = shard
+    return out
 
 
 def test_empty_shards_padding():
