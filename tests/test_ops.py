@@ -173,7 +173,7 @@ def test_ops_match_the_whole_tensor_on_one_rank(op):
     FALLBACK_OPS.clear()
     out = op(st)
     assert isinstance(out, ShardedTensor)
-    assert torch.allclose(_assemble(out), op(x))
+    assert torch.allclose(_assemble(out), op(x), rtol=1e-5, atol=1e-5)  # float32 sums
 
 
 def test_an_op_without_a_rule_falls_back_and_says_so(caplog):

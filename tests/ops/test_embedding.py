@@ -70,7 +70,8 @@ def _tables(rank: int, world: int) -> dict[str, dict[str, object]]:
     want, want_grad = _reference(lambda t: F.embedding(INDICES, t))
     out["sharded indices"] = {
         "values": torch.allclose(got, want, rtol=1e-12, atol=0),
-        "grad": type(w.grad) is torch.Tensor and torch.allclose(w.grad, want_grad, rtol=1e-12, atol=0),
+        "grad": type(w.grad) is torch.Tensor
+        and torch.allclose(w.grad, want_grad, rtol=1e-12, atol=0),
         "fallbacks": sorted(map(str, FALLBACK_OPS)),
     }
     return out

@@ -27,6 +27,7 @@ import torch
 
 from ..layout import Block
 from ..tensor import ShardedTensor
+from ..tensor.sharded import AUTOGRAD_FUNCTIONS
 from .exchange import is_replicated, local_in, replicated, whole
 from .reductions import _dims, _projected_block, project
 
@@ -171,6 +172,9 @@ FUNCTION_RULES: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     torch.mean: _reduce_rule(True),
     torch.Tensor.mean: _reduce_rule(True),
 }
+
+
+AUTOGRAD_FUNCTIONS.update(FUNCTION_RULES)
 
 
 def torch_function(func: Any, types: tuple, args: tuple, kwargs: dict) -> Any:

@@ -100,7 +100,7 @@ def is_inplace(func: Any) -> bool:
     return func._schema.name.endswith("_")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _arguments(func: Any) -> tuple[tuple[str, bool, bool, Any], ...]:
     """(name, keyword-only, has a default, the default) of each argument of `func`."""
     return tuple(

@@ -21,6 +21,7 @@ from .provided import provided
 from .provided_methods import ProvidedMethods
 
 __all__ = [
+    "AUTOGRAD_FUNCTIONS",
     "LocalView",
     "ShardedTensor",
     "handler_for",
@@ -221,7 +222,30 @@ def torch_function(func: Any, types: tuple, args: tuple = (), kwargs: dict | Non
     handler = handler_for(func)
     if handler is not None:
         return handler(func, types, args, kwargs)
-    return provided("torch_function")(func, types, args, kwargs)
+    if torch.is_grad_enabled() and (
+        func in AUTOGRAD_FUNCTIONS or _plain_requiring_grad(args) or _plain_requiring_grad(kwargs)
+    ):
+        return provided("torch_function")(func, types, args, kwargs)
+    return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+
+
+# Functions `shardwise.ops` handles at the autograd level (`sum`, `mean`: a backward that
+# keeps the layout); it fills the set when imported. Any other call goes straight on
+# unless a plain operand requires grad (then `ops` promotes it).
+AUTOGRAD_FUNCTIONS: set[Any] = set()
+
+
+def _plain_requiring_grad(values: Any) -> bool:
+    items = values.values() if isinstance(values, dict) else values
+    for x in items:
+        if isinstance(x, (list, tuple)):
+            if _plain_requiring_grad(x):
+                return True
+        elif (
+            isinstance(x, torch.Tensor) and not isinstance(x, ShardedTensor) and x.requires_grad
+        ):  # a ShardedTensor's own `requires_grad` would come back here: never asked
+            return True
+    return False
 
 
 # -----------------------------------------------------------------------------
