@@ -10,7 +10,7 @@ import torch
 
 from ..tensor import ShardedTensor
 from .exchange import local_in, replicated, whole
-from .per_shard import named, per_shard
+from .per_shard import named, per_shard, registrar
 from .pointwise import pointwise
 
 __all__ = ["BUILTIN_HANDLERS"]
@@ -20,13 +20,7 @@ aten = torch.ops.aten
 BUILTIN_HANDLERS: dict[Any, Callable[[Any, tuple, dict], Any]] = {}
 
 
-def _handles(*ops: Any) -> Callable[[Callable], Callable]:
-    def register(fn: Callable) -> Callable:
-        for op in ops:
-            BUILTIN_HANDLERS[op] = fn
-        return fn
-
-    return register
+_handles = registrar(BUILTIN_HANDLERS)
 
 
 _handles(

@@ -257,6 +257,18 @@ def _out_layout_cached(layout: Layout, plan: ConvPlan, shape: tuple[int, ...]) -
     return Layout(shape, blocks, layout.world_size)
 
 
+def _geometry(a: dict, padding: list[int]) -> tuple[Any, ...]:
+    """The convolution's arguments after its tensors, with the local `padding`."""
+    return (
+        a["stride"],
+        padding,
+        a["dilation"],
+        a["transposed"],
+        a["output_padding"],
+        a["groups"],
+    )
+
+
 def _unpadded(padding: list[int], dim: int) -> list[int]:
     out = list(padding)
     out[dim - 2] = 0
@@ -274,19 +286,7 @@ def conv_forward(
             shape[plan.dim] = 0
             shards.append(torch.empty(shape, dtype=meta.dtype, device=x.device))
             continue
-        shards.append(
-            func(
-                ext,
-                weight,
-                bias,
-                a["stride"],
-                padding,
-                a["dilation"],
-                a["transposed"],
-                a["output_padding"],
-                a["groups"],
-            )
-        )
+        shards.append(func(ext, weight, bias, *_geometry(a, padding)))
     layout = _out_layout(x, plan, tuple(meta.shape))
     return x._with_layout(layout, shards, dtype=meta.dtype, device=x.device)
 
@@ -311,12 +311,7 @@ def conv_backward(
             ext,
             weight,
             a["bias_sizes"],
-            a["stride"],
-            padding,
-            a["dilation"],
-            a["transposed"],
-            a["output_padding"],
-            a["groups"],
+            *_geometry(a, padding),
             [True, mask[1], mask[2]],
         )
         # drop the zero padding past the edges: keep the wanted (clipped) rows

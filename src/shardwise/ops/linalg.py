@@ -36,7 +36,7 @@ from ..tensor import ShardedTensor
 from .exchange import all_reduce, is_replicated, primary_blocks, replicated, whole
 from .fallback import fallback
 from .halo import conv_backward, conv_forward, conv_plan, sharded_spatial_dim
-from .per_shard import named
+from .per_shard import named, registrar
 from .reductions import spans, summed
 
 __all__ = ["LINALG_HANDLERS"]
@@ -46,13 +46,7 @@ aten = torch.ops.aten
 LINALG_HANDLERS: dict[Any, Callable[[Any, tuple, dict], Any]] = {}
 
 
-def _handles(*ops: Any) -> Callable[[Callable], Callable]:
-    def register(fn: Callable) -> Callable:
-        for op in ops:
-            LINALG_HANDLERS[op] = fn
-        return fn
-
-    return register
+_handles = registrar(LINALG_HANDLERS)
 
 
 def _whole(x: Any) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..errors import LayoutError
 from ..tensor import ShardedTensor
 
-__all__ = ["is_inplace", "named", "per_shard", "sharded_args", "wrap"]
+__all__ = ["is_inplace", "named", "per_shard", "registrar", "sharded_args", "wrap"]
 
 
 def sharded_args(args: tuple, kwargs: dict) -> list[ShardedTensor]:
@@ -125,3 +125,17 @@ def named(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         elif has_default:
             out[name] = default
     return out
+
+
+def registrar(table: dict[Any, Callable[[Any, tuple, dict], Any]]) -> Callable[..., Callable]:
+    """A decorator `@handles(op, ...)` that files a rule under each op in `table`."""
+
+    def handles(*ops: Any) -> Callable[[Callable], Callable]:
+        def register(fn: Callable) -> Callable:
+            for op in ops:
+                table[op] = fn
+            return fn
+
+        return register
+
+    return handles

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .exchange import all_reduce, is_replicated, local_in, primary_blocks, replicated, whole
 from .fallback import fallback
-from .per_shard import named, sharded_args
+from .per_shard import named, registrar, sharded_args
 
 __all__ = ["REDUCTION_HANDLERS", "project", "spans", "summed"]
 
@@ -42,13 +42,7 @@ aten = torch.ops.aten
 REDUCTION_HANDLERS: dict[Any, Callable[[Any, tuple, dict], Any]] = {}
 
 
-def _handles(*ops: Any) -> Callable[[Callable], Callable]:
-    def register(fn: Callable) -> Callable:
-        for op in ops:
-            REDUCTION_HANDLERS[op] = fn
-        return fn
-
-    return register
+_handles = registrar(REDUCTION_HANDLERS)
 
 
 def _dims(dim: Any, ndim: int) -> tuple[int, ...]:
@@ -235,6 +229,30 @@ def _count(st: ShardedTensor, dims: tuple[int, ...]) -> int:
     return math.prod(st.shape[d] for d in dims)
 
 
+class _Across(NamedTuple):
+    """A reduction along a sharded dimension, ready for `_partial`."""
+
+    st: ShardedTensor
+    a: dict[str, Any]
+    dims: tuple[int, ...]
+    keepdim: bool
+    out_dtype: torch.dtype
+
+
+def _across(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The reduction's result when no exchange is needed (every block spans the reduced
+    dims, or no sharded input), else what `_partial` needs to reduce across ranks."""
+    st = args[0]
+    if not isinstance(st, ShardedTensor):
+        return fallback(func, args, kwargs)
+    a = named(func, args, kwargs)
+    dims = _dims(a.get("dim"), st.ndim)
+    keepdim = bool(a.get("keepdim", False))
+    if st.ndim == 0 or spans(st._layout, dims):
+        return _blockwise(func, st, args, kwargs, dims, keepdim)
+    return _Across(st, a, dims, keepdim, _meta(func, args, kwargs).dtype)
+
+
 @_handles(
     aten.sum.default,
     aten.sum.dim_IntList,
@@ -247,20 +265,16 @@ def _count(st: ShardedTensor, dims: tuple[int, ...]) -> int:
     aten.nansum.default,
 )
 def _reduce(func: Any, args: tuple, kwargs: dict) -> Any:
-    st = args[0]
-    if not isinstance(st, ShardedTensor) or len(sharded_args(args, kwargs)) > 1:
+    if len(sharded_args(args, kwargs)) > 1:
         return fallback(func, args, kwargs)
-    a = named(func, args, kwargs)
-    dims = _dims(a.get("dim"), st.ndim)
-    keepdim = bool(a.get("keepdim", False))
-    if st.ndim == 0 or spans(st._layout, dims):
-        return _blockwise(func, st, args, kwargs, dims, keepdim)
-    out_dtype = _meta(func, args, kwargs).dtype
+    ready = _across(func, args, kwargs)
+    if not isinstance(ready, _Across):
+        return ready
+    st, a, dims, keepdim, out_dtype = ready
     name = func._schema.name
     if name in ("aten::sum", "aten::mean", "aten::nansum"):
-        compute = out_dtype if name != "aten::mean" else out_dtype
         nan = (lambda s: s.nan_to_num(nan=0.0)) if name == "aten::nansum" else None
-        value = _partial(st, dims, _SUM, compute, nan)
+        value = _partial(st, dims, _SUM, out_dtype, nan)
         if name == "aten::mean":
             value = value / _count(st, dims)
     elif name in ("aten::amax", "aten::max"):
@@ -274,15 +288,10 @@ def _reduce(func: Any, args: tuple, kwargs: dict) -> Any:
 
 @_handles(aten.linalg_vector_norm.default)
 def _norm(func: Any, args: tuple, kwargs: dict) -> Any:
-    st = args[0]
-    if not isinstance(st, ShardedTensor):
-        return fallback(func, args, kwargs)
-    a = named(func, args, kwargs)
-    dims = _dims(a.get("dim"), st.ndim)
-    keepdim = bool(a.get("keepdim", False))
-    if st.ndim == 0 or spans(st._layout, dims):
-        return _blockwise(func, st, args, kwargs, dims, keepdim)
-    out_dtype = _meta(func, args, kwargs).dtype
+    ready = _across(func, args, kwargs)
+    if not isinstance(ready, _Across):
+        return ready
+    st, a, dims, keepdim, out_dtype = ready
     ord_ = float(a.get("ord", 2))
     if ord_ == math.inf:
         value = _partial(st, dims, _MAX, out_dtype, lambda s: s.abs().to(out_dtype))
@@ -298,15 +307,10 @@ def _norm(func: Any, args: tuple, kwargs: dict) -> Any:
 
 @_handles(aten.var.correction, aten.std.correction)
 def _variance(func: Any, args: tuple, kwargs: dict) -> Any:
-    st = args[0]
-    if not isinstance(st, ShardedTensor):
-        return fallback(func, args, kwargs)
-    a = named(func, args, kwargs)
-    dims = _dims(a.get("dim"), st.ndim)
-    keepdim = bool(a.get("keepdim", False))
-    if st.ndim == 0 or spans(st._layout, dims):
-        return _blockwise(func, st, args, kwargs, dims, keepdim)
-    out_dtype = _meta(func, args, kwargs).dtype
+    ready = _across(func, args, kwargs)
+    if not isinstance(ready, _Across):
+        return ready
+    st, a, dims, keepdim, out_dtype = ready
     correction = a.get("correction")
     correction = 1 if correction is None else float(correction)
     count = _count(st, dims)

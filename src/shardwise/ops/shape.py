@@ -26,7 +26,7 @@ from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .exchange import is_replicated, replicated
 from .fallback import fallback
-from .per_shard import named, sharded_args
+from .per_shard import named, registrar, sharded_args
 
 __all__ = ["SHAPE_HANDLERS"]
 
@@ -35,13 +35,7 @@ aten = torch.ops.aten
 SHAPE_HANDLERS: dict[Any, Callable[[Any, tuple, dict], Any]] = {}
 
 
-def _handles(*ops: Any) -> Callable[[Callable], Callable]:
-    def register(fn: Callable) -> Callable:
-        for op in ops:
-            SHAPE_HANDLERS[op] = fn
-        return fn
-
-    return register
+_handles = registrar(SHAPE_HANDLERS)
 
 
 def _empty(ndim: int) -> Block:

@@ -436,17 +436,7 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         device: torch.device | None = None,
     ) -> ShardedTensor:
         """A new ShardedTensor of this layout, rank and group around `shards`."""
-        if shards:
-            dtype, device = shards[0].dtype, shards[0].device
-        out = ShardedTensor(
-            self._layout,
-            shards,
-            self._rank,
-            dtype=dtype or self.dtype,
-            device=device or self.device,
-            group=self._group,
-            mesh=self._mesh,
-        )
+        out = self._with_layout(self._layout, shards, dtype=dtype, device=device)
         # same layout, rank and mesh: same mesh offsets and placements
         out._mesh_offsets, out._placements = self._mesh_offsets, self._placements
         return out
