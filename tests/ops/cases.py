@@ -25,6 +25,9 @@ class Case:
     shapes: tuple[tuple[int, ...], ...]
     fn: Callable[..., Any]
     exact: bool = False
+    # True where some layout needs the gather fallback (an op with no rule for it, e.g.
+    # `index`, `layer_norm` along a sharded normalised dim, a slice's backward whose
+    # gradient blocks do not span the sliced dim); measured, not guessed.
     fallback_ok: bool = False
     # which inputs are sharded (the others are plain parameters that require grad)
     sharded: tuple[int, ...] = (0,)
@@ -73,7 +76,7 @@ CASES: list[Case] = [
         _layer_norm,
         fallback_ok=True,
     ),
-    Case("rms_norm", ((7, 6), (6,)), lambda x, w: F.rms_norm(x, (6,), w), fallback_ok=True),
+    Case("rms_norm", ((7, 6), (6,)), lambda x, w: F.rms_norm(x, (6,), w)),
     # shape ops
     Case("transpose", ((7, 6),), lambda x: x.transpose(0, 1) * 2, exact=True),
     Case("t", ((7, 6),), lambda x: x.t() * 2, exact=True),
@@ -84,15 +87,15 @@ CASES: list[Case] = [
         "reshape_merge", ((5, 3, 4),), lambda x: x.reshape(5, 12) * 2, exact=True, fallback_ok=True
     ),
     Case("view_split", ((6, 8),), lambda x: x.view(6, 2, 4) * 2, exact=True, fallback_ok=True),
-    Case("flatten", ((5, 3, 4),), lambda x: x.flatten(1) * 2, exact=True, fallback_ok=True),
-    Case("flatten_all", ((7, 6),), lambda x: x.flatten() * 2, exact=True, fallback_ok=True),
+    Case("flatten", ((5, 3, 4),), lambda x: x.flatten(1) * 2, exact=True),
+    Case("flatten_all", ((7, 6),), lambda x: x.flatten() * 2, exact=True),
     Case("expand", ((7, 1),), lambda x: x.expand(7, 5) * 2, exact=True),
     # slicing
     Case("slice_cols", ((7, 6),), lambda x: x[:, 1:4] * 2, exact=True, fallback_ok=True),
     Case("slice_rows_step", ((7, 6),), lambda x: x[1::2] * 2, exact=True, fallback_ok=True),
     Case("narrow", ((7, 6),), lambda x: x.narrow(0, 2, 4) * 2, exact=True, fallback_ok=True),
-    Case("select", ((7, 6),), lambda x: x[3] * 2, exact=True, fallback_ok=True),
-    Case("select_col", ((7, 6),), lambda x: x[:, -2] * 2, exact=True, fallback_ok=True),
+    Case("select", ((7, 6),), lambda x: x[3] * 2, exact=True),
+    Case("select_col", ((7, 6),), lambda x: x[:, -2] * 2, exact=True),
     Case(
         "index_tensor",
         ((7, 6),),
@@ -100,13 +103,12 @@ CASES: list[Case] = [
         exact=True,
         fallback_ok=True,
     ),
-    Case("split", ((7, 6),), lambda x: x.split(3, dim=1)[1] * 2, exact=True, fallback_ok=True),
+    Case("split", ((7, 6),), lambda x: x.split(3, dim=1)[1] * 2, exact=True),
     Case(
         "chunk",
         ((7, 6),),
         lambda x: torch.cat(x.chunk(2, dim=0)[::-1]) * 2,
         exact=True,
-        fallback_ok=True,
     ),
     # joining
     Case("cat_self", ((7, 6),), lambda x: torch.cat([x, x * 2], dim=0), exact=True),
@@ -116,14 +118,14 @@ CASES: list[Case] = [
     # products
     Case("linear", ((7, 6), (4, 6), (4,)), lambda x, w, b: F.linear(x, w, b)),
     Case("linear_nobias", ((7, 6), (4, 6)), lambda x, w: F.linear(x, w)),
-    Case("matmul_xxT", ((7, 6),), lambda x: x @ x.T, fallback_ok=True),
-    Case("matmul_xTx", ((7, 6),), lambda x: x.T @ x, fallback_ok=True),
-    Case("bmm", ((3, 5, 4), (3, 4, 2)), lambda x, w: torch.bmm(x, w), fallback_ok=True),
+    Case("matmul_xxT", ((7, 6),), lambda x: x @ x.T),
+    Case("matmul_xTx", ((7, 6),), lambda x: x.T @ x),
+    Case("bmm", ((3, 5, 4), (3, 4, 2)), lambda x, w: torch.bmm(x, w)),
     Case(
         "einsum", ((7, 6), (6, 3)), lambda x, w: torch.einsum("ij,jk->ik", x, w), fallback_ok=True
     ),
-    Case("linear_3d", ((1, 7, 6), (4, 6)), lambda x, w: F.linear(x, w), fallback_ok=True),
-    Case("attention", ((1, 7, 6), (6, 6), (6, 6)), _attention, fallback_ok=True),
+    Case("linear_3d", ((1, 7, 6), (4, 6)), lambda x, w: F.linear(x, w)),
+    Case("attention", ((1, 7, 6), (6, 6), (6, 6)), _attention),
     # "rows"/"blocks": split along the batch; "cols": along the last spatial dimension,
     # through the halo exchange (uneven pieces, an empty rank, padding, stride, dilation)
     Case("conv1d", ((5, 2, 6), (3, 2, 3), (3,)), lambda x, w, b: F.conv1d(x, w, b, padding=1)),
