@@ -33,6 +33,7 @@ __all__ = [
     "primary_blocks",
     "replicated",
     "whole",
+    "whole_or_plain",
 ]
 
 
@@ -66,6 +67,11 @@ def whole(st: ShardedTensor) -> torch.Tensor:
     _distributed(st)  # refuses a many-rank layout with no process group
     (full,) = move(st, replicated(tuple(st.shape), st._layout.world_size), checked=True)
     return full
+
+
+def whole_or_plain(x: Any) -> Any:
+    """A ShardedTensor operand whole on this rank; anything else (a plain tensor, None) as is."""
+    return whole(x) if isinstance(x, ShardedTensor) else x
 
 
 def primary_blocks(layout: Layout, rank: int) -> list[int]:

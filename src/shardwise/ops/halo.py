@@ -119,9 +119,6 @@ def _all_to_all(
     world = st._layout.world_size
     send_counts = [sum(t.numel() for t in ts) for ts in sends]
     recv_counts = [sum(p.numel for _, p in rs) for rs in recvs]
-    if not any(send_counts) and not any(recv_counts):
-        # still collective: every rank takes part, some with nothing to move
-        pass
     dtype = out[0].dtype if out else st.dtype
     send = (
         torch.cat([t for ts in sends for t in ts]).to(dtype)

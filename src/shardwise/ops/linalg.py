@@ -33,7 +33,14 @@ import torch.distributed as dist
 
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
-from .exchange import all_reduce, is_replicated, primary_blocks, replicated, whole
+from .exchange import (
+    all_reduce,
+    is_replicated,
+    local_in,
+    primary_blocks,
+    replicated,
+    whole_or_plain,
+)
 from .fallback import fallback
 from .halo import conv_backward, conv_forward, conv_plan, sharded_spatial_dim
 from .per_shard import named, registrar
@@ -47,10 +54,6 @@ LINALG_HANDLERS: dict[Any, Callable[[Any, tuple, dict], Any]] = {}
 
 
 _handles = registrar(LINALG_HANDLERS)
-
-
-def _whole(x: Any) -> torch.Tensor:
-    return whole(x) if isinstance(x, ShardedTensor) else x
 
 
 def _is_whole(x: Any) -> bool:
@@ -93,7 +96,7 @@ def _product(
         if aligned is not None:
             return aligned
     if isinstance(left, ShardedTensor) and spans(left._layout, (k_left,)):
-        r = _whole(right)
+        r = whole_or_plain(right)
         keep = (0, 1) if batched else (0,)
         layout = _product_layout(left._layout, keep, shape, keep)
         shards = [
@@ -102,7 +105,7 @@ def _product(
         ]
         return left._with_layout(layout, shards, dtype=dtype, device=left.device)
     if isinstance(right, ShardedTensor) and spans(right._layout, (k_right,)):
-        lw = _whole(left)
+        lw = whole_or_plain(left)
         keep, where = ((0, 2), (0, 2)) if batched else ((1,), (1,))
         layout = _product_layout(right._layout, keep, shape, where)
         shards = [
@@ -206,13 +209,13 @@ def _embedding(func: Any, args: tuple, kwargs: dict) -> Any:
         and _is_whole(weight)
         and not is_replicated(indices._layout)
     ):
-        w = _whole(weight)
+        w = whole_or_plain(weight)
         keep = tuple(range(indices.ndim))
         layout = _product_layout(indices._layout, keep, shape, keep)
         shards = [func(w, s, *rest) for s in indices._shards]
         return indices._with_layout(layout, shards, dtype=weight.dtype, device=indices.device)
     if isinstance(weight, ShardedTensor) and _is_whole(indices):
-        idx = _whole(indices)
+        idx = whole_or_plain(indices)
         if spans(weight._layout, (0,)):  # column-wise: each block its columns
             layout = _product_layout(weight._layout, (1,), shape, (len(shape) - 1,))
             shards = [func(s, idx, *rest) for s in weight._shards]
@@ -246,29 +249,30 @@ def _embedding_backward(func: Any, args: tuple, kwargs: dict) -> Any:
     dim = grad.shape[-1]
     lead = tuple(range(grad.ndim - 1))
     if _is_whole(indices) and spans(grad._layout, lead):  # column-wise table
-        idx = _whole(indices)
+        idx = whole_or_plain(indices)
         layout = _product_layout(grad._layout, (grad.ndim - 1,), (rows, dim), (1,))
         shards = [func(s, idx, *rest) for s in grad._shards]
         return grad._with_layout(layout, shards)
     if isinstance(indices, ShardedTensor) and spans(grad._layout, (grad.ndim - 1,)):
-        out = torch.zeros((rows, dim), dtype=grad.dtype, device=grad.device)
-        lookup = _index_blocks(indices, grad)
-        if lookup is None:
+        if not _same_blocks(indices._layout, grad._layout):
             return fallback(func, args, kwargs)
+        out = torch.zeros((rows, dim), dtype=grad.dtype, device=grad.device)
         for i in primary_blocks(grad._layout, grad._rank):
-            out.add_(func(grad._shards[i], lookup[i], *rest))
+            out.add_(func(grad._shards[i], indices._shards[i], *rest))
         all_reduce(out, dist.ReduceOp.SUM, grad)
         return grad._with_layout(replicated((rows, dim), grad._layout.world_size), [out])
     return fallback(func, args, kwargs)
 
 
-def _index_blocks(indices: ShardedTensor, grad: ShardedTensor) -> list[torch.Tensor] | None:
-    """The indices of each of `grad`'s blocks (the same blocks without the last dim)."""
-    want = [Block(b.offsets[:-1], b.sizes[:-1]) for b in grad.local_blocks]
-    have = list(indices.local_blocks)
-    if want != have:
-        return None
-    return list(indices._shards)
+@functools.lru_cache(maxsize=512)
+def _same_blocks(indices: Layout, grad: Layout) -> bool:
+    """Every rank's index blocks are its gradient blocks without the last dim (a decision
+    every rank takes alike, from the layouts)."""
+    return indices.world_size == grad.world_size and all(
+        [b for b in indices.blocks_of(r)]
+        == [Block(g.offsets[:-1], g.sizes[:-1]) for g in grad.blocks_of(r)]
+        for r in range(grad.world_size)
+    )
 
 
 # -- convolution ----------------------------------------------------------------------
@@ -280,7 +284,7 @@ def _convolution(func: Any, args: tuple, kwargs: dict) -> Any:
     x = a["input"]
     if not isinstance(x, ShardedTensor) or not (_is_whole(a["weight"]) and _is_whole(a["bias"])):
         return fallback(func, args, kwargs)
-    w, bias = _whole(a["weight"]), _whole(a["bias"])
+    w, bias = whole_or_plain(a["weight"]), whole_or_plain(a["bias"])
     rest = [a[k] for k in ("stride", "padding", "dilation", "transposed", "output_padding")]
     if not spans(x._layout, tuple(range(1, x.ndim))):
         plan = _halo_plan(x, w, a)
@@ -315,15 +319,13 @@ def _convolution_backward(func: Any, args: tuple, kwargs: dict) -> Any:
     if not _is_whole(a["weight"]):
         return fallback(func, args, kwargs)
     if not spans(x._layout, tuple(range(1, x.ndim))):
-        plan = _halo_plan(x, _whole(a["weight"]), a)
+        plan = _halo_plan(x, whole_or_plain(a["weight"]), a)
         if plan is None:
             return fallback(func, args, kwargs)
-        return conv_backward(func, grad, x, _whole(a["weight"]), a, plan)
+        return conv_backward(func, grad, x, whole_or_plain(a["weight"]), a, plan)
     out_layout = _product_layout(x._layout, (0,), tuple(grad.shape), (0,))
-    from .exchange import local_in
-
     grads = local_in(grad, out_layout)
-    w = _whole(a["weight"])
+    w = whole_or_plain(a["weight"])
     rest = [
         a[k]
         for k in (

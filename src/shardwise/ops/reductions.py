@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_map
 
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
-from .exchange import all_reduce, is_replicated, local_in, primary_blocks, replicated, whole
+from .exchange import all_reduce, local_in, primary_blocks, replicated, whole_or_plain
 from .fallback import fallback
 from .per_shard import named, registrar, sharded_args
 
@@ -430,10 +430,6 @@ REDUCTION_HANDLERS.update(
 # -- layer norm: local when every block spans the normalised dimensions ------------
 
 
-def _whole_or_none(x: Any) -> Any:
-    return whole(x) if isinstance(x, ShardedTensor) else x
-
-
 @_handles(aten.native_layer_norm.default)
 def _layer_norm(func: Any, args: tuple, kwargs: dict) -> Any:
     a = named(func, args, kwargs)
@@ -441,7 +437,7 @@ def _layer_norm(func: Any, args: tuple, kwargs: dict) -> Any:
     dims = tuple(range(st.ndim - len(shape), st.ndim))
     if not isinstance(st, ShardedTensor) or not spans(st._layout, dims):
         return fallback(func, args, kwargs)
-    weight, bias = _whole_or_none(a["weight"]), _whole_or_none(a["bias"])
+    weight, bias = whole_or_plain(a["weight"]), whole_or_plain(a["bias"])
     results = [func(s, list(shape), weight, bias, a["eps"]) for s in st._shards]
     stats = project(st._layout, dims, True)
     out = [r[0] for r in results]
@@ -457,16 +453,16 @@ def _layer_norm(func: Any, args: tuple, kwargs: dict) -> Any:
 def _layer_norm_backward(func: Any, args: tuple, kwargs: dict) -> Any:
     a = named(func, args, kwargs)
     grad, st, shape = a["grad_out"], a["input"], tuple(a["normalized_shape"])
-    if not isinstance(st, ShardedTensor) or not isinstance(grad, ShardedTensor):
+    if not all(isinstance(v, ShardedTensor) for v in (st, grad, a["mean"], a["rstd"])):
         return fallback(func, args, kwargs)
     dims = tuple(range(st.ndim - len(shape), st.ndim))
     if not spans(st._layout, dims):
         return fallback(func, args, kwargs)
     stats = project(st._layout, dims, True)
     grads = local_in(grad, st._layout)
-    means = _stat(a["mean"], stats)
-    rstds = _stat(a["rstd"], stats)
-    weight, bias = _whole_or_none(a["weight"]), _whole_or_none(a["bias"])
+    means = local_in(a["mean"], stats)
+    rstds = local_in(a["rstd"], stats)
+    weight, bias = whole_or_plain(a["weight"]), whole_or_plain(a["bias"])
     mask = list(a["output_mask"])
     grad_in: list[torch.Tensor] = []
     grad_w = grad_b = None
@@ -488,12 +484,6 @@ def _layer_norm_backward(func: Any, args: tuple, kwargs: dict) -> Any:
     )
 
 
-def _stat(x: Any, layout: Layout) -> list[torch.Tensor]:
-    if isinstance(x, ShardedTensor):
-        return local_in(x, layout)
-    return [x[b.slices()] for b in layout.blocks_of(0)]  # pragma: no cover - plain stats
-
-
 def summed(value: torch.Tensor | None, meta: Any, like: ShardedTensor) -> ShardedTensor:
     """A parameter's gradient summed over every block of every rank, replicated."""
     if value is None:
@@ -501,11 +491,3 @@ def summed(value: torch.Tensor | None, meta: Any, like: ShardedTensor) -> Sharde
     value = value.contiguous()
     all_reduce(value, dist.ReduceOp.SUM, like)
     return like._with_layout(replicated(tuple(value.shape), like._layout.world_size), [value])
-
-
-def is_whole(x: Any) -> bool:
-    return not isinstance(x, ShardedTensor) or is_replicated(x._layout)
-
-
-def dims_of(dim: Any, ndim: int) -> Sequence[int]:
-    return _dims(dim, ndim)
