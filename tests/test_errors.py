@@ -27,6 +27,7 @@ from shardwise.comm.agreement import require_same
 BUILTINS = {
     "LayoutError": ValueError,
     "ShardMismatchError": ValueError,
+    "ShardCountError": NotImplementedError,
     "CheckpointMismatchError": ValueError,
     "ArgumentMismatchError": ValueError,
     "InvalidArgumentError": ValueError,

@@ -5,6 +5,10 @@ Hierarchy::
     ShardwiseError                  base of everything below
     ├── LayoutError                 (ValueError) a block or layout breaks a geometric rule
     ├── ShardMismatchError          (ValueError) local shards disagree with their layout
+    │   └── ShardCountError         (NotImplementedError) ... in number: a call that takes
+    │                                            one local shard got several, or shards and
+    │                                            their metadata differ in count (the legacy
+    │                                            API's NotImplementedError / RuntimeError)
     ├── CheckpointMismatchError     (ValueError) state dict and checkpoint disagree:
     │                                            keys, shapes, dtypes
     ├── ArgumentMismatchError       (ValueError) ranks of one collective call passed
@@ -76,6 +80,7 @@ __all__ = [
     "LayoutError",
     "RankFailureError",
     "RankTimeoutError",
+    "ShardCountError",
     "ShardMismatchError",
     "ShardwiseError",
     "UnsafeMetadataError",
@@ -94,6 +99,14 @@ class LayoutError(ShardwiseError, ValueError):
 
 class ShardMismatchError(ShardwiseError, ValueError):
     """Local shards do not match the layout they claim (count, sizes, device)."""
+
+
+class ShardCountError(ShardMismatchError, NotImplementedError):
+    """A rank holds another number of local shards than the call takes: `local_tensor()`
+    with several, or legacy shards and their global metadata differing in count.
+
+    Also a `NotImplementedError` (so a `RuntimeError`), which legacy
+    `torch.distributed._shard` code catches for these."""
 
 
 class CheckpointMismatchError(ShardwiseError, ValueError):

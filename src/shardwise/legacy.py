@@ -1,45 +1,63 @@
 """The legacy `torch.distributed._shard.sharded_tensor` API, for code moving to shardwise.
 
 Replace `from torch.distributed._shard import sharded_tensor` with
-`from shardwise import legacy as sharded_tensor`: the creation helpers take a
-`ChunkShardingSpec` / `EnumerableShardingSpec` and sizes as before and return
-a `shardwise.ShardedTensor`, whose methods `sharding_spec()`, `metadata()`,
-`local_tensor()`, `reshard(spec)` and `gather(dst, out=)` behave as the
-legacy ones (`reshard` returns a new tensor). `to_sharding_spec(layout)` is the
-way back from `Layout.from_sharding_spec` and lives here, not on `Layout`,
-because building torch's spec classes imports `torch.distributed`, which the
-layout layer never does. The code is in `shardwise.interop.legacy`.
+`from shardwise import legacy as sharded_tensor` and the program runs unchanged:
+`ShardedTensor` (a `shardwise.ShardedTensor` answering as the legacy class:
+`local_shards()` as `Shard` objects, the spec it was built with, `reshard` in
+place, legacy's exceptions), its constructors (`init_from_local_shards`,
+`ShardedTensor._init_from_local_shards`, `_init_from_local_tensor`,
+`_init_from_local_shards_and_global_metadata`), the creation helpers that take a
+`ChunkShardingSpec` / `EnumerableShardingSpec`, `custom_sharded_op_impl` (torch's
+own: the same op table), the state-dict hooks and the metadata classes.
+`to_sharding_spec(layout)` is the way back from `Layout.from_sharding_spec`; it
+lives here, not on `Layout`, because building torch's spec classes imports
+`torch.distributed`, which the layout layer never does. Deliberate differences
+are listed in `docs/migrating.md`. The code is in `shardwise.interop.legacy*`.
 """
 
 from __future__ import annotations
 
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import (
+    Shard,
+    ShardedTensorMetadata,
+    TensorProperties,
+    custom_sharded_op_impl,
+)
+
 from .interop.dtensor import from_torch_sharded_tensor
 from .interop.legacy import (
-    empty,
-    full,
     gather_into,
     local_tensor,
     metadata,
-    ones,
-    rand,
     reshard,
     sharding_spec,
     to_sharding_spec,
     to_torch_sharded_tensor,
-    zeros,
 )
+from .interop.legacy_create import empty, full, ones, rand, randn, zeros
 from .interop.legacy_hooks import pre_load_state_dict_hook, state_dict_hook
+from .interop.legacy_tensor import ShardedTensor, as_legacy, init_from_local_shards
 
 __all__ = [
+    "Shard",
+    "ShardMetadata",
+    "ShardedTensor",
+    "ShardedTensorMetadata",
+    "TensorProperties",
+    "as_legacy",
+    "custom_sharded_op_impl",
     "empty",
     "from_torch_sharded_tensor",
     "full",
     "gather_into",
+    "init_from_local_shards",
     "local_tensor",
     "metadata",
     "ones",
     "pre_load_state_dict_hook",
     "rand",
+    "randn",
     "reshard",
     "sharding_spec",
     "state_dict_hook",

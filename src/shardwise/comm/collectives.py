@@ -86,7 +86,7 @@ class _FullTensor(torch.autograd.Function):
         ctx.rank, ctx.group, ctx.mesh = st.rank, st.group, st._mesh
         whole = Layout.replicated(st.shape, st.layout_spec.world_size)
         if st.layout_spec == whole:  # a reduction's result: already whole, nothing to move
-            return st.local_shards()[0].view_as(st.local_shards()[0])
+            return st._shards[0].view_as(st._shards[0])
         (full,) = move(st, whole)
         return full
 
@@ -217,6 +217,6 @@ def equal(a: ShardedTensor, b: ShardedTensor) -> bool:
         )
     if b.layout_spec != a.layout_spec:
         b = _wrap(a.layout_spec, move(b, a.layout_spec, checked=True), b)
-    same = all(torch.equal(x, y) for x, y in zip(a.local_shards(), b.local_shards()))
+    same = all(torch.equal(x, y) for x, y in zip(a._shards, b._shards))
     # an object collective: a CPU bool on any backend, never a device tensor
     return all(communicator(a.group).all_gather_object(same))

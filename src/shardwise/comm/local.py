@@ -46,7 +46,7 @@ class _FromLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: ShardedTensor) -> tuple[torch.Tensor | None, ...]:
-        shards = grad.local_shards()
+        shards = grad._shards
         if not shards:
             return (
                 torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device),
@@ -81,7 +81,7 @@ class _ToLocal(torch.autograd.Function):
     def forward(ctx: Any, st: ShardedTensor, plan: GradPlan | None) -> torch.Tensor:
         ctx.layout, ctx.rank, ctx.group, ctx.mesh = st.layout_spec, st.rank, st.group, st._mesh
         ctx.plan = plan
-        shards = st.local_shards()
+        shards = st._shards
         if len(shards) > 1:
             raise LayoutError(
                 f"rank {st.rank} holds {len(shards)} blocks; to_local() needs one, "

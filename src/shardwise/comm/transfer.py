@@ -117,7 +117,7 @@ def move(
     src = st.layout_spec
     me = st.rank
     src_blocks, dst_blocks = src.blocks_of(me), dst.blocks_of(me)
-    shards = st.local_shards()
+    shards = st._shards
     out = [torch.empty(b.sizes, dtype=st.dtype, device=st.device) for b in dst_blocks]
     local: list[Transfer] = []
     sends: dict[int, list[Transfer]] = {}

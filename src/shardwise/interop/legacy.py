@@ -30,25 +30,22 @@ from torch.distributed._shard.sharding_spec import (
     EnumerableShardingSpec,
     ShardingSpec,
 )
+from torch.distributed.remote_device import _remote_device as RemoteDevice
 
-from ..errors import InvalidArgumentError, LayoutError, ShardMismatchError
+from ..errors import InvalidArgumentError, LayoutError, ShardCountError, ShardMismatchError
 from ..layout import Layout
 from ..tensor import ShardedTensor
-from .legacy_create import empty, full, ones, rand, spec_layout, zeros
 
 __all__ = [
-    "empty",
-    "full",
     "gather_into",
     "local_tensor",
     "metadata",
-    "ones",
-    "rand",
     "reshard",
+    "reshard_in_place",
     "sharding_spec",
+    "spec_layout",
     "to_sharding_spec",
     "to_torch_sharded_tensor",
-    "zeros",
 ]
 
 DeviceOf = str | torch.device | Callable[[int], "str | torch.device"]
@@ -117,10 +114,40 @@ def to_sharding_spec(
     return EnumerableShardingSpec(shards)
 
 
+def spec_layout(spec: ShardingSpec, shape: tuple[int, ...], world: int, group: Any) -> Layout:
+    """The layout of a legacy spec on `group`: its placements name global ranks (as
+    legacy ones do), which become the group's ranks (`LayoutError` for one outside it)."""
+    if group is None or list(dist.get_process_group_ranks(group)) == list(range(world)):
+        return Layout.from_sharding_spec(spec, shape, world)
+    ranks = list(dist.get_process_group_ranks(group))
+
+    def local(placement: Any) -> Any:
+        if isinstance(placement, str):
+            placement = RemoteDevice(placement)
+        rank = placement.rank()
+        if rank not in ranks:
+            raise LayoutError(
+                f"placement {placement} names global rank {rank}, which is not in the process "
+                f"group of ranks {ranks}"
+            )
+        return RemoteDevice(f"rank:{ranks.index(rank)}/{placement.device()}")
+
+    if isinstance(spec, ChunkShardingSpec):
+        spec = ChunkShardingSpec(spec.dim, [local(p) for p in spec.placements])
+    else:
+        spec = EnumerableShardingSpec(
+            [
+                ShardMetadata(list(m.shard_offsets), list(m.shard_sizes), local(m.placement))
+                for m in spec.shards  # type: ignore[attr-defined]
+            ]
+        )
+    return Layout.from_sharding_spec(spec, shape, world)
+
+
 def _devices(st: ShardedTensor) -> Callable[[int], str]:
     """This rank's own device; for the others, the same kind of device
     (`cuda:R` modulo the local device count for CUDA)."""
-    own = st.local_shards()[0].device if st.local_shards() else st.device
+    own = st._shards[0].device if st._shards else st.device
 
     def device_of(rank: int) -> str:
         if rank == st.rank or own.type == "cpu":
@@ -150,10 +177,11 @@ def metadata(st: ShardedTensor, spec: ShardingSpec | None = None) -> ShardedTens
 
 
 def local_tensor(st: ShardedTensor) -> torch.Tensor:
-    """The one live local shard; `ShardMismatchError` unless there is exactly one."""
-    shards = st.local_shards()
+    """The one live local shard; `ShardCountError` (a `NotImplementedError`, as legacy's)
+    unless there is exactly one."""
+    shards = st._shards
     if len(shards) != 1:
-        raise ShardMismatchError(
+        raise ShardCountError(
             f"rank {st.rank} holds {len(shards)} shards of a tensor of shape "
             f"{tuple(st.shape)}; local_tensor() needs exactly one (use local_shards())"
         )
@@ -165,7 +193,7 @@ def to_torch_sharded_tensor(st: ShardedTensor, device: DeviceOf | None = None) -
     no communication: every rank knows the global layout)."""
     spec = to_sharding_spec(st.layout_spec, device or _devices(st), st.group)
     md = metadata(st, spec)
-    shards = st.local_shards()
+    shards = st._shards
     grad = any(s.requires_grad for s in shards)
     md.tensor_properties.requires_grad = grad
     own = f"rank:{dist.get_rank()}/"
@@ -184,11 +212,30 @@ def to_torch_sharded_tensor(st: ShardedTensor, device: DeviceOf | None = None) -
 
 
 def reshard(st: ShardedTensor, spec: ShardingSpec) -> ShardedTensor:
-    """`st` in the layout of `spec`. Collective. Unlike legacy `reshard`, which
-    replaced the tensor's shards in place, this returns a new tensor (the data
-    stays on `st`'s device)."""
+    """`st` in the layout of `spec`, in place, as legacy `reshard`: the tensor's shards
+    are replaced and `st` returned (the data stays on `st`'s device). Collective."""
+    reshard_in_place(st, spec)
+    return st
+
+
+def reshard_in_place(st: ShardedTensor, spec: ShardingSpec) -> None:
+    """Move `st`'s data to the layout of `spec` and make that `st`'s layout.
+
+    Refused for a tensor inside an autograd graph (its gradient would arrive in
+    the old layout); a leaf, a parameter included, may change layout."""
+    if st.grad_fn is not None:
+        raise InvalidArgumentError(
+            f"reshard changes a tensor in place; this one (shape {tuple(st.shape)}) is the "
+            f"result of {type(st.grad_fn).__name__} in an autograd graph: use "
+            f"redistribute(layout), which returns a new tensor"
+        )
     world = st.layout_spec.world_size
-    return st.redistribute(spec_layout(spec, tuple(st.shape), world, st.group))
+    layout = spec_layout(spec, tuple(st.shape), world, st.group)
+    if layout == st.layout_spec:
+        return
+    moved = st.redistribute(layout)
+    st._layout, st._shards = moved._layout, moved._shards
+    st._mesh_offsets = st._placements = None
 
 
 def gather_into(st: ShardedTensor, dst: int = 0, out: torch.Tensor | None = None) -> Any:

@@ -196,7 +196,7 @@ def _megatron_pieces(key: str, st: ShardedTensor, prepend_axis_num: int) -> list
     layout = st.layout_spec
     grid = _regular_grid(layout)
     out = []
-    for block, shard in zip(st.local_blocks, st.local_shards()):
+    for block, shard in zip(st.local_blocks, st._shards):
         lead = tuple(shard.shape[:prepend_axis_num])
         if any(s != 1 for s in lead):
             raise ShardMismatchError(

@@ -263,7 +263,7 @@ def to_shard_tensor(st: ShardedTensor, mesh: Any, placements: Sequence[Any]) -> 
             f"{mesh_shape} with any per-rank sizes; redistribute first"
         )
     coords = mesh_coordinates(rank, mesh_shape)
-    shards = st.local_shards()
+    shards = st._shards
     local = (
         shards[0]
         if shards

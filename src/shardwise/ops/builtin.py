@@ -130,7 +130,7 @@ _c10d = torch.ops._c10d_functional
 def _all_gather_into_tensor(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     """Gather this rank's shards, concatenated flat and viewed as rows of the
     first shard's trailing shape (LocalShardsWrapper's convention, in N-d)."""
-    shards = args[0].local_shards()
+    shards = args[0]._shards
     if shards:
         rows = torch.cat([s.reshape(-1) for s in shards]).view(-1, *shards[0].shape[1:])
     else:
@@ -140,7 +140,7 @@ def _all_gather_into_tensor(func: Any, args: tuple, kwargs: dict) -> torch.Tenso
 
 @_handles(_c10d.wait_tensor.default)
 def _wait_tensor(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
-    for shard in args[0].local_shards():
+    for shard in args[0]._shards:
         func(shard)
     return args[0]
 

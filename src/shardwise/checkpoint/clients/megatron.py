@@ -85,7 +85,7 @@ def _for_load(value: Any) -> tuple[ShardedTensor, Any]:
     a strided piece is loaded into a contiguous copy and copied back by `finish`."""
     pieces = _ready(pieces_of(value))
     target = to_shardwise(pieces, replicas=True)
-    return target, _copy_back(pieces, target.local_shards())
+    return target, _copy_back(pieces, target._shards)
 
 
 def _ready(pieces: list[Any]) -> list[Any]:

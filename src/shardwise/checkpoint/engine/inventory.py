@@ -569,7 +569,7 @@ def pieces_of(value: Any) -> list[Piece] | None:
     if isinstance(value, ShardedTensor):
         return [
             Piece(shard, block.offsets, block.sizes)
-            for shard, block in zip(value.local_shards(), value.local_blocks)
+            for shard, block in zip(value._shards, value.local_blocks)
         ]
     return pieces_in_place(value)  # DTensor and other clients' types; None: DCP's items
 
@@ -623,7 +623,7 @@ class Held:
         if pieces is not None:
             return pieces[index].tensor
         value = self.flat[key]
-        return value if type(value) in _PLAIN else value.local_shards()[index]
+        return value if type(value) in _PLAIN else value._shards[index]
 
 
 def describe(

@@ -374,7 +374,7 @@ class Stager:
         return value
 
     def _sharded(self, path: tuple[Any, ...], st: ShardedTensor, copies: _Walk) -> Any:
-        local = st.local_shards()
+        local = st._shards
         if len(local) == 1:
             shards = [self._copy(path + (0,), local[0], copies)]
         else:
@@ -386,7 +386,7 @@ class Stager:
             source, prev = entry
             if (
                 (
-                    source() is st  # a ShardedTensor's metadata is fixed at its creation
+                    source() is st  # same tensor; an in-place `reshard` replaces its shards (below)
                     or (
                         prev.layout_spec == st.layout_spec
                         and prev.rank == st.rank
@@ -395,8 +395,8 @@ class Stager:
                     )
                 )
                 and not prev.requires_grad
-                and len(prev.local_shards()) == len(shards)
-                and all(x is y for x, y in zip(prev.local_shards(), shards))
+                and len(prev._shards) == len(shards)
+                and all(x is y for x, y in zip(prev._shards, shards))
             ):
                 return prev
         staged = ShardedTensor(
