@@ -27,7 +27,8 @@ from shardwise.comm.agreement import require_same
 BUILTINS = {
     "LayoutError": ValueError,
     "ShardMismatchError": ValueError,
-    "ShardCountError": NotImplementedError,
+    "SingleShardError": NotImplementedError,
+    "ShardCountError": RuntimeError,
     "CheckpointMismatchError": ValueError,
     "ArgumentMismatchError": ValueError,
     "InvalidArgumentError": ValueError,

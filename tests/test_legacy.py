@@ -20,8 +20,8 @@ from shardwise import (
     Block,
     Layout,
     LayoutError,
-    ShardCountError,
     ShardedTensor,
+    SingleShardError,
     legacy,
 )
 from shardwise.testing import run_ranks
@@ -160,7 +160,7 @@ def _api(rank: int, world: int) -> list[str]:
         _st(Layout.from_sharding_spec(ENUM, SHAPE, world), rank).local_tensor()
         if rank == 1:
             bad.append("local_tensor with two shards")
-    except ShardCountError as e:  # also legacy's NotImplementedError
+    except SingleShardError as e:  # also legacy's NotImplementedError
         if rank != 1 or "holds 2 shards" not in str(e) or not isinstance(e, NotImplementedError):
             bad.append(f"local_tensor: {e}")
     return bad

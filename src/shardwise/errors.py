@@ -5,10 +5,13 @@ Hierarchy::
     ShardwiseError                  base of everything below
     ├── LayoutError                 (ValueError) a block or layout breaks a geometric rule
     ├── ShardMismatchError          (ValueError) local shards disagree with their layout
-    │   └── ShardCountError         (NotImplementedError) ... in number: a call that takes
-    │                                            one local shard got several, or shards and
-    │                                            their metadata differ in count (the legacy
-    │                                            API's NotImplementedError / RuntimeError)
+    │   └── SingleShardError        (NotImplementedError) ... in number, for a call that
+    │                                            takes exactly one (`local_tensor()`), as the
+    │                                            legacy API raises it
+    ├── ShardCountError             (RuntimeError) legacy shards and the global metadata
+    │                                            given with them differ in count (legacy's
+    │                                            RuntimeError; not a ValueError, which legacy
+    │                                            raises for other problems of the same call)
     ├── CheckpointMismatchError     (ValueError) state dict and checkpoint disagree:
     │                                            keys, shapes, dtypes
     ├── ArgumentMismatchError       (ValueError) ranks of one collective call passed
@@ -83,6 +86,7 @@ __all__ = [
     "ShardCountError",
     "ShardMismatchError",
     "ShardwiseError",
+    "SingleShardError",
     "UnsafeMetadataError",
     "UnsupportedStorageError",
     "UsageError",
@@ -101,12 +105,17 @@ class ShardMismatchError(ShardwiseError, ValueError):
     """Local shards do not match the layout they claim (count, sizes, device)."""
 
 
-class ShardCountError(ShardMismatchError, NotImplementedError):
-    """A rank holds another number of local shards than the call takes: `local_tensor()`
-    with several, or legacy shards and their global metadata differing in count.
+class SingleShardError(ShardMismatchError, NotImplementedError):
+    """A call that takes exactly one local shard (`local_tensor()`) found another number.
 
-    Also a `NotImplementedError` (so a `RuntimeError`), which legacy
-    `torch.distributed._shard` code catches for these."""
+    Also a `NotImplementedError`, which legacy `torch.distributed._shard` code catches."""
+
+
+class ShardCountError(ShardwiseError, RuntimeError):
+    """A rank's legacy `Shard`s and the global metadata given with them differ in count.
+
+    A `RuntimeError` and not a `ValueError`, as legacy raises it: legacy code tells it
+    apart from the constructor's ValueErrors (a shard's size, dtype, device)."""
 
 
 class CheckpointMismatchError(ShardwiseError, ValueError):

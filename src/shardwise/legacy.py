@@ -7,8 +7,8 @@ Replace `from torch.distributed._shard import sharded_tensor` with
 place, legacy's exceptions), its constructors (`init_from_local_shards`,
 `ShardedTensor._init_from_local_shards`, `_init_from_local_tensor`,
 `_init_from_local_shards_and_global_metadata`), the creation helpers that take a
-`ChunkShardingSpec` / `EnumerableShardingSpec`, `custom_sharded_op_impl` (torch's
-own: the same op table), the state-dict hooks and the metadata classes.
+`ChunkShardingSpec` / `EnumerableShardingSpec`, `custom_sharded_op_impl` (into
+torch's own op table), the state-dict hooks and the metadata classes.
 `to_sharding_spec(layout)` is the way back from `Layout.from_sharding_spec`; it
 lives here, not on `Layout`, because building torch's spec classes imports
 `torch.distributed`, which the layout layer never does. Deliberate differences
@@ -16,14 +16,6 @@ are listed in `docs/migrating.md`. The code is in `shardwise.interop.legacy*`.
 """
 
 from __future__ import annotations
-
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import (
-    Shard,
-    ShardedTensorMetadata,
-    TensorProperties,
-    custom_sharded_op_impl,
-)
 
 from .interop.dtensor import from_torch_sharded_tensor
 from .interop.legacy import (
@@ -37,7 +29,16 @@ from .interop.legacy import (
 )
 from .interop.legacy_create import empty, full, ones, rand, randn, zeros
 from .interop.legacy_hooks import pre_load_state_dict_hook, state_dict_hook
-from .interop.legacy_tensor import ShardedTensor, as_legacy, init_from_local_shards
+from .interop.legacy_tensor import (  # torch's own Shard and metadata classes
+    Shard,
+    ShardedTensor,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    as_legacy,
+    custom_sharded_op_impl,
+    init_from_local_shards,
+)
 
 __all__ = [
     "Shard",

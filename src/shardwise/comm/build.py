@@ -3,10 +3,14 @@
 `from_local_shards` learns the layout by all-gathering every rank's block
 offsets and sizes (metadata only, one `all_gather_object`), so ranks need
 not agree on anything beforehand; a problem on any rank is raised on all.
+`from_local_blocks` builds the same tensor with no communication, as
+`LocalShardsWrapper` is built, and leaves that exchange for later
+(`PendingLayout`, the first time an operation needs the global layout).
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -14,19 +18,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import InvalidTypeError, LayoutError, ShardMismatchError
+from ..errors import InvalidTypeError, LayoutError, ShardMismatchError, UsageError
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
+from ..tensor.construction import PendingLayout
 from .agreement import exchange, odd_ranks, raise_agreed
 from .group import resolve_group
 
-__all__ = ["from_local_shards"]
+__all__ = ["from_local_blocks", "from_local_shards"]
 
 
 def _check_local(
-    shards: Sequence[torch.Tensor], offsets: Sequence[Sequence[int]]
+    shards: Sequence[torch.Tensor], offsets: Sequence[Sequence[int]], contiguous: bool = True
 ) -> tuple[BaseException | None, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
-    """This rank's blocks, or the first problem with its input."""
+    """This rank's blocks, or the first problem with its input (`contiguous`: views refused)."""
     if len(shards) != len(offsets):
         return ShardMismatchError(f"{len(shards)} shards but {len(offsets)} offsets"), []
     blocks = []
@@ -47,7 +52,7 @@ def _check_local(
             ), []
         if min(offset, default=0) < 0:
             return LayoutError(f"shard {i} has negative offsets {offset}"), []
-        if not shard.is_contiguous():
+        if contiguous and not shard.is_contiguous():
             return ShardMismatchError(
                 f"shard {i} at offsets {offset} is not contiguous; call .contiguous() on it"
             ), []
@@ -72,6 +77,8 @@ def from_local_shards(
     offsets: Sequence[Sequence[int]],
     global_shape: Sequence[int] | None = None,
     group: Any = None,
+    *,
+    local: bool = False,
 ) -> ShardedTensor:
     """Collective: every rank passes its shards and their global offsets.
 
@@ -80,16 +87,28 @@ def from_local_shards(
     sub-mesh: the exchange and every later collective run over its ranks only.
     Overlaps, holes, bounds, dtype/device mismatches and non-contiguous
     shards raise the same exception on every rank, naming the faulty rank.
+
+    `local=True` is `ShardedTensor.from_local_blocks`: `from_local_blocks` here,
+    no communication now (`global_shape` then required).
     """
+    if local:
+        return from_local_blocks(shards, offsets, global_shape, group)
     return from_local_shards_checked(shards, offsets, global_shape, group)
 
 
 def from_local_shards_checked(
-    shards: Any, offsets: Any, global_shape: Any, group: Any, problem: BaseException | None = None
+    shards: Any,
+    offsets: Any,
+    global_shape: Any,
+    group: Any,
+    problem: BaseException | None = None,
+    *,
+    contiguous: bool = True,
 ) -> ShardedTensor:
     """`from_local_shards`, taking a problem the caller found first (`from_dtensor`'s)
     into the same exchange, so that it too raises on every rank. `group` is a
-    ProcessGroup or a DeviceMesh / sub-mesh (layout rank r = its position r)."""
+    ProcessGroup or a DeviceMesh / sub-mesh (layout rank r = its position r);
+    `contiguous=False` accepts strided views (what `from_local_blocks` holds)."""
     group, mesh = resolve_group(group)
     blocks: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     shape = None
@@ -101,7 +120,7 @@ def from_local_shards_checked(
             "shards and offsets must be sequences (one entry per shard)"
         )
     if problem is None:
-        problem, blocks = _check_local(shards, offsets)
+        problem, blocks = _check_local(shards, offsets, contiguous)
     if problem is None and global_shape is not None:
         try:
             shape = tuple(operator.index(s) for s in global_shape)
@@ -178,6 +197,114 @@ def from_local_shards_checked(
         requires_grad=any(m["requires_grad"] for m in everyone),
         mesh=mesh,
     )
+
+
+# -----------------------------------------------------------------------------
+# Built locally, learned later: LocalShardsWrapper's construction.
+#
+# TorchRec and FSDP build `LocalShardsWrapper(shards, offsets)` where no process
+# group may exist yet, and save it with DCP, which needs each rank's own chunks
+# only. `from_local_blocks` builds a ShardedTensor the same way: it checks what
+# this rank holds against the global shape, and its layout is a `PendingLayout`
+# that knows this rank's blocks. The global layout is learned by `_learn`,
+# `from_local_shards`' exchange and validation, the first time an operation
+# reads it (redistribute, full_tensor, gather, op rules, `layout_spec`), or
+# when the caller asks (`st.learn_layout()`, `check="now"`).
+#
+# Cost per rank: construction is local (no communication, O(blocks) checks);
+# learning, once per family of tensors, is one `all_gather_object` of this
+# rank's block metadata (O(its blocks) sent, O(all blocks) received), then the
+# O(all blocks) layout validation every rank runs alike.
+# -----------------------------------------------------------------------------
+
+
+def from_local_blocks(
+    shards: Sequence[torch.Tensor],
+    offsets: Sequence[Sequence[int]],
+    global_shape: Sequence[int] | None,
+    group: Any = None,
+) -> ShardedTensor:
+    """This rank's shards (strided views allowed) at their global `offsets`, with no
+    communication; the layout is learned later (`PendingLayout.learn`).
+
+    Local: a problem with this rank's input (shard count, types, offsets outside
+    `global_shape`, mixed dtypes or devices) raises here, on this rank only. With
+    no process group initialised the tensor is rank 0's; learning then needs one.
+    `group` is a ProcessGroup or None (the default group); a DeviceMesh resolves
+    to its group here (collective for an n-d sub-mesh, see `mesh_group`).
+    """
+    if global_shape is None:
+        raise UsageError(
+            "from_local_blocks needs global_shape: a rank knows only its own blocks; "
+            "ShardedTensor.from_local_shards infers it collectively"
+        )
+    try:
+        shape = tuple(operator.index(s) for s in global_shape)
+        shards, offsets = list(shards), list(offsets)
+    except TypeError:
+        raise InvalidTypeError(
+            f"from_local_blocks takes sequences of shards and offsets and a global_shape of "
+            f"ints, got {type(shards).__name__}, {type(offsets).__name__}, {global_shape!r}"
+        ) from None
+    problem, pairs = _check_local(shards, offsets, contiguous=False)
+    if problem is not None:
+        raise problem
+    own = [Block(o, s) for o, s in pairs]
+    for i, block in enumerate(own):
+        if block.ndim != len(shape) or any(e > n for e, n in zip(block.ends, shape)):
+            raise LayoutError(
+                f"shard {i} {block} does not lie inside the global shape {shape}; "
+                f"pass the offsets and global_shape of the whole tensor"
+            )
+    mesh = None
+    if group is not None:
+        group, mesh = resolve_group(group)
+    rank = 0
+    if dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise LayoutError(
+                f"rank {dist.get_rank()} is not in the group {group}; only its ranks hold blocks"
+            )
+    dtype = shards[0].dtype if shards else torch.get_default_dtype()
+    device = shards[0].device if shards else torch.device("cpu")
+    learn = functools.partial(_learn, group=group, dtype=dtype, device=device)
+    return ShardedTensor(
+        PendingLayout(shape, rank, own, learn),
+        shards,
+        rank,
+        dtype=dtype,
+        device=device,
+        group=group,
+        requires_grad=any(s.requires_grad for s in shards),
+        mesh=mesh,
+    )
+
+
+def _learn(
+    pending: PendingLayout, *, group: Any, dtype: torch.dtype, device: torch.device
+) -> Layout:
+    """`from_local_shards`' exchange and checks over `pending`'s own blocks, with
+    stand-ins of their shape, dtype and device (an expanded scalar: no memory)."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        raise UsageError(
+            "learning the layout of a tensor built with from_local_blocks needs a process "
+            "group (every rank's blocks are exchanged): call init_process_group first"
+        )
+    problem = None
+    rank = dist.get_rank(group)
+    if rank != pending._rank:
+        problem = UsageError(
+            f"this tensor was built as rank {pending._rank} of its group but this process is "
+            f"rank {rank}; build it after init_process_group"
+        )
+    own = pending.blocks_of(pending._rank)
+    stand_ins = [torch.zeros((), dtype=dtype, device=device).expand(b.sizes) for b in own]
+    offsets = [b.offsets for b in own]
+    out = from_local_shards_checked(
+        stand_ins, offsets, pending.global_shape, group, problem, contiguous=False
+    )
+    return out._layout
 
 
 def _bounding_shape(blocks: dict[int, list[Block]]) -> tuple[int, ...]:

@@ -2,7 +2,9 @@
 LocalShardsWrapper inside) and the legacy `torch.distributed._shard` ShardedTensor.
 
 Shard data is never copied: the ShardedTensor holds the very local tensors
-of its source, and `to_dtensor` hands its shard to `DTensor.from_local`.
+of its source, and `to_dtensor` hands its shard to `DTensor.from_local`, or,
+where a rank holds several blocks, its shards in a `LocalShardsWrapper` (as
+TorchRec builds them).
 
 `from_dtensor` (and `from_shard_tensor`) is collective: see `interop.agreed`.
 """
@@ -22,6 +24,7 @@ from ..comm.build import from_local_shards_checked
 from ..errors import LayoutError
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
+from ..tensor.construction import PendingLayout
 from .agreed import (
     DTENSOR,
     SHARD_TENSOR,
@@ -34,7 +37,12 @@ from .agreed import (
 )
 from .physicsnemo import inspect_shard_tensor
 
-__all__ = ["from_dtensor", "from_torch_sharded_tensor", "to_dtensor"]
+__all__ = [
+    "from_dtensor",
+    "from_torch_sharded_tensor",
+    "to_dtensor",
+    "to_local_shards_wrapper",
+]
 
 
 def _inspect_dtensor(dt: DTensor) -> Inspection:
@@ -78,7 +86,8 @@ def _inspect_wrapped(dt: DTensor) -> Inspection:
     meta["key"] = (None, None, meta["key"][2])  # placements say nothing about the blocks here
 
     def finish(everyone: list[dict[str, Any]], group: Any, mesh: Any) -> ShardedTensor:
-        out = from_local_shards_checked(shards, offsets, tuple(dt.shape), group)
+        # a wrapper may hold strided views (LocalShardsWrapper accepts them): kept, not copied
+        out = from_local_shards_checked(shards, offsets, tuple(dt.shape), group, contiguous=False)
         out._mesh = mesh
         return out
 
@@ -104,16 +113,33 @@ def from_dtensor(dt: DTensor) -> ShardedTensor:
 
 
 def to_dtensor(st: ShardedTensor, mesh: Any, placements: Sequence[Any]) -> DTensor:
-    """A DTensor over `mesh` sharing this rank's shard; the layout must be what
-    `placements` produce (`Layout.from_dtensor_spec`), otherwise `LayoutError`."""
+    """A DTensor over `mesh` sharing this rank's shards. No communication.
+
+    Where every rank holds at most one block, the layout must be what
+    `placements` produce (`Layout.from_dtensor_spec`), otherwise `LayoutError`,
+    and the local tensor is the shard. Where some rank holds several blocks, or
+    the layout is not learned yet (`from_local_blocks`), the local tensor is a
+    `LocalShardsWrapper` of this rank's shards (`to_local_shards_wrapper`), as
+    TorchRec builds them: `placements` are recorded as given (TorchRec's
+    `Shard(1)` for column-wise, `Shard(0)` for row-wise) and the wrapper's
+    offsets say where each shard lies; `sw.from_dtensor` reads it back.
+    """
+    # Which form is decided by the layout, the same on every rank (never by this
+    # rank's own block count), and without learning a pending layout.
+    layout = st._layout
+    if (isinstance(layout, PendingLayout) and not layout.is_learned) or any(
+        len(blocks) > 1 for blocks in layout.blocks
+    ):
+        return _wrapped_dtensor(st, mesh, placements)
     expected = Layout.from_dtensor_spec(mesh.shape, placements, tuple(st.shape))
-    if expected != st.layout_spec:
+    if expected != layout:
         raise LayoutError(
-            f"{st.layout_spec} cannot be expressed as placements {tuple(placements)} on a "
+            f"{layout} cannot be expressed as placements {tuple(placements)} on a "
             f"mesh of shape {tuple(mesh.shape)} (they give {expected}); redistribute first"
         )
     mesh_position(mesh)
-    shards = st.local_shards()
+    # `_shards`, not `local_shards()`: a subclass may return legacy `Shard` objects there
+    shards = st._shards
     if shards:
         local = shards[0]
     else:
@@ -121,6 +147,34 @@ def to_dtensor(st: ShardedTensor, mesh: Any, placements: Sequence[Any]) -> DTens
         local = torch.empty(sizes, dtype=st.dtype, device=st.device)
     return DTensor.from_local(
         local, mesh, placements, run_check=False, shape=st.shape, stride=contiguous_stride(st.shape)
+    )
+
+
+def to_local_shards_wrapper(st: ShardedTensor) -> LocalShardsWrapper:
+    """This rank's shards, the very tensors, in torch's `LocalShardsWrapper` with their
+    global offsets. Local: no communication, the layout is not learned.
+
+    Blocks with no element are left out: DCP keys a chunk by its offsets, so an
+    empty chunk at another rank's block offsets would replace that block in the
+    save plan (`dedup_save_plans`); our own DCP hooks leave them out alike."""
+    held = [(b, s) for b, s in zip(st.local_blocks, st._shards) if not b.is_empty()]
+    return LocalShardsWrapper([s for _, s in held], [b.offsets for b, _ in held])
+
+
+def _wrapped_dtensor(st: ShardedTensor, mesh: Any, placements: Sequence[Any]) -> DTensor:
+    mesh_position(mesh)
+    if len(tuple(placements)) != mesh.ndim:
+        raise LayoutError(
+            f"{len(tuple(placements))} placements {tuple(placements)} for a {mesh.ndim}-d "
+            f"mesh; give one per mesh dimension"
+        )
+    return DTensor.from_local(
+        to_local_shards_wrapper(st),
+        mesh,
+        placements,
+        run_check=False,
+        shape=st.shape,
+        stride=contiguous_stride(st.shape),
     )
 
 

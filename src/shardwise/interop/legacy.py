@@ -32,7 +32,7 @@ from torch.distributed._shard.sharding_spec import (
 )
 from torch.distributed.remote_device import _remote_device as RemoteDevice
 
-from ..errors import InvalidArgumentError, LayoutError, ShardCountError, ShardMismatchError
+from ..errors import InvalidArgumentError, LayoutError, ShardMismatchError, SingleShardError
 from ..layout import Layout
 from ..tensor import ShardedTensor
 
@@ -177,11 +177,11 @@ def metadata(st: ShardedTensor, spec: ShardingSpec | None = None) -> ShardedTens
 
 
 def local_tensor(st: ShardedTensor) -> torch.Tensor:
-    """The one live local shard; `ShardCountError` (a `NotImplementedError`, as legacy's)
+    """The one live local shard; `SingleShardError` (a `NotImplementedError`, as legacy's)
     unless there is exactly one."""
     shards = st._shards
     if len(shards) != 1:
-        raise ShardCountError(
+        raise SingleShardError(
             f"rank {st.rank} holds {len(shards)} shards of a tensor of shape "
             f"{tuple(st.shape)}; local_tensor() needs exactly one (use local_shards())"
         )

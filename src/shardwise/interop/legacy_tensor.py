@@ -26,6 +26,7 @@ this class answers that one with `Shard` objects.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, SupportsIndex, cast
 
@@ -34,6 +35,9 @@ import torch.distributed as dist
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard
 from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
+from torch.distributed._shard.sharded_tensor import (
+    custom_sharded_op_impl as torch_custom_sharded_op_impl,
+)
 from torch.distributed._shard.sharded_tensor.api import _CUSTOM_SHARDED_OPS
 from torch.distributed._shard.sharded_tensor.metadata import (
     ShardedTensorMetadata,
@@ -69,6 +73,7 @@ from ..errors import (
     LayoutError,
     ShardCountError,
     ShardMismatchError,
+    SingleShardError,
     UsageError,
 )
 from ..layout import Block, Layout
@@ -76,7 +81,16 @@ from ..tensor import ShardedTensor as _ShardedTensor
 from .dtensor import from_torch_sharded_tensor
 from .legacy import gather_into, reshard_in_place, spec_layout
 
-__all__ = ["ShardedTensor", "as_legacy", "init_from_local_shards"]
+__all__ = [
+    "Shard",
+    "ShardMetadata",
+    "ShardedTensor",
+    "ShardedTensorMetadata",
+    "TensorProperties",
+    "as_legacy",
+    "custom_sharded_op_impl",
+    "init_from_local_shards",
+]
 
 
 class _Placement:
@@ -274,7 +288,12 @@ class ShardedTensor(_ShardedTensor):
                 continue
             t = mine.get((tuple(m.shard_offsets), tuple(m.shard_sizes)))
             if t is None:  # a zero-size chunk: the layout holds no block for it
-                t = torch.empty(m.shard_sizes, dtype=self.dtype, device=_Placement(m).device())
+                t = torch.empty(
+                    m.shard_sizes,
+                    dtype=self.dtype,
+                    device=_Placement(m).device(),
+                    requires_grad=self.requires_grad,
+                )
             out.append(Shard(t, m))
         return out
 
@@ -307,6 +326,8 @@ class ShardedTensor(_ShardedTensor):
         reshard_in_place(self, resharding_spec)
         self._legacy_spec = resharding_spec
         self._legacy_metadata = None
+        md = self.metadata()  # legacy lists a reshard's shards by rank, not in spec order
+        md.shards_metadata.sort(key=lambda m: _Placement(m).rank())
         return self
 
     def local_tensor(self) -> torch.Tensor:
@@ -314,7 +335,7 @@ class ShardedTensor(_ShardedTensor):
             return self._shards[0]
         shards = self.local_shards()
         if len(shards) != 1:
-            raise ShardCountError(
+            raise SingleShardError(
                 f"Only single local shard is supported. Number of shards: {len(shards)} "
                 f"(rank {self._rank}, tensor of shape {tuple(self.shape)})"
             )
@@ -369,6 +390,9 @@ class ShardedTensor(_ShardedTensor):
     def to(self, *args: Any, **kwargs: Any) -> ShardedTensor:
         """`Tensor.to`, plus legacy's `process_group=` for the result."""
         process_group = kwargs.pop("process_group", None)
+        if len(args) == 1 and not isinstance(args[0], (torch.dtype, torch.device, str, int)):
+            if not isinstance(args[0], torch.Tensor):
+                raise UsageError(f"ShardedTensor.to() have wrong arguments: {args}")
         out = super().to(*args, **kwargs)
         return self if out is self else _regrouped(cast(_ShardedTensor, out), process_group)
 
@@ -487,6 +511,24 @@ def _call_legacy_op(
     return tree_map(back, handler(types, args, kwargs, group))
 
 
+def custom_sharded_op_impl(
+    func: Callable[..., Any],
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Legacy's decorator: register a handler `(types, args, kwargs, process_group)` for
+    the torch function `func` (in torch's own table, so torch's legacy tensors see it too).
+    A handler with another signature is refused with `InvalidTypeError` (a TypeError)."""
+
+    def register(handler: Callable[..., Any]) -> Callable[..., Any]:
+        if len(inspect.signature(handler).parameters) != 4:
+            raise InvalidTypeError(
+                f"Custom sharded op function expects signature: (types, args, kwargs, "
+                f"process_group), but received signature: {inspect.signature(handler)}"
+            )
+        return torch_custom_sharded_op_impl(func)(handler)
+
+    return register
+
+
 def _spec_op(st: ShardedTensor, func: Any) -> Callable[..., Any] | None:
     """The op registered for `func` on the class of `st`'s spec (none for a layout no
     spec expresses, such as a reduction's replicated result)."""
@@ -539,7 +581,7 @@ def _regrouped(out: _ShardedTensor, process_group: Any) -> ShardedTensor:
 
 def _check_memory_format(memory_format: torch.memory_format) -> None:
     if memory_format not in (torch.preserve_format, torch.contiguous_format):
-        raise InvalidArgumentError(
+        raise UsageError(  # legacy's RuntimeError
             "Only `torch.contiguous_format` or `torch.preserve_format` is supported!"
         )
 

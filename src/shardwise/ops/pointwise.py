@@ -34,6 +34,11 @@ def aligned(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     sharded = sharded_args(args, kwargs)
     leaves, _ = tree_flatten((args, kwargs))
     shape = tuple(torch.broadcast_shapes(*(x.shape for x in leaves if isinstance(x, torch.Tensor))))
+    first = sharded[0]
+    if tuple(first.shape) == shape and all(
+        x._layout is first._layout and x._rank == first._rank for x in sharded
+    ):  # one layout object: nothing to align (and a layout not learned yet stays so)
+        return args, kwargs
     if is_inplace(func):
         ref = sharded[0]
         if tuple(ref.shape) != shape:

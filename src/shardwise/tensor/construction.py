@@ -1,4 +1,6 @@
-"""The checks `ShardedTensor.from_layout` runs on a rank's shards before wrapping them."""
+"""How a `ShardedTensor` is built: the checks `from_layout` runs on a rank's shards
+before wrapping them, and `PendingLayout`, the layout of a tensor built from its
+own blocks alone (`ShardedTensor.from_local_blocks`) until it is learned."""
 
 from __future__ import annotations
 
@@ -7,10 +9,10 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidTypeError, ShardMismatchError
-from ..layout import Layout
+from ..errors import InvalidTypeError, ShardMismatchError, UsageError
+from ..layout import Block, Layout
 
-__all__ = ["check_shards", "filled_shards"]
+__all__ = ["PendingLayout", "check_shards", "filled_shards"]
 
 
 def check_shards(
@@ -79,3 +81,116 @@ def filled_shards(
     device = torch.device(device) if device is not None else torch.device("cpu")
     shards = [factory(b.sizes, *extra, dtype=dtype, device=device) for b in layout.blocks_of(rank)]
     return shards, dtype, device
+
+
+# -----------------------------------------------------------------------------
+# A layout learned on first need.
+#
+# `LocalShardsWrapper(shards, offsets)` needs no process group: it knows its own
+# blocks and nothing else. `ShardedTensor.from_local_blocks` is built the same
+# way, and its tensor must still answer for the whole layout when an operation
+# spans ranks. `PendingLayout` is a `Layout` whose other ranks' blocks are not
+# known yet: it answers the global shape, ndim, `blocks_of(its rank)`, `str` and
+# `repr` locally; anything else (another rank's blocks, `world_size`, equality
+# with another layout, hashing, JSON) first learns the layout, collectively
+# (`learn`, installed by `shardwise.comm`: one all-gather of block metadata over
+# the tensor's group, validated as `from_local_shards` validates, a problem
+# raised on every rank). Learning fills this object's own `Layout` slots, so
+# every tensor sharing it (the results of local ops: `_with_shards` passes the
+# layout object on) learns at once, and from then on it is an ordinary `Layout`
+# at the cost of one attribute hook that no longer fires.
+#
+# SPMD: learning happens where an operation reads the global layout; which
+# operations do so is decided by the operation and the tensor's kind, never by
+# what one rank holds, so every rank learns at the same call.
+# -----------------------------------------------------------------------------
+
+# The `Layout` slots a learned layout fills; reading one while pending learns.
+_LEARNED_SLOTS = ("_blocks", "_allow_holes", "_holders", "_covered", "_hash")
+
+
+class PendingLayout(Layout):
+    """The layout of a tensor built from this rank's blocks only, learned on first need.
+
+    `learn(pending) -> Layout` is collective over the tensor's group (every rank
+    must reach it at the same point); None on a pickled copy, which has no group.
+    """
+
+    __slots__ = ("_rank", "_own", "_learn", "_learned")
+
+    def __init__(
+        self,
+        global_shape: Sequence[int],
+        rank: int,
+        own_blocks: Sequence[Block],
+        learn: Callable[[PendingLayout], Layout] | None,
+    ) -> None:
+        # Layout.__init__ is not called: the slots in _LEARNED_SLOTS stay unset until learned.
+        self._shape = tuple(int(s) for s in global_shape)
+        self._rank = rank
+        self._own = tuple(own_blocks)
+        self._learn = learn
+        self._learned: Layout | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for an unset attribute: a `Layout` slot read before learning.
+        # Anything else raises AttributeError from the plain lookup.
+        if name in _LEARNED_SLOTS:
+            self.learn()
+        return object.__getattribute__(self, name)
+
+    @property
+    def is_learned(self) -> bool:
+        return self._learned is not None
+
+    def learn(self) -> Layout:
+        """The whole layout, learned now if not yet. Collective the first time."""
+        if self._learned is None:
+            if self._learn is None:
+                raise UsageError(
+                    f"the layout of this tensor (global shape {self._shape}, rank {self._rank}'s "
+                    f"blocks {', '.join(map(str, self._own)) or 'none'}) was never learned and "
+                    f"it has no process group (it was unpickled); rebuild it with "
+                    f"ShardedTensor.from_local_blocks(..., group=...) on every rank"
+                )
+            learned = self._learn(self)
+            if learned.global_shape != self._shape or learned.blocks_of(self._rank) != self._own:
+                raise ShardMismatchError(  # the learner checks this on every rank first
+                    f"rank {self._rank} learned {learned} but holds {self._own}"
+                )
+            for slot in _LEARNED_SLOTS:
+                setattr(self, slot, getattr(learned, slot))
+            self._learned = learned
+            self._learn = None  # the group and the learner are not needed any more
+        return self._learned
+
+    def blocks_of(self, rank: int) -> tuple[Block, ...]:
+        if rank == self._rank:
+            return self._own
+        return super().blocks_of(rank)
+
+    def __eq__(self, other: object) -> bool:
+        # The same object (one family of tensors) is equal without learning.
+        return other is self or super().__eq__(other)
+
+    __hash__ = Layout.__hash__
+
+    def __repr__(self) -> str:
+        if self._learned is not None:
+            return repr(self._learned)
+        return (
+            f"PendingLayout(global_shape={self._shape}, rank={self._rank}, "
+            f"blocks={list(self._own)})"
+        )
+
+    def __str__(self) -> str:
+        if self._learned is not None:
+            return str(self._learned)
+        shape = "x".join(map(str, self._shape)) or "scalar"
+        return f"Layout({shape}, rank {self._rank}'s {len(self._own)} blocks; others not learned)"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self._learned is not None:
+            return self._learned.__reduce__()
+        # the learner holds a process group, which does not pickle
+        return (PendingLayout, (self._shape, self._rank, self._own, None))

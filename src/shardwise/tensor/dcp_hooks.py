@@ -56,9 +56,7 @@ def storage_metadata(st: ShardedTensor) -> TensorStorageMetadata:
     properties = TensorProperties(
         dtype=st.dtype, requires_grad=st.requires_grad, pin_memory=st.is_pinned()
     )
-    return TensorStorageMetadata(
-        properties=properties, size=torch.Size(st.layout_spec.global_shape), chunks=st.local_chunks
-    )
+    return TensorStorageMetadata(properties=properties, size=st.shape, chunks=st.local_chunks)
 
 
 def create_write_items(st: ShardedTensor, fqn: str, hint: int | None = None) -> list[WriteItem]:
@@ -66,7 +64,7 @@ def create_write_items(st: ShardedTensor, fqn: str, hint: int | None = None) -> 
     position, or a container's `hint` (the tensor's position in it) where the tensor
     holds one block: `get_tensor_shard` finds the block by offset either way."""
     properties = TensorProperties(dtype=st.dtype, requires_grad=st.requires_grad)
-    size = torch.Size(st.layout_spec.global_shape)
+    size = st.shape  # the global shape, known locally (a layout may not be learned yet)
     items = []
     seen = set()
     blocks = st.local_blocks
@@ -98,7 +96,7 @@ def get_tensor_shard(st: ShardedTensor, index: MetadataIndex) -> torch.Tensor:
     an offset (a container asking its element, as Megatron's do) names the tensor's
     only non-empty block, or the one at `index.index`."""
     blocks = st.local_blocks
-    shards = st.local_shards()
+    shards = st._shards  # not local_shards(): a subclass may return legacy `Shard` objects
     offset = tuple(index.offset) if index.offset is not None else None
     hint = index.index
     if offset is None:

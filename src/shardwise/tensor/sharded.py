@@ -13,10 +13,10 @@ from typing import Any, SupportsIndex
 
 import torch
 
-from ..errors import InvalidTypeError
+from ..errors import InvalidArgumentError, InvalidTypeError
 from ..layout import Block, Layout
 from .checkpointable import Checkpointable
-from .construction import check_shards, filled_shards
+from .construction import PendingLayout, check_shards, filled_shards
 from .provided import provided
 from .provided_methods import ProvidedMethods
 
@@ -58,8 +58,10 @@ class LocalView:
 
     @property
     def layout_spec(self) -> Layout:
-        """The global `Layout` (named so to leave `Tensor.layout` alone)."""
-        return self._layout
+        """The global `Layout` (named so to leave `Tensor.layout` alone). For a tensor
+        built by `from_local_blocks`, learned on first access: collective then."""
+        layout = self._layout
+        return layout.learn() if isinstance(layout, PendingLayout) else layout
 
     @property
     def rank(self) -> int:
@@ -127,6 +129,10 @@ class LocalView:
 
     def is_pinned(self, device: Any = None) -> bool:
         return bool(self._shards) and all(s.is_pinned() for s in self._shards)
+
+    def _get_tensor_size_bytes(self) -> int:
+        """Bytes of this rank's shards (`LocalShardsWrapper`'s, read by DCP's planners)."""
+        return sum(s.nelement() * s.element_size() for s in self._shards)
 
 
 # -----------------------------------------------------------------------------
@@ -314,6 +320,61 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         return out
 
     # -- construction ---------------------------------------------------------
+
+    @classmethod
+    def from_local_blocks(
+        cls,
+        shards: Sequence[torch.Tensor],
+        offsets: Sequence[Sequence[int]],
+        global_shape: Sequence[int],
+        *,
+        group: Any = None,
+        check: str = "later",
+    ) -> ShardedTensor:
+        """This rank's shards at their global `offsets`, built with no communication,
+        as `LocalShardsWrapper(shards, offsets)` is: no process group need exist.
+
+        Why: TorchRec and FSDP build their wrappers where each rank knows only
+        its own pieces (and DCP saves them from those alone); `from_local_shards`
+        needs every rank at once, `from_layout` the whole layout. Shards may be
+        strided views (a column slice of a bigger tensor); they are held, not copied.
+
+        The tensor knows its blocks and the global shape; the global layout is
+        learned, checked as `from_local_shards` checks it (one all-gather of
+        block metadata over `group`; a problem raises the same error on every
+        rank), the first time an operation spanning ranks needs it
+        (`redistribute`, `full_tensor`, `gather`, op rules, `layout_spec`,
+        `learn_layout()`), once for the tensor and every result of its local ops.
+        `check="now"` learns it here (collective); "later" (default) when
+        needed, or never if nothing needs it. What one rank may call alone never
+        learns: `repr`, `local_shards()`, `local_offsets()`, `local_sizes()`,
+        `local_chunks`, `local_blocks`, `is_empty_shard()`, the DCP hooks and
+        `to_dtensor` (over `LocalShardsWrapper`).
+
+        A problem with this rank's own input raises here, on this rank only. With
+        no process group initialised the tensor is rank 0's. `group`: a
+        ProcessGroup or None (the default group); see `shardwise.comm.from_local_blocks`.
+        """
+        if check not in ("now", "later"):
+            raise InvalidArgumentError(
+                f"check must be 'now' (learn the layout here, collectively) or 'later' (when "
+                f"an operation needs it), got {check!r}"
+            )
+        out = provided("from_local_shards")(shards, offsets, global_shape, group, local=True)
+        if check == "now":
+            out.learn_layout()
+        return out
+
+    def learn_layout(self) -> Layout:
+        """The global layout; for a tensor built by `from_local_blocks` and not learned yet,
+        learned now. Collective then (every rank of its group must call it)."""
+        return self.layout_spec
+
+    @property
+    def is_layout_learned(self) -> bool:
+        """False for a tensor built by `from_local_blocks` whose layout is not learned yet."""
+        layout = self._layout
+        return not isinstance(layout, PendingLayout) or layout.is_learned
 
     @classmethod
     def from_layout(
@@ -504,6 +565,19 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
                 self.requires_grad,
             ),
         )
+
+    def requires_grad_(self, requires_grad: bool = True) -> ShardedTensor:
+        """As `LocalShardsWrapper.requires_grad_`: the flag is set on the tensor (the
+        autograd leaf) and on its shards that are leaves (a view's flag follows its base).
+
+        Ops run shard by shard below autograd and build no graph on shards, so
+        the shards' flag only tells code that holds them (`local_shards()`, a
+        DCP planner reading `requires_grad`) what the tensor is."""
+        super().requires_grad_(requires_grad)
+        for shard in self._shards:
+            if shard.is_leaf:
+                shard.requires_grad_(requires_grad)
+        return self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardedTensor:
         with torch.no_grad():
