@@ -65,6 +65,7 @@ CHECKPOINT = [
     "CheckpointBusyError",
     "CheckpointExistsError",
     "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",

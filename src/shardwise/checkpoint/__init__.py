@@ -4,6 +4,7 @@
     swc.save(state_dict, "ckpt/step_100")        # collective
     fut = swc.async_save(state_dict, "ckpt/step_200")  # returns after staging
     swc.load(state_dict, "ckpt/step_100")        # collective, in place, any layout
+    swc.CheckpointManager("ckpt", keep_last=3)   # step folders, latest(), restore, retention
     t = swc.read_tensor("ckpt/step_100", "emb.weight", region=Block((0, 0), (10, 256)))
 
 The format is a DCP checkpoint (stock `dcp.load` reads it) plus `shardwise.json`;
@@ -29,6 +30,7 @@ from . import clients  # noqa: F401  (importing registers the clients' value ada
 from .api import LoadInfo, SaveFuture, SaveInfo, async_save, load, read_tensor, save
 from .dcp import Reader, Writer
 from .format import allow_object_globals
+from .manager import CheckpointManager
 from .offline import (
     CheckpointInfo,
     OpenCheckpoint,
@@ -45,6 +47,7 @@ __all__ = [
     "CheckpointBusyError",
     "CheckpointExistsError",
     "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",

@@ -7,7 +7,7 @@ it, in the same order) and raises the same error on every rank on bad input.
 from __future__ import annotations
 
 from ..tensor.provided import provide
-from .build import from_local_shards
+from .build import from_local_blocks, from_local_shards
 from .collectives import distribute, equal, full_tensor, gather, redistribute
 from .group import current_rank, resolve_group
 from .local import from_local, to_local
@@ -15,6 +15,7 @@ from .local import from_local, to_local
 provide(
     current_rank=current_rank,
     resolve_group=resolve_group,
+    from_local_blocks=from_local_blocks,
     from_local_shards=from_local_shards,
     full_tensor=full_tensor,
     gather=gather,

@@ -22,7 +22,7 @@ from ..errors import InvalidTypeError, LayoutError, ShardMismatchError, UsageErr
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from ..tensor.construction import PendingLayout
-from .agreement import exchange, odd_ranks, raise_agreed
+from .agreement import exchange, odd_ranks, raise_agreed, require_same
 from .group import resolve_group
 
 __all__ = ["from_local_blocks", "from_local_shards"]
@@ -77,8 +77,6 @@ def from_local_shards(
     offsets: Sequence[Sequence[int]],
     global_shape: Sequence[int] | None = None,
     group: Any = None,
-    *,
-    local: bool = False,
 ) -> ShardedTensor:
     """Collective: every rank passes its shards and their global offsets.
 
@@ -87,12 +85,7 @@ def from_local_shards(
     sub-mesh: the exchange and every later collective run over its ranks only.
     Overlaps, holes, bounds, dtype/device mismatches and non-contiguous
     shards raise the same exception on every rank, naming the faulty rank.
-
-    `local=True` is `ShardedTensor.from_local_blocks`: `from_local_blocks` here,
-    no communication now (`global_shape` then required).
     """
-    if local:
-        return from_local_blocks(shards, offsets, global_shape, group)
     return from_local_shards_checked(shards, offsets, global_shape, group)
 
 
@@ -223,9 +216,14 @@ def from_local_blocks(
     offsets: Sequence[Sequence[int]],
     global_shape: Sequence[int] | None,
     group: Any = None,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
 ) -> ShardedTensor:
     """This rank's shards (strided views allowed) at their global `offsets`, with no
-    communication; the layout is learned later (`PendingLayout.learn`).
+    communication; the layout is learned later (`PendingLayout.learn`). `dtype` /
+    `device` are those of a rank that holds no shard (default: the default dtype, CPU);
+    learning checks that every rank's agree.
 
     Local: a problem with this rank's input (shard count, types, offsets outside
     `global_shape`, mixed dtypes or devices) raises here, on this rank only. With
@@ -266,8 +264,11 @@ def from_local_blocks(
             raise LayoutError(
                 f"rank {dist.get_rank()} is not in the group {group}; only its ranks hold blocks"
             )
-    dtype = shards[0].dtype if shards else torch.get_default_dtype()
-    device = shards[0].device if shards else torch.device("cpu")
+    if shards:
+        dtype, device = shards[0].dtype, shards[0].device
+    else:
+        dtype = dtype if dtype is not None else torch.get_default_dtype()
+        device = torch.device(device) if device is not None else torch.device("cpu")
     learn = functools.partial(_learn, group=group, dtype=dtype, device=device)
     return ShardedTensor(
         PendingLayout(shape, rank, own, learn),
@@ -298,11 +299,19 @@ def _learn(
             f"this tensor was built as rank {pending._rank} of its group but this process is "
             f"rank {rank}; build it after init_process_group"
         )
+    # A rank holding nothing has no shard to show its dtype in the exchange below: the
+    # ranks agree on dtype and device type first (fixed-size), so a mismatch raises on all.
+    kinds = exchange(problem, (str(dtype), device.type), group)
+    require_same(
+        kinds,
+        "the dtype and device type of a tensor built by from_local_blocks",
+        fix="a rank holding no block must pass dtype= and device= to from_local_blocks",
+    )
     own = pending.blocks_of(pending._rank)
     stand_ins = [torch.zeros((), dtype=dtype, device=device).expand(b.sizes) for b in own]
     offsets = [b.offsets for b in own]
     out = from_local_shards_checked(
-        stand_ins, offsets, pending.global_shape, group, problem, contiguous=False
+        stand_ins, offsets, pending.global_shape, group, contiguous=False
     )
     return out._layout
 

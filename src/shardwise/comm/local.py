@@ -79,7 +79,8 @@ class GradPlan(NamedTuple):
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, st: ShardedTensor, plan: GradPlan | None) -> torch.Tensor:
-        ctx.layout, ctx.rank, ctx.group, ctx.mesh = st.layout_spec, st.rank, st.group, st._mesh
+        # the layout object itself: one built locally is learned only if backward needs it
+        ctx.layout, ctx.rank, ctx.group, ctx.mesh = st._layout, st.rank, st.group, st._mesh
         ctx.plan = plan
         shards = st._shards
         if len(shards) > 1:

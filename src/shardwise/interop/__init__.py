@@ -49,7 +49,7 @@ provide(
     gather_into=legacy.gather_into,
     local_tensor=legacy.local_tensor,
     metadata=legacy.metadata,
-    reshard=legacy.reshard,
+    reshard=legacy.reshard_method,
     sharding_spec=legacy.sharding_spec,
     to_torch_sharded_tensor=legacy.to_torch_sharded_tensor,
 )

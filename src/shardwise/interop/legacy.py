@@ -42,6 +42,7 @@ __all__ = [
     "metadata",
     "reshard",
     "reshard_in_place",
+    "reshard_method",
     "sharding_spec",
     "spec_layout",
     "to_sharding_spec",
@@ -212,8 +213,14 @@ def to_torch_sharded_tensor(st: ShardedTensor, device: DeviceOf | None = None) -
 
 
 def reshard(st: ShardedTensor, spec: ShardingSpec) -> ShardedTensor:
-    """`st` in the layout of `spec`, in place, as legacy `reshard`: the tensor's shards
-    are replaced and `st` returned (the data stays on `st`'s device). Collective."""
+    """`st.reshard(spec)`: `st` in the layout of `spec`, in place, as legacy `reshard`
+    (the tensor's shards are replaced and `st` returned; the data stays on `st`'s
+    device). Collective. Through the method, so a legacy tensor keeps its spec too."""
+    return st.reshard(spec)
+
+
+def reshard_method(st: ShardedTensor, spec: ShardingSpec) -> ShardedTensor:
+    """`ShardedTensor.reshard` (a legacy tensor's adds its spec)."""
     reshard_in_place(st, spec)
     return st
 
@@ -233,7 +240,11 @@ def reshard_in_place(st: ShardedTensor, spec: ShardingSpec) -> None:
     layout = spec_layout(spec, tuple(st.shape), world, st.group)
     if layout == st.layout_spec:
         return
-    moved = st.redistribute(layout)
+    with torch.no_grad():  # the data moves; `st` stays the leaf it was
+        moved = st.redistribute(layout)
+    if st.requires_grad:  # the new shards are leaves, flagged as the old ones were
+        for shard in moved._shards:
+            shard.requires_grad_(True)
     st._layout, st._shards = moved._layout, moved._shards
     st._mesh_offsets = st._placements = None
 

@@ -288,6 +288,11 @@ class ShardedTensor(_ShardedTensor):
                 continue
             t = mine.get((tuple(m.shard_offsets), tuple(m.shard_sizes)))
             if t is None:  # a zero-size chunk: the layout holds no block for it
+                if 0 not in m.shard_sizes:
+                    raise ShardMismatchError(
+                        f"rank {self._rank}: the spec places {m} here but the tensor's layout "
+                        f"holds no such block (was it resharded behind this tensor's back?)"
+                    )
                 t = torch.empty(
                     m.shard_sizes,
                     dtype=self.dtype,
@@ -684,9 +689,14 @@ def init_from_local_shards(
     local_md = None
     try:
         size = _sizes(global_size)
+        if recalc and len(local_shards) != 1:
+            raise ShardMismatchError(
+                f"rank {me}: a None in global_size needs exactly one shard per rank "
+                f"(legacy's row-wise recalculation); it holds {len(local_shards)}"
+            )
         if local_shards:
             local_md = build_metadata_from_local_shards(local_shards, size, me, group)
-    except InvalidTypeError as e:
+    except (InvalidTypeError, ShardMismatchError) as e:
         problem = e
     except (ValueError, AssertionError) as e:
         problem = ShardMismatchError(f"{e}")
@@ -695,14 +705,10 @@ def init_from_local_shards(
         global_md = build_global_metadata(everyone, recalc_metadata=recalc)
     except ValueError as e:
         raise ShardMismatchError(str(e)) from None
-    if recalc:
-        mine = [m for m in global_md.shards_metadata if _Placement(m).rank() == me]
-        if len(mine) != 1 or len(local_shards) != 1:
-            raise ShardMismatchError(
-                f"rank {me}: a None in global_size needs exactly one shard per rank "
-                f"(legacy's row-wise recalculation); it holds {len(local_shards)}"
-            )
-        local_shards[0].metadata = mine[0]
+    if recalc:  # every rank holds one shard (checked in the exchange): one entry each
+        local_shards[0].metadata = next(
+            m for m in global_md.shards_metadata if _Placement(m).rank() == me
+        )
     _check_rrefs(init_rrefs)
     spec = _infer_sharding_spec_from_shards_metadata(global_md.shards_metadata)
     return _from_metadata(ShardedTensor, local_shards, global_md, spec, process_group)

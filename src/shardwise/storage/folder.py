@@ -271,3 +271,19 @@ class Folder(ABC):
 
     def remove_if_empty(self) -> None:  # noqa: B027 - a store without folders has none to remove
         """Remove the folder itself if it holds nothing (a save that made it, then failed)."""
+
+    # -- nesting: a root of many checkpoints (`checkpoint.manager`) -------------------------------
+
+    def folders(self) -> list[str]:
+        """The names of the folders directly inside this one (never a link), sorted, in
+        one listing; [] where it does not exist. Not every backend can: one that cannot
+        refuses (`UnsupportedStorageError`)."""
+        raise UnsupportedStorageError(
+            f"{type(self).__name__} cannot list the folders inside {self.location}"
+        )
+
+    def child(self, name: str) -> Folder:
+        """The folder `name` directly inside this one (a plain name: never a path out)."""
+        raise UnsupportedStorageError(
+            f"{type(self).__name__} cannot open a folder inside {self.location}"
+        )

@@ -296,6 +296,23 @@ class LocalFolder(Folder):
     def is_folder(self) -> bool:
         return self.path.is_dir()
 
+    def folders(self) -> list[str]:
+        try:
+            entries = list(os.scandir(self.path))
+        except OSError:
+            return []
+        out = []
+        for entry in entries:
+            try:  # a link to a folder is no folder of this one, wherever it points
+                if entry.is_dir(follow_symlinks=False):
+                    out.append(entry.name)
+            except OSError:
+                continue
+        return sorted(out)
+
+    def child(self, name: str) -> LocalFolder:
+        return LocalFolder(self.path / plain_name(name))
+
     def remove_if_empty(self) -> None:
         try:
             os.rmdir(self.path)

@@ -251,6 +251,23 @@ class FsspecFolder(Folder):
         self.fresh()
         return bool(self.fs.isdir(self.root))
 
+    def folders(self) -> list[str]:
+        self.fresh()
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        prefix = self.root + "/"
+        out = []
+        for e in entries:
+            name = str(e["name"]).rstrip("/")
+            if e.get("type") == "directory" and not e.get("islink") and name.startswith(prefix):
+                out.append(name[len(prefix) :])
+        return sorted(out)
+
+    def child(self, name: str) -> FsspecFolder:
+        return FsspecFolder(self.fs, self.path_of(name), self.where(name))
+
     def remove_if_empty(self) -> None:
         if self.atomic_put:  # object stores have no folders (and rmdir of a bucket deletes it)
             return

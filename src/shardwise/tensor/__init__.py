@@ -3,7 +3,8 @@ the layers above (comm, interop, ops) supply its collective methods."""
 
 from __future__ import annotations
 
+from .construction import learned
 from .sharded import ShardedTensor
 from .sharded import _rebuild as _rebuild  # where pickles of shardwise <= 0.1 look for it
 
-__all__ = ["ShardedTensor"]
+__all__ = ["ShardedTensor", "learned"]

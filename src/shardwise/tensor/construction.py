@@ -12,7 +12,7 @@ import torch
 from ..errors import InvalidTypeError, ShardMismatchError, UsageError
 from ..layout import Block, Layout
 
-__all__ = ["PendingLayout", "check_shards", "filled_shards"]
+__all__ = ["PendingLayout", "check_shards", "filled_shards", "learned"]
 
 
 def check_shards(
@@ -194,3 +194,8 @@ class PendingLayout(Layout):
             return self._learned.__reduce__()
         # the learner holds a process group, which does not pickle
         return (PendingLayout, (self._shape, self._rank, self._own, None))
+
+
+def learned(layout: Layout) -> bool:
+    """Whether every rank's blocks of `layout` are known (reading them needs no exchange)."""
+    return not isinstance(layout, PendingLayout) or layout.is_learned

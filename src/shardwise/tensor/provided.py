@@ -21,6 +21,7 @@ __all__ = ["PROVIDERS", "provide", "provided"]
 # What each layer provides: the name a method looks up -> the module that installs it.
 PROVIDERS: dict[str, str] = {
     "current_rank": "shardwise.comm",
+    "from_local_blocks": "shardwise.comm",
     "from_local_shards": "shardwise.comm",
     "full_tensor": "shardwise.comm",
     "gather": "shardwise.comm",

@@ -143,5 +143,6 @@ class ProvidedMethods:
         return provided("local_tensor")(self)
 
     def reshard(self, spec: Any) -> ShardedTensor:
-        """A new tensor in the layout of a legacy spec. Collective."""
+        """This tensor, moved in place to the layout of a legacy spec and returned, as
+        legacy `reshard` (`redistribute` returns a new tensor instead). Collective."""
         return provided("reshard")(self, spec)

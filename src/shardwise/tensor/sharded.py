@@ -330,6 +330,8 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         *,
         group: Any = None,
         check: str = "later",
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> ShardedTensor:
         """This rank's shards at their global `offsets`, built with no communication,
         as `LocalShardsWrapper(shards, offsets)` is: no process group need exist.
@@ -351,6 +353,11 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         `local_chunks`, `local_blocks`, `is_empty_shard()`, the DCP hooks and
         `to_dtensor` (over `LocalShardsWrapper`).
 
+        `dtype` / `device` are needed only on a rank that holds no shard (learning
+        checks that the ranks agree). Learning reads only what is global, so some
+        calls that look local learn too: `torch.equal` of two tensors built
+        separately, `mesh_shape`, `placements`, `offsets()`.
+
         A problem with this rank's own input raises here, on this rank only. With
         no process group initialised the tensor is rank 0's. `group`: a
         ProcessGroup or None (the default group); see `shardwise.comm.from_local_blocks`.
@@ -360,7 +367,9 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
                 f"check must be 'now' (learn the layout here, collectively) or 'later' (when "
                 f"an operation needs it), got {check!r}"
             )
-        out = provided("from_local_shards")(shards, offsets, global_shape, group, local=True)
+        out = provided("from_local_blocks")(
+            shards, offsets, global_shape, group, dtype=dtype, device=device
+        )
         if check == "now":
             out.learn_layout()
         return out

@@ -25,7 +25,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from ...errors import InvalidArgumentError
 from ...interop import from_torch_sharded_tensor
-from ...tensor import ShardedTensor
+from ...tensor import ShardedTensor, learned
 from .inventory import LocalPieces
 
 __all__ = ["Copies", "CopyPool", "Staged", "Stager", "bytes_of", "bytewise"]
@@ -386,9 +386,13 @@ class Stager:
             source, prev = entry
             if (
                 (
-                    source() is st  # same tensor; an in-place `reshard` replaces its shards (below)
+                    # the same tensor in the same layout object: an in-place `reshard` gives it
+                    # a new one (its staged buffers may be the same objects, so they prove nothing)
+                    (source() is st and prev._layout is st._layout)
                     or (
-                        prev.layout_spec == st.layout_spec
+                        learned(prev._layout)
+                        and learned(st._layout)
+                        and prev._layout == st._layout
                         and prev.rank == st.rank
                         and prev.group is st.group
                         and prev.dtype == st.dtype
@@ -400,7 +404,7 @@ class Stager:
             ):
                 return prev
         staged = ShardedTensor(
-            st.layout_spec,
+            st._layout,  # as is: a layout built locally is not learned by staging
             shards,
             st.rank,
             dtype=st.dtype,

@@ -15,9 +15,10 @@ from .commit import (
     leftover_data,
     new_token,
     per_rank_records,
+    referenced_files,
 )
 from .device import Copier, DeviceCopier, HostCopier, slabs_for, staging_bytes
-from .lease import Lease
+from .lease import Lease, live_scopes
 from .read import ReadExecutor
 from .write import DataFile, Written, write_archives
 
@@ -38,8 +39,10 @@ __all__ = [
     "in_the_way",
     "index_file_name",
     "leftover_data",
+    "live_scopes",
     "new_token",
     "per_rank_records",
+    "referenced_files",
     "slabs_for",
     "staging_bytes",
     "words_of",
