@@ -21,92 +21,62 @@ from .legacy_tensor import ShardedTensor
 __all__ = ["empty", "full", "ones", "rand", "randn", "zeros"]
 
 
-def _create(
-    fill: Callable[[torch.Tensor], Any] | None,
-    spec: ShardingSpec,
-    size: tuple[Any, ...],
-    options: dict[str, Any],
-) -> ShardedTensor:
-    st = ShardedTensor(spec, *size, **options)
-    if fill is not None:
-        with torch.no_grad():
-            for shard in st._shards:
-                fill(shard)
-    return st
+def _helper(
+    name: str, fill: Callable[[torch.Tensor], Any] | None, doc: str
+) -> Callable[..., ShardedTensor]:
+    """One of legacy's `helper(spec, *size, **options)` creation functions: the tensor
+    made by the legacy constructor, each local shard then filled by `fill`."""
+
+    def create(
+        sharding_spec: ShardingSpec,
+        *size: Any,
+        dtype: torch.dtype | None = None,
+        layout: torch.layout = torch.strided,
+        requires_grad: bool = False,
+        pin_memory: bool = False,
+        memory_format: torch.memory_format = torch.contiguous_format,
+        process_group: Any = None,
+        init_rrefs: bool = False,
+    ) -> ShardedTensor:
+        st = ShardedTensor(
+            sharding_spec,
+            *size,
+            dtype=dtype,
+            layout=layout,
+            requires_grad=requires_grad,
+            pin_memory=pin_memory,
+            memory_format=memory_format,
+            process_group=process_group,
+            init_rrefs=init_rrefs,
+        )
+        if fill is not None:
+            with torch.no_grad():
+                for shard in st._shards:
+                    fill(shard)
+        return st
+
+    create.__name__ = create.__qualname__ = name
+    create.__doc__ = doc
+    return create
 
 
-def _options(
-    dtype: torch.dtype | None,
-    layout: torch.layout,
-    requires_grad: bool,
-    pin_memory: bool,
-    memory_format: torch.memory_format,
-    process_group: Any,
-    init_rrefs: bool,
-) -> dict[str, Any]:
-    return {
-        "dtype": dtype,
-        "layout": layout,
-        "requires_grad": requires_grad,
-        "pin_memory": pin_memory,
-        "memory_format": memory_format,
-        "process_group": process_group,
-        "init_rrefs": init_rrefs,
-    }
-
-
-def empty(
-    sharding_spec: ShardingSpec,
-    *size: Any,
-    dtype: torch.dtype | None = None,
-    layout: torch.layout = torch.strided,
-    requires_grad: bool = False,
-    pin_memory: bool = False,
-    memory_format: torch.memory_format = torch.contiguous_format,
-    process_group: Any = None,
-    init_rrefs: bool = False,
-) -> ShardedTensor:
-    """Uninitialised, as `sharded_tensor.empty(spec, *size)`; shards on their placement devices."""
-    options = _options(
-        dtype, layout, requires_grad, pin_memory, memory_format, process_group, init_rrefs
-    )
-    return _create(None, sharding_spec, size, options)
-
-
-def zeros(
-    sharding_spec: ShardingSpec,
-    *size: Any,
-    dtype: torch.dtype | None = None,
-    layout: torch.layout = torch.strided,
-    requires_grad: bool = False,
-    pin_memory: bool = False,
-    memory_format: torch.memory_format = torch.contiguous_format,
-    process_group: Any = None,
-    init_rrefs: bool = False,
-) -> ShardedTensor:
-    """Zeros, as `sharded_tensor.zeros(spec, *size)`."""
-    options = _options(
-        dtype, layout, requires_grad, pin_memory, memory_format, process_group, init_rrefs
-    )
-    return _create(torch.Tensor.zero_, sharding_spec, size, options)
-
-
-def ones(
-    sharding_spec: ShardingSpec,
-    *size: Any,
-    dtype: torch.dtype | None = None,
-    layout: torch.layout = torch.strided,
-    requires_grad: bool = False,
-    pin_memory: bool = False,
-    memory_format: torch.memory_format = torch.contiguous_format,
-    process_group: Any = None,
-    init_rrefs: bool = False,
-) -> ShardedTensor:
-    """Ones, as `sharded_tensor.ones(spec, *size)`."""
-    options = _options(
-        dtype, layout, requires_grad, pin_memory, memory_format, process_group, init_rrefs
-    )
-    return _create(lambda s: s.fill_(1), sharding_spec, size, options)
+empty = _helper(
+    "empty",
+    None,
+    "Uninitialised, as `sharded_tensor.empty(spec, *size)`; shards on their placements.",
+)
+zeros = _helper("zeros", torch.Tensor.zero_, "Zeros, as `sharded_tensor.zeros(spec, *size)`.")
+ones = _helper("ones", lambda s: s.fill_(1), "Ones, as `sharded_tensor.ones(spec, *size)`.")
+rand = _helper(
+    "rand",
+    lambda s: s.uniform_(0, 1),
+    "Uniform [0, 1) from each rank's own generator, as `sharded_tensor.rand(spec, *size)`.",
+)
+randn = _helper(
+    "randn",
+    lambda s: s.normal_(0, 1),
+    "Standard normal from each rank's own generator, as `sharded_tensor.randn(spec, *size)`.",
+)
 
 
 def full(
@@ -124,43 +94,15 @@ def full(
 ) -> ShardedTensor:
     """`fill_value` everywhere, as `sharded_tensor.full(spec, size, fill_value)`: the
     default dtype when `dtype` is None (legacy's, unlike `torch.full`, which infers it)."""
-    options = _options(
-        dtype, layout, requires_grad, pin_memory, memory_format, process_group, init_rrefs
+    filled = _helper("full", lambda s: s.fill_(fill_value), "")
+    return filled(
+        sharding_spec,
+        size,
+        dtype=dtype,
+        layout=layout,
+        requires_grad=requires_grad,
+        pin_memory=pin_memory,
+        memory_format=memory_format,
+        process_group=process_group,
+        init_rrefs=init_rrefs,
     )
-    return _create(lambda s: s.fill_(fill_value), sharding_spec, (size,), options)
-
-
-def rand(
-    sharding_spec: ShardingSpec,
-    *size: Any,
-    dtype: torch.dtype | None = None,
-    layout: torch.layout = torch.strided,
-    requires_grad: bool = False,
-    pin_memory: bool = False,
-    memory_format: torch.memory_format = torch.contiguous_format,
-    process_group: Any = None,
-    init_rrefs: bool = False,
-) -> ShardedTensor:
-    """Uniform [0, 1) from each rank's own generator, as `sharded_tensor.rand(spec, *size)`."""
-    options = _options(
-        dtype, layout, requires_grad, pin_memory, memory_format, process_group, init_rrefs
-    )
-    return _create(lambda s: s.uniform_(0, 1), sharding_spec, size, options)
-
-
-def randn(
-    sharding_spec: ShardingSpec,
-    *size: Any,
-    dtype: torch.dtype | None = None,
-    layout: torch.layout = torch.strided,
-    requires_grad: bool = False,
-    pin_memory: bool = False,
-    memory_format: torch.memory_format = torch.contiguous_format,
-    process_group: Any = None,
-    init_rrefs: bool = False,
-) -> ShardedTensor:
-    """Standard normal from each rank's own generator, as `sharded_tensor.randn(spec, *size)`."""
-    options = _options(
-        dtype, layout, requires_grad, pin_memory, memory_format, process_group, init_rrefs
-    )
-    return _create(lambda s: s.normal_(0, 1), sharding_spec, size, options)
