@@ -9,9 +9,10 @@ background; its future says when the checkpoint is committed.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from ..comm.communicator import Communicator, SingleProcess, communicator, gloo_
 from ..errors import (
     CheckpointExistsError,
     InvalidArgumentError,
+    InvalidTypeError,
     ShardwiseError,
     UnsupportedStorageError,
 )
@@ -57,6 +59,8 @@ from .offline import open_checkpoint
 
 __all__ = ["LoadInfo", "SaveFuture", "SaveInfo", "async_save", "load", "read_tensor", "save"]
 
+log = logging.getLogger("shardwise")
+
 
 # -----------------------------------------------------------------------------
 # What every entry point does at the API edge, before the engine runs: the folder
@@ -64,6 +68,25 @@ __all__ = ["LoadInfo", "SaveFuture", "SaveInfo", "async_save", "load", "read_ten
 # that raises any rank's problem so far on every rank and puts every rank on the
 # same route (by Megatron key or by dict path, the same adapted values).
 # -----------------------------------------------------------------------------
+
+
+def _path_or_checkpoint_id(
+    call: str, path: str | Path | Folder | None, checkpoint_id: str | Path | Folder | None
+) -> str | Path | Folder:
+    """The folder a call names: `path`, or DCP's keyword for it, `checkpoint_id=`
+    (what `dcp.save` / `dcp.load` users type); one of them, not both."""
+    if path is not None and checkpoint_id is not None:
+        raise InvalidArgumentError(
+            f"{call}() got both a path ({path!r}) and checkpoint_id={checkpoint_id!r}: "
+            "checkpoint_id is DCP's name for the path; pass one of them"
+        )
+    found = path if path is not None else checkpoint_id
+    if found is None:
+        raise InvalidTypeError(
+            f"{call}() needs the checkpoint's path: pass it positionally "
+            f"(swc.{call}(state_dict, path)) or as checkpoint_id=, as DCP names it"
+        )
+    return found
 
 
 @dataclass(frozen=True)
@@ -236,8 +259,9 @@ def _check_target(
 
 def save(
     state_dict: dict[str, Any],
-    path: str | Path | Folder,
+    path: str | Path | Folder | None = None,
     *,
+    checkpoint_id: str | Path | Folder | None = None,
     overwrite: bool = False,
     process_group: Any = None,
     megatron: bool = False,
@@ -260,6 +284,7 @@ def save(
     Megatron's `metadata.json`, so Megatron opens the checkpoint. `megatron=True`
     saves so without a Megatron value (see `shardwise.checkpoint.clients.megatron`).
 
+    `checkpoint_id=` is accepted for `path`, as `dcp.save` names it.
     `path` may be an fsspec URL (`s3://bucket/ckpt`, `gs://...`, `memory://...`);
     `storage_options` go to its backend (e.g. s3fs's `endpoint_url`, `key`). On an
     object store the same guarantees hold, the commit record being written last
@@ -285,6 +310,7 @@ def save(
     key, `save_targets`' own exchanges, the target check and (`megatron=True`)
     Megatron's `metadata.json` come before `engine.save`'s.
     """
+    path = _path_or_checkpoint_id("save", path, checkpoint_id)
     folder, problem = open_target(path, storage_options)
     if PENDING.future is not None:  # one save at a time: the next commit collects unnamed files
         wait_for([PENDING.future])
@@ -427,8 +453,9 @@ _MODES = ("blocking", "background")
 
 def async_save(
     state_dict: dict[str, Any],
-    path: str | Path | Folder,
+    path: str | Path | Folder | None = None,
     *,
+    checkpoint_id: str | Path | Folder | None = None,
     overwrite: bool = False,
     process_group: Any = None,
     storage_options: dict[str, Any] | None = None,
@@ -461,7 +488,9 @@ def async_save(
     folder and the adapted values; the staging, objects and target check; the first
     call also creates its gloo group, `dist.new_group`), then `engine.save`'s in the
     background (seven, or four when the plan is reused: `engine.save`).
+    `checkpoint_id=` is accepted for `path`, as `dcp.async_save` names it.
     """
+    path = _path_or_checkpoint_id("async_save", path, checkpoint_id)
     folder, problem = open_target(path, storage_options)
     if PENDING.future is not None:  # its error is its future's: never every later save's
         wait_for([PENDING.future])
@@ -555,22 +584,45 @@ def _save_staged(
 # -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class LoadInfo:
     """What `load` returns: where the checkpoint is (a `Path`, or the URL), how long
     the load took, the bytes this rank read from data files, and the manifest it
-    followed (None for a stock DCP checkpoint, whose `.metadata` it followed)."""
+    followed (None for a stock DCP checkpoint, whose `.metadata` it followed).
+    Its repr is a summary (the manifest's counts and first keys): the fields hold
+    the details."""
 
     path: Path | str
     seconds: float
     bytes_read: int
     manifest: Manifest | None
 
+    def __repr__(self) -> str:
+        m = self.manifest
+        if m is None:
+            followed = "None (stock DCP .metadata)"
+        else:
+            keys = [*m.tensors, *m.objects]
+            shown = ", ".join(repr(k) for k in keys[:_REPR_KEYS])
+            more = f", ... and {len(keys) - _REPR_KEYS} more" if len(keys) > _REPR_KEYS else ""
+            followed = (
+                f"<{len(m.tensors)} tensors, {len(m.objects)} objects, saved by "
+                f"{m.world_size} ranks: {shown}{more}>"
+            )
+        return (
+            f"LoadInfo(path={self.path!r}, seconds={self.seconds:.3f}, "
+            f"bytes_read={self.bytes_read}, manifest={followed})"
+        )
+
+
+_REPR_KEYS = 3  # keys a LoadInfo's repr shows; `manifest` holds them all
+
 
 def load(
     state_dict: dict[str, Any],
-    path: str | Path | Folder,
+    path: str | Path | Folder | None = None,
     *,
+    checkpoint_id: str | Path | Folder | None = None,
     strict: bool = True,
     verify: bool = True,
     cast_dtype: bool = False,
@@ -588,6 +640,10 @@ def load(
     Targets may use any layout and world size: each rank reads only the byte
     ranges its targets need. `strict=True` requires every key of `state_dict`
     in the checkpoint (stored keys not asked for are fine, as with `dcp.load`).
+    `checkpoint_id=` is accepted for `path`, as `dcp.load` names it.
+    Stored values left unused because the target holds an empty mapping where they
+    go (`optimizer.state` of an optimizer that has not stepped yet) are named in a
+    warning on the `shardwise` logger (rank 0): nothing was restored there.
     Key, shape and dtype problems are all listed at
     once, on every rank, before any target is modified. `cast_dtype=True`
     casts stored values to each target's dtype instead (as `dcp.load` does,
@@ -632,6 +688,7 @@ def load(
     and when replicated values are broadcast, one `broadcast` per batch of them.
     """
     started = time.perf_counter()
+    path = _path_or_checkpoint_id("load", path, checkpoint_id)
     folder, problem = open_target(path, storage_options)
     try:
         budget = budget_of(staging_bytes)
@@ -676,6 +733,8 @@ def load(
         with adapted_for_load(plain, process_group, agreed=True) as adapted:
             done = read(Targets(plain, [], mismatch))
             adapted.finish()
+        if call.rank == 0:  # the same on every rank (agreed above): said once
+            _warn_unused(plain, folder, done[1])
     # As dcp.load ends: Stateful values load their state, every other top-level value
     # is assigned back (`state_dict[key] = ...`, which a dict subclass may observe).
     for key in sorted(state_dict):  # sorted: load_state_dict may be collective
@@ -692,6 +751,50 @@ def load(
         call.defer(problem)
         call.verdict()
     return LoadInfo(folder.checkpoint_id, time.perf_counter() - started, *done)
+
+
+def _empty_mappings(value: Any, at: str = "") -> list[str]:
+    """The dotted paths of the empty mappings in a state dict: places a stored value
+    would go but that the load cannot fill, as flattening skips them."""
+    if not isinstance(value, Mapping):
+        return []
+    if not value:
+        return [at] if at else []
+    found = []
+    for key, inner in value.items():
+        if isinstance(inner, Mapping):
+            found += _empty_mappings(inner, f"{at}.{key}" if at else str(key))
+    return found
+
+
+def _warn_unused(state: dict[str, Any], folder: Folder, manifest: Manifest | None) -> None:
+    """A warning naming the stored values under an empty mapping of `state` (an
+    optimizer's `state` before its first step): `load` restored none of them, and
+    `optimizer.load_state_dict` would then restore nothing, silently."""
+    empty = _empty_mappings(state)
+    if not empty:
+        return
+    if manifest is not None:
+        stored = [*manifest.tensors, *manifest.objects]
+    else:  # a stock checkpoint: its .metadata once more, only in this rare case
+        try:
+            stored = list(open_checkpoint(folder).metadata.state_dict_metadata)
+        except (OSError, ValueError):  # the load itself read it: a race, not worth an error
+            return
+    prefixes = tuple(f"{p}." for p in empty)
+    unused = [k for k in stored if k.startswith(prefixes)]
+    if not unused:
+        return
+    places = sorted({p for p in empty if any(k.startswith(f"{p}.") for k in unused)})
+    examples = ", ".join(repr(k) for k in unused[:3])
+    log.warning(
+        f"{len(unused)} stored value{'s' if len(unused) > 1 else ''} went unused (e.g. "
+        f"{examples}): the state dict holds an empty {' and '.join(map(repr, places))} "
+        "where they go, as an optimizer has before its first step, so nothing was "
+        "restored there. Build the state dict with "
+        "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer), which "
+        "initialises the optimizer state, or initialise the optimizer state first, then load"
+    )
 
 
 def _load_adapted(

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import pickle
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from ..errors import ShardwiseError
+from ..testing import RanksFailed
 from . import bench, convert, demo, inspect, reshard, verify
 from .verify import one_line
 
@@ -99,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _reason(e: BaseException) -> str:
     """The exception as one line: its message's first line, with its type where unexpected."""
+    if isinstance(e, RanksFailed) and e.errors:
+        return _per_rank(e.errors)
     # KeyError's str() is the repr of its key; its message is the plain text.
     text = e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 else str(e)
     lines = str(text).strip().splitlines()
@@ -106,6 +111,57 @@ def _reason(e: BaseException) -> str:
         lines = [one_line(str(text).strip())]
     message = one_line(lines[0]) if lines and lines[0] else type(e).__name__
     return message if isinstance(e, _EXPECTED) else f"{type(e).__name__}: {message}"
+
+
+def _per_rank(errors: dict[int, BaseException]) -> str:
+    """Ranks' errors as one line, each distinct one once with the ranks that raised it
+    (a collective failure raises the same error on every rank)."""
+    by_reason: dict[str, list[int]] = {}
+    for rank, error in sorted(errors.items()):
+        by_reason.setdefault(_reason(error), []).append(rank)
+    return "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {reason}"
+        for reason, ranks in by_reason.items()
+    )
+
+
+def _flag_names(parser: argparse.ArgumentParser, command: str) -> Callable[[str], str]:
+    """A message's Python argument names (`overwrite=True`, `max_file_size`) as the
+    flags of `command` that set them (`--overwrite`, `--max-file-size`): the library
+    words its errors for Python callers, the command line names its own flags."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    words: list[tuple[re.Pattern[str], str]] = []
+    for action in sub.choices[command]._actions:
+        flag = next((o for o in action.option_strings if o.startswith("--")), None)
+        if flag is None or action.dest == "help":
+            continue
+        # not inside a repr's argument list: `Layout(..., world_size=2)` stays as it is
+        name = rf"(?<!\()(?<!, )\b{re.escape(action.dest)}"
+        if isinstance(action, argparse._StoreTrueAction):
+            words.append((re.compile(rf"{name}=True\b"), flag))
+        words.append((re.compile(rf"{name}=(?=\S)"), f"{flag} "))
+        if "_" in action.dest:  # an identifier, never an English word
+            words.append((re.compile(rf"{name}\b"), flag))
+
+    def named(text: str) -> str:
+        for pattern, flag in words:
+            text = pattern.sub(flag, text)
+        return text
+
+    return named
+
+
+class _Warnings(logging.Handler):
+    """The `shardwise` logger's warnings during a command, one line each on stderr,
+    worded as the command's errors are."""
+
+    def __init__(self, command: str, named: Callable[[str], str]) -> None:
+        super().__init__(logging.WARNING)
+        self.command, self.named = command, named
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = one_line(self.named(record.getMessage()))
+        print(f"shardwise {self.command}: warning: {text}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -125,6 +181,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"shardwise: error: {_reason(e)}", file=sys.stderr)
         return EXIT_USAGE
+    named = _flag_names(parser, args.command)
+    warnings = _Warnings(args.command, named)
+    logger = logging.getLogger("shardwise")
+    logger.addHandler(warnings)
     try:
         return int(args.func(args) or EXIT_OK)
     except SystemExit as e:  # a benchmark script run in-process may call sys.exit
@@ -133,8 +193,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"shardwise {args.command}: error: {e.code}", file=sys.stderr)
         return EXIT_FAILURE
     except Exception as e:
-        print(f"shardwise {args.command}: error: {_reason(e)}", file=sys.stderr)
+        print(f"shardwise {args.command}: error: {named(_reason(e))}", file=sys.stderr)
         return EXIT_FAILURE
+    finally:
+        logger.removeHandler(warnings)
 
 
 def run() -> None:

@@ -2,14 +2,17 @@
 
 Checkpoint -> `safetensors` (split by `--max-file-size`, with an index, as
 Hugging Face does) or `torch`; a `.safetensors` file -> `shardwise` or `torch`.
-Streams tensor by tensor.
+Streams tensor by tensor. A checkpoint's non-tensor values (`step`,
+`param_groups`) have no place in either file: each one dropped is named in a
+warning.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from ..checkpoint.offline import TARGETS, convert
+from ..checkpoint.offline import TARGETS, convert, inspect
+from .progress import add_quiet, progress_bar
 from .sizes import parse_size
 from .storage_options import add_storage_options, storage_options
 
@@ -34,18 +37,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--max-file-size", type=parse_size, default=None, help="split safetensors output, e.g. 5GiB"
     )
     p.add_argument("--overwrite", action="store_true")
+    add_quiet(p)
     add_storage_options(p)
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
-    for f in convert(
-        args.path,
-        args.out,
-        args.format,
-        max_file_size=args.max_file_size,
-        overwrite=args.overwrite,
-        storage_options=storage_options(args),
-    ):
+    try:
+        total = inspect(args.path, storage_options=storage_options(args)).nbytes
+    except Exception:
+        total = None  # a .safetensors input, or one convert() refuses with its reason
+    with progress_bar(total, "convert", args.quiet) as bar:
+        written = convert(
+            args.path,
+            args.out,
+            args.format,
+            max_file_size=args.max_file_size,
+            overwrite=args.overwrite,
+            storage_options=storage_options(args),
+            progress=bar.update,
+        )
+    for f in written:
         print(f"wrote {f}")
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import struct
@@ -28,9 +29,11 @@ from ...storage.folder import temporary_name
 from ..engine import save_state
 from ..format import byte_view, write_torch_archive
 from ..io import in_the_way
-from .opening import OpenCheckpoint, open_checkpoint
+from .opening import OpenCheckpoint, listed, open_checkpoint
 
 __all__ = ["TARGETS", "Target", "convert"]
+
+log = logging.getLogger("shardwise")
 
 # Every dtype the safetensors format defines that torch has (F6_* it has not).
 _SAFETENSORS_DTYPES = {
@@ -109,11 +112,14 @@ def _output(out: str | os.PathLike, storage_options: dict[str, Any] | None) -> _
 @dataclass(frozen=True)
 class Target:
     """One output format: how to write it from each source it accepts (None: not
-    accepted), and whether it writes a file at `out` (else a checkpoint folder)."""
+    accepted), whether it writes a file at `out` (else a checkpoint folder), and
+    whether it stores a checkpoint's non-tensor values (else `convert` names each
+    one it dropped)."""
 
     from_checkpoint: FromCheckpoint | None = None
     from_safetensors: FromSafetensors | None = None
     writes_file: bool = True
+    stores_objects: bool = False
 
 
 def convert(
@@ -124,17 +130,22 @@ def convert(
     max_file_size: int | None = None,
     overwrite: bool = False,
     storage_options: dict[str, Any] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[Path | str]:
     """Convert between a checkpoint and one consolidated file; returns the files written.
 
     * checkpoint -> `safetensors` (split into `-0000k-of-0000n` files plus an
       index, as Hugging Face does, when `max_file_size` is exceeded) or `torch`
-      (a file `torch.load(..., weights_only=True)` reads). Tensors only.
+      (a file `torch.load(..., weights_only=True)` reads). Tensors only: the
+      checkpoint's non-tensor values (`step`, `param_groups`, ...) are dropped,
+      and a warning on the `shardwise` logger names each one once the files are
+      written.
     * a `.safetensors` file -> `shardwise` (a checkpoint folder) or `torch`.
     Streams tensor by tensor: memory holds one tensor at a time. The formats
     are the keys of `TARGETS`. `path` and `out` may be fsspec URLs (a
     `.safetensors` input is read from a local file), `storage_options` their
-    backend's options.
+    backend's options. `progress(n)` is called with the bytes of each tensor as it
+    is read (they add up to the tensors' bytes), as `verify`'s is.
 
     Without `overwrite`, nothing is written when any file the export would write
     is already there (for `safetensors`, also the single file or index of the
@@ -176,9 +187,40 @@ def convert(
         with safe_open(str(local), framework="pt") as f:
             from_file = _lookup(format, "safetensors", "a safetensors file")
             _check_safetensors_dtypes(f, local)
-            return from_file(f, target, overwrite)
+            return from_file(_Counted(f, progress), target, overwrite)
     ckpt = open_checkpoint(source)
-    return _lookup(format, "checkpoint", "a checkpoint")(ckpt, target, max_file_size, overwrite)
+    ckpt.on_read = progress
+    from_checkpoint = _lookup(format, "checkpoint", "a checkpoint")
+    written = from_checkpoint(ckpt, target, max_file_size, overwrite)
+    dropped = sorted(ckpt.object_keys())
+    if dropped and not TARGETS[format].stores_objects:
+        log.warning(_dropped_objects(format, dropped))
+    return written
+
+
+def _dropped_objects(format: str, keys: list[str]) -> str:
+    """The warning of a conversion to `format` that left out the non-tensor values `keys`."""
+    return (
+        f"dropped {len(keys)} non-tensor value{'s' if len(keys) > 1 else ''} that format "
+        f"{format!r} cannot store (it holds tensors only): {listed(keys)}; load them from "
+        "the checkpoint itself (swc.load) if you need them"
+    )
+
+
+class _Counted:
+    """An open safetensors file whose `get_tensor` reports each tensor's bytes."""
+
+    def __init__(self, f: Any, progress: Callable[[int], None] | None) -> None:
+        self._f, self._progress = f, progress
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        t = self._f.get_tensor(key)
+        if self._progress:
+            self._progress(t.nbytes)
+        return t
 
 
 def _lookup(format: str, source: str, what: str) -> Callable[..., list[Any]]:

@@ -9,7 +9,9 @@ object's bytes, verified and never unpickled, both through the one read executor
 
 from __future__ import annotations
 
+import difflib
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,9 @@ class OpenCheckpoint:
         self._view = StoredView(self.folder, *read_records(self.folder, whole=True))
         self.metadata = self._view.metadata()
         self._executor = ReadExecutor(self.folder, verify=verify, registry=extension_registry)
+        # called with the bytes of each tensor or region `read` returns: the offline
+        # tools' progress, whatever reads through this checkpoint
+        self.on_read: Callable[[int], None] | None = None
 
     @property
     def manifest(self) -> Manifest | None:
@@ -70,7 +75,10 @@ class OpenCheckpoint:
     def tensor_metadata(self, fqn: str) -> TensorStorageMetadata:
         md = self.metadata.state_dict_metadata.get(fqn)
         if md is None:
-            raise KeyError(f"no tensor '{fqn}' in {self.path}")
+            raise KeyError(
+                f"no tensor '{fqn}' in {self.path}; "
+                + stored_keys_hint(fqn, self.tensor_keys(), "tensors")
+            )
         if not isinstance(md, TensorStorageMetadata):
             raise KeyError(f"'{fqn}' in {self.path} is a Python object, not a tensor")
         return md
@@ -115,15 +123,37 @@ class OpenCheckpoint:
                 f"{region.numel} elements of {region}; refused (a hole is never returned)"
             )
         self._executor.run(reads)
+        if self.on_read:
+            self.on_read(out.nbytes)
         return out
 
     def object_bytes(self, fqn: str) -> bytes:
         """The stored bytes of object `fqn`, verified, not unpickled."""
         if not self._view.is_object(fqn):
-            raise KeyError(f"no object '{fqn}' in {self.path}")
+            raise KeyError(
+                f"no object '{fqn}' in {self.path}; "
+                + stored_keys_hint(fqn, self.object_keys(), "objects")
+            )
         got: list[bytes] = []
         self._executor.run([ArchiveRead(fqn, self._view.object_info(fqn), got.append)])
         return got[0]
+
+
+KEYS_SHOWN = 10  # a message lists this many of a checkpoint's keys, not 100,000
+
+
+def stored_keys_hint(key: str, stored: Sequence[str], what: str = "keys") -> str:
+    """What to say when `key` is not among `stored`: the likeliest typos' targets
+    (`difflib`), then the first `KEYS_SHOWN` stored keys and how many more there are."""
+    near = difflib.get_close_matches(str(key), list(stored), n=3)
+    hint = f"did you mean {' or '.join(repr(k) for k in near)}? " if near else ""
+    return hint + (f"its {what}: {listed(stored)}" if stored else f"it stores no {what}")
+
+
+def listed(keys: Sequence[str]) -> str:
+    """The first `KEYS_SHOWN` of `keys`, quoted, then how many more there are."""
+    shown = ", ".join(repr(k) for k in keys[:KEYS_SHOWN])
+    return shown + (f", ... and {len(keys) - KEYS_SHOWN} more" if len(keys) > KEYS_SHOWN else "")
 
 
 def open_checkpoint(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from ...storage import open_folder
 from ..engine import SaveRecords, first_hole, region
 from ..format import TensorEntry, dtype_name
 from ..io import DataFile, Lease, commit, data_file_name, in_the_way, index_file_name, new_token
-from .opening import open_checkpoint
+from .opening import KEYS_SHOWN, OpenCheckpoint, open_checkpoint
 
 __all__ = ["reshard"]
 
@@ -42,11 +42,13 @@ def reshard(
     overwrite: bool = False,
     storage_options: dict[str, Any] | None = None,
     wait: bool | float = False,
+    progress: Callable[[int], None] | None = None,
 ) -> Path | str:
     """Rewrite a checkpoint into the per-rank files of another layout, offline.
 
     Each tensor is split as `layouts[key]` when given, else chunked along `dim`
-    (or replicated when it has no such dimension) over `world_size` ranks;
+    (or replicated when it has no such dimension: a bias or a scalar beside
+    matrices chunked along `dim=1`) over `world_size` ranks;
     rank r's blocks all go to one file `__r_0.sw<token>.distcp`, so a job of
     `world_size` ranks reads one contiguous file per rank. Memory holds one
     block at a time. The result is a shardwise checkpoint (stock-readable).
@@ -57,7 +59,12 @@ def reshard(
     is taken): a hole would drop those elements from the new checkpoint. Also
     refused before the lease: a `world_size` that is no int of at least 1
     (`InvalidArgumentError`), and a key of `layouts` that is no tensor of the
-    checkpoint (`CheckpointMismatchError` naming each, and a typo's likely target).
+    checkpoint (`CheckpointMismatchError` naming each, and a typo's likely target),
+    and a `dim` that is negative or that no tensor chunked by `dim` has
+    (`InvalidArgumentError` naming the tensor with the most dimensions): it would
+    replicate every tensor, all of it in rank 0's file.
+    `progress(n)` is called with the bytes of each block as it is written (they
+    add up to the tensors' bytes), as `verify`'s is.
     """
     # all checked before the lease: a refusal leaves `out` (maybe `path` itself) untouched
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -68,6 +75,7 @@ def reshard(
     ckpt = open_checkpoint(path, storage_options=storage_options)
     folder = open_folder(out, storage_options)
     _check_layout_keys(layouts or {}, ckpt.tensor_keys(), path)
+    _check_dim(dim, ckpt, layouts or {}, path)
     plan = {}
     for key in ckpt.tensor_keys():
         shape = tuple(ckpt.tensor_metadata(key).size)
@@ -113,8 +121,11 @@ def reshard(
                         if block.is_empty() or (key, block) in written:
                             continue  # replicas are stored once
                         written.add((key, block))
-                        chunk = file.write_tensor(ckpt.read(key, block))
+                        data = ckpt.read(key, block)
+                        chunk = file.write_tensor(data)
                         entry.chunks.append(chunk.chunk_entry(block.offsets, block.sizes))
+                        if progress:
+                            progress(data.nbytes)
                 file.finish()
         index_name = index_file_name(names, 0, token)
         metadata, manifest, index = records.records(index_name)
@@ -136,15 +147,36 @@ def _check_layout_keys(
     for key in unknown:
         near = difflib.get_close_matches(str(key), tensors, n=1)
         named.append(f"{key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
-    shown = ", ".join(repr(k) for k in tensors[:_KEYS_SHOWN])
-    more = f", ... ({len(tensors)} in all)" if len(tensors) > _KEYS_SHOWN else ""
+    shown = ", ".join(repr(k) for k in tensors[:KEYS_SHOWN])
+    more = f", ... ({len(tensors)} in all)" if len(tensors) > KEYS_SHOWN else ""
     raise CheckpointMismatchError(
         f"layouts names {len(unknown)} key(s) that are no tensor of {path}: "
         f"{', '.join(named)}; its tensors are {shown or 'none'}{more}"
     )
 
 
-_KEYS_SHOWN = 10  # a message lists this many of a checkpoint's keys, not 100,000
+def _check_dim(
+    dim: int, ckpt: OpenCheckpoint, layouts: Mapping[str, Layout], path: str | os.PathLike
+) -> None:
+    """Refuse a `dim` to chunk along that is negative, or (other than the default 0)
+    beyond the dimensions of every tensor it would chunk: each would be replicated,
+    the whole checkpoint landing in rank 0's file, which is never what was asked."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+        raise InvalidArgumentError(
+            f"dim must be an int of at least 0 (a dimension to chunk along), got {dim!r}"
+        )
+    shapes = {
+        k: tuple(ckpt.tensor_metadata(k).size) for k in ckpt.tensor_keys() if k not in layouts
+    }
+    if dim == 0 or not shapes or any(len(s) > dim for s in shapes.values()):
+        return
+    key, shape = max(shapes.items(), key=lambda item: len(item[1]))
+    raise InvalidArgumentError(
+        f"dim={dim} is no dimension of any tensor of {path}: the one with the most, "
+        f"'{key}', has ndim {len(shape)} (shape {shape}); every tensor would be "
+        f"replicated, all in rank 0's file. Chunk along a dim below {max(len(shape), 1)}, "
+        "or give layouts"
+    )
 
 
 def _hole_message(key: str, layout: Layout) -> str:

@@ -42,6 +42,11 @@ def verify(
     tensor's chunks cover it exactly once, and that every record is readable.
     `progress(n)` is called with the bytes checked so far, as they are.
 
+    A stock DCP checkpoint has no checksums: its structure is checked (coverage,
+    every data file as long as `.metadata` says, as opening it checks, every tensor
+    record readable), its data cannot be (a flipped byte passes; `shardwise verify`
+    says so).
+
     Raises `IncompleteCheckpointError` when the save never committed, else
     `CorruptCheckpointError`; the message lists every problem and the
     exception's `problems` holds them, one line each. A path that holds no
