@@ -79,7 +79,7 @@ from ..errors import (
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor as _ShardedTensor
 from .dtensor import from_torch_sharded_tensor
-from .legacy import gather_into, reshard_in_place, spec_layout
+from .legacy import gather_into, metadata, reshard_in_place, spec_layout
 
 __all__ = [
     "Shard",
@@ -312,14 +312,7 @@ class ShardedTensor(_ShardedTensor):
         """`sharding_spec().build_metadata(...)`, as legacy keeps it (one object per spec)."""
         md = self._legacy_metadata
         if md is None:
-            props = TensorProperties(
-                dtype=self.dtype,
-                layout=torch.strided,
-                requires_grad=self.requires_grad,
-                memory_format=torch.contiguous_format,
-                pin_memory=self.is_pinned(),
-            )
-            md = self.sharding_spec().build_metadata(torch.Size(self.shape), props)
+            md = metadata(self, self.sharding_spec())
             self._legacy_metadata = md
         md.tensor_properties.requires_grad = self.requires_grad
         return md
@@ -560,8 +553,7 @@ def as_legacy(st: _ShardedTensor) -> ShardedTensor:
     A new wrapper, so for results being built (not for tensors in an autograd graph)."""
     if isinstance(st, ShardedTensor):
         return st
-    out: Any = _ShardedTensor.__new__(
-        ShardedTensor,
+    out = ShardedTensor(
         st._layout,
         st._shards,
         st._rank,
@@ -571,10 +563,8 @@ def as_legacy(st: _ShardedTensor) -> ShardedTensor:
         requires_grad=st.requires_grad,
         mesh=st._mesh,
     )
-    out.__dict__.update(st.__dict__)
-    out._legacy_spec = None
-    out._legacy_metadata = None
-    return cast(ShardedTensor, out)
+    out.__dict__.update(st.__dict__)  # a plain tensor's state holds no legacy spec
+    return out
 
 
 def _regrouped(out: _ShardedTensor, process_group: Any) -> ShardedTensor:
@@ -653,8 +643,7 @@ def _from_metadata(
     }
     shards = [held[(b.offsets, b.sizes)] for b in layout.blocks_of(rank)]
     props = md.tensor_properties
-    out: Any = _ShardedTensor.__new__(
-        cls,
+    out = cls(
         layout,
         shards,
         rank,
@@ -665,8 +654,7 @@ def _from_metadata(
         mesh=mesh,
     )
     out._legacy_spec = spec
-    out._legacy_metadata = None
-    return cast(ShardedTensor, out)
+    return out
 
 
 def init_from_local_shards(
@@ -758,8 +746,7 @@ def _legacy_empty(
     ]
     for shard in shards:
         shard.requires_grad_(requires_grad)
-    out: Any = _ShardedTensor.__new__(
-        cls,
+    out = cls(
         full_layout,
         shards,
         rank,
@@ -770,8 +757,7 @@ def _legacy_empty(
         mesh=mesh,
     )
     out._legacy_spec = sharding_spec
-    out._legacy_metadata = None
-    return cast(ShardedTensor, out)
+    return out
 
 
 def _first_device(md: ShardedTensorMetadata, me: int) -> torch.device:
