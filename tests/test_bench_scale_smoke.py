@@ -42,7 +42,7 @@ def test_the_quick_scale_bench_prints_every_phase_and_target(tmp_path: Path) -> 
     verdicts = {t: line.split()[-1] for line, t in zip(table, TARGETS)}
     assert set(verdicts.values()) <= {"yes", "NO"}
     # every target is met at this size but stock's global planning over rank 0's, a ratio
-    # that grows with W (about 2x at W = 16, past 20x from W = 256: the README's table):
+    # that grows with W (about 2x at W = 16, past 20x from W = 256: docs/performance.md):
     # a repeated save that replans, or a save that receives more, shows as a NO
     missed = [t for t, v in verdicts.items() if v == "NO" and t != COORDINATOR]
     assert missed == []

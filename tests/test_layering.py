@@ -1,6 +1,6 @@
 """The package's layers, enforced: a test walks every import of src/shardwise.
 
-Layers, lowest first (README "The layout of the code"): errors -> layout ->
+Layers, lowest first (docs/architecture.md): errors -> layout ->
 tensor -> ops, comm -> interop -> checkpoint -> testing -> cli -> the package
 itself. A module may import its own layer and the layers below, never above
 and never a sibling layer; imports inside functions count as much as those at

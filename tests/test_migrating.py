@@ -1,6 +1,6 @@
 """docs/migrating.md runs as written: each `<!-- snippet: name -->` block is run as a
 script (checkpoint paths moved to a temp dir), on spawned gloo ranks, and must print
-exactly the lines the page promises under it; the README's migration block too.
+exactly the lines the page promises under it; the block of docs/legacy.md too.
 
 A snippet whose client package is missing is skipped (failed in CI) through the
 clients' `require`.
@@ -20,11 +20,8 @@ pytestmark = pytest.mark.spawned
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = (ROOT / "docs" / "migrating.md").read_text()
-README_SECTION = re.search(
-    r"## Migrating from legacy `ShardedTensor`, PhysicsNeMo, Megatron-Core, TorchRec\n(.*?)\n## ",
-    (ROOT / "README.md").read_text(),
-    re.S,
-).group(1)
+# The legacy API in brief (moved from the README), with its one runnable block.
+LEGACY_PAGE = (ROOT / "docs" / "legacy.md").read_text()
 
 SNIPPET = re.compile(
     r"<!-- snippet: (\w+) -->\n```python\n(.*?)```\n\nprints\n\n```\n(.*?)```", re.S
@@ -80,13 +77,13 @@ def test_snippet_prints_what_the_page_says(name, tmp_path):
     assert run(code, tmp_path) == expected
 
 
-def test_readme_migration_block_runs(tmp_path):
-    blocks = re.findall(r"```python\n(.*?)```", README_SECTION, re.S)
+def test_legacy_page_block_runs(tmp_path):
+    blocks = re.findall(r"```python\n(.*?)```", LEGACY_PAGE, re.S)
     assert run(blocks[0], tmp_path) == [
         "[('ShardedTensor', True, (3, 4)), ('ShardedTensor', True, (2, 4))]"
     ]
     assert "prints `[('ShardedTensor', True, (3, 4)), ('ShardedTensor', True, (2, 4))]`" in (
-        README_SECTION.replace("\n", " ")
+        LEGACY_PAGE.replace("\n", " ")
     )
 
 
@@ -95,7 +92,7 @@ def test_every_snippet_is_tested():
     assert markers == ["legacy", "physicsnemo", "megatron", "megatron_resume", "torchrec"]
     assert sorted(SNIPPETS) == sorted(markers) == sorted(EXPECTED)  # each with its prints block
     assert PAGE.count("```python") == len(markers)  # no python block without a marker
-    assert README_SECTION.count("```python") == 1
+    assert LEGACY_PAGE.count("```python") == 1
     headings = re.findall(r"^## (.+)$", PAGE, re.M)
     assert len(headings) == 4 and [h.split(" ")[0] for h in headings] == [
         "Legacy",

@@ -84,6 +84,7 @@ CHECKPOINT = [
     "allow_object_globals",
     "async_save",
     "convert",
+    "init_optimizer_state",
     "inspect",
     "load",
     "open_checkpoint",

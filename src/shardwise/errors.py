@@ -112,7 +112,7 @@ class SingleShardError(ShardMismatchError, NotImplementedError):
 
 
 class ShardCountError(ShardwiseError, RuntimeError):
-    """A rank's legacy `Shard`s and the global metadata given with them differ in count.
+    """A rank's legacy `Shard` objects and the global metadata given with them differ in count.
 
     A `RuntimeError` and not a `ValueError`, as legacy raises it: legacy code tells it
     apart from the constructor's ValueErrors (a shard's size, dtype, device)."""

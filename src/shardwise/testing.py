@@ -1,4 +1,4 @@
-"""Run a function on N real ranks (processes, gloo on 127.0.0.1) with a hard timeout.
+"""Run a function on N real ranks (processes, gloo on 127.0.0.1) with a hard timeout::
 
     from shardwise.testing import run_ranks
 

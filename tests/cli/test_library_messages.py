@@ -135,12 +135,25 @@ def test_a_fresh_optimizer_warns_that_its_stored_state_went_unused(trained, capl
             "6 stored values went unused (e.g. 'optim.state.0.step', 'optim.state.0.exp_avg', "
             "'optim.state.0.exp_avg_sq'): the state dict holds an empty 'optim.state' where "
             "they go, as an optimizer has before its first step, so nothing was restored "
-            "there. Build the state dict with "
+            "there. Call shardwise.checkpoint.init_optimizer_state(optimizer) before "
+            "building the state dict and loading (or build it with "
             "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer), which "
-            "initialises the optimizer state, or initialise the optimizer state first, then "
-            "load",
+            "initialises the optimizer state too)",
         )
     ]
+
+
+def test_the_fix_the_warning_names_restores_the_state(trained, caplog):
+    model, optimizer = _trained(0)
+    swc.init_optimizer_state(optimizer)
+    with caplog.at_level(logging.WARNING, logger="shardwise"):
+        swc.load({"model": model.state_dict(), "optim": optimizer.state_dict()}, trained)
+    assert caplog.records == []
+    _, stepped = _trained(1)
+    for p, q in zip(optimizer.param_groups[0]["params"], stepped.param_groups[0]["params"]):
+        mine, theirs = optimizer.state[p], stepped.state[q]
+        assert sorted(mine) == sorted(theirs) == ["exp_avg", "exp_avg_sq", "step"]
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
 def test_a_stepped_optimizer_or_a_model_alone_loads_without_a_warning(trained, caplog):

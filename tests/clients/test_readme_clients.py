@@ -1,5 +1,6 @@
-"""The README's Megatron-Core / PhysicsNeMo / TorchRec snippets run as written
-(checkpoint paths moved to a temp dir) and print what the README says."""
+"""The Megatron-Core / PhysicsNeMo / TorchRec snippets of docs/clients.md (moved there
+from the README) run as written (checkpoint paths moved to a temp dir) and print what
+the page says."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ from tests.snippets import run_snippet
 
 pytestmark = pytest.mark.spawned
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "clients.md"
 SECTION = re.search(
-    r"## With Megatron-Core, PhysicsNeMo and TorchRec\n(.*?)\n## ", README.read_text(), re.S
+    r"^# With Megatron-Core, PhysicsNeMo and TorchRec\n(.*)", PAGE.read_text(), re.S | re.M
 ).group(1)
 
 
 def snippet(heading: str) -> str:
-    part = re.search(rf"### {heading}\n(.*?)(?:\n### |\Z)", SECTION, re.S).group(1)
+    part = re.search(rf"^## {heading}\n(.*?)(?:\n## |\Z)", SECTION, re.S | re.M).group(1)
     return re.search(r"```python\n(.*?)```", part, re.S).group(1)
 
 
@@ -47,5 +48,5 @@ def test_torchrec_snippet(tmp_path):
 
 
 def test_every_snippet_is_tested():
-    assert re.findall(r"^### (.+)$", SECTION, re.M) == ["Megatron-Core", "PhysicsNeMo", "TorchRec"]
+    assert re.findall(r"^## (.+)$", SECTION, re.M) == ["Megatron-Core", "PhysicsNeMo", "TorchRec"]
     assert SECTION.count("```python") == 3

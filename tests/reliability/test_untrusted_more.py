@@ -460,7 +460,7 @@ class _Payload:
 
 def test_a_refused_global_deep_in_a_container_refuses_the_load(tmp_path, capsys):
     """Deep in a container is as refused as at the top; the offline tools never unpickle
-    (README: `verify` checks checksums, it does not judge a pickle), and a reshard copies
+    (docs/safety.md: `verify` checks checksums, it does not judge a pickle), and a reshard copies
     the bytes verbatim, so its output is refused the same."""
     marker = str(tmp_path / "PWNED")
     bad = {"lr": 0.1, "fn": _Payload(marker)}

@@ -1,10 +1,11 @@
-"""Checkpointing sharded state through `torch.distributed.checkpoint` (DCP).
+"""Checkpointing sharded state through `torch.distributed.checkpoint` (DCP)::
 
     import shardwise.checkpoint as swc
     swc.save(state_dict, "ckpt/step_100")        # collective
     fut = swc.async_save(state_dict, "ckpt/step_200")  # returns after staging
     swc.load(state_dict, "ckpt/step_100")        # collective, in place, any layout
     swc.CheckpointManager("ckpt", keep_last=3)   # step folders, latest(), restore, retention
+    swc.init_optimizer_state(optimizer)          # before a load: state for it to fill
     t = swc.read_tensor("ckpt/step_100", "emb.weight", region=Block((0, 0), (10, 256)))
 
 The format is a DCP checkpoint (stock `dcp.load` reads it) plus `shardwise.json`;
@@ -41,6 +42,7 @@ from .offline import (
     reshard,
     verify,
 )
+from .optimizer import init_optimizer_state
 
 __all__ = [
     "ArgumentMismatchError",
@@ -66,6 +68,7 @@ __all__ = [
     "allow_object_globals",
     "async_save",
     "convert",
+    "init_optimizer_state",
     "inspect",
     "load",
     "open_checkpoint",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
@@ -91,11 +91,12 @@ def _path_or_checkpoint_id(
 
 @dataclass(frozen=True)
 class SaveInfo:
-    """What `save` returns: where the checkpoint is (a `Path`, or the URL) and how
-    long the save took."""
+    """What `save` returns: where the checkpoint is (a `Path`, or the URL), how
+    long the save took, and the bytes this rank wrote to data files."""
 
     path: Path | str
     seconds: float
+    bytes_written: int = 0
 
 
 def _distributed(group: Any) -> bool:
@@ -268,6 +269,7 @@ def save(
     storage_options: dict[str, Any] | None = None,
     wait: bool | float = False,
     staging_bytes: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> SaveInfo:
     """Save `state_dict` to `path`. Collective.
 
@@ -301,6 +303,10 @@ def save(
     stream that follows the caller's current stream, while earlier copies are
     checksummed and written; a larger state goes in waves.
 
+    `progress(n)` is called with the bytes of each record this rank writes, as it
+    goes to its file. Rank 0 logs what the save did and where the time went on the
+    `shardwise` logger (INFO; every rank's detail at DEBUG).
+
     Collective, whatever the number of tensors: the edge's one fixed-size
     `all_reduce` (the folder opens everywhere, one route, the same adapted
     values: `api.agree_route`), then `engine.save`'s seven (a save of a structure this
@@ -316,6 +322,7 @@ def save(
         wait_for([PENDING.future])
     state_dict, user_problem = _user_state(state_dict)
     staging, staging_problem = _staging(staging_bytes)
+    staging.progress = progress
     where = folder.identity if folder is not None else repr(path)
     call = agreement(process_group, _save_arguments(where, overwrite, megatron))
     route = agree_route(state_dict, megatron, call, problem or user_problem or staging_problem)
@@ -358,11 +365,31 @@ def _save(
     overwrite: bool,
     staging: Staging,
 ) -> SaveInfo:
-    """The engine's save (`engine.save.save_state`) on the call's agreement, timed."""
+    """The engine's save (`engine.save.save_state`) on the call's agreement, timed and
+    logged (rank 0, INFO)."""
     start = time.perf_counter()
     with gc_paused():
-        save_state(state_dict, path, call, wait=wait, overwrite=overwrite, staging=staging)
-    return SaveInfo(path.checkpoint_id, time.perf_counter() - start)
+        report = save_state(state_dict, path, call, wait=wait, overwrite=overwrite, staging=staging)
+    seconds = time.perf_counter() - start
+    if call.rank == 0:
+        log.info(
+            "saved %s in %.3f s on %d ranks; rank 0 wrote %d tensors and %d objects, %s in "
+            "%d files (plan %s; %s)",
+            path,
+            seconds,
+            call.world_size,
+            report.tensors,
+            report.objects,
+            _mib(report.bytes_written),
+            report.files,
+            "reused" if report.plan_reused else "made",
+            ", ".join(f"{k} {v:.3f} s" for k, v in report.phases.items()),
+        )
+    return SaveInfo(path.checkpoint_id, seconds, report.bytes_written)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def _write_megatron_metadata(path: Folder, call: Agreement) -> None:
@@ -462,6 +489,7 @@ def async_save(
     wait: bool | float = False,
     staging: str = "blocking",
     staging_bytes: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> SaveFuture:
     """Save `state_dict` in the background. Collective.
 
@@ -489,6 +517,7 @@ def async_save(
     call also creates its gloo group, `dist.new_group`), then `engine.save`'s in the
     background (seven, or four when the plan is reused: `engine.save`).
     `checkpoint_id=` is accepted for `path`, as `dcp.async_save` names it.
+    `progress` and logging as for `save`, from the background thread.
     """
     path = _path_or_checkpoint_id("async_save", path, checkpoint_id)
     folder, problem = open_target(path, storage_options)
@@ -496,6 +525,7 @@ def async_save(
         wait_for([PENDING.future])
     state_dict, user_problem = _user_state(state_dict)
     spec, staging_problem = _staging(staging_bytes)
+    spec.progress = progress
     if staging not in _MODES:
         staging_problem = InvalidArgumentError(f"staging must be one of {_MODES}, got {staging!r}")
     where = folder.identity if folder is not None else repr(path)
@@ -634,6 +664,7 @@ def load(
     staging_bytes: int | None = None,
     broadcast_replicated: bool | None = None,
     shape_mismatch: Iterable[str] = (),
+    progress: Callable[[int], None] | None = None,
 ) -> LoadInfo:
     """Fill `state_dict`'s tensors and objects in place from `path`. Collective.
 
@@ -679,6 +710,9 @@ def load(
     when the ranks span several hosts (a shared file system), `True` always,
     `False` never. It applies only when every rank loads the same such values.
     Returns a `LoadInfo` (its `bytes_read` says what this rank read).
+    `progress(n)` is called with the bytes of each read as it lands (from the
+    reading threads, one call at a time). Rank 0 logs what the load did on the
+    `shardwise` logger (INFO; every rank's detail, with its timings, at DEBUG).
 
     Collective: three fixed-size `all_reduce` per rank, whatever the number of
     tensors or the kind of checkpoint (shardwise, stock DCP, per-rank records): the
@@ -717,7 +751,7 @@ def load(
             folder,
             call,
             (strict, verify, cast_dtype, trust_objects),
-            (extension_registry, budget, broadcast_replicated),
+            (extension_registry, budget, broadcast_replicated, progress),
         )
 
     mismatch = frozenset(shape_mismatch)
@@ -750,7 +784,21 @@ def load(
     if statefuls:  # every rank has the same Stateful keys (agreed above): all get here
         call.defer(problem)
         call.verdict()
-    return LoadInfo(folder.checkpoint_id, time.perf_counter() - started, *done)
+    info = LoadInfo(folder.checkpoint_id, time.perf_counter() - started, *done)
+    if call.rank == 0:
+        manifest = info.manifest
+        log.info(
+            "loaded %s in %.3f s on %d ranks; rank 0 read %s (%s)",
+            info.path,
+            info.seconds,
+            call.world_size,
+            _mib(info.bytes_read),
+            "stock DCP checkpoint"
+            if manifest is None
+            else f"saved by {manifest.world_size} ranks: {len(manifest.tensors)} tensors, "
+            f"{len(manifest.objects)} objects",
+        )
+    return info
 
 
 def _empty_mappings(value: Any, at: str = "") -> list[str]:
@@ -791,9 +839,10 @@ def _warn_unused(state: dict[str, Any], folder: Folder, manifest: Manifest | Non
         f"{len(unused)} stored value{'s' if len(unused) > 1 else ''} went unused (e.g. "
         f"{examples}): the state dict holds an empty {' and '.join(map(repr, places))} "
         "where they go, as an optimizer has before its first step, so nothing was "
-        "restored there. Build the state dict with "
+        "restored there. Call shardwise.checkpoint.init_optimizer_state(optimizer) before "
+        "building the state dict and loading (or build it with "
         "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer), which "
-        "initialises the optimizer state, or initialise the optimizer state first, then load"
+        "initialises the optimizer state too)"
     )
 
 
@@ -802,12 +851,12 @@ def _load_adapted(
     path: Folder,
     call: Agreement,
     checks: tuple[bool, bool, bool, bool],
-    reading: tuple[Any, int, bool | None],
+    reading: tuple[Any, int, bool | None, Callable[[int], None] | None],
 ) -> tuple[int, Manifest | None]:
     """The engine's load of `targets`; `checks`: (strict, verify, cast_dtype,
-    trust_objects); `reading`: (extension registry, staging budget, broadcast)."""
+    trust_objects); `reading`: (extension registry, staging budget, broadcast, progress)."""
     strict, verify, cast_dtype, trust_objects = checks
-    extension_registry, budget, broadcast = reading
+    extension_registry, budget, broadcast, progress = reading
     with gc_paused():
         return load_state(
             targets.flat,
@@ -822,6 +871,7 @@ def _load_adapted(
             broadcast=broadcast,
             shape_mismatch=targets.shape_mismatch,
             optional=targets.optional,
+            progress=progress,
         )
 
 

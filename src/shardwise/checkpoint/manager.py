@@ -135,7 +135,7 @@ _IN_USE = _InUse()
 
 class CheckpointManager:
     """Numbered checkpoints under one root: save a step, find the latest committed
-    one, restore it, and keep only the last `keep_last` (plus every `keep_every`-th).
+    one, restore it, and keep only the last `keep_last` (plus every `keep_every`-th)::
 
         import shardwise.checkpoint as swc
 
@@ -281,27 +281,30 @@ class CheckpointManager:
     # -- saving and retention --------------------------------------------------------------------
 
     def save(
-        self, step: int, state: dict[str, Any], *, async_: bool = False
+        self, step: int, state: dict[str, Any], *, async_: bool = False, **options: Any
     ) -> SaveInfo | SaveFuture:
         """Save `state` as `step` (`swc.save` to `path(step)`). Collective.
 
         Returns `swc.save`'s `SaveInfo`, or with `async_=True` `swc.async_save`'s
-        `SaveFuture` (`.staged`, then `.result()` once committed). Retention (see the
+        `SaveFuture` (`.staged`, then `.result()` once committed). `**options` are
+        their keyword arguments (`progress=`, `staging=`, ...). Retention (see the
         class) runs only after the step has committed."""
         step = _step(step)
         target = self.root.child(step_folder(step))
         if async_:
-            return self._save_async(step, target, state)
-        info = save(state, target, process_group=self.process_group)
+            return self._save_async(step, target, state, options)
+        info = save(state, target, process_group=self.process_group, **options)
         call = agreement(self.process_group, ("manager root", self._identity))
         call.verdict()  # every rank has committed step `step` before rank 0 deletes
         if call.rank == 0:
             self._retain(step)
         return info
 
-    def _save_async(self, step: int, target: Folder, state: dict[str, Any]) -> SaveFuture:
+    def _save_async(
+        self, step: int, target: Folder, state: dict[str, Any], options: dict[str, Any]
+    ) -> SaveFuture:
         rank = agreement(self.process_group, ("manager root", self._identity)).rank
-        future = async_save(state, target, process_group=self.process_group)
+        future = async_save(state, target, process_group=self.process_group, **options)
         retained: Future = Future()
         self._pending = (future, retained)
 

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from .. import __version__
 from ..errors import ShardwiseError
 from ..testing import RanksFailed
 from . import bench, convert, demo, inspect, reshard, verify
@@ -94,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"shardwise {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in _SUBCOMMANDS.values():
         module.add_parser(sub)

@@ -1,24 +1,48 @@
-"""`shardwise bench NAME`: run a benchmark from the repository's `benchmarks/` folder.
+"""`shardwise bench NAME`: run a benchmark from a source checkout's `benchmarks/` folder.
 
 Benchmarks compare shardwise with stock PyTorch side by side in one run and
-report ratios; they live beside the package, not in it, and need a checkout.
+report ratios. They live beside the package, not in it (they import the test
+harness and peers' code), so a wheel does not carry them: `bench` finds them in
+`SHARDWISE_BENCHMARKS` (a checkout's `benchmarks/` folder), in the checkout an
+editable install came from, or in `./benchmarks` of the current folder, and
+otherwise says how to get them.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 from pathlib import Path
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UsageError
 
 __all__ = ["add_parser", "benchmarks_dir", "main"]
 
+ENV = "SHARDWISE_BENCHMARKS"
+
+
+def _candidates() -> list[Path]:
+    found = [Path(os.environ[ENV])] if os.environ.get(ENV) else []
+    found.append(Path(__file__).resolve().parents[3] / "benchmarks")  # an editable install
+    found.append(Path.cwd() / "benchmarks")  # run from a clone
+    return found
+
 
 def benchmarks_dir() -> Path:
-    """`benchmarks/` of the checkout this package was installed from (editable install)."""
-    return Path(__file__).resolve().parents[3] / "benchmarks"
+    """The `benchmarks/` folder `bench` runs from; `UsageError` saying how to get one
+    when there is none (an install from a wheel, outside a checkout)."""
+    candidates = _candidates()
+    for folder in candidates:
+        if folder.is_dir() and any(folder.glob("bench_*.py")):
+            return folder
+    looked = ", ".join(str(c) for c in candidates)
+    raise UsageError(
+        "shardwise bench runs the benchmarks of a source checkout, which a wheel does not "
+        f"carry (looked in {looked}): run it in a clone of the shardwise repository "
+        f"(`pip install -e .` there), or set {ENV} to a clone's benchmarks/ folder"
+    )
 
 
 def _available() -> list[str]:
@@ -40,19 +64,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     folder = benchmarks_dir()
-    if not folder.is_dir():
-        raise FileNotFoundError(
-            f"shardwise bench needs a source checkout: no benchmarks/ folder at {folder} "
-            "(install with `pip install -e .` from a clone of the repository)"
-        )
     # Benchmarks import the soak helpers under tests/ of the same checkout.
     sys.path.insert(0, str(folder.parent))
-    script = benchmarks_dir() / f"bench_{args.name}.py"
+    script = folder / f"bench_{args.name}.py"
     if not script.is_file():
         names = ", ".join(_available()) or "none found"
-        raise InvalidArgumentError(
-            f"no benchmark {args.name!r} in {benchmarks_dir()} (available: {names})"
-        )
+        raise InvalidArgumentError(f"no benchmark {args.name!r} in {folder} (available: {names})")
     sys.argv = [str(script), *args.rest]
     runpy.run_path(str(script), run_name="__main__")
     return 0

@@ -272,7 +272,7 @@ class ShardedTensor(_ShardedTensor):
     # -- what legacy answers differently ----------------------------------------
 
     def local_shards(self) -> list[Shard]:  # type: ignore[override]
-        """This rank's `Shard(tensor, metadata)`s in the spec's order: the live shard
+        """This rank's `Shard(tensor, metadata)` objects in the spec's order: the live shard
         tensors (in-place edits are visible); an empty tensor for a zero-size chunk."""
         me = _global_rank(self._group, self._rank)
         mine = {(b.offsets, b.sizes): s for b, s in zip(self.local_blocks, self._shards)}

@@ -9,7 +9,7 @@ Handlers are consulted in order:
 4. every op tagged `torch.Tag.pointwise`, shard by shard once the operands
    share a layout (`pointwise`);
 5. anything else runs on whole tensors and comes back sharded (`fallback`): slower,
-   never wrong. The README's op table lists the rule and the bytes moved per op.
+   never wrong. The op table in docs/ops.md lists the rule and the bytes moved per op.
 
 One level up, `functions` promotes plain tensors that require grad and gives
 `sum`/`mean` a backward that keeps the input's layout.

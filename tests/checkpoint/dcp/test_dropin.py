@@ -1,5 +1,5 @@
 """`swc.Writer` / `swc.Reader` / `swc.save` / `swc.load` as drop-ins for DCP's own:
-one test per point of the drop-in contract (README, "Drop-in for DCP").
+one test per point of the drop-in contract (docs/dcp.md).
 
 Single-process DCP (no process group) unless a test needs ranks.
 """

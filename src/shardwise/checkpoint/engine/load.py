@@ -9,11 +9,13 @@ executor's requests where DCP's planner decides what to read.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import pickle
 import socket
+import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -39,6 +41,8 @@ from ..format import Boxes, ChunkTable, Manifest, batch_boxes, dense, load_objec
 from ..io import ArchiveRead, ChunkRead, GatherRead, ReadExecutor, words_of
 from .inventory import Piece, pieces_of
 from .stored import Covering, StoredBox, StoredView, WholeRows, fetched
+
+log = logging.getLogger("shardwise")
 
 __all__ = [
     "BATCH",
@@ -394,6 +398,7 @@ def load_state(
     broadcast: bool | None = None,
     shape_mismatch: frozenset[str] = frozenset(),
     optional: Mapping[str, str | None] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[int, Manifest | None]:
     """Fill `state_dict` (values already adapted) from the checkpoint at `path`.
     Collective. Returns the bytes this rank read and the manifest it followed (None:
@@ -402,7 +407,10 @@ def load_state(
     whether values every rank loads whole are read once and broadcast (`replicated`;
     None: where that pays). Tensors under a key in `shape_mismatch` load their overlap
     with a stored shape of as many dimensions (the rest left as it is); a key in
-    `optional` may be missing (`Targets.optional`)."""
+    `optional` may be missing (`Targets.optional`). `progress` is called with the bytes
+    of each read as it lands (`io.read.ReadExecutor`). What this rank did is logged at
+    DEBUG on the `shardwise` logger."""
+    started = time.perf_counter()
     folder = open_folder(path)
     flat, mappings = _flatten(state_dict)
     problem: BaseException | None = None
@@ -429,8 +437,13 @@ def load_state(
         sent = {k for b in batches if b.reader != agreement.rank for k in b.keys}
     objects: dict[str, Any] = {}
     executor = ReadExecutor(
-        folder, verify=verify, registry=extension_registry, staging_bytes=staging_bytes
+        folder,
+        verify=verify,
+        registry=extension_registry,
+        staging_bytes=staging_bytes,
+        progress=progress,
     )
+    planned = time.perf_counter()
     problem = None
     try:
         reads, whole = _plan(flat, view, objects, trust_objects, sent, verify, shape_mismatch)
@@ -444,10 +457,23 @@ def load_state(
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
     agreement.defer(problem)
+    reads_done = time.perf_counter()
     agreement.defer(send(agreement.comm, batches, shared))  # whatever it read
     agreement.verdict()
     for key, value in objects.items():
         set_element(state_dict, mappings.get(key, (key,)), value)
+    log.debug(
+        "rank %d loaded %d values from %s: read %d bytes%s (plan %.3f s, read %.3f s, "
+        "broadcast and verdict %.3f s)",
+        agreement.rank,
+        len(flat),
+        folder,
+        executor.bytes_read,
+        f", {len(sent)} values sent by their readers" if sent else "",
+        planned - started,
+        reads_done - planned,
+        time.perf_counter() - reads_done,
+    )
     return executor.bytes_read, view.manifest
 
 

@@ -8,15 +8,17 @@ host slabs) and rank 0 joins and commits the records.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import sys
 import threading
+import time
 import uuid
 from array import array
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -55,7 +57,9 @@ from .plan import (
 )
 from .records import Joining, part_name, write_part
 
-__all__ = ["Once", "Staging", "save_state", "write_rank_file"]
+log = logging.getLogger("shardwise")
+
+__all__ = ["Once", "SaveReport", "Staging", "save_state", "write_rank_file"]
 
 
 # -----------------------------------------------------------------------------
@@ -78,12 +82,37 @@ class Staging:
     `on_staged`: called once this rank no longer reads the state (every byte it
     writes is on the host, or the save failed), from any thread.
     `host`: stage host tensors too (tests run the device pipeline on CPU this way).
+    `progress`: called with each record's bytes once it is handed to its file (from
+    the writing thread), so a caller can show how far this rank's writes are.
     """
 
     budget: int | None = None
     after: dict[int, torch.cuda.Event] | None = None
     on_staged: Callable[[], None] | None = None
     host: bool = False
+    progress: Callable[[int], None] | None = None
+
+
+@dataclass
+class SaveReport:
+    """What one rank's part of a save did, for the `shardwise` logger and `SaveInfo`:
+    the records it wrote, their bytes and files, whether the plan of an earlier save
+    of this structure was reused, and where the time went (seconds per phase:
+    `describe` the state, `plan` (exchanges and places), `write` the data files,
+    `commit` (every rank durable, rank 0's records in place, the verdict))."""
+
+    tensors: int = 0
+    objects: int = 0
+    bytes_written: int = 0
+    files: int = 0
+    plan_reused: bool = False
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def timed(self, phase: str, since: float) -> float:
+        """Add the seconds since `since` to `phase`; now, to time the next one from."""
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - since
+        return now
 
 
 class Once:
@@ -128,6 +157,7 @@ def write_rank_file(
             _copier(values, staging, on_device),
             stage=_always if staging.host else (_on_device if on_device else None),
             on_staged=staged,
+            progress=staging.progress,
         )
         for k, file in enumerate(files):
             _write_checksums(file, k, placed, written)
@@ -151,6 +181,10 @@ def _write_checksums(file: DataFile, k: int, placed: Places, written: list[Writt
     if sys.byteorder != "little":
         words.byteswap()
     file.write_archive(words.tobytes())
+
+
+def _nbytes(value: Any) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else len(value)
 
 
 def _any_on_device(records: list[Any]) -> bool:
@@ -229,20 +263,34 @@ def save_state(
     wait: bool | float = False,
     overwrite: bool = True,
     staging: Staging | None = None,
-) -> None:
+) -> SaveReport:
     """Save `state_dict` (values already adapted) to `path`. Collective: its
     exchanges go through the caller's `agreement`, whose deferred problem (the
     caller's own checks) rides on the first.
     `wait`: how long rank 0 waits for the path's lease (`lease.Lease.acquire`);
     with `overwrite=False` it looks for a checkpoint again once it holds it.
     `staging`: how device tensors are copied out (`Staging`).
+    Returns what this rank did (`SaveReport`), also logged at DEBUG.
     """
     staging = staging or Staging()
     staged = Once(staging.on_staged)
+    report = SaveReport()
     try:
-        _save(state_dict, path, agreement, sync, wait, overwrite, staging, staged)
+        _save(state_dict, path, agreement, sync, wait, overwrite, staging, staged, report)
     finally:
         staged()  # the save is over: the state is free whatever happened
+    log.debug(
+        "rank %d saved %d tensor and %d object records, %d bytes in %d files to %s (plan %s; %s)",
+        agreement.rank,
+        report.tensors,
+        report.objects,
+        report.bytes_written,
+        report.files,
+        path,
+        "reused" if report.plan_reused else "made",
+        ", ".join(f"{k} {v:.3f} s" for k, v in report.phases.items()),
+    )
+    return report
 
 
 def _save(
@@ -254,7 +302,9 @@ def _save(
     overwrite: bool,
     staging: Staging,
     staged: Once,
+    report: SaveReport,
 ) -> None:
+    since = time.perf_counter()
     path = open_folder(path)
     objects: dict[str, bytes] = {}
     entries: list[Entry] = []
@@ -268,6 +318,7 @@ def _save(
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
     agreement.defer(problem)
+    report.timed("describe", since)
     # rank 0's random words: this save's token and id, sent to every rank by `agree`
     words = [secrets.randbits(62) for _ in range(3)] if agreement.rank == 0 else [0, 0, 0]
     lease = None
@@ -275,7 +326,9 @@ def _save(
         lease, problem = _take_lease(path, _save_id(words), wait, overwrite)
         agreement.defer(problem)
     try:
-        _save_leased(path, agreement, (sync, staging, staged), lease, held, objects, entries, words)
+        _save_leased(
+            path, agreement, (sync, staging, staged), lease, (held, objects, entries), words, report
+        )
     finally:
         if lease is not None:
             lease.release()
@@ -315,12 +368,13 @@ def _save_leased(
     agreement: Agreement,
     how: tuple[bool, Staging, Once],
     lease: Lease | None,
-    held: Held,
-    objects: dict[str, bytes],
-    entries: list[Entry],
+    inventory: tuple[Held, dict[str, bytes], list[Entry]],
     words: list[int],
+    report: SaveReport,
 ) -> None:
     """`save_state` from its first exchange on, rank 0 holding `lease`."""
+    since = time.perf_counter()
+    held, objects, entries = inventory
     sync, staging, staged = how
     rank, world = agreement.rank, agreement.world_size
     group = agreement.comm.key
@@ -340,6 +394,7 @@ def _save_leased(
     token, save_id = f"{ids[0] & 0xFFFFFFFFFFFF:012x}", _save_id(ids)
     serialization_id = save_id.replace("-", "")[:40].ljust(40, "0")
     fresh = kept is None or replan or most_kept != -least_kept
+    report.plan_reused = not fresh
     if fresh:
         mine, owned, problems = plan_by_owners(entries, agreement)
         if problems:
@@ -384,10 +439,12 @@ def _save_leased(
         Joining(path, world, file_name(0, files, token), token, meta, sync) if not rank else None
     )
     state = (held, objects)
+    since = report.timed("plan", since)
     try:
         agreement.defer(
-            _write(path, rank, (mine, placed, files), state, token, serialization_id, how)
+            _write(path, rank, (mine, placed, files), state, token, serialization_id, how, report)
         )
+        since = report.timed("write", since)
         most = agreement.agree([files])[0]  # every rank's data is durable
         if joining is not None:
             agreement.defer(joining.commit(most, lease))
@@ -399,6 +456,7 @@ def _save_leased(
     finally:
         if joining is not None:
             joining.join()  # never writing once the save is over (and the lease given back)
+        report.timed("commit", since)
     # committed: each owner removes its own part (rank 0 removing W of them would cost it
     # O(W)); one left behind by a rank that died here goes at the next commit's collection
     with contextlib.suppress(OSError):
@@ -413,6 +471,7 @@ def _write(
     token: str,
     serialization_id: str,
     how: tuple[bool, Staging, Once],
+    report: SaveReport,
 ) -> BaseException | None:
     """This rank's data files (`engine.save`); the problem, raised on every rank."""
     (mine, placed, files), (held, objects), (sync, staging, staged) = plan, state, how
@@ -425,6 +484,10 @@ def _write(
         ]
         names = [file_name(rank, k, token) for k in range(files)]
         write_rank_file(path, names, (values, placed), serialization_id, sync, staging, staged)
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        report.tensors, report.objects = len(tensors), len(values) - len(tensors)
+        report.bytes_written = sum(_nbytes(v) for v in values)
+        report.files = files
     except Exception as e:  # noqa: BLE001 - raised on every rank by the next agreement
         return e
     return None

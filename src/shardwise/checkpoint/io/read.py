@@ -414,7 +414,8 @@ class ReadExecutor:
     """Runs reads against one folder; `bytes_read` counts every byte read from data files.
     `verify=False` skips checksums; `storage.location` decodes stream extensions;
     `staging_bytes` bounds the pinned memory device targets are filled through
-    (`io.device.staging_bytes`)."""
+    (`io.device.staging_bytes`). `progress` is called with the bytes of each read
+    as it lands (from the reading threads, one call at a time)."""
 
     def __init__(
         self,
@@ -423,10 +424,12 @@ class ReadExecutor:
         verify: bool = True,
         registry: ExtensionRegistry | None = None,
         staging_bytes: int | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> None:
         self.folder = folder
         self.verify = verify
         self.registry = registry
+        self.progress = progress
         self.bytes_read = 0
         self._files: dict[str, RandomAccess] = {}
         self._landing = DeviceLanding(budget_of(staging_bytes))
@@ -499,6 +502,8 @@ class ReadExecutor:
     def _count(self, n: int) -> None:
         with self._lock:
             self.bytes_read += n
+            if self.progress is not None:
+                self.progress(n)
 
     def _resolve(self, read: ChunkRead) -> torch.Tensor:
         given = read.target

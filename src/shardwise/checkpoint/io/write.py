@@ -526,12 +526,14 @@ def write_archives(
     *,
     stage: Callable[[torch.Tensor], bool] | None,
     on_staged: Callable[[], None] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[Written]:
     """Write `records` — (tensors or objects' bytes, index of the file each goes to) —
     into `files`, each file's in order; tensors `stage` picks (None: none) go through
     `slabs` by `copier`, the others straight from memory. `on_staged` is called (from another
     thread, possibly) once the staged tensors' bytes are all on the host; never
-    when a copy could not be issued."""
+    when a copy could not be issued. `progress` is called with each record's bytes
+    once it is handed to its file (a staged one: its last slab queued)."""
     values, which = records
     staged: dict[int, tuple[torch.Tensor, TileHasher]] = {}
     for i, r in enumerate(values):
@@ -556,6 +558,8 @@ def write_archives(
                 out.append(file.write_tensor(r, serialization_id))
             else:
                 out.append(file.write_object(r))
+            if progress is not None:
+                progress(_nbytes(r) if isinstance(r, torch.Tensor) else len(r))
     finally:
         pipeline.drain()
     return [w.written() if isinstance(w, TensorArchive) else w for w in out]

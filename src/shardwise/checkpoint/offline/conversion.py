@@ -141,6 +141,7 @@ def convert(
       and a warning on the `shardwise` logger names each one once the files are
       written.
     * a `.safetensors` file -> `shardwise` (a checkpoint folder) or `torch`.
+
     Streams tensor by tensor: memory holds one tensor at a time. The formats
     are the keys of `TARGETS`. `path` and `out` may be fsspec URLs (a
     `.safetensors` input is read from a local file), `storage_options` their
@@ -182,7 +183,13 @@ def convert(
             raise UnsupportedStorageError(
                 f"cannot convert {path}: a .safetensors input is read from a local file"
             )
-        from safetensors import safe_open  # an optional extra
+        try:
+            from safetensors import safe_open  # the `safetensors` extra
+        except ImportError as e:
+            raise UnsupportedStorageError(
+                f"cannot convert {path}: reading a .safetensors file needs the safetensors "
+                "package (pip install 'shardwise[safetensors]')"
+            ) from e
 
         with safe_open(str(local), framework="pt") as f:
             from_file = _lookup(format, "safetensors", "a safetensors file")
