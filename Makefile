@@ -59,7 +59,7 @@ bench: $(STAMP)
 
 # The wheel a `pip install` gets, into dist/.
 wheel: $(STAMP)
-	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w dist .
+	$(PY) -m pip wheel --quiet --no-deps -w dist .
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

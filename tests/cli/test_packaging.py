@@ -11,13 +11,14 @@ from importlib.metadata import metadata, version
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 
 import shardwise
 import shardwise.checkpoint as swc
 from shardwise import UnsupportedStorageError
 from shardwise.cli import bench, main
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,3 +93,14 @@ def test_convert_from_safetensors_without_the_package_names_the_extra(tmp_path, 
         "safetensors package (pip install 'shardwise[safetensors]')"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_a_benchmarks_folder_named_wrongly_is_an_error_not_a_fallback(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv(bench.ENV, str(tmp_path))  # no bench_*.py there; the checkout has them
+    assert main(["bench", "layout"]) == 1
+    assert capsys.readouterr().err == (
+        f"shardwise bench: error: {bench.ENV}={tmp_path} holds no bench_*.py: "
+        "not a benchmarks/ folder\n"
+    )

@@ -37,6 +37,7 @@ from ..storage import Folder, open_folder
 from .clients import MEGATRON, metadata_json_problem, write_metadata_json
 from .engine import (
     Route,
+    SaveReport,
     Staged,
     Stager,
     Staging,
@@ -369,7 +370,10 @@ def _save(
     logged (rank 0, INFO)."""
     start = time.perf_counter()
     with gc_paused():
-        report = save_state(state_dict, path, call, wait=wait, overwrite=overwrite, staging=staging)
+        report = SaveReport()
+        save_state(
+            state_dict, path, call, wait=wait, overwrite=overwrite, staging=staging, report=report
+        )
     seconds = time.perf_counter() - start
     if call.rank == 0:
         log.info(

@@ -24,16 +24,20 @@ ENV = "SHARDWISE_BENCHMARKS"
 
 
 def _candidates() -> list[Path]:
-    found = [Path(os.environ[ENV])] if os.environ.get(ENV) else []
-    found.append(Path(__file__).resolve().parents[3] / "benchmarks")  # an editable install
-    found.append(Path.cwd() / "benchmarks")  # run from a clone
-    return found
+    """Where benchmarks are looked for, in order: the environment's folder alone when
+    it names one (a wrong one is an error, never a silent fallback), else the checkout
+    of an editable install, then `./benchmarks`."""
+    if os.environ.get(ENV):
+        return [Path(os.environ[ENV])]
+    return [Path(__file__).resolve().parents[3] / "benchmarks", Path.cwd() / "benchmarks"]
 
 
 def benchmarks_dir() -> Path:
     """The `benchmarks/` folder `bench` runs from; `UsageError` saying how to get one
     when there is none (an install from a wheel, outside a checkout)."""
     candidates = _candidates()
+    if os.environ.get(ENV) and not any(candidates[0].glob("bench_*.py")):
+        raise UsageError(f"{ENV}={candidates[0]} holds no bench_*.py: not a benchmarks/ folder")
     for folder in candidates:
         if folder.is_dir() and any(folder.glob("bench_*.py")):
             return folder

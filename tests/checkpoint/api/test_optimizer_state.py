@@ -91,7 +91,7 @@ def test_refused_with_a_gradient_and_a_no_op_once_there_is_state():
     model = _model()
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.ones(1, 4)).sum().backward()
-    with pytest.raises(UsageError, match=r"parameters \[0, 1, 2, 3\] already have gradients"):
+    with pytest.raises(UsageError, match=r"parameters \[0, 1, 2, 3\] have gradients but no state"):
         swc.init_optimizer_state(optimizer)
     optimizer.step()
     stepped = {id(p): {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
@@ -99,3 +99,63 @@ def test_refused_with_a_gradient_and_a_no_op_once_there_is_state():
     for p, state in optimizer.state.items():
         assert all(torch.equal(v, stepped[id(p)][k]) for k, v in state.items())
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_state_already_there_is_kept_when_other_parameters_get_theirs():
+    """A parameter group added after training (or a parameter that never had a gradient
+    in the run that saved) gets fresh state; the trained state beside it is untouched."""
+    a = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.Adam([a], lr=0.1)
+    (a * 2).sum().backward()
+    optimizer.step()
+    trained = {k: v.clone() for k, v in optimizer.state[a].items()}
+    a_before = a.detach().clone()
+    b = torch.nn.Parameter(torch.full((2,), 5.0))
+    optimizer.add_param_group({"params": [b], "lr": 0.5})
+    swc.init_optimizer_state(optimizer)
+    assert all(torch.equal(optimizer.state[a][k], trained[k]) for k in trained)
+    assert float(trained["step"]) == 1.0 and trained["exp_avg"].any()
+    assert torch.equal(a, a_before) and torch.equal(b, torch.full((2,), 5.0))
+    assert sorted(optimizer.state[b]) == ["exp_avg", "exp_avg_sq", "step"]
+    assert not any(v.any() for v in optimizer.state[b].values())
+    assert a.grad is not None and b.grad is None  # a's gradient from before, as it was
+    assert [g["lr"] for g in optimizer.param_groups] == [0.1, 0.5]
+
+
+@pytest.mark.parametrize(
+    "make, why",
+    [
+        (lambda ps: torch.optim.Rprop(ps), "Rprop's first step does not start from zero state"),
+        (lambda ps: torch.optim.NAdam(ps), "NAdam's first step does not start from zero state"),
+        (lambda ps: torch.optim.ASGD(ps), "ASGD's first step does not start from zero state"),
+        (
+            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1),
+            r"SGD with dampening \(param group 0\)",
+        ),
+    ],
+    ids=["rprop", "nadam", "asgd", "sgd-dampening"],
+)
+def test_optimizers_whose_fresh_state_is_not_zero_are_refused(make, why):
+    model = _model()
+    optimizer = make(model.parameters())
+    with pytest.raises(UsageError, match=why):
+        swc.init_optimizer_state(optimizer)
+    assert not optimizer.state and all(p.grad is None for p in model.parameters())
+
+
+def test_a_failed_step_leaves_no_half_made_state_and_restores_rates():
+    model = _model()
+    rate = torch.tensor(0.25)
+    optimizer = torch.optim.Adam(model.parameters(), lr=rate)
+
+    def broken(*args, **kwargs):
+        for p in model.parameters():
+            optimizer.state[p]["step"] = torch.tensor(1.0)  # made, then the step fails
+        raise RuntimeError("step failed")
+
+    optimizer.step = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="step failed"):
+        swc.init_optimizer_state(optimizer)
+    assert not optimizer.state
+    assert optimizer.param_groups[0]["lr"] is rate
+    assert all(p.grad is None for p in model.parameters())

@@ -24,7 +24,7 @@ from .inventory import (
 )
 from .load import item_reads, load_state
 from .plan import SaveRecords, first_hole, holes_in_plans, kind_disagreements, region
-from .save import Staging, save_state
+from .save import SaveReport, Staging, save_state
 from .staging import Staged, Stager
 from .stored import StoredView, read_records
 
@@ -33,6 +33,7 @@ __all__ = [
     "Piece",
     "Route",
     "SaveRecords",
+    "SaveReport",
     "Serialized",
     "Staged",
     "Stager",

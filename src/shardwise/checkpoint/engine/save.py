@@ -82,8 +82,9 @@ class Staging:
     `on_staged`: called once this rank no longer reads the state (every byte it
     writes is on the host, or the save failed), from any thread.
     `host`: stage host tensors too (tests run the device pipeline on CPU this way).
-    `progress`: called with each record's bytes once it is handed to its file (from
-    the writing thread), so a caller can show how far this rank's writes are.
+    `progress`: called with each record's bytes once it is handed to its file (on the
+    thread that writes: the caller's for `save`, the background one for `async_save`),
+    so a caller can show how far this rank's writes are.
     """
 
     budget: int | None = None
@@ -98,8 +99,9 @@ class SaveReport:
     """What one rank's part of a save did, for the `shardwise` logger and `SaveInfo`:
     the records it wrote, their bytes and files, whether the plan of an earlier save
     of this structure was reused, and where the time went (seconds per phase:
-    `describe` the state, `plan` (exchanges and places), `write` the data files,
-    `commit` (every rank durable, rank 0's records in place, the verdict))."""
+    `describe` the state, on rank 0 `lease` (waiting for the path's lease), `plan`
+    (exchanges and places), `write` the data files, `commit` (every rank durable,
+    rank 0's records in place, the verdict))."""
 
     tensors: int = 0
     objects: int = 0
@@ -263,18 +265,19 @@ def save_state(
     wait: bool | float = False,
     overwrite: bool = True,
     staging: Staging | None = None,
-) -> SaveReport:
+    report: SaveReport | None = None,
+) -> None:
     """Save `state_dict` (values already adapted) to `path`. Collective: its
     exchanges go through the caller's `agreement`, whose deferred problem (the
     caller's own checks) rides on the first.
     `wait`: how long rank 0 waits for the path's lease (`lease.Lease.acquire`);
     with `overwrite=False` it looks for a checkpoint again once it holds it.
     `staging`: how device tensors are copied out (`Staging`).
-    Returns what this rank did (`SaveReport`), also logged at DEBUG.
+    `report`: filled with what this rank did (`SaveReport`), which is also logged at DEBUG.
     """
     staging = staging or Staging()
     staged = Once(staging.on_staged)
-    report = SaveReport()
+    report = report if report is not None else SaveReport()
     try:
         _save(state_dict, path, agreement, sync, wait, overwrite, staging, staged, report)
     finally:
@@ -290,7 +293,6 @@ def save_state(
         "reused" if report.plan_reused else "made",
         ", ".join(f"{k} {v:.3f} s" for k, v in report.phases.items()),
     )
-    return report
 
 
 def _save(
@@ -318,13 +320,14 @@ def _save(
     except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
         problem = e
     agreement.defer(problem)
-    report.timed("describe", since)
+    since = report.timed("describe", since)
     # rank 0's random words: this save's token and id, sent to every rank by `agree`
     words = [secrets.randbits(62) for _ in range(3)] if agreement.rank == 0 else [0, 0, 0]
     lease = None
     if agreement.rank == 0 and agreement.pending is None:
         lease, problem = _take_lease(path, _save_id(words), wait, overwrite)
         agreement.defer(problem)
+        report.timed("lease", since)
     try:
         _save_leased(
             path, agreement, (sync, staging, staged), lease, (held, objects, entries), words, report

@@ -435,6 +435,7 @@ class ReadExecutor:
         self._landing = DeviceLanding(budget_of(staging_bytes))
         self._told: list[tuple[ChunkRead, torch.Tensor]] = []  # device targets' `done`, at the end
         self._lock = threading.Lock()  # reads run on several threads (`io.read`)
+        self._telling = threading.Lock()  # `progress`, called by one thread at a time
 
     def run(self, reads: Sequence[ChunkRead | ArchiveRead | GatherRead]) -> None:
         self._landing.follow_caller()
@@ -502,7 +503,8 @@ class ReadExecutor:
     def _count(self, n: int) -> None:
         with self._lock:
             self.bytes_read += n
-            if self.progress is not None:
+        if self.progress is not None:
+            with self._telling:  # one call at a time, never holding up the count
                 self.progress(n)
 
     def _resolve(self, read: ChunkRead) -> torch.Tensor:
