@@ -53,7 +53,10 @@ def _isolate_test_process() -> None:
             os.environ[name] = ",".join([*hosts, "127.0.0.1"])
 
 
-def _server_env() -> dict[str, str]:
+def client_env() -> dict[str, str]:
+    """This process's environment for a process that talks to the local server: its
+    credentials, as boto finds them, and nothing else of this machine's AWS or proxy
+    settings."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -69,9 +72,12 @@ def _server_env() -> dict[str, str]:
         AWS_SHARED_CREDENTIALS_FILE=os.devnull,
         NO_PROXY="*",
         no_proxy="*",
-        PYTHONUNBUFFERED="1",
     )
     return env
+
+
+def _server_env() -> dict[str, str]:
+    return {**client_env(), "PYTHONUNBUFFERED": "1"}
 
 
 def _answers(port: int) -> bool:

@@ -74,9 +74,12 @@ def test_bench_runs_the_benchmarks_the_environment_names(tmp_path, monkeypatch, 
     monkeypatch.setattr(sys, "path", list(sys.path))
     assert main(["bench", "hello", "--quick"]) == 0
     assert capsys.readouterr().out == "hello ['--quick']\n"
+    (folder / "bench_read_once.py").write_text("print('read once')\n")
+    assert main(["bench", "read-once"]) == 0  # a hyphen names the underscored file
+    assert capsys.readouterr().out == "read once\n"
     assert main(["bench", "nope"]) == 1
     assert capsys.readouterr().err == (
-        f"shardwise bench: error: no benchmark 'nope' in {folder} (available: hello)\n"
+        f"shardwise bench: error: no benchmark 'nope' in {folder} (available: hello, read_once)\n"
     )
 
 

@@ -177,19 +177,10 @@ def test_physicsnemo_domain_split_15_14_loads_as_10_10_9(tmp_path: Path) -> None
 
 
 def test_s3_saved_on_two_ranks_loads_on_three(s3_server) -> None:
-    from tests.s3_server import KEY, REGION, SECRET
+    from tests.s3_server import client_env
 
     url = f"s3://{s3_server.new_bucket()}/run1/step_100"
-    # credentials as boto finds them: the environment, nothing else of this machine's
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(
-        AWS_ACCESS_KEY_ID=KEY,
-        AWS_SECRET_ACCESS_KEY=SECRET,
-        AWS_DEFAULT_REGION=REGION,
-        AWS_EC2_METADATA_DISABLED="true",
-        AWS_CONFIG_FILE=os.devnull,
-        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
-    )
+    env = client_env()  # credentials as boto finds them: the environment alone
     where = ["--url", url, "--endpoint-url", s3_server.endpoint]
     saved = succeeded("s3.py", 2, "save", *where, env=env)
     assert f"saved on 2 ranks to {url}" in saved

@@ -70,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
     folder = benchmarks_dir()
     # Benchmarks import the soak helpers under tests/ of the same checkout.
     sys.path.insert(0, str(folder.parent))
-    script = folder / f"bench_{args.name}.py"
+    script = folder / f"bench_{args.name.replace('-', '_')}.py"  # read-once: bench_read_once.py
     if not script.is_file():
         names = ", ".join(_available()) or "none found"
         raise InvalidArgumentError(f"no benchmark {args.name!r} in {folder} (available: {names})")
