@@ -38,6 +38,7 @@ from ..io import (
     Written,
     failpoint,
     in_the_way,
+    record_bytes,
     slabs_for,
     staging_bytes,
     write_archives,
@@ -183,10 +184,6 @@ def _write_checksums(file: DataFile, k: int, placed: Places, written: list[Writt
     if sys.byteorder != "little":
         words.byteswap()
     file.write_archive(words.tobytes())
-
-
-def _nbytes(value: Any) -> int:
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else len(value)
 
 
 def _any_on_device(records: list[Any]) -> bool:
@@ -489,7 +486,7 @@ def _write(
         write_rank_file(path, names, (values, placed), serialization_id, sync, staging, staged)
         tensors = [v for v in values if isinstance(v, torch.Tensor)]
         report.tensors, report.objects = len(tensors), len(values) - len(tensors)
-        report.bytes_written = sum(_nbytes(v) for v in values)
+        report.bytes_written = sum(record_bytes(v) for v in values)
         report.files = files
     except Exception as e:  # noqa: BLE001 - raised on every rank by the next agreement
         return e

@@ -20,7 +20,7 @@ from .commit import (
 from .device import Copier, DeviceCopier, HostCopier, slabs_for, staging_bytes
 from .lease import Lease, live_scopes
 from .read import ReadExecutor
-from .write import DataFile, Written, write_archives
+from .write import DataFile, Written, record_bytes, write_archives
 
 __all__ = [
     "ChunkRead",
@@ -46,5 +46,6 @@ __all__ = [
     "slabs_for",
     "staging_bytes",
     "words_of",
+    "record_bytes",
     "write_archives",
 ]

@@ -559,10 +559,15 @@ def write_archives(
             else:
                 out.append(file.write_object(r))
             if progress is not None:
-                progress(_nbytes(r) if isinstance(r, torch.Tensor) else len(r))
+                progress(record_bytes(r))
     finally:
         pipeline.drain()
     return [w.written() if isinstance(w, TensorArchive) else w for w in out]
+
+
+def record_bytes(record: Any) -> int:
+    """The payload bytes of a record `write_archives` takes: a tensor's, or an object's."""
+    return _nbytes(record) if isinstance(record, torch.Tensor) else len(record)
 
 
 def _nbytes(t: torch.Tensor) -> int:
