@@ -42,10 +42,10 @@ __all__ = [
     "live_scopes",
     "new_token",
     "per_rank_records",
+    "record_bytes",
     "referenced_files",
     "slabs_for",
     "staging_bytes",
     "words_of",
-    "record_bytes",
     "write_archives",
 ]
