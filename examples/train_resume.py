@@ -158,6 +158,9 @@ def main() -> int:
             manager.save(step, train_state(model, opt, step), async_=True)
         if step == args.die_at_step:
             print(f"rank {rank}: dying after step {step} (simulated preemption)", flush=True)
+            # every rank has said so before any exits: torchrun stops the others at the first
+            # exit (the save in flight runs on its own group, so this barrier is the loop's)
+            dist.barrier()
             os._exit(DIED)  # no cleanup, no waiting for the save in flight
 
     manager.wait_until_finished()  # the last save committed, retention done
