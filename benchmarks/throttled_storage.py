@@ -157,7 +157,10 @@ def linked_folder_class() -> Any:
             self.inner.close()
 
     class LinkedFolder(LocalFolder):
-        """A local folder whose data files are read through a `Link`."""
+        """A local folder whose data files are read through a `Link`: a medium every
+        rank shares, as a network file system is (`Folder.shared_medium`)."""
+
+        shared_medium = True
 
         def __init__(self, path: str | os.PathLike, link: Link) -> None:
             super().__init__(path)

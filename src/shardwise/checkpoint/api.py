@@ -71,6 +71,22 @@ log = logging.getLogger("shardwise")
 # -----------------------------------------------------------------------------
 
 
+def _read_once(
+    older: bool | None, read_once: bool | str
+) -> tuple[bool | None, InvalidArgumentError | None]:
+    """`load`'s read-once switch for the engine (None: where it pays), or what is wrong
+    with it (raised on every rank by the call's first exchange)."""
+    if older is not None:
+        return bool(older), None
+    if read_once == "auto":
+        return None, None
+    if isinstance(read_once, bool):
+        return read_once, None
+    return None, InvalidArgumentError(
+        f"read_once={read_once!r}: expected 'auto', True or False"
+    )
+
+
 def _path_or_checkpoint_id(
     call: str, path: str | Path | Folder | None, checkpoint_id: str | Path | Folder | None
 ) -> str | Path | Folder:
@@ -669,6 +685,7 @@ def load(
     broadcast_replicated: bool | None = None,
     shape_mismatch: Iterable[str] = (),
     progress: Callable[[int], None] | None = None,
+    read_once: bool | str = "auto",
 ) -> LoadInfo:
     """Fill `state_dict`'s tensors and objects in place from `path`. Collective.
 
@@ -707,12 +724,17 @@ def load(
     CUDA targets are filled through at most `staging_bytes` of pinned host memory
     per rank (as `save`), reads overlapping the copies to the device on a side
     stream; when `load` returns, the copies are done.
-    Values every rank loads whole (plain tensors, replicated DTensors and
-    ShardedTensors, on the CPU) can be read by one rank each and broadcast to
-    the others, so their bytes leave the storage once instead of once per rank:
-    `broadcast_replicated=None` does so when reading from an object store or
-    when the ranks span several hosts (a shared file system), `True` always,
-    `False` never. It applies only when every rank loads the same such values.
+    Each stored byte several ranks need can be read by one of them and sent to
+    the others, so it leaves the storage once instead of once per rank
+    (`read_once`): values every rank loads whole (plain tensors, replicated
+    DTensors and ShardedTensors) by a broadcast, and the chunks of DTensors and
+    ShardedTensors that several ranks' blocks overlap (DP replicas of TP shards,
+    HSDP, a row-wise checkpoint loaded column-wise) by an exchange among them
+    (`engine.read_once`), CPU targets only. `read_once="auto"` does so where it pays:
+    an object store, a network file system, or ranks on several hosts; `True`
+    always, `False` never. It applies when every rank loads the same such values
+    with the same layouts. `broadcast_replicated` is its older name (it wins when
+    given).
     Returns a `LoadInfo` (its `bytes_read` says what this rank read).
     `progress(n)` is called with the bytes of each read as it lands (from the
     reading threads, one call at a time). Rank 0 logs what the load did on the
@@ -723,7 +745,9 @@ def load(
     edge's one exchange (`agree_route`: the folder opens everywhere, the Megatron
     route, the adapted values), then `engine.load`'s targets-fit check and read verdict;
     four when the state holds a `Stateful` (one more after its `load_state_dict()`);
-    and when replicated values are broadcast, one `broadcast` per batch of them.
+    and when replicated values are broadcast, one `broadcast` per batch of them;
+    when sharded chunks are exchanged, one `all_to_all_single` per round of about
+    64 MiB of a rank's targets and one more `all_reduce` (its verdict).
     """
     started = time.perf_counter()
     path = _path_or_checkpoint_id("load", path, checkpoint_id)
@@ -737,11 +761,13 @@ def load(
     statefuls = {k: v for k, v in state_dict.items() if _is_stateful(v)}
     plain, user_problem = _user_state(state_dict) if statefuls else (state_dict, None)
     where = folder.identity if folder is not None else repr(path)
+    once, bad = _read_once(broadcast_replicated, read_once)
+    problem = problem or bad
     call = agreement(
         process_group,
         (
-            "load path, strict, cast_dtype, trust_objects and broadcast_replicated",
-            (where, strict, cast_dtype, trust_objects, broadcast_replicated),
+            "load path, strict, cast_dtype, trust_objects and read_once",
+            (where, strict, cast_dtype, trust_objects, once),
         ),
     )
     # the one exchange at the edge: raises either problem everywhere, one route for all
@@ -755,7 +781,7 @@ def load(
             folder,
             call,
             (strict, verify, cast_dtype, trust_objects),
-            (extension_registry, budget, broadcast_replicated, progress),
+            (extension_registry, budget, once, progress),
         )
 
     mismatch = frozenset(shape_mismatch)

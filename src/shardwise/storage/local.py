@@ -20,7 +20,58 @@ from typing import Any
 from ..errors import CorruptCheckpointError
 from .folder import Folder, RandomAccess, Sink, plain_name, temporary_name, too_large
 
-__all__ = ["LocalFile", "LocalFolder", "LocalSink", "write_all"]
+__all__ = [
+    "NETWORK_FILE_SYSTEMS",
+    "LocalFile",
+    "LocalFolder",
+    "LocalSink",
+    "file_system_of",
+    "write_all",
+]
+
+# File system types (as /proc/self/mounts names them) whose reads cross a network link
+NETWORK_FILE_SYSTEMS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "cifs",
+        "smb3",
+        "ceph",
+        "glusterfs",
+        "fuse.glusterfs",
+        "fuse.ceph",
+        "fuse.s3fs",
+        "fuse.gcsfuse",
+        "fuse.juicefs",
+        "fuse.weka",
+        "wekafs",
+        "panfs",
+        "orangefs",
+        "9p",
+        "virtiofs",
+    }
+)
+
+
+def file_system_of(path: Path) -> str | None:
+    """The type of the file system `path` lies on: the mount in /proc/self/mounts with
+    the longest prefix of its resolved path (None: not Linux, or not found)."""
+    try:
+        where = str(Path(path).resolve())
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
+    except OSError:
+        return None
+    best, kind = -1, None
+    for point, fs_type in mounts:
+        point = point.replace("\\040", " ")
+        inside = where == point or where.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best:
+            best, kind = len(point), fs_type
+    return kind
 
 _IOV_MAX = 1024
 # Never follow a link out of the folder, never block on a FIFO planted in it.
@@ -183,6 +234,12 @@ class LocalFolder(Folder):
     @property
     def local_path(self) -> Path:
         return self.path
+
+    @property
+    def shared_medium(self) -> bool:  # type: ignore[override]
+        """Whether the folder lies on a network file system (NFS, Lustre, GPFS, ...):
+        there every rank's read crosses a link all of them share."""
+        return file_system_of(self.path) in NETWORK_FILE_SYSTEMS
 
     def where(self, name: str) -> str:
         return str(self.path / name)

@@ -39,6 +39,7 @@ from ...layout import overlap
 from ...storage import Folder, open_folder
 from ..format import Boxes, ChunkTable, Manifest, batch_boxes, dense, load_object, vetted_stream
 from ..io import ArchiveRead, ChunkRead, GatherRead, ReadExecutor, words_of
+from . import read_once
 from .inventory import Piece, pieces_of
 from .stored import Covering, StoredBox, StoredView, WholeRows, fetched
 
@@ -199,12 +200,21 @@ def _host() -> str:
 
 def wanted(agreed: list[int], values: list[Value], broadcast: bool | None, folder: Folder) -> bool:
     """Whether to broadcast, from the verdict's maxima of every rank's `words`: every
-    rank shares the same values, and `broadcast` says so or, when None, the bytes
-    come from an object store or the ranks span several hosts."""
-    most_values, least_values, most_host, least_host = agreed  # maxima of `words`
+    rank shares the same values, and `broadcast` says so or, when None, it pays
+    (`pays`)."""
+    most_values, least_values = agreed[:2]  # maxima of `words`
     if not values or most_values != -least_values or broadcast is False:
         return False
-    return broadcast is True or folder.wants_prefetch or most_host != -least_host
+    return broadcast is True or pays(agreed, folder)
+
+
+def pays(agreed: list[int], folder: Folder) -> bool:
+    """Whether reading a byte once and sending it beats reading it on every rank that
+    needs it (`engine.read_once`'s rule): the bytes come from a medium several
+    readers share (an object store, a network file system) or the ranks span
+    several hosts (the verdict's maxima of `words`' host words differ)."""
+    most_host, least_host = agreed[2:4]
+    return folder.shared_medium or most_host != -least_host
 
 
 def schedule(values: list[Value], world: int, batch: int | None = None) -> list[Batch]:
@@ -404,8 +414,10 @@ def load_state(
     Collective. Returns the bytes this rank read and the manifest it followed (None:
     it followed DCP's `.metadata`). Objects unpickle by `format.pickles.load_object`'s rules
     (`trust_objects`); `extension_registry` decodes stream extensions. `broadcast`:
-    whether values every rank loads whole are read once and broadcast (`replicated`;
-    None: where that pays). Tensors under a key in `shape_mismatch` load their overlap
+    whether each stored byte several ranks need is read by one of them and sent to the
+    others: values every rank loads whole by a broadcast (above), sharded targets whose
+    layouts are global facts by an exchange (`engine.read_once`); None: where that pays
+    (`pays`). Tensors under a key in `shape_mismatch` load their overlap
     with a stored shape of as many dimensions (the rest left as it is); a key in
     `optional` may be missing (`Targets.optional`). `progress` is called with the bytes
     of each read as it lands (`io.read.ReadExecutor`). What this rank did is logged at
@@ -417,6 +429,9 @@ def load_state(
     view: StoredView | None = None
     shared: dict[str, torch.Tensor] = {}
     values: list[Value] = []
+    sharded: dict[str, tuple[read_once.Holders, list[Piece]]] = {}
+    signature: list[Any] = []
+    held_bytes = 0
     try:
         view = StoredView.read(folder, agreement.rank)
         found = mismatches(flat, view, strict, cast_dtype, shape_mismatch, optional or {})
@@ -425,16 +440,25 @@ def load_state(
         elif broadcast is not False and agreement.world_size > 1:
             shared = candidates(flat, view)
             values = placed(view, shared)
-    except (ShardwiseError, OSError, ValueError, pickle.UnpicklingError) as e:
+            skip = set(shared) | shape_mismatch
+            sharded, signature, held_bytes = read_once.eligible(flat, view, agreement.comm, skip)
+    except (ShardwiseError, OSError, ValueError, pickle.UnpicklingError, RuntimeError) as e:
         problem = e
     agreement.defer(problem)
-    agreed = agreement.agree(words(values, view, verify))  # the targets-fit verdict
+    agreed = agreement.agree(  # the targets-fit verdict
+        words(values, view, verify) + read_once.words(signature, view, verify, held_bytes)
+    )
     assert view is not None
     batches: list[Batch] = []
     sent: set[str] = set()  # values another rank reads and sends this one
     if wanted(agreed, values, broadcast, folder):
         batches = schedule(values, agreement.world_size)
         sent = {k for b in batches if b.reader != agreement.rank for k in b.keys}
+    most_held = read_once.agreed(agreed[4:])
+    if most_held is None or broadcast is False or not (broadcast or pays(agreed, folder)):
+        sharded = {}
+    covered: dict[str, list[tuple[Piece, list[StoredBox]]]] = {k: [] for k in sharded}
+    exchange: read_once.Exchange | None = None
     objects: dict[str, Any] = {}
     executor = ReadExecutor(
         folder,
@@ -446,7 +470,14 @@ def load_state(
     planned = time.perf_counter()
     problem = None
     try:
-        reads, whole = _plan(flat, view, objects, trust_objects, sent, verify, shape_mismatch)
+        reads, whole = _plan(
+            flat, view, objects, trust_objects, sent, verify, shape_mismatch, covered
+        )
+        if sharded:
+            exchange = read_once.exchange(
+                sharded, covered, view, agreement.rank, most_held or 0
+            )
+            reads += exchange.reads
         # whole chunks a batch of requests at a time, the first with the rest: a small
         # load is one run (on an object store, one window of prefetches)
         wholes = whole.reads(view.manifest.page_size) if whole and view.manifest else iter(())
@@ -460,6 +491,12 @@ def load_state(
     reads_done = time.perf_counter()
     agreement.defer(send(agreement.comm, batches, shared))  # whatever it read
     agreement.verdict()
+    exchanged = 0
+    if sharded:  # planned everywhere (else the verdict raised): its sizes agree
+        assert exchange is not None
+        found_problem, exchanged = read_once.run(agreement.comm, executor, exchange)
+        agreement.defer(found_problem)
+        agreement.verdict()
     for key, value in objects.items():
         set_element(state_dict, mappings.get(key, (key,)), value)
     log.debug(
@@ -469,7 +506,8 @@ def load_state(
         len(flat),
         folder,
         executor.bytes_read,
-        f", {len(sent)} values sent by their readers" if sent else "",
+        (f", {len(sent)} values sent by their readers" if sent else "")
+        + (f", {exchanged} bytes sent in the read-once exchange" if sharded else ""),
         planned - started,
         reads_done - planned,
         time.perf_counter() - reads_done,
@@ -495,13 +533,15 @@ def _plan(
     sent: set[str],
     verify: bool,
     shape_mismatch: frozenset[str] = frozenset(),
+    covered: dict[str, list[tuple[Piece, list[StoredBox]]]] | None = None,
 ) -> tuple[list[ChunkRead | ArchiveRead | GatherRead], WholeRows | None]:
     """This rank's reads: objects (unpickled into `format.pickles`), the stored chunks its
     pieces overlap (from a version 4 index: only its tensors' sections, only the rows
     it reads), and DCP's own plan for values only DCP knows how to fill. The values
     in `sent` are not read (another rank sends them) but their rows are checked with
     the rest, as if read: a row that claims another's bytes is refused on every rank
-    that loads it, read or sent. A piece in small chunks of a version 4 index is
+    that loads it, read or sent; a key in `covered` (the read-once exchange's) is not
+    read either, the stored chunks each of its pieces overlaps kept there. A piece in small chunks of a version 4 index is
     planned as arrays (`GatherRead`): verifying, each chunk is read whole (it is one
     checksum tile); not verifying, each part's bytes from first to last, where a
     ranged read would read them so too. Pieces that are whole stored chunks are planned
@@ -530,10 +570,17 @@ def _plan(
     together: list[tuple[str, Covering, Piece, list[int]]] = []  # planned at once: `batch_boxes`
     sections = view.sections(list(held), stored_objects)
     whole = None
+    exchanged = set(covered or ())
     if sections.fetch is not None and view.manifest is not None:  # a version 4 index
-        whole = WholeRows(held, sent, view.manifest.version, sections.spans, sections.fetch)
+        whole = WholeRows(
+            held, sent, view.manifest.version, sections.spans, sections.fetch, exchanged
+        )
         sections.take = whole.take
     for key, stored, overlaps in fetched(iter(sections), held, whole):
+        if key in exchanged:
+            for piece, rows in zip(held[key], overlaps):  # checked here, read there
+                covered[key].append((piece, stored.covering(piece.offsets, piece.sizes, rows)))  # type: ignore[index]
+            continue
         if key in sent:
             for piece, rows in zip(held[key], overlaps):
                 stored.covering(piece.offsets, piece.sizes, rows)  # checked, not read

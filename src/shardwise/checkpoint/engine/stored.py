@@ -123,7 +123,8 @@ class _Wholes:
 
 class WholeRows:
     """The whole-chunk pieces of a load (`held`: each key's pieces; `sent`: keys checked
-    but not read, another rank sends them), taken group by group (`take`)."""
+    but not read, another rank sends them; `leave`: keys the load plans otherwise, the
+    read-once exchange's), taken group by group (`take`)."""
 
     def __init__(
         self,
@@ -132,8 +133,10 @@ class WholeRows:
         version: int,
         spans: RowSpans,
         fetch: Fetch,
+        leave: frozenset[str] | set[str] = frozenset(),
     ) -> None:
         self.held, self.sent, self.version = held, sent, version
+        self.leave = leave
         self.spans, self.fetch = spans, fetch  # `fetch`: the checksums writers keep
         self.wholes: list[_Wholes] = []
         self.pending: list[Pending] = []  # checksums their writers keep, to fetch
@@ -146,7 +149,7 @@ class WholeRows:
         by_ndim: dict[int, list[Section]] = {}
         for s in group:
             ndim = len(s[1].shape)
-            (by_ndim.setdefault(ndim, []) if ndim else rest).append(s)
+            (by_ndim.setdefault(ndim, []) if ndim and s[0] not in self.leave else rest).append(s)
         for ndim, part in by_ndim.items():
             batch: list[Section] = []
             pairs = 0  # (piece, row) pairs `_take` compares: at most `PAIRS` at once

@@ -1,0 +1,272 @@
+"""`engine.read_once`: each stored chunk several ranks need is read by one of them and
+its parts sent to the others (DP replicas of TP shards, HSDP, a row-wise checkpoint
+loaded column-wise).
+
+Thread ranks on the in-process communicator (`received` counts the bytes each rank
+gets over the wire, `calls` every collective) and spawned gloo ranks with DTensors
+on a real DP × TP mesh. Each test checks the values bit for bit and the exact bytes
+each rank read from storage.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardwise.checkpoint as swc
+from shardwise import Block, Layout, ShardedTensor
+from shardwise.checkpoint.engine import read_once
+from shardwise.checkpoint.engine.load import load_state
+from shardwise.checkpoint.engine.save import save_state
+from shardwise.checkpoint.io import chunks
+from shardwise.comm.agreement import Agreement
+from shardwise.comm.in_process import ThreadedRank, ThreadedWorld
+from shardwise.errors import CorruptCheckpointError, InvalidArgumentError
+from shardwise.storage import LocalFolder
+from shardwise.testing import run_ranks, shard_of
+
+pytestmark = pytest.mark.spawned  # one test spawns gloo ranks; the module is marked whole
+W = 4
+SHAPE = (8, 6)
+FULL = {k: torch.arange(48.0).reshape(SHAPE) * (i + 1) for i, k in enumerate("abc")}
+ROWS = Layout.chunked(SHAPE, 0, W)  # saved: 2 rows a rank
+COLUMNS = Layout.column_wise(SHAPE, [2, 1, 2, 1])  # loaded: a band of every stored row chunk
+# DP 2 x TP 2: rank r holds row half r % 2 (ranks 0 and 2 the top, 1 and 3 the bottom)
+DP_TP = Layout(SHAPE, {r: [Block((4 * (r % 2), 0), (4, 6))] for r in range(W)}, W)
+NBYTES = 48 * 4  # one tensor's stored bytes
+
+
+@pytest.fixture(autouse=True)
+def _no_gaps(monkeypatch) -> None:
+    """Chunks near each other in a file are read with the gap between (`io.chunks.GAP`):
+    without that, the bytes each rank reads are exactly the chunks it reads."""
+    monkeypatch.setattr(chunks, "GAP", 0)
+
+
+def _state(layout: Layout, rank: int, fill: bool) -> dict[str, Any]:
+    out = {}
+    for key, full in FULL.items():
+        shards = shard_of(full if fill else torch.full(SHAPE, -1.0), layout, rank)
+        out[key] = ShardedTensor.from_layout(layout, shards, rank=rank)
+    return out
+
+
+def _saved(path: Path, layout: Layout = ROWS) -> None:
+    world = ThreadedWorld(W)
+    world.run(lambda comm: save_state(_state(layout, comm.rank, True), path, Agreement(comm)))
+
+
+def _load(
+    world: ThreadedWorld, path: Path, layout: Layout, once: bool | None, **options: Any
+) -> list[tuple[int, dict[str, Any]]]:
+    def one(comm: ThreadedRank) -> tuple[int, dict[str, Any]]:
+        target = _state(layout, comm.rank, False)
+        read, _ = load_state(
+            target,
+            path,
+            Agreement(comm),
+            strict=True,
+            verify=options.get("verify", True),
+            cast_dtype=False,
+            broadcast=once,
+        )
+        return read, target
+
+    out = world.run(one)
+    for r in out:
+        if isinstance(r, BaseException):
+            raise r
+    return out
+
+
+def _exact(target: dict[str, Any], layout: Layout, rank: int) -> None:
+    for key, full in FULL.items():
+        got = target[key].local_shards()
+        want = shard_of(full, layout, rank)
+        assert len(got) == len(want), key
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), (key, rank)
+
+
+def _exchanged(monkeypatch) -> dict[int, int]:
+    """Bytes each rank receives in the read-once exchange (`read_once.run`), filled as
+    loads run."""
+    got: dict[int, int] = {}
+    real = read_once.run
+
+    def counted(comm: Any, executor: Any, plan: Any) -> Any:
+        before = comm.world.received[comm.rank]
+        out = real(comm, executor, plan)
+        got[comm.rank] = got.get(comm.rank, 0) + comm.world.received[comm.rank] - before
+        return out
+
+    monkeypatch.setattr(read_once, "run", counted)
+    return got
+
+
+def test_dp_replicas_read_each_stored_chunk_once(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "ck"
+    _saved(path, DP_TP)  # two stored chunks a tensor: the row halves
+    world = ThreadedWorld(W)
+    received = _exchanged(monkeypatch)
+    plain = _load(world, path, DP_TP, False)
+    assert received == {}  # no exchange
+    once = _load(world, path, DP_TP, True)
+    for rank in range(W):
+        _exact(plain[rank][1], DP_TP, rank)
+        _exact(once[rank][1], DP_TP, rank)
+        assert plain[rank][0] == 3 * NBYTES // 2  # its half of each of the three
+    reads = [r for r, _ in once]
+    assert sum(reads) == 3 * NBYTES  # every stored byte read once
+    # each half's two holders split its three tensors by bytes: one reads two, one reads one
+    assert sorted(reads) == [NBYTES // 2, NBYTES // 2, NBYTES, NBYTES]
+    # what a rank did not read it received, and nothing else
+    assert received == {rank: 3 * NBYTES // 2 - reads[rank] for rank in range(W)}
+    assert world.calls.count("all_to_all_single") == 1
+
+
+def test_a_row_wise_checkpoint_loads_column_wise_reading_each_row_chunk_once(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ck"
+    _saved(path)  # four row chunks a tensor, each needed by all four column ranks
+    world = ThreadedWorld(W)
+    plain = _load(world, path, COLUMNS, False)
+    once = _load(world, path, COLUMNS, True)
+    for rank in range(W):
+        _exact(once[rank][1], COLUMNS, rank)
+        assert plain[rank][0] == 3 * NBYTES  # verified: every row chunk read whole, by all
+    assert sum(r for r, _ in once) == 3 * NBYTES
+    assert world.calls.count("all_to_all_single") == 1  # one round: 144 bytes a rank
+
+
+def test_rounds_cut_the_bytes_and_every_rank_takes_part_in_each(
+    tmp_path: Path, monkeypatch
+) -> None:
+    path = tmp_path / "ck"
+    _saved(path)
+    world = ThreadedWorld(W)
+    monkeypatch.setattr(read_once, "BATCH", 100)  # the largest rank's targets: 192 bytes
+    for rank, (_read, target) in enumerate(_load(world, path, COLUMNS, True)):
+        _exact(target, COLUMNS, rank)
+    assert world.calls.count("all_to_all_single") == 2  # ceil(192 / 100)
+    monkeypatch.setattr(read_once, "BATCH", 1)
+    for rank, (_read, target) in enumerate(_load(world, path, COLUMNS, True)):
+        _exact(target, COLUMNS, rank)
+    assert world.calls.count("all_to_all_single") == 2 + 3  # a round a key at most
+
+
+def test_a_chunk_only_one_rank_needs_is_read_by_it(tmp_path: Path) -> None:
+    path = tmp_path / "ck"
+    _saved(path)
+    world = ThreadedWorld(W)
+    once = _load(world, path, ROWS, True)  # the saved layout: no chunk has two holders
+    for rank in range(W):
+        _exact(once[rank][1], ROWS, rank)
+        assert once[rank][0] == 3 * NBYTES // W
+
+
+def test_auto_exchanges_on_a_shared_medium_only(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "ck"
+    _saved(path, DP_TP)
+    world = ThreadedWorld(W)
+    local = _load(world, path, DP_TP, None)  # one host, its own disk: each reads its own
+    assert [r for r, _ in local] == [3 * NBYTES // 2] * W
+    assert world.calls.count("all_to_all_single") == 0
+    monkeypatch.setattr(LocalFolder, "shared_medium", property(lambda self: True))
+    shared = _load(world, path, DP_TP, None)
+    assert sum(r for r, _ in shared) == 3 * NBYTES
+    assert world.calls.count("all_to_all_single") == 1
+    for rank in range(W):
+        _exact(shared[rank][1], DP_TP, rank)
+
+
+def test_ranks_planning_from_other_facts_exchange_nothing(tmp_path: Path) -> None:
+    """Rank 2 casts one tensor (its targets are float64): it cannot take the stored
+    bytes as sent, so no rank exchanges anything and each reads its own."""
+    path = tmp_path / "ck"
+    _saved(path, DP_TP)
+    world = ThreadedWorld(W)
+
+    def one(comm: ThreadedRank) -> int:
+        target = _state(DP_TP, comm.rank, False)
+        if comm.rank == 2:
+            shards = [torch.zeros(4, 6, dtype=torch.float64)]
+            target["b"] = ShardedTensor.from_layout(DP_TP, shards, rank=2)
+        read, _ = load_state(
+            target, path, Agreement(comm), strict=True, verify=True, cast_dtype=True,
+            broadcast=True,
+        )
+        if comm.rank == 2:
+            assert torch.equal(target["b"].local_shards()[0], FULL["b"][:4].double())
+        return read
+
+    reads = world.run(one)
+    assert reads == [3 * NBYTES // 2] * W
+    assert world.calls.count("all_to_all_single") == 0
+
+
+def test_a_corrupt_chunk_is_refused_on_every_rank_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "ck"
+    _saved(path, DP_TP)
+    data = [p for p in path.iterdir() if p.name.endswith(".distcp")]
+    assert data
+    for p in data:  # a flipped bit in every data file: every reader finds one
+        raw = bytearray(p.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        p.write_bytes(bytes(raw))
+    world = ThreadedWorld(W)
+
+    def one(comm: ThreadedRank) -> BaseException | None:
+        target = _state(DP_TP, comm.rank, False)
+        try:
+            load_state(
+                target, path, Agreement(comm), strict=True, verify=True, cast_dtype=False,
+                broadcast=True,
+            )
+        except CorruptCheckpointError as e:
+            return e
+        return None
+
+    found = world.run(one)
+    assert all(isinstance(e, CorruptCheckpointError) for e in found), found
+    assert all(".distcp" in str(e) for e in found)
+
+
+def test_read_once_takes_auto_true_or_false(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="read_once='sometimes'"):
+        swc.load({}, tmp_path, read_once="sometimes")
+
+
+# -- gloo ranks, DTensors on a DP x TP mesh ----------------------------------------------
+
+
+def _dp_tp(rank: int, world: int, path: str) -> tuple[list[int], bool]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    chunks.GAP = 0  # as `_no_gaps`, in this process
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = {k: torch.arange(64.0 * 6).reshape(64, 6) * (i + 1) for i, k in enumerate("xyz")}
+    place = (Replicate(), Shard(0))
+    swc.save({k: distribute_tensor(v, mesh, place) for k, v in full.items()}, path)
+    reads = []
+    ok = True
+    for once in (False, True):
+        targets = {k: distribute_tensor(torch.zeros(64, 6), mesh, place) for k in full}
+        info = swc.load(targets, path, read_once=once)
+        reads.append(info.bytes_read)
+        ok &= all(torch.equal(targets[k].full_tensor(), v) for k, v in full.items())
+    return reads, ok
+
+
+def test_dtensor_dp_tp_on_gloo_ranks(tmp_path: Path) -> None:
+    out = run_ranks(_dp_tp, W, os.fspath(tmp_path / "ck"), timeout=120)
+    stored = 3 * 64 * 6 * 4
+    assert all(ok for _reads, ok in out)
+    assert [reads[0] for reads, _ok in out] == [stored // 2] * W  # each its TP half
+    assert sum(reads[1] for reads, _ok in out) == stored  # each byte once
