@@ -766,7 +766,7 @@ def load(
     call = agreement(
         process_group,
         (
-            "load path, strict, cast_dtype, trust_objects and read_once",
+            "load path, strict, cast_dtype, trust_objects and read_once (broadcast_replicated)",
             (where, strict, cast_dtype, trust_objects, once),
         ),
     )

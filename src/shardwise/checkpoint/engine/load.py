@@ -490,9 +490,11 @@ def load_state(
     agreement.defer(problem)
     reads_done = time.perf_counter()
     agreement.defer(send(agreement.comm, batches, shared))  # whatever it read
-    agreement.verdict()
+    # the read verdict; with an exchange planned, whether any rank has a part in it
+    work = int(exchange is not None and exchange.has_work())
     exchanged = 0
-    if sharded:  # planned everywhere (else the verdict raised): its sizes agree
+    if agreement.agree([work] if sharded else [])[:1] == [1]:
+        # planned everywhere (else the verdict raised), from the same facts: sizes agree
         assert exchange is not None
         found_problem, exchanged = read_once.run(agreement.comm, executor, exchange)
         agreement.defer(found_problem)

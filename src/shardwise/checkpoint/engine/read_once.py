@@ -247,6 +247,10 @@ class Exchange:
     reads: list[ChunkRead]  # chunks only this rank needs: read as without the exchange
     keys: frozenset[str]
 
+    def has_work(self) -> bool:
+        """Whether this rank reads for others or receives from them."""
+        return any(r.fetches or r.incoming for r in self.rounds)
+
 
 def exchange(
     found: Mapping[str, tuple[Holders, list[Piece]]],
