@@ -157,10 +157,13 @@ def linked_folder_class() -> Any:
             self.inner.close()
 
     class LinkedFolder(LocalFolder):
-        """A local folder whose data files are read through a `Link`: a medium every
-        rank shares, as a network file system is (`Folder.shared_medium`)."""
+        """A local folder whose data files are read through a `Link`. A throttled link is
+        a medium every rank shares, as a network file system is
+        (`Folder.shared_medium`); a link that only counts is the local disk it reads."""
 
-        shared_medium = True
+        @property
+        def shared_medium(self) -> bool:  # type: ignore[override]
+            return bool(self.link.rate and self.link.state)
 
         def __init__(self, path: str | os.PathLike, link: Link) -> None:
             super().__init__(path)
