@@ -17,6 +17,7 @@ GPU memory and synchronising the device; tensors keep the group's backend.
 from __future__ import annotations
 
 import atexit
+from collections import defaultdict
 import pickle
 import threading
 from abc import ABC, abstractmethod
@@ -87,6 +88,16 @@ class Communicator(ABC):
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Rank `src`'s `tensor` into every rank's `tensor` (the same size everywhere)."""
 
+    def send_recv(
+        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+    ) -> None:
+        """Point to point: each `(rank, tensor)` of `sends` to that rank, each of `recvs`
+        filled from that rank; the i-th tensor a rank sends a peer is the i-th that peer
+        receives from it (contiguous, the same size). Every rank calls it, with or without
+        messages; it returns when this rank's are done."""
+        if sends or recvs:
+            raise NotImplementedError(f"{type(self).__name__} has no point-to-point messages")
+
 
 class ProcessGroupCommunicator(Communicator):
     """A torch.distributed process group (gloo, NCCL, ...)."""
@@ -118,8 +129,10 @@ class ProcessGroupCommunicator(Communicator):
         output_split_sizes: list[int],
         input_split_sizes: list[int],
     ) -> Waitable:
+        # host tensors on a device-only group (NCCL) go over its gloo side group
+        group = object_group(self.group) if input.device.type == "cpu" else self.group
         work = dist.all_to_all_single(
-            output, input, output_split_sizes, input_split_sizes, group=self.group, async_op=True
+            output, input, output_split_sizes, input_split_sizes, group=group, async_op=True
         )
         assert work is not None  # async_op=True always returns a handle
         return work
@@ -159,6 +172,22 @@ class ProcessGroupCommunicator(Communicator):
         group = object_group(self.group) if tensor.device.type == "cpu" else self.group
         pg: Any = group if group is not None else dist.group.WORLD
         dist.broadcast(tensor, src=dist.get_global_rank(pg, src), group=group)
+
+    def send_recv(
+        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+    ) -> None:
+        # the i-th message of a pair carries tag i: matched by tag, whatever the backend's order
+        works = []
+        for ops, start in ((sends, dist.isend), (recvs, dist.irecv)):
+            seen: dict[int, int] = defaultdict(int)
+            for peer, tensor in ops:
+                group = object_group(self.group) if tensor.device.type == "cpu" else self.group
+                pg: Any = group if group is not None else dist.group.WORLD
+                tag = seen[peer]
+                seen[peer] += 1
+                works.append(start(tensor, dist.get_global_rank(pg, peer), group=group, tag=tag))
+        for work in works:
+            work.wait()
 
 
 # (the default group they were made under, the gloo group) by global ranks.
@@ -278,6 +307,11 @@ class SingleProcess(Communicator):
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         return None  # the only rank's tensor is already every rank's
+
+    def send_recv(
+        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+    ) -> None:
+        assert not sends and not recvs, "one rank sends itself nothing"
 
 
 class _Done:

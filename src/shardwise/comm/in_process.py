@@ -119,6 +119,27 @@ class ThreadedRank(Communicator):
             self._count(tensor.numel() * tensor.element_size())
         self.world.barrier.wait()
 
+    def send_recv(
+        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+    ) -> None:
+        if self._rank == 0:
+            self.world.calls.append("send_recv")
+        self.world.slots[self._rank] = list(sends)
+        self.world.barrier.wait()
+        taken: dict[int, int] = {}
+        for src, tensor in recvs:
+            theirs = [t for dst, t in self.world.slots[src] if dst == self._rank]
+            i = taken.get(src, 0)
+            taken[src] = i + 1
+            assert i < len(theirs), f"rank {src} sent rank {self._rank} fewer messages"
+            assert (theirs[i].shape, theirs[i].dtype) == (tensor.shape, tensor.dtype), "unlike"
+            tensor.copy_(theirs[i])
+            self._count(tensor.numel() * tensor.element_size())
+        for src, theirs in enumerate(self.world.slots):
+            sent = sum(dst == self._rank for dst, _t in theirs)
+            assert sent == taken.get(src, 0), f"rank {src} sent rank {self._rank} more messages"
+        self.world.barrier.wait()
+
     def all_to_all_single(
         self,
         output: torch.Tensor,

@@ -126,7 +126,7 @@ def test_dp_replicas_read_each_stored_chunk_once(tmp_path: Path, monkeypatch) ->
     assert sorted(reads) == [NBYTES // 2, NBYTES // 2, NBYTES, NBYTES]
     # what a rank did not read it received, and nothing else
     assert received == {rank: 3 * NBYTES // 2 - reads[rank] for rank in range(W)}
-    assert world.calls.count("all_to_all_single") == 1
+    assert world.calls.count("send_recv") == 1
 
 
 def test_a_row_wise_checkpoint_loads_column_wise_reading_each_row_chunk_once(
@@ -141,7 +141,7 @@ def test_a_row_wise_checkpoint_loads_column_wise_reading_each_row_chunk_once(
         _exact(once[rank][1], COLUMNS, rank)
         assert plain[rank][0] == 3 * NBYTES  # verified: every row chunk read whole, by all
     assert sum(r for r, _ in once) == 3 * NBYTES
-    assert world.calls.count("all_to_all_single") == 1  # one round: 144 bytes a rank
+    assert world.calls.count("send_recv") == 1  # one round: 144 bytes a rank
 
 
 def test_rounds_cut_the_bytes_and_every_rank_takes_part_in_each(
@@ -153,11 +153,11 @@ def test_rounds_cut_the_bytes_and_every_rank_takes_part_in_each(
     monkeypatch.setattr(read_once, "BATCH", 100)  # the largest rank's targets: 192 bytes
     for rank, (_read, target) in enumerate(_load(world, path, COLUMNS, True)):
         _exact(target, COLUMNS, rank)
-    assert world.calls.count("all_to_all_single") == 2  # ceil(192 / 100)
+    assert world.calls.count("send_recv") == 2  # ceil(192 / 100)
     monkeypatch.setattr(read_once, "BATCH", 1)
     for rank, (_read, target) in enumerate(_load(world, path, COLUMNS, True)):
         _exact(target, COLUMNS, rank)
-    assert world.calls.count("all_to_all_single") == 2 + 3  # a round a key at most
+    assert world.calls.count("send_recv") == 2 + 3  # a round a key at most
 
 
 def test_a_chunk_only_one_rank_needs_is_read_by_it(tmp_path: Path) -> None:
@@ -176,11 +176,11 @@ def test_auto_exchanges_on_a_shared_medium_only(tmp_path: Path, monkeypatch) -> 
     world = ThreadedWorld(W)
     local = _load(world, path, DP_TP, None)  # one host, its own disk: each reads its own
     assert [r for r, _ in local] == [3 * NBYTES // 2] * W
-    assert world.calls.count("all_to_all_single") == 0
+    assert world.calls.count("send_recv") == 0
     monkeypatch.setattr(LocalFolder, "shared_medium", property(lambda self: True))
     shared = _load(world, path, DP_TP, None)
     assert sum(r for r, _ in shared) == 3 * NBYTES
-    assert world.calls.count("all_to_all_single") == 1
+    assert world.calls.count("send_recv") == 1
     for rank in range(W):
         _exact(shared[rank][1], DP_TP, rank)
 
@@ -207,7 +207,7 @@ def test_ranks_planning_from_other_facts_exchange_nothing(tmp_path: Path) -> Non
 
     reads = world.run(one)
     assert reads == [3 * NBYTES // 2] * W
-    assert world.calls.count("all_to_all_single") == 0
+    assert world.calls.count("send_recv") == 0
 
 
 def test_a_corrupt_chunk_is_refused_on_every_rank_naming_it(tmp_path: Path) -> None:

@@ -61,10 +61,9 @@ from ..io import ChunkRead, ReadExecutor
 from .inventory import Piece, pieces_of
 from .stored import StoredBox, StoredView
 
-__all__ = ["ALIGN", "BATCH", "Exchange", "Holders", "eligible", "exchange", "run", "words"]
+__all__ = ["BATCH", "Exchange", "Fetch", "Holders", "Round", "agreed", "eligible", "exchange", "run", "words"]
 
 BATCH = 64 << 20  # about the bytes a rank's targets take per round
-ALIGN = 16  # every part starts at a multiple of this in a round's buffers
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -80,11 +79,15 @@ class Holders:
             (layout.global_shape, ranks, [[(b.offsets, b.sizes) for b in r] for r in layout.blocks])
         )
         self._index: BlockIndex | None = None
+        self._of: dict[int, list[Block]] | None = None
 
     def blocks_of(self, load_rank: int) -> list[Block]:
-        return [
-            b for r, mine in enumerate(self.layout.blocks) if self.ranks[r] == load_rank for b in mine
-        ]
+        """The non-empty blocks `load_rank` holds."""
+        if self._of is None:
+            self._of = defaultdict(list)
+            for r, blocks in enumerate(self.layout.blocks):
+                self._of[self.ranks[r]] += [b for b in blocks if not b.is_empty()]
+        return self._of.get(load_rank, [])
 
     def overlapping(self, box: Block) -> list[tuple[int, Block, Block]]:
         """(load rank, block, its overlap with `box`) for every block sharing elements
@@ -119,7 +122,8 @@ def _holders(value: Any, load: dict[int, int] | None, cache: dict[Any, Holders])
             global_ranks = list(dist.get_process_group_ranks(value._group))
         else:
             global_ranks = list(range(layout.world_size))
-        key: Any = ("sharded", id(layout), tuple(global_ranks))
+        # equal layouts share one entry (a layout's hash is kept: O(B) once per object)
+        key: Any = ("sharded", layout, tuple(global_ranks))
     elif _is_dtensor(value):
         mesh = value.device_mesh
         global_ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
@@ -180,7 +184,7 @@ def eligible(
         pieces = [p for p in (pieces_of(value) or []) if p.tensor.numel()]
         ok = _takes_bytes(pieces, stored[1]) and sorted(
             (p.offsets, p.sizes) for p in pieces
-        ) == sorted((b.offsets, b.sizes) for b in holders.blocks_of(comm.rank) if not b.is_empty())
+        ) == sorted((b.offsets, b.sizes) for b in holders.blocks_of(comm.rank))
         signature.append((key, holders.fingerprint, ok))
         if ok:
             found[key] = (holders, pieces)
@@ -216,11 +220,14 @@ def agreed(maxima: list[int]) -> int | None:
 
 # -- the plan --------------------------------------------------------------------------
 
+Order = tuple[int, tuple[int, ...], tuple[int, ...]]  # (key's place, chunk offsets, block offsets)
+
 
 @dataclass
 class Fetch:
-    """A stored region one rank reads (into scratch) for several: its read, and
-    where each part goes (this rank's target view, or a rank to send it to)."""
+    """A stored region one rank reads for several: its read (straight into this rank's
+    target when the region is exactly its own part, else into scratch), and where each
+    part goes: this rank's target view, or a rank to send it to, in `Order`."""
 
     key: str
     info: Any
@@ -228,15 +235,19 @@ class Fetch:
     dtype: torch.dtype
     region: Block  # global box read, inside the chunk
     chunk_offsets: tuple[int, ...]
-    parts: list[tuple[int, Block, torch.Tensor | None]]  # (load rank, global box, own view)
+    into: torch.Tensor | None  # this rank's target, when the region is its part
+    parts: list[tuple[int, Block, torch.Tensor | None, Order]]  # (rank, box, own view, order)
 
 
 @dataclass
 class Round:
-    """One `all_to_all`: what this rank reads and sends, and what it receives from whom."""
+    """One round of messages: what this rank reads and sends, and what it receives from
+    whom (each sender's parts in `Order`, as the sender sends them)."""
 
     fetches: list[Fetch] = field(default_factory=list)
-    incoming: dict[int, list[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
+    incoming: dict[int, list[tuple[Order, torch.Tensor]]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
 
 
 @dataclass
@@ -293,35 +304,38 @@ def exchange(
                     alone.append(chunk)  # read as without the exchange
             if alone:
                 solo += _piece_reads(key, view, alone, piece, dtype)
-    mine = {
-        key: {(p.offsets, p.sizes): p for p in found[key][1]} for key in keys
-    }  # this rank's pieces by box
+    mine = {key: {(p.offsets, p.sizes): p for p in found[key][1]} for key in keys}
     for members, chunks in groups.items():
         chunks.sort(key=lambda c: (c[0], c[2].offsets))
         readers = _readers(members, [c[3].numel * _itemsize(view, c[1]) for c in chunks])
-        for reader, (_order, key, chunk, region, users) in zip(readers, chunks, strict=True):
+        for reader, (order, key, chunk, region, users) in zip(readers, chunks, strict=True):
             rnd = rounds[rounds_of[key]]
-            dtype = view.tensor(key)[1]  # type: ignore[index]
-            if reader == rank:
-                parts: list[tuple[int, Block, torch.Tensor | None]] = []
-                for r, block, common in users:
-                    own = _view_of(mine[key], block, common) if r == rank else None
-                    parts.append((r, common, own))
-                rnd.fetches.append(
-                    Fetch(
-                        key,
-                        view.storage(key, chunk.stored),
-                        tuple(chunk.sizes),
-                        dtype,
-                        region,
-                        tuple(chunk.offsets),
-                        parts,
-                    )
-                )
-            else:
+            at = (order, tuple(chunk.offsets))
+            if reader != rank:
                 for r, block, common in users:
                     if r == rank:
-                        rnd.incoming[reader].append(_view_of(mine[key], block, common))
+                        place = (*at, tuple(block.offsets))
+                        rnd.incoming[reader].append((place, _view_of(mine[key], block, common)))
+                continue
+            parts: list[tuple[int, Block, torch.Tensor | None, Order]] = []
+            into = None
+            for r, block, common in users:
+                own = _view_of(mine[key], block, common) if r == rank else None
+                if own is not None and common == region:
+                    into = own
+                parts.append((r, common, own, (*at, tuple(block.offsets))))
+            rnd.fetches.append(
+                Fetch(
+                    key,
+                    view.storage(key, chunk.stored),
+                    tuple(chunk.sizes),
+                    view.tensor(key)[1],  # type: ignore[index]
+                    region,
+                    tuple(chunk.offsets),
+                    into,
+                    parts,
+                )
+            )
     return Exchange(rounds, solo, frozenset(keys))
 
 
@@ -389,23 +403,23 @@ def _piece_reads(
 # -- running it ------------------------------------------------------------------------
 
 
-def _padded(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 def run(
     comm: Communicator, executor: ReadExecutor, plan: Exchange
 ) -> tuple[BaseException | None, int]:
     """Every round: this rank's fetches read (verified), its own parts copied into
-    its targets, the rest sent and its parts received in one `all_to_all_single`.
-    Every rank takes part in every round whatever its reads found (a failed read
-    sends what scratch holds, and the verdict raises the problem everywhere).
-    Returns the first problem and the bytes this rank sent."""
+    its targets, the rest sent and its parts received (`Communicator.send_recv`:
+    straight from and into the targets where they are contiguous). Every rank takes
+    part in every round whatever its reads found (a failed read sends what its
+    buffer holds, and the verdict raises the problem everywhere). Returns the first
+    problem and the bytes this rank sent."""
     problem: BaseException | None = None
     sent = 0
-    world, rank = comm.world_size, comm.rank
+    rank = comm.rank
     for rnd in plan.rounds:
-        scratch = [torch.empty(f.region.sizes, dtype=f.dtype) for f in rnd.fetches]
+        buffers = [
+            f.into if f.into is not None else torch.empty(f.region.sizes, dtype=f.dtype)
+            for f in rnd.fetches
+        ]
         reads = [
             ChunkRead(
                 f.key,
@@ -416,47 +430,33 @@ def run(
                 f.region.sizes,
                 buf,
             )
-            for f, buf in zip(rnd.fetches, scratch)
+            for f, buf in zip(rnd.fetches, buffers)
         ]
         try:
             executor.run(reads)
         except Exception as e:  # noqa: BLE001 - raised on every rank by the verdict
             problem = problem or e
-        outgoing: dict[int, list[torch.Tensor]] = defaultdict(list)
-        for f, buf in zip(rnd.fetches, scratch):
-            for r, common, own in f.parts:
+        outgoing: list[tuple[int, Order, torch.Tensor]] = []
+        for f, buf in zip(rnd.fetches, buffers):
+            for r, common, own, place in f.parts:
                 part = buf[common.relative_to(f.region).slices()]
-                if r == rank:
-                    assert own is not None
+                if r != rank:
+                    outgoing.append((r, place, part.contiguous()))
+                elif own is not None and f.into is None:
                     own.copy_(part)
+        outgoing.sort(key=lambda m: (m[0], m[1]))
+        landing: list[tuple[int, torch.Tensor]] = []
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []  # (scratch, target) to copy after
+        for src in sorted(rnd.incoming):
+            for _place, target in sorted(rnd.incoming[src], key=lambda m: m[0]):
+                if target.is_contiguous():
+                    landing.append((src, target))
                 else:
-                    outgoing[r].append(part)
-        send_sizes = [sum(_padded(_nbytes(t)) for t in outgoing.get(r, ())) for r in range(world)]
-        recv_sizes = [
-            sum(_padded(_nbytes(t)) for t in rnd.incoming.get(r, ())) for r in range(world)
-        ]
-        out = torch.empty(sum(send_sizes), dtype=torch.uint8)
-        at = 0
-        for r in range(world):
-            for t in outgoing.get(r, ()):
-                _as(out, at, t).copy_(t)
-                at += _padded(_nbytes(t))
-        into = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-        comm.all_to_all_single(into, out, recv_sizes, send_sizes).wait()
-        sent += sum(send_sizes)
-        at = 0
-        for r in range(world):
-            for t in rnd.incoming.get(r, ()):
-                t.copy_(_as(into, at, t))
-                at += _padded(_nbytes(t))
+                    scratch = torch.empty(target.shape, dtype=target.dtype)
+                    landing.append((src, scratch))
+                    later.append((scratch, target))
+        comm.send_recv([(r, t) for r, _p, t in outgoing], landing)
+        for scratch, target in later:
+            target.copy_(scratch)
+        sent += sum(t.numel() * t.element_size() for _r, _p, t in outgoing)
     return problem, sent
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _as(flat: torch.Tensor, at: int, like: torch.Tensor) -> torch.Tensor:
-    """Bytes `flat[at:]` seen as a contiguous tensor shaped and typed as `like`."""
-    n = _nbytes(like)
-    return flat[at : at + n].view(like.dtype).view(like.shape)
