@@ -82,9 +82,7 @@ def _read_once(
         return None, None
     if isinstance(read_once, bool):
         return read_once, None
-    return None, InvalidArgumentError(
-        f"read_once={read_once!r}: expected 'auto', True or False"
-    )
+    return None, InvalidArgumentError(f"read_once={read_once!r}: expected 'auto', True or False")
 
 
 def _path_or_checkpoint_id(

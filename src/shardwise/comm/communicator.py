@@ -17,11 +17,12 @@ GPU memory and synchronising the device; tensors keep the group's backend.
 from __future__ import annotations
 
 import atexit
-from collections import defaultdict
+import itertools
 import pickle
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections import defaultdict
+from collections.abc import Callable, Hashable
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -89,13 +90,17 @@ class Communicator(ABC):
         """Rank `src`'s `tensor` into every rank's `tensor` (the same size everywhere)."""
 
     def send_recv(
-        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+        self,
+        recvs: list[tuple[int, torch.Tensor]],
+        sends: Callable[[], list[tuple[int, torch.Tensor]]],
     ) -> None:
-        """Point to point: each `(rank, tensor)` of `sends` to that rank, each of `recvs`
-        filled from that rank; the i-th tensor a rank sends a peer is the i-th that peer
-        receives from it (contiguous, the same size). Every rank calls it, with or without
+        """Point to point: each `(rank, tensor)` of `recvs` filled from that rank, each of
+        what `sends()` returns sent to that rank; the i-th tensor a rank sends a peer is
+        the i-th that peer receives from it (contiguous, the same size). The receives
+        are posted first and `sends()` called after, so what this rank is sent arrives
+        while it makes what it sends (reads it). Every rank calls it, with or without
         messages; it returns when this rank's are done."""
-        if sends or recvs:
+        if recvs or sends():
             raise NotImplementedError(f"{type(self).__name__} has no point-to-point messages")
 
 
@@ -174,20 +179,28 @@ class ProcessGroupCommunicator(Communicator):
         dist.broadcast(tensor, src=dist.get_global_rank(pg, src), group=group)
 
     def send_recv(
-        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+        self,
+        recvs: list[tuple[int, torch.Tensor]],
+        sends: Callable[[], list[tuple[int, torch.Tensor]]],
     ) -> None:
         # the i-th message of a pair carries tag i: matched by tag, whatever the backend's order
-        works = []
-        for ops, start in ((sends, dist.isend), (recvs, dist.irecv)):
-            seen: dict[int, int] = defaultdict(int)
-            for peer, tensor in ops:
-                group = object_group(self.group) if tensor.device.type == "cpu" else self.group
-                pg: Any = group if group is not None else dist.group.WORLD
-                tag = seen[peer]
-                seen[peer] += 1
-                works.append(start(tensor, dist.get_global_rank(pg, peer), group=group, tag=tag))
-        for work in works:
+        works = [self._post(dist.irecv, recvs)]
+        works.append(self._post(dist.isend, sends()))
+        for work in itertools.chain.from_iterable(works):
+            assert work is not None  # isend / irecv always return a handle
             work.wait()
+
+    def _post(self, start: Callable[..., Any], ops: list[tuple[int, torch.Tensor]]) -> list[Any]:
+        seen: dict[int, int] = defaultdict(int)
+        works = []
+        for peer, tensor in ops:
+            # host tensors on a device-only group (NCCL) go over its gloo side group
+            group = object_group(self.group) if tensor.device.type == "cpu" else self.group
+            pg: Any = group if group is not None else dist.group.WORLD
+            tag = seen[peer]
+            seen[peer] += 1
+            works.append(start(tensor, dist.get_global_rank(pg, peer), group=group, tag=tag))
+        return works
 
 
 # (the default group they were made under, the gloo group) by global ranks.
@@ -309,9 +322,11 @@ class SingleProcess(Communicator):
         return None  # the only rank's tensor is already every rank's
 
     def send_recv(
-        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+        self,
+        recvs: list[tuple[int, torch.Tensor]],
+        sends: Callable[[], list[tuple[int, torch.Tensor]]],
     ) -> None:
-        assert not sends and not recvs, "one rank sends itself nothing"
+        assert not recvs and not sends(), "one rank sends itself nothing"
 
 
 class _Done:

@@ -120,11 +120,13 @@ class ThreadedRank(Communicator):
         self.world.barrier.wait()
 
     def send_recv(
-        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+        self,
+        recvs: list[tuple[int, torch.Tensor]],
+        sends: Callable[[], list[tuple[int, torch.Tensor]]],
     ) -> None:
         if self._rank == 0:
             self.world.calls.append("send_recv")
-        self.world.slots[self._rank] = list(sends)
+        self.world.slots[self._rank] = list(sends())
         self.world.barrier.wait()
         taken: dict[int, int] = {}
         for src, tensor in recvs:

@@ -73,6 +73,7 @@ def file_system_of(path: Path) -> str | None:
             best, kind = len(point), fs_type
     return kind
 
+
 _IOV_MAX = 1024
 # Never follow a link out of the folder, never block on a FIFO planted in it.
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)

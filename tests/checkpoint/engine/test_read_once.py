@@ -198,7 +198,12 @@ def test_ranks_planning_from_other_facts_exchange_nothing(tmp_path: Path) -> Non
             shards = [torch.zeros(4, 6, dtype=torch.float64)]
             target["b"] = ShardedTensor.from_layout(DP_TP, shards, rank=2)
         read, _ = load_state(
-            target, path, Agreement(comm), strict=True, verify=True, cast_dtype=True,
+            target,
+            path,
+            Agreement(comm),
+            strict=True,
+            verify=True,
+            cast_dtype=True,
             broadcast=True,
         )
         if comm.rank == 2:
@@ -225,7 +230,12 @@ def test_a_corrupt_chunk_is_refused_on_every_rank_naming_it(tmp_path: Path) -> N
         target = _state(DP_TP, comm.rank, False)
         try:
             load_state(
-                target, path, Agreement(comm), strict=True, verify=True, cast_dtype=False,
+                target,
+                path,
+                Agreement(comm),
+                strict=True,
+                verify=True,
+                cast_dtype=False,
                 broadcast=True,
             )
         except CorruptCheckpointError as e:

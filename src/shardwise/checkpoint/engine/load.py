@@ -474,9 +474,7 @@ def load_state(
             flat, view, objects, trust_objects, sent, verify, shape_mismatch, covered
         )
         if sharded:
-            exchange = read_once.exchange(
-                sharded, covered, view, agreement.rank, most_held or 0
-            )
+            exchange = read_once.exchange(sharded, covered, view, agreement.rank, most_held or 0)
             reads += exchange.reads
         # whole chunks a batch of requests at a time, the first with the rest: a small
         # load is one run (on an object store, one window of prefetches)
@@ -543,11 +541,12 @@ def _plan(
     in `sent` are not read (another rank sends them) but their rows are checked with
     the rest, as if read: a row that claims another's bytes is refused on every rank
     that loads it, read or sent; a key in `covered` (the read-once exchange's) is not
-    read either, the stored chunks each of its pieces overlaps kept there. A piece in small chunks of a version 4 index is
-    planned as arrays (`GatherRead`): verifying, each chunk is read whole (it is one
-    checksum tile); not verifying, each part's bytes from first to last, where a
-    ranged read would read them so too. Pieces that are whole stored chunks are planned
-    as arrays (`engine.stored`), and read after the rest, a batch of requests at a time."""
+    read either, the stored chunks each of its pieces overlaps kept there. A piece in
+    small chunks of a version 4 index is planned as arrays (`GatherRead`): verifying,
+    each chunk is read whole (it is one checksum tile); not verifying, each part's bytes
+    from first to last, where a ranged read would read them so too. Pieces that are
+    whole stored chunks are planned as arrays (`engine.stored`), and read after the
+    rest, a batch of requests at a time."""
     reads: list[ChunkRead | ArchiveRead | GatherRead] = []
     by_dcp: dict[str, Any] = {}
     held: dict[str, list[Piece]] = {}

@@ -61,7 +61,18 @@ from ..io import ChunkRead, ReadExecutor
 from .inventory import Piece, pieces_of
 from .stored import StoredBox, StoredView
 
-__all__ = ["BATCH", "Exchange", "Fetch", "Holders", "Round", "agreed", "eligible", "exchange", "run", "words"]
+__all__ = [
+    "BATCH",
+    "Exchange",
+    "Fetch",
+    "Holders",
+    "Round",
+    "agreed",
+    "eligible",
+    "exchange",
+    "run",
+    "words",
+]
 
 BATCH = 64 << 20  # about the bytes a rank's targets take per round
 
@@ -293,9 +304,10 @@ def exchange(
             alone = []
             for chunk in chunks:
                 box = (tuple(chunk.offsets), tuple(chunk.sizes))
-                users = users_of.get(box)
-                if users is None:
-                    users = users_of[box] = holders.overlapping(Block(*box))
+                known = users_of.get(box)
+                users = known if known is not None else holders.overlapping(Block(*box))
+                if known is None:  # the chunk's first piece here: it joins its group
+                    users_of[box] = users
                     members = tuple(sorted({r for r, _b, _c in users}))
                     if members != (rank,):
                         region = _bounds([c for _r, _b, c in users])
@@ -305,10 +317,10 @@ def exchange(
             if alone:
                 solo += _piece_reads(key, view, alone, piece, dtype)
     mine = {key: {(p.offsets, p.sizes): p for p in found[key][1]} for key in keys}
-    for members, chunks in groups.items():
-        chunks.sort(key=lambda c: (c[0], c[2].offsets))
-        readers = _readers(members, [c[3].numel * _itemsize(view, c[1]) for c in chunks])
-        for reader, (order, key, chunk, region, users) in zip(readers, chunks, strict=True):
+    for members, shared in groups.items():
+        shared.sort(key=lambda c: (c[0], c[2].offsets))
+        readers = _readers(members, [c[3].numel * _itemsize(view, c[1]) for c in shared])
+        for reader, (order, key, chunk, region, users) in zip(readers, shared, strict=True):
             rnd = rounds[rounds_of[key]]
             at = (order, tuple(chunk.offsets))
             if reader != rank:
@@ -406,45 +418,15 @@ def _piece_reads(
 def run(
     comm: Communicator, executor: ReadExecutor, plan: Exchange
 ) -> tuple[BaseException | None, int]:
-    """Every round: this rank's fetches read (verified), its own parts copied into
-    its targets, the rest sent and its parts received (`Communicator.send_recv`:
-    straight from and into the targets where they are contiguous). Every rank takes
-    part in every round whatever its reads found (a failed read sends what its
-    buffer holds, and the verdict raises the problem everywhere). Returns the first
-    problem and the bytes this rank sent."""
-    problem: BaseException | None = None
+    """Every round: this rank's receives posted, then its fetches read (verified) and
+    sent, its own parts copied into its targets (`Communicator.send_recv`: straight
+    from and into the targets where they are contiguous, parts arriving while this
+    rank reads). Every rank takes part in every round whatever its reads found (a
+    failed read sends what its buffer holds, and the verdict raises the problem
+    everywhere). Returns the first problem and the bytes this rank sent."""
+    problems: list[BaseException] = []
     sent = 0
-    rank = comm.rank
     for rnd in plan.rounds:
-        buffers = [
-            f.into if f.into is not None else torch.empty(f.region.sizes, dtype=f.dtype)
-            for f in rnd.fetches
-        ]
-        reads = [
-            ChunkRead(
-                f.key,
-                f.info,
-                f.chunk_sizes,
-                f.dtype,
-                tuple(a - o for a, o in zip(f.region.offsets, f.chunk_offsets)),
-                f.region.sizes,
-                buf,
-            )
-            for f, buf in zip(rnd.fetches, buffers)
-        ]
-        try:
-            executor.run(reads)
-        except Exception as e:  # noqa: BLE001 - raised on every rank by the verdict
-            problem = problem or e
-        outgoing: list[tuple[int, Order, torch.Tensor]] = []
-        for f, buf in zip(rnd.fetches, buffers):
-            for r, common, own, place in f.parts:
-                part = buf[common.relative_to(f.region).slices()]
-                if r != rank:
-                    outgoing.append((r, place, part.contiguous()))
-                elif own is not None and f.into is None:
-                    own.copy_(part)
-        outgoing.sort(key=lambda m: (m[0], m[1]))
         landing: list[tuple[int, torch.Tensor]] = []
         later: list[tuple[torch.Tensor, torch.Tensor]] = []  # (scratch, target) to copy after
         for src in sorted(rnd.incoming):
@@ -455,8 +437,51 @@ def run(
                     scratch = torch.empty(target.shape, dtype=target.dtype)
                     landing.append((src, scratch))
                     later.append((scratch, target))
-        comm.send_recv([(r, t) for r, _p, t in outgoing], landing)
+        outgoing: list[tuple[int, torch.Tensor]] = []
+
+        def sends(rnd: Round = rnd, outgoing: list[tuple[int, torch.Tensor]] = outgoing) -> Any:
+            outgoing += _read_and_part(comm.rank, executor, rnd.fetches, problems)
+            return outgoing
+
+        comm.send_recv(landing, sends)
         for scratch, target in later:
             target.copy_(scratch)
-        sent += sum(t.numel() * t.element_size() for _r, _p, t in outgoing)
-    return problem, sent
+        sent += sum(t.numel() * t.element_size() for _r, t in outgoing)
+    return (problems[0] if problems else None), sent
+
+
+def _read_and_part(
+    rank: int, executor: ReadExecutor, fetches: list[Fetch], problems: list[BaseException]
+) -> list[tuple[int, torch.Tensor]]:
+    """`fetches` read, this rank's parts copied into its targets, and the others' parts
+    to send, by rank then `Order` (as each receiver expects them)."""
+    buffers = [
+        f.into if f.into is not None else torch.empty(f.region.sizes, dtype=f.dtype)
+        for f in fetches
+    ]
+    reads = [
+        ChunkRead(
+            f.key,
+            f.info,
+            f.chunk_sizes,
+            f.dtype,
+            tuple(a - o for a, o in zip(f.region.offsets, f.chunk_offsets)),
+            f.region.sizes,
+            buf,
+        )
+        for f, buf in zip(fetches, buffers)
+    ]
+    try:
+        executor.run(reads)
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the verdict
+        problems.append(e)
+    outgoing: list[tuple[int, Order, torch.Tensor]] = []
+    for f, buf in zip(fetches, buffers):
+        for r, common, own, place in f.parts:
+            part = buf[common.relative_to(f.region).slices()]
+            if r != rank:
+                outgoing.append((r, place, part.contiguous()))
+            elif own is not None and f.into is None:
+                own.copy_(part)
+    outgoing.sort(key=lambda m: (m[0], m[1]))
+    return [(r, t) for r, _place, t in outgoing]
