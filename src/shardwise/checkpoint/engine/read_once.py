@@ -121,42 +121,56 @@ def _load_ranks(comm: Communicator) -> dict[int, int] | None:
     return {g: i for i, g in enumerate(dist.get_process_group_ranks(comm.group))}
 
 
-def _holders(value: Any, load: dict[int, int] | None, cache: dict[Any, Holders]) -> Holders | None:
-    """`value`'s layout in load ranks, when a global fact describes it."""
+class _Known:
+    """What one load's `eligible` has worked out: each mesh's ranks (torch computes
+    `DeviceMesh.mesh` anew on each access) and each distinct layout's `Holders`."""
+
+    def __init__(self) -> None:
+        self.meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...], Any]] = {}
+        self.holders: dict[Any, Holders | None] = {}
+
+    def mesh(self, mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The mesh's shape and its global ranks, row-major."""
+        known = self.meshes.get(id(mesh))
+        if known is None:  # the mesh is kept with them: its id stays its own
+            grid = mesh.mesh
+            ranks = tuple(grid.flatten().tolist())
+            known = self.meshes[id(mesh)] = (tuple(grid.shape), ranks, mesh)
+        return known[0], known[1]
+
+
+def _holders(value: Any, load: dict[int, int] | None, known: _Known) -> Holders | None:
+    """`value`'s layout in load ranks, when a global fact describes it: a ShardedTensor's
+    layout on its mesh or group, a DTensor's placements on its mesh."""
+    layout: Layout | None = None
     if isinstance(value, ShardedTensor):
         if not isinstance(value._layout, Layout):  # learned on first use: collective
             return None
         layout = value._layout
         if value._mesh is not None:
-            global_ranks = [int(r) for r in value._mesh.mesh.flatten().tolist()]
+            ranks = known.mesh(value._mesh)[1]
         elif value._group is not None:
-            global_ranks = list(dist.get_process_group_ranks(value._group))
+            ranks = tuple(dist.get_process_group_ranks(value._group))
         else:
-            global_ranks = list(range(layout.world_size))
+            ranks = tuple(range(layout.world_size))
         # equal layouts share one entry (a layout's hash is kept: O(B) once per object)
-        key: Any = ("sharded", layout, tuple(global_ranks))
+        key: Any = (layout, ranks)
     elif _is_dtensor(value):
-        mesh = value.device_mesh
-        global_ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
-        key = ("dtensor", tuple(mesh.mesh.shape), tuple(value.placements), tuple(value.shape))
-        key = (key, tuple(global_ranks))
-        layout = None  # built below, once per key
+        mesh_shape, ranks = known.mesh(value.device_mesh)
+        key = (mesh_shape, tuple(value.placements), tuple(value.shape), ranks)
     else:
         return None
-    if key in cache:
-        return cache[key]
-    if layout is None:
-        try:
-            layout = Layout.from_dtensor_spec(mesh.mesh.shape, value.placements, value.shape)
-        except LayoutError:  # Partial, _StridedShard: no boxes
-            return None
-    if len(global_ranks) != layout.world_size:
-        return None
-    if load is not None:
-        if any(g not in load for g in global_ranks):
-            return None
-        global_ranks = [load[g] for g in global_ranks]
-    found = cache[key] = Holders(layout, tuple(global_ranks))
+    if key in known.holders:
+        return known.holders[key]
+    found = None
+    try:
+        if layout is None:
+            layout = Layout.from_dtensor_spec(key[0], value.placements, value.shape)
+        if len(ranks) == layout.world_size and (load is None or all(g in load for g in ranks)):
+            found = Holders(layout, ranks if load is None else tuple(load[g] for g in ranks))
+    except LayoutError:  # Partial, _StridedShard: no boxes
+        pass
+    known.holders[key] = found
     return found
 
 
@@ -180,7 +194,8 @@ def eligible(
     part: equal everywhere only when every rank plans from the same facts), and
     the bytes its taking-part targets hold."""
     load = _load_ranks(comm)
-    cache: dict[Any, Holders] = {}
+    rank = comm.rank
+    known = _Known()
     found: dict[str, tuple[Holders, list[Piece]]] = {}
     signature: list[Any] = []
     nbytes = 0
@@ -189,13 +204,13 @@ def eligible(
         stored = view.tensor(key) if isinstance(value, torch.Tensor) else None
         if stored is None or key in skip or tuple(value.shape) != stored[0]:
             continue
-        holders = _holders(value, load, cache)
+        holders = _holders(value, load, known)
         if holders is None:
             continue
         pieces = [p for p in (pieces_of(value) or []) if p.tensor.numel()]
         ok = _takes_bytes(pieces, stored[1]) and sorted(
             (p.offsets, p.sizes) for p in pieces
-        ) == sorted((b.offsets, b.sizes) for b in holders.blocks_of(comm.rank))
+        ) == sorted((b.offsets, b.sizes) for b in holders.blocks_of(rank))
         signature.append((key, holders.fingerprint, ok))
         if ok:
             found[key] = (holders, pieces)
