@@ -56,12 +56,12 @@ NETWORK_FILE_SYSTEMS = frozenset(
 )
 
 
-def file_system_of(path: Path) -> str | None:
-    """The type of the file system `path` lies on: the mount in /proc/self/mounts with
-    the longest prefix of its resolved path (None: not Linux, or not found)."""
+def file_system_of(path: str | os.PathLike, mounts: str = "/proc/self/mounts") -> str | None:
+    """The type of the file system `path` lies on: the mount in `mounts` with the
+    longest prefix of its resolved path (None: not Linux, or not found)."""
     try:
         where = str(Path(path).resolve())
-        with open("/proc/self/mounts") as f:
+        with open(mounts) as f:
             mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
     except OSError:
         return None

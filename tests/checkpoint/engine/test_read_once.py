@@ -160,6 +160,26 @@ def test_rounds_cut_the_bytes_and_every_rank_takes_part_in_each(
     assert world.calls.count("send_recv") == 2 + 3  # a round a key at most
 
 
+def test_several_blocks_a_rank_and_replicas_of_them(tmp_path: Path, monkeypatch) -> None:
+    """Ranks 0 and 3 hold columns 0 and 4 (replicas), rank 1 columns 1 and 5, rank 2
+    columns 2 and 3: every stored row chunk is needed by all four, twice by three."""
+    cols = [Block((0, c), (8, 1)) for c in range(6)]
+    layout = Layout(SHAPE, {0: [cols[0], cols[4]], 1: [cols[1], cols[5]], 2: [cols[2], cols[3]],
+                            3: [cols[0], cols[4]]}, W)  # fmt: skip
+    path = tmp_path / "ck"
+    _saved(path)
+    world = ThreadedWorld(W)
+    received = _exchanged(monkeypatch)
+    once = _load(world, path, layout, True)
+    for rank in range(W):
+        _exact(once[rank][1], layout, rank)
+    reads = [r for r, _ in once]
+    assert sum(reads) == 3 * NBYTES  # each row chunk once, whole (a checksum tile)
+    assert reads == [3 * NBYTES // W] * W  # a row chunk of each tensor per rank
+    # each rank receives its two columns of every row chunk it did not read
+    assert received == {r: 3 * 2 * 8 * 4 - 3 * 2 * 2 * 4 for r in range(W)}
+
+
 def test_a_chunk_only_one_rank_needs_is_read_by_it(tmp_path: Path) -> None:
     path = tmp_path / "ck"
     _saved(path)
@@ -245,6 +265,22 @@ def test_a_corrupt_chunk_is_refused_on_every_rank_naming_it(tmp_path: Path) -> N
     found = world.run(one)
     assert all(isinstance(e, CorruptCheckpointError) for e in found), found
     assert all(".distcp" in str(e) for e in found)
+
+
+def test_a_network_file_system_is_a_shared_medium(tmp_path: Path) -> None:
+    from shardwise.storage.local import file_system_of
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "/dev/sda1 / ext4 rw 0 0\n"
+        "server:/export /mnt/nfs nfs4 rw 0 0\n"
+        "lustre@tcp:/fs /mnt/my\\040lustre lustre rw 0 0\n"
+    )
+    assert file_system_of("/mnt/nfs/ckpt/step_1", str(mounts)) == "nfs4"
+    assert file_system_of("/mnt/my lustre/ckpt", str(mounts)) == "lustre"
+    assert file_system_of("/mnt/nfsx", str(mounts)) == "ext4"  # a prefix, not the mount
+    assert file_system_of("/x", str(tmp_path / "none")) is None
+    assert LocalFolder(tmp_path).shared_medium is False  # this machine's tmp: a local disk
 
 
 def test_read_once_takes_auto_true_or_false(tmp_path: Path) -> None:
