@@ -49,8 +49,9 @@ measured figures (met or not; nothing here fails on a time):
   bytes read / stored <= 1.05 for every layout (stock: the DP degree): swc's on the
     shared media (throttled, S3), where the rule reads once; the forced "once" on shm;
   throttled, W = 32 (DP 8 x TP 4), dp-tp: stock / swc >= 5x;
-  shm: swc (the rule: each rank reads its own, as before issue 41) no slower than the
-    exchange forced (swc / once <= 1.05);
+  shm: swc no slower than today's load: the rule keeps today's path there (each rank
+    reads its own bytes: swc read/stored >= 0.95 x the ranks per byte); the forced
+    exchange's time beside it (once / swc), not judged;
   object store: GETs <= 1.1 x the stored files touched.
 """
 
@@ -463,9 +464,6 @@ def _checks(m: dict, storage: str, layout: str, f: dict) -> list[report.Check]:
     ]
     if storage == "shm":  # the rule reads locally here: the exchange's own figure is "once"
         out.append(report.at_most(f"{where}: once read/stored", f["once ratio"], READ_TARGET))
-        out.append(
-            report.Check(f"{where}: swc read/stored {f['swc ratio']:.3f} (the rule: read locally)")
-        )
     else:
         out.append(report.at_most(f"{where}: swc read/stored", f["swc ratio"], READ_TARGET))
     if storage == "throttled" and layout == "dp-tp":
@@ -476,7 +474,16 @@ def _checks(m: dict, storage: str, layout: str, f: dict) -> list[report.Check]:
                 report.Check(f"{where}: stock/swc {f['speedup']:.2f}x (target set at W=32, TP=4)")
             )
     if storage == "shm":
-        out.append(report.at_most(f"{where}: swc / once s", f["swc"] / f["once"], READ_TARGET))
+        # the issue's "no slower than today's": the rule keeps today's path here (each rank
+        # reads its own bytes, nothing sent); the forced exchange's time beside it, unjudged
+        out.append(
+            report.at_least(
+                f"{where}: swc read/stored, today's path (DP {dp})", f["swc ratio"], dp * 0.95
+            )
+        )
+        out.append(
+            report.Check(f"{where}: once / swc s {f['once'] / f['swc']:.2f} (forced exchange)")
+        )
     if storage == remote.LOCAL:
         files = f["files"]
         out.append(
