@@ -162,7 +162,7 @@ def linked_folder_class() -> Any:
         (`Folder.shared_medium`); a link that only counts is the local disk it reads."""
 
         @property
-        def shared_medium(self) -> bool:  # type: ignore[override]
+        def shared_medium(self) -> bool:
             return bool(self.link.rate and self.link.state)
 
         def __init__(self, path: str | os.PathLike, link: Link) -> None:

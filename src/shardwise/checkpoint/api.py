@@ -72,13 +72,13 @@ log = logging.getLogger("shardwise")
 
 
 def _read_once(
-    older: bool | None, read_once: bool | str
+    older: bool | None, read_once: bool | str | None
 ) -> tuple[bool | None, InvalidArgumentError | None]:
     """`load`'s read-once switch for the engine (None: where it pays), or what is wrong
     with it (raised on every rank by the call's first exchange)."""
     if older is not None:
         return bool(older), None
-    if read_once == "auto":
+    if read_once == "auto" or read_once is None:
         return None, None
     if isinstance(read_once, bool):
         return read_once, None
@@ -683,7 +683,7 @@ def load(
     broadcast_replicated: bool | None = None,
     shape_mismatch: Iterable[str] = (),
     progress: Callable[[int], None] | None = None,
-    read_once: bool | str = "auto",
+    read_once: bool | str | None = "auto",
 ) -> LoadInfo:
     """Fill `state_dict`'s tensors and objects in place from `path`. Collective.
 
@@ -744,8 +744,8 @@ def load(
     route, the adapted values), then `engine.load`'s targets-fit check and read verdict;
     four when the state holds a `Stateful` (one more after its `load_state_dict()`);
     and when replicated values are broadcast, one `broadcast` per batch of them;
-    when sharded chunks are exchanged, one `all_to_all_single` per round of about
-    64 MiB of a rank's targets and one more `all_reduce` (its verdict).
+    when sharded chunks are exchanged, point-to-point messages in rounds of about
+    64 MiB of a rank's targets and one more `all_reduce` (their verdict).
     """
     started = time.perf_counter()
     path = _path_or_checkpoint_id("load", path, checkpoint_id)

@@ -137,9 +137,13 @@ class Folder(ABC):
     location: str
     # Capabilities callers ask for instead of checking the backend's type:
     wants_prefetch: bool = False  # reads go faster when planned ranges are fetched up front
-    # reads cross a link other readers share (an object store, a network file system):
-    # a byte read once and sent to the ranks needing it beats each reading it
-    shared_medium: bool = False
+
+    @property
+    def shared_medium(self) -> bool:
+        """Whether reads cross a link other readers share (an object store, a network
+        file system): there a byte read once and sent to the ranks needing it beats each
+        reading it. By default, where reads are prefetched (a remote store)."""
+        return self.wants_prefetch
 
     @property
     def local_path(self) -> Path | None:

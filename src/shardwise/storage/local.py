@@ -62,14 +62,14 @@ def file_system_of(path: str | os.PathLike, mounts: str = "/proc/self/mounts") -
     try:
         where = str(Path(path).resolve())
         with open(mounts) as f:
-            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
+            table = [line.split()[1:3] for line in f if len(line.split()) > 2]
     except OSError:
         return None
     best, kind = -1, None
-    for point, fs_type in mounts:
+    for point, fs_type in table:
         point = point.replace("\\040", " ")
         inside = where == point or where.startswith(point.rstrip("/") + "/")
-        if inside and len(point) > best:
+        if inside and len(point) >= best:  # of two on one point, the later is in effect
             best, kind = len(point), fs_type
     return kind
 
@@ -237,7 +237,7 @@ class LocalFolder(Folder):
         return self.path
 
     @property
-    def shared_medium(self) -> bool:  # type: ignore[override]
+    def shared_medium(self) -> bool:
         """Whether the folder lies on a network file system (NFS, Lustre, GPFS, ...):
         there every rank's read crosses a link all of them share."""
         return file_system_of(self.path) in NETWORK_FILE_SYSTEMS

@@ -54,7 +54,6 @@ class FsspecFolder(Folder):
     """A folder under an fsspec URL. See the module docstring for what atomic means."""
 
     wants_prefetch = True  # one coalesced, concurrent batch of ranged GETs beats many
-    shared_medium = True  # every read a request to a store all ranks share
 
     def __init__(self, fs: Any, root: str, url: str) -> None:
         self.fs = fs

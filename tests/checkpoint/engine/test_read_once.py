@@ -11,6 +11,7 @@ each rank read from storage.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,89 @@ def test_several_blocks_a_rank_and_replicas_of_them(tmp_path: Path, monkeypatch)
     assert received == {r: 3 * 2 * 8 * 4 - 3 * 2 * 2 * 4 for r in range(W)}
 
 
+def test_a_block_a_rank_holds_twice_fills_both(tmp_path: Path) -> None:
+    top, bottom = Block((0, 0), (4, 6)), Block((4, 0), (4, 6))
+    layout = Layout(SHAPE, {0: [top, top], 1: [top], 2: [bottom], 3: [bottom]}, W)
+    path = tmp_path / "ck"
+    _saved(path)
+    world = ThreadedWorld(W)
+    for rank, (_read, target) in enumerate(_load(world, path, layout, True)):
+        _exact(target, layout, rank)
+    assert world.calls.count("send_recv") == 1
+
+
+def test_a_rank_failing_to_make_its_messages_fails_every_rank(tmp_path: Path, monkeypatch) -> None:
+    """Rank 1 cannot allocate its scratch (out of memory): it still sends what the
+    others wait for, and every rank raises its error, none waits for messages."""
+    path = tmp_path / "ck"
+    _saved(path)
+    world = ThreadedWorld(W, timeout=20)
+    real = read_once._read_and_part
+
+    def failing(rank: int, *args: Any) -> Any:
+        if rank == 1:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory (simulated)")
+        return real(rank, *args)
+
+    monkeypatch.setattr(read_once, "_read_and_part", failing)
+
+    def one(comm: ThreadedRank) -> BaseException | None:
+        try:
+            load_state(_state(COLUMNS, comm.rank, False), path, Agreement(comm), strict=True,
+                       verify=True, cast_dtype=False, broadcast=True)  # fmt: skip
+        except RuntimeError as e:
+            return e
+        return None
+
+    found = world.run(one)
+    assert [type(e).__name__ for e in found] == ["RuntimeError"] * W, found
+    assert all("rank 1" in str(e) and "can't allocate memory" in str(e) for e in found)
+
+
+def test_tensors_on_a_group_no_process_group_describes_load_as_before(tmp_path: Path) -> None:
+    """A ShardedTensor on a Communicator (thread ranks) has no global ranks torch knows:
+    it takes no part, and the load reads as without the exchange."""
+    path = tmp_path / "ck"
+    _saved(path, DP_TP)
+    world = ThreadedWorld(W)
+
+    def one(comm: ThreadedRank) -> int:
+        shards = shard_of(torch.full(SHAPE, -1.0), DP_TP, comm.rank)
+        target = {"a": ShardedTensor.from_layout(DP_TP, shards, group=comm, rank=comm.rank)}
+        read, _ = load_state(target, path, Agreement(comm), strict=True, verify=True,
+                             cast_dtype=False, broadcast=True)  # fmt: skip
+        assert torch.equal(target["a"].local_shards()[0], shard_of(FULL["a"], DP_TP, comm.rank)[0])
+        return read
+
+    assert world.run(one) == [NBYTES // 2] * W
+    assert world.calls.count("send_recv") == 0
+
+
+def test_one_rank_seeing_a_shared_medium_decides_for_all(tmp_path: Path, monkeypatch) -> None:
+    """Where ranks of one host see the folder through different mounts, the verdict
+    carries what each sees: all exchange (or none), never some."""
+    path = tmp_path / "ck"
+    _saved(path, DP_TP)
+    world = ThreadedWorld(W)
+    here = threading.local()  # this thread's rank: rank 0's mount is a network file system
+    monkeypatch.setattr(
+        LocalFolder, "shared_medium", property(lambda self: getattr(here, "rank", -1) == 0)
+    )
+
+    def one(comm: ThreadedRank) -> tuple[int, dict[str, Any]]:
+        here.rank = comm.rank
+        target = _state(DP_TP, comm.rank, False)
+        read, _ = load_state(target, path, Agreement(comm), strict=True, verify=True,
+                             cast_dtype=False, broadcast=None)  # fmt: skip
+        return read, target
+
+    out = world.run(one)
+    for rank, (_read, target) in enumerate(out):
+        _exact(target, DP_TP, rank)
+    assert sum(r for r, _ in out) == 3 * NBYTES  # every byte once: all exchanged
+    assert world.calls.count("send_recv") == 1
+
+
 def test_a_chunk_only_one_rank_needs_is_read_by_it(tmp_path: Path) -> None:
     path = tmp_path / "ck"
     _saved(path)
@@ -280,6 +364,9 @@ def test_a_network_file_system_is_a_shared_medium(tmp_path: Path) -> None:
     assert file_system_of("/mnt/my lustre/ckpt", str(mounts)) == "lustre"
     assert file_system_of("/mnt/nfsx", str(mounts)) == "ext4"  # a prefix, not the mount
     assert file_system_of("/x", str(tmp_path / "none")) is None
+    stacked = tmp_path / "stacked"  # an automounter's map, then the NFS mount over it
+    stacked.write_text("/ / ext4 rw 0 0\nauto.data /data autofs rw 0 0\nsrv:/d /data nfs4 rw 0 0\n")
+    assert file_system_of("/data/ck", str(stacked)) == "nfs4"  # the later one is in effect
     assert LocalFolder(tmp_path).shared_medium is False  # this machine's tmp: a local disk
 
 
@@ -316,3 +403,25 @@ def test_dtensor_dp_tp_on_gloo_ranks(tmp_path: Path) -> None:
     assert all(ok for _reads, ok in out)
     assert [reads[0] for reads, _ok in out] == [stored // 2] * W  # each its TP half
     assert sum(reads[1] for reads, _ok in out) == stored  # each byte once
+
+
+def _per_rank_records(rank: int, world: int, path: str, once: bool | None) -> Any:
+    """Stock `dcp.save(use_collectives=False)`: each rank's own records; the DP replicas
+    saved different values, so each rank must load its own."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    mine = FULL["a"] + 100 * rank
+    if once is None:
+        state = {"a": ShardedTensor.from_layout(DP_TP, shard_of(mine, DP_TP, rank), rank=rank)}
+        dcp.save(state, storage_writer=FileSystemWriter(path), use_collectives=False)
+        return None
+    target = {"a": ShardedTensor.from_layout(DP_TP, [torch.zeros(4, 6)], rank=rank)}
+    swc.load(target, path, read_once=once)
+    return torch.equal(target["a"].local_shards()[0], shard_of(mine, DP_TP, rank)[0])
+
+
+def test_per_rank_records_are_each_ranks_own(tmp_path: Path) -> None:
+    path = os.fspath(tmp_path / "ck")
+    run_ranks(_per_rank_records, W, path, None, timeout=120)
+    assert run_ranks(_per_rank_records, W, path, True, timeout=120) == [True] * W

@@ -178,14 +178,16 @@ def _first(table: ChunkTable, t: torch.Tensor) -> tuple[str, int] | None:
     return None if not places or None in places else min(places)  # type: ignore[type-var]
 
 
-def words(values: list[Value], view: StoredView | None, verify: bool) -> list[int]:
+def words(values: list[Value], view: StoredView | None, verify: bool, folder: Folder) -> list[int]:
     """What the load's first verdict carries for this: [hash, -hash] of the values
     to share and whether they are verified (the maximum of both is each other's
     negation only when every rank's is the same: a rank that verifies is never sent
-    bytes another read unverified), then [host, -host] likewise (one host or several)."""
+    bytes another read unverified), then [host, -host] likewise (one host or several),
+    then whether this rank sees the folder on a shared medium (`Folder.shared_medium`:
+    the maximum decides, the same on every rank)."""
     save_id = view.manifest.storage_meta.get("save_id") if view and view.manifest else None
     mine, host = digest((save_id, verify, values)), digest(_host())
-    return [mine, -mine, host, -host]
+    return [mine, -mine, host, -host, int(folder.shared_medium)]
 
 
 def _host() -> str:
@@ -198,23 +200,23 @@ def _host() -> str:
         return socket.gethostname()
 
 
-def wanted(agreed: list[int], values: list[Value], broadcast: bool | None, folder: Folder) -> bool:
+def wanted(agreed: list[int], values: list[Value], broadcast: bool | None) -> bool:
     """Whether to broadcast, from the verdict's maxima of every rank's `words`: every
     rank shares the same values, and `broadcast` says so or, when None, it pays
     (`pays`)."""
     most_values, least_values = agreed[:2]  # maxima of `words`
     if not values or most_values != -least_values or broadcast is False:
         return False
-    return broadcast is True or pays(agreed, folder)
+    return broadcast is True or pays(agreed)
 
 
-def pays(agreed: list[int], folder: Folder) -> bool:
+def pays(agreed: list[int]) -> bool:
     """Whether reading a byte once and sending it beats reading it on every rank that
-    needs it (`engine.read_once`'s rule): the bytes come from a medium several
-    readers share (an object store, a network file system) or the ranks span
-    several hosts (the verdict's maxima of `words`' host words differ)."""
-    most_host, least_host = agreed[2:4]
-    return folder.shared_medium or most_host != -least_host
+    needs it (`engine.read_once`'s rule), from the verdict's maxima of `words`: the
+    bytes come from a medium several readers share (an object store, a network file
+    system: on any rank) or the ranks span several hosts (their host words differ)."""
+    most_host, least_host, shared = agreed[2:5]
+    return bool(shared) or most_host != -least_host
 
 
 def schedule(values: list[Value], world: int, batch: int | None = None) -> list[Batch]:
@@ -440,22 +442,25 @@ def load_state(
         elif broadcast is not False and agreement.world_size > 1:
             shared = candidates(flat, view)
             values = placed(view, shared)
-            skip = set(shared) | shape_mismatch
-            sharded, signature, held_bytes = read_once.eligible(flat, view, agreement.comm, skip)
-    except (ShardwiseError, OSError, ValueError, pickle.UnpicklingError, RuntimeError) as e:
+            if read_once.may_pay(broadcast, folder, agreement.comm):
+                skip = set(shared) | shape_mismatch
+                sharded, signature, held_bytes = read_once.eligible(
+                    flat, view, agreement.comm, skip
+                )
+    except (ShardwiseError, OSError, ValueError, pickle.UnpicklingError) as e:
         problem = e
     agreement.defer(problem)
     agreed = agreement.agree(  # the targets-fit verdict
-        words(values, view, verify) + read_once.words(signature, view, verify, held_bytes)
+        words(values, view, verify, folder) + read_once.words(signature, view, verify, held_bytes)
     )
     assert view is not None
     batches: list[Batch] = []
     sent: set[str] = set()  # values another rank reads and sends this one
-    if wanted(agreed, values, broadcast, folder):
+    if wanted(agreed, values, broadcast):
         batches = schedule(values, agreement.world_size)
         sent = {k for b in batches if b.reader != agreement.rank for k in b.keys}
-    most_held = read_once.agreed(agreed[4:])
-    if most_held is None or broadcast is False or not (broadcast or pays(agreed, folder)):
+    most_held = read_once.agreed(agreed[5:])
+    if most_held is None or broadcast is False or not (broadcast or pays(agreed)):
         sharded = {}
     covered: dict[str, list[tuple[Piece, list[StoredBox]]]] = {k: [] for k in sharded}
     exchange: read_once.Exchange | None = None

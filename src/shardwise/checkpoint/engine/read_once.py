@@ -6,8 +6,8 @@ When k > 1 ranks of a load need bytes of one stored chunk (the replicas of a DP 
 TP job's TP shards, HSDP's replicate dimension, the column ranks that each take a
 band of a stored row chunk), stock DCP reads them k times: k requests to an
 object store, k × the bytes over a shared file system's link. Here one of the k
-reads them (verifying them as any read does) and the others receive their parts
-in one `all_to_all` per round.
+reads them (verifying them as any read does) and sends the others their parts,
+point to point.
 
 Which ranks need a chunk is a global fact: a `ShardedTensor`'s layout and a
 DTensor's mesh and placements list every rank's blocks. So every rank works out
@@ -36,13 +36,19 @@ Per rank, for n chunks overlapping its pieces held by k ranks each: O(n · k) to
 plan (the holders of each chunk, from an index of each distinct layout: O(B) once
 for its B blocks), bytes read ≈ stored bytes ÷ W, bytes received = its targets'
 bytes less what it reads itself, bytes sent = what it reads × (k - 1) overlap;
-R = ⌈largest rank's target bytes ÷ `BATCH`⌉ rounds, one `all_to_all_single` each.
+R = ⌈largest rank's target bytes ÷ `BATCH`⌉ rounds (at most one a key), each this
+rank's receives posted, then its reads made and its parts sent; a round holds the
+regions it reads for others (read straight into its target where the region is its
+own part) and contiguous copies of parts that are not contiguous. A chunk held
+whole by every rank of a DP group is read into the reader's target and sent from
+there, received straight into the others' targets: no copy in between.
 Only CPU targets take part (a CUDA target reads its own bytes; its exchange
 belongs on the device's own backend).
 """
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections import defaultdict
 from collections.abc import Mapping
@@ -56,6 +62,7 @@ from ...comm.agreement import digest
 from ...comm.communicator import Communicator, ProcessGroupCommunicator
 from ...errors import LayoutError
 from ...layout import Block, BlockIndex, Layout
+from ...storage import Folder
 from ...tensor import ShardedTensor
 from ..io import ChunkRead, ReadExecutor
 from .inventory import Piece, pieces_of
@@ -83,22 +90,25 @@ class Holders:
     """A target's global layout in the load group's ranks: which ranks hold which
     blocks, and who overlaps a stored chunk."""
 
-    def __init__(self, layout: Layout, ranks: tuple[int, ...]) -> None:
+    def __init__(
+        self, layout: Layout, ranks: tuple[int, ...], inverse: Mapping[int, list[int]]
+    ) -> None:
         self.layout = layout
         self.ranks = ranks  # layout rank -> load rank
-        self.fingerprint = digest(
-            (layout.global_shape, ranks, [[(b.offsets, b.sizes) for b in r] for r in layout.blocks])
-        )
+        self._inverse = inverse  # load rank -> its layout ranks
+        # Python's hash of ints and tuples of them is the same in every process; a
+        # layout's is kept with it (O(B) once per layout object)
+        self.fingerprint = hash((layout, ranks))
         self._index: BlockIndex | None = None
-        self._of: dict[int, list[Block]] | None = None
 
     def blocks_of(self, load_rank: int) -> list[Block]:
         """The non-empty blocks `load_rank` holds."""
-        if self._of is None:
-            self._of = defaultdict(list)
-            for r, blocks in enumerate(self.layout.blocks):
-                self._of[self.ranks[r]] += [b for b in blocks if not b.is_empty()]
-        return self._of.get(load_rank, [])
+        return [
+            b
+            for r in self._inverse.get(load_rank, ())
+            for b in self.layout.blocks_of(r)
+            if not b.is_empty()
+        ]
 
     def overlapping(self, box: Block) -> list[tuple[int, Block, Block]]:
         """(load rank, block, its overlap with `box`) for every block sharing elements
@@ -111,6 +121,20 @@ class Holders:
                 out.append((self.ranks[r], block, common))
         out.sort(key=lambda x: (x[0], x[1].offsets))
         return out
+
+
+def may_pay(broadcast: bool | None, folder: Folder, comm: Communicator) -> bool:
+    """Whether to work out what this rank could take part with at all (its cost, O(N)
+    and O(B) per distinct layout, is spared where the rule cannot hold): forced, or
+    on a shared medium, or unless the launcher says every rank is on this host
+    (torchrun's `LOCAL_WORLD_SIZE` equal to the load's world size). A rank that skips
+    it hashes nothing, so every rank then reads its own bytes."""
+    if broadcast is not None:
+        return broadcast
+    if folder.shared_medium:
+        return True
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return not (local is not None and local.isdigit() and int(local) >= comm.world_size)
 
 
 def _load_ranks(comm: Communicator) -> dict[int, int] | None:
@@ -128,6 +152,16 @@ class _Known:
     def __init__(self) -> None:
         self.meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...], Any]] = {}
         self.holders: dict[Any, Holders | None] = {}
+        self.inverses: dict[tuple[int, ...], dict[int, list[int]]] = {}
+
+    def inverse(self, ranks: tuple[int, ...]) -> dict[int, list[int]]:
+        """Load rank -> the layout ranks it is, once per distinct rank tuple."""
+        found = self.inverses.get(ranks)
+        if found is None:
+            found = self.inverses[ranks] = defaultdict(list)
+            for r, load_rank in enumerate(ranks):
+                found[load_rank].append(r)
+        return found
 
     def mesh(self, mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The mesh's shape and its global ranks, row-major."""
@@ -150,7 +184,10 @@ def _holders(value: Any, load: dict[int, int] | None, known: _Known) -> Holders 
         if value._mesh is not None:
             ranks = known.mesh(value._mesh)[1]
         elif value._group is not None:
-            ranks = tuple(dist.get_process_group_ranks(value._group))
+            try:  # a process group's global ranks (another Communicator: none known)
+                ranks = tuple(dist.get_process_group_ranks(value._group))
+            except (KeyError, ValueError, RuntimeError, AttributeError, TypeError):
+                return None
         else:
             ranks = tuple(range(layout.world_size))
         # equal layouts share one entry (a layout's hash is kept: O(B) once per object)
@@ -167,7 +204,8 @@ def _holders(value: Any, load: dict[int, int] | None, known: _Known) -> Holders 
         if layout is None:
             layout = Layout.from_dtensor_spec(key[0], value.placements, value.shape)
         if len(ranks) == layout.world_size and (load is None or all(g in load for g in ranks)):
-            found = Holders(layout, ranks if load is None else tuple(load[g] for g in ranks))
+            mapped = ranks if load is None else tuple(load[g] for g in ranks)
+            found = Holders(layout, mapped, known.inverse(mapped))
     except LayoutError:  # Partial, _StridedShard: no boxes
         pass
     known.holders[key] = found
@@ -193,6 +231,8 @@ def eligible(
     it hashes for the verdict (every layout-described key, and whether it takes
     part: equal everywhere only when every rank plans from the same facts), and
     the bytes its taking-part targets hold."""
+    if view.per_rank:  # each rank sees its own records: no global fact to plan from
+        return {}, [], 0
     load = _load_ranks(comm)
     rank = comm.rank
     known = _Known()
@@ -283,6 +323,8 @@ class Exchange:
     rounds: list[Round]
     reads: list[ChunkRead]  # chunks only this rank needs: read as without the exchange
     keys: frozenset[str]
+    # (filled, its copy): a block a rank holds twice is filled once, then copied
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def has_work(self) -> bool:
         """Whether this rank reads for others or receives from them."""
@@ -331,7 +373,14 @@ def exchange(
                     alone.append(chunk)  # read as without the exchange
             if alone:
                 solo += _piece_reads(key, view, alone, piece, dtype)
-    mine = {key: {(p.offsets, p.sizes): p for p in found[key][1]} for key in keys}
+    mine: dict[str, dict[Any, Piece]] = {}  # this rank's pieces by box: the first of equal ones
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for key in keys:
+        boxes = mine[key] = {}
+        for p in found[key][1]:
+            first = boxes.setdefault((p.offsets, p.sizes), p)
+            if first is not p:
+                copies.append((first.tensor.detach(), p.tensor.detach()))
     for members, shared in groups.items():
         shared.sort(key=lambda c: (c[0], c[2].offsets))
         readers = _readers(members, [c[3].numel * _itemsize(view, c[1]) for c in shared])
@@ -363,7 +412,7 @@ def exchange(
                     parts,
                 )
             )
-    return Exchange(rounds, solo, frozenset(keys))
+    return Exchange(rounds, solo, frozenset(keys), copies)
 
 
 def _itemsize(view: StoredView, key: str) -> int:
@@ -455,14 +504,29 @@ def run(
         outgoing: list[tuple[int, torch.Tensor]] = []
 
         def sends(rnd: Round = rnd, outgoing: list[tuple[int, torch.Tensor]] = outgoing) -> Any:
-            outgoing += _read_and_part(comm.rank, executor, rnd.fetches, problems)
+            try:
+                outgoing += _read_and_part(comm.rank, executor, rnd.fetches, problems)
+            except Exception as e:  # noqa: BLE001 - never a message short: the others wait
+                problems.append(e)
+                outgoing[:] = _stand_ins(comm.rank, rnd.fetches)
             return outgoing
 
         comm.send_recv(landing, sends)
         for scratch, target in later:
             target.copy_(scratch)
         sent += sum(t.numel() * t.element_size() for _r, t in outgoing)
+    for filled, twin in plan.copies:
+        twin.copy_(filled)
     return (problems[0] if problems else None), sent
+
+
+def _stand_ins(rank: int, fetches: list[Fetch]) -> list[tuple[int, torch.Tensor]]:
+    """Zeros in place of every part this rank sends, in order: what it sends when making
+    its messages failed (the verdict then raises that on every rank)."""
+    parts = [(r, place, common, f.dtype) for f in fetches for r, common, _own, place in f.parts]
+    parts = [p for p in parts if p[0] != rank]
+    parts.sort(key=lambda m: (m[0], m[1]))
+    return [(r, torch.zeros(common.sizes, dtype=dtype)) for r, _place, common, dtype in parts]
 
 
 def _read_and_part(

@@ -355,6 +355,12 @@ class StoredView:
         self._name = name  # the manifest's, in errors
         self._listing = listing  # the folder's files and sizes when the records were read
 
+    @property
+    def per_rank(self) -> bool:
+        """Whether this view is one rank's own records (a checkpoint of per-rank records
+        only): other ranks see other records."""
+        return self._name != MANIFEST
+
     @classmethod
     def read(cls, folder: Folder, rank: int) -> StoredView:
         """The checkpoint at `folder`; where it holds per-rank records only, `rank`'s own.
