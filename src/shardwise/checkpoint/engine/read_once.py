@@ -77,6 +77,7 @@ __all__ = [
     "agreed",
     "eligible",
     "exchange",
+    "may_pay",
     "run",
     "words",
 ]
