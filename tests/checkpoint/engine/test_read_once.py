@@ -61,21 +61,22 @@ def _saved(path: Path, layout: Layout = ROWS) -> None:
     world.run(lambda comm: save_state(_state(layout, comm.rank, True), path, Agreement(comm)))
 
 
+def _load_one(
+    comm: ThreadedRank, target: dict[str, Any], path: Path, once: bool | None, cast: bool = False
+) -> int:
+    """`target` loaded on this thread rank; the bytes it read."""
+    read, _ = load_state(
+        target, path, Agreement(comm), strict=True, verify=True, cast_dtype=cast, broadcast=once
+    )
+    return read
+
+
 def _load(
-    world: ThreadedWorld, path: Path, layout: Layout, once: bool | None, **options: Any
+    world: ThreadedWorld, path: Path, layout: Layout, once: bool | None
 ) -> list[tuple[int, dict[str, Any]]]:
     def one(comm: ThreadedRank) -> tuple[int, dict[str, Any]]:
         target = _state(layout, comm.rank, False)
-        read, _ = load_state(
-            target,
-            path,
-            Agreement(comm),
-            strict=True,
-            verify=options.get("verify", True),
-            cast_dtype=False,
-            broadcast=once,
-        )
-        return read, target
+        return _load_one(comm, target, path, once), target
 
     out = world.run(one)
     for r in out:
@@ -209,8 +210,7 @@ def test_a_rank_failing_to_make_its_messages_fails_every_rank(tmp_path: Path, mo
 
     def one(comm: ThreadedRank) -> BaseException | None:
         try:
-            load_state(_state(COLUMNS, comm.rank, False), path, Agreement(comm), strict=True,
-                       verify=True, cast_dtype=False, broadcast=True)  # fmt: skip
+            _load_one(comm, _state(COLUMNS, comm.rank, False), path, True)
         except RuntimeError as e:
             return e
         return None
@@ -230,8 +230,7 @@ def test_tensors_on_a_group_no_process_group_describes_load_as_before(tmp_path: 
     def one(comm: ThreadedRank) -> int:
         shards = shard_of(torch.full(SHAPE, -1.0), DP_TP, comm.rank)
         target = {"a": ShardedTensor.from_layout(DP_TP, shards, group=comm, rank=comm.rank)}
-        read, _ = load_state(target, path, Agreement(comm), strict=True, verify=True,
-                             cast_dtype=False, broadcast=True)  # fmt: skip
+        read = _load_one(comm, target, path, True)
         assert torch.equal(target["a"].local_shards()[0], shard_of(FULL["a"], DP_TP, comm.rank)[0])
         return read
 
@@ -253,8 +252,7 @@ def test_one_rank_seeing_a_shared_medium_decides_for_all(tmp_path: Path, monkeyp
     def one(comm: ThreadedRank) -> tuple[int, dict[str, Any]]:
         here.rank = comm.rank
         target = _state(DP_TP, comm.rank, False)
-        read, _ = load_state(target, path, Agreement(comm), strict=True, verify=True,
-                             cast_dtype=False, broadcast=None)  # fmt: skip
+        read = _load_one(comm, target, path, None)
         return read, target
 
     out = world.run(one)
@@ -301,15 +299,7 @@ def test_ranks_planning_from_other_facts_exchange_nothing(tmp_path: Path) -> Non
         if comm.rank == 2:
             shards = [torch.zeros(4, 6, dtype=torch.float64)]
             target["b"] = ShardedTensor.from_layout(DP_TP, shards, rank=2)
-        read, _ = load_state(
-            target,
-            path,
-            Agreement(comm),
-            strict=True,
-            verify=True,
-            cast_dtype=True,
-            broadcast=True,
-        )
+        read = _load_one(comm, target, path, True, cast=True)
         if comm.rank == 2:
             assert torch.equal(target["b"].local_shards()[0], FULL["b"][:4].double())
         return read
@@ -333,15 +323,7 @@ def test_a_corrupt_chunk_is_refused_on_every_rank_naming_it(tmp_path: Path) -> N
     def one(comm: ThreadedRank) -> BaseException | None:
         target = _state(DP_TP, comm.rank, False)
         try:
-            load_state(
-                target,
-                path,
-                Agreement(comm),
-                strict=True,
-                verify=True,
-                cast_dtype=False,
-                broadcast=True,
-            )
+            _load_one(comm, target, path, True)
         except CorruptCheckpointError as e:
             return e
         return None
