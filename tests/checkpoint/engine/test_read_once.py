@@ -241,6 +241,7 @@ def test_tensors_on_a_group_no_process_group_describes_load_as_before(tmp_path: 
 def test_one_rank_seeing_a_shared_medium_decides_for_all(tmp_path: Path, monkeypatch) -> None:
     """Where ranks of one host see the folder through different mounts, the verdict
     carries what each sees: all exchange (or none), never some."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # no launcher says "one host"
     path = tmp_path / "ck"
     _saved(path, DP_TP)
     world = ThreadedWorld(W)
@@ -310,27 +311,34 @@ def test_ranks_planning_from_other_facts_exchange_nothing(tmp_path: Path) -> Non
 
 
 def test_a_corrupt_chunk_is_refused_on_every_rank_naming_it(tmp_path: Path) -> None:
+    """A flipped bit inside the stored bottom half of "b": its reader finds it and every
+    rank raises it, naming tensor, file and byte range (its receiver among them, whose
+    own reads were clean)."""
     path = tmp_path / "ck"
     _saved(path, DP_TP)
-    data = [p for p in path.iterdir() if p.name.endswith(".distcp")]
-    assert data
-    for p in data:  # a flipped bit in every data file: every reader finds one
+    payload = FULL["b"][4:].contiguous().numpy().tobytes()
+    flipped = []
+    for p in path.iterdir():
         raw = bytearray(p.read_bytes())
-        raw[len(raw) // 2] ^= 0x10
-        p.write_bytes(bytes(raw))
+        at = raw.find(payload)
+        if at >= 0:
+            raw[at + 10] ^= 0x10
+            p.write_bytes(bytes(raw))
+            flipped.append(p.name)
+    assert len(flipped) == 1
     world = ThreadedWorld(W)
 
     def one(comm: ThreadedRank) -> BaseException | None:
-        target = _state(DP_TP, comm.rank, False)
         try:
-            _load_one(comm, target, path, True)
+            _load_one(comm, _state(DP_TP, comm.rank, False), path, True)
         except CorruptCheckpointError as e:
             return e
         return None
 
     found = world.run(one)
     assert all(isinstance(e, CorruptCheckpointError) for e in found), found
-    assert all(".distcp" in str(e) for e in found)
+    assert all("'b'" in str(e) and flipped[0] in str(e) and "checksum" in str(e) for e in found)
+    assert world.calls.count("send_recv") == 1  # found by the exchange's reader
 
 
 def test_a_network_file_system_is_a_shared_medium(tmp_path: Path) -> None:

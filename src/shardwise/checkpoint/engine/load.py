@@ -178,16 +178,16 @@ def _first(table: ChunkTable, t: torch.Tensor) -> tuple[str, int] | None:
     return None if not places or None in places else min(places)  # type: ignore[type-var]
 
 
-def words(values: list[Value], view: StoredView | None, verify: bool, folder: Folder) -> list[int]:
+def words(values: list[Value], view: StoredView | None, verify: bool, shared: bool) -> list[int]:
     """What the load's first verdict carries for this: [hash, -hash] of the values
     to share and whether they are verified (the maximum of both is each other's
     negation only when every rank's is the same: a rank that verifies is never sent
     bytes another read unverified), then [host, -host] likewise (one host or several),
-    then whether this rank sees the folder on a shared medium (`Folder.shared_medium`:
-    the maximum decides, the same on every rank)."""
+    then whether this rank sees the folder on a shared medium (`shared`:
+    `Folder.shared_medium`; the maximum decides, the same on every rank)."""
     save_id = view.manifest.storage_meta.get("save_id") if view and view.manifest else None
     mine, host = digest((save_id, verify, values)), digest(_host())
-    return [mine, -mine, host, -host, int(folder.shared_medium)]
+    return [mine, -mine, host, -host, int(shared)]
 
 
 def _host() -> str:
@@ -434,7 +434,9 @@ def load_state(
     sharded: dict[str, tuple[read_once.Holders, list[Piece]]] = {}
     signature: list[Any] = []
     held_bytes = 0
+    on_shared = False
     try:
+        on_shared = bool(folder.shared_medium)
         view = StoredView.read(folder, agreement.rank)
         found = mismatches(flat, view, strict, cast_dtype, shape_mismatch, optional or {})
         if found:
@@ -442,7 +444,7 @@ def load_state(
         elif broadcast is not False and agreement.world_size > 1:
             shared = candidates(flat, view)
             values = placed(view, shared)
-            if read_once.may_pay(broadcast, folder, agreement.comm):
+            if read_once.may_pay(broadcast, folder):
                 skip = set(shared) | shape_mismatch
                 sharded, signature, held_bytes = read_once.eligible(
                     flat, view, agreement.comm, skip
@@ -451,7 +453,8 @@ def load_state(
         problem = e
     agreement.defer(problem)
     agreed = agreement.agree(  # the targets-fit verdict
-        words(values, view, verify, folder) + read_once.words(signature, view, verify, held_bytes)
+        words(values, view, verify, on_shared)
+        + read_once.words(signature, view, verify, held_bytes)
     )
     assert view is not None
     batches: list[Batch] = []

@@ -124,18 +124,19 @@ class Holders:
         return out
 
 
-def may_pay(broadcast: bool | None, folder: Folder, comm: Communicator) -> bool:
+def may_pay(broadcast: bool | None, folder: Folder) -> bool:
     """Whether to work out what this rank could take part with at all (its cost, O(N)
     and O(B) per distinct layout, is spared where the rule cannot hold): forced, or
     on a shared medium, or unless the launcher says every rank is on this host
-    (torchrun's `LOCAL_WORLD_SIZE` equal to the load's world size). A rank that skips
-    it hashes nothing, so every rank then reads its own bytes."""
+    (torchrun's `LOCAL_WORLD_SIZE` equal to its `WORLD_SIZE`). A rank that skips it
+    hashes nothing, so every rank then reads its own bytes (also where ranks of one
+    such host see the folder through different mounts)."""
     if broadcast is not None:
         return broadcast
     if folder.shared_medium:
         return True
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    return not (local is not None and local.isdigit() and int(local) >= comm.world_size)
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    return not (local is not None and local == world)  # the whole job on one host
 
 
 def _load_ranks(comm: Communicator) -> dict[int, int] | None:
@@ -527,7 +528,12 @@ def _stand_ins(rank: int, fetches: list[Fetch]) -> list[tuple[int, torch.Tensor]
     parts = [(r, place, common, f.dtype) for f in fetches for r, common, _own, place in f.parts]
     parts = [p for p in parts if p[0] != rank]
     parts.sort(key=lambda m: (m[0], m[1]))
-    return [(r, torch.zeros(common.sizes, dtype=dtype)) for r, _place, common, dtype in parts]
+    sizes = [c.numel * torch.empty((), dtype=d).element_size() for _r, _p, c, d in parts]
+    zeros = torch.zeros(max(sizes, default=0), dtype=torch.uint8)  # one buffer: memory is short
+    return [
+        (r, zeros[:n].view(dtype).view(common.sizes))
+        for (r, _place, common, dtype), n in zip(parts, sizes)
+    ]
 
 
 def _read_and_part(
