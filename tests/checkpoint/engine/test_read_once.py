@@ -71,6 +71,21 @@ def _load_one(
     return read
 
 
+def _failures(
+    world: ThreadedWorld, path: Path, layout: Layout, kind: type[BaseException]
+) -> list[BaseException | None]:
+    """What each rank's forced read-once load raised of `kind` (None: it loaded)."""
+
+    def one(comm: ThreadedRank) -> BaseException | None:
+        try:
+            _load_one(comm, _state(layout, comm.rank, False), path, True)
+        except kind as e:
+            return e
+        return None
+
+    return world.run(one)
+
+
 def _load(
     world: ThreadedWorld, path: Path, layout: Layout, once: bool | None
 ) -> list[tuple[int, dict[str, Any]]]:
@@ -208,14 +223,7 @@ def test_a_rank_failing_to_make_its_messages_fails_every_rank(tmp_path: Path, mo
 
     monkeypatch.setattr(read_once, "_read_and_part", failing)
 
-    def one(comm: ThreadedRank) -> BaseException | None:
-        try:
-            _load_one(comm, _state(COLUMNS, comm.rank, False), path, True)
-        except RuntimeError as e:
-            return e
-        return None
-
-    found = world.run(one)
+    found = _failures(world, path, COLUMNS, RuntimeError)
     assert [type(e).__name__ for e in found] == ["RuntimeError"] * W, found
     assert all("rank 1" in str(e) and "can't allocate memory" in str(e) for e in found)
 
@@ -327,15 +335,7 @@ def test_a_corrupt_chunk_is_refused_on_every_rank_naming_it(tmp_path: Path) -> N
             flipped.append(p.name)
     assert len(flipped) == 1
     world = ThreadedWorld(W)
-
-    def one(comm: ThreadedRank) -> BaseException | None:
-        try:
-            _load_one(comm, _state(DP_TP, comm.rank, False), path, True)
-        except CorruptCheckpointError as e:
-            return e
-        return None
-
-    found = world.run(one)
+    found = _failures(world, path, DP_TP, CorruptCheckpointError)
     assert all(isinstance(e, CorruptCheckpointError) for e in found), found
     assert all("'b'" in str(e) and flipped[0] in str(e) and "checksum" in str(e) for e in found)
     assert world.calls.count("send_recv") == 1  # found by the exchange's reader
