@@ -483,7 +483,8 @@ def load_state(
         )
         if sharded:
             exchange = read_once.exchange(sharded, covered, view, agreement.rank, most_held or 0)
-            reads += exchange.reads
+            for key, piece, chunks in exchange.alone:
+                reads += _reads(key, view, chunks, piece)
         # whole chunks a batch of requests at a time, the first with the rest: a small
         # load is one run (on an object store, one window of prefetches)
         wholes = whole.reads(view.manifest.page_size) if whole and view.manifest else iter(())

@@ -323,7 +323,8 @@ class Exchange:
     """This rank's part of the read-once exchange, round by round."""
 
     rounds: list[Round]
-    reads: list[ChunkRead]  # chunks only this rank needs: read as without the exchange
+    # (key, piece, chunks) only this rank needs: read as without the exchange
+    alone: list[tuple[str, Piece, list[StoredBox]]]
     keys: frozenset[str]
     # (filled, its copy): a block a rank holds twice is filled once, then copied
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -350,14 +351,13 @@ def exchange(
     count = min(len(keys), -(-max(most_bytes, 1) // limit))
     rounds_of = _rounds(keys, view, count)
     rounds = [Round() for _ in range(count)]
-    solo: list[ChunkRead] = []
+    solo: list[tuple[str, Piece, list[StoredBox]]] = []
     # chunks by the exact set of ranks needing them, in storage order within each set
     groups: dict[tuple[int, ...], list[tuple[int, str, StoredBox, Block, list[Any]]]] = defaultdict(
         list
     )
     for order, key in enumerate(keys):
         holders, _pieces = found[key]
-        dtype = view.tensor(key)[1]  # type: ignore[index]  # a stored tensor
         users_of: dict[tuple[tuple[int, ...], tuple[int, ...]], list[Any]] = {}
         for piece, chunks in covered.get(key, ()):
             alone = []
@@ -374,7 +374,7 @@ def exchange(
                 if all(r == rank for r, _b, _c in users):
                     alone.append(chunk)  # read as without the exchange
             if alone:
-                solo += _piece_reads(key, view, alone, piece, dtype)
+                solo.append((key, piece, alone))
     mine: dict[str, dict[Any, Piece]] = {}  # this rank's pieces by box: the first of equal ones
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     for key in keys:
@@ -461,21 +461,6 @@ def _bounds(boxes: list[Block]) -> Block:
 def _view_of(pieces: dict[Any, Piece], block: Block, common: Block) -> torch.Tensor:
     piece = pieces[(block.offsets, block.sizes)]
     return piece.tensor.detach()[common.relative_to(block).slices()]
-
-
-def _piece_reads(
-    key: str, view: StoredView, chunks: list[StoredBox], piece: Piece, dtype: torch.dtype
-) -> list[ChunkRead]:
-    reads = []
-    for chunk in chunks:
-        common = Block(piece.offsets, piece.sizes).intersect(Block(chunk.offsets, chunk.sizes))
-        if common is None:
-            continue
-        in_chunk = tuple(a - o for a, o in zip(common.offsets, chunk.offsets))
-        dest = piece.tensor.detach()[common.relative_to(Block(piece.offsets, piece.sizes)).slices()]
-        info = view.storage(key, chunk.stored)
-        reads.append(ChunkRead(key, info, chunk.sizes, dtype, in_chunk, common.sizes, dest))
-    return reads
 
 
 # -- running it ------------------------------------------------------------------------
