@@ -157,7 +157,10 @@ def main() -> int:
             # returns once staged (the previous save waited for first); commits meanwhile
             manager.save(step, train_state(model, opt, step), async_=True)
         if step == args.die_at_step:
-            print(f"rank {rank}: dying after step {step} (simulated preemption)", flush=True)
+            # one write of the whole line: the ranks share torchrun's unbuffered stdout, and
+            # print() writes the text and its newline apart, so two ranks' lines could merge
+            sys.stdout.write(f"rank {rank}: dying after step {step} (simulated preemption)\n")
+            sys.stdout.flush()
             # every rank has said so before any exits: torchrun stops the others at the first
             # exit (the save in flight runs on its own group, so this barrier is the loop's)
             dist.barrier()
