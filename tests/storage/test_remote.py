@@ -238,3 +238,48 @@ def test_offline_tools_take_urls(url, tmp_path):
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(local)["w"], w)
+
+
+def test_one_ranks_reads_of_the_records_serve_another_without_a_request(url) -> None:
+    """`FsspecFolder.record` keeps the listing and every read; another folder that
+    `know`s them (sent as `SharedReads.encode` bytes) lists and reads nothing from the
+    store, refuses a record over its limit as the store's would be, and reads the store
+    for what was not recorded."""
+    from shardwise.storage.remote import SharedReads
+
+    swc.save({"w": torch.arange(12.0)}, url)
+    reader = open_folder(url)
+    assert isinstance(reader, FsspecFolder)
+    reader.record()
+    listing = reader.sizes()
+    manifest = reader.read("shardwise.json", limit=1 << 20)
+    data = next(n for n in listing if n.endswith(".distcp"))
+    head = reader.open(data).pread(8, 4)
+    reads = reader.recorded()
+    first = reader.open(data).pread(4, 0)  # not recorded
+    assert reads.listing == listing
+    assert reader.sizes() == listing and reader.recorded().spans == {}  # recording stopped
+
+    other = open_folder(url)
+    assert isinstance(other, FsspecFolder)
+    other.know(SharedReads.decode(reads.encode()))
+    fs = other.fs
+    calls: list[str] = []
+    real_ls, real_cat = fs.ls, fs.cat_file
+    fs.ls = lambda *a, **k: calls.append("ls") or real_ls(*a, **k)
+    fs.cat_file = lambda *a, **k: calls.append("cat") or real_cat(*a, **k)
+    try:
+        assert other.sizes() == listing
+        assert other.read("shardwise.json", limit=1 << 20) == manifest
+        assert other.open(data).pread(8, 4) == head
+        assert other.open(data).pread(4, 6) == head[2:6]  # inside a recorded range
+        assert calls == []
+        with pytest.raises(swc.CorruptCheckpointError, match="shardwise.json"):
+            other.read("shardwise.json", limit=len(manifest) - 1)
+        assert other.open(data).pread(4, 0) == first  # not recorded: from the store
+        assert calls == ["cat"]
+        other.know(None)
+        other.sizes()
+        assert calls == ["cat", "ls"]
+    finally:
+        fs.ls, fs.cat_file = real_ls, real_cat

@@ -109,6 +109,40 @@ def test_saved_on_two_ranks_loads_on_three_in_other_layouts_bit_for_bit(s3_bucke
         assert whole < 16 << 10
 
 
+def _records_once(rank: int, world: int, url: str, options: dict) -> tuple[bool, int, int]:
+    """Load into other layouts, `read_once` as by default: (bit exact, listings made,
+    bytes of whole objects read)."""
+    import shardwise.checkpoint as swc
+    from shardwise.storage import open_folder
+
+    target = _state(rank, world, 99)
+    folder = open_folder(url, options)
+    listings = []
+    real = folder.fs.ls
+    folder.fs.ls = lambda *a, **k: listings.append(a) or real(*a, **k)
+    swc.load(target, folder)
+    full = _full(0)
+    exact = target["step"] == {"seed": 0} and torch.equal(target["bias"], full["bias"])
+    for key in ("emb", "col"):
+        st = target[key]
+        for block, shard in zip(st.layout_spec.blocks_of(rank), st.local_shards()):
+            region = tuple(slice(o, o + n) for o, n in zip(block.offsets, block.sizes))
+            exact = exact and torch.equal(shard, full[key][region])
+    return exact, len(listings), folder.whole_bytes
+
+
+def test_rank_0_lists_and_reads_the_records_for_every_rank(s3_bucket):
+    """On an object store one rank lists the folder and reads `shardwise.json`, the
+    tail of `.metadata` and the index, and broadcasts them (`engine.read_once.records`):
+    the other ranks make none of those requests."""
+    url, options = s3_bucket
+    url += "/ckpt/records"
+    run_ranks(_save, 2, url, options, timeout=120)
+    results = run_ranks(_records_once, 3, url, options, timeout=120)
+    manifest = open_folder(url, options).sizes()["shardwise.json"]
+    assert results == [(True, 1, manifest), (True, 0, 0), (True, 0, 0)]
+
+
 def _replicated(rank: int, world: int, url: str, options: dict) -> tuple[int, bool]:
     import shardwise.checkpoint as swc
 

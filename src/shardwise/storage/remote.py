@@ -25,7 +25,9 @@ What atomic means depends on the backend (`ATOMIC_PUT`):
 from __future__ import annotations
 
 import bisect
+import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpointError
@@ -40,6 +42,7 @@ __all__ = [
     "WASTE",
     "FsspecFolder",
     "RemoteFile",
+    "SharedReads",
     "RemoteSink",
     "coalesce",
 ]
@@ -48,6 +51,42 @@ _parts = parts  # tests/storage/test_remote.py imports it under this name
 
 # Protocols where a completed upload replaces the object whole, in one step.
 ATOMIC_PUT = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+
+
+@dataclass
+class SharedReads:
+    """What one rank listed and read of a folder's records, for the other ranks of a
+    load to read from instead of the store (`FsspecFolder.record`, `know`): on an
+    object store each listing and read is a request, by every rank. `spans`: by file,
+    (start, bytes) of each range read. `encode`/`decode`: the bytes sent between the
+    ranks of one job (no pickle)."""
+
+    listing: dict[str, int] | None = None
+    spans: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)
+
+    def served(self, name: str, start: int, end: int) -> bytes | None:
+        """`[start, end)` of `name` if one span read holds all of it."""
+        for at, data in self.spans.get(name, ()):
+            if at <= start and end <= at + len(data):
+                return data[start - at : end - at]
+        return None
+
+    def encode(self) -> bytearray:
+        heads = [(n, at, len(d)) for n, spans in self.spans.items() for at, d in spans]
+        head = json.dumps({"listing": self.listing, "spans": heads}).encode()
+        body = [d for spans in self.spans.values() for _at, d in spans]
+        return bytearray().join([len(head).to_bytes(8, "little"), head, *body])
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> SharedReads:
+        n = int.from_bytes(data[:8], "little")
+        head = json.loads(bytes(data[8 : 8 + n]))
+        out = cls(head["listing"])
+        at = 8 + n
+        for name, start, length in head["spans"]:
+            out.spans.setdefault(name, []).append((start, bytes(data[at : at + length])))
+            at += length
+        return out
 
 
 class FsspecFolder(Folder):
@@ -66,6 +105,24 @@ class FsspecFolder(Folder):
         self.range_requests = 0  # ranged GETs issued (prefetch parts and direct reads)
         self.range_bytes = 0  # bytes those returned
         self.whole_bytes = 0  # bytes of whole-file reads (records, manifests)
+        self._recording: SharedReads | None = None  # what this rank lists and reads
+        self._known: SharedReads | None = None  # what another rank listed and read
+
+    # -- one rank's reads of the records, served to the others ---------------------------------
+
+    def record(self) -> None:
+        """Keep the listing and every read from now until `recorded`."""
+        self._recording = SharedReads()
+
+    def recorded(self) -> SharedReads:
+        """What was listed and read since `record`; recording stops."""
+        out, self._recording = self._recording or SharedReads(), None
+        return out
+
+    def know(self, reads: SharedReads | None) -> None:
+        """List and read from `reads` (another rank's, or this one's `recorded`) where
+        they hold what is asked, the store otherwise; None: the store again."""
+        self._known = reads
 
     @property
     def identity(self) -> str:
@@ -98,6 +155,9 @@ class FsspecFolder(Folder):
         return bool(self.fs.isfile(self.root))
 
     def sizes(self) -> dict[str, int]:
+        if self._known is not None and self._known.listing is not None:
+            self._listed = dict(self._known.listing)
+            return dict(self._listed)
         self.fresh()
         try:
             entries = self.fs.ls(self.root, detail=True)
@@ -110,6 +170,8 @@ class FsspecFolder(Folder):
             if e.get("type") == "file" and not e.get("islink") and name.startswith(prefix):
                 out[name[len(prefix) :]] = int(e.get("size") or 0)
         self._listed = out
+        if self._recording is not None:
+            self._recording.listing = dict(out)
         return out
 
     def size_of(self, name: str) -> int:
@@ -130,6 +192,11 @@ class FsspecFolder(Folder):
 
     def read(self, name: str, limit: int | None = None) -> bytes:
         path = self._plain(name)
+        known = self._whole(name)
+        if known is not None:
+            if limit is not None and len(known) > limit:
+                raise too_large(self.where(name), len(known), limit)
+            return known
         if limit is None:
             data = bytes(self.fs.cat_file(path))
         else:  # its size first (listed, or one HEAD), then never more than `limit` + 1 bytes
@@ -143,17 +210,31 @@ class FsspecFolder(Folder):
             if len(data) > limit:
                 raise too_large(self.where(name), len(data), limit)
         self.whole_bytes += len(data)
+        if self._recording is not None:
+            self._recording.spans.setdefault(name, []).append((0, data))
         return data
+
+    def _whole(self, name: str) -> bytes | None:
+        """The whole of `name` from what another rank read, if it read all of it."""
+        if self._known is None or self._known.listing is None:
+            return None
+        size = self._known.listing.get(name)
+        return None if size is None else self._known.served(name, 0, size)
 
     def open(self, name: str) -> RemoteFile:
         self._plain(name)
         return RemoteFile(self, name)
 
     def get(self, name: str, start: int, end: int) -> bytes:
-        """One ranged GET of `[start, end)`."""
+        """One ranged GET of `[start, end)` (none where `know` holds it)."""
+        known = None if self._known is None else self._known.served(name, start, end)
+        if known is not None:
+            return known
         data = bytes(self.fs.cat_file(self.path_of(name), start=start, end=end))
         self.range_requests += 1
         self.range_bytes += len(data)
+        if self._recording is not None:
+            self._recording.spans.setdefault(name, []).append((start, data))
         return data
 
     def prefetch(self, ranges: dict[str, list[tuple[int, int]]]) -> None:

@@ -23,6 +23,7 @@ from shardwise import Block, Layout, ShardedTensor
 from shardwise.checkpoint.engine import read_once
 from shardwise.checkpoint.engine.load import load_state
 from shardwise.checkpoint.engine.save import save_state
+from shardwise.checkpoint.format.manifest import Manifest
 from shardwise.checkpoint.io import chunks
 from shardwise.comm.agreement import Agreement
 from shardwise.comm.in_process import ThreadedRank, ThreadedWorld
@@ -415,3 +416,92 @@ def test_per_rank_records_are_each_ranks_own(tmp_path: Path) -> None:
     path = os.fspath(tmp_path / "ck")
     run_ranks(_per_rank_records, W, path, None, timeout=120)
     assert run_ranks(_per_rank_records, W, path, True, timeout=120) == [True] * W
+
+
+# -- the records, read once on an object store ---------------------------------------------
+
+
+@pytest.fixture
+def store(monkeypatch) -> Any:
+    """A folder on fsspec's in-memory filesystem (shared by the thread ranks, an object
+    store to shardwise), and the listings and whole-or-ranged reads made of each file
+    (`calls[(method, file name)]`), counted below `FsspecFolder`."""
+    import collections
+    import uuid
+
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    calls: collections.Counter = collections.Counter()
+    lock = threading.Lock()
+    for method in ("ls", "cat_file"):
+        real = getattr(MemoryFileSystem, method)
+
+        def counted(self: Any, path: str, *a: Any, _real: Any = real, _m: str = method, **k: Any):
+            with lock:
+                calls[(_m, path.rstrip("/").rsplit("/", 1)[-1])] += 1
+            return _real(self, path, *a, **k)
+
+        monkeypatch.setattr(MemoryFileSystem, method, counted)
+    root = f"/sw-once-{uuid.uuid4().hex[:8]}"
+    yield f"memory://{root}/ck", calls
+    fs = fsspec.filesystem("memory")
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+def _memory_load(world: ThreadedWorld, url: str, layout: Layout, once: bool | None) -> list[Any]:
+    def one(comm: ThreadedRank) -> Any:
+        target = _state(layout, comm.rank, False)
+        load_state(target, url, Agreement(comm), strict=True, verify=True,
+                   cast_dtype=False, broadcast=once)  # fmt: skip
+        _exact(target, layout, comm.rank)
+
+    return world.run(one)
+
+
+def test_on_an_object_store_one_rank_lists_and_reads_the_records_for_all(store) -> None:
+    url, calls = store
+    world = ThreadedWorld(W)
+    world.run(lambda comm: save_state(_state(DP_TP, comm.rank, True), url, Agreement(comm)))
+    calls.clear()
+    assert _memory_load(world, url, DP_TP, False) == [None] * W
+    # each rank alone: its listing, the manifest, the tail of .metadata, its index sections
+    assert calls[("ls", "ck")] == W
+    assert calls[("cat_file", "shardwise.json")] == W
+    assert calls[("cat_file", ".metadata")] == W
+    index = Manifest.read(url).index
+    assert index is not None
+    records = {"shardwise.json", ".metadata", index.file}
+    assert calls[("cat_file", index.file)] >= W  # its sections: a read a run of them
+
+    for once in (None, True):
+        calls.clear()
+        world.calls.clear()
+        assert _memory_load(world, url, DP_TP, once) == [None] * W
+        assert calls[("ls", "ck")] == 1  # rank 0 lists and reads them, sends them to all
+        assert {n: calls[("cat_file", n)] for n in records} == dict.fromkeys(records, 1)
+        assert world.calls[:2] == ["broadcast", "broadcast"]  # their size, then their bytes
+
+
+def test_every_rank_raises_what_the_rank_reading_the_records_found(store) -> None:
+    url, calls = store
+    (alone,) = ThreadedWorld(1).run(lambda comm: _memory_load_caught(comm, url))
+    assert isinstance(alone, swc.CheckpointNotFoundError), alone
+    lone = dict(calls)  # what one rank's search for the records costs
+    calls.clear()
+    world = ThreadedWorld(W)
+    got = world.run(lambda comm: _memory_load_caught(comm, url))
+    assert all(isinstance(e, swc.CheckpointNotFoundError) for e in got), got
+    assert all(str(e) == str(got[0]) == f"rank 0: {alone}" for e in got)
+    assert dict(calls) == lone  # rank 0's alone
+    assert world.calls[:1] == ["broadcast"]  # "not read": no bytes follow
+
+
+def _memory_load_caught(comm: ThreadedRank, url: str) -> BaseException | None:
+    try:
+        load_state(_state(DP_TP, comm.rank, False), url, Agreement(comm), strict=True,
+                   verify=True, cast_dtype=False, broadcast=None)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
+        return e
+    return None

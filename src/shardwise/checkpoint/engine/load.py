@@ -426,102 +426,113 @@ def load_state(
     DEBUG on the `shardwise` logger."""
     started = time.perf_counter()
     folder = open_folder(path)
-    flat, mappings = _flatten(state_dict)
-    problem: BaseException | None = None
-    view: StoredView | None = None
-    shared: dict[str, torch.Tensor] = {}
-    values: list[Value] = []
-    sharded: dict[str, tuple[read_once.Holders, list[Piece]]] = {}
-    signature: list[Any] = []
-    held_bytes = 0
-    on_shared = False
-    try:
-        on_shared = bool(folder.shared_medium)
-        view = StoredView.read(folder, agreement.rank)
-        found = mismatches(flat, view, strict, cast_dtype, shape_mismatch, optional or {})
-        if found:
-            problem = CheckpointMismatchError(f"{folder}: " + "; ".join(found))
-        elif broadcast is not False and agreement.world_size > 1:
-            shared = candidates(flat, view)
-            values = placed(view, shared)
-            if read_once.may_pay(broadcast, folder):
-                skip = set(shared) | shape_mismatch
-                sharded, signature, held_bytes = read_once.eligible(
-                    flat, view, agreement.comm, skip
-                )
-    except (ShardwiseError, OSError, ValueError, pickle.UnpicklingError) as e:
-        problem = e
-    agreement.defer(problem)
-    agreed = agreement.agree(  # the targets-fit verdict
-        words(values, view, verify, on_shared)
-        + read_once.words(signature, view, verify, held_bytes)
-    )
-    assert view is not None
-    batches: list[Batch] = []
-    sent: set[str] = set()  # values another rank reads and sends this one
-    if wanted(agreed, values, broadcast):
-        batches = schedule(values, agreement.world_size)
-        sent = {k for b in batches if b.reader != agreement.rank for k in b.keys}
-    most_held = read_once.agreed(agreed[5:])
-    if most_held is None or broadcast is False or not (broadcast or pays(agreed)):
-        sharded = {}
-    covered: dict[str, list[tuple[Piece, list[StoredBox]]]] = {k: [] for k in sharded}
-    exchange: read_once.Exchange | None = None
-    objects: dict[str, Any] = {}
-    executor = ReadExecutor(
-        folder,
-        verify=verify,
-        registry=extension_registry,
-        staging_bytes=staging_bytes,
-        progress=progress,
-    )
-    planned = time.perf_counter()
-    problem = None
-    try:
-        reads, whole = _plan(
-            flat, view, objects, trust_objects, sent, verify, shape_mismatch, covered
+    with read_once.records_shared(folder):  # the records read once, kept for this load
+        flat, mappings = _flatten(state_dict)
+        problem: BaseException | None = None
+        view: StoredView | None = None
+        shared: dict[str, torch.Tensor] = {}
+        values: list[Value] = []
+        sharded: dict[str, tuple[read_once.Holders, list[Piece]]] = {}
+        signature: list[Any] = []
+        held_bytes = 0
+        on_shared = False
+        try:
+            on_shared = bool(folder.shared_medium)
+            if read_once.shares_records(folder, broadcast, agreement.world_size):
+                view = read_once.records(folder, agreement.comm)  # None: its reader failed
+            else:
+                view = StoredView.read(folder, agreement.rank)
+            # None: the rank that read the records failed; the verdict raises its problem
+            found = (
+                None
+                if view is None
+                else mismatches(flat, view, strict, cast_dtype, shape_mismatch, optional or {})
+            )
+            if found:
+                problem = CheckpointMismatchError(f"{folder}: " + "; ".join(found))
+            elif view is not None and broadcast is not False and agreement.world_size > 1:
+                shared = candidates(flat, view)
+                values = placed(view, shared)
+                if read_once.may_pay(broadcast, folder):
+                    skip = set(shared) | shape_mismatch
+                    sharded, signature, held_bytes = read_once.eligible(
+                        flat, view, agreement.comm, skip
+                    )
+        except (ShardwiseError, OSError, ValueError, pickle.UnpicklingError) as e:
+            problem = e
+        agreement.defer(problem)
+        agreed = agreement.agree(  # the targets-fit verdict
+            words(values, view, verify, on_shared)
+            + read_once.words(signature, view, verify, held_bytes)
         )
-        if sharded:
-            exchange = read_once.exchange(sharded, covered, view, agreement.rank, most_held or 0)
-            for key, piece, chunks in exchange.alone:
-                reads += _reads(key, view, chunks, piece)
-        # whole chunks a batch of requests at a time, the first with the rest: a small
-        # load is one run (on an object store, one window of prefetches)
-        wholes = whole.reads(view.manifest.page_size) if whole and view.manifest else iter(())
-        executor.run([*reads, *next(wholes, [])])
-        del reads
-        for requests in wholes:
-            executor.run(requests)
-    except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
-        problem = e
-    agreement.defer(problem)
-    reads_done = time.perf_counter()
-    agreement.defer(send(agreement.comm, batches, shared))  # whatever it read
-    # the read verdict; with an exchange planned, whether any rank has a part in it
-    work = int(exchange is not None and exchange.has_work())
-    exchanged = 0
-    if agreement.agree([work] if sharded else [])[:1] == [1]:
-        # planned everywhere (else the verdict raised), from the same facts: sizes agree
-        assert exchange is not None
-        found_problem, exchanged = read_once.run(agreement.comm, executor, exchange)
-        agreement.defer(found_problem)
-        agreement.verdict()
-    for key, value in objects.items():
-        set_element(state_dict, mappings.get(key, (key,)), value)
-    log.debug(
-        "rank %d loaded %d values from %s: read %d bytes%s (plan %.3f s, read %.3f s, "
-        "broadcast and verdict %.3f s)",
-        agreement.rank,
-        len(flat),
-        folder,
-        executor.bytes_read,
-        (f", {len(sent)} values sent by their readers" if sent else "")
-        + (f", {exchanged} bytes sent in the read-once exchange" if sharded else ""),
-        planned - started,
-        reads_done - planned,
-        time.perf_counter() - reads_done,
-    )
-    return executor.bytes_read, view.manifest
+        assert view is not None
+        batches: list[Batch] = []
+        sent: set[str] = set()  # values another rank reads and sends this one
+        if wanted(agreed, values, broadcast):
+            batches = schedule(values, agreement.world_size)
+            sent = {k for b in batches if b.reader != agreement.rank for k in b.keys}
+        most_held = read_once.agreed(agreed[5:])
+        if most_held is None or broadcast is False or not (broadcast or pays(agreed)):
+            sharded = {}
+        covered: dict[str, list[tuple[Piece, list[StoredBox]]]] = {k: [] for k in sharded}
+        exchange: read_once.Exchange | None = None
+        objects: dict[str, Any] = {}
+        executor = ReadExecutor(
+            folder,
+            verify=verify,
+            registry=extension_registry,
+            staging_bytes=staging_bytes,
+            progress=progress,
+        )
+        planned = time.perf_counter()
+        problem = None
+        try:
+            reads, whole = _plan(
+                flat, view, objects, trust_objects, sent, verify, shape_mismatch, covered
+            )
+            if sharded:
+                exchange = read_once.exchange(
+                    sharded, covered, view, agreement.rank, most_held or 0
+                )
+                for key, piece, chunks in exchange.alone:
+                    reads += _reads(key, view, chunks, piece)
+            # whole chunks a batch of requests at a time, the first with the rest: a small
+            # load is one run (on an object store, one window of prefetches)
+            wholes = whole.reads(view.manifest.page_size) if whole and view.manifest else iter(())
+            executor.run([*reads, *next(wholes, [])])
+            del reads
+            for requests in wholes:
+                executor.run(requests)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by the exchange below
+            problem = e
+        agreement.defer(problem)
+        reads_done = time.perf_counter()
+        agreement.defer(send(agreement.comm, batches, shared))  # whatever it read
+        # the read verdict; with an exchange planned, whether any rank has a part in it
+        work = int(exchange is not None and exchange.has_work())
+        exchanged = 0
+        if agreement.agree([work] if sharded else [])[:1] == [1]:
+            # planned everywhere (else the verdict raised), from the same facts: sizes agree
+            assert exchange is not None
+            found_problem, exchanged = read_once.run(agreement.comm, executor, exchange)
+            agreement.defer(found_problem)
+            agreement.verdict()
+        for key, value in objects.items():
+            set_element(state_dict, mappings.get(key, (key,)), value)
+        log.debug(
+            "rank %d loaded %d values from %s: read %d bytes%s (plan %.3f s, read %.3f s, "
+            "broadcast and verdict %.3f s)",
+            agreement.rank,
+            len(flat),
+            folder,
+            executor.bytes_read,
+            (f", {len(sent)} values sent by their readers" if sent else "")
+            + (f", {exchanged} bytes sent in the read-once exchange" if sharded else ""),
+            planned - started,
+            reads_done - planned,
+            time.perf_counter() - reads_done,
+        )
+        return executor.bytes_read, view.manifest
 
 
 def _flatten(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -48,10 +48,11 @@ belongs on the device's own backend).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +63,8 @@ from ...comm.agreement import digest
 from ...comm.communicator import Communicator, ProcessGroupCommunicator
 from ...errors import LayoutError
 from ...layout import Block, BlockIndex, Layout
-from ...storage import Folder
+from ...storage import Folder, FsspecFolder
+from ...storage.remote import SharedReads
 from ...tensor import ShardedTensor
 from ..io import ChunkRead, ReadExecutor
 from .inventory import Piece, pieces_of
@@ -78,7 +80,10 @@ __all__ = [
     "eligible",
     "exchange",
     "may_pay",
+    "records",
+    "records_shared",
     "run",
+    "shares_records",
     "words",
 ]
 
@@ -556,3 +561,73 @@ def _read_and_part(
                 own.copy_(part)
     outgoing.sort(key=lambda m: (m[0], m[1]))
     return [(r, t) for r, _place, t in outgoing]
+
+
+# -----------------------------------------------------------------------------
+# The records, read once: on an object store every rank of a load would list the
+# folder and GET `shardwise.json`, the tail of `.metadata` and its index sections
+# (4 requests a rank: 4,096 at W = 1,024). Instead rank 0 lists and reads them,
+# the index whole where it is at most `SHARED_INDEX` bytes (each rank of a load
+# reads most of it: every key it holds), and broadcasts what it read, `SharedReads`
+# (two `broadcast`s: its size, then its bytes); every rank then reads the records
+# from those bytes, checking them as it would the store's, and the store for
+# anything else. Per rank: the records' bytes R received (R ≈ the index, O(N)
+# for N tensors), no request; rank 0: the requests of one rank's read, then R
+# sent. Where rank 0 fails to read them it says so in the first broadcast and
+# raises its problem at the load's first verdict, on every rank.
+# -----------------------------------------------------------------------------
+
+SHARED_INDEX = 64 << 20  # an index up to this many bytes is read whole by rank 0, sent to all
+
+
+def shares_records(folder: Folder, broadcast: bool | None, world: int) -> bool:
+    """Whether one rank reads the records for all: on an object store (every read a
+    request), with other ranks, unless `read_once=False`. The same on every rank: the
+    folder's identity and `read_once` are agreed at the call's edge."""
+    return broadcast is not False and world > 1 and isinstance(folder, FsspecFolder)
+
+
+def records(folder: Folder, comm: Communicator) -> StoredView | None:
+    """The checkpoint's records, read by rank 0 and sent to every rank (above); None
+    where rank 0 failed to read them (it raises that; the load's first verdict raises
+    it on every rank). Collective over `comm`; where `shares_records`."""
+    assert isinstance(folder, FsspecFolder)
+    header = torch.zeros(2, dtype=torch.int64)  # [rank 0 read them, their bytes]
+    if comm.rank != 0:
+        comm.broadcast(header, 0)
+        ok, size = header.tolist()
+        if not ok:
+            return None
+        data = torch.empty(size, dtype=torch.uint8)
+        comm.broadcast(data, 0)
+        folder.know(SharedReads.decode(data.numpy().data))
+        return StoredView.read(folder, comm.rank)
+    folder.record()
+    try:
+        view = StoredView.read(folder, comm.rank)
+        index = view.manifest.index if view.manifest is not None else None
+        size = None if index is None or view.listing is None else view.listing.get(index.file)
+        if index is not None and size is not None and size <= SHARED_INDEX:
+            folder.open(index.file).pread(size, 0)  # recorded, for every rank's sections
+        reads = folder.recorded()
+        payload = reads.encode()
+    except BaseException:
+        folder.recorded()  # recording stops
+        comm.broadcast(header, 0)  # zeros: not read; the others wait for the verdict
+        raise
+    header[:] = torch.tensor([1, len(payload)])
+    comm.broadcast(header, 0)
+    comm.broadcast(torch.frombuffer(payload, dtype=torch.uint8), 0)
+    folder.know(reads)  # its own later reads of them too (the index sections)
+    return view
+
+
+@contextlib.contextmanager
+def records_shared(folder: Folder) -> Iterator[None]:
+    """Within: what `records` sent may serve reads of `folder`; after, only the store
+    (a folder object outlives its load: a later load must list and read afresh)."""
+    try:
+        yield
+    finally:
+        if isinstance(folder, FsspecFolder):
+            folder.know(None)

@@ -361,6 +361,11 @@ class StoredView:
         only): other ranks see other records."""
         return self._name != MANIFEST
 
+    @property
+    def listing(self) -> dict[str, int] | None:
+        """The folder's files and sizes, listed when the records were read (None: not)."""
+        return self._listing
+
     @classmethod
     def read(cls, folder: Folder, rank: int) -> StoredView:
         """The checkpoint at `folder`; where it holds per-rank records only, `rank`'s own.
