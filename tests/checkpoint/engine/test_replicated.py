@@ -234,7 +234,9 @@ def test_auto_broadcasts_from_an_object_store_not_from_a_local_folder(tmp_path: 
     world = ThreadedWorld(W)
     loaded = _load(world, remote, None)
     batches = _scheduled(remote, _values(), W)
-    assert world.calls.count("broadcast") == len(batches)
+    # rank 0's records (their size, then their bytes: `read_once.records`), then each batch
+    assert world.calls.count("broadcast") == 2 + len(batches)
+    assert world.calls[:3] == ["broadcast", "broadcast", "all_reduce"]
     for rank, (read, target) in enumerate(loaded):
         _exact(target, rank)
         assert read == _shares(batches, W)[rank]
