@@ -283,3 +283,19 @@ def test_one_ranks_reads_of_the_records_serve_another_without_a_request(url) -> 
         assert calls == ["cat", "ls"]
     finally:
         fs.ls, fs.cat_file = real_ls, real_cat
+
+
+def test_a_record_is_served_as_the_rank_that_read_it_got_it(url) -> None:
+    """A whole read is served exactly as it returned, whatever the listing said: a
+    record replaced between rank 0's listing and its read (longer now) reaches every
+    rank as rank 0 parsed it, never cut to the listed size."""
+    from shardwise.storage.remote import SharedReads
+
+    swc.save({"w": torch.arange(12.0)}, url)
+    read = open_folder(url).read("shardwise.json")
+    reads = SharedReads({"shardwise.json": len(read) - 4}, {"shardwise.json": read})
+    other = open_folder(url)
+    assert isinstance(other, FsspecFolder)
+    other.know(SharedReads.decode(reads.encode()))
+    assert other.read("shardwise.json") == read
+    assert other.read("shardwise.json", limit=len(read)) == read

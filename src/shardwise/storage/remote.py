@@ -57,11 +57,14 @@ ATOMIC_PUT = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 class SharedReads:
     """What one rank listed and read of a folder's records, for the other ranks of a
     load to read from instead of the store (`FsspecFolder.record`, `know`): on an
-    object store each listing and read is a request, by every rank. `spans`: by file,
-    (start, bytes) of each range read. `encode`/`decode`: the bytes sent between the
-    ranks of one job (no pickle)."""
+    object store each listing and read is a request, by every rank. `wholes`: each
+    file read whole, as that read returned it (never cut to what the listing said:
+    a record replaced between the two is served as the reader parsed it); `spans`:
+    by file, (start, bytes) of each range read. `encode`/`decode`: the bytes sent
+    between the ranks of one job (no pickle)."""
 
     listing: dict[str, int] | None = None
+    wholes: dict[str, bytes] = field(default_factory=dict)
     spans: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)
 
     def served(self, name: str, start: int, end: int) -> bytes | None:
@@ -71,10 +74,17 @@ class SharedReads:
                 return data[start - at : end - at]
         return None
 
+    @property
+    def nbytes(self) -> int:
+        spans = sum(len(d) for s in self.spans.values() for _at, d in s)
+        return spans + sum(len(d) for d in self.wholes.values())
+
     def encode(self) -> bytearray:
         heads = [(n, at, len(d)) for n, spans in self.spans.items() for at, d in spans]
+        heads += [(n, -1, len(d)) for n, d in self.wholes.items()]  # -1: read whole
         head = json.dumps({"listing": self.listing, "spans": heads}).encode()
         body = [d for spans in self.spans.values() for _at, d in spans]
+        body += list(self.wholes.values())
         return bytearray().join([len(head).to_bytes(8, "little"), head, *body])
 
     @classmethod
@@ -84,7 +94,11 @@ class SharedReads:
         out = cls(head["listing"])
         at = 8 + n
         for name, start, length in head["spans"]:
-            out.spans.setdefault(name, []).append((start, bytes(data[at : at + length])))
+            part = bytes(data[at : at + length])
+            if start < 0:
+                out.wholes[name] = part
+            else:
+                out.spans.setdefault(name, []).append((start, part))
             at += length
         return out
 
@@ -113,6 +127,11 @@ class FsspecFolder(Folder):
     def record(self) -> None:
         """Keep the listing and every read from now until `recorded`."""
         self._recording = SharedReads()
+
+    @property
+    def recording(self) -> SharedReads | None:
+        """What was listed and read since `record` so far; None when not recording."""
+        return self._recording
 
     def recorded(self) -> SharedReads:
         """What was listed and read since `record`; recording stops."""
@@ -211,15 +230,12 @@ class FsspecFolder(Folder):
                 raise too_large(self.where(name), len(data), limit)
         self.whole_bytes += len(data)
         if self._recording is not None:
-            self._recording.spans.setdefault(name, []).append((0, data))
+            self._recording.wholes[name] = data
         return data
 
     def _whole(self, name: str) -> bytes | None:
-        """The whole of `name` from what another rank read, if it read all of it."""
-        if self._known is None or self._known.listing is None:
-            return None
-        size = self._known.listing.get(name)
-        return None if size is None else self._known.served(name, 0, size)
+        """`name` as another rank's `read` of it returned it, if it made one."""
+        return None if self._known is None else self._known.wholes.get(name)
 
     def open(self, name: str) -> RemoteFile:
         self._plain(name)

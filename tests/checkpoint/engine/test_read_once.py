@@ -505,3 +505,41 @@ def _memory_load_caught(comm: ThreadedRank, url: str) -> BaseException | None:
     except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
         return e
     return None
+
+
+class NoCredentials(Exception):
+    """What botocore raises where no credential is found: not an OSError."""
+
+
+def test_rank_0_failing_with_any_exception_fails_every_rank_without_a_hang(
+    store, monkeypatch
+) -> None:
+    """A failure only rank 0 meets (a credential an object store refuses, raised as
+    botocore's own exception, not an OSError) is raised on every rank by the verdict."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    url, _calls = store
+    world = ThreadedWorld(W)
+    world.run(lambda comm: save_state(_state(DP_TP, comm.rank, True), url, Agreement(comm)))
+
+    def refused(self: Any, path: str, *a: Any, **k: Any) -> Any:
+        raise NoCredentials("Unable to locate credentials")
+
+    with monkeypatch.context() as patched:  # undone before the store's own cleanup
+        patched.setattr(MemoryFileSystem, "ls", refused)
+        got = world.run(lambda comm: _memory_load_caught(comm, url))
+    assert all(isinstance(e, NoCredentials) for e in got), got
+    assert all(str(e) == "rank 0: Unable to locate credentials" for e in got), got
+
+
+def test_records_past_the_bound_are_read_by_every_rank_itself(store, monkeypatch) -> None:
+    url, calls = store
+    world = ThreadedWorld(W)
+    world.run(lambda comm: save_state(_state(DP_TP, comm.rank, True), url, Agreement(comm)))
+    monkeypatch.setattr(read_once, "SHARED_BYTES", 100)  # the manifest alone is larger
+    calls.clear()
+    world.calls.clear()
+    assert _memory_load(world, url, DP_TP, None) == [None] * W
+    assert calls[("ls", "ck")] == W  # each rank lists and reads them, as without sharing
+    assert calls[("cat_file", "shardwise.json")] == W
+    assert world.calls[:2] == ["broadcast", "all_reduce"]  # "each reads them": no bytes

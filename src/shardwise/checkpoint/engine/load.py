@@ -370,8 +370,10 @@ def _load_bytes(planner: LoadPlanner, req: ReadItem, where: str, trust: bool) ->
 # -----------------------------------------------------------------------------
 # The collective load engine behind `swc.load`, for every checkpoint it can read.
 #
-# Two exchanges here per load, whatever the number of tensors, ranks or the kind
-# of checkpoint, each one fixed-size `all_reduce` (`Agreement.verdict`): one to
+# Two exchanges here per load (on an object store, after rank 0's `broadcast`s of
+# the records it read for all: `read_once.records`), whatever the number of
+# tensors, ranks or the kind of checkpoint, each one fixed-size `all_reduce`
+# (`Agreement.verdict`): one to
 # agree that the targets fit the checkpoint (every problem listed, on every rank,
 # before any target is touched), one after reading so that corruption found by one
 # rank is raised on all. `swc.load` makes one before them (`api.agree_route`:
@@ -394,6 +396,11 @@ def _load_bytes(planner: LoadPlanner, req: ReadItem, where: str, trust: bool) ->
 # tensor subclass) are planned by DCP's `DefaultLoadPlanner`, locally, into the
 # same executor (`item_reads`).
 # -----------------------------------------------------------------------------
+
+
+# what reading and checking a checkpoint's records raises on bad input (raised on every
+# rank by the load's first verdict)
+_FOUND = (ShardwiseError, OSError, ValueError, pickle.UnpicklingError)
 
 
 def load_state(
@@ -436,12 +443,20 @@ def load_state(
         signature: list[Any] = []
         held_bytes = 0
         on_shared = False
+        shares = read_once.shares_records(folder, broadcast, agreement.world_size)
         try:
-            on_shared = bool(folder.shared_medium)
-            if read_once.shares_records(folder, broadcast, agreement.world_size):
+            if shares:
                 view = read_once.records(folder, agreement.comm)  # None: its reader failed
             else:
                 view = StoredView.read(folder, agreement.rank)
+        except Exception as e:  # noqa: BLE001 - see below
+            # read by rank 0 alone, its failure (whatever it is: a missing credential)
+            # is raised on every rank by the verdict, never a hang
+            if not shares and not isinstance(e, _FOUND):
+                raise
+            problem = e
+        try:
+            on_shared = bool(folder.shared_medium)
             # None: the rank that read the records failed; the verdict raises its problem
             found = (
                 None
@@ -449,7 +464,7 @@ def load_state(
                 else mismatches(flat, view, strict, cast_dtype, shape_mismatch, optional or {})
             )
             if found:
-                problem = CheckpointMismatchError(f"{folder}: " + "; ".join(found))
+                problem = problem or CheckpointMismatchError(f"{folder}: " + "; ".join(found))
             elif view is not None and broadcast is not False and agreement.world_size > 1:
                 shared = candidates(flat, view)
                 values = placed(view, shared)
@@ -458,8 +473,8 @@ def load_state(
                     sharded, signature, held_bytes = read_once.eligible(
                         flat, view, agreement.comm, skip
                     )
-        except (ShardwiseError, OSError, ValueError, pickle.UnpicklingError) as e:
-            problem = e
+        except _FOUND as e:
+            problem = problem or e
         agreement.defer(problem)
         agreed = agreement.agree(  # the targets-fit verdict
             words(values, view, verify, on_shared)

@@ -579,46 +579,59 @@ def _read_and_part(
 
 SHARED_INDEX = 64 << 20  # an index up to this many bytes is read whole by rank 0, sent to all
 
+SHARED_BYTES = 128 << 20  # records past this many bytes are read by every rank itself
+
+_FAILED, _SHARED, _EACH = 0, 1, 2  # what rank 0's first broadcast says
+
 
 def shares_records(folder: Folder, broadcast: bool | None, world: int) -> bool:
     """Whether one rank reads the records for all: on an object store (every read a
     request), with other ranks, unless `read_once=False`. The same on every rank: the
-    folder's identity and `read_once` are agreed at the call's edge."""
+    folder's identity and `read_once` are agreed at the call's edge (`api.load`)."""
     return broadcast is not False and world > 1 and isinstance(folder, FsspecFolder)
 
 
 def records(folder: Folder, comm: Communicator) -> StoredView | None:
     """The checkpoint's records, read by rank 0 and sent to every rank (above); None
-    where rank 0 failed to read them (it raises that; the load's first verdict raises
-    it on every rank). Collective over `comm`; where `shares_records`."""
+    where rank 0 failed to read them (it raises that, whatever it is; the load's first
+    verdict raises it on every rank). Records of more than `SHARED_BYTES` (a stock
+    `.metadata` of a huge model) are read by every rank itself, as without this: their
+    bytes held twice on every rank cost more than the requests. Collective over `comm`
+    (one `broadcast`, two when shared); where `shares_records`."""
     assert isinstance(folder, FsspecFolder)
-    header = torch.zeros(2, dtype=torch.int64)  # [rank 0 read them, their bytes]
+    header = torch.zeros(2, dtype=torch.int64)  # [what rank 0 says, the bytes that follow]
     if comm.rank != 0:
         comm.broadcast(header, 0)
-        ok, size = header.tolist()
-        if not ok:
+        said, size = header.tolist()
+        if said == _FAILED:
             return None
-        data = torch.empty(size, dtype=torch.uint8)
-        comm.broadcast(data, 0)
-        folder.know(SharedReads.decode(data.numpy().data))
+        if said == _SHARED:
+            data = torch.empty(size, dtype=torch.uint8)
+            comm.broadcast(data, 0)
+            reads = SharedReads.decode(data.numpy().data)
+            del data
+            folder.know(reads)
         return StoredView.read(folder, comm.rank)
     folder.record()
     try:
         view = StoredView.read(folder, comm.rank)
         index = view.manifest.index if view.manifest is not None else None
         size = None if index is None or view.listing is None else view.listing.get(index.file)
-        if index is not None and size is not None and size <= SHARED_INDEX:
+        recorded = folder.recording.nbytes if folder.recording is not None else 0
+        if size is not None and size <= min(SHARED_INDEX, SHARED_BYTES - recorded):
+            assert index is not None
             folder.open(index.file).pread(size, 0)  # recorded, for every rank's sections
         reads = folder.recorded()
-        payload = reads.encode()
+        payload = reads.encode() if reads.nbytes <= SHARED_BYTES else bytearray()
     except BaseException:
         folder.recorded()  # recording stops
-        comm.broadcast(header, 0)  # zeros: not read; the others wait for the verdict
+        comm.broadcast(header, 0)  # _FAILED: the others wait for the verdict
         raise
-    header[:] = torch.tensor([1, len(payload)])
+    header[:] = torch.tensor([_SHARED if payload else _EACH, len(payload)])
     comm.broadcast(header, 0)
-    comm.broadcast(torch.frombuffer(payload, dtype=torch.uint8), 0)
-    folder.know(reads)  # its own later reads of them too (the index sections)
+    if payload:
+        comm.broadcast(torch.frombuffer(payload, dtype=torch.uint8), 0)
+        folder.know(reads)  # its own later reads of them too (the index sections)
     return view
 
 
