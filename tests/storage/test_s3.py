@@ -64,6 +64,18 @@ def _state(rank: int, world: int, seed: int) -> dict[str, Any]:
     return state
 
 
+def _exact(target: dict[str, Any], rank: int) -> bool:
+    """Whether `target` (`_state` in other layouts) holds the values saved with seed 0."""
+    full = _full(0)
+    exact = target["step"] == {"seed": 0} and torch.equal(target["bias"], full["bias"])
+    for key in ("emb", "col"):
+        st = target[key]
+        for block, shard in zip(st.layout_spec.blocks_of(rank), st.local_shards()):
+            region = tuple(slice(o, o + n) for o, n in zip(block.offsets, block.sizes))
+            exact = exact and torch.equal(shard, full[key][region])
+    return exact
+
+
 def _save(rank: int, world: int, url: str, options: dict) -> str:
     import shardwise.checkpoint as swc
 
@@ -79,13 +91,7 @@ def _load(rank: int, world: int, url: str, options: dict) -> tuple[bool, int, in
     folder = open_folder(url, options)
     # every rank reads the bias itself: its ranges are counted below (broadcasts: further down)
     reader = swc.load(target, folder, broadcast_replicated=False)
-    full = _full(0)
-    exact = target["step"] == {"seed": 0} and torch.equal(target["bias"], full["bias"])
-    for key in ("emb", "col"):
-        st = target[key]
-        for block, shard in zip(st.layout_spec.blocks_of(rank), st.local_shards()):
-            region = tuple(slice(o, o + n) for o, n in zip(block.offsets, block.sizes))
-            exact = exact and torch.equal(shard, full[key][region])
+    exact = _exact(target, rank)
     return exact, reader.bytes_read, folder.range_bytes, folder.whole_bytes
 
 
@@ -121,13 +127,7 @@ def _records_once(rank: int, world: int, url: str, options: dict) -> tuple[bool,
     real = folder.fs.ls
     folder.fs.ls = lambda *a, **k: listings.append(a) or real(*a, **k)
     swc.load(target, folder)
-    full = _full(0)
-    exact = target["step"] == {"seed": 0} and torch.equal(target["bias"], full["bias"])
-    for key in ("emb", "col"):
-        st = target[key]
-        for block, shard in zip(st.layout_spec.blocks_of(rank), st.local_shards()):
-            region = tuple(slice(o, o + n) for o, n in zip(block.offsets, block.sizes))
-            exact = exact and torch.equal(shard, full[key][region])
+    exact = _exact(target, rank)
     return exact, len(listings), folder.whole_bytes
 
 
