@@ -15,7 +15,7 @@ import shardwise.checkpoint as swc
 from shardwise import Block
 from shardwise.checkpoint.format.manifest import TAIL, Manifest
 from shardwise.checkpoint.io.commit import referenced_files
-from shardwise.storage import FsspecFolder, open_folder
+from shardwise.storage import FsspecFolder, SharedReads, open_folder
 from shardwise.storage.remote import PART, WASTE, _parts, coalesce
 
 
@@ -245,8 +245,6 @@ def test_one_ranks_reads_of_the_records_serve_another_without_a_request(url) -> 
     `know`s them (sent as `SharedReads.encode` bytes) lists and reads nothing from the
     store, refuses a record over its limit as the store's would be, and reads the store
     for what was not recorded."""
-    from shardwise.storage.remote import SharedReads
-
     swc.save({"w": torch.arange(12.0)}, url)
     reader = open_folder(url)
     assert isinstance(reader, FsspecFolder)
@@ -289,8 +287,6 @@ def test_a_record_is_served_as_the_rank_that_read_it_got_it(url) -> None:
     """A whole read is served exactly as it returned, whatever the listing said: a
     record replaced between rank 0's listing and its read (longer now) reaches every
     rank as rank 0 parsed it, never cut to the listed size."""
-    from shardwise.storage.remote import SharedReads
-
     swc.save({"w": torch.arange(12.0)}, url)
     read = open_folder(url).read("shardwise.json")
     reads = SharedReads({"shardwise.json": len(read) - 4}, {"shardwise.json": read})

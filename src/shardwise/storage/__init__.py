@@ -23,7 +23,7 @@ from .location import (
     served_url,
     unregister_backend,
 )
-from .remote import FsspecFolder
+from .remote import FsspecFolder, SharedReads
 
 __all__ = [
     "BACKEND_EXTRAS",
@@ -33,6 +33,7 @@ __all__ = [
     "FsspecFolder",
     "LocalFolder",
     "RandomAccess",
+    "SharedReads",
     "Sink",
     "is_url",
     "open_folder",

@@ -63,8 +63,7 @@ from ...comm.agreement import digest
 from ...comm.communicator import Communicator, ProcessGroupCommunicator
 from ...errors import LayoutError
 from ...layout import Block, BlockIndex, Layout
-from ...storage import Folder, FsspecFolder
-from ...storage.remote import SharedReads
+from ...storage import Folder, FsspecFolder, SharedReads
 from ...tensor import ShardedTensor
 from ..io import ChunkRead, ReadExecutor
 from .inventory import Piece, pieces_of
@@ -423,7 +422,7 @@ def exchange(
 
 
 def _itemsize(view: StoredView, key: str) -> int:
-    return torch.empty((), dtype=view.tensor(key)[1]).element_size()  # type: ignore[index]
+    return view.tensor(key)[1].itemsize  # type: ignore[index]
 
 
 def _rounds(keys: list[str], view: StoredView, count: int) -> dict[str, int]:
@@ -518,7 +517,7 @@ def _stand_ins(rank: int, fetches: list[Fetch]) -> list[tuple[int, torch.Tensor]
     parts = [(r, place, common, f.dtype) for f in fetches for r, common, _own, place in f.parts]
     parts = [p for p in parts if p[0] != rank]
     parts.sort(key=lambda m: (m[0], m[1]))
-    sizes = [c.numel * torch.empty((), dtype=d).element_size() for _r, _p, c, d in parts]
+    sizes = [c.numel * d.itemsize for _r, _p, c, d in parts]
     zeros = torch.zeros(max(sizes, default=0), dtype=torch.uint8)  # one buffer: memory is short
     return [
         (r, zeros[:n].view(dtype).view(common.sizes))
