@@ -612,10 +612,11 @@ def _plan(
             held, sent, view.manifest.version, sections.spans, sections.fetch, exchanged
         )
         sections.take = whole.take
-    for key, stored, overlaps in fetched(iter(sections), held, whole):
+    for key, stored, overlaps in fetched(iter(sections), held, whole, exchanged):
         if key in exchanged:
             for piece, rows in zip(held[key], overlaps):  # checked here, read there
-                covered[key].append((piece, stored.covering(piece.offsets, piece.sizes, rows)))  # type: ignore[index]
+                found = stored.covering(piece.offsets, piece.sizes, rows, fetch=False)
+                covered[key].append((piece, found))  # type: ignore[index]
             continue
         if key in sent:
             for piece, rows in zip(held[key], overlaps):

@@ -65,6 +65,7 @@ from ...errors import LayoutError
 from ...layout import Block, BlockIndex, Layout
 from ...storage import Folder, FsspecFolder, SharedReads
 from ...tensor import ShardedTensor
+from ..format import ChunkEntry, Unsettled
 from ..io import ChunkRead, ReadExecutor
 from .inventory import Piece, pieces_of
 from .stored import StoredBox, StoredView
@@ -87,6 +88,10 @@ __all__ = [
 ]
 
 BATCH = 64 << 20  # about the bytes a rank's targets take per round
+
+# a file's chunks in a group go to one reader while they are at most this many
+# members' shares of the group's bytes (`_readers`)
+SPLIT = 1.25
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -388,8 +393,12 @@ def exchange(
             if first is not p:
                 copies.append((first.tensor.detach(), p.tensor.detach()))
     for members, shared in groups.items():
-        shared.sort(key=lambda c: (c[0], c[2].offsets))
-        readers = _readers(members, [c[3].numel * _itemsize(view, c[1]) for c in shared])
+        shared.sort(key=lambda c: (_place(c[2].stored), c[0], c[2].offsets))
+        readers = _readers(
+            members,
+            [c[3].numel * _itemsize(view, c[1]) for c in shared],
+            [_place(c[2].stored)[0] for c in shared],
+        )
         for reader, (order, key, chunk, region, users) in zip(readers, shared, strict=True):
             rnd = rounds[rounds_of[key]]
             at = (order, tuple(chunk.offsets))
@@ -440,19 +449,42 @@ def _rounds(keys: list[str], view: StoredView, count: int) -> dict[str, int]:
     return out
 
 
-def _readers(members: tuple[int, ...], sizes: list[int]) -> list[int]:
-    """The reader of each of a group's chunks (in storage order): member j takes the
-    chunks whose middle byte falls in the j-th of equal slices of their bytes, the
-    members turned by a hash of the group, so a rank first in many small groups is
-    not every group's reader."""
+def _place(stored: Any) -> tuple[str, int]:
+    """Where a stored chunk's record is (file, offset): the same on every rank."""
+    entry = stored.entry if isinstance(stored, Unsettled) else stored
+    if isinstance(entry, ChunkEntry):
+        return entry.file, entry.record[0]
+    return str(getattr(stored, "relative_path", "")), int(getattr(stored, "offset", 0))
+
+
+def _readers(members: tuple[int, ...], sizes: list[int], files: list[str]) -> list[int]:
+    """The reader of each of a group's chunks (in storage order, `files` naming each
+    one's): member j takes the chunks whose middle byte falls in the j-th of equal
+    slices of their bytes, the members turned by a hash of the group, so a rank first
+    in many small groups is not every group's reader. The chunks of one file go to
+    one reader, by the file's middle byte, unless the file holds more than `SPLIT`
+    slices' worth: one reader then reads them in one request (with their checksums),
+    and a large file is still read by several."""
     total = max(1, sum(sizes))
     k = len(members)
     turn = zlib.crc32(repr(members).encode()) % k
-    out, at = [], 0
-    for n in sizes:
-        slot = min(k - 1, (2 * at + n) * k // (2 * total))
-        out.append(members[(slot + turn) % k])
-        at += n
+    out: list[int] = []
+    at, i = 0, 0
+    while i < len(sizes):
+        j = i
+        while j < len(sizes) and files[j] == files[i]:
+            j += 1
+        whole = sum(sizes[i:j])
+        if whole * k <= SPLIT * total:  # the file's chunks together
+            slot = min(k - 1, (2 * at + whole) * k // (2 * total))
+            out += [members[(slot + turn) % k]] * (j - i)
+            at += whole
+        else:
+            for n in sizes[i:j]:
+                slot = min(k - 1, (2 * at + n) * k // (2 * total))
+                out.append(members[(slot + turn) % k])
+                at += n
+        i = j
     return out
 
 

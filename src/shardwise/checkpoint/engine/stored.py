@@ -43,6 +43,7 @@ from ..format import (
     StoredObject,
     TensorChunks,
     TensorEntry,
+    Unsettled,
     check_name,
     check_read_ranges,
     decode,
@@ -56,7 +57,7 @@ from ..format import (
     row_columns,
     section_bytes,
 )
-from ..io import ChunkRead, per_rank_records
+from ..io import ChunkRead, PendingChunk, per_rank_records
 from .inventory import Piece
 from .records import read_records
 
@@ -439,7 +440,12 @@ class StoredView:
         ]
 
     def storage(self, key: str, stored: Any) -> _StorageInfo:
-        """DCP's storage info of a chunk of `chunks(key)`, with the manifest's checksums."""
+        """DCP's storage info of a chunk of `chunks(key)`, with the manifest's checksums
+        (those its writer keeps, when not fetched yet: fetched as it is read)."""
+        if isinstance(stored, Unsettled):
+            assert self.manifest is not None
+            dtype = self.manifest.tensors[key].dtype
+            return PendingChunk.planned(stored, dtype, self.manifest.page_size)
         if isinstance(stored, ChunkEntry):
             assert self.manifest is not None
             dtype = self.manifest.tensors[key].dtype
@@ -467,10 +473,15 @@ class Covering(Protocol):
         ...
 
     def covering(
-        self, offsets: tuple[int, ...], sizes: tuple[int, ...], rows: list[int] | None = None
+        self,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        rows: list[int] | None = None,
+        fetch: bool = True,
     ) -> list[StoredBox]:
         """The stored chunks overlapping the non-empty box (`offsets`, `sizes`): the `rows`
-        of its section, when the caller found them."""
+        of its section, when the caller found them. `fetch=False`: checksums their
+        writers keep are fetched only when the chunk is read (`format.index.Unsettled`)."""
         ...
 
     def parts(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox] | Boxes:
@@ -485,10 +496,18 @@ class _Sectioned:
         self.chunks = self.sectioned = chunks
 
     def covering(
-        self, offsets: tuple[int, ...], sizes: tuple[int, ...], rows: list[int] | None = None
+        self,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        rows: list[int] | None = None,
+        fetch: bool = True,
     ) -> list[StoredBox]:
+        if rows is None:
+            rows = self.chunks.table.overlapping(offsets, sizes)
+        found = self.chunks.covering(offsets, sizes, rows, fetch)
         return [
-            StoredBox(c.offsets, c.sizes, c) for c in self.chunks.covering(offsets, sizes, rows)
+            StoredBox(c.offsets, c.sizes, c if c.crc_at < 0 else Unsettled(self.chunks, i, c))
+            for i, c in zip(rows, found)
         ]
 
     def parts(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[StoredBox] | Boxes:
@@ -512,7 +531,11 @@ class _Listed:
         return self.covering(offsets, sizes)  # checked whole when read: few rows, or old formats
 
     def covering(
-        self, offsets: tuple[int, ...], sizes: tuple[int, ...], rows: list[int] | None = None
+        self,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        rows: list[int] | None = None,
+        fetch: bool = True,
     ) -> list[StoredBox]:
         if self.exact is not None:
             same = self.exact.get((offsets, sizes))
@@ -610,11 +633,14 @@ def fetched(
     sections: Iterator[tuple[str, Covering]],
     held: dict[str, list[Piece]],
     whole: WholeRows | None = None,
+    later: frozenset[str] | set[str] = frozenset(),
 ) -> Iterator[tuple[str, Covering, list[list[int] | None]]]:
     """Each section with the rows each of its pieces overlaps (None: not sectioned),
     sections of up to `GROUP` rows at a time, the checksums of those rows that their
     writers keep fetched for the group at once (`format.index`), with those of the
-    rows `whole` took since: a read per data file and group, not one a row."""
+    rows `whole` took since: a read per data file and group, not one a row. Keys in
+    `later` fetch none: their chunks are planned without them (`Covering.covering`'s
+    `fetch=False`), the rank that reads each fetching them with its bytes."""
     group: list[tuple[str, Covering, list[list[int] | None]]] = []
     rows = 0
     for key, stored in sections:
@@ -622,9 +648,9 @@ def fetched(
         group.append((key, stored, [_rows(table, p) for p in held[key]]))
         rows += 0 if table is None else len(table)
         if rows >= GROUP:
-            yield from _fetch(group, whole)
+            yield from _fetch(group, whole, later)
             group, rows = [], 0
-    yield from _fetch(group, whole)
+    yield from _fetch(group, whole, later)
 
 
 def _rows(table: ChunkTable | None, piece: Piece) -> list[int] | None:
@@ -632,9 +658,17 @@ def _rows(table: ChunkTable | None, piece: Piece) -> list[int] | None:
 
 
 def _fetch(
-    group: list[tuple[str, Covering, list[list[int] | None]]], whole: WholeRows | None
+    group: list[tuple[str, Covering, list[list[int] | None]]],
+    whole: WholeRows | None,
+    later: frozenset[str] | set[str],
 ) -> list[tuple[str, Covering, list[list[int] | None]]]:
-    tables = [(stored.sectioned.table, r) for _k, stored, found in group for r in found if r]  # type: ignore[union-attr]
+    tables = [
+        (stored.sectioned.table, r)  # type: ignore[union-attr]
+        for key, stored, found in group
+        if key not in later
+        for r in found
+        if r
+    ]
     if whole is None:
         resolve_rows(tables)
     else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import crc32c
 import numpy as np
@@ -35,7 +35,9 @@ __all__ = [
     "Pending",
     "Ranges",
     "RowSpans",
+    "SlotFetch",
     "TensorChunks",
+    "Unsettled",
     "WINDOW",
     "check_read_ranges",
     "fetch_slots",
@@ -44,6 +46,9 @@ __all__ = [
     "resolve_rows",
     "resolve_sections",
     "section_bytes",
+    "settle",
+    "settle_ranges",
+    "slot_ranges",
     "write_sections",
 ]
 
@@ -321,21 +326,35 @@ GAP = 4096  # bytes between two wanted slots of a file below which both are one 
 Fetched = tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]
 
 
-def fetcher(folder: Folder, listing: dict[str, int], index: str) -> Fetch:
+class SlotFetch:
+    """The fetch of the tables a reader decodes from `folder`'s index file `index`
+    (`format.table.Fetch`); `ranges`: the byte ranges a fetch of those slots reads,
+    checked, so that a reader can fetch them with the data they check."""
+
+    def __init__(self, folder: Folder, listing: dict[str, int], index: str) -> None:
+        self.folder, self.listing, self.index = folder, listing, index
+
+    def __call__(self, slots: Slots) -> Fetched:
+        return fetch_slots(self.folder, self.listing, self.index, slots)
+
+    def ranges(self, slots: Slots) -> dict[str, list[tuple[int, int]]]:
+        out: dict[str, list[tuple[int, int]]] = {}
+        for name, _mine, at, stop, runs in _by_file(self.folder, self.listing, self.index, slots):
+            out[name] = [(int(at[lo]), int(stop[hi - 1])) for lo, hi in runs]
+        return out
+
+
+def fetcher(folder: Folder, listing: dict[str, int], index: str) -> SlotFetch:
     """The fetch of the tables a reader decodes from `folder`'s index file `index`."""
-
-    def fetch(slots: Slots) -> Fetched:
-        return fetch_slots(folder, listing, index, slots)
-
-    return fetch
+    return SlotFetch(folder, listing, index)
 
 
-def fetch_slots(folder: Folder, listing: dict[str, int], index: str, slots: Slots) -> Fetched:
-    """Each slot's frame and checksums, read file by file in runs of neighbours, each
-    file's slots checked first (`_runs`)."""
-    n = len(slots.at)
-    frame, first = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint32)
-    many: dict[int, np.ndarray] = {}
+def _by_file(
+    folder: Folder, listing: dict[str, int], index: str, slots: Slots
+) -> Iterator[tuple[str, np.ndarray, np.ndarray, np.ndarray, list[tuple[int, int]]]]:
+    """For each data file the slots name: its name, its slots (positions in `slots`)
+    with their starts and ends, sorted, and the runs of them read together, each
+    file's slots checked before it is yielded (`_runs`)."""
     files, which = _files(slots.files)
     order = np.lexsort((slots.at, which.reshape(-1)))
     bounds = np.searchsorted(which.reshape(-1)[order], np.arange(len(files) + 1))
@@ -345,9 +364,20 @@ def fetch_slots(folder: Folder, listing: dict[str, int], index: str, slots: Slot
         at = slots.at[mine]
         count = np.minimum(slots.count[mine], 1 << 58)  # past any file: `stop` cannot wrap
         stop = at + 4 * (1 + count)
+        yield name, mine, at, stop, _runs(folder, listing, index, name, (mine, at, stop), slots)
+
+
+def fetch_slots(folder: Folder, listing: dict[str, int], index: str, slots: Slots) -> Fetched:
+    """Each slot's frame and checksums, read file by file in runs of neighbours, each
+    file's slots checked first (`_runs`)."""
+    n = len(slots.at)
+    frame, first = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint32)
+    many: dict[int, np.ndarray] = {}
+    for name, mine, at, stop, runs in _by_file(folder, listing, index, slots):
+        count = (stop - at) // 4 - 1
         handle = None
         try:
-            for lo, hi in _runs(folder, listing, index, name, (mine, at, stop), slots):
+            for lo, hi in runs:
                 start, end = int(at[lo]), int(stop[hi - 1])
                 handle = handle or folder.open(name)
                 data = handle.pread(end - start, start)
@@ -373,6 +403,18 @@ class Pending:
     fill: Callable[[np.ndarray, np.ndarray], None]
 
 
+@dataclass
+class _Gathered:
+    """The slots of a `resolve_rows` call: the tables' rows' first (`mine` of them, of
+    `asked[slots.table]`'s rows `rows`), then the pending ones."""
+
+    slots: Slots
+    asked: list[tuple[ChunkTable, np.ndarray]]
+    rows: np.ndarray
+    mine: int
+    fetch: Fetch | None
+
+
 def resolve_rows(
     pairs: Sequence[tuple[ChunkTable, Sequence[int]]],
     pending: Sequence[Pending] = (),
@@ -383,6 +425,36 @@ def resolve_rows(
     (with `fetch`, where no table is asked): which can be fetched is one numpy pass per
     ndim over all of them (`format.table.fetchable`); every slot is checked with all
     the others before its file is read (`fetch_slots`)."""
+    found = _gather(pairs, pending, fetch)
+    if found is None:
+        return
+    slots, asked, mine = found.slots, found.asked, found.mine
+    if found.fetch is None:  # a reader's bug: a version 5 section read without its files
+        raise CorruptCheckpointError(f"{slots.names[0]}: checksums kept with data, not read")
+    frame, first, many = found.fetch(slots)
+    start = mine
+    for p in pending:
+        end = start + len(p.slots.at)
+        p.fill(frame[start:end], first[start:end])
+        start = end
+    _fill(asked, slots.table[:mine], found.rows[:mine], (frame, first, many))
+
+
+def slot_ranges(pairs: Sequence[tuple[ChunkTable, Sequence[int]]]) -> dict[str, list[tuple[int, int]]]:
+    """The byte ranges of data files `resolve_rows(pairs)` would read, checked as it
+    checks them: what a reader fetches with the data they check (`io.read`)."""
+    found = _gather(pairs, (), None)
+    if found is None or not isinstance(found.fetch, SlotFetch):
+        return {}
+    return found.fetch.ranges(found.slots)
+
+
+def _gather(
+    pairs: Sequence[tuple[ChunkTable, Sequence[int]]],
+    pending: Sequence[Pending],
+    fetch: Fetch | None,
+) -> _Gathered | None:
+    """The slots `resolve_rows` fetches; None: there are none."""
     rows_of: dict[int, list[Sequence[int]]] = {}
     tables: dict[int, ChunkTable] = {}
     for table, some in pairs:
@@ -422,23 +494,15 @@ def resolve_rows(
         parts.append((s.files, s.at, s.count, s.table + len(names), np.zeros_like(s.at)))
         names += s.names
     if not parts:
-        return
+        return None
     files, at, count, owners, rows = (np.concatenate(column) for column in zip(*parts))
     slots = Slots(files.reshape(-1, 3), at, count, owners, names)
     if not len(slots.at):
-        return
+        return None
     if asked:
         first_table, _rows = asked[0]
         fetch = first_table.fetch
-    if fetch is None:  # a reader's bug: a version 5 section read without its files
-        raise CorruptCheckpointError(f"{names[0]}: checksums kept with data, not read")
-    frame, first, many = fetch(slots)
-    start = mine
-    for p in pending:
-        end = start + len(p.slots.at)
-        p.fill(frame[start:end], first[start:end])
-        start = end
-    _fill(asked, slots.table[:mine], rows[:mine], (frame, first, many))
+    return _Gathered(slots, asked, rows, mine, fetch)
 
 
 def _fill(
@@ -613,23 +677,21 @@ class TensorChunks:
         self.plain: np.ndarray | None = None  # which rows are plain one-tile chunks, once
 
     def covering(
-        self, offsets: tuple[int, ...], sizes: tuple[int, ...], rows: list[int] | None = None
+        self,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        rows: list[int] | None = None,
+        fetch: bool = True,
     ) -> list[ChunkEntry]:
         """The stored chunks overlapping the non-empty box (`offsets`, `sizes`): `rows`,
-        when the caller found them (`ChunkTable.overlapping`)."""
-        shape, where = self.entry.shape, self.table.where
+        when the caller found them (`ChunkTable.overlapping`). `fetch=False`: checksums
+        their writers keep are not fetched (`ChunkTable.entry`; `settle` does, for the
+        rank that reads them); everything else is checked as ever."""
         if rows is None:
             rows = self.table.overlapping(offsets, sizes)
-        found = [self.table.entry(i) for i in rows]
-        for c in found:
-            if not (
-                all(map(operator.le, map(operator.add, c.offsets, c.sizes), shape))
-                and chunk_consistent(c, self.itemsize, 4, 0)
-            ):
-                raise CorruptCheckpointError(
-                    f"{where}: chunk at offsets {c.offsets} has inconsistent sizes or byte "
-                    f"ranges (file {c.file}, payload {c.payload})"
-                )
+        found = [self.table.entry(i, fetch) for i in rows]
+        for i, c in zip(rows, found):
+            self.check(c, i)
         self.ranges.update(
             {(self.key, i): (self.key, c.file, *c.record) for i, c in zip(rows, found)}
         )
@@ -641,5 +703,56 @@ class TensorChunks:
                 (tuple(x - a for x, a in zip(lo, offsets)), tuple(h - x for x, h in zip(lo, hi)))
             )
         if math.prod(sizes):
-            check_coverage(f"{self.key} (at {offsets})", sizes, clipped, where, replicas=False)
+            check_coverage(
+                f"{self.key} (at {offsets})", sizes, clipped, self.table.where, replicas=False
+            )
         return found
+
+    def check(self, c: ChunkEntry, row: int) -> None:
+        """Row `row`'s entry `c` inside the tensor, its sizes, byte ranges and checksums
+        consistent (those not fetched yet: their count in the row)."""
+        counted = c if c.crc_at < 0 else replace(c, crcs=range(self.table.crc_count(row)))
+        if not (
+            all(map(operator.le, map(operator.add, c.offsets, c.sizes), self.entry.shape))
+            and chunk_consistent(counted, self.itemsize, 4, 0)  # type: ignore[arg-type]
+        ):
+            raise CorruptCheckpointError(
+                f"{self.table.where}: chunk at offsets {c.offsets} has inconsistent sizes or "
+                f"byte ranges (file {c.file}, payload {c.payload})"
+            )
+
+
+@dataclass(frozen=True, eq=False)
+class Unsettled:
+    """A stored chunk planned without the checksums its writer keeps
+    (`TensorChunks.covering(fetch=False)`): a rank that plans with a chunk another
+    rank reads never fetches them; the one that reads it does (`settle`), in the
+    same requests as its bytes on an object store (`io.read`)."""
+
+    chunks: TensorChunks
+    row: int
+    entry: ChunkEntry  # checked, but for its checksums
+
+
+def _pairs(unsettled: Sequence[Unsettled]) -> list[tuple[ChunkTable, list[int]]]:
+    by_table: dict[int, tuple[ChunkTable, list[int]]] = {}
+    for u in unsettled:
+        by_table.setdefault(id(u.chunks.table), (u.chunks.table, []))[1].append(u.row)
+    return list(by_table.values())
+
+
+def settle(unsettled: Sequence[Unsettled]) -> list[ChunkEntry]:
+    """Each chunk's entry with its checksums, fetched for all at once (a read per data
+    file and run: `resolve_rows`) and checked as `TensorChunks.covering` checks them."""
+    resolve_rows(_pairs(unsettled))
+    out = []
+    for u in unsettled:
+        c = u.chunks.table.entry(u.row)
+        u.chunks.check(c, u.row)
+        out.append(c)
+    return out
+
+
+def settle_ranges(unsettled: Sequence[Unsettled]) -> dict[str, list[tuple[int, int]]]:
+    """The byte ranges `settle(unsettled)` reads (checked: inside their data files)."""
+    return slot_ranges(_pairs(unsettled))

@@ -325,9 +325,12 @@ class ChunkTable:
         hit = ((start < lo + np.asarray(sizes)) & (start + length > lo) & (length > 0)).all(axis=1)
         return np.flatnonzero(hit).tolist()
 
-    def entry(self, i: int) -> ChunkEntry:
+    def entry(self, i: int, fetch: bool = True) -> ChunkEntry:
         """Row `i` as a manifest entry; its values are checked against each other and
-        the tensor by the reader (`Manifest`'s geometry rules), as a JSON entry's are."""
+        the tensor by the reader (`Manifest`'s geometry rules), as a JSON entry's are.
+        `fetch=False`: checksums its writer keeps are not fetched if they were not yet;
+        the entry then holds none and its `crc_at` says where they are (a rank that
+        plans with a row another rank reads never needs them)."""
         col = row_columns(self.ndim)
         row = self.rows[i] if self.array is None else self.array[i].tolist()
         rank, k, token, frame, transform = (
@@ -340,9 +343,12 @@ class ChunkTable:
         transformed = transform >= 0
         if -1 in (rank, k, rec_off, rec_len) or (pay_off == -1) != transformed:
             raise CorruptCheckpointError(f"{self.where}: chunk row {i} holds an impossible value")
+        crc_at = -1  # its checksums are in the entry
         if self._kept_at[i] < 0:
             crcs = self.crcs[self.starts[i] : self.starts[i + 1]]
             crcs = crcs if self.array is None else crcs.tolist()
+        elif not fetch and self.kept.frame[i] < 0:  # with its writer, not fetched: later
+            frame, crcs, crc_at = 0, [], int(self._kept_at[i])
         else:  # with its writer: none when its count does not fit its grid (never fetched)
             if self.kept.frame[i] < 0:
                 self.resolve([i])
@@ -357,7 +363,14 @@ class ChunkTable:
             frame,
             self.transforms[transform] if transformed else None,
             None if transformed or -1 in tile else tile,
+            crc_at,
         )
+
+    def crc_count(self, i: int) -> int:
+        """How many checksums row `i` says its chunk has (not fetched: its row's count)."""
+        col = row_columns(self.ndim)
+        row = self.rows[i] if self.array is None else self.array[i]
+        return int(row[col.crc_count])
 
     def place(self, i: int) -> tuple[str, int] | None:
         """Where row `i`'s record starts (its file, offset), its checksums not fetched:

@@ -5,7 +5,7 @@ Built on `storage.Folder` and `format`; knows nothing of state dicts or DCP's
 planners.
 """
 
-from .chunks import ArchiveRead, ChunkRead, GatherRead, words_of
+from .chunks import ArchiveRead, ChunkRead, GatherRead, PendingChunk, words_of
 from .commit import (
     commit,
     data_file_name,
@@ -30,6 +30,7 @@ __all__ = [
     "GatherRead",
     "HostCopier",
     "Lease",
+    "PendingChunk",
     "ReadExecutor",
     "ArchiveRead",
     "Written",

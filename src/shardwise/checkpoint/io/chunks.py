@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import crc32c
 import numpy as np
@@ -27,6 +27,7 @@ from ..format import (
     ArchiveLayout,
     Boxes,
     StoredChunk,
+    Unsettled,
     bad_page,
     bad_tile,
     bad_tile_in_box,
@@ -46,6 +47,7 @@ __all__ = [
     "ChunkRead",
     "GAP",
     "GatherRead",
+    "PendingChunk",
     "Placed",
     "ArchiveRead",
     "SMALL",
@@ -94,6 +96,22 @@ class ChunkRead:
     lengths: tuple[int, ...]
     target: torch.Tensor | Callable[[], torch.Tensor]
     done: Callable[[torch.Tensor], None] | None = None
+
+
+@dataclass
+class PendingChunk(StoredChunk):
+    """A stored chunk whose checksums its writer keeps, fetched by the rank that reads
+    it when it reads (`format.index.Unsettled`): `crcs` is None until then, set by the
+    read executor before any of its bytes is checked (`io.read`)."""
+
+    unsettled: Unsettled | None = None
+
+    @classmethod
+    def planned(cls, unsettled: Unsettled, dtype: str, page_size: int) -> PendingChunk:
+        c = StoredChunk.of(unsettled.entry, dtype, page_size)
+        out = cls(*(getattr(c, f.name) for f in fields(StoredChunk)), unsettled)  # type: ignore[arg-type]
+        out.crcs = None  # none fetched: never read as "no checksums to check"
+        return out
 
 
 @dataclass
@@ -150,6 +168,27 @@ def _checked(chunk: StoredChunk | None, verify: bool) -> list[int] | None:
     return chunk.crcs if verify and chunk is not None and chunk.payload is not None else None
 
 
+def verifies(chunk: StoredChunk | None, verify: bool) -> bool:
+    """Whether a read of `chunk` checks checksums, known before they are fetched (a
+    `PendingChunk`'s are, by the read executor, before any of its reads runs)."""
+    return (
+        verify
+        and chunk is not None
+        and chunk.payload is not None
+        and (chunk.crcs is not None or isinstance(chunk, PendingChunk))
+    )
+
+
+def crc_count(chunk: StoredChunk) -> int:
+    """How many checksums `chunk` has (a `PendingChunk`'s: its row's count, checked)."""
+    if chunk.crcs is not None:
+        return len(chunk.crcs)
+    if isinstance(chunk, PendingChunk) and chunk.unsettled is not None:
+        u = chunk.unsettled
+        return u.chunks.table.crc_count(u.row)
+    return 0
+
+
 def _box_to_read(
     chunk: StoredChunk | None,
     layout: ArchiveLayout,
@@ -160,8 +199,7 @@ def _box_to_read(
     """(offsets, lengths, page): the box actually read for a request, and the page its
     runs widen to. Tiled chunks read the tile-aligned enclosing box; paged ones the
     box itself widened to pages; unchecked ones exactly the box."""
-    crcs = _checked(chunk, verify)
-    if crcs is None or chunk is None:
+    if chunk is None or not verifies(chunk, verify):
         return offsets, lengths, None
     if chunk.tile is None:
         return offsets, lengths, chunk.page_size
@@ -514,8 +552,7 @@ def read_whole(read: ChunkRead, layout: ArchiveLayout, verify: bool) -> bool:
     return (
         verify
         and isinstance(info, StoredChunk)
-        and info.crcs is not None
-        and len(info.crcs) == 1
+        and crc_count(info) == 1
         and info.tile == tuple(layout.shape)
         and read.done is None
         and isinstance(read.target, torch.Tensor)

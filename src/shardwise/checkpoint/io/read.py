@@ -33,12 +33,15 @@ from ..format import (
     TileHasher,
     byte_view,
     read_archive_layout,
+    settle,
+    settle_ranges,
     tile_lengths,
 )
 from .chunks import (
     ArchiveRead,
     ChunkRead,
     GatherRead,
+    PendingChunk,
     Whole,
     as_whole,
     box_ranges,
@@ -470,6 +473,10 @@ class ReadExecutor:
             for name, batch in wholes.items():
                 for lo, hi, span in whole_spans(batch, limit):
                     jobs.append(({name: [(lo, hi)]}, _bind(self._read_span, name, span, lo)))
+            pending = self._pending(chunks)
+            if pending:  # before any read: on a store, fetched with the first window's data
+                jobs.insert(0, pending)
+                first += 1
             # a caller's callbacks (DCP's planner resolving and committing targets) are
             # called from one thread, as DCP calls them
             called = any(
@@ -489,6 +496,26 @@ class ReadExecutor:
             read.done(target)
 
     # -- running --------------------------------------------------------------------------------
+
+    def _pending(self, chunks: list[ChunkRead]) -> Job | None:
+        """The job that fetches the checksums of `chunks` planned without them
+        (`PendingChunk`), when verifying: its ranges (on a store, fetched with the data
+        they check, in one request where they are neighbours) and the fetch."""
+        if not self.verify:
+            return None
+        infos = [
+            r.info for r in chunks if isinstance(r.info, PendingChunk) and r.info.crcs is None
+        ]
+        if not infos:
+            return None
+        unsettled = [i.unsettled for i in infos]
+        ranges = settle_ranges(unsettled) if self.folder.wants_prefetch else {}  # type: ignore[arg-type]
+
+        def fetch() -> None:
+            for info, entry in zip(infos, settle(unsettled), strict=True):  # type: ignore[arg-type]
+                info.crcs = list(entry.crcs)
+
+        return ranges, fetch
 
     def _pread(self, info: _StorageInfo, name: str) -> bytes:
         data = self._files[info.relative_path].pread(info.length, info.offset)
