@@ -79,7 +79,15 @@ def test_coalesced_ranges_cover_every_byte_wanted_at_most_one_tenth_more(pairs):
 
 
 def test_long_ranges_are_fetched_as_parts():
-    assert _parts([(0, 2 * PART + 5)]) == [(0, PART), (PART, 2 * PART), (2 * PART, 2 * PART + 5)]
+    q = PART // 4
+    assert _parts([(0, 2 * PART + q)]) == [(0, PART), (PART, 2 * PART), (2 * PART, 2 * PART + q)]
+    # a last part under a quarter joins the one before: no request for a few bytes
+    assert _parts([(0, 2 * PART + q - 1)]) == [(0, PART), (PART, 2 * PART + q - 1)]
+    assert _parts([(7, 7 + PART + 5), (10 * PART, 10 * PART + 3)]) == [
+        (7, 7 + PART + 5),
+        (10 * PART, 10 * PART + 3),
+    ]
+    assert _parts([(0, PART)]) == [(0, PART)]
 
 
 # -- saving and loading ---------------------------------------------------------------------

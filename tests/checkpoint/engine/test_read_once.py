@@ -543,3 +543,93 @@ def test_records_past_the_bound_are_read_by_every_rank_itself(store, monkeypatch
     assert calls[("ls", "ck")] == W  # each rank lists and reads them, as without sharing
     assert calls[("cat_file", "shardwise.json")] == W
     assert world.calls[:2] == ["broadcast", "all_reduce"]  # "each reads them": no bytes
+
+
+BIG = (256, 64)  # 32 KiB a row half: the bytes between two payloads of a file are < 10%
+BIG_FULL = {k: torch.arange(256 * 64.0).reshape(BIG) + i for i, k in enumerate("wxyz")}
+BIG_DP_TP = Layout(BIG, {r: [Block((128 * (r % 2), 0), (128, 64))] for r in range(W)}, W)
+
+
+def _big(rank: int, fill: bool) -> dict[str, Any]:
+    return {
+        k: ShardedTensor.from_layout(
+            BIG_DP_TP, shard_of(f if fill else torch.full(BIG, -1.0), BIG_DP_TP, rank), rank=rank
+        )
+        for k, f in BIG_FULL.items()
+    }
+
+
+def _big_load(comm: ThreadedRank, url: str, once: bool | None) -> None:
+    target = _big(comm.rank, False)
+    load_state(target, url, Agreement(comm), strict=True, verify=True, cast_dtype=False,
+               broadcast=once)  # fmt: skip
+    for k, full in BIG_FULL.items():
+        (got,) = target[k].local_shards()
+        (want,) = shard_of(full, BIG_DP_TP, comm.rank)
+        assert torch.equal(got, want), (k, comm.rank)
+
+
+def test_on_an_object_store_each_data_file_is_one_request(store) -> None:
+    """DP 2 x TP 2, four tensors: each replica pair's chunks lie in two files (its two
+    writers'), and each file is read by one of the pair, its chunks and the checksums
+    their writer keeps after them in one ranged GET. The other rank fetches neither."""
+    url, calls = store
+    world = ThreadedWorld(W)
+    world.run(lambda comm: save_state(_big(comm.rank, True), url, Agreement(comm)))
+    index = Manifest.read(url).index
+    assert index is not None
+    records = {"shardwise.json", ".metadata", index.file}
+
+    def data() -> dict[str, int]:
+        return {n: c for (m, n), c in calls.items() if m == "cat_file" and n not in records}
+
+    calls.clear()
+    assert world.run(lambda comm: _big_load(comm, url, False)) == [None] * W
+    alone = data()
+    assert len(alone) == W  # one data file a writer
+    # each file by both ranks of its pair: its chunks, then (planning) its checksums
+    assert alone == dict.fromkeys(alone, 4)
+    calls.clear()
+    assert world.run(lambda comm: _big_load(comm, url, None)) == [None] * W
+    assert data() == dict.fromkeys(alone, 1)
+    assert {n: calls[("cat_file", n)] for n in records} == dict.fromkeys(records, 1)
+    assert calls[("ls", "ck")] == 1
+
+
+def test_a_corrupt_checksum_its_writer_keeps_is_found_by_the_reader(tmp_path: Path) -> None:
+    """The checksum kept for the bottom half of "b", flipped in its writer's file: the
+    rank reading that chunk fetches it (its receiver never does) and every rank raises
+    the mismatch, naming tensor and file."""
+    import crc32c
+
+    path = tmp_path / "ck"
+    _saved(path, DP_TP)
+    kept = crc32c.crc32c(FULL["b"][4:].contiguous().numpy().tobytes()).to_bytes(4, "little")
+    flipped = []
+    for p in path.iterdir():
+        raw = bytearray(p.read_bytes())
+        at = raw.rfind(kept)
+        if p.name.endswith(".distcp") and at >= 0:
+            raw[at] ^= 0x01
+            p.write_bytes(bytes(raw))
+            flipped.append(p.name)
+    assert len(flipped) == 1
+    world = ThreadedWorld(W)
+    found = _failures(world, path, DP_TP, CorruptCheckpointError)
+    assert all(isinstance(e, CorruptCheckpointError) for e in found), found
+    assert all("'b'" in str(e) and flipped[0] in str(e) and "checksum" in str(e) for e in found)
+    assert world.calls.count("send_recv") == 1  # found by the exchange's reader
+
+
+def test_a_files_chunks_go_to_one_reader_unless_it_is_too_large() -> None:
+    members = (3, 5)
+    turn = read_once.zlib.crc32(repr(members).encode()) % 2
+    a, b = members[turn], members[1 - turn]
+    # two files of two chunks: one reader each, not a chunk of each file to each
+    assert read_once._readers(members, [4, 4, 4, 4], ["f", "f", "g", "g"]) == [a, a, b, b]
+    # one file of everything: cut between the members as before, chunk by chunk
+    assert read_once._readers(members, [4, 4, 4, 4], ["f"] * 4) == [a, a, b, b]
+    # a file of 6 of 8 bytes (> 1.25 x a member's 4): its chunks split
+    assert read_once._readers(members, [2, 2, 2, 2], ["f", "f", "f", "g"]) == [a, a, b, b]
+    # within 1.25 shares (5 of 4 x 1.25): one reader, the rest to the other
+    assert read_once._readers(members, [3, 2, 3], ["f", "f", "g"]) == [a, a, b]
