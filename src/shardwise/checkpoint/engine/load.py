@@ -615,8 +615,8 @@ def _plan(
     for key, stored, overlaps in fetched(iter(sections), held, whole, exchanged):
         if key in exchanged:
             for piece, rows in zip(held[key], overlaps):  # checked here, read there
-                found = stored.covering(piece.offsets, piece.sizes, rows, fetch=False)
-                covered[key].append((piece, found))  # type: ignore[index]
+                chunks = stored.covering(piece.offsets, piece.sizes, rows, fetch=False)
+                covered[key].append((piece, chunks))  # type: ignore[index]
             continue
         if key in sent:
             for piece, rows in zip(held[key], overlaps):

@@ -440,7 +440,9 @@ def resolve_rows(
     _fill(asked, slots.table[:mine], found.rows[:mine], (frame, first, many))
 
 
-def slot_ranges(pairs: Sequence[tuple[ChunkTable, Sequence[int]]]) -> dict[str, list[tuple[int, int]]]:
+def slot_ranges(
+    pairs: Sequence[tuple[ChunkTable, Sequence[int]]],
+) -> dict[str, list[tuple[int, int]]]:
     """The byte ranges of data files `resolve_rows(pairs)` would read, checked as it
     checks them: what a reader fetches with the data they check (`io.read`)."""
     found = _gather(pairs, (), None)
@@ -711,10 +713,10 @@ class TensorChunks:
     def check(self, c: ChunkEntry, row: int) -> None:
         """Row `row`'s entry `c` inside the tensor, its sizes, byte ranges and checksums
         consistent (those not fetched yet: their count in the row)."""
-        counted = c if c.crc_at < 0 else replace(c, crcs=range(self.table.crc_count(row)))
+        counted = c if c.crc_at < 0 else replace(c, crcs=range(self.table.crc_count(row)))  # type: ignore[arg-type]
         if not (
             all(map(operator.le, map(operator.add, c.offsets, c.sizes), self.entry.shape))
-            and chunk_consistent(counted, self.itemsize, 4, 0)  # type: ignore[arg-type]
+            and chunk_consistent(counted, self.itemsize, 4, 0)
         ):
             raise CorruptCheckpointError(
                 f"{self.table.where}: chunk at offsets {c.offsets} has inconsistent sizes or "

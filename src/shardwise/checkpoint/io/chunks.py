@@ -109,7 +109,7 @@ class PendingChunk(StoredChunk):
     @classmethod
     def planned(cls, unsettled: Unsettled, dtype: str, page_size: int) -> PendingChunk:
         c = StoredChunk.of(unsettled.entry, dtype, page_size)
-        out = cls(*(getattr(c, f.name) for f in fields(StoredChunk)), unsettled)  # type: ignore[arg-type]
+        out = cls(**{f.name: getattr(c, f.name) for f in fields(StoredChunk)}, unsettled=unsettled)
         out.crcs = None  # none fetched: never read as "no checksums to check"
         return out
 

@@ -503,9 +503,7 @@ class ReadExecutor:
         they check, in one request where they are neighbours) and the fetch."""
         if not self.verify:
             return None
-        infos = [
-            r.info for r in chunks if isinstance(r.info, PendingChunk) and r.info.crcs is None
-        ]
+        infos = [r.info for r in chunks if isinstance(r.info, PendingChunk) and r.info.crcs is None]
         if not infos:
             return None
         unsettled = [i.unsettled for i in infos]
