@@ -550,20 +550,22 @@ BIG_FULL = {k: torch.arange(256 * 64.0).reshape(BIG) + i for i, k in enumerate("
 BIG_DP_TP = Layout(BIG, {r: [Block((128 * (r % 2), 0), (128, 64))] for r in range(W)}, W)
 
 
-def _big(rank: int, fill: bool) -> dict[str, Any]:
+def _big(rank: int, fill: bool, full: dict[str, torch.Tensor] = BIG_FULL) -> dict[str, Any]:
     return {
         k: ShardedTensor.from_layout(
             BIG_DP_TP, shard_of(f if fill else torch.full(BIG, -1.0), BIG_DP_TP, rank), rank=rank
         )
-        for k, f in BIG_FULL.items()
+        for k, f in full.items()
     }
 
 
-def _big_load(comm: ThreadedRank, url: str, once: bool | None) -> None:
-    target = _big(comm.rank, False)
+def _big_load(
+    comm: ThreadedRank, url: str, once: bool | None, fulls: dict[str, torch.Tensor] = BIG_FULL
+) -> None:
+    target = _big(comm.rank, False, fulls)
     load_state(target, url, Agreement(comm), strict=True, verify=True, cast_dtype=False,
                broadcast=once)  # fmt: skip
-    for k, full in BIG_FULL.items():
+    for k, full in fulls.items():
         (got,) = target[k].local_shards()
         (want,) = shard_of(full, BIG_DP_TP, comm.rank)
         assert torch.equal(got, want), (k, comm.rank)
@@ -629,7 +631,96 @@ def test_a_files_chunks_go_to_one_reader_unless_it_is_too_large() -> None:
     assert read_once._readers(members, [4, 4, 4, 4], ["f", "f", "g", "g"]) == [a, a, b, b]
     # one file of everything: cut between the members as before, chunk by chunk
     assert read_once._readers(members, [4, 4, 4, 4], ["f"] * 4) == [a, a, b, b]
-    # a file of 6 of 8 bytes (> 1.25 x a member's 4): its chunks split
+    # a file of 6 of 8 bytes, 2 past its slice's 4 (more than a quarter slice): split
     assert read_once._readers(members, [2, 2, 2, 2], ["f", "f", "f", "g"]) == [a, a, b, b]
-    # within 1.25 shares (5 of 4 x 1.25): one reader, the rest to the other
+    # 5 of 8, 1 past (a quarter slice): one reader, the rest to the other
     assert read_once._readers(members, [3, 2, 3], ["f", "f", "g"]) == [a, a, b]
+
+
+def test_a_few_files_more_than_readers_leave_no_reader_far_past_its_share() -> None:
+    """17 files of 4 equal chunks for 16 readers: whole files where they sit in one
+    reader's slice, the others cut by chunks (the slowest reader sets the time)."""
+    files = [f"f{i}" for i in range(17) for _ in range(4)]
+    got = read_once._readers(tuple(range(16)), [1] * len(files), files)
+    per = [got.count(r) for r in range(16)]
+    assert sum(per) == 68 and max(per) == 5 and min(per) == 4  # shares of 4.25 chunks
+    whole = {name for name in set(files) if len({g for g, f in zip(got, files) if f == name}) == 1}
+    # file i is chunks [4i, 4i + 4), its middle's slice [4.25 s, 4.25 s + 4.25): files 0-4
+    # and 12-16 lie outside it by at most a chunk (a quarter slice), files 5-11 by more
+    assert whole == {f"f{i}" for i in [*range(5), *range(12, 17)]}
+
+
+def test_kept_checksums_past_a_files_end_are_refused_unverified_too(tmp_path: Path) -> None:
+    """Each data file cut short by its last checksum: every rank refuses it at planning,
+    `verify=False` or not, exchange or not (the rank that would fetch a checksum is not
+    the only one that checks where it lies)."""
+    path = tmp_path / "ck"
+    _saved(path, DP_TP)
+    index = Manifest.read(path).index
+    assert index is not None
+    for p in path.glob("*.distcp"):
+        if p.name != index.file:
+            p.write_bytes(p.read_bytes()[:-4])
+    world = ThreadedWorld(W)
+    for once in (False, True):
+
+        def one(comm: ThreadedRank, once: bool = once) -> BaseException | None:
+            try:
+                load_state(_state(DP_TP, comm.rank, False), path, Agreement(comm), strict=True,
+                           verify=False, cast_dtype=False, broadcast=once)  # fmt: skip
+            except CorruptCheckpointError as refused:
+                return refused
+            return None
+
+        world.calls.clear()
+        got = world.run(one)
+        assert all(isinstance(e, CorruptCheckpointError) for e in got), (once, got)
+        assert all("chunk checksums" in str(e) and "lie past its end" in str(e) for e in got)
+        assert "send_recv" not in world.calls  # refused before any read
+
+
+def test_rounds_fetch_each_files_checksums_once(store, monkeypatch) -> None:
+    """Eight rounds (a key each; each data file holds 4 of the 8 keys' chunks): a
+    reader fetches the checksums of all its rounds' chunks in the first, one request
+    per file, not one per round; each round's chunk is a request of its own."""
+    url, calls = store
+    fulls = {f"k{i}": torch.arange(256 * 64.0).reshape(BIG) + i for i in range(8)}
+    world = ThreadedWorld(W)
+    world.run(lambda comm: save_state(_big(comm.rank, True, fulls), url, Agreement(comm)))
+    index = Manifest.read(url).index
+    assert index is not None
+    records = {"shardwise.json", ".metadata", index.file}
+    monkeypatch.setattr(read_once, "BATCH", 32 << 10)  # a rank holds 8 x 32 KiB: 8 rounds
+    calls.clear()
+    world.calls.clear()
+    assert world.run(lambda comm: _big_load(comm, url, None, fulls)) == [None] * W
+    assert world.calls.count("send_recv") == 8
+    data = {n: c for (m, n), c in calls.items() if m == "cat_file" and n not in records}
+    assert len(data) == W
+    # each file: its 4 chunks, one a round, and one request for their 4 checksums (the
+    # first round's chunk lies far from them; per round they were 3 requests more)
+    assert data == dict.fromkeys(data, 5)
+
+
+def test_no_section_is_held_while_the_exchange_runs(tmp_path: Path, monkeypatch) -> None:
+    """What a rank keeps of a chunk it plans without its checksums is the chunk's entry
+    and where they lie, not its section: sections are let go group by group as the
+    load plans (`engine.stored.GROUP`), whatever the rounds after."""
+    import gc
+
+    from shardwise.checkpoint.format.table import ChunkTable
+
+    path = tmp_path / "ck"
+    _saved(path, ROWS)
+    alive: list[int] = []
+    real = read_once.run
+
+    def counted(comm: Any, executor: Any, plan: Any) -> Any:
+        gc.collect()
+        alive.append(sum(isinstance(o, ChunkTable) for o in gc.get_objects()))
+        return real(comm, executor, plan)
+
+    monkeypatch.setattr(read_once, "run", counted)
+    for rank, (_read, target) in enumerate(_load(ThreadedWorld(W), path, COLUMNS, True)):
+        _exact(target, COLUMNS, rank)
+    assert alive == [0] * W

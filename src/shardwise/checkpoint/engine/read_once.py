@@ -19,10 +19,18 @@ number of bytes a rank's targets hold, so every rank knows that every other
 planned from the same facts, and how many rounds to cut the bytes into.
 
 The reader of a chunk: the ranks needing exactly the same chunks (a DP replica
-set, a column group) form a group; its chunks, in storage order, are cut into
-consecutive runs of about equal bytes, one per member (`engine.load.schedule`'s
-rule), so each rank reads about stored bytes ÷ W. A chunk only one rank needs is
-read by it, as without this.
+set, a column group) form a group; its chunks, in storage order (file, then
+offset), are cut into consecutive runs of about equal bytes, one per member
+(`engine.load.schedule`'s rule), so each rank reads about stored bytes ÷ W; a
+file's chunks go to one member where that costs little balance (`_readers`), so
+a file is one request on an object store. A chunk only one rank needs is read by
+it, as without this.
+
+Only a chunk's reader fetches the checksums its writer keeps in its data file
+(format version 5): the other ranks plan with its row alone (`format.index.
+Unsettled`, where the checksums lie checked on every rank), and the reader fetches
+those of all its rounds' chunks in its first, with the bytes they check
+(`io.read`: one ranged GET where they are neighbours).
 
 The rule (`read_once=None`, "auto"): on a medium several readers share (an object
 store, a network file system: `Folder.shared_medium`) or ranks on several hosts,
@@ -66,7 +74,7 @@ from ...layout import Block, BlockIndex, Layout
 from ...storage import Folder, FsspecFolder, SharedReads
 from ...tensor import ShardedTensor
 from ..format import ChunkEntry, Unsettled
-from ..io import ChunkRead, ReadExecutor
+from ..io import ChunkRead, PendingChunk, ReadExecutor
 from .inventory import Piece, pieces_of
 from .stored import StoredBox, StoredView
 
@@ -89,9 +97,9 @@ __all__ = [
 
 BATCH = 64 << 20  # about the bytes a rank's targets take per round
 
-# a file's chunks in a group go to one reader while they are at most this many
-# members' shares of the group's bytes (`_readers`)
-SPLIT = 1.25
+# a file's chunks in a group go to one reader where at most this share of a
+# member's slice of the group's bytes lies outside its slice (`_readers`)
+SLACK = 0.25
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -461,10 +469,11 @@ def _readers(members: tuple[int, ...], sizes: list[int], files: list[str]) -> li
     """The reader of each of a group's chunks (in storage order, `files` naming each
     one's): member j takes the chunks whose middle byte falls in the j-th of equal
     slices of their bytes, the members turned by a hash of the group, so a rank first
-    in many small groups is not every group's reader. The chunks of one file go to
-    one reader, by the file's middle byte, unless the file holds more than `SPLIT`
-    slices' worth: one reader then reads them in one request (with their checksums),
-    and a large file is still read by several."""
+    in many small groups is not every group's reader. A file's chunks go to one
+    reader (one request on an object store, with their checksums) where the file
+    lies in the slice of its middle byte but for at most `SLACK` of a slice; else
+    each chunk goes by its own middle byte, so no reader takes more than its share
+    by much (a few files more than members, or one large file, are still split)."""
     total = max(1, sum(sizes))
     k = len(members)
     turn = zlib.crc32(repr(members).encode()) % k
@@ -475,8 +484,10 @@ def _readers(members: tuple[int, ...], sizes: list[int], files: list[str]) -> li
         while j < len(sizes) and files[j] == files[i]:
             j += 1
         whole = sum(sizes[i:j])
-        if whole * k <= SPLIT * total:  # the file's chunks together
-            slot = min(k - 1, (2 * at + whole) * k // (2 * total))
+        slot = min(k - 1, (2 * at + whole) * k // (2 * total))
+        # bytes of the file outside its slot's slice, times k (slices are total / k)
+        outside = max(0, slot * total - at * k) + max(0, (at + whole) * k - (slot + 1) * total)
+        if outside <= SLACK * total:
             out += [members[(slot + turn) % k]] * (j - i)
             at += whole
         else:
@@ -513,6 +524,11 @@ def run(
     everywhere). Returns the first problem and the bytes this rank sent."""
     problems: list[BaseException] = []
     sent = 0
+    # the checksums of every round's reads are fetched in the first (one request per
+    # file and run of them, not one per round)
+    unsettled: list[PendingChunk] = [
+        f.info for rnd in plan.rounds for f in rnd.fetches if isinstance(f.info, PendingChunk)
+    ]
     for rnd in plan.rounds:
         landing: list[tuple[int, torch.Tensor]] = []
         later: list[tuple[torch.Tensor, torch.Tensor]] = []  # (scratch, target) to copy after
@@ -526,15 +542,20 @@ def run(
                     later.append((scratch, target))
         outgoing: list[tuple[int, torch.Tensor]] = []
 
-        def sends(rnd: Round = rnd, outgoing: list[tuple[int, torch.Tensor]] = outgoing) -> Any:
+        def sends(
+            rnd: Round = rnd,
+            outgoing: list[tuple[int, torch.Tensor]] = outgoing,
+            settle: list[PendingChunk] = unsettled,
+        ) -> Any:
             try:
-                outgoing += _read_and_part(comm.rank, executor, rnd.fetches, problems)
+                outgoing += _read_and_part(comm.rank, executor, rnd.fetches, problems, settle)
             except Exception as e:  # noqa: BLE001 - never a message short: the others wait
                 problems.append(e)
                 outgoing[:] = _stand_ins(comm.rank, rnd.fetches)
             return outgoing
 
         comm.send_recv(landing, sends)
+        unsettled = []
         for scratch, target in later:
             target.copy_(scratch)
         sent += sum(t.numel() * t.element_size() for _r, t in outgoing)
@@ -558,7 +579,11 @@ def _stand_ins(rank: int, fetches: list[Fetch]) -> list[tuple[int, torch.Tensor]
 
 
 def _read_and_part(
-    rank: int, executor: ReadExecutor, fetches: list[Fetch], problems: list[BaseException]
+    rank: int,
+    executor: ReadExecutor,
+    fetches: list[Fetch],
+    problems: list[BaseException],
+    settle: list[PendingChunk],
 ) -> list[tuple[int, torch.Tensor]]:
     """`fetches` read, this rank's parts copied into its targets, and the others' parts
     to send, by rank then `Order` (as each receiver expects them)."""
@@ -579,7 +604,7 @@ def _read_and_part(
         for f, buf in zip(fetches, buffers)
     ]
     try:
-        executor.run(reads)
+        executor.run(reads, settle)
     except Exception as e:  # noqa: BLE001 - raised on every rank by the verdict
         problems.append(e)
     outgoing: list[tuple[int, Order, torch.Tensor]] = []

@@ -56,6 +56,7 @@ from ..format import (
     resolve_rows,
     row_columns,
     section_bytes,
+    slot_ranges,
 )
 from ..io import ChunkRead, PendingChunk, per_rank_records
 from .inventory import Piece
@@ -506,7 +507,7 @@ class _Sectioned:
             rows = self.chunks.table.overlapping(offsets, sizes)
         found = self.chunks.covering(offsets, sizes, rows, fetch)
         return [
-            StoredBox(c.offsets, c.sizes, c if c.crc_at < 0 else Unsettled(self.chunks, i, c))
+            StoredBox(c.offsets, c.sizes, c if c.crc_at < 0 else self.chunks.unsettled(i, c))
             for i, c in zip(rows, found)
         ]
 
@@ -662,13 +663,16 @@ def _fetch(
     whole: WholeRows | None,
     later: frozenset[str] | set[str],
 ) -> list[tuple[str, Covering, list[list[int] | None]]]:
-    tables = [
-        (stored.sectioned.table, r)  # type: ignore[union-attr]
-        for key, stored, found in group
-        if key not in later
-        for r in found
-        if r
-    ]
+    # rows fetched now; rows whose reader fetches them
+    tables: list[tuple[ChunkTable, list[int]]] = []
+    unread: list[tuple[ChunkTable, list[int]]] = []
+    for key, stored, found in group:
+        for r in found:
+            if r:
+                (unread if key in later else tables).append((stored.sectioned.table, r))  # type: ignore[union-attr]
+    # where their checksums lie is checked here on every rank as if fetched (inside a
+    # plain data file, no two overlapping), whether or not checksums are verified
+    slot_ranges(unread)
     if whole is None:
         resolve_rows(tables)
     else:

@@ -58,6 +58,7 @@ from .index import (
     section_bytes,
     settle,
     settle_ranges,
+    slot_ranges,
     write_sections,
 )
 from .manifest import (
@@ -179,6 +180,7 @@ __all__ = [
     "section_bytes",
     "settle",
     "settle_ranges",
+    "slot_ranges",
     "spans",
     "tensor_archive",
     "tile_count",

@@ -710,6 +710,21 @@ class TensorChunks:
             )
         return found
 
+    def unsettled(self, row: int, c: ChunkEntry) -> Unsettled:
+        """Row `row`'s entry `c`, its checksums not fetched (`covering(fetch=False)`)."""
+        table = self.table
+        assert table.fetch is not None and c.crc_at >= 0  # a version 5 section's kept row
+        return Unsettled(
+            c,
+            table.file_key(row),
+            c.crc_at,
+            table.crc_count(row),
+            table.where,
+            tuple(self.entry.shape),
+            self.itemsize,
+            table.fetch,
+        )
+
     def check(self, c: ChunkEntry, row: int) -> None:
         """Row `row`'s entry `c` inside the tensor, its sizes, byte ranges and checksums
         consistent (those not fetched yet: their count in the row)."""
@@ -727,34 +742,69 @@ class TensorChunks:
 @dataclass(frozen=True, eq=False)
 class Unsettled:
     """A stored chunk planned without the checksums its writer keeps
-    (`TensorChunks.covering(fetch=False)`): a rank that plans with a chunk another
-    rank reads never fetches them; the one that reads it does (`settle`), in the
-    same requests as its bytes on an object store (`io.read`)."""
+    (`TensorChunks.unsettled`): a rank that plans with a chunk another rank reads
+    never fetches them; the one that reads it does (`settle`), in the same requests
+    as its bytes on an object store (`io.read`). Every planning rank has checked
+    where they lie (`stored.fetched`); this keeps only what fetching them needs, not
+    its section (a load holds these for all its rounds)."""
 
-    chunks: TensorChunks
-    row: int
     entry: ChunkEntry  # checked, but for its checksums
+    file: tuple[int, int, int]  # its writer's data file: rank, k, token
+    at: int  # where its frame and checksums start there
+    count: int  # how many checksums follow the frame
+    where: str  # its section, in errors
+    shape: tuple[int, ...]  # its tensor's
+    itemsize: int
+    fetch: Fetch
 
 
-def _pairs(unsettled: Sequence[Unsettled]) -> list[tuple[ChunkTable, list[int]]]:
-    by_table: dict[int, tuple[ChunkTable, list[int]]] = {}
-    for u in unsettled:
-        by_table.setdefault(id(u.chunks.table), (u.chunks.table, []))[1].append(u.row)
-    return list(by_table.values())
+def _slots(unsettled: Sequence[Unsettled]) -> list[tuple[Fetch, list[int], Slots]]:
+    """The slots of `unsettled`, by fetch (one per index): positions in `unsettled`."""
+    by_fetch: dict[int, tuple[Fetch, list[int]]] = {}
+    for j, u in enumerate(unsettled):
+        by_fetch.setdefault(id(u.fetch), (u.fetch, []))[1].append(j)
+    out = []
+    for fetch, js in by_fetch.values():
+        mine = [unsettled[j] for j in js]
+        slots = Slots(
+            np.asarray([u.file for u in mine], dtype=np.int64).reshape(-1, 3),
+            np.asarray([u.at for u in mine], dtype=np.int64),
+            np.asarray([u.count for u in mine], dtype=np.int64),
+            np.arange(len(mine)),
+            [u.where for u in mine],
+        )
+        out.append((fetch, js, slots))
+    return out
 
 
 def settle(unsettled: Sequence[Unsettled]) -> list[ChunkEntry]:
     """Each chunk's entry with its checksums, fetched for all at once (a read per data
-    file and run: `resolve_rows`) and checked as `TensorChunks.covering` checks them."""
-    resolve_rows(_pairs(unsettled))
-    out = []
-    for u in unsettled:
-        c = u.chunks.table.entry(u.row)
-        u.chunks.check(c, u.row)
-        out.append(c)
-    return out
+    file and run: `fetch_slots`, each slot checked first) and checked as
+    `TensorChunks.check` checks an entry."""
+    out: list[ChunkEntry | None] = [None] * len(unsettled)
+    for fetch, js, slots in _slots(unsettled):
+        frame, first, many = fetch(slots)
+        for i, j in enumerate(js):
+            u = unsettled[j]
+            crcs = many[i].tolist() if i in many else [int(first[i])] if u.count else []
+            c = replace(u.entry, crcs=crcs, frame=int(frame[i]), crc_at=-1)
+            if not (
+                all(map(operator.le, map(operator.add, c.offsets, c.sizes), u.shape))
+                and chunk_consistent(c, u.itemsize, 4, 0)
+            ):
+                raise CorruptCheckpointError(
+                    f"{u.where}: chunk at offsets {c.offsets} has inconsistent sizes or "
+                    f"byte ranges (file {c.file}, payload {c.payload})"
+                )
+            out[j] = c
+    return out  # type: ignore[return-value]
 
 
 def settle_ranges(unsettled: Sequence[Unsettled]) -> dict[str, list[tuple[int, int]]]:
-    """The byte ranges `settle(unsettled)` reads (checked: inside their data files)."""
-    return slot_ranges(_pairs(unsettled))
+    """The byte ranges `settle(unsettled)` reads, checked: inside their data files."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for fetch, _js, slots in _slots(unsettled):
+        if isinstance(fetch, SlotFetch):
+            for name, ranges in fetch.ranges(slots).items():
+                out.setdefault(name, []).extend(ranges)
+    return out

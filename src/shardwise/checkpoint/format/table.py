@@ -366,6 +366,12 @@ class ChunkTable:
             crc_at,
         )
 
+    def file_key(self, i: int) -> tuple[int, int, int]:
+        """Row `i`'s data file as (rank, k, token): `file_of` names it."""
+        col = row_columns(self.ndim)
+        row = self.rows[i] if self.array is None else self.array[i]
+        return int(row[col.rank]), int(row[col.k]), int(row[col.token])
+
     def crc_count(self, i: int) -> int:
         """How many checksums row `i` says its chunk has (not fetched: its row's count)."""
         col = row_columns(self.ndim)

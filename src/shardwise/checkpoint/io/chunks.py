@@ -184,8 +184,7 @@ def crc_count(chunk: StoredChunk) -> int:
     if chunk.crcs is not None:
         return len(chunk.crcs)
     if isinstance(chunk, PendingChunk) and chunk.unsettled is not None:
-        u = chunk.unsettled
-        return u.chunks.table.crc_count(u.row)
+        return chunk.unsettled.count
     return 0
 
 

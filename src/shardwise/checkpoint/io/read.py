@@ -440,7 +440,13 @@ class ReadExecutor:
         self._lock = threading.Lock()  # reads run on several threads (`io.read`)
         self._telling = threading.Lock()  # `progress`, called by one thread at a time
 
-    def run(self, reads: Sequence[ChunkRead | ArchiveRead | GatherRead]) -> None:
+    def run(
+        self,
+        reads: Sequence[ChunkRead | ArchiveRead | GatherRead],
+        settling: Sequence[PendingChunk] = (),
+    ) -> None:
+        """Run `reads`; the checksums of `settling` (chunks later runs read) are fetched
+        with theirs, first."""
         self._landing.follow_caller()
         try:
             gathers = [r for r in reads if isinstance(r, GatherRead)]
@@ -473,7 +479,7 @@ class ReadExecutor:
             for name, batch in wholes.items():
                 for lo, hi, span in whole_spans(batch, limit):
                     jobs.append(({name: [(lo, hi)]}, _bind(self._read_span, name, span, lo)))
-            pending = self._pending(chunks)
+            pending = self._pending([r.info for r in chunks], settling)
             if pending:  # before any read: on a store, fetched with the first window's data
                 jobs.insert(0, pending)
                 first += 1
@@ -497,20 +503,25 @@ class ReadExecutor:
 
     # -- running --------------------------------------------------------------------------------
 
-    def _pending(self, chunks: list[ChunkRead]) -> Job | None:
-        """The job that fetches the checksums of `chunks` planned without them
-        (`PendingChunk`), when verifying: its ranges (on a store, fetched with the data
-        they check, in one request where they are neighbours) and the fetch."""
+    def _pending(self, infos: list[_StorageInfo], settling: Sequence[PendingChunk]) -> Job | None:
+        """The job that fetches the checksums of the chunks `infos` and `settling` name
+        planned without them (`PendingChunk`), when verifying: its ranges (on a store,
+        fetched with the data they check, in one request where they are neighbours) and
+        the fetch."""
         if not self.verify:
             return None
-        infos = [r.info for r in chunks if isinstance(r.info, PendingChunk) and r.info.crcs is None]
-        if not infos:
+        found: dict[int, PendingChunk] = {}
+        for i in [*infos, *settling]:
+            if isinstance(i, PendingChunk) and i.crcs is None:
+                found.setdefault(id(i), i)
+        pending = list(found.values())
+        if not pending:
             return None
-        unsettled = [i.unsettled for i in infos]
+        unsettled = [i.unsettled for i in pending]
         ranges = settle_ranges(unsettled) if self.folder.wants_prefetch else {}  # type: ignore[arg-type]
 
         def fetch() -> None:
-            for info, entry in zip(infos, settle(unsettled), strict=True):  # type: ignore[arg-type]
+            for info, entry in zip(pending, settle(unsettled), strict=True):  # type: ignore[arg-type]
                 info.crcs = list(entry.crcs)
 
         return ranges, fetch
