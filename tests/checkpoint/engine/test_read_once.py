@@ -724,3 +724,25 @@ def test_no_section_is_held_while_the_exchange_runs(tmp_path: Path, monkeypatch)
     for rank, (_read, target) in enumerate(_load(ThreadedWorld(W), path, COLUMNS, True)):
         _exact(target, COLUMNS, rank)
     assert alive == [0] * W
+
+
+def test_a_chunk_two_pieces_of_a_rank_take_part_of_is_checked_once(tmp_path: Path) -> None:
+    """Rank 0 holds its stored two rows as two one-row blocks: the chunk is planned for
+    each piece, its kept checksums fetched once and checked for both (two fetches of
+    one slot would look like two chunks' checksums overlapping)."""
+    path = tmp_path / "ck"
+    _saved(path, ROWS)
+    split = {r: [Block((2 * r, 0), (2, 6))] for r in range(W)}
+    split[0] = [Block((0, 0), (1, 6)), Block((1, 0), (1, 6))]
+    layout = Layout(SHAPE, split, W)
+    for verify in (True, False):
+
+        def one(comm: ThreadedRank, verify: bool = verify) -> dict[str, Any]:
+            target = _state(layout, comm.rank, False)
+            load_state(target, path, Agreement(comm), strict=True, verify=verify,
+                       cast_dtype=False, broadcast=True)  # fmt: skip
+            return target
+
+        for rank, target in enumerate(ThreadedWorld(W).run(one)):
+            assert not isinstance(target, BaseException), target
+            _exact(target, layout, rank)

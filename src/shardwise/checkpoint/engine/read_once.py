@@ -97,9 +97,10 @@ __all__ = [
 
 BATCH = 64 << 20  # about the bytes a rank's targets take per round
 
-# a file's chunks in a group go to one reader where at most this share of a
-# member's slice of the group's bytes lies outside its slice (`_readers`)
-SLACK = 0.25
+# a file's chunks in a group go to one reader where at most 1 / SLACK of a member's
+# slice of the group's bytes lies outside its slice (`_readers`): a reader takes at
+# most its share and 2 / SLACK of a slice (files past both its ends) and a chunk
+SLACK = 4
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -471,9 +472,10 @@ def _readers(members: tuple[int, ...], sizes: list[int], files: list[str]) -> li
     slices of their bytes, the members turned by a hash of the group, so a rank first
     in many small groups is not every group's reader. A file's chunks go to one
     reader (one request on an object store, with their checksums) where the file
-    lies in the slice of its middle byte but for at most `SLACK` of a slice; else
-    each chunk goes by its own middle byte, so no reader takes more than its share
-    by much (a few files more than members, or one large file, are still split)."""
+    lies in the slice of its middle byte but for at most 1 / `SLACK` of a slice; else
+    each chunk goes by its own middle byte, so no reader takes more than 1.5 shares
+    and a chunk (a few files more than members, or one large file, are split).
+    Integers only: the same on every rank."""
     total = max(1, sum(sizes))
     k = len(members)
     turn = zlib.crc32(repr(members).encode()) % k
@@ -487,7 +489,7 @@ def _readers(members: tuple[int, ...], sizes: list[int], files: list[str]) -> li
         slot = min(k - 1, (2 * at + whole) * k // (2 * total))
         # bytes of the file outside its slot's slice, times k (slices are total / k)
         outside = max(0, slot * total - at * k) + max(0, (at + whole) * k - (slot + 1) * total)
-        if outside <= SLACK * total:
+        if outside * SLACK <= total:
             out += [members[(slot + turn) % k]] * (j - i)
             at += whole
         else:

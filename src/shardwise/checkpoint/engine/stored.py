@@ -671,8 +671,10 @@ def _fetch(
             if r:
                 (unread if key in later else tables).append((stored.sectioned.table, r))  # type: ignore[union-attr]
     # where their checksums lie is checked here on every rank as if fetched (inside a
-    # plain data file, no two overlapping), whether or not checksums are verified
-    slot_ranges(unread)
+    # plain data file, none overlapping another's, the group's fetched rows' included),
+    # whether or not checksums are verified
+    if unread:
+        slot_ranges([*unread, *tables])
     if whole is None:
         resolve_rows(tables)
     else:

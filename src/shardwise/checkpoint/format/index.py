@@ -13,6 +13,7 @@ import math
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import crc32c
 import numpy as np
@@ -758,22 +759,25 @@ class Unsettled:
     fetch: Fetch
 
 
-def _slots(unsettled: Sequence[Unsettled]) -> list[tuple[Fetch, list[int], Slots]]:
-    """The slots of `unsettled`, by fetch (one per index): positions in `unsettled`."""
-    by_fetch: dict[int, tuple[Fetch, list[int]]] = {}
+def _slots(unsettled: Sequence[Unsettled]) -> list[tuple[Fetch, list[list[int]], Slots]]:
+    """The distinct slots of `unsettled` by fetch (one per index), and for each slot the
+    positions in `unsettled` of the chunks it holds the checksums of (a chunk two pieces
+    of one rank overlap is planned twice: its slot is one, fetched once)."""
+    by_fetch: dict[int, tuple[Fetch, dict[tuple[Any, ...], list[int]]]] = {}
     for j, u in enumerate(unsettled):
-        by_fetch.setdefault(id(u.fetch), (u.fetch, []))[1].append(j)
+        seen = by_fetch.setdefault(id(u.fetch), (u.fetch, {}))[1]
+        seen.setdefault((u.file, u.at, u.count), []).append(j)
     out = []
-    for fetch, js in by_fetch.values():
-        mine = [unsettled[j] for j in js]
+    for fetch, seen in by_fetch.values():
+        keys = list(seen)
         slots = Slots(
-            np.asarray([u.file for u in mine], dtype=np.int64).reshape(-1, 3),
-            np.asarray([u.at for u in mine], dtype=np.int64),
-            np.asarray([u.count for u in mine], dtype=np.int64),
-            np.arange(len(mine)),
-            [u.where for u in mine],
+            np.asarray([f for f, _a, _c in keys], dtype=np.int64).reshape(-1, 3),
+            np.asarray([a for _f, a, _c in keys], dtype=np.int64),
+            np.asarray([c for _f, _a, c in keys], dtype=np.int64),
+            np.arange(len(keys)),
+            [unsettled[seen[k][0]].where for k in keys],
         )
-        out.append((fetch, js, slots))
+        out.append((fetch, [seen[k] for k in keys], slots))
     return out
 
 
@@ -782,28 +786,29 @@ def settle(unsettled: Sequence[Unsettled]) -> list[ChunkEntry]:
     file and run: `fetch_slots`, each slot checked first) and checked as
     `TensorChunks.check` checks an entry."""
     out: list[ChunkEntry | None] = [None] * len(unsettled)
-    for fetch, js, slots in _slots(unsettled):
+    for fetch, holders, slots in _slots(unsettled):
         frame, first, many = fetch(slots)
-        for i, j in enumerate(js):
-            u = unsettled[j]
-            crcs = many[i].tolist() if i in many else [int(first[i])] if u.count else []
-            c = replace(u.entry, crcs=crcs, frame=int(frame[i]), crc_at=-1)
-            if not (
-                all(map(operator.le, map(operator.add, c.offsets, c.sizes), u.shape))
-                and chunk_consistent(c, u.itemsize, 4, 0)
-            ):
-                raise CorruptCheckpointError(
-                    f"{u.where}: chunk at offsets {c.offsets} has inconsistent sizes or "
-                    f"byte ranges (file {c.file}, payload {c.payload})"
-                )
-            out[j] = c
+        for i, js in enumerate(holders):
+            for j in js:
+                u = unsettled[j]
+                crcs = many[i].tolist() if i in many else [int(first[i])] if u.count else []
+                c = replace(u.entry, crcs=crcs, frame=int(frame[i]), crc_at=-1)
+                if not (
+                    all(map(operator.le, map(operator.add, c.offsets, c.sizes), u.shape))
+                    and chunk_consistent(c, u.itemsize, 4, 0)
+                ):
+                    raise CorruptCheckpointError(
+                        f"{u.where}: chunk at offsets {c.offsets} has inconsistent sizes or "
+                        f"byte ranges (file {c.file}, payload {c.payload})"
+                    )
+                out[j] = c
     return out  # type: ignore[return-value]
 
 
 def settle_ranges(unsettled: Sequence[Unsettled]) -> dict[str, list[tuple[int, int]]]:
     """The byte ranges `settle(unsettled)` reads, checked: inside their data files."""
     out: dict[str, list[tuple[int, int]]] = {}
-    for fetch, _js, slots in _slots(unsettled):
+    for fetch, _holders, slots in _slots(unsettled):
         if isinstance(fetch, SlotFetch):
             for name, ranges in fetch.ranges(slots).items():
                 out.setdefault(name, []).extend(ranges)
