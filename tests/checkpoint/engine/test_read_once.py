@@ -631,23 +631,23 @@ def test_a_files_chunks_go_to_one_reader_unless_it_is_too_large() -> None:
     assert read_once._readers(members, [4, 4, 4, 4], ["f", "f", "g", "g"]) == [a, a, b, b]
     # one file of everything: cut between the members as before, chunk by chunk
     assert read_once._readers(members, [4, 4, 4, 4], ["f"] * 4) == [a, a, b, b]
-    # a file of 6 of 8 bytes, 2 past its slice's 4 (more than a quarter slice): split
-    assert read_once._readers(members, [2, 2, 2, 2], ["f", "f", "f", "g"]) == [a, a, b, b]
-    # 5 of 8, 1 past (a quarter slice): one reader, the rest to the other
+    # a file of 6 of 8 bytes (past 5/4 of a share of 4): g whole to the first, then
+    # f's chunks fill the first up to its share and the rest go to the other
+    assert read_once._readers(members, [2, 2, 2, 2], ["f", "f", "f", "g"]) == [a, b, b, a]
+    # 5 of 8 (5/4 of a share): whole to one reader, the rest to the other
     assert read_once._readers(members, [3, 2, 3], ["f", "f", "g"]) == [a, a, b]
 
 
 def test_a_few_files_more_than_readers_leave_no_reader_far_past_its_share() -> None:
-    """17 files of 4 equal chunks for 16 readers: whole files where they sit in one
-    reader's slice, the others cut by chunks (the slowest reader sets the time)."""
+    """17 files of 4 equal chunks for 16 readers: 16 whole files, one to each, and the
+    last cut by chunks among the first four (the slowest reader sets the time)."""
     files = [f"f{i}" for i in range(17) for _ in range(4)]
     got = read_once._readers(tuple(range(16)), [1] * len(files), files)
     per = [got.count(r) for r in range(16)]
     assert sum(per) == 68 and max(per) == 5 and min(per) == 4  # shares of 4.25 chunks
     whole = {name for name in set(files) if len({g for g, f in zip(got, files) if f == name}) == 1}
-    # file i is chunks [4i, 4i + 4), its middle's slice [4.25 s, 4.25 s + 4.25): files 0-4
-    # and 12-16 lie outside it by at most a chunk (a quarter slice), files 5-11 by more
-    assert whole == {f"f{i}" for i in [*range(5), *range(12, 17)]}
+    assert whole == {f"f{i}" for i in range(16)}
+    assert sorted(got[-4:]) == sorted(got[0:16:4])  # f16's chunks: f0's to f3's readers
 
 
 def test_kept_checksums_past_a_files_end_are_refused_unverified_too(tmp_path: Path) -> None:

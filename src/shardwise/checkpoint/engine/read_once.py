@@ -57,6 +57,7 @@ belongs on the device's own backend).
 from __future__ import annotations
 
 import contextlib
+import heapq
 import os
 import zlib
 from collections import defaultdict
@@ -97,10 +98,9 @@ __all__ = [
 
 BATCH = 64 << 20  # about the bytes a rank's targets take per round
 
-# a file's chunks in a group go to one reader where at most 1 / SLACK of a member's
-# slice of the group's bytes lies outside its slice (`_readers`): a reader takes at
-# most its share and 2 / SLACK of a slice (files past both its ends) and a chunk
-SLACK = 4
+# a group's files go whole to a reader while it reads at most SLACK_NUM / SLACK_DEN
+# of its share (`_readers`)
+SLACK_NUM, SLACK_DEN = 5, 4
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -468,37 +468,45 @@ def _place(stored: Any) -> tuple[str, int]:
 
 def _readers(members: tuple[int, ...], sizes: list[int], files: list[str]) -> list[int]:
     """The reader of each of a group's chunks (in storage order, `files` naming each
-    one's): member j takes the chunks whose middle byte falls in the j-th of equal
-    slices of their bytes, the members turned by a hash of the group, so a rank first
-    in many small groups is not every group's reader. A file's chunks go to one
-    reader (one request on an object store, with their checksums) where the file
-    lies in the slice of its middle byte but for at most 1 / `SLACK` of a slice; else
-    each chunk goes by its own middle byte, so no reader takes more than 1.5 shares
-    and a chunk (a few files more than members, or one large file, are split).
-    Integers only: the same on every rank."""
-    total = max(1, sum(sizes))
+    one's), so that each member reads about its share (the group's bytes ÷ k) and a
+    file is one request on an object store (one reader: its chunks and their
+    checksums in one ranged GET). Whole files go largest first to the least loaded
+    member while it stays within `SLACK` of its share; the chunks of the files left
+    then fill the members below their share in turn, in storage order (so each
+    member's are runs of a file). No member takes more than `SLACK` shares or its
+    share and a chunk. The members are turned by a hash of the group, so a rank
+    first in many small groups is not every group's first reader. Integers only,
+    ties broken by position: the same on every rank."""
     k = len(members)
+    total = sum(sizes)
     turn = zlib.crc32(repr(members).encode()) % k
-    out: list[int] = []
-    at, i = 0, 0
-    while i < len(sizes):
-        j = i
-        while j < len(sizes) and files[j] == files[i]:
-            j += 1
-        whole = sum(sizes[i:j])
-        slot = min(k - 1, (2 * at + whole) * k // (2 * total))
-        # bytes of the file outside its slot's slice, times k (slices are total / k)
-        outside = max(0, slot * total - at * k) + max(0, (at + whole) * k - (slot + 1) * total)
-        if outside * SLACK <= total:
-            out += [members[(slot + turn) % k]] * (j - i)
-            at += whole
+    load = [0] * k  # by position p: member (p + turn) % k
+    out = [-1] * len(sizes)
+    runs: list[tuple[int, int]] = []  # each file's chunks: [start, end) in storage order
+    for i in range(len(sizes)):
+        if i and files[i] == files[i - 1]:
+            runs[-1] = (runs[-1][0], i + 1)
         else:
-            for n in sizes[i:j]:
-                slot = min(k - 1, (2 * at + n) * k // (2 * total))
-                out.append(members[(slot + turn) % k])
-                at += n
-        i = j
-    return out
+            runs.append((i, i + 1))
+    least = [(0, p) for p in range(k)]  # (load, position): a heap
+    rest: list[int] = []  # chunks of files not given whole
+    for lo, hi in sorted(runs, key=lambda r: (-sum(sizes[r[0] : r[1]]), r[0])):
+        n = sum(sizes[lo:hi])
+        p = least[0][1]
+        if (load[p] + n) * k * SLACK_DEN <= total * SLACK_NUM:
+            out[lo:hi] = [p] * (hi - lo)
+            load[p] += n
+            heapq.heapreplace(least, (load[p], p))
+        else:
+            rest += range(lo, hi)
+    p = 0  # the position being filled
+    for i in sorted(rest):
+        while p < k - 1 and load[p] * k >= total:  # at its share: the next
+            p += 1
+        q = p if load[p] * k < total else min(range(k), key=lambda x: (load[x], x))
+        out[i] = q
+        load[q] += sizes[i]
+    return [members[(q + turn) % k] for q in out]
 
 
 def _bounds(boxes: list[Block]) -> Block:
