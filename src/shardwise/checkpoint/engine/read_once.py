@@ -19,12 +19,12 @@ number of bytes a rank's targets hold, so every rank knows that every other
 planned from the same facts, and how many rounds to cut the bytes into.
 
 The reader of a chunk: the ranks needing exactly the same chunks (a DP replica
-set, a column group) form a group; its chunks, in storage order (file, then
-offset), are cut into consecutive runs of about equal bytes, one per member
-(`engine.load.schedule`'s rule), so each rank reads about stored bytes ÷ W; a
-file's chunks go to one member where that costs little balance (`_readers`), so
-a file is one request on an object store. A chunk only one rank needs is read by
-it, as without this.
+set, a column group) form a group, whose members each read about a k-th of its
+bytes, so each rank reads about stored bytes ÷ W. Its files go whole, largest
+first, to the least loaded member while it stays within 5/4 of its share (a file
+is then one request on an object store); the chunks of the others fill the
+members below their share in turn, in storage order (`_readers`). A chunk only
+one rank needs is read by it, as without this.
 
 Only a chunk's reader fetches the checksums its writer keeps in its data file
 (format version 5): the other ranks plan with its row alone (`format.index.
@@ -471,12 +471,13 @@ def _readers(members: tuple[int, ...], sizes: list[int], files: list[str]) -> li
     one's), so that each member reads about its share (the group's bytes ÷ k) and a
     file is one request on an object store (one reader: its chunks and their
     checksums in one ranged GET). Whole files go largest first to the least loaded
-    member while it stays within `SLACK` of its share; the chunks of the files left
-    then fill the members below their share in turn, in storage order (so each
-    member's are runs of a file). No member takes more than `SLACK` shares or its
-    share and a chunk. The members are turned by a hash of the group, so a rank
-    first in many small groups is not every group's first reader. Integers only,
-    ties broken by position: the same on every rank."""
+    member while it stays within `SLACK_NUM / SLACK_DEN` of its share; the chunks of
+    the files left then fill the members below their share in turn, in storage
+    order (so each member's are runs of a file). No member takes more than that
+    many shares, or its share and a chunk. The members are turned by a hash of the
+    group, so a rank first in many small groups is not every group's first reader.
+    Integers only, ties broken by position: the same on every rank; O(F log k) for
+    F files and k members."""
     k = len(members)
     total = sum(sizes)
     turn = zlib.crc32(repr(members).encode()) % k
