@@ -16,12 +16,53 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..errors import LayoutError
 from ..tensor import ShardedTensor
 
-__all__ = ["is_inplace", "named", "per_shard", "registrar", "sharded_args", "wrap"]
+__all__ = [
+    "flat",
+    "is_inplace",
+    "named",
+    "per_shard",
+    "registrar",
+    "sharded_args",
+    "tensors_in",
+    "wrap",
+]
+
+
+# what an aten op's argument is when it is no container: such arguments are their own
+# leaves, found without a pytree walk (a third of a small pointwise op's time)
+_LEAVES = frozenset(
+    {int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout}
+)
+
+
+def flat(args: tuple, kwargs: dict) -> bool:
+    """Whether no argument is a container: its leaves are the arguments themselves."""
+    return all(isinstance(x, torch.Tensor) or type(x) in _LEAVES for x in args) and all(
+        isinstance(x, torch.Tensor) or type(x) in _LEAVES for x in kwargs.values()
+    )
+
+
+def tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among `(args, kwargs)`'s leaves, in pytree's order: arguments and
+    lists or tuples of them looked at directly, anything else through pytree."""
+    out: list[torch.Tensor] = []
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif type(x) in _LEAVES:
+            continue
+        elif type(x) in (list, tuple) and all(
+            isinstance(y, torch.Tensor) or type(y) in _LEAVES for y in x
+        ):
+            out.extend(y for y in x if isinstance(y, torch.Tensor))
+        else:
+            leaves, _ = tree_flatten((args, kwargs))
+            return [y for y in leaves if isinstance(y, torch.Tensor)]
+    return out
 
 
 def sharded_args(args: tuple, kwargs: dict) -> list[ShardedTensor]:
-    leaves, _ = tree_flatten((args, kwargs))
-    return [x for x in leaves if isinstance(x, ShardedTensor)]
+    return [x for x in tensors_in(args, kwargs) if isinstance(x, ShardedTensor)]
 
 
 def common(func: Any, sharded: list[ShardedTensor]) -> ShardedTensor:
@@ -78,8 +119,13 @@ def result_meta(func: Any, args: tuple, kwargs: dict) -> tuple[torch.dtype, torc
 def per_shard(func: Any, args: tuple, kwargs: dict) -> list[Any]:
     ref = common(func, sharded_args(args, kwargs))
     results = []
+    plain = flat(args, kwargs)
     for i in range(len(ref._shards)):
-        a, k = tree_map(piece(func, ref, i), (args, kwargs))
+        pick = piece(func, ref, i)
+        if plain:
+            a, k = tuple(map(pick, args)), {n: pick(v) for n, v in kwargs.items()}
+        else:
+            a, k = tree_map(pick, (args, kwargs))
         results.append(func(*a, **k))
     return results
 

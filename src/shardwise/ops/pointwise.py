@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from ..tensor import ShardedTensor
 from .exchange import is_replicated, local_in, whole
 from .fallback import fallback
-from .per_shard import is_inplace, per_shard, sharded_args, wrap
+from .per_shard import is_inplace, per_shard, sharded_args, tensors_in, wrap
 
 __all__ = ["aligned", "pointwise"]
 
@@ -31,9 +31,12 @@ def aligned(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     one of the result's shape. A replicated operand takes its blocks locally, another of
     the same shape is redistributed, a smaller sharded one (broadcast) is taken whole.
     """
-    sharded = sharded_args(args, kwargs)
-    leaves, _ = tree_flatten((args, kwargs))
-    shape = tuple(torch.broadcast_shapes(*(x.shape for x in leaves if isinstance(x, torch.Tensor))))
+    found = tensors_in(args, kwargs)
+    sharded = [x for x in found if isinstance(x, ShardedTensor)]
+    shapes = [x.shape for x in found]
+    # one shape (the common case): no broadcast to work out
+    same = all(s == shapes[0] for s in shapes)
+    shape = tuple(shapes[0] if same else torch.broadcast_shapes(*shapes))
     first = sharded[0]
     if tuple(first.shape) == shape and all(
         x._layout is first._layout and x._rank == first._rank for x in sharded
