@@ -275,3 +275,35 @@ def test_optimizers_step_exactly_as_on_full_tensors(make_opt, name):
         for key, value in opt.state[param].items():
             if isinstance(value, ShardedTensor):
                 assert_matches([value], full_opt.state[full_param][key])
+
+
+def test_an_ops_tensors_are_found_as_pytree_finds_them() -> None:
+    """`ops.per_shard.tensors_in` looks at flat arguments directly (no pytree walk) and
+    hands anything else to pytree: the same tensors, in the same order, either way."""
+    from collections import OrderedDict, namedtuple
+
+    from torch.utils._pytree import tree_flatten
+
+    from shardwise.ops.per_shard import flat, tensors_in
+
+    layout = Layout.chunked((4, 2), 0, 2)
+    a, b = (ShardedTensor.from_layout(layout, shard_of(torch.ones(4, 2), layout, 0), rank=0),) * 2
+    c, d = torch.zeros(2), torch.ones(3)
+    pair = namedtuple("pair", "x y")
+    cases = [
+        ((a, 2, c), {"alpha": 1.5}),
+        ((a,), {"out": c}),
+        (([a, c, None, 3],), {"dim": 0}),
+        (((c, a),), {"other": d}),
+        ((a, [1, [c, d]]), {}),
+        ((pair(c, a),), {"b": d}),
+        ((OrderedDict(x=c, y=a),), {}),
+        ((torch.Size([2, 3]), a), {"memory_format": torch.contiguous_format, "z": d}),
+        ((a, torch.float32, torch.device("cpu"), "mean", None, True), {"w": b}),
+    ]
+    for args, kwargs in cases:
+        leaves, _ = tree_flatten((args, kwargs))
+        want = [x for x in leaves if isinstance(x, torch.Tensor)]
+        got = tensors_in(args, kwargs)
+        assert len(got) == len(want) and all(g is w for g, w in zip(got, want)), (args, kwargs)
+    assert [flat(a, k) for a, k in cases] == [True, True] + [False] * 6 + [True]
