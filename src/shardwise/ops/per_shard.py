@@ -37,9 +37,7 @@ _LEAVES = frozenset(
 
 def flat(args: tuple, kwargs: dict) -> bool:
     """Whether no argument is a container: its leaves are the arguments themselves."""
-    return all(isinstance(x, torch.Tensor) or type(x) in _LEAVES for x in args) and all(
-        isinstance(x, torch.Tensor) or type(x) in _LEAVES for x in kwargs.values()
-    )
+    return all(isinstance(x, torch.Tensor) or type(x) in _LEAVES for x in (*args, *kwargs.values()))
 
 
 def tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:

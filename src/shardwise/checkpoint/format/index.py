@@ -727,17 +727,22 @@ class TensorChunks:
         )
 
     def check(self, c: ChunkEntry, row: int) -> None:
-        """Row `row`'s entry `c` inside the tensor, its sizes, byte ranges and checksums
-        consistent (those not fetched yet: their count in the row)."""
+        """Row `row`'s entry `c` as `_check_entry` checks it (checksums not fetched yet:
+        their count in the row)."""
         counted = c if c.crc_at < 0 else replace(c, crcs=range(self.table.crc_count(row)))  # type: ignore[arg-type]
-        if not (
-            all(map(operator.le, map(operator.add, c.offsets, c.sizes), self.entry.shape))
-            and chunk_consistent(counted, self.itemsize, 4, 0)
-        ):
-            raise CorruptCheckpointError(
-                f"{self.table.where}: chunk at offsets {c.offsets} has inconsistent sizes or "
-                f"byte ranges (file {c.file}, payload {c.payload})"
-            )
+        _check_entry(counted, self.entry.shape, self.itemsize, self.table.where)
+
+
+def _check_entry(c: ChunkEntry, shape: Sequence[int], itemsize: int, where: str) -> None:
+    """`c` inside a tensor of `shape`, its sizes, byte ranges and checksums consistent."""
+    if not (
+        all(map(operator.le, map(operator.add, c.offsets, c.sizes), shape))
+        and chunk_consistent(c, itemsize, 4, 0)
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: chunk at offsets {c.offsets} has inconsistent sizes or byte ranges "
+            f"(file {c.file}, payload {c.payload})"
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -784,7 +789,7 @@ def _slots(unsettled: Sequence[Unsettled]) -> list[tuple[Fetch, list[list[int]],
 def settle(unsettled: Sequence[Unsettled]) -> list[ChunkEntry]:
     """Each chunk's entry with its checksums, fetched for all at once (a read per data
     file and run: `fetch_slots`, each slot checked first) and checked as
-    `TensorChunks.check` checks an entry."""
+    `TensorChunks.check` checks an entry (`_check_entry`)."""
     out: list[ChunkEntry | None] = [None] * len(unsettled)
     for fetch, holders, slots in _slots(unsettled):
         frame, first, many = fetch(slots)
@@ -793,14 +798,7 @@ def settle(unsettled: Sequence[Unsettled]) -> list[ChunkEntry]:
                 u = unsettled[j]
                 crcs = many[i].tolist() if i in many else [int(first[i])] if u.count else []
                 c = replace(u.entry, crcs=crcs, frame=int(frame[i]), crc_at=-1)
-                if not (
-                    all(map(operator.le, map(operator.add, c.offsets, c.sizes), u.shape))
-                    and chunk_consistent(c, u.itemsize, 4, 0)
-                ):
-                    raise CorruptCheckpointError(
-                        f"{u.where}: chunk at offsets {c.offsets} has inconsistent sizes or "
-                        f"byte ranges (file {c.file}, payload {c.payload})"
-                    )
+                _check_entry(c, u.shape, u.itemsize, u.where)
                 out[j] = c
     return out  # type: ignore[return-value]
 
