@@ -7,11 +7,13 @@
 W real gloo ranks on this machine (`shardwise.testing.run_ranks`, one thread each),
 for each W of `--world`, load R = `--tensors` float32 matrices of S = `--mib` MiB
 in all, as DTensors, in three layouts; each layout's checkpoint is saved once
-with `swc.save` (untimed) and loaded, in the same run, by stock `dcp.load` and by
-`swc.load` (its defaults: `read_once="auto"`) into the same targets, spoiled before
-each run and checked bit for bit after it (values are exact functions of tensor and
-position); on `shm` also by `swc.load(read_once=True)` ("once"), the exchange forced
-where the rule keeps each rank reading its own bytes:
+with `swc.save` (untimed) and loaded, in the same run, by stock `dcp.load`, by
+`swc.load` (its defaults: `read_once="auto"`) and by stock `dcp.load` with
+`swc.Reader` ("reader": read once routed by DCP's coordinator, `read_once="auto"`)
+into the same targets, spoiled before each run and checked bit for bit after it
+(values are exact functions of tensor and position); on `shm` also by
+`swc.load(read_once=True)` ("once"), the exchange forced where the rule keeps each
+rank reading its own bytes:
 
 - `dp-tp`: mesh ("dp", "tp") = (W / TP, TP), placements (Replicate(), Shard(0)):
   TP-sharded weights replicated over DP, saved and loaded so. Each stored byte
@@ -86,7 +88,8 @@ MB = 1e6
 ROW = 65536  # float32 per row: 256 KiB
 LAYOUTS = ("dp-tp", "hsdp", "row-col")
 STORAGES = ("shm", "throttled", remote.LOCAL)
-LOADERS = ("stock", "swc", "once")  # "once": swc.load(read_once=True), on shm only
+# "once": swc.load(read_once=True), on shm only; "reader": stock dcp.load with swc.Reader
+LOADERS = ("stock", "swc", "once", "reader")
 SCHEMES = {"shm": "counted", "throttled": "throttled"}  # swc.load's backend for each
 QUICK = {"world": "8", "mib": 8.0, "tensors": 4, "repeat": 1}
 READ_TARGET = 1.05
@@ -201,6 +204,9 @@ def _loads(
         return {
             "stock": lambda: dcp.load(targets, storage_reader=FsspecReader(url, **options)),
             "swc": lambda: swc.load(targets, url, storage_options=options),
+            "reader": lambda: dcp.load(
+                targets, storage_reader=swc.Reader(url, storage_options=options)
+            ),
         }
     where = f"{SCHEMES[storage]}://{path}"
     loads = {
@@ -209,6 +215,7 @@ def _loads(
     }
     if storage == "shm":
         loads["once"] = lambda: swc.load(targets, where, read_once=True)
+    loads["reader"] = lambda: dcp.load(targets, storage_reader=swc.Reader(where))
     return loads
 
 
@@ -379,6 +386,7 @@ def figures(m: dict, storage: str, layout: str) -> dict:
             row[f"{loader} gets"] = None
         row[f"{loader} ratio"] = report.ratio(row[f"{loader} read"], stored["data"])
     row["speedup"] = report.ratio(row["stock"], row["swc"])
+    row["reader speedup"] = report.ratio(row["stock"], row["reader"])
     row["floor"] = stored["data"] / (m["mbps"] * MB) if storage == "throttled" else None
     return row
 
@@ -399,8 +407,12 @@ HEAD = (
     "swc rd/st",
     "once s",
     "once rd/st",
+    "rdr s",
+    "st/rdr",
+    "rdr rd/st",
     "GETs st",
     "GETs swc",
+    "GETs rdr",
     "floor",
 )
 
@@ -430,8 +442,12 @@ def print_table(results: list[dict]) -> list[report.Check]:
             f"{f['swc ratio']:.3f}",
             "-" if f["once"] is None else report.secs(f["once"]),
             "-" if f["once ratio"] is None else f"{f['once ratio']:.3f}",
+            "-" if f["reader"] is None else report.secs(f["reader"]),
+            "-" if f["reader"] is None else f"{f['reader speedup']:.2f}x",
+            "-" if f["reader ratio"] is None else f"{f['reader ratio']:.3f}",
             "-" if f["stock gets"] is None else str(f["stock gets"]),
             "-" if f["swc gets"] is None else str(f["swc gets"]),
+            "-" if f["reader gets"] is None else str(f["reader gets"]),
             "-" if f["floor"] is None else report.secs(f["floor"]),
         )
         mesh = _mesh_text(layout, m["world"], m["tp"])
@@ -442,8 +458,10 @@ def print_table(results: list[dict]) -> list[report.Check]:
     print(
         "  rd/st: data-file bytes read from storage, summed over ranks, over the data files' "
         "bytes;\n  stock/swc: stock's seconds over swc's (> 1: swc faster); once: swc.load("
-        "read_once=True); floor: stored bytes\n  at the throttled bandwidth; GETs: S3 GetObject "
-        "calls, all ranks, records included"
+        "read_once=True); rdr: stock dcp.load with swc.Reader (read_once='auto');\n  floor: "
+        "stored bytes at the throttled bandwidth; GETs: S3 GetObject calls, all ranks, records "
+        "included\n  (under dcp.load every rank reads the records: DCP calls read_metadata on "
+        "each)"
     )
     print("\n== targets (issue 41), this run's figures")
     width = max(len(c.shown) for c in checks)
@@ -466,6 +484,10 @@ def _checks(m: dict, storage: str, layout: str, f: dict) -> list[report.Check]:
         out.append(report.at_most(f"{where}: once read/stored", f["once ratio"], READ_TARGET))
     else:
         out.append(report.at_most(f"{where}: swc read/stored", f["swc ratio"], READ_TARGET))
+        if f["reader ratio"] is not None:
+            out.append(
+                report.at_most(f"{where}: reader read/stored", f["reader ratio"], READ_TARGET)
+            )
     if storage == "throttled" and layout == "dp-tp":
         if world == 32 and tp == 4:
             out.append(report.at_least(f"{where}: stock/swc", f["speedup"], SPEEDUP_TARGET))
@@ -473,6 +495,8 @@ def _checks(m: dict, storage: str, layout: str, f: dict) -> list[report.Check]:
             out.append(
                 report.Check(f"{where}: stock/swc {f['speedup']:.2f}x (target set at W=32, TP=4)")
             )
+        if f["reader"] is not None:
+            out.append(report.Check(f"{where}: stock/reader {f['reader speedup']:.2f}x"))
     if storage == "shm":
         # the issue's "no slower than today's": the rule keeps today's path here (each rank
         # reads its own bytes, nothing sent); the forced exchange's time beside it, unjudged

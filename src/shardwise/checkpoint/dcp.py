@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import (
     SerializationFormat,
@@ -35,8 +36,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
+    LoadItemType,
     LoadPlan,
     LoadPlanner,
+    ReadItem,
     SavePlan,
     SavePlanner,
     WriteItem,
@@ -45,9 +48,18 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ..comm.communicator import ProcessGroupCommunicator, default_store, object_group
 from ..errors import InvalidArgumentError, ShardMismatchError, UsageError
+from ..layout import Block
 from ..storage import Folder, open_folder, served_url
-from .engine import SaveRecords, holes_in_plans, item_reads, kind_disagreements, read_records
+from .engine import (
+    SaveRecords,
+    holes_in_plans,
+    item_reads,
+    kind_disagreements,
+    read_once,
+    read_records,
+)
 from .format import (
     Manifest,
     RecordNames,
@@ -57,8 +69,10 @@ from .format import (
     dtype_name,
 )
 from .io import (
+    ChunkRead,
     DataFile,
     Lease,
+    PendingChunk,
     ReadExecutor,
     Written,
     commit,
@@ -481,6 +495,8 @@ class Reader(FolderBacked, FileSystemReader):
         verify: bool = True,
         storage_options: dict[str, Any] | None = None,
         trust_objects: bool = False,
+        read_once: bool | str | None = "auto",
+        process_group: Any = None,
     ) -> None:
         folder = open_folder(path, storage_options)
         super().__init__(folder.checkpoint_id, _extension_registry)
@@ -488,10 +504,16 @@ class Reader(FolderBacked, FileSystemReader):
         self._use(folder)
         self.verify = verify
         self.trust_objects = trust_objects
+        if not (read_once in ("auto", None) or isinstance(read_once, bool)):
+            raise InvalidArgumentError(f"read_once={read_once!r}: expected 'auto', True or False")
+        self.read_once: bool | None = read_once if isinstance(read_once, bool) else None
+        self.process_group = process_group
         self.bytes_read = 0
+        self.bytes_sent = 0  # to other ranks, read once for them
         self.manifest: Manifest | None = None
         self._set_up_for: str | os.PathLike | None = None
         self._checked: Metadata | None = None  # the metadata whose records were checked
+        self._rank: int | None = None  # DCP's rank for this reader, with collectives
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
@@ -501,9 +523,19 @@ class Reader(FolderBacked, FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         self.manifest, self.storage_data, self._set_up_for = None, {}, None
-        self.manifest, metadata = read_records(self.folder, kwargs.get("rank"), whole=True)
+        # the checksums writers keep in data files are fetched by the rank that reads
+        # each chunk, with its bytes (`PendingChunk`), not by every rank for every file
+        self.manifest, metadata = read_records(
+            self.folder, kwargs.get("rank"), whole=True, settled=False
+        )
         if self.manifest is not None:
             metadata = self.manifest.to_metadata()
+            storage = metadata.storage_data
+            for (key, offsets), unsettled in self.manifest.unsettled.items():
+                dtype = self.manifest.tensors[key].dtype
+                storage[MetadataIndex(key, offsets)] = PendingChunk.planned(
+                    unsettled, dtype, self.manifest.page_size
+                )
         assert metadata is not None
         storage_meta = getattr(metadata, "storage_meta", None)  # absent from old pickles
         if storage_meta is None:
@@ -520,9 +552,90 @@ class Reader(FolderBacked, FileSystemReader):
             self._checked = metadata
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._set_up_for = self.path
+        collective = kwargs.get("use_collectives", True)
+        self._rank = kwargs.get("rank") if collective else None
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """`plan`, with what the coordinator checks before it routes reads once
+        (`engine.read_once.Ask`) where this rank can take part."""
+        plan = super().prepare_local_plan(plan)
+        ask = self._ask()
+        return plan if ask is None or plan.storage_data is not None else _with(plan, ask)
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """On the coordinator: each rank's plan with its part in reading each stored
+        byte once (`engine.read_once.routed_plans`), where every rank can take part."""
+        plans = super().prepare_global_plan(plans)
+        metadata = self._checked
+        if metadata is None:
+            return plans
+        return read_once.routed_plans(plans, self._place, self._stored_dtype)
+
+    def _ask(self) -> read_once.Ask | None:
+        if self.read_once is False or self._rank is None:
+            return None
+        if not (dist.is_available() and dist.is_initialized()) or default_store() is None:
+            return None
+        group_rank = dist.get_rank(self.process_group)
+        if group_rank < 0:  # not a member of the group it would send over
+            return None
+        pays = read_once.may_pay(True if self.read_once else None, self.folder)
+        world = dist.get_world_size(self.process_group)
+        return read_once.Ask(self._rank, group_rank, world, self.verify, pays)
+
+    def _place(self, index: MetadataIndex) -> tuple[str, int]:
+        info = self.storage_data[index]
+        return str(info.relative_path), int(info.offset)
+
+    def _stored_dtype(self, fqn: str) -> torch.dtype:
+        assert self._checked is not None
+        md = self._checked.state_dict_metadata[fqn]
+        assert isinstance(md, TensorStorageMetadata)
+        return md.properties.dtype
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """DCP's plan, as the read executor's requests (`item_reads`), run at once."""
+        """DCP's plan, as the read executor's requests (`item_reads`), run at once; with
+        a route (`engine.read_once.ItemRoute`), the items it covers read once for every
+        rank needing them and the rest alone. A rank with a route takes part in all of
+        it whatever it finds, so no rank waits on another; what it found is raised after."""
+        route = plan.storage_data
+        route = route if isinstance(route, read_once.ItemRoute) else None
+        problem: BaseException | None = None
+        executor = ReadExecutor(
+            self.folder, verify=self.verify, registry=self.transforms.extension_registry
+        )
+        try:
+            try:
+                self._check_plan(plan)
+            except Exception as e:  # noqa: BLE001 - raised once the route ran
+                if route is None:
+                    raise
+                problem = e
+            items = plan.items
+            if route is not None and read_once.arrived(default_store(), route):
+                found = self._run_route(route, planner, executor, problem is not None)
+                problem = problem or found
+                covered = route.covered(dist.get_rank(self.process_group))
+                items = [item for item in items if item not in covered]
+            if problem is not None:
+                raise problem
+            assert self._checked is not None
+            reads = item_reads(
+                items,
+                self._checked,
+                self.storage_data,
+                planner,
+                self.folder,
+                trust_objects=self.trust_objects,
+            )
+            executor.run(reads)
+        finally:
+            self.bytes_read += executor.bytes_read
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _check_plan(self, plan: LoadPlan) -> None:
         if self._set_up_for is None or self._set_up_for != self.path or self._checked is None:
             raise UsageError(  # a RuntimeError, as stock's would be
                 f"Reader for {self.path}: read_data before set_up_storage_reader with this "
@@ -539,21 +652,43 @@ class Reader(FolderBacked, FileSystemReader):
                 str(self.folder),
                 shardwise=self.manifest is not None,
             )
-        reads = item_reads(
-            plan.items,
-            self._checked,
-            self.storage_data,
-            planner,
-            self.folder,
-            trust_objects=self.trust_objects,
+
+    def _run_route(
+        self, route: read_once.ItemRoute, planner: LoadPlanner, executor: ReadExecutor, failed: bool
+    ) -> BaseException | None:
+        """This rank's part of the route; with `failed` (this rank cannot read), its
+        messages still sent and received, nothing read or filled."""
+        comm = ProcessGroupCommunicator(self.process_group)
+        object_group(self.process_group)  # CPU messages on a device-only group: every rank
+
+        def chunk_read(index: MetadataIndex, region: Block) -> ChunkRead:
+            if failed or self._checked is None:
+                raise UsageError(f"Reader for {self.path}: cannot read for other ranks")
+            item = ReadItem(
+                LoadItemType.TENSOR,
+                index,
+                torch.Size(region.offsets),
+                index,
+                torch.Size(region.offsets),
+                torch.Size(region.sizes),
+            )
+            (read,) = item_reads(
+                [item], self._checked, self.storage_data, planner, self.folder, trust_objects=False
+            )
+            assert isinstance(read, ChunkRead)
+            return read
+
+        def resolve(item: ReadItem) -> torch.Tensor:
+            if failed:
+                raise UsageError(f"Reader for {self.path}: cannot fill targets")
+            return planner.resolve_tensor(item)
+
+        found = read_once.run_item_route(
+            comm, executor, route, chunk_read, resolve, planner.commit_tensor
         )
-        executor = ReadExecutor(
-            self.folder, verify=self.verify, registry=self.transforms.extension_registry
-        )
-        try:
-            executor.run(reads)
-        finally:
-            self.bytes_read += executor.bytes_read
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+        self.bytes_sent += route.bytes_sent(comm.rank)
+        return found
+
+
+def _with(plan: LoadPlan, data: Any) -> LoadPlan:
+    return dataclasses.replace(plan, storage_data=data)

@@ -35,6 +35,7 @@ __all__ = [
     "SingleProcess",
     "Waitable",
     "communicator",
+    "default_store",
     "gloo_group",
     "object_group",
     "timeout_of",
@@ -277,6 +278,15 @@ def _needs_side_group(pg: Any) -> bool:
     """No CPU backend on `pg`: torch would pickle objects into device memory."""
     devices = pg._device_types
     return bool(devices) and torch.device("cpu") not in devices and dist.is_gloo_available()
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (a `TCPStore` under `torchrun` and
+    `init_process_group`), or None where there is none."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
 
 
 def timeout_of(pg: Any) -> timedelta:

@@ -57,16 +57,22 @@ belongs on the device's own backend).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
+import math
 import os
+import uuid
 import zlib
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from ...comm.agreement import digest
 from ...comm.communicator import Communicator, ProcessGroupCommunicator
@@ -85,13 +91,21 @@ __all__ = [
     "Fetch",
     "Holders",
     "Round",
+    "Ask",
+    "ItemFetch",
+    "ItemRoute",
+    "ARRIVAL_S",
     "agreed",
+    "arrived",
     "eligible",
     "exchange",
     "may_pay",
     "records",
     "records_shared",
+    "routed_plans",
+    "item_routes",
     "run",
+    "run_item_route",
     "shares_records",
     "words",
 ]
@@ -711,3 +725,371 @@ def records_shared(folder: Folder) -> Iterator[None]:
     finally:
         if isinstance(folder, FsspecFolder):
             folder.know(None)
+
+
+# -----------------------------------------------------------------------------
+# Read once under stock `dcp.load` with `Reader`: there DCP's planner decides what each
+# rank reads (its `ReadItem`s) and no global layout is at hand; but DCP's coordinator
+# sees every rank's plan (`StorageReader.prepare_global_plan`) before it scatters them,
+# so the route is worked out there and travels in each rank's plan (`storage_data`):
+# no exchange beyond DCP's own.
+#
+# Each rank's `Reader` says in its local plan what the coordinator must check (`Ask`:
+# DCP's rank for it, its rank in and the size of the group the Reader sends over,
+# whether it verifies, whether reading once pays by the rule above). Where every plan
+# agrees, the coordinator groups the tensor items by stored chunk; a chunk that k > 1
+# ranks read from gets one reader (`_readers`, among the ranks needing exactly the same
+# chunks, in storage order: a file is then one request), which reads the bounds of all
+# their boxes (a region of the chunk, verified as any read), keeps its own items and
+# sends each other rank its items' boxes. Messages go in rounds, each rank's scratch
+# and sends in a round within `BATCH` plus a chunk (`_route_rounds`).
+#
+# Cost: the coordinator O(I log I) for the I items of all plans (DCP's central planning
+# already gathers and walks them all: its design, not this one's); each rank O(its
+# items and the boxes it sends), its route scattered with its plan. Bytes read from
+# storage: each shared chunk's region once; sent by its reader: the others' boxes.
+# -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a rank's `Reader` puts in its local plan for the coordinator to check."""
+
+    rank: int  # DCP's rank for this plan (`set_up_storage_reader(rank=)`)
+    group_rank: int  # this rank in the group the Reader sends over
+    world: int  # that group's size
+    verify: bool
+    pays: bool  # reading once pays here (`may_pay`), or is forced
+
+
+@dataclass
+class ItemFetch:
+    """A region of a stored chunk (in the chunk's coordinates) one rank reads, and each
+    item's box in it: (rank, its item, the box), in send order."""
+
+    index: MetadataIndex  # the stored chunk
+    region: Block
+    dtype: torch.dtype  # the stored dtype
+    parts: list[tuple[int, ReadItem, Block]]
+
+
+@dataclass
+class ItemRoute:
+    """One rank's part of read once under `dcp.load`, each entry with its round: the
+    regions it reads for others, and the items it receives, from whom (in each reader's
+    send order) and of what stored dtype."""
+
+    fetches: list[tuple[int, ItemFetch]] = field(default_factory=list)
+    incoming: list[tuple[int, int, ReadItem, torch.dtype]] = field(default_factory=list)
+    token: str = ""  # this load's, the same on every rank (`arrived`)
+    world: int = 0  # the ranks taking part
+
+    def bytes_sent(self, rank: int) -> int:
+        """The bytes `rank` sends on this route (the boxes of others it reads)."""
+        return sum(
+            b.numel * f.dtype.itemsize
+            for _rnd, f in self.fetches
+            for r, _it, b in f.parts
+            if r != rank
+        )
+
+    def covered(self, rank: int) -> set[ReadItem]:
+        """The items this route fills on `rank`: it reads the others alone."""
+        out = {item for _rnd, _src, item, _dtype in self.incoming}
+        out.update(it for _rnd, f in self.fetches for r, it, _b in f.parts if r == rank)
+        return out
+
+
+def routed_plans(
+    plans: list[LoadPlan],
+    place: Callable[[MetadataIndex], tuple[str, int]],
+    dtype: Callable[[str], torch.dtype],
+    batch: int | None = None,
+) -> list[LoadPlan]:
+    """Each plan with its `ItemRoute` as its `storage_data` where every plan's `Ask` agrees
+    (more than one rank, each plan's DCP rank its group rank in a group of that many,
+    one verify setting, reading once paying on each); else the plans with no
+    `storage_data` of ours. `place(index)`: where a stored chunk's record is (file,
+    offset); `dtype(fqn)`: a tensor's stored dtype."""
+    asks = [p.storage_data for p in plans]
+    ours = [isinstance(a, Ask) for a in asks]
+    agreed = (
+        len(plans) > 1
+        and all(ours)
+        and all(a.rank == i == a.group_rank and a.world == len(plans) for i, a in enumerate(asks))
+        and all(a.pays for a in asks)
+        and len({a.verify for a in asks}) == 1
+    )
+    if not agreed:
+        return [dataclasses.replace(p, storage_data=None) if o else p for p, o in zip(plans, ours)]
+    routes = item_routes([p.items for p in plans], place, dtype, batch)
+    token = uuid.uuid4().hex
+    for r in routes:
+        r.token, r.world = token, len(plans)
+    return [dataclasses.replace(p, storage_data=r) for p, r in zip(plans, routes)]
+
+
+def item_routes(
+    items: list[list[ReadItem]],
+    place: Callable[[MetadataIndex], tuple[str, int]],
+    dtype: Callable[[str], torch.dtype],
+    batch: int | None = None,
+) -> list[ItemRoute]:
+    """Every rank's `ItemRoute` for the tensor items each rank's plan lists (above)."""
+    limit = BATCH if batch is None else batch
+    needs: dict[MetadataIndex, list[tuple[int, ReadItem]]] = defaultdict(list)
+    for rank, mine in enumerate(items):
+        for item in dict.fromkeys(mine):  # an item listed twice is filled once
+            if item.type == LoadItemType.TENSOR:
+                needs[item.storage_index].append((rank, item))
+    shared: list[_Shared] = []
+    for index, users in needs.items():
+        members = tuple(sorted({r for r, _ in users}))
+        if len(members) > 1:
+            kind = dtype(index.fqn)
+            region = _bounds([_box(it) for _r, it in users])
+            shared.append(_Shared(place(index), index, members, users, region, kind))
+    shared.sort(key=lambda c: (c.place, c.index.fqn, tuple(c.index.offset or ())))
+    groups: dict[tuple[int, ...], list[_Shared]] = defaultdict(list)  # in storage order
+    for c in shared:
+        groups[c.members].append(c)
+    for members, chunks in groups.items():
+        sizes = [c.region.numel * c.dtype.itemsize for c in chunks]
+        picked = _readers(members, sizes, [c.place[0] for c in chunks])
+        for c, reader in zip(chunks, picked, strict=True):
+            c.reader = reader
+    routes = [ItemRoute() for _ in items]
+    for c, rnd in zip(shared, _route_rounds(shared, limit)):
+        fetch = ItemFetch(c.index, c.region, c.dtype, [])
+        for r, item in sorted(c.users, key=lambda u: u[0]):  # stable: each rank's in order
+            fetch.parts.append((r, item, _box(item)))
+            if r != c.reader:
+                routes[r].incoming.append((rnd, c.reader, item, c.dtype))
+        routes[c.reader].fetches.append((rnd, fetch))
+    return routes
+
+
+@dataclass
+class _Shared:
+    """A stored chunk several ranks' items read from."""
+
+    place: tuple[str, int]
+    index: MetadataIndex
+    members: tuple[int, ...]
+    users: list[tuple[int, ReadItem]]
+    region: Block  # the bounds of their boxes
+    dtype: torch.dtype
+    reader: int = -1
+
+
+def _box(item: ReadItem) -> Block:
+    """An item's box in its stored chunk's coordinates."""
+    return Block(tuple(item.storage_offsets), tuple(item.lengths))
+
+
+def _route_rounds(shared: list[_Shared], limit: int) -> list[int]:
+    """Each shared chunk's round. A rank's rounds grow in storage order, a new one when
+    its bytes in the current one (a reader's region, a receiver's boxes) would pass
+    `limit`; a chunk's round is the latest its ranks are in, so they all meet there
+    (and each rank's rounds only grow: no rank waits on a round another has passed).
+    O(chunks × k)."""
+    current: dict[int, int] = defaultdict(int)  # rank -> its round
+    held: dict[int, int] = defaultdict(int)  # rank -> its bytes in that round
+    out = []
+    for c in shared:
+        cost: dict[int, int] = defaultdict(int)
+        cost[c.reader] += c.region.numel * c.dtype.itemsize
+        for r, item in c.users:
+            if r != c.reader:
+                cost[r] += math.prod(item.lengths) * c.dtype.itemsize
+        rnd = max(current[r] for r in cost)
+        for r in cost:
+            if current[r] < rnd:
+                current[r], held[r] = rnd, 0
+        if any(held[r] and held[r] + n > limit for r, n in cost.items()):
+            rnd += 1
+            for r in cost:
+                current[r], held[r] = rnd, 0
+        for r, n in cost.items():
+            held[r] += n
+        out.append(rnd)
+    return out
+
+
+ARRIVAL_S = 10.0  # how long ranks of a route wait for each other to reach it (`arrived`)
+
+
+def arrived(store: Any, route: ItemRoute, timeout: float | None = None) -> bool:
+    """Whether every rank of `route` reached it, agreed through `store` (the process
+    group's key-value store): the exchange runs only then. DCP's read step is local to
+    each rank: a rank failing before `Reader.read_data` (a subclass that raises first,
+    a planner's `finish_plan`) goes straight to DCP's last gather, where the others
+    would never meet it inside the exchange. Each rank counts itself in (`add`); the
+    last one sets the route's state to "go", and a rank that waited `timeout` seconds
+    (`ARRIVAL_S`) sets it to "late" instead, whichever is first (`compare_set`): so
+    every rank sees the same state, and with "late" each reads its own items, as
+    without a route (the failed rank's error then reaches every rank through DCP's
+    gather, as stock). Per rank: three store requests; the store: O(W)."""
+    wait = ARRIVAL_S if timeout is None else timeout
+    state = f"shardwise/read-once/{route.token}/state"
+    if store.add(f"shardwise/read-once/{route.token}/arrived", 1) == route.world:
+        return bytes(store.compare_set(state, "", "go")) == b"go"
+    try:
+        store.wait([state], timedelta(seconds=wait))
+    except (RuntimeError, dist.DistError):  # timed out (DistStoreError): late, unless set
+        return bytes(store.compare_set(state, "", "late")) == b"go"
+    return bytes(store.get(state)) == b"go"
+
+
+def run_item_route(
+    comm: Communicator,
+    executor: ReadExecutor,
+    route: ItemRoute,
+    chunk_read: Callable[[MetadataIndex, Block], ChunkRead],
+    resolve: Callable[[ReadItem], torch.Tensor],
+    commit: Callable[[ReadItem, torch.Tensor], None],
+) -> BaseException | None:
+    """`route`'s rounds in order: this rank's receives posted (straight into its targets
+    where they take the stored bytes as they are, else into scratch), then its fetches
+    read (verified) and their boxes sent or kept. `chunk_read(index, region)`: the
+    `ChunkRead` of a region of a stored chunk (its target is set here); `resolve` and
+    `commit`: DCP's planner's `resolve_tensor` / `commit_tensor`. Every message is sent
+    whatever this rank found (zeros for what it could not make), so no rank waits on
+    another; nothing is committed once a problem is found. Returns the first problem
+    (the caller raises it: DCP's read step then fails on every rank)."""
+    problems: list[BaseException] = []
+    rank = comm.rank
+    resolved: dict[ReadItem, torch.Tensor | None] = {}
+
+    def target(item: ReadItem) -> torch.Tensor | None:
+        if item not in resolved:
+            resolved[item] = _resolved(resolve, item, problems)
+        return resolved[item]
+
+    for rnd in sorted({r for r, _ in route.fetches} | {m[0] for m in route.incoming}):
+        landing: list[tuple[int, torch.Tensor]] = []
+        later: list[tuple[torch.Tensor, ReadItem, torch.dtype]] = []  # (scratch, item, dtype)
+        straight: list[ReadItem] = []
+        for _rnd, src, item, kind in (m for m in route.incoming if m[0] == rnd):
+            into = target(item)
+            if into is not None and _takes(into, kind):
+                landing.append((src, _flat_bytes(into)))
+                straight.append(item)
+            else:
+                scratch = torch.empty(math.prod(item.lengths) * kind.itemsize, dtype=torch.uint8)
+                landing.append((src, scratch))
+                later.append((scratch, item, kind))
+        fetches = [f for r, f in route.fetches if r == rnd]
+
+        def sends(fetches: list[ItemFetch] = fetches) -> list[tuple[int, torch.Tensor]]:
+            try:
+                return _fetch_and_part(
+                    rank, executor, fetches, chunk_read, target, commit, problems
+                )
+            except Exception as e:  # noqa: BLE001 - never a message short: the others wait
+                problems.append(e)
+                return _zeros_for(rank, fetches)
+
+        comm.send_recv(landing, sends)
+        for scratch, item, kind in later:
+            into = target(item)
+            if into is not None and not problems:
+                try:
+                    into.copy_(scratch.view(kind).view(tuple(item.lengths)))
+                    straight.append(item)
+                except Exception as e:  # noqa: BLE001 - raised once every round ran
+                    problems.append(e)
+        if not problems:
+            for item in straight:
+                commit(item, resolved[item])  # type: ignore[arg-type]
+    return problems[0] if problems else None
+
+
+def _resolved(
+    resolve: Callable[[ReadItem], torch.Tensor], item: ReadItem, problems: list[BaseException]
+) -> torch.Tensor | None:
+    """The planner's target for `item`, or None (its problem noted)."""
+    try:
+        into = resolve(item).detach()
+    except Exception as e:  # noqa: BLE001 - raised once every round ran
+        problems.append(e)
+        return None
+    if tuple(into.shape) != tuple(item.lengths):
+        problems.append(
+            LayoutError(
+                f"'{item.dest_index.fqn}': the planner resolved a target of shape "
+                f"{tuple(into.shape)} for a read of {tuple(item.lengths)}"
+            )
+        )
+        return None
+    return into
+
+
+def _takes(target: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether `target` takes stored bytes of `dtype` straight into its memory."""
+    return (
+        type(target) in _PLAIN
+        and target.dtype == dtype
+        and target.device.type == "cpu"
+        and target.layout == torch.strided
+        and target.is_contiguous()
+        and not (target.is_conj() or target.is_neg())
+    )
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as flat bytes (a view)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _fetch_and_part(
+    rank: int,
+    executor: ReadExecutor,
+    fetches: list[ItemFetch],
+    chunk_read: Callable[[MetadataIndex, Block], ChunkRead],
+    target: Callable[[ReadItem], torch.Tensor | None],
+    commit: Callable[[ReadItem, torch.Tensor], None],
+    problems: list[BaseException],
+) -> list[tuple[int, torch.Tensor]]:
+    """`fetches` read (into this rank's target where the region is exactly its one item
+    and the target takes the bytes as they are, else into scratch), this rank's items
+    filled and committed, the others' boxes to send, by rank in send order."""
+    reads, buffers, owned = [], [], []
+    for f in fetches:
+        mine = [(it, b) for r, it, b in f.parts if r == rank]
+        into = None
+        if len(mine) == 1 and mine[0][1] == f.region:
+            into = target(mine[0][0])
+            into = into if into is not None and _takes(into, f.dtype) else None
+        buf = into if into is not None else torch.empty(f.region.sizes, dtype=f.dtype)
+        reads.append(dataclasses.replace(chunk_read(f.index, f.region), target=buf, done=None))
+        buffers.append(buf)
+        owned.append(into)
+    try:
+        executor.run(reads)
+    except Exception as e:  # noqa: BLE001 - raised once every round ran
+        problems.append(e)
+    outgoing: list[tuple[int, torch.Tensor]] = []
+    for f, buf, into in zip(fetches, buffers, owned):
+        for r, item, box in f.parts:
+            part = buf[box.relative_to(f.region).slices()]
+            if r != rank:
+                outgoing.append((r, _flat_bytes(part.contiguous())))
+                continue
+            mine_into = into if into is not None else target(item)
+            if problems or mine_into is None:
+                continue
+            if into is None:
+                mine_into.copy_(part)
+            commit(item, mine_into)
+    outgoing.sort(key=lambda m: m[0])  # stable: each rank's boxes in send order
+    return outgoing
+
+
+def _zeros_for(rank: int, fetches: list[ItemFetch]) -> list[tuple[int, torch.Tensor]]:
+    """Zeros in place of every box this rank sends, in order: what it sends when making
+    its messages failed (its problem then fails the load on every rank)."""
+    sizes = [(r, b.numel * f.dtype.itemsize) for f in fetches for r, _it, b in f.parts if r != rank]
+    sizes.sort(key=lambda m: m[0])
+    zeros = torch.zeros(max((n for _r, n in sizes), default=0), dtype=torch.uint8)
+    return [(r, zeros[:n]) for r, n in sizes]

@@ -325,12 +325,15 @@ def read_records(
     *,
     whole: bool = False,
     listing: dict[str, int] | None = None,
+    settled: bool = True,
 ) -> tuple[Manifest | None, Metadata | None]:
     """(the manifest, None) for a shardwise checkpoint whose manifest is current, else
     (None, DCP's metadata), read safely and checked; `rank`: that rank's own records.
     A version 4 manifest comes without its chunks (a load reads the sections it needs)
-    unless `whole`. `listing`: the folder's files and sizes, listed once by the caller
-    (on an object store each listing is a request, by every rank of a load).
+    unless `whole` (then, not `settled`, without the checksums writers keep in data
+    files: `Manifest.resolve`). `listing`: the folder's files and sizes, listed once
+    by the caller (on an object store each listing is a request, by every rank of a
+    load).
     Raises `CheckpointNotFoundError` where there is no checkpoint (also where only
     per-rank records are: what `dcp.load` expects before it retries per rank) and
     `IncompleteCheckpointError` where a save never committed (SPEC §3): its data, or
@@ -345,7 +348,7 @@ def read_records(
         replaced = manifest.stale(folder, names.metadata, listing)
         if replaced is None:
             if manifest.index is None or whole:  # before version 4: every chunk, checked
-                manifest.resolve(folder, names.manifest)
+                manifest.resolve(folder, names.manifest, settled)
             return manifest, None
         # what stock readers see now: never the data it replaced
         manifest.resolve(folder, names.manifest)  # the files it names, to refuse them

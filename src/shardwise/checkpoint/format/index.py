@@ -651,14 +651,44 @@ def read_sections(
 
 
 def resolve_sections(
-    folder: Folder, index: IndexRef, tensors: dict[str, TensorEntry], source: str, version: int
-) -> None:
+    folder: Folder,
+    index: IndexRef,
+    tensors: dict[str, TensorEntry],
+    source: str,
+    version: int,
+    settled: bool = True,
+) -> dict[tuple[str, tuple[int, ...]], Unsettled]:
     """Every tensor's chunk entries, from its section (for tools: `Manifest.read`): the
-    checksums their writers keep fetched for all sections at once."""
+    checksums their writers keep fetched for all sections at once; or, not `settled`,
+    none fetched (where each lies checked, as a load's planning checks them) and each
+    such chunk returned (by key and offsets) as `Unsettled`, for the rank that reads it
+    to fetch them with its bytes (`dcp.Reader`: every rank reads all sections)."""
     tables = list(read_sections(folder, index, list(tensors.items()), source, version=version))
-    resolve_rows([(table, range(len(table))) for _key, table in tables])
+    if settled:
+        resolve_rows([(table, range(len(table))) for _key, table in tables])
+        for key, table in tables:
+            tensors[key].chunks = table.entries()
+        return {}
+    slot_ranges([(table, range(len(table))) for _key, table in tables])  # checked, not read
+    out: dict[tuple[str, tuple[int, ...]], Unsettled] = {}
     for key, table in tables:
-        tensors[key].chunks = table.entries()
+        t = tensors[key]
+        itemsize = dtype_from_name(t.dtype).itemsize
+        t.chunks = [table.entry(i, fetch=False) for i in range(table.count)]
+        for i, c in enumerate(t.chunks):
+            if c.crc_at >= 0:
+                assert table.fetch is not None  # a version 5 section's kept row
+                out[(key, tuple(c.offsets))] = Unsettled(
+                    c,
+                    table.file_key(i),
+                    c.crc_at,
+                    table.crc_count(i),
+                    table.where,
+                    tuple(t.shape),
+                    itemsize,
+                    table.fetch,
+                )
+    return out
 
 
 class TensorChunks:

@@ -17,7 +17,7 @@ import pickle
 import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,7 @@ from .entries import (
     pickled,
     unpickled,
 )
-from .index import resolve_sections, write_sections
+from .index import Unsettled, resolve_sections, write_sections
 
 __all__ = [
     "ChunkEntry",
@@ -251,6 +251,10 @@ class Manifest:
     metadata_tail: tuple[int, int] = (0, 0)  # v4: .metadata's size, crc32c of its `TAIL`
     index: IndexRef | None = None  # v4: the index file of the tensors' chunk sections
     resolved: bool = field(default=False, compare=False, repr=False)  # v4: chunks read
+    # chunks resolved without the checksums their writers keep (`resolve(settled=False)`)
+    unsettled: dict[tuple[str, tuple[int, ...]], Unsettled] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def to_json(self) -> str:
         """Canonical JSON whose "crc32c" field checksums the document itself, in this
@@ -319,13 +323,17 @@ class Manifest:
         out.resolve(folder, name)
         return out
 
-    def resolve(self, folder: Folder, name: str = MANIFEST) -> None:
-        """Read every chunk (version 4: from the index; once) and check them all."""
+    def resolve(self, folder: Folder, name: str = MANIFEST, settled: bool = True) -> None:
+        """Read every chunk (version 4: from the index; once) and check them all; not
+        `settled`: without the checksums writers keep in data files (`unsettled` names
+        those chunks: `format.index.resolve_sections`)."""
         path = folder.where(name)
         if self.index is not None:
             if self.resolved:
                 return
-            resolve_sections(folder, self.index, self.tensors, path, self.version)
+            self.unsettled = resolve_sections(
+                folder, self.index, self.tensors, path, self.version, settled
+            )
             self._check_geometry(path)
             self.resolved = True
         self._check_files(folder, path)
@@ -407,6 +415,9 @@ class Manifest:
                 itemsize = itemsizes[t.dtype] = dtype_from_name(t.dtype).itemsize
             ndim = len(t.shape)
             for c in t.chunks:
+                if c.crc_at >= 0:  # checksums not fetched: as many as its row says
+                    kept = self.unsettled.get((k, tuple(c.offsets)))
+                    c = replace(c, crcs=range(kept.count if kept else -1))  # type: ignore[arg-type]  # noqa: PLW2901
                 if (
                     len(c.offsets) != ndim
                     or len(c.sizes) != ndim
