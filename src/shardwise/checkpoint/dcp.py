@@ -53,12 +53,17 @@ from ..errors import InvalidArgumentError, ShardMismatchError, UsageError
 from ..layout import Block
 from ..storage import Folder, open_folder, served_url
 from .engine import (
+    Ask,
+    ItemRoute,
     SaveRecords,
+    arrived,
     holes_in_plans,
     item_reads,
     kind_disagreements,
-    read_once,
+    may_pay,
     read_records,
+    routed_plans,
+    run_item_route,
 )
 from .format import (
     Manifest,
@@ -557,21 +562,21 @@ class Reader(FolderBacked, FileSystemReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """`plan`, with what the coordinator checks before it routes reads once
-        (`engine.read_once.Ask`) where this rank can take part."""
+        (`engine.Ask`) where this rank can take part."""
         plan = super().prepare_local_plan(plan)
         ask = self._ask()
         return plan if ask is None or plan.storage_data is not None else _with(plan, ask)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """On the coordinator: each rank's plan with its part in reading each stored
-        byte once (`engine.read_once.routed_plans`), where every rank can take part."""
+        byte once (`engine.routed_plans`), where every rank can take part."""
         plans = super().prepare_global_plan(plans)
         metadata = self._checked
         if metadata is None:
             return plans
-        return read_once.routed_plans(plans, self._place, self._stored_dtype)
+        return routed_plans(plans, self._place, self._stored_dtype)
 
-    def _ask(self) -> read_once.Ask | None:
+    def _ask(self) -> Ask | None:
         if self.read_once is False or self._rank is None:
             return None
         if not (dist.is_available() and dist.is_initialized()) or default_store() is None:
@@ -579,9 +584,14 @@ class Reader(FolderBacked, FileSystemReader):
         group_rank = dist.get_rank(self.process_group)
         if group_rank < 0:  # not a member of the group it would send over
             return None
-        pays = read_once.may_pay(True if self.read_once else None, self.folder)
+        pays = may_pay(True if self.read_once else None, self.folder)
         world = dist.get_world_size(self.process_group)
-        return read_once.Ask(self._rank, group_rank, world, self.verify, pays)
+        meta = getattr(self._checked, "storage_meta", None)
+        save_id = getattr(meta, "save_id", None) or (
+            self.manifest.storage_meta.get("save_id") if self.manifest is not None else None
+        )
+        which = f"save {save_id}" if save_id else f"path {self.path}"
+        return Ask(self._rank, group_rank, world, self.verify, pays, which)
 
     def _place(self, index: MetadataIndex) -> tuple[str, int]:
         info = self.storage_data[index]
@@ -595,11 +605,11 @@ class Reader(FolderBacked, FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """DCP's plan, as the read executor's requests (`item_reads`), run at once; with
-        a route (`engine.read_once.ItemRoute`), the items it covers read once for every
+        a route (`engine.ItemRoute`), the items it covers read once for every
         rank needing them and the rest alone. A rank with a route takes part in all of
         it whatever it finds, so no rank waits on another; what it found is raised after."""
         route = plan.storage_data
-        route = route if isinstance(route, read_once.ItemRoute) else None
+        route = route if isinstance(route, ItemRoute) else None
         problem: BaseException | None = None
         executor = ReadExecutor(
             self.folder, verify=self.verify, registry=self.transforms.extension_registry
@@ -612,8 +622,8 @@ class Reader(FolderBacked, FileSystemReader):
                     raise
                 problem = e
             items = plan.items
-            if route is not None and read_once.arrived(default_store(), route):
-                found = self._run_route(route, planner, executor, problem is not None)
+            if route is not None and arrived(default_store(), route):
+                found = self._run_route(route, plan, planner, executor, problem is not None)
                 problem = problem or found
                 covered = route.covered(dist.get_rank(self.process_group))
                 items = [item for item in items if item not in covered]
@@ -654,7 +664,12 @@ class Reader(FolderBacked, FileSystemReader):
             )
 
     def _run_route(
-        self, route: read_once.ItemRoute, planner: LoadPlanner, executor: ReadExecutor, failed: bool
+        self,
+        route: ItemRoute,
+        plan: LoadPlan,
+        planner: LoadPlanner,
+        executor: ReadExecutor,
+        failed: bool,
     ) -> BaseException | None:
         """This rank's part of the route; with `failed` (this rank cannot read), its
         messages still sent and received, nothing read or filled."""
@@ -683,8 +698,8 @@ class Reader(FolderBacked, FileSystemReader):
                 raise UsageError(f"Reader for {self.path}: cannot fill targets")
             return planner.resolve_tensor(item)
 
-        found = read_once.run_item_route(
-            comm, executor, route, chunk_read, resolve, planner.commit_tensor
+        found = run_item_route(
+            comm, executor, route, chunk_read, resolve, planner.commit_tensor, set(plan.items)
         )
         self.bytes_sent += route.bytes_sent(comm.rank)
         return found

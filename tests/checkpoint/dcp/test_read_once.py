@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import math
 import os
 from collections.abc import Iterator
@@ -127,8 +128,19 @@ def test_each_stored_byte_is_read_once_and_sent_to_the_ranks_needing_it(tmp_path
     ]
 
 
-def _corrupt(rank: int, world: int, path: str) -> str:
+def _corrupt(rank: int, world: int, path: str) -> tuple[str, list[str]]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.tensor import distribute_tensor
+
+    import shardwise.checkpoint as swc
+
+    committed: list[str] = []
+
+    class Recording(DefaultLoadPlanner):
+        def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+            committed.append(f"{read_item.dest_index.fqn}@{read_item.storage_index.offset[0]}")
 
     mesh = _mesh()
     _save(path, mesh)
@@ -145,18 +157,26 @@ def _corrupt(rank: int, world: int, path: str) -> str:
                 flipped += 1
         assert flipped == 1
     torch.distributed.barrier()
+    targets = {
+        k: distribute_tensor(torch.zeros(ROWS, COLS), mesh, _placements("rep-rows")) for k in KEYS
+    }
     try:
-        _load(path, mesh, "rep-rows", read_once=True)
+        reader = swc.Reader(path, read_once=True)
+        dcp.load(targets, storage_reader=reader, planner=Recording())
     except CheckpointException as e:
-        return str(e)
-    return "loaded"
+        return str(e), committed
+    return "loaded", committed
 
 
 def test_a_corrupt_chunk_read_for_others_fails_every_rank_naming_it(tmp_path: Path) -> None:
     """Only the reader of the flipped chunk reads it; DCP's read step raises its
-    checksum mismatch on every rank, receivers included, naming the tensor."""
+    checksum mismatch on every rank, receivers included, naming the tensor; the
+    receiver commits none of the bytes its reader sent after finding it."""
     out = run_ranks(_corrupt, W, os.fspath(tmp_path / "ck"), timeout=120)
-    assert all("'y'" in text and "checksum" in text and ".distcp" in text for text in out), out
+    assert all("'y'" in text and "checksum" in text and ".distcp" in text for text, _c in out), out
+    # ranks 1 and 3 hold the bottom halves (TP rank 1): neither commits "y"'s
+    assert all(f"y@{ROWS // 2}" not in committed for _t, committed in out)
+    assert all("y@0" in out[r][1] for r in (0, 2))  # the top half, read clean, is
 
 
 def _groups(rank: int, world: int, path: str) -> list[tuple[int, int, bool]]:
@@ -357,7 +377,9 @@ def test_plans_are_routed_only_when_every_rank_asks_alike() -> None:
         out = read_once.routed_plans(ps, lambda i: ("f", 0), lambda fqn: torch.float32)
         return [type(p.storage_data).__name__ for p in out]
 
-    ask = read_once.Ask
+    def ask(rank: int, group_rank: int, world: int, verify: bool, pays: bool, ck: str = "s1"):
+        return read_once.Ask(rank, group_rank, world, verify, pays, ck)
+
     good = [ask(0, 0, 2, True, True), ask(1, 1, 2, True, True)]
     assert routed(plans(*good)) == ["ItemRoute", "ItemRoute"]
     assert routed(plans(good[0], None)) == ["NoneType", "NoneType"]
@@ -365,6 +387,8 @@ def test_plans_are_routed_only_when_every_rank_asks_alike() -> None:
     assert routed(plans(good[0], ask(1, 1, 2, True, False))) == ["NoneType", "NoneType"]
     assert routed(plans(good[0], ask(1, 0, 2, True, True))) == ["NoneType", "NoneType"]
     assert routed(plans(good[0], ask(1, 1, 4, True, True))) == ["NoneType", "NoneType"]
+    # another checkpoint (another save, or a copy at another path)
+    assert routed(plans(good[0], ask(1, 1, 2, True, True, "s2"))) == ["NoneType", "NoneType"]
     assert routed(plans(good[0])) == ["NoneType"]
     # another storage layer's data in a plan is left as it is
     assert routed(plans(good[0], "theirs")) == ["NoneType", "str"]
@@ -449,3 +473,51 @@ def test_ranks_agree_on_arrival_through_the_store() -> None:
 
     assert run("all", [0.0, 0.1, 0.2]) == [True, True, True]
     assert run("late", [0.0, 0.0, 4.0]) == [False, False, False]
+
+
+def _planners(rank: int, world: int, path: str) -> list[bool]:
+    """Two planners: one whose `commit_tensor` doubles each target in place (as a planner
+    that post-processes may), one whose `finish_plan` drops "z" after routing."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.tensor import distribute_tensor
+
+    import shardwise.checkpoint as swc
+
+    class Doubling(DefaultLoadPlanner):
+        def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+            tensor.mul_(2)
+
+    class DropsZ(DefaultLoadPlanner):
+        def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+            items = [i for i in new_plan.items if i.dest_index.fqn != "z"]
+            return dataclasses.replace(new_plan, items=items)
+
+    mesh = _mesh()
+    _save(path, mesh)
+    out = []
+    for planner in (Doubling(), DropsZ()):
+        targets = {
+            k: distribute_tensor(torch.full((ROWS, COLS), -1.0), mesh, _placements("rep-rows"))
+            for k in KEYS
+        }
+        reader = swc.Reader(path, read_once=True)
+        dcp.load(targets, storage_reader=reader, planner=planner)
+        got = {k: v.full_tensor() for k, v in targets.items()}
+        if isinstance(planner, Doubling):
+            out.append(all(torch.equal(got[k], 2 * v) for k, v in _full().items()))
+        else:
+            out.append(
+                torch.equal(got["z"], torch.full((ROWS, COLS), -1.0))
+                and all(torch.equal(got[k], _full()[k]) for k in "xy")
+            )
+        out.append(reader.bytes_sent > 0)
+    return out
+
+
+def test_a_planners_commit_and_finish_plan_act_as_without_the_route(tmp_path: Path) -> None:
+    """A reader commits its own target only after sending from it (the receivers are
+    sent the stored bytes, not what commit made of them), and an item `finish_plan`
+    dropped is neither filled nor committed."""
+    out = run_ranks(_planners, W, os.fspath(tmp_path / "ck"), timeout=120)
+    assert out == [[True, True, True, True]] * W

@@ -24,11 +24,14 @@ from .inventory import (
 )
 from .load import item_reads, load_state
 from .plan import SaveRecords, first_hole, holes_in_plans, kind_disagreements, region
+from .read_once import Ask, ItemRoute, arrived, may_pay, routed_plans, run_item_route
 from .save import SaveReport, Staging, save_state
 from .staging import Staged, Stager
 from .stored import StoredView, read_records
 
 __all__ = [
+    "Ask",
+    "ItemRoute",
     "LocalPieces",
     "Piece",
     "Route",
@@ -44,6 +47,7 @@ __all__ = [
     "adapted_for_load",
     "adapter_of",
     "adapted_for_save",
+    "arrived",
     "first_hole",
     "held_adapted",
     "holes_in_plans",
@@ -51,6 +55,7 @@ __all__ = [
     "item_reads",
     "kind_disagreements",
     "load_state",
+    "may_pay",
     "read_records",
     "region",
     "register_route",
@@ -58,7 +63,9 @@ __all__ = [
     "require_same_adapted",
     "route_named",
     "route_of",
+    "routed_plans",
     "routes",
+    "run_item_route",
     "save_state",
     "serialize_objects",
 ]

@@ -76,7 +76,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from ...comm.agreement import digest
 from ...comm.communicator import Communicator, ProcessGroupCommunicator
-from ...errors import LayoutError
+from ...errors import CorruptCheckpointError, LayoutError
 from ...layout import Block, BlockIndex, Layout
 from ...storage import Folder, FsspecFolder, SharedReads
 from ...tensor import ShardedTensor
@@ -760,6 +760,7 @@ class Ask:
     world: int  # that group's size
     verify: bool
     pays: bool  # reading once pays here (`may_pay`), or is forced
+    checkpoint: str  # which checkpoint it reads: its save id, else its path
 
 
 @dataclass
@@ -808,7 +809,7 @@ def routed_plans(
 ) -> list[LoadPlan]:
     """Each plan with its `ItemRoute` as its `storage_data` where every plan's `Ask` agrees
     (more than one rank, each plan's DCP rank its group rank in a group of that many,
-    one verify setting, reading once paying on each); else the plans with no
+    one checkpoint and verify setting, reading once paying on each); else the plans with no
     `storage_data` of ours. `place(index)`: where a stored chunk's record is (file,
     offset); `dtype(fqn)`: a tensor's stored dtype."""
     asks = [p.storage_data for p in plans]
@@ -818,7 +819,7 @@ def routed_plans(
         and all(ours)
         and all(a.rank == i == a.group_rank and a.world == len(plans) for i, a in enumerate(asks))
         and all(a.pays for a in asks)
-        and len({a.verify for a in asks}) == 1
+        and len({(a.verify, a.checkpoint) for a in asks}) == 1
     )
     if not agreed:
         return [dataclasses.replace(p, storage_data=None) if o else p for p, o in zip(plans, ours)]
@@ -929,16 +930,22 @@ def arrived(store: Any, route: ItemRoute, timeout: float | None = None) -> bool:
     (`ARRIVAL_S`) sets it to "late" instead, whichever is first (`compare_set`): so
     every rank sees the same state, and with "late" each reads its own items, as
     without a route (the failed rank's error then reaches every rank through DCP's
-    gather, as stock). Per rank: three store requests; the store: O(W)."""
+    gather, as stock). Once every rank has read the state, the last deletes the keys.
+    Per rank: four store requests; the store: O(W)."""
     wait = ARRIVAL_S if timeout is None else timeout
-    state = f"shardwise/read-once/{route.token}/state"
-    if store.add(f"shardwise/read-once/{route.token}/arrived", 1) == route.world:
-        return bytes(store.compare_set(state, "", "go")) == b"go"
-    try:
-        store.wait([state], timedelta(seconds=wait))
-    except (RuntimeError, dist.DistError):  # timed out (DistStoreError): late, unless set
-        return bytes(store.compare_set(state, "", "late")) == b"go"
-    return bytes(store.get(state)) == b"go"
+    keys = [f"shardwise/read-once/{route.token}/{k}" for k in ("arrived", "state", "seen")]
+    if store.add(keys[0], 1) == route.world:
+        said = bytes(store.compare_set(keys[1], "", "go"))
+    else:
+        try:
+            store.wait([keys[1]], timedelta(seconds=wait))
+            said = bytes(store.get(keys[1]))
+        except (RuntimeError, dist.DistError):  # timed out (DistStoreError): late, unless set
+            said = bytes(store.compare_set(keys[1], "", "late"))
+    if store.add(keys[2], 1) == route.world:  # every rank has read the state: gone
+        for key in keys:
+            store.delete_key(key)
+    return said == b"go"
 
 
 def run_item_route(
@@ -948,20 +955,28 @@ def run_item_route(
     chunk_read: Callable[[MetadataIndex, Block], ChunkRead],
     resolve: Callable[[ReadItem], torch.Tensor],
     commit: Callable[[ReadItem, torch.Tensor], None],
+    wanted: set[ReadItem] | frozenset[ReadItem],
 ) -> BaseException | None:
     """`route`'s rounds in order: this rank's receives posted (straight into its targets
     where they take the stored bytes as they are, else into scratch), then its fetches
     read (verified) and their boxes sent or kept. `chunk_read(index, region)`: the
     `ChunkRead` of a region of a stored chunk (its target is set here); `resolve` and
-    `commit`: DCP's planner's `resolve_tensor` / `commit_tensor`. Every message is sent
-    whatever this rank found (zeros for what it could not make), so no rank waits on
-    another; nothing is committed once a problem is found. Returns the first problem
-    (the caller raises it: DCP's read step then fails on every rank)."""
+    `commit`: DCP's planner's `resolve_tensor` / `commit_tensor`; `wanted`: the items of
+    this rank's final plan (`finish_plan` may drop some: their bytes are received into
+    scratch and dropped). Every message is sent whatever this rank found (zeros for what
+    it could not make), each sender's boxes in a round followed by one status byte (1:
+    all it read was read and verified), so no rank waits on another and none commits
+    bytes a failed read sent; items are committed once their round's messages are all
+    done (a reader's own target is sent from before it is committed), and none once a
+    problem is found. Returns the first problem (the caller raises it: DCP's read step
+    then fails on every rank)."""
     problems: list[BaseException] = []
     rank = comm.rank
     resolved: dict[ReadItem, torch.Tensor | None] = {}
 
     def target(item: ReadItem) -> torch.Tensor | None:
+        if item not in wanted:
+            return None
         if item not in resolved:
             resolved[item] = _resolved(resolve, item, problems)
         return resolved[item]
@@ -969,39 +984,57 @@ def run_item_route(
     for rnd in sorted({r for r, _ in route.fetches} | {m[0] for m in route.incoming}):
         landing: list[tuple[int, torch.Tensor]] = []
         later: list[tuple[torch.Tensor, ReadItem, torch.dtype]] = []  # (scratch, item, dtype)
-        straight: list[ReadItem] = []
+        done: list[tuple[ReadItem, torch.Tensor]] = []  # filled: committed after the round
         for _rnd, src, item, kind in (m for m in route.incoming if m[0] == rnd):
             into = target(item)
             if into is not None and _takes(into, kind):
                 landing.append((src, _flat_bytes(into)))
-                straight.append(item)
+                done.append((item, into))
             else:
                 scratch = torch.empty(math.prod(item.lengths) * kind.itemsize, dtype=torch.uint8)
                 landing.append((src, scratch))
                 later.append((scratch, item, kind))
+        senders = sorted({src for _r, src, _i, _k in route.incoming if _r == rnd})
+        statuses = [(src, torch.zeros(1, dtype=torch.uint8)) for src in senders]
+        landing += statuses  # after each sender's boxes: its last message of the round
         fetches = [f for r, f in route.fetches if r == rnd]
 
-        def sends(fetches: list[ItemFetch] = fetches) -> list[tuple[int, torch.Tensor]]:
+        def sends(
+            fetches: list[ItemFetch] = fetches, done: list[Any] = done
+        ) -> list[tuple[int, torch.Tensor]]:
             try:
-                return _fetch_and_part(
-                    rank, executor, fetches, chunk_read, target, commit, problems
-                )
+                out = _fetch_and_part(rank, executor, fetches, chunk_read, target, problems, done)
             except Exception as e:  # noqa: BLE001 - never a message short: the others wait
                 problems.append(e)
-                return _zeros_for(rank, fetches)
+                out = _zeros_for(rank, fetches)
+            ok = torch.tensor([0 if problems else 1], dtype=torch.uint8)
+            return out + [(r, ok) for r in sorted({r for r, _t in out})]
 
         comm.send_recv(landing, sends)
+        failed = [src for src, status in statuses if not status.item()]
+        if failed:
+            problems.append(
+                CorruptCheckpointError(
+                    f"rank(s) {failed} could not read stored bytes this rank loads "
+                    "(their error is raised there)"
+                )
+            )
         for scratch, item, kind in later:
             into = target(item)
-            if into is not None and not problems:
-                try:
-                    into.copy_(scratch.view(kind).view(tuple(item.lengths)))
-                    straight.append(item)
-                except Exception as e:  # noqa: BLE001 - raised once every round ran
-                    problems.append(e)
-        if not problems:
-            for item in straight:
-                commit(item, resolved[item])  # type: ignore[arg-type]
+            if into is None or problems:
+                continue
+            try:
+                into.copy_(scratch.view(kind).view(tuple(item.lengths)))
+                done.append((item, into))
+            except Exception as e:  # noqa: BLE001 - raised once every round ran
+                problems.append(e)
+        for item, into in done:
+            if problems:
+                break
+            try:
+                commit(item, into)
+            except Exception as e:  # noqa: BLE001 - raised once every round ran
+                problems.append(e)
     return problems[0] if problems else None
 
 
@@ -1048,12 +1081,13 @@ def _fetch_and_part(
     fetches: list[ItemFetch],
     chunk_read: Callable[[MetadataIndex, Block], ChunkRead],
     target: Callable[[ReadItem], torch.Tensor | None],
-    commit: Callable[[ReadItem, torch.Tensor], None],
     problems: list[BaseException],
+    done: list[tuple[ReadItem, torch.Tensor]],
 ) -> list[tuple[int, torch.Tensor]]:
     """`fetches` read (into this rank's target where the region is exactly its one item
     and the target takes the bytes as they are, else into scratch), this rank's items
-    filled and committed, the others' boxes to send, by rank in send order."""
+    filled (added to `done`, committed by the caller once the round's messages are
+    done), the others' boxes to send, by rank in send order."""
     reads, buffers, owned = [], [], []
     for f in fetches:
         mine = [(it, b) for r, it, b in f.parts if r == rank]
@@ -1079,9 +1113,12 @@ def _fetch_and_part(
             mine_into = into if into is not None else target(item)
             if problems or mine_into is None:
                 continue
-            if into is None:
-                mine_into.copy_(part)
-            commit(item, mine_into)
+            try:
+                if into is None:
+                    mine_into.copy_(part)
+                done.append((item, mine_into))
+            except Exception as e:  # noqa: BLE001 - raised once every round ran
+                problems.append(e)
     outgoing.sort(key=lambda m: m[0])  # stable: each rank's boxes in send order
     return outgoing
 

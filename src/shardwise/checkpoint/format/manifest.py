@@ -329,7 +329,7 @@ class Manifest:
         those chunks: `format.index.resolve_sections`)."""
         path = folder.where(name)
         if self.index is not None:
-            if self.resolved:
+            if self.resolved and not (settled and self.unsettled):
                 return
             self.unsettled = resolve_sections(
                 folder, self.index, self.tensors, path, self.version, settled
