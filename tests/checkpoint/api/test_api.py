@@ -128,8 +128,8 @@ def _wide_load(rank: int, world: int, path: str, verify: bool, via: str) -> tupl
     target = ShardedTensor.zeros(Layout.chunked(WIDE, 1, world))
     if via == "swc.load":
         reader = swc.load({"w": target}, path, verify=verify)
-    else:  # the DCP storage reader, through stock dcp.load
-        reader = swc.Reader(path, verify=verify)
+    else:  # the DCP storage reader, through stock dcp.load, each rank reading its own
+        reader = swc.Reader(path, verify=verify, read_once=False)
         dcp.load({"w": target}, storage_reader=reader)
     (shard,) = target.local_shards()
     return (
