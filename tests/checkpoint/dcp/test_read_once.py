@@ -521,3 +521,29 @@ def test_a_planners_commit_and_finish_plan_act_as_without_the_route(tmp_path: Pa
     dropped is neither filled nor committed."""
     out = run_ranks(_planners, W, os.fspath(tmp_path / "ck"), timeout=120)
     assert out == [[True, True, True, True]] * W
+
+
+def _whole_targets(rank: int, world: int, path: str, device: str) -> tuple[bool, int, int]:
+    """Plain tensors every rank loads whole, read once: on CUDA, received in host memory
+    and copied to the device (gloo carries CPU messages)."""
+    import torch.distributed.checkpoint as dcp
+
+    import shardwise.checkpoint as swc
+
+    full = _full()
+    swc.save({k: v.clone() for k, v in full.items()}, path)  # replicated: written once
+    targets = {k: torch.zeros(ROWS, COLS, device=device) for k in KEYS}
+    reader = swc.Reader(path, read_once=True)
+    dcp.load(targets, storage_reader=reader)
+    exact = all(torch.equal(targets[k].cpu(), v) for k, v in full.items())
+    return exact, reader.bytes_read, reader.bytes_sent
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_tensors_every_rank_loads_whole_are_read_once(tmp_path: Path, device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = run_ranks(_whole_targets, 2, os.fspath(tmp_path / "ck"), device, timeout=120)
+    assert all(exact for exact, _r, _s in out)
+    assert sum(read for _e, read, _s in out) == STORED  # each stored byte read once
+    assert sum(sent for _e, _r, sent in out) == STORED  # and sent to the other rank
