@@ -86,24 +86,24 @@ from .inventory import Piece, pieces_of
 from .stored import StoredBox, StoredView
 
 __all__ = [
+    "ARRIVAL_S",
     "BATCH",
+    "Ask",
     "Exchange",
     "Fetch",
     "Holders",
-    "Round",
-    "Ask",
     "ItemFetch",
     "ItemRoute",
-    "ARRIVAL_S",
+    "Round",
     "agreed",
     "arrived",
     "eligible",
     "exchange",
+    "item_routes",
     "may_pay",
     "records",
     "records_shared",
     "routed_plans",
-    "item_routes",
     "run",
     "run_item_route",
     "shares_records",
@@ -742,7 +742,11 @@ def records_shared(folder: Folder) -> Iterator[None]:
 # chunks, in storage order: a file is then one request), which reads the bounds of all
 # their boxes (a region of the chunk, verified as any read), keeps its own items and
 # sends each other rank its items' boxes. Messages go in rounds, each rank's scratch
-# and sends in a round within `BATCH` plus a chunk (`_route_rounds`).
+# and sends in a round within `BATCH` plus a chunk (`_route_rounds`); each sender ends
+# its round's messages to a rank with a status byte, so nothing a failed read sent is
+# committed. DCP's read step is local to each rank, so the ranks first agree through
+# the process group's store that all of them reached it (`arrived`), else each reads
+# its own items.
 #
 # Cost: the coordinator O(I log I) for the I items of all plans (DCP's central planning
 # already gathers and walks them all: its design, not this one's); each rank O(its
