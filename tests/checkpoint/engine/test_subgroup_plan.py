@@ -138,3 +138,40 @@ def test_what_a_rank_receives_to_plan_subgroup_tensors_does_not_grow_with_the_wo
     small = _planning_bytes(4, 256, tmp_path / "4")
     large = _planning_bytes(16, 256, tmp_path / "16")
     assert large < 1.5 * small, (small, large)
+
+
+def _writers(folder: Path, names: str, world_size: int, tp: int) -> list[int]:
+    """Chunks written per rank when DP (world / tp) x TP `tp` ranks save eight tensors,
+    each row-sharded over its TP group, named `names.format(i)` (each key planned by
+    its own owner: `crc32c(key) % world`)."""
+    from shardwise.checkpoint.format.manifest import Manifest
+
+    world = ThreadedWorld(world_size)
+
+    def save(comm) -> None:
+        layout = Layout.chunked((64, 64), 0, tp)
+        state = {
+            names.format(i): ShardedTensor.from_layout(
+                layout,
+                shard_of(torch.full((64, 64), i), layout, comm.rank % tp),
+                rank=comm.rank % tp,
+            )
+            for i in range(8)
+        }
+        save_state(state, folder, Agreement(comm))
+
+    assert world.run(save) == [None] * world_size
+    counts = [0] * world_size
+    for entry in Manifest.read(folder).tensors.values():
+        for chunk in entry.chunks:
+            counts[int(chunk.file.split("_")[2])] += 1
+    return counts
+
+
+@pytest.mark.parametrize("names", ["layer{:03d}.weight", "t{}"])
+def test_each_dp_copy_writes_its_share_of_its_tp_groups_chunks(tmp_path: Path, names: str) -> None:
+    """DP 4 x TP 4, eight tensors: each TP quarter is 8 chunks held by 4 DP copies. Their
+    owners decide alone, but the copies number their boxes alike, so each writes 2, not
+    1 to 3 as the owners' ranks fell (one data file each of the same size: a load reads
+    each whole, `read_once._readers`)."""
+    assert _writers(tmp_path / "ck", names, 16, 4) == [2] * 16

@@ -232,8 +232,11 @@ def region(found: tuple[tuple[int, ...], tuple[int, ...]] | None) -> str:
 #   a box several ranks hold (a plain tensor, a replicated block) by the holder
 #   with the fewest bytes assigned so far by this plan, largest boxes first, ties
 #   to the holder nearest after rank `first` (each owner passes its own rank, so
-#   owners spread replicated state over different ranks deterministically); an
-#   object by the lowest rank holding it;
+#   owners spread replicated state over different ranks deterministically), or,
+#   with `ordinals` (each holder numbers its tensor boxes in its own order, one
+#   int per entry sent to owners), to the holders in turn by that number: the DP
+#   copies of a TP shard hold the same boxes in the same order, so each writes
+#   its share of them; an object by the lowest rank holding it;
 # * where each record goes (`place_archives`, on the writing rank): its records
 #   in its own inventory order, so every offset follows from the records'
 #   lengths (`archive_frame`), known before any byte is written;
@@ -286,13 +289,18 @@ def file_count(total: int) -> int:
 
 
 def plan_save(
-    inventories: list[list[Entry]], first: int = 0, loads: list[int] | None = None
+    inventories: list[list[Entry]],
+    first: int = 0,
+    loads: list[int] | None = None,
+    ordinals: list[list[int]] | None = None,
 ) -> SavePlan:
     """The plan for every rank's `inventory.describe` entries, in rank order. `first`:
     where ties between the holders of a shared box start, and the writer of the objects
     it holds (the planning owner: `engine.plan`); `loads`: the bytes each rank
     holds in all (when `inventories` are a part of what they hold), the load shared
-    boxes are balanced against."""
+    boxes are balanced against; `ordinals`: for each rank's entries, how many tensor
+    boxes the rank holds before it (`_box_ordinals`), which turn ties between the
+    holders of a shared box instead (below)."""
     tensors: dict[str, TensorPlan] = {}
     objects: dict[str, tuple[int, int]] = {}
     mappings: dict[str, tuple[Any, ...]] = {}
@@ -302,8 +310,12 @@ def plan_save(
     keys: dict[str, tuple[str | None, Any, int, dict[Box, Any] | None]] = {}
     # (key, dtype, shape) unlike the key's first holder's -> the ranks holding it so
     odd: dict[tuple[str, str | None, Any], list[int]] = {}
+    turns: dict[str, int] = {}  # key -> the least ordinal its holders sent
     for rank, entries in enumerate(inventories):
-        for key, path, dtype, shape, requires_grad, held in entries:
+        for at, (key, path, dtype, shape, requires_grad, held) in enumerate(entries):
+            if ordinals is not None:
+                ordinal = ordinals[rank][at]
+                turns[key] = min(turns.get(key, ordinal), ordinal)
             info = keys.get(key)
             if info is None:
                 if path is not None:
@@ -334,7 +346,7 @@ def plan_save(
                     holders.append((rank, index))
     for (key, dtype, shape), ranks in odd.items():
         problems.append(_disagreement(key, keys[key][:3], (dtype, shape, ranks)))
-    _assign_writers(keys, len(inventories), first, loads)
+    _assign_writers(keys, len(inventories), first, loads, turns if ordinals is not None else None)
     writes: list[list[tuple[str, int]]] = [[] for _ in inventories]
     for rank, entries in enumerate(inventories):  # each rank writes in its own inventory order
         mine = writes[rank]
@@ -361,15 +373,25 @@ def plan_save(
 
 
 def _assign_writers(
-    keys: dict[str, Any], world_size: int, first: int, loads: list[int] | None
+    keys: dict[str, Any],
+    world_size: int,
+    first: int,
+    loads: list[int] | None,
+    turns: dict[str, int] | None = None,
 ) -> None:
     """Replace each box's holders by its writer: a sole holder writes its box; shared
     boxes go, largest first, to the holder with the fewest bytes so far (with `loads`:
-    the fewest bytes held, plus those assigned)."""
+    the fewest bytes held, plus those assigned). Ties go to the holder nearest after
+    `first`; with `turns` (a key's place among the tensor boxes its holders hold), to
+    its holders in turn: the box numbered n by them to the (n mod k)-th of its k holders.
+    Owners decide alone, each for its own keys, and holders of the same boxes (the DP
+    replicas of a TP shard) number them alike, so each replica writes its share of the
+    group's chunks, not 1 to 3 of 8: on an object store a load then reads each of
+    their files whole (`read_once._readers`)."""
     load = [0] * world_size if loads is None else list(loads)
     itemsizes: dict[str, int] = {}
     shared = []
-    for order, (dtype, _shape, _rank, boxes) in enumerate(keys.values()):
+    for order, (key, (dtype, _shape, _rank, boxes)) in enumerate(keys.items()):
         if boxes is None:
             continue
         itemsize = itemsizes.get(dtype)
@@ -382,10 +404,14 @@ def _assign_writers(
                 if loads is None:
                     load[holders[0]] += nbytes
             else:
-                shared.append((-nbytes, order, box, boxes, holders))
+                shared.append((-nbytes, order, box, boxes, holders, key))
     shared.sort(key=lambda s: s[:3])
-    for minus_nbytes, _order, box, boxes, holders in shared:
-        rank, index = min(holders, key=lambda h: (load[h[0]], (h[0] - first) % world_size))
+    for minus_nbytes, _order, box, boxes, holders, key in shared:
+        start = first
+        if turns is not None and key in turns:
+            ranks = sorted(h[0] for h in holders)
+            start = ranks[(turns[key] + holders[0][1]) % len(ranks)]
+        rank, index = min(holders, key=lambda h: (load[h[0]], (h[0] - start) % world_size))
         boxes[box] = (rank, index)
         load[rank] -= minus_nbytes
 
@@ -824,14 +850,23 @@ def plan_by_owners(
         total = held_bytes(entries)
     except Exception as e:  # noqa: BLE001 - raised on every rank by the route below
         agreement.defer(e)
-    received = agreement.route([(total, theirs) for theirs in sent])
-    # received[r]: what r holds in all, and its entries of the keys this rank owns
+    numbered = _box_ordinals(entries)
+    received = agreement.route(
+        [(total, theirs, [numbered[p] for p in at]) for theirs, at in zip(sent, where)]
+    )
+    # received[r]: what r holds in all, its entries of the keys this rank owns, and the
+    # place of each among the tensor boxes r holds
     plan = SavePlan({}, {}, [[] for _ in range(world)], {}, [])
     replies: list[Any] = [([], [])] * world
     try:  # a failure here would leave the others in the next route: it rides on it
-        plan = plan_save([e for _n, e in received], first=rank, loads=[n for n, _e in received])
+        plan = plan_save(
+            [e for _n, e, _o in received],
+            first=rank,
+            loads=[n for n, _e, _o in received],
+            ordinals=[o for _n, _e, o in received],
+        )
         replies = []
-        for r, (_n, theirs) in enumerate(received):
+        for r, (_n, theirs, _o) in enumerate(received):
             at = {key: i for i, (key, _p, _d, _s, _g, _h) in enumerate(theirs)}
             chosen = [(at[key], index) for key, index in plan.writes[r]]
             replies.append((np.array(chosen, np.int64).reshape(-1, 2), plan.problems))
@@ -857,6 +892,18 @@ def _mine(entries: list[Entry], where: list[list[int]], back: list[np.ndarray]) 
     key_of = [key for key, _path, _dtype, _shape, _grad, _held in entries]
     keys = [key_of[p] for p in positions[order].tolist()]
     return MyWrites(keys, boxes[order], for_owner)
+
+
+def _box_ordinals(entries: list[Entry]) -> list[int]:
+    """For each entry, how many tensor boxes the entries before it hold: the same
+    numbers on ranks holding the same boxes in the same order (DP replicas), which
+    owners turn ties between holders by (`plan_save(ordinals=)`)."""
+    out, count = [], 0
+    for _key, _path, dtype, _shape, _grad, held in entries:
+        out.append(count)
+        if dtype is not None:
+            count += len(held)
+    return out
 
 
 def held_bytes(entries: list[Entry]) -> int:
