@@ -67,7 +67,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -93,7 +93,9 @@ __all__ = [
     "Fetch",
     "Holders",
     "ItemFetch",
+    "Incoming",
     "ItemRoute",
+    "Part",
     "Round",
     "agreed",
     "arrived",
@@ -293,13 +295,17 @@ def eligible(
 
 
 def _takes_bytes(pieces: list[Piece], dtype: torch.dtype) -> bool:
-    return all(
-        type(p.tensor) in _PLAIN
-        and p.tensor.dtype == dtype
-        and p.tensor.device.type == "cpu"
-        and p.tensor.layout == torch.strided
-        and not (p.tensor.is_conj() or p.tensor.is_neg())
-        for p in pieces
+    return all(_plain_host(p.tensor, dtype) for p in pieces)
+
+
+def _plain_host(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether `t` is plain strided CPU memory of `dtype` (bytes land in it as stored)."""
+    return (
+        type(t) in _PLAIN
+        and t.dtype == dtype
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and not (t.is_conj() or t.is_neg())
     )
 
 
@@ -767,6 +773,23 @@ class Ask:
     checkpoint: str  # which checkpoint it reads: its save id, else its path
 
 
+class Part(NamedTuple):
+    """An item's box in a fetched region, and the rank it is for."""
+
+    rank: int
+    item: ReadItem
+    box: Block  # in the stored chunk's coordinates
+
+
+class Incoming(NamedTuple):
+    """An item a rank receives: in which round, from which reader, of what stored dtype."""
+
+    round: int
+    src: int
+    item: ReadItem
+    dtype: torch.dtype
+
+
 @dataclass
 class ItemFetch:
     """A region of a stored chunk (in the chunk's coordinates) one rank reads, and each
@@ -775,7 +798,7 @@ class ItemFetch:
     index: MetadataIndex  # the stored chunk
     region: Block
     dtype: torch.dtype  # the stored dtype
-    parts: list[tuple[int, ReadItem, Block]]
+    parts: list[Part]
 
 
 @dataclass
@@ -785,7 +808,7 @@ class ItemRoute:
     send order) and of what stored dtype."""
 
     fetches: list[tuple[int, ItemFetch]] = field(default_factory=list)
-    incoming: list[tuple[int, int, ReadItem, torch.dtype]] = field(default_factory=list)
+    incoming: list[Incoming] = field(default_factory=list)
     token: str = ""  # this load's, the same on every rank (`arrived`)
     world: int = 0  # the ranks taking part
 
@@ -867,9 +890,9 @@ def item_routes(
     for c, rnd in zip(shared, _route_rounds(shared, limit)):
         fetch = ItemFetch(c.index, c.region, c.dtype, [])
         for r, item in sorted(c.users, key=lambda u: u[0]):  # stable: each rank's in order
-            fetch.parts.append((r, item, _box(item)))
+            fetch.parts.append(Part(r, item, _box(item)))
             if r != c.reader:
-                routes[r].incoming.append((rnd, c.reader, item, c.dtype))
+                routes[r].incoming.append(Incoming(rnd, c.reader, item, c.dtype))
         routes[c.reader].fetches.append((rnd, fetch))
     return routes
 
@@ -985,11 +1008,11 @@ def run_item_route(
             resolved[item] = _resolved(resolve, item, problems)
         return resolved[item]
 
-    for rnd in sorted({r for r, _ in route.fetches} | {m[0] for m in route.incoming}):
+    for rnd in sorted({r for r, _ in route.fetches} | {m.round for m in route.incoming}):
         landing: list[tuple[int, torch.Tensor]] = []
         later: list[tuple[torch.Tensor, ReadItem, torch.dtype]] = []  # (scratch, item, dtype)
         done: list[tuple[ReadItem, torch.Tensor]] = []  # filled: committed after the round
-        for _rnd, src, item, kind in (m for m in route.incoming if m[0] == rnd):
+        for _rnd, src, item, kind in (m for m in route.incoming if m.round == rnd):
             into = target(item)
             if into is not None and _takes(into, kind):
                 landing.append((src, _flat_bytes(into)))
@@ -998,7 +1021,7 @@ def run_item_route(
                 scratch = torch.empty(math.prod(item.lengths) * kind.itemsize, dtype=torch.uint8)
                 landing.append((src, scratch))
                 later.append((scratch, item, kind))
-        senders = sorted({src for _r, src, _i, _k in route.incoming if _r == rnd})
+        senders = sorted({m.src for m in route.incoming if m.round == rnd})
         statuses = [(src, torch.zeros(1, dtype=torch.uint8)) for src in senders]
         landing += statuses  # after each sender's boxes: its last message of the round
         fetches = [f for r, f in route.fetches if r == rnd]
@@ -1064,14 +1087,7 @@ def _resolved(
 
 def _takes(target: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether `target` takes stored bytes of `dtype` straight into its memory."""
-    return (
-        type(target) in _PLAIN
-        and target.dtype == dtype
-        and target.device.type == "cpu"
-        and target.layout == torch.strided
-        and target.is_contiguous()
-        and not (target.is_conj() or target.is_neg())
-    )
+    return _plain_host(target, dtype) and target.is_contiguous()
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -677,18 +677,25 @@ def resolve_sections(
         t.chunks = [table.entry(i, fetch=False) for i in range(table.count)]
         for i, c in enumerate(t.chunks):
             if c.crc_at >= 0:
-                assert table.fetch is not None  # a version 5 section's kept row
-                out[(key, tuple(c.offsets))] = Unsettled(
-                    c,
-                    table.file_key(i),
-                    c.crc_at,
-                    table.crc_count(i),
-                    table.where,
-                    tuple(t.shape),
-                    itemsize,
-                    table.fetch,
-                )
+                out[(key, tuple(c.offsets))] = _unsettled(table, i, c, tuple(t.shape), itemsize)
     return out
+
+
+def _unsettled(
+    table: ChunkTable, row: int, c: ChunkEntry, shape: tuple[int, ...], itemsize: int
+) -> Unsettled:
+    """Row `row`'s entry `c` of a tensor of `shape`, its kept checksums not fetched."""
+    assert table.fetch is not None and c.crc_at >= 0  # a version 5 section's kept row
+    return Unsettled(
+        c,
+        table.file_key(row),
+        c.crc_at,
+        table.crc_count(row),
+        table.where,
+        shape,
+        itemsize,
+        table.fetch,
+    )
 
 
 class TensorChunks:
@@ -743,18 +750,7 @@ class TensorChunks:
 
     def unsettled(self, row: int, c: ChunkEntry) -> Unsettled:
         """Row `row`'s entry `c`, its checksums not fetched (`covering(fetch=False)`)."""
-        table = self.table
-        assert table.fetch is not None and c.crc_at >= 0  # a version 5 section's kept row
-        return Unsettled(
-            c,
-            table.file_key(row),
-            c.crc_at,
-            table.crc_count(row),
-            table.where,
-            tuple(self.entry.shape),
-            self.itemsize,
-            table.fetch,
-        )
+        return _unsettled(self.table, row, c, tuple(self.entry.shape), self.itemsize)
 
     def check(self, c: ChunkEntry, row: int) -> None:
         """Row `row`'s entry `c` as `_check_entry` checks it (checksums not fetched yet:
