@@ -2,6 +2,8 @@
 
 Handlers are consulted in order:
 1. the user registry (`register_op` / `unregister_op`), so a user can override anything;
+   then, for an operand that is a reduction's pending result (DTensor's `Partial`),
+   an op that keeps it pending (`pending`); any other op combines it first;
 2. the built-in table (`builtin`: copies, factories, equality, functional collectives);
 3. the rules by family: `reductions` (sums, extrema, norms, softmax, layer norm),
    `shape` (layout transforms, slicing, cat), `linalg` (products, embeddings,
@@ -28,6 +30,7 @@ from .builtin import BUILTIN_HANDLERS
 from .fallback import FALLBACK_OPS, fallback
 from .functions import torch_function
 from .linalg import LINALG_HANDLERS
+from .pending import KEEPS_PENDING, combine, keep
 from .pointwise import pointwise
 from .random import RANDOM_HANDLERS
 from .reductions import REDUCTION_HANDLERS
@@ -71,6 +74,10 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     user = _USER_HANDLERS.get(func)
     if user is not None:
         return user(*args, **kwargs)
+    if func in KEEPS_PENDING:  # a pending reduction's result stays pending through it
+        kept = keep(func, args, kwargs)
+        if kept is not None:
+            return kept
     rule = _RULES.get(func)
     if rule is not None:
         return rule(func, args, kwargs)
@@ -88,6 +95,7 @@ _RULES: dict[Any, Handler] = {
 }
 
 provide(
+    combine_pending=combine,
     dispatch=dispatch,
     register_dispatch_handler=register_dispatch_handler,
     torch_function=torch_function,

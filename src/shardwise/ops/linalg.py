@@ -17,7 +17,7 @@ decompose into), by the layouts of the operands, cheapest first:
 
 Anything else goes to the fallback. `embedding` looks rows up locally in a
 column-wise table or for sharded indices, and sums masked lookups of a
-row-wise table with one all-reduce of the result; `convolution` is local for
+row-wise table with one all-reduce of the result (pending, as rule 3's); `convolution` is local for
 inputs split along the batch (a halo exchange for split spatial dimensions
 is not built: those gather, through the fallback).
 """
@@ -29,20 +29,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
-from .exchange import (
-    all_reduce,
-    is_replicated,
-    local_in,
-    primary_blocks,
-    replicated,
-    whole_or_plain,
-)
+from .exchange import is_replicated, local_in, primary_blocks, whole_or_plain
 from .fallback import fallback
 from .halo import conv_backward, conv_forward, conv_plan, sharded_spatial_dim
+from .pending import later
 from .per_shard import named, registrar
 from .reductions import spans, summed
 
@@ -159,8 +152,7 @@ def _contracted(
         a, b = left._shards[i], right._shards[i]
         if a.numel() and b.numel():
             out.add_(mult(a, b))
-    all_reduce(out, dist.ReduceOp.SUM, ref)
-    return ref._with_layout(replicated(shape, world), [out], dtype=dtype, device=ref.device)
+    return later(out, "sum", ref)
 
 
 @_handles(aten.mm.default)
@@ -232,9 +224,7 @@ def _embedding(func: Any, args: tuple, kwargs: dict) -> Any:
                     (idx - lo).clamp(0, size - 1), weight._shards[i]
                 )
                 out.add_(rows * mine.unsqueeze(-1))
-            all_reduce(out, dist.ReduceOp.SUM, weight)
-            layout = replicated(shape, weight._layout.world_size)
-            return weight._with_layout(layout, [out])
+            return later(out, "sum", weight)
     return fallback(func, args, kwargs)
 
 
@@ -259,8 +249,7 @@ def _embedding_backward(func: Any, args: tuple, kwargs: dict) -> Any:
         out = torch.zeros((rows, dim), dtype=grad.dtype, device=grad.device)
         for i in primary_blocks(grad._layout, grad._rank):
             out.add_(func(grad._shards[i], indices._shards[i], *rest))
-        all_reduce(out, dist.ReduceOp.SUM, grad)
-        return grad._with_layout(replicated((rows, dim), grad._layout.world_size), [out])
+        return later(out, "sum", grad)
     return fallback(func, args, kwargs)
 
 

@@ -9,9 +9,13 @@ Two rules, chosen by where the dimensions an op works along lie:
 - **Along a sharded dimension** (sums, means, extrema, norms, variances):
   each rank reduces the blocks it is the first holder of (so replicas count
   once) into a buffer of the result's shape, and one all-reduce over the
-  group combines the buffers. The result is replicated: its layout says the
-  value is whole on every rank. Bytes per rank: about 2× the result's size
-  (a scalar for `x.sum()`), twice that for a variance (mean, then squares).
+  group combines the buffers. For sums, means, extrema, `var` and the ∞-, 0-
+  norms that all-reduce waits for the result's first use (`pending`, DTensor's
+  `Partial`), so a loss that is only differentiated combines nothing; `std`
+  and p-norms (a root of the combined value) and the variance's mean run it at
+  once. The result is replicated: its layout says the value is whole on every
+  rank. Bytes per rank: about 2× the result's size (a scalar for `x.sum()`),
+  twice that for a variance (mean, then squares).
 
 Anything else here (an arg-extremum or a softmax along a sharded dimension)
 goes to the fallback. Values of sharded-dimension reductions equal torch's
@@ -33,6 +37,7 @@ from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .exchange import all_reduce, local_in, primary_blocks, replicated, whole_or_plain
 from .fallback import fallback
+from .pending import later
 from .per_shard import named, registrar, sharded_args
 
 __all__ = ["REDUCTION_HANDLERS", "project", "spans", "summed"]
@@ -183,7 +188,8 @@ def _partial(
     out_dtype: torch.dtype,
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The reduction along `dims` of every element, keepdim, whole on every rank."""
+    """This rank's part of the reduction along `dims` of every element, keepdim: the
+    reduction of the parts over the group (by `kind`) is the value."""
     layout = st._layout
     shape = tuple(1 if d in dims else n for d, n in enumerate(layout.global_shape))
     if kind == _SUM:
@@ -211,16 +217,30 @@ def _partial(
             torch.maximum(region, value.amax(dim=dims, keepdim=True).to(out_dtype), out=region)
         else:
             torch.minimum(region, value.amin(dim=dims, keepdim=True).to(out_dtype), out=region)
-    op = {_SUM: dist.ReduceOp.SUM, _MAX: dist.ReduceOp.MAX, _MIN: dist.ReduceOp.MIN}[kind]
-    return all_reduce(buffer, op, st)
+    return buffer
+
+
+_REDUCE_OPS = {_SUM: dist.ReduceOp.SUM, _MAX: dist.ReduceOp.MAX, _MIN: dist.ReduceOp.MIN}
+
+
+def _combined(parts: torch.Tensor, kind: str, st: ShardedTensor) -> torch.Tensor:
+    """The parts reduced over the group now, whole on every rank."""
+    return all_reduce(parts, _REDUCE_OPS[kind], st)
 
 
 def _finish(
-    st: ShardedTensor, value: torch.Tensor, dims: tuple[int, ...], keepdim: bool
+    st: ShardedTensor,
+    value: torch.Tensor,
+    dims: tuple[int, ...],
+    keepdim: bool,
+    pending: str | None = None,
 ) -> ShardedTensor:
-    """A keepdim result, whole on every rank, as a replicated ShardedTensor."""
+    """A keepdim result as a replicated ShardedTensor: whole on every rank, or, with
+    `pending`, this rank's part of it, combined by that reduction on first use."""
     if not keepdim:
         value = value.reshape([n for d, n in enumerate(value.shape) if d not in dims])
+    if pending is not None:
+        return later(value, pending, st)
     layout = replicated(tuple(value.shape), st._layout.world_size)
     return st._with_layout(layout, [value])
 
@@ -274,16 +294,16 @@ def _reduce(func: Any, args: tuple, kwargs: dict) -> Any:
     name = func._schema.name
     if name in ("aten::sum", "aten::mean", "aten::nansum"):
         nan = (lambda s: s.nan_to_num(nan=0.0)) if name == "aten::nansum" else None
-        value = _partial(st, dims, _SUM, out_dtype, nan)
+        kind, value = _SUM, _partial(st, dims, _SUM, out_dtype, nan)
         if name == "aten::mean":
-            value = value / _count(st, dims)
+            value = value / _count(st, dims)  # each part divided: the sum of parts is the mean
     elif name in ("aten::amax", "aten::max"):
-        value = _partial(st, dims, _MAX, out_dtype)
+        kind, value = _MAX, _partial(st, dims, _MAX, out_dtype)
     else:
-        value = _partial(st, dims, _MIN, out_dtype)
+        kind, value = _MIN, _partial(st, dims, _MIN, out_dtype)
     if a.get("dim") is None and name in ("aten::max", "aten::min"):
         keepdim = False
-    return _finish(st, value.to(out_dtype), dims, keepdim)
+    return _finish(st, value.to(out_dtype), dims, keepdim, pending=kind)
 
 
 @_handles(aten.linalg_vector_norm.default)
@@ -295,13 +315,15 @@ def _norm(func: Any, args: tuple, kwargs: dict) -> Any:
     ord_ = float(a.get("ord", 2))
     if ord_ == math.inf:
         value = _partial(st, dims, _MAX, out_dtype, lambda s: s.abs().to(out_dtype))
-    elif ord_ == -math.inf:
+        return _finish(st, value, dims, keepdim, pending=_MAX)
+    if ord_ == -math.inf:
         value = _partial(st, dims, _MIN, out_dtype, lambda s: s.abs().to(out_dtype))
-    elif ord_ == 0:
+        return _finish(st, value, dims, keepdim, pending=_MIN)
+    if ord_ == 0:
         value = _partial(st, dims, _SUM, out_dtype, lambda s: (s != 0).to(out_dtype))
-    else:
-        value = _partial(st, dims, _SUM, out_dtype, lambda s: s.to(out_dtype).abs().pow(ord_))
-        value = value.pow(1.0 / ord_)
+        return _finish(st, value, dims, keepdim, pending=_SUM)
+    parts = _partial(st, dims, _SUM, out_dtype, lambda s: s.to(out_dtype).abs().pow(ord_))
+    value = _combined(parts, _SUM, st).pow(1.0 / ord_)  # the root needs the whole sum
     return _finish(st, value, dims, keepdim)
 
 
@@ -314,7 +336,7 @@ def _variance(func: Any, args: tuple, kwargs: dict) -> Any:
     correction = a.get("correction")
     correction = 1 if correction is None else float(correction)
     count = _count(st, dims)
-    mean = _partial(st, dims, _SUM, out_dtype) / count
+    mean = _combined(_partial(st, dims, _SUM, out_dtype), _SUM, st) / count
     blocks = st._layout.blocks_of(st._rank)
     squares = torch.zeros_like(mean)
     for i in primary_blocks(st._layout, st._rank):
@@ -324,11 +346,10 @@ def _variance(func: Any, args: tuple, kwargs: dict) -> Any:
         centre = mean[_projected_block(blocks[i], dims, True).slices()]
         region = squares[_projected_block(blocks[i], dims, True).slices()]
         region.add_((shard.to(out_dtype) - centre).pow(2).sum(dim=dims, keepdim=True))
-    all_reduce(squares, dist.ReduceOp.SUM, st)
-    value = squares / max(count - correction, 0)
-    if func._schema.name == "aten::std":
-        value = value.sqrt()
-    return _finish(st, value, dims, keepdim)
+    if func._schema.name == "aten::std":  # the root needs the whole sum
+        value = (_combined(squares, _SUM, st) / max(count - correction, 0)).sqrt()
+        return _finish(st, value, dims, keepdim)
+    return _finish(st, squares / max(count - correction, 0), dims, keepdim, pending=_SUM)
 
 
 # -- along one dimension, shape kept or reduced: local when every block spans it ---
@@ -485,9 +506,8 @@ def _layer_norm_backward(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def summed(value: torch.Tensor | None, meta: Any, like: ShardedTensor) -> ShardedTensor:
-    """A parameter's gradient summed over every block of every rank, replicated."""
+    """A parameter's gradient summed over every block of every rank, replicated: this
+    rank's part (its blocks' sum), combined on first use (when the optimizer reads it)."""
     if value is None:
         value = torch.zeros(meta.shape, dtype=meta.dtype, device=like.device)
-    value = value.contiguous()
-    all_reduce(value, dist.ReduceOp.SUM, like)
-    return like._with_layout(replicated(tuple(value.shape), like._layout.world_size), [value])
+    return later(value.contiguous(), _SUM, like)

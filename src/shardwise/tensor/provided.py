@@ -42,6 +42,7 @@ PROVIDERS: dict[str, str] = {
     "reshard": "shardwise.interop",
     "sharding_spec": "shardwise.interop",
     "to_torch_sharded_tensor": "shardwise.interop",
+    "combine_pending": "shardwise.ops",
     "dispatch": "shardwise.ops",
     "register_dispatch_handler": "shardwise.ops",
     "torch_function": "shardwise.ops",

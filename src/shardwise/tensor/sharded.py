@@ -17,6 +17,7 @@ from ..errors import InvalidArgumentError, InvalidTypeError
 from ..layout import Block, Layout
 from .checkpointable import Checkpointable
 from .construction import PendingLayout, check_shards, filled_shards
+from .pending import Pending
 from .provided import provided
 from .provided_methods import ProvidedMethods
 
@@ -44,7 +45,12 @@ class LocalView:
 
     _layout: Layout
     _rank: int
-    _shards: list[torch.Tensor]
+    # This rank's shards as stored; for a pending result (below) its parts, not its values.
+    _local: list[torch.Tensor]
+    # A reduction's result whose combine across ranks waits for first use (DTensor's
+    # `Partial`), else None. Its layout is the result's (replicated); its values are
+    # `_shards`, which combines it (collective) the first time they are read.
+    _pending: Pending | None
     _group: Any
     # The DeviceMesh (or sub-mesh) the tensor was built on, else None: then its mesh is a
     # 1-d one over `_group`. Layout rank r is the mesh's row-major position r.
@@ -55,6 +61,29 @@ class LocalView:
     # The placements the tensor was built with (DTensor, ShardTensor, `from_local`), a hint
     # for `placements` where several express the layout; None: found from the layout.
     _placements: tuple[Any, ...] | None
+
+    @property
+    def _shards(self) -> list[torch.Tensor]:
+        """This rank's shards, with their values: a pending result is combined across
+        the group first (once, collectively; every rank of the group reads them alike)."""
+        pending = self._pending
+        if pending is None:
+            return self._local
+        if pending.combined is None:
+            pending.combined = provided("combine_pending")(self, pending)
+        self._local, self._pending = pending.combined, None
+        return self._local
+
+    @_shards.setter
+    def _shards(self, shards: list[torch.Tensor]) -> None:
+        self._local, self._pending = shards, None
+
+    @property
+    def pending_reduce(self) -> str | None:
+        """For a reduction's result whose combine across ranks has not run (DTensor's
+        `Partial`): "sum", "max" or "min"; else None. Reading its values runs it."""
+        pending = self._pending
+        return None if pending is None or pending.combined is not None else pending.op
 
     @property
     def layout_spec(self) -> Layout:
@@ -128,11 +157,11 @@ class LocalView:
         return all(b.is_empty() for b in self.local_blocks)
 
     def is_pinned(self, device: Any = None) -> bool:
-        return bool(self._shards) and all(s.is_pinned() for s in self._shards)
+        return bool(self._local) and all(s.is_pinned() for s in self._local)
 
     def _get_tensor_size_bytes(self) -> int:
         """Bytes of this rank's shards (`LocalShardsWrapper`'s, read by DCP's planners)."""
-        return sum(s.nelement() * s.element_size() for s in self._shards)
+        return sum(s.nelement() * s.element_size() for s in self._local)
 
 
 # -----------------------------------------------------------------------------
@@ -312,7 +341,8 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         )
         out._layout = layout
         out._rank = rank
-        out._shards = shards
+        out._local = shards
+        out._pending = None
         out._group = group
         out._mesh = mesh
         out._mesh_offsets = None
@@ -555,10 +585,13 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         return provided("dispatch")(func, args, kwargs or {})
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        # never combines a pending result: one rank may print alone
+        pending = self.pending_reduce
         return (
             f"ShardedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"device={self.device}, rank={self._rank}, layout={self._layout}, "
-            f"local_shards={len(self._shards)})"
+            f"local_shards={len(self._local)}"
+            + (f", pending={pending!r})" if pending is not None else ")")
         )
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
@@ -583,14 +616,16 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         the shards' flag only tells code that holds them (`local_shards()`, a
         DCP planner reading `requires_grad`) what the tensor is."""
         super().requires_grad_(requires_grad)
-        for shard in self._shards:
+        for shard in self._local:
             if shard.is_leaf:
                 shard.requires_grad_(requires_grad)
         return self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardedTensor:
         with torch.no_grad():
-            out = self._with_shards([s.clone() for s in self._shards])
+            out = self._with_shards([s.clone() for s in self._local])
+            if self.pending_reduce is not None:  # a copy of the parts, combined on its own
+                out._pending = Pending(self.pending_reduce, out._local)
         out.requires_grad_(self.requires_grad)
         memo[id(self)] = out
         return out

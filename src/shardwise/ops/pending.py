@@ -1,0 +1,272 @@
+"""Reductions combined on use: DTensor's `Partial`, for ShardedTensors.
+
+A reduction along a sharded dimension (`x.sum()`, a row-sharded `linear`'s
+weight gradient `gᵀ·x`, a row-wise embedding lookup) leaves each rank a part
+of the result, which one all-reduce combines. `later(parts, op, like)` returns
+the parts as a *pending* result (`ShardedTensor.pending_reduce`): its layout
+is replicated, and the all-reduce runs the first time its values are read
+(`_shards`: a rule on a non-linear op, `local_shards()`, `full_tensor()`,
+`item()`, a checkpoint), once for the tensor and its aliases. So
+`loss = x.sum(); loss.backward()` combines nothing, and a weight gradient is
+combined when the optimizer reads it, as with DTensor.
+
+Some ops keep a result pending, because they commute with the combine (run
+on the parts, then combined, they give the same value as on the combined
+result); `keep(func, args, kwargs)` runs them on the parts:
+
+- for any combine: `detach`/`alias`/`clone`, views and selections (`view`,
+  `reshape`, `t`, `transpose`, `permute`, `expand`, `squeeze`, `unsqueeze`,
+  `slice`, `select`), a floating-point `_to_copy`;
+- for a sum: `neg`, `sum`/`mean` of it, a product with (or a quotient by) a
+  value every rank holds alike (a number, a plain tensor, a replicated
+  ShardedTensor), and sums and differences of pending sums; in place too
+  (`add_` of a pending sum into one, `mul_`/`div_`: autograd accumulating a
+  weight gradient over steps), written into the parts;
+- `zero_` for any combine (zero parts combine to zero);
+- `empty_like`/`zeros_like`/`ones_like`/`full_like`/`rand_like`/`randn_like`
+  read only the shape (autograd's `ones_like(loss)`): their result is a plain
+  replicated one, nothing combined.
+
+Any other op reads the values and so combines first. Cost: a pending result's
+all-reduce, about 2× its bytes per rank, runs at most once; a result that is
+never read costs none. As with DTensor, reading it is collective: every rank
+of the group must read it (printing it is not reading: `repr` shows
+`pending='sum'`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..tensor import ShardedTensor
+from ..tensor.pending import Pending
+from .exchange import _distributed, is_replicated, replicated
+
+__all__ = ["KEEPS_PENDING", "combine", "keep", "later"]
+
+aten = torch.ops.aten
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def later(parts: torch.Tensor, op: str, like: ShardedTensor) -> ShardedTensor:
+    """This rank's part of a result the group combines by `op` ("sum", "max", "min"), as a
+    replicated ShardedTensor on `like`'s group, combined on first use. On a group of
+    one rank the part is the value, and nothing waits."""
+    layout = replicated(tuple(parts.shape), like._layout.world_size)
+    out = like._with_layout(layout, [parts], dtype=parts.dtype, device=parts.device)
+    if _distributed(like):
+        out._pending = Pending(op, [parts])
+    return out
+
+
+def combine(st: ShardedTensor, pending: Pending) -> list[torch.Tensor]:
+    """`st`'s values: its parts all-reduced over its group, into new tensors (the parts
+    stay as they are, for views of them)."""
+    value = pending.parts[0].clone(memory_format=torch.contiguous_format)
+    if _distributed(st):
+        dist.all_reduce(value, op=_REDUCE_OPS[pending.op], group=st.group)
+    return [value]
+
+
+# -- ops run on the parts --------------------------------------------------------------
+
+
+def _parts(x: ShardedTensor) -> Pending | None:
+    """`x`'s record while its combine has not run, else None."""
+    pending = x._pending
+    return pending if pending is not None and pending.combined is None else None
+
+
+def _same_everywhere(x: Any) -> bool:
+    """A value every rank holds alike: a number, a plain tensor, a replicated
+    ShardedTensor that is not pending (the caller's SPMD contract for plain ones)."""
+    if isinstance(x, ShardedTensor):
+        return _parts(x) is None and is_replicated(x._layout)
+    return isinstance(x, (int, float, bool, torch.Tensor))
+
+
+def _on_parts(func: Any, args: tuple, kwargs: dict, op: str, ref: ShardedTensor) -> Any:
+    """`func` on the parts of the pending operands (the values of the others), pending
+    with `op`; None when the result is not one tensor."""
+
+    def part(x: Any) -> Any:
+        if isinstance(x, ShardedTensor):
+            pending = _parts(x)
+            return pending.parts[0] if pending is not None else x._shards[0]
+        return x
+
+    out = func(*(part(x) for x in args), **{k: part(v) for k, v in kwargs.items()})
+    if not isinstance(out, torch.Tensor):
+        return None
+    layout = replicated(tuple(out.shape), ref._layout.world_size)
+    result = ref._with_layout(layout, [out], dtype=out.dtype, device=out.device)
+    result._pending = Pending(op, [out])
+    return result
+
+
+def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`detach` / `alias`: a new tensor sharing the record (one combine for both)."""
+    st = args[0]
+    out = st._with_shards(st._local)
+    out._pending = st._pending
+    return out
+
+
+def _like(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A factory that reads only the shape: run on the parts, nothing pending."""
+    st = args[0]
+    return st._with_shards([func(s, *args[1:], **kwargs) for s in st._local])
+
+
+def _any(func: Any, args: tuple, kwargs: dict) -> Any:
+    """An op that commutes with every combine (a copy, a view, a selection)."""
+    st = args[0]
+    pending = _parts(st)
+    if pending is None or any(isinstance(x, ShardedTensor) for x in (*args[1:], *kwargs.values())):
+        return None
+    if func is aten._to_copy.default:
+        dtype = kwargs.get("dtype")
+        if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+            return None  # parts rounded to integers do not sum to the rounded value
+    return _on_parts(func, args, kwargs, pending.op, st)
+
+
+def _linear_in_sum(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether `func` is linear in its pending-sum operands: `neg`, `sum`, `mean`, a
+    product with a value every rank holds alike, a quotient by one, sums of pending sums."""
+    sharded = [x for x in (*args, *kwargs.values()) if isinstance(x, ShardedTensor)]
+    if any(p.op != "sum" for p in map(_parts, sharded) if p is not None):
+        return False
+    if func in _ADDS:
+        operands = [x for x in args[:2]]
+        # a pending sum plus a value would add the value once per rank
+        return all(isinstance(x, ShardedTensor) and _parts(x) is not None for x in operands)
+    if func in _PRODUCTS:
+        first, second = args[0], args[1]
+        first_pending = isinstance(first, ShardedTensor) and _parts(first) is not None
+        if func in _QUOTIENTS and not first_pending:
+            return False  # a value divided by a pending sum is not linear in it
+        if kwargs.get("rounding_mode") is not None:
+            return False
+        other = second if first_pending else first
+        # a product of two pending sums is not linear in either
+        return _same_everywhere(other)
+    return True
+
+
+def _sum_only(func: Any, args: tuple, kwargs: dict) -> Any:
+    """An op linear in its pending-sum operands, run on the parts."""
+    if not _linear_in_sum(func, args, kwargs):
+        return None
+    ref = next(x for x in args if isinstance(x, ShardedTensor) and _parts(x) is not None)
+    return _on_parts(func, args, kwargs, "sum", ref)
+
+
+def _sum_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`add_` / `sub_` of a pending sum into one, `mul_` / `div_` of one by a value every
+    rank holds alike (autograd accumulating a weight gradient): into the parts, so the
+    tensor and its aliases stay pending (they see the write, as aliases do)."""
+    dst = args[0]
+    pending = _parts(dst) if isinstance(dst, ShardedTensor) else None
+    if pending is None or not _linear_in_sum(func, args, kwargs):
+        return None
+
+    def part(x: Any) -> Any:
+        if isinstance(x, ShardedTensor):
+            own = _parts(x)
+            return own.parts[0] if own is not None else x._shards[0]
+        return x
+
+    func(pending.parts[0], *(part(x) for x in args[1:]), **kwargs)
+    return dst
+
+
+def _zero(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`zero_` (an optimizer's `zero_grad(set_to_none=False)`): zero parts combine to zero
+    under every combine, so the parts are zeroed and nothing is combined."""
+    dst = args[0]
+    pending = _parts(dst)
+    if pending is None:
+        return None
+    pending.parts[0].zero_()
+    return dst
+
+
+_ANY_OPS = (
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten._reshape_alias.default,
+    aten.reshape.default,
+    aten.t.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.expand.default,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.unsqueeze.default,
+    aten.slice.Tensor,
+    aten.select.int,
+)
+
+_SUM_OPS = (
+    aten.neg.default,
+    aten.sum.default,
+    aten.sum.dim_IntList,
+    aten.mean.default,
+    aten.mean.dim,
+    aten.mul.Tensor,
+    aten.mul.Scalar,
+    aten.div.Tensor,
+    aten.div.Scalar,
+    aten.add.Tensor,
+    aten.sub.Tensor,
+)
+
+_ADDS = (aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor)
+_QUOTIENTS = (aten.div.Tensor, aten.div.Scalar, aten.div_.Tensor, aten.div_.Scalar)
+_PRODUCTS = (aten.mul.Tensor, aten.mul.Scalar, aten.mul_.Tensor, aten.mul_.Scalar, *_QUOTIENTS)
+
+_SUM_IN_PLACE_OPS = (
+    aten.add_.Tensor,
+    aten.sub_.Tensor,
+    aten.mul_.Tensor,
+    aten.mul_.Scalar,
+    aten.div_.Tensor,
+    aten.div_.Scalar,
+)
+
+_LIKE_OPS = (
+    aten.empty_like.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.full_like.default,
+    aten.rand_like.default,
+    aten.randn_like.default,
+)
+
+# op -> its rule on a pending operand (None from the rule: combine first, as any op)
+KEEPS_PENDING: dict[Any, Callable[[Any, tuple, dict], Any]] = {
+    aten.detach.default: _alias,
+    aten.alias.default: _alias,
+    **{op: _any for op in _ANY_OPS},
+    **{op: _sum_only for op in _SUM_OPS},
+    **{op: _sum_in_place for op in _SUM_IN_PLACE_OPS},
+    aten.zero_.default: _zero,
+    **{op: _like for op in _LIKE_OPS},
+}
+
+
+def keep(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`func`'s result kept pending when an operand is pending and `func` commutes with its
+    combine; None otherwise (the caller runs the op's own rule, which combines)."""
+    if not any(isinstance(x, ShardedTensor) and _parts(x) is not None for x in args):
+        return None
+    return KEEPS_PENDING[func](func, args, kwargs)

@@ -1,0 +1,262 @@
+"""A reduction along a sharded dimension is combined on first use (DTensor's `Partial`),
+on 3 gloo ranks with uneven pieces and a rank that holds nothing: the collectives each
+step runs are counted, every value is compared with torch on the whole tensor."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial
+
+import shardwise as sw
+from shardwise import Layout
+from shardwise.testing import run_ranks
+
+pytestmark = pytest.mark.spawned
+
+ROWS = [4, 0, 3]  # rank 1 holds nothing
+
+
+class _Counted:
+    """Counts `dist.all_reduce` calls while installed (the ops call it through `dist`)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._real = dist.all_reduce
+
+    def __enter__(self) -> _Counted:
+        real = self._real
+
+        @functools.wraps(real)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.all_reduce = self._real
+
+
+def _inputs(rank: int) -> tuple[torch.Tensor, Any]:
+    # eighths: every sum below is exact in float64, whatever the order
+    full = torch.arange(42, dtype=torch.float64).reshape(7, 6) / 8 - 2
+    layout = Layout.row_wise((7, 6), ROWS)
+    x = sw.ShardedTensor.from_layout(
+        layout, [full[b.slices()].clone() for b in layout.blocks_of(rank)], dtype=full.dtype
+    )
+    return full, x
+
+
+def _sum_and_backward(rank: int, world: int) -> dict[str, Any]:
+    full, x = _inputs(rank)
+    x.requires_grad_()
+    out: dict[str, Any] = {}
+    with _Counted() as c:
+        loss = x.sum()
+        out["pending"] = loss.pending_reduce
+        out["placements"] = [p == Partial("sum") for p in loss.placements]
+        out["repr"] = "pending='sum'" in repr(loss)
+        loss.backward()
+    out["all_reduces for sum + backward"] = c.calls
+    out["grad"] = torch.equal(x.grad.full_tensor(), torch.ones(7, 6, dtype=torch.float64))
+    alias = loss.detach()
+    with _Counted() as c:
+        value = alias.full_tensor()
+        again = loss.full_tensor()
+    out["all_reduces for two reads of aliases"] = c.calls
+    out["value"] = value.item() == full.sum().item() == again.item()
+    out["pending after read"] = loss.pending_reduce
+    return out
+
+
+def test_a_loss_that_is_only_differentiated_combines_nothing() -> None:
+    for rank, out in enumerate(run_ranks(_sum_and_backward, 3, timeout=60)):
+        assert out == {
+            "pending": "sum",
+            "placements": [True],
+            "repr": True,
+            "all_reduces for sum + backward": 0,
+            "grad": True,
+            "all_reduces for two reads of aliases": 1,
+            "value": True,
+            "pending after read": None,
+        }, f"rank {rank}"
+
+
+def _linear_ops(rank: int, world: int) -> dict[str, Any]:
+    full, x = _inputs(rank)
+    out: dict[str, Any] = {}
+    with _Counted() as c:
+        a, b = x.sum(dim=0), (x * x).mean()
+        y = (-(a * 2.0) / 4 + a.sum() * torch.tensor(3.0, dtype=torch.float64)).t()
+        z = y.view(1, 6)[:, 1:4].unsqueeze(0) - b
+    out["kept pending"] = [t.pending_reduce for t in (a, b, y, z)]
+    out["all_reduces while kept"] = c.calls
+    expect_a = full.sum(dim=0)
+    expect_y = -(expect_a * 2.0) / 4 + expect_a.sum() * 3.0
+    expect_z = expect_y.view(1, 6)[:, 1:4].unsqueeze(0) - (full * full).mean()
+    with _Counted() as c:
+        got = z.full_tensor()
+    out["one all_reduce to read"] = c.calls
+    out["z"] = torch.allclose(got, expect_z, rtol=0, atol=1e-12)
+    # a value added to a pending sum would be added once per rank: combined first
+    plus = a + 1.0
+    out["a + 1"] = (
+        plus.pending_reduce,
+        torch.allclose(plus.full_tensor(), expect_a + 1, atol=1e-12),
+    )
+    # a product of two pending sums is not linear in either: combined first
+    sq = b * b
+    out["b * b"] = (sq.pending_reduce, torch.allclose(sq.full_tensor(), (full * full).mean() ** 2))
+    # a value divided by a pending sum: combined first
+    inv = 1.0 / a
+    out["1 / a"] = (inv.pending_reduce, torch.allclose(inv.full_tensor(), 1.0 / expect_a))
+    # integer parts would round before the sum: combined first
+    rounded = (x.sum(dim=0) * 10).to(torch.int64)
+    out["to int"] = (
+        rounded.pending_reduce,
+        torch.equal(rounded.full_tensor(), (expect_a * 10).to(torch.int64)),
+    )
+    return out
+
+
+def test_ops_linear_in_a_pending_sum_keep_it_and_others_combine_first() -> None:
+    for rank, out in enumerate(run_ranks(_linear_ops, 3, timeout=60)):
+        assert out == {
+            "kept pending": ["sum", "sum", "sum", "sum"],
+            "all_reduces while kept": 0,
+            "one all_reduce to read": 1,
+            "z": True,
+            "a + 1": (None, True),
+            "b * b": (None, True),
+            "1 / a": (None, True),
+            "to int": (None, True),
+        }, f"rank {rank}"
+
+
+def _extrema(rank: int, world: int) -> dict[str, Any]:
+    full, x = _inputs(rank)
+    out: dict[str, Any] = {}
+    hi, lo = x.amax(dim=0), x.min()
+    out["pending"] = (hi.pending_reduce, lo.pending_reduce)
+    flipped = hi.t().unsqueeze(0)  # views commute with a max
+    out["view of a max"] = flipped.pending_reduce
+    negated = -hi  # the negation of a max is not the max of negations: combined first
+    out["-max"] = (negated.pending_reduce, torch.equal(negated.full_tensor(), -full.amax(dim=0)))
+    out["max"] = torch.equal(flipped.full_tensor(), full.amax(dim=0).unsqueeze(0))
+    out["min"] = lo.full_tensor().item() == full.min().item()
+    n = torch.linalg.vector_norm(x, ord=float("inf"))
+    out["inf-norm"] = (n.pending_reduce, n.full_tensor().item() == full.abs().max().item())
+    two = torch.linalg.vector_norm(x)  # a root of the combined sum: at once
+    out["2-norm"] = (two.pending_reduce, torch.allclose(two.full_tensor(), full.norm()))
+    v, s = x.var(dim=0), x.std(dim=0)
+    out["var"] = (v.pending_reduce, torch.allclose(v.full_tensor(), full.var(dim=0)))
+    out["std"] = (s.pending_reduce, torch.allclose(s.full_tensor(), full.std(dim=0)))
+    return out
+
+
+def test_extrema_norms_and_variances() -> None:
+    for rank, out in enumerate(run_ranks(_extrema, 3, timeout=60)):
+        assert out == {
+            "pending": ("max", "min"),
+            "view of a max": "max",
+            "-max": (None, True),
+            "max": True,
+            "min": True,
+            "inf-norm": ("max", True),
+            "2-norm": (None, True),
+            "var": ("sum", True),
+            "std": (None, True),
+        }, f"rank {rank}"
+
+
+def _reads_and_writes(rank: int, world: int) -> dict[str, Any]:
+    full, x = _inputs(rank)
+    out: dict[str, Any] = {}
+    s = x.sum(dim=0)
+    view = s.view(2, 3)  # a view of the parts, taken before the combine
+    out["local_shards combines"] = torch.allclose(s.local_shards()[0], full.sum(dim=0))
+    out["view keeps its own combine"] = (
+        view.pending_reduce,
+        torch.allclose(view.full_tensor(), full.sum(dim=0).view(2, 3)),
+    )
+    t = x.sum()
+    t.add_(1.0)  # in place: combined, then written
+    out["add_"] = (t.pending_reduce, torch.allclose(t.full_tensor(), full.sum() + 1))
+    u = x.sum()
+    z = torch.zeros_like(u)  # reads only the shape
+    out["zeros_like"] = (z.pending_reduce, u.pending_reduce, z.full_tensor().item())
+    # printing on one rank alone must not combine (the others would never join)
+    v = x.sum()
+    if rank == 0:
+        repr(v)
+        str(v.placements)
+    out["after one rank printed"] = v.pending_reduce
+    out["item"] = v.item() == full.sum().item()
+    return out
+
+
+def test_reading_combines_printing_does_not() -> None:
+    for rank, out in enumerate(run_ranks(_reads_and_writes, 3, timeout=60)):
+        assert out == {
+            "local_shards combines": True,
+            "view keeps its own combine": ("sum", True),
+            "add_": (None, True),
+            "zeros_like": (None, "sum", 0.0),
+            "after one rank printed": "sum",
+            "item": True,
+        }, f"rank {rank}"
+
+
+def _weight_gradient(rank: int, world: int) -> dict[str, Any]:
+    full, x = _inputs(rank)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(5, 6, generator=g, dtype=torch.float64)
+    layout = Layout.replicated((5, 6), world)
+    weight = sw.ShardedTensor.from_layout(layout, [w.clone()]).requires_grad_()
+    out: dict[str, Any] = {}
+    with _Counted() as c:
+        for _ in range(2):  # accumulated: pending + pending stays pending
+            F.linear(x, weight).sum().backward()
+    out["all_reduces for two steps"] = c.calls
+    out["grad pending"] = weight.grad.pending_reduce
+    out["grad placements"] = [p == Partial("sum") for p in weight.grad.placements]
+    expected_grad = 2 * torch.ones(7, 5, dtype=torch.float64).t() @ full
+    opt = torch.optim.SGD([weight], lr=0.5)
+    with _Counted() as c:
+        opt.step()
+    out["all_reduces in the step"] = c.calls
+    out["weight"] = torch.allclose(weight.full_tensor(), w - 0.5 * expected_grad, atol=1e-12)
+    with _Counted() as c:
+        opt.zero_grad()  # set_to_none: the next gradient is a new pending one
+        for _ in range(2):
+            F.linear(x, weight).sum().backward()
+        weight.grad.mul_(0.25)
+        scaled = weight.grad.pending_reduce
+        snapshot = weight.grad.clone()  # its own parts: zero_ below leaves them
+        weight.grad.zero_()
+    out["zero_grad, two steps, mul_, zero_"] = (c.calls, scaled, weight.grad.pending_reduce)
+    out["zeroed"] = torch.equal(weight.grad.full_tensor(), torch.zeros(5, 6, dtype=torch.float64))
+    out["scaled"] = torch.allclose(snapshot.full_tensor(), 0.25 * expected_grad, atol=1e-12)
+    return out
+
+
+def test_a_weight_gradient_is_combined_when_the_optimizer_reads_it() -> None:
+    for rank, out in enumerate(run_ranks(_weight_gradient, 3, timeout=60)):
+        assert out == {
+            "all_reduces for two steps": 0,
+            "grad pending": "sum",
+            "grad placements": [True],
+            "all_reduces in the step": 1,
+            "weight": True,
+            "zero_grad, two steps, mul_, zero_": (0, "sum", "sum"),
+            "zeroed": True,
+            "scaled": True,
+        }, f"rank {rank}"
