@@ -27,12 +27,14 @@ checked against plain torch on the whole tensor first; a wrong one is marked
 kills the rank processes (PhysicsNeMo's uneven `cat` aborts gloo with a size
 mismatch) is marked, with the other pass of that op, and the run resumes
 after the rows already measured. "DTensor result" gives DTensor's output
-placements: `P(sum)` is a Partial result whose all-reduce DTensor defers
-(shardwise reduces at once), which the `.full_tensor()` rows force.
+placements: `P(sum)` is a Partial result whose all-reduce DTensor defers, as
+shardwise does (`pending_reduce`); the `.full_tensor()` rows force it.
 
-`F.linear(x, W)` takes a plain replicated weight (out features = the columns /
-4): a plain tensor for shardwise, which promotes it, `Replicate()` for DTensor
-and ShardTensor, which refuse to mix plain tensors in.
+`F.linear(x, W)` takes a replicated weight (out features = the columns / 4):
+`Replicate()` for all three systems (DTensor and ShardTensor refuse to mix
+plain tensors in). Its gradient is a pending sum in DTensor and shardwise
+(`Partial`, combined when read); the calls clear it unread, as a step that
+only accumulates would.
 
 "shardwise sent / rank" is what the busiest rank hands to torch.distributed's
 collectives in one shardwise call (untimed, counted by wrapping
@@ -269,8 +271,8 @@ def _rank(rank: int, world: int, work: dict[str, Any]) -> bool:
         }
         weights: dict[str, Callable[[torch.Tensor], Any]] = {
             "DTensor": lambda w: DTensor.from_local(w, mesh, [Replicate()], run_check=False),
-            "shardwise even": lambda w: w,
-            "shardwise uneven": lambda w: w,
+            "shardwise even": lambda w: sw.ShardedTensor.from_local(w, mesh, [Replicate()]),
+            "shardwise uneven": lambda w: sw.ShardedTensor.from_local(w, mesh, [Replicate()]),
         }
         if ShardTensor is not None:
             makers["PhysicsNeMo"] = lambda t: ShardTensor.from_local(

@@ -26,7 +26,7 @@ class Case:
     fn: Callable[..., Any]
     exact: bool = False
     # True where some layout needs the gather fallback (an op with no rule for it, e.g.
-    # `index`, `layer_norm` along a sharded normalised dim, a slice's backward whose
+    # `index`, a slice's backward whose
     # gradient blocks do not span the sliced dim); measured, not guessed.
     fallback_ok: bool = False
     # which inputs are sharded (the others are plain parameters that require grad)
@@ -70,12 +70,15 @@ CASES: list[Case] = [
     Case("softmax_dim0", ((7, 6),), lambda x: F.softmax(x, dim=0)),
     Case("log_softmax_dim1", ((7, 6),), lambda x: F.log_softmax(x, dim=-1)),
     Case("log_softmax_dim0", ((7, 6),), lambda x: F.log_softmax(x, dim=0)),
+    # along a sharded normalised dim ("cols", "blocks"): composed of reductions, no fallback
+    Case("layer_norm", ((7, 6), (6,), (6,)), _layer_norm),
+    Case("layer_norm_plain", ((7, 6),), lambda x: F.layer_norm(x, (6,))),
     Case(
-        "layer_norm",
-        ((7, 6), (6,), (6,)),
-        _layer_norm,
-        fallback_ok=True,
+        "layer_norm_last_two",
+        ((5, 3, 4), (3, 4), (3, 4)),
+        lambda x, w, b: F.layer_norm(x, (3, 4), w, b, eps=1e-3),
     ),
+    Case("layer_norm_all", ((7, 6), (7, 6)), lambda x, w: F.layer_norm(x, (7, 6), w)),
     Case("rms_norm", ((7, 6), (6,)), lambda x, w: F.rms_norm(x, (6,), w)),
     # shape ops
     Case("transpose", ((7, 6),), lambda x: x.transpose(0, 1) * 2, exact=True),

@@ -267,6 +267,7 @@ KEEPS_PENDING: dict[Any, Callable[[Any, tuple, dict], Any]] = {
 def keep(func: Any, args: tuple, kwargs: dict) -> Any:
     """`func`'s result kept pending when an operand is pending and `func` commutes with its
     combine; None otherwise (the caller runs the op's own rule, which combines)."""
-    if not any(isinstance(x, ShardedTensor) and _parts(x) is not None for x in args):
-        return None
-    return KEEPS_PENDING[func](func, args, kwargs)
+    for x in args:  # every op's pending operand is positional; most calls have none
+        if isinstance(x, ShardedTensor) and x._pending is not None and x._pending.combined is None:
+            return KEEPS_PENDING[func](func, args, kwargs)
+    return None

@@ -449,6 +449,52 @@ REDUCTION_HANDLERS.update(
 
 
 # -- layer norm: local when every block spans the normalised dimensions ------------
+#
+# Along a sharded normalised dimension it is composed of aten ops on the ShardedTensors
+# (each dispatched to its rule): the mean and the variance are reductions across ranks,
+# one all-reduce of the statistics' size (the leading dims) each, forward; the backward's
+# two means the same. Everything else is pointwise on the blocks, the weight and bias
+# taking each block's part. DTensor gathers the normalised dims instead (the input's size).
+
+
+def _layer_norm_across(a: dict, st: ShardedTensor, dims: list[int], meta: Any) -> Any:
+    x = st if st.dtype == meta[1].dtype else aten._to_copy.default(st, dtype=meta[1].dtype)
+    mean = aten.mean.dim(x, dims, True)
+    centred = aten.sub.Tensor(x, mean)
+    var = aten.mean.dim(aten.mul.Tensor(centred, centred), dims, True)
+    rstd = aten.rsqrt.default(aten.add.Tensor(var, a["eps"]))
+    out = aten.mul.Tensor(centred, rstd)
+    if a["weight"] is not None:
+        out = aten.mul.Tensor(out, a["weight"])
+    if a["bias"] is not None:
+        out = aten.add.Tensor(out, a["bias"])
+    if out.dtype != meta[0].dtype:
+        out = aten._to_copy.default(out, dtype=meta[0].dtype)
+    return out, mean, rstd
+
+
+def _layer_norm_backward_across(a: dict, st: ShardedTensor, dims: list[int], meta: Any) -> Any:
+    grad, mean, rstd, weight = a["grad_out"], a["mean"], a["rstd"], a["weight"]
+    mask = list(a["output_mask"])
+    x = st if st.dtype == mean.dtype else aten._to_copy.default(st, dtype=mean.dtype)
+    xhat = aten.mul.Tensor(aten.sub.Tensor(x, mean), rstd)
+    lead = list(range(st.ndim - len(dims)))
+    grad_in = grad_w = grad_b = None
+    if mask[0]:
+        g = grad if weight is None else aten.mul.Tensor(grad, weight)
+        inner = aten.add.Tensor(
+            aten.mean.dim(g, dims, True),
+            aten.mul.Tensor(xhat, aten.mean.dim(aten.mul.Tensor(g, xhat), dims, True)),
+        )
+        grad_in = aten.mul.Tensor(aten.sub.Tensor(g, inner), rstd)
+        if grad_in.dtype != meta[0].dtype:
+            grad_in = aten._to_copy.default(grad_in, dtype=meta[0].dtype)
+    if mask[1] and weight is not None:
+        product = aten.mul.Tensor(grad, xhat)
+        grad_w = aten.sum.dim_IntList(product, lead, False) if lead else product
+    if mask[2] and a["bias"] is not None:
+        grad_b = aten.sum.dim_IntList(grad, lead, False) if lead else aten.clone.default(grad)
+    return grad_in, grad_w, grad_b
 
 
 @_handles(aten.native_layer_norm.default)
@@ -456,8 +502,10 @@ def _layer_norm(func: Any, args: tuple, kwargs: dict) -> Any:
     a = named(func, args, kwargs)
     st, shape = a["input"], tuple(a["normalized_shape"])
     dims = tuple(range(st.ndim - len(shape), st.ndim))
-    if not isinstance(st, ShardedTensor) or not spans(st._layout, dims):
+    if not isinstance(st, ShardedTensor):
         return fallback(func, args, kwargs)
+    if not spans(st._layout, dims):
+        return _layer_norm_across(a, st, list(dims), _meta(func, args, kwargs))
     weight, bias = whole_or_plain(a["weight"]), whole_or_plain(a["bias"])
     results = [func(s, list(shape), weight, bias, a["eps"]) for s in st._shards]
     stats = project(st._layout, dims, True)
@@ -478,7 +526,7 @@ def _layer_norm_backward(func: Any, args: tuple, kwargs: dict) -> Any:
         return fallback(func, args, kwargs)
     dims = tuple(range(st.ndim - len(shape), st.ndim))
     if not spans(st._layout, dims):
-        return fallback(func, args, kwargs)
+        return _layer_norm_backward_across(a, st, list(dims), _meta(func, args, kwargs))
     stats = project(st._layout, dims, True)
     grads = local_in(grad, st._layout)
     means = local_in(a["mean"], stats)
