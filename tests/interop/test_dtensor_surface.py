@@ -181,7 +181,7 @@ def test_dtensor_surface_matches_dtensor():
         assert own == Layout.row_wise(SHAPE, [5, 2])
         assert chunked == Layout.chunked(SHAPE, 1, 2)
         partial, placements_error, offsets_error = out["errors"]
-        assert "Partial" in partial and "reduce first" in partial
+        assert "Partial" in partial and "only as a reduction's result" in partial
         assert "cannot be expressed as placements on a mesh of shape (2,)" in placements_error
         assert "Layout(7x6, 4 blocks on 2 ranks)" in placements_error
         assert offsets_error == placements_error
