@@ -13,7 +13,12 @@ size in `--sizes`, the same values in every system, is sharded along dim 0:
 * uneven layout (rows W : W-1 : ... : 1): PhysicsNeMo 2.2.2's
   `ShardTensor.from_local(..., sharding_shapes=...)` against shardwise's
   `from_local` with the same `sharding_shapes`. The PhysicsNeMo columns are
-  left out when `physicsnemo.domain_parallel` does not import.
+  left out when `physicsnemo.domain_parallel` does not import;
+* the physical limit of a Python tensor subclass: "Python floor", a wrapper
+  whose `__torch_dispatch__` only unwraps the even local piece, runs the op on
+  it and wraps the result (no layout, no communication: its values are local
+  and not checked). DTensor dispatches in C++ and can run below it; shardwise
+  cannot.
 
 Every op runs forward (inputs without grad) and, where differentiable, forward
 + backward (`op(x).backward(g)`, `g = ones_like` of the op's result, built
@@ -67,7 +72,47 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-SYSTEMS = ("DTensor", "shardwise even", "PhysicsNeMo", "shardwise uneven")
+SYSTEMS = ("DTensor", "shardwise even", "PhysicsNeMo", "shardwise uneven", "Python floor")
+
+
+class _Floor(torch.Tensor):
+    """The least a tensor subclass written in Python pays per op: `__torch_dispatch__`
+    unwraps this rank's tensor, runs the op on it and wraps the result; no layout, no
+    communication (so its values are the local op's, not the global one's, and are not
+    checked), `__torch_function__` disabled as DTensor's. DTensor's own dispatch runs in
+    C++ (`dispatchDTensorOp`), below this floor."""
+
+    _local: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor) -> _Floor:
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            local.shape,
+            dtype=local.dtype,
+            device=local.device,
+            requires_grad=local.requires_grad,
+        )
+        out._local = local
+        return out
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        from torch.utils._pytree import tree_map
+
+        def unwrap(x: Any) -> Any:
+            return x._local if isinstance(x, _Floor) else x
+
+        def wrap(x: Any) -> Any:
+            return _Floor(x) if isinstance(x, torch.Tensor) else x
+
+        return tree_map(wrap, func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {})))
+
+
 PASSES = ("fwd", "fwd+bwd")
 
 
@@ -268,11 +313,13 @@ def _rank(rank: int, world: int, work: dict[str, Any]) -> bool:
             "shardwise uneven": lambda t: sw.ShardedTensor.from_local(
                 t, mesh, [Shard(0)], sharding_shapes=shapes
             ),
+            "Python floor": _Floor,
         }
         weights: dict[str, Callable[[torch.Tensor], Any]] = {
             "DTensor": lambda w: DTensor.from_local(w, mesh, [Replicate()], run_check=False),
             "shardwise even": lambda w: sw.ShardedTensor.from_local(w, mesh, [Replicate()]),
             "shardwise uneven": lambda w: sw.ShardedTensor.from_local(w, mesh, [Replicate()]),
+            "Python floor": _Floor,
         }
         if ShardTensor is not None:
             makers["PhysicsNeMo"] = lambda t: ShardTensor.from_local(
@@ -282,6 +329,7 @@ def _rank(rank: int, world: int, work: dict[str, Any]) -> bool:
                 w, mesh, (Replicate(),), sharding_shapes="infer"
             )
         local = {"DTensor": even, "shardwise even": even, "shardwise uneven": uneven}
+        local["Python floor"] = even
         local["PhysicsNeMo"] = uneven
         out: dict[str, Any] = {}
         for name, make in makers.items():
@@ -337,7 +385,7 @@ def _rank(rank: int, world: int, work: dict[str, Any]) -> bool:
         failed = agree_failed(error is not None)
         if failed >= 0:
             return {"error": error or f"failed on rank {failed}"}
-        if pass_ == "fwd":  # the value, against plain torch on the whole tensor
+        if pass_ == "fwd" and name != "Python floor":  # the value, against plain torch
             if isinstance(y, sw.ShardedTensor):
                 cell["layout"] = repr(y.layout_spec)
             elif isinstance(y, DTensor):
@@ -488,19 +536,20 @@ def _sent(c: dict[str, Any]) -> str:
 HEADER = (
     "| size | op | pass | DTensor µs | shardwise µs | sw/DTensor | PhysicsNeMo µs "
     "| shardwise uneven µs | sw/PhysicsNeMo | DTensor result | shardwise sent / rank "
-    "(even; uneven) |"
+    "(even; uneven) | Python floor µs | sw/floor |"
 )
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     for r in rows:
-        dt, se, pn, su = (r[name] for name in SYSTEMS)
+        dt, se, pn, su, fl = (r.get(name, {"skipped": True}) for name in SYSTEMS)
         size = "x".join(str(s) for s in r["size"])
         sent = f"{_sent(se)}; {_sent(su)}"
         lines.append(
             f"| {size} | `{r['op']}` | {r['pass']} | {_cell(dt)} | {_cell(se)} | {_ratio(se, dt)} "
-            f"| {_cell(pn)} | {_cell(su)} | {_ratio(su, pn)} | {_placements(dt)} | {sent} |"
+            f"| {_cell(pn)} | {_cell(su)} | {_ratio(su, pn)} | {_placements(dt)} | {sent} "
+            f"| {_cell(fl)} | {_ratio(se, fl)} |"
         )
     return lines
 

@@ -190,8 +190,15 @@ def _partial(
 ) -> torch.Tensor:
     """This rank's part of the reduction along `dims` of every element, keepdim: the
     reduction of the parts over the group (by `kind`) is the value."""
-    layout = st._layout
-    shape = tuple(1 if d in dims else n for d, n in enumerate(layout.global_shape))
+    shape, regions, whole = _part_plan(st._layout, st._rank, dims)
+    if whole and st._shards[regions[0][0]].numel():  # one block makes the whole part
+        shard = st._shards[regions[0][0]]
+        value = transform(shard) if transform is not None else shard
+        if kind == _SUM:
+            return value.sum(dim=dims, keepdim=True, dtype=out_dtype)
+        if kind == _MAX:
+            return value.amax(dim=dims, keepdim=True).to(out_dtype)
+        return value.amin(dim=dims, keepdim=True).to(out_dtype)
     if kind == _SUM:
         buffer = torch.zeros(shape, dtype=out_dtype, device=st.device)
     else:
@@ -204,13 +211,12 @@ def _partial(
             info = torch.iinfo(out_dtype)
             fill = info.min if low else info.max
         buffer = torch.full(shape, fill, dtype=out_dtype, device=st.device)
-    blocks = layout.blocks_of(st._rank)
-    for i in primary_blocks(layout, st._rank):
-        shard, block = st._shards[i], blocks[i]
+    for i, where in regions:
+        shard = st._shards[i]
         if shard.numel() == 0:
             continue
         value = transform(shard) if transform is not None else shard
-        region = buffer[_projected_block(block, dims, True).slices()]
+        region = buffer[where]
         if kind == _SUM:
             region.add_(value.sum(dim=dims, keepdim=True, dtype=out_dtype))
         elif kind == _MAX:
@@ -218,6 +224,24 @@ def _partial(
         else:
             torch.minimum(region, value.amin(dim=dims, keepdim=True).to(out_dtype), out=region)
     return buffer
+
+
+@functools.lru_cache(maxsize=4096)
+def _part_plan(
+    layout: Layout, rank: int, dims: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[tuple[int, tuple[slice, ...]], ...], bool]:
+    """For `_partial`: the part's shape (keepdim), where in it each block this rank is the
+    first holder of lands, and whether one such block covers all of it."""
+    shape = tuple(1 if d in dims else n for d, n in enumerate(layout.global_shape))
+    blocks = layout.blocks_of(rank)
+    regions = []
+    for i in primary_blocks(layout, rank):
+        projected = _projected_block(blocks[i], dims, True)
+        regions.append((i, projected.slices()))
+    whole = len(regions) == 1 and _projected_block(
+        blocks[regions[0][0]], dims, True
+    ).sizes == shape
+    return shape, tuple(regions), whole
 
 
 _REDUCE_OPS = {_SUM: dist.ReduceOp.SUM, _MAX: dist.ReduceOp.MAX, _MIN: dist.ReduceOp.MIN}
@@ -270,7 +294,19 @@ def _across(func: Any, args: tuple, kwargs: dict) -> Any:
     keepdim = bool(a.get("keepdim", False))
     if st.ndim == 0 or spans(st._layout, dims):
         return _blockwise(func, st, args, kwargs, dims, keepdim)
-    return _Across(st, a, dims, keepdim, _meta(func, args, kwargs).dtype)
+    return _Across(st, a, dims, keepdim, _out_dtype(func, st, a, args, kwargs))
+
+
+_OUT_DTYPES: dict[tuple[Any, ...], torch.dtype] = {}
+
+
+def _out_dtype(func: Any, st: ShardedTensor, a: dict, args: tuple, kwargs: dict) -> torch.dtype:
+    """A reduction's result dtype: set by the input's and the `dtype` argument alone."""
+    key = (func, st.dtype, a.get("dtype"))
+    found = _OUT_DTYPES.get(key)
+    if found is None:
+        found = _OUT_DTYPES[key] = _meta(func, args, kwargs).dtype
+    return found
 
 
 @_handles(
