@@ -5,13 +5,14 @@ step runs are counted, every value is compared with torch on the whole tensor.""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Replicate
 
 import shardwise as sw
 from shardwise import Layout
@@ -61,7 +62,8 @@ def _sum_and_backward(rank: int, world: int) -> dict[str, Any]:
     with _Counted() as c:
         loss = x.sum()
         out["pending"] = loss.pending_reduce
-        out["placements"] = [p == Partial("sum") for p in loss.placements]
+        # the placement of its values, which every API returns (to_local() combines)
+        out["placements"] = [p == Replicate() for p in loss.placements]
         out["repr"] = "pending='sum'" in repr(loss)
         loss.backward()
     out["all_reduces for sum + backward"] = c.calls
@@ -95,7 +97,7 @@ def _linear_ops(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with _Counted() as c:
         a, b = x.sum(dim=0), (x * x).mean()
-        y = (-(a * 2.0) / 4 + a.sum() * torch.tensor(3.0, dtype=torch.float64)).t()
+        y = (-(a * 2.0) / 4 + a.sum() * 3).t()
         z = y.view(1, 6)[:, 1:4].unsqueeze(0) - b
     out["kept pending"] = [t.pending_reduce for t in (a, b, y, z)]
     out["all_reduces while kept"] = c.calls
@@ -183,10 +185,10 @@ def _reads_and_writes(rank: int, world: int) -> dict[str, Any]:
     s = x.sum(dim=0)
     view = s.view(2, 3)  # a view of the parts, taken before the combine
     out["local_shards combines"] = torch.allclose(s.local_shards()[0], full.sum(dim=0))
-    out["view keeps its own combine"] = (
-        view.pending_reduce,
-        torch.allclose(view.full_tensor(), full.sum(dim=0).view(2, 3)),
-    )
+    with _Counted() as c:
+        read = view.full_tensor()
+    out["the view reads its base's values"] = (view.pending_reduce, c.calls)
+    out["view"] = torch.equal(read, full.sum(dim=0).view(2, 3))
     t = x.sum()
     t.add_(1.0)  # in place: combined, then written
     out["add_"] = (t.pending_reduce, torch.allclose(t.full_tensor(), full.sum() + 1))
@@ -207,7 +209,8 @@ def test_reading_combines_printing_does_not() -> None:
     for rank, out in enumerate(run_ranks(_reads_and_writes, 3, timeout=60)):
         assert out == {
             "local_shards combines": True,
-            "view keeps its own combine": ("sum", True),
+            "the view reads its base's values": (None, 0),
+            "view": True,
             "add_": (None, True),
             "zeros_like": (None, "sum", 0.0),
             "after one rank printed": "sum",
@@ -227,7 +230,7 @@ def _weight_gradient(rank: int, world: int) -> dict[str, Any]:
             F.linear(x, weight).sum().backward()
     out["all_reduces for two steps"] = c.calls
     out["grad pending"] = weight.grad.pending_reduce
-    out["grad placements"] = [p == Partial("sum") for p in weight.grad.placements]
+    out["grad placements"] = [p == Replicate() for p in weight.grad.placements]
     expected_grad = 2 * torch.ones(7, 5, dtype=torch.float64).t() @ full
     opt = torch.optim.SGD([weight], lr=0.5)
     with _Counted() as c:
@@ -259,4 +262,140 @@ def test_a_weight_gradient_is_combined_when_the_optimizer_reads_it() -> None:
             "zero_grad, two steps, mul_, zero_": (0, "sum", "sum"),
             "zeroed": True,
             "scaled": True,
+        }, f"rank {rank}"
+
+
+def _aliases_and_views(rank: int, world: int) -> dict[str, Any]:
+    """Writes through a pending result, its views and its aliases are seen by all of
+    them, before and after the combine, as for any tensor and its views."""
+    import copy
+
+    full, x = _inputs(rank)
+    total = full.sum(dim=0)
+    out: dict[str, Any] = {}
+
+    s = x.sum(dim=0)
+    v = s.view(2, 3)
+    s.full_tensor()
+    s.mul_(2)  # after the combine, into the values: the view sees it
+    out["base written after combine"] = torch.equal(v.full_tensor().flatten(), 2 * total)
+
+    s = x.sum(dim=0)
+    v = s.view(2, 3)
+    s.full_tensor()
+    v.mul_(2)
+    out["view written after combine"] = torch.equal(s.full_tensor(), 2 * total)
+
+    s = x.sum(dim=0)
+    v = s.view(2, 3)
+    s.add_(s.detach())  # before the combine, into the parts
+    out["base written before combine"] = (
+        v.pending_reduce,
+        torch.equal(v.full_tensor().flatten(), 2 * total),
+    )
+
+    s = x.sum(dim=0)
+    s[0] = 100.0
+    s.select(0, 1).fill_(7.0)
+    s[2:4] += 1
+    expected = total.clone()
+    expected[0], expected[1] = 100.0, 7.0
+    expected[2:4] += 1
+    out["written through selections"] = torch.equal(s.full_tensor(), expected)
+
+    s = x.sum(dim=0)
+    d = s.detach()
+    s.full_tensor()
+    out["deepcopy of a combined alias"] = torch.equal(copy.deepcopy(d).full_tensor(), total)
+    pending_copy = copy.deepcopy(x.sum(dim=0))
+    out["deepcopy of a pending one"] = (
+        pending_copy.pending_reduce,
+        torch.equal(pending_copy.full_tensor(), total),
+    )
+    return out
+
+
+def test_writes_through_views_and_aliases_are_seen_by_all() -> None:
+    for rank, out in enumerate(run_ranks(_aliases_and_views, 3, timeout=60)):
+        assert out == {
+            "base written after combine": True,
+            "view written after combine": True,
+            "base written before combine": ("sum", True),
+            "written through selections": True,
+            "deepcopy of a combined alias": True,
+            "deepcopy of a pending one": ("sum", True),
+        }, f"rank {rank}"
+
+
+def _exactness(rank: int, world: int) -> dict[str, Any]:
+    """Ops kept pending only where running them on the parts gives the value exactly."""
+    full, x = _inputs(rank)
+    out: dict[str, Any] = {}
+    # an integer sum of a float sum: each part would be rounded before the sum
+    as_int = x.sum().sum(dtype=torch.int64)
+    out["sum into int64"] = (as_int.pending_reduce, as_int.item() == int(full.sum().item()))
+    # parts that cancel: a downcast of each would lose them (fp16: inf - inf)
+    layout = Layout.row_wise((3,), [1, 1, 1])
+    part = {0: [70000.5], 1: [-70000.0], 2: [0.0]}[rank]
+    y = sw.ShardedTensor.from_layout(layout, [torch.tensor(part, dtype=torch.float64)])
+    half = y.sum().to(torch.float16)
+    out["downcast"] = (half.pending_reduce, half.item())
+    wide = y.sum().to(torch.complex128)
+    out["widening"] = (wide.pending_reduce, wide.item() == 0.5)
+    # a rank's part is 0 (rank 1 holds nothing): 0 * inf and 0 / 0 are nan
+    absolute = x.abs().sum()
+    out["* inf"] = (absolute * math.inf).item()
+    out["/ 0"] = (absolute / 0.0).item()
+    out["var, correction >= count"] = torch.isinf(x.var(dim=0, correction=7).full_tensor()).all()
+    scaled = x.abs().sum() * 2  # a fresh one: `absolute` was combined above
+    out["* 2"] = (scaled.pending_reduce, scaled.item() == 2 * full.abs().sum().item())
+    return out
+
+
+def test_only_exact_ops_keep_a_result_pending() -> None:
+    for rank, out in enumerate(run_ranks(_exactness, 3, timeout=60)):
+        assert out == {
+            "sum into int64": (None, True),
+            "downcast": (None, 0.5),
+            "widening": ("sum", True),
+            "* inf": math.inf,
+            "/ 0": math.inf,
+            "var, correction >= count": True,
+            "* 2": ("sum", True),
+        }, f"rank {rank}"
+
+
+def _saved(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """A pending value in a state dict: only one rank writes a replicated value, but every
+    rank combines it while planning (else that rank's read would wait alone)."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardwise import checkpoint as swc
+
+    full, x = _inputs(rank)
+    out: dict[str, Any] = {}
+    state = {"stat": x.mean(dim=0), "x": x}
+    swc.save(state, f"{folder}/sw")
+    out["swc.save combined"] = state["stat"].pending_reduce
+    state = {"stat": x.mean(dim=0), "x": x}
+    dcp.save(state, checkpoint_id=f"{folder}/dcp")
+    out["dcp.save combined"] = state["stat"].pending_reduce
+    target = {"stat": torch.zeros(6, dtype=torch.float64)}
+    dcp.load(target, checkpoint_id=f"{folder}/dcp")
+    back = {"stat": torch.zeros(6, dtype=torch.float64)}
+    swc.load(back, f"{folder}/sw")
+    # each part divided by 7 before the sum: equal up to rounding
+    out["values"] = torch.allclose(target["stat"], full.mean(dim=0), rtol=0, atol=1e-12) and (
+        torch.equal(back["stat"], target["stat"])
+    )
+    return out
+
+
+def test_saving_a_pending_value_combines_it_on_every_rank(tmp_path: Any) -> None:
+    results = run_ranks(_saved, 3, str(tmp_path), timeout=90)
+    for rank, out in enumerate(results):
+        assert out == {
+            "swc.save combined": None,
+            "dcp.save combined": None,
+            "values": True,
         }, f"rank {rank}"

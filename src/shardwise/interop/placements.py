@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from ..comm import from_local as from_local_layout
 from ..comm import redistribute
@@ -113,12 +113,9 @@ def placements_of(
 
 
 def placements(st: ShardedTensor) -> tuple[Any, ...]:
-    """`st.placements`: those of its layout on its mesh; for a reduction's result not
-    combined yet, `Partial(op)` on every mesh dimension (each rank holds a part; the
-    ranks that hold no part hold the combine's identity)."""
-    pending = st.pending_reduce
-    if pending is not None:
-        return (Partial(pending),) * len(st.mesh_shape)
+    """`st.placements`: those of its layout on its mesh. A reduction's result not combined
+    yet is `Replicate()`, the placement of its values, which every API returns
+    (`to_local()` combines it; `st.pending_reduce` tells the state)."""
     return placements_of(st.layout_spec, st.mesh_shape, st._placements)
 
 
@@ -213,8 +210,8 @@ def redistribute_placements(
     placements keep its (uneven) sizes. `async_op` is accepted for DTensor's
     signature; the move has completed when this returns."""
     mesh = _target_mesh(st, mesh)
-    if target is None:  # DTensor: placements default to the current ones (a Partial's: combined)
-        target = None if st.pending_reduce is not None else st.placements
+    if target is None:
+        target = st.placements  # DTensor: placements default to the current ones
     found = _block_placements(target, mesh, st.dim(), "placements")
     shape = tuple(int(n) for n in mesh.shape)
     layout = _layout_of(st, found, shape)

@@ -90,7 +90,9 @@ class _Reduce(torch.autograd.Function):
     ) -> ShardedTensor:
         op = aten.mean.dim if mean else aten.sum.dim_IntList
         out = op(st, list(dims), keepdim, dtype=dtype)
-        ctx.template = st._with_layout(st._layout, [], dtype=st.dtype, device=st.device)
+        # what the gradient is built on: the input's layout, rank, group and mesh (not the
+        # input itself, whose shards backward does not need)
+        ctx.place = (st._layout, st._rank, st._group, st._mesh, st.device)
         ctx.shape, ctx.dims, ctx.keepdim = tuple(st.shape), dims, keepdim
         ctx.scale = 1.0 / max(1, _count(ctx.shape, dims)) if mean else None
         ctx.out_layout = out._layout
@@ -98,9 +100,9 @@ class _Reduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
-        template: ShardedTensor = ctx.template
-        layout, dims, keepdim = template._layout, ctx.dims, ctx.keepdim
-        blocks = layout.blocks_of(template._rank)
+        layout, rank, group, mesh, device = ctx.place
+        dims, keepdim = ctx.dims, ctx.keepdim
+        blocks = layout.blocks_of(rank)
         shards = []
         if (
             isinstance(grad, ShardedTensor)
@@ -118,8 +120,9 @@ class _Reduce(torch.autograd.Function):
             for block in blocks:
                 part = g[_projected_block(block, dims, True).slices()]
                 shards.append(_spread(part, block, dims, True, ctx.scale))
-        dtype = grad.dtype
-        out = template._with_layout(layout, shards, dtype=dtype, device=template.device)
+        out = ShardedTensor(
+            layout, shards, rank, dtype=grad.dtype, device=device, group=group, mesh=mesh
+        )
         return out, None, None, None, None
 
 

@@ -10,16 +10,19 @@ is replicated, and the all-reduce runs the first time its values are read
 `loss = x.sum(); loss.backward()` combines nothing, and a weight gradient is
 combined when the optimizer reads it, as with DTensor.
 
-Some ops keep a result pending, because they commute with the combine (run
-on the parts, then combined, they give the same value as on the combined
+Some ops keep a result pending, because they commute with the combine, exactly
+(run on the parts, then combined, they give the same value as on the combined
 result); `keep(func, args, kwargs)` runs them on the parts:
 
-- for any combine: `detach`/`alias`/`clone`, views and selections (`view`,
-  `reshape`, `t`, `transpose`, `permute`, `expand`, `squeeze`, `unsqueeze`,
-  `slice`, `select`), a floating-point `_to_copy`;
-- for a sum: `neg`, `sum`/`mean` of it, a product with (or a quotient by) a
-  value every rank holds alike (a number, a plain tensor, a replicated
-  ShardedTensor), and sums and differences of pending sums; in place too
+- for any combine: `detach`/`alias` (the same record), views and selections
+  (`view`, `reshape`, `t`, `transpose`, `permute`, `expand`, `squeeze`,
+  `unsqueeze`, `slice`, `select`: a record whose values are that view of the
+  base's, so writes through either are seen by both), `clone`;
+- `_to_copy` into a dtype as wide for a sum (rounded parts do not sum to the
+  rounded sum), into a floating dtype for a maximum or minimum;
+- for a sum: `neg`, `sum`/`mean` into a dtype as wide, a product with a finite
+  Python number, a quotient by a nonzero one (a rank's part of 0 would make
+  0·inf a nan), and sums and differences of pending sums; in place too
   (`add_` of a pending sum into one, `mul_`/`div_`: autograd accumulating a
   weight gradient over steps), written into the parts;
 - `zero_` for any combine (zero parts combine to zero);
@@ -27,15 +30,19 @@ result); `keep(func, args, kwargs)` runs them on the parts:
   read only the shape (autograd's `ones_like(loss)`): their result is a plain
   replicated one, nothing combined.
 
-Any other op reads the values and so combines first. Cost: a pending result's
-all-reduce, about 2× its bytes per rank, runs at most once; a result that is
-never read costs none. As with DTensor, reading it is collective: every rank
-of the group must read it (printing it is not reading: `repr` shows
-`pending='sum'`).
+Any other op reads the values and so combines first. Every API reads values,
+never parts: `to_local()`, `local_shards()`, `placements` (`Replicate()`: what
+the values are), a checkpoint (saving combines every pending tensor on every
+rank first). Cost: a pending result's all-reduce, about 2× its bytes per rank,
+runs at most once; a result that is never read costs none. As with DTensor,
+reading a pending value is collective: every rank of the group must read it
+(`if rank == 0: loss.item()` waits for the others; printing is not reading:
+`repr` shows `pending='sum'`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +51,8 @@ import torch.distributed as dist
 
 from ..tensor import ShardedTensor
 from ..tensor.pending import Pending
-from .exchange import _distributed, is_replicated, replicated
+from .exchange import _distributed, replicated
+from .per_shard import named
 
 __all__ = ["KEEPS_PENDING", "combine", "keep", "later"]
 
@@ -77,22 +85,17 @@ def combine(st: ShardedTensor, pending: Pending) -> list[torch.Tensor]:
 
 
 def _parts(x: ShardedTensor) -> Pending | None:
-    """`x`'s record while its combine has not run, else None."""
+    """`x`'s record while its values need a combine, else None."""
     pending = x._pending
-    return pending if pending is not None and pending.combined is None else None
+    return pending if pending is not None and not pending.done else None
 
 
-def _same_everywhere(x: Any) -> bool:
-    """A value every rank holds alike: a number, a plain tensor, a replicated
-    ShardedTensor that is not pending (the caller's SPMD contract for plain ones)."""
-    if isinstance(x, ShardedTensor):
-        return _parts(x) is None and is_replicated(x._layout)
-    return isinstance(x, (int, float, bool, torch.Tensor))
-
-
-def _on_parts(func: Any, args: tuple, kwargs: dict, op: str, ref: ShardedTensor) -> Any:
+def _on_parts(
+    func: Any, args: tuple, kwargs: dict, op: str, ref: ShardedTensor, view: bool = False
+) -> Any:
     """`func` on the parts of the pending operands (the values of the others), pending
-    with `op`; None when the result is not one tensor."""
+    with `op`; with `view` (a view op on one pending operand), a record whose values are
+    the same view of its base's values. None when the result is not one tensor."""
 
     def part(x: Any) -> Any:
         if isinstance(x, ShardedTensor):
@@ -105,57 +108,83 @@ def _on_parts(func: Any, args: tuple, kwargs: dict, op: str, ref: ShardedTensor)
         return None
     layout = replicated(tuple(out.shape), ref._layout.world_size)
     result = ref._with_layout(layout, [out], dtype=out.dtype, device=out.device)
-    result._pending = Pending(op, [out])
+    if view:
+        rest, named_rest = args[1:], dict(kwargs)
+        result._pending = Pending(
+            op, [out], base=ref._pending, derive=lambda t: func(t, *rest, **named_rest)
+        )
+    else:
+        result._pending = Pending(op, [out])
     return result
 
 
 def _alias(func: Any, args: tuple, kwargs: dict) -> Any:
     """`detach` / `alias`: a new tensor sharing the record (one combine for both)."""
     st = args[0]
-    out = st._with_shards(st._local)
-    out._pending = st._pending
+    pending = st._pending
+    out = st._with_shards(list(pending.parts))
+    out._pending = pending
     return out
 
 
 def _like(func: Any, args: tuple, kwargs: dict) -> Any:
     """A factory that reads only the shape: run on the parts, nothing pending."""
     st = args[0]
-    return st._with_shards([func(s, *args[1:], **kwargs) for s in st._local])
+    return st._with_shards([func(s, *args[1:], **kwargs) for s in st._pending.parts])
 
 
-def _any(func: Any, args: tuple, kwargs: dict) -> Any:
-    """An op that commutes with every combine (a copy, a view, a selection)."""
+def _widens(src: torch.dtype, dst: torch.dtype | None) -> bool:
+    """Whether every value of `src` is exactly a value of `dst` (None: `src` itself):
+    parts converted so still sum to the converted sum."""
+    return dst is None or torch.promote_types(src, dst) == dst
+
+
+def _copy_or_view(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A copy or a view, which commute with every combine; a dtype conversion only where
+    exact for a sum (widening) or order-keeping for a maximum (real to floating)."""
     st = args[0]
     pending = _parts(st)
     if pending is None or any(isinstance(x, ShardedTensor) for x in (*args[1:], *kwargs.values())):
         return None
     if func is aten._to_copy.default:
-        dtype = kwargs.get("dtype")
-        if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
-            return None  # parts rounded to integers do not sum to the rounded value
-    return _on_parts(func, args, kwargs, pending.op, st)
+        src, dst = st.dtype, kwargs.get("dtype")
+        if pending.op == "sum" and not _widens(src, dst):
+            return None  # rounded parts do not sum to the rounded sum
+        if pending.op != "sum" and dst is not None and not (
+            dst.is_floating_point and not src.is_complex
+        ):
+            return None  # a maximum's fill (-inf) has no integer; complex has no order
+    return _on_parts(func, args, kwargs, pending.op, st, view=func in _VIEW_OPS)
+
+
+def _finite_number(x: Any, nonzero: bool = False) -> bool:
+    """A Python number every rank passes alike; finite, so a part of 0 stays 0 (0·inf is
+    nan), and nonzero for a divisor."""
+    if type(x) is bool:
+        return not nonzero or x
+    return type(x) in (int, float) and math.isfinite(x) and (not nonzero or x != 0)
 
 
 def _linear_in_sum(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether `func` is linear in its pending-sum operands: `neg`, `sum`, `mean`, a
-    product with a value every rank holds alike, a quotient by one, sums of pending sums."""
+    """Whether `func` is linear in its pending-sum operands, exactly: `neg`, `sum`/`mean`
+    into a dtype as wide, a product with a finite number, a quotient by a nonzero one,
+    sums and differences of pending sums."""
     sharded = [x for x in (*args, *kwargs.values()) if isinstance(x, ShardedTensor)]
     if any(p.op != "sum" for p in map(_parts, sharded) if p is not None):
         return False
     if func in _ADDS:
-        operands = [x for x in args[:2]]
         # a pending sum plus a value would add the value once per rank
+        operands = args[:2]
         return all(isinstance(x, ShardedTensor) and _parts(x) is not None for x in operands)
     if func in _PRODUCTS:
         first, second = args[0], args[1]
-        first_pending = isinstance(first, ShardedTensor) and _parts(first) is not None
-        if func in _QUOTIENTS and not first_pending:
-            return False  # a value divided by a pending sum is not linear in it
-        if kwargs.get("rounding_mode") is not None:
-            return False
-        other = second if first_pending else first
-        # a product of two pending sums is not linear in either
-        return _same_everywhere(other)
+        if not (isinstance(first, ShardedTensor) and _parts(first) is not None):
+            return func not in _QUOTIENTS and _finite_number(first)
+        return kwargs.get("rounding_mode") is None and _finite_number(
+            second, nonzero=func in _QUOTIENTS
+        )
+    if func in _REDUCTIONS:
+        return _widens(args[0].dtype, named(func, args, kwargs).get("dtype"))
     return True
 
 
@@ -168,9 +197,9 @@ def _sum_only(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _sum_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
-    """`add_` / `sub_` of a pending sum into one, `mul_` / `div_` of one by a value every
-    rank holds alike (autograd accumulating a weight gradient): into the parts, so the
-    tensor and its aliases stay pending (they see the write, as aliases do)."""
+    """`add_` / `sub_` of a pending sum into one, `mul_` / `div_` of one by a finite number
+    (autograd accumulating a weight gradient, a loss scaled): into the parts, so the
+    tensor, its aliases and views stay pending (and see the write, as they would)."""
     dst = args[0]
     pending = _parts(dst) if isinstance(dst, ShardedTensor) else None
     if pending is None or not _linear_in_sum(func, args, kwargs):
@@ -197,31 +226,31 @@ def _zero(func: Any, args: tuple, kwargs: dict) -> Any:
     return dst
 
 
-_ANY_OPS = (
-    aten.clone.default,
-    aten._to_copy.default,
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten._reshape_alias.default,
-    aten.reshape.default,
-    aten.t.default,
-    aten.transpose.int,
-    aten.permute.default,
-    aten.expand.default,
-    aten.squeeze.default,
-    aten.squeeze.dim,
-    aten.squeeze.dims,
-    aten.unsqueeze.default,
-    aten.slice.Tensor,
-    aten.select.int,
+# ops whose result is a view of their operand: a pending result's view shares its storage
+_VIEW_OPS = frozenset(
+    {
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten._reshape_alias.default,
+        aten.reshape.default,
+        aten.t.default,
+        aten.transpose.int,
+        aten.permute.default,
+        aten.expand.default,
+        aten.squeeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.unsqueeze.default,
+        aten.slice.Tensor,
+        aten.select.int,
+    }
 )
+
+_REDUCTIONS = (aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim)
 
 _SUM_OPS = (
     aten.neg.default,
-    aten.sum.default,
-    aten.sum.dim_IntList,
-    aten.mean.default,
-    aten.mean.dim,
+    *_REDUCTIONS,
     aten.mul.Tensor,
     aten.mul.Scalar,
     aten.div.Tensor,
@@ -256,7 +285,9 @@ _LIKE_OPS = (
 KEEPS_PENDING: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     aten.detach.default: _alias,
     aten.alias.default: _alias,
-    **{op: _any for op in _ANY_OPS},
+    aten.clone.default: _copy_or_view,
+    aten._to_copy.default: _copy_or_view,
+    **{op: _copy_or_view for op in _VIEW_OPS},
     **{op: _sum_only for op in _SUM_OPS},
     **{op: _sum_in_place for op in _SUM_IN_PLACE_OPS},
     aten.zero_.default: _zero,
@@ -268,6 +299,6 @@ def keep(func: Any, args: tuple, kwargs: dict) -> Any:
     """`func`'s result kept pending when an operand is pending and `func` commutes with its
     combine; None otherwise (the caller runs the op's own rule, which combines)."""
     for x in args:  # every op's pending operand is positional; most calls have none
-        if isinstance(x, ShardedTensor) and x._pending is not None and x._pending.combined is None:
+        if isinstance(x, ShardedTensor) and x._pending is not None and not x._pending.done:
             return KEEPS_PENDING[func](func, args, kwargs)
     return None

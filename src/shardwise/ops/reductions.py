@@ -382,10 +382,13 @@ def _variance(func: Any, args: tuple, kwargs: dict) -> Any:
         centre = mean[_projected_block(blocks[i], dims, True).slices()]
         region = squares[_projected_block(blocks[i], dims, True).slices()]
         region.add_((shard.to(out_dtype) - centre).pow(2).sum(dim=dims, keepdim=True))
-    if func._schema.name == "aten::std":  # the root needs the whole sum
-        value = (_combined(squares, _SUM, st) / max(count - correction, 0)).sqrt()
+    den = max(count - correction, 0)
+    if func._schema.name == "aten::std" or den <= 0:
+        # the root needs the whole sum; a zero divisor too (a rank's part of 0 / 0 is nan)
+        value = _combined(squares, _SUM, st) / den
+        value = value.sqrt() if func._schema.name == "aten::std" else value
         return _finish(st, value, dims, keepdim)
-    return _finish(st, squares / max(count - correction, 0), dims, keepdim, pending=_SUM)
+    return _finish(st, squares / den, dims, keepdim, pending=_SUM)
 
 
 # -- along one dimension, shape kept or reduced: local when every block spans it ---

@@ -65,6 +65,9 @@ def create_write_items(st: ShardedTensor, fqn: str, hint: int | None = None) -> 
     holds one block: `get_tensor_shard` finds the block by offset either way."""
     properties = TensorProperties(dtype=st.dtype, requires_grad=st.requires_grad)
     size = st.shape  # the global shape, known locally (a layout may not be learned yet)
+    if st.pending_reduce is not None:
+        # every rank plans every value, in one order; only the writer reads it later
+        st._shards  # noqa: B018 - combined here, collectively
     items = []
     seen = set()
     blocks = st.local_blocks

@@ -5,34 +5,60 @@ value is the sum (or maximum, minimum) of the ranks' parts. DTensor returns
 such a result as `Partial` and combines it only when it is used, so a loss
 that is only differentiated, or a weight gradient that is accumulated and
 then applied, costs no collective at the reduction itself. A `ShardedTensor`
-does the same: its `_pending` holds the parts and, once combined, the result.
+does the same: its `_pending` holds the parts and, once combined, the values.
 
-The record is shared by the tensor and its aliases (`detach`, `alias`), so the
-combine runs once for all of them, and it never writes into the parts (a view
-of a part taken before the combine keeps its values).
+A record stands for storage, as a tensor's storage does: the tensor and its
+aliases (`detach`) share one record, so the combine runs once for all of
+them; a view of a pending tensor (`view`, `t`, `select`, ...) has a record of
+its own whose parts are that view of its base's parts, and whose values are
+that view of its base's values, so a write through either is seen by the
+other before and after the combine. In-place ops that keep a result pending
+(`add_`, `mul_`, `zero_`) write into the parts.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 __all__ = ["Pending"]
 
-# the combines a pending result can wait for, by DTensor's `Partial(reduce_op)` names
-REDUCE_OPS = ("sum", "max", "min")
-
 
 class Pending:
-    """This rank's parts of a result, combined across the group by `op` on first use."""
+    """This rank's parts of a result, combined across the group by `op` on first use; for
+    a view, its `base`'s record and the view (`derive`) taken of the base's parts."""
 
-    __slots__ = ("op", "parts", "combined")
+    __slots__ = ("op", "parts", "combined", "base", "derive")
 
-    def __init__(self, op: str, parts: list[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        op: str,
+        parts: list[torch.Tensor],
+        base: Pending | None = None,
+        derive: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.op = op
         self.parts = parts
-        # the combined shards once some holder of the record has used the value
+        # the values, once some holder of the record (or of its base) has read them
         self.combined: list[torch.Tensor] | None = None
+        self.base, self.derive = base, derive
+
+    @property
+    def done(self) -> bool:
+        """Whether the values are known without a collective."""
+        return self.combined is not None or (self.base is not None and self.base.done)
+
+    def values(self, combine: Callable[[Pending], list[torch.Tensor]]) -> list[torch.Tensor]:
+        """The values: a view's are its view of its base's; a base's, `combine(self)`
+        (collective) the first time."""
+        if self.combined is None:
+            if self.base is not None and self.derive is not None:
+                self.combined = [self.derive(self.base.values(combine)[0])]
+            else:
+                self.combined = combine(self)
+        return self.combined
 
     def __repr__(self) -> str:
-        state = "combined" if self.combined is not None else "not combined"
+        state = "combined" if self.done else "not combined"
         return f"Pending({self.op!r}, {state})"

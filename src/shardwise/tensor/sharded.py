@@ -69,9 +69,9 @@ class LocalView:
         pending = self._pending
         if pending is None:
             return self._local
-        if pending.combined is None:
-            pending.combined = provided("combine_pending")(self, pending)
-        self._local, self._pending = pending.combined, None
+        combine = provided("combine_pending")
+        self._local = pending.values(lambda record: combine(self, record))
+        self._pending = None
         return self._local
 
     @_shards.setter
@@ -83,7 +83,16 @@ class LocalView:
         """For a reduction's result whose combine across ranks has not run (DTensor's
         `Partial`): "sum", "max" or "min"; else None. Reading its values runs it."""
         pending = self._pending
-        return None if pending is None or pending.combined is not None else pending.op
+        return None if pending is None or pending.done else pending.op
+
+    @property
+    def _held(self) -> list[torch.Tensor]:
+        """What this rank holds, read without a collective: the values, or while the
+        tensor is pending its parts (the same shapes, dtype and device)."""
+        pending = self._pending
+        if pending is None or pending.done:
+            return self._shards  # known: no collective
+        return pending.parts
 
     @property
     def layout_spec(self) -> Layout:
@@ -157,11 +166,11 @@ class LocalView:
         return all(b.is_empty() for b in self.local_blocks)
 
     def is_pinned(self, device: Any = None) -> bool:
-        return bool(self._local) and all(s.is_pinned() for s in self._local)
+        return bool(self._held) and all(s.is_pinned() for s in self._held)
 
     def _get_tensor_size_bytes(self) -> int:
         """Bytes of this rank's shards (`LocalShardsWrapper`'s, read by DCP's planners)."""
-        return sum(s.nelement() * s.element_size() for s in self._local)
+        return sum(s.nelement() * s.element_size() for s in self._held)
 
 
 # -----------------------------------------------------------------------------
@@ -622,7 +631,7 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         return (
             f"ShardedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"device={self.device}, rank={self._rank}, layout={self._layout}, "
-            f"local_shards={len(self._local)}"
+            f"local_shards={len(self._held)}"
             + (f", pending={pending!r})" if pending is not None else ")")
         )
 
@@ -648,14 +657,14 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         the shards' flag only tells code that holds them (`local_shards()`, a
         DCP planner reading `requires_grad`) what the tensor is."""
         super().requires_grad_(requires_grad)
-        for shard in self._local:
+        for shard in self._held:
             if shard.is_leaf:
                 shard.requires_grad_(requires_grad)
         return self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardedTensor:
         with torch.no_grad():
-            out = self._with_shards([s.clone() for s in self._local])
+            out = self._with_shards([s.clone() for s in self._held])
             if self.pending_reduce is not None:  # a copy of the parts, combined on its own
                 out._pending = Pending(self.pending_reduce, out._local)
         out.requires_grad_(self.requires_grad)

@@ -646,6 +646,10 @@ def describe(
                 boxes: tuple[Box, ...] = (((0,) * len(shape), shape),)
             elif isinstance(value, ShardedTensor):
                 boxes = tuple((b.offsets, b.sizes) for b in value.local_blocks)
+                if value.pending_reduce is not None:
+                    # every rank describes every value, in one order; only the writer of
+                    # a replicated box reads it later
+                    value._shards  # noqa: B018 - combined here, collectively
             else:
                 held = pieces_of(value)
                 if held is None:
