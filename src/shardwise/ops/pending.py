@@ -150,8 +150,10 @@ def _copy_or_view(func: Any, args: tuple, kwargs: dict) -> Any:
         src, dst = st.dtype, kwargs.get("dtype")
         if pending.op == "sum" and not _widens(src, dst):
             return None  # rounded parts do not sum to the rounded sum
-        if pending.op != "sum" and dst is not None and not (
-            dst.is_floating_point and not src.is_complex
+        if (
+            pending.op != "sum"
+            and dst is not None
+            and not (dst.is_floating_point and not src.is_complex)
         ):
             return None  # a maximum's fill (-inf) has no integer; complex has no order
     return _on_parts(func, args, kwargs, pending.op, st, view=func in _VIEW_OPS)

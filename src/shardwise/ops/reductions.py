@@ -238,9 +238,7 @@ def _part_plan(
     for i in primary_blocks(layout, rank):
         projected = _projected_block(blocks[i], dims, True)
         regions.append((i, projected.slices()))
-    whole = len(regions) == 1 and _projected_block(
-        blocks[regions[0][0]], dims, True
-    ).sizes == shape
+    whole = len(regions) == 1 and _projected_block(blocks[regions[0][0]], dims, True).sizes == shape
     return shape, tuple(regions), whole
 
 
