@@ -48,14 +48,36 @@ def _check(rank: int, layout: Layout, fn: object) -> dict[str, object]:
     }
 
 
-def _tables(rank: int, world: int) -> dict[str, dict[str, object]]:
+def _tables(rank: int, world: int) -> tuple[dict[str, dict[str, object]], dict[str, object]]:
     lookup = lambda w: F.embedding(INDICES, w)  # noqa: E731
-    bag = lambda w: F.embedding_bag(INDICES.reshape(-1), w, torch.tensor([0, 2]), mode="sum")  # noqa: E731
+    rows, cols = Layout.row_wise(TABLE, [4, 0, 6]), Layout.column_wise(TABLE, [1, 0, 3])
     out = {
-        "row-wise": _check(rank, Layout.row_wise(TABLE, [4, 0, 6]), lookup),
-        "column-wise": _check(rank, Layout.column_wise(TABLE, [1, 0, 3]), lookup),
-        "bag row-wise": _check(rank, Layout.row_wise(TABLE, [4, 0, 6]), bag),
+        "row-wise": _check(rank, rows, lookup),
+        "column-wise": _check(rank, cols, lookup),
     }
+    # bags: 5 of them, the third empty; index 4 (twice) is the padding row where given
+    flat, offsets = INDICES.reshape(-1), torch.tensor([0, 2, 2, 3, 5])
+    weights = torch.tensor([0.5, -1.0, 2.0, 0.25, 1.5, 3.0], dtype=torch.float64)
+    bags = {
+        "sum": lambda w: F.embedding_bag(flat, w, offsets, mode="sum"),
+        "mean": lambda w: F.embedding_bag(flat, w, offsets, mode="mean"),
+        "mean, padding": lambda w: F.embedding_bag(flat, w, offsets, mode="mean", padding_idx=4),
+        "sum, weights": lambda w: F.embedding_bag(
+            flat, w, offsets, mode="sum", per_sample_weights=weights
+        ),
+        "sum, last offset": lambda w: F.embedding_bag(
+            flat, w, torch.tensor([0, 2, 2, 3, 5, 6]), include_last_offset=True
+        ),
+        "2-d input": lambda w: F.embedding_bag(INDICES, w, mode="mean"),
+    }
+    for name, bag in bags.items():
+        out[f"bag {name} row-wise"] = _check(rank, rows, bag)
+        out[f"bag {name} column-wise"] = _check(rank, cols, bag)
+    out["bag max column-wise"] = _check(
+        rank, cols, lambda w: F.embedding_bag(flat, w, offsets, mode="max")
+    )
+    # a row-wise maximum has no rule: it gathers the table, never a wrong answer
+    row_max = _check(rank, rows, lambda w: F.embedding_bag(flat, w, offsets, mode="max"))
     # sharded indices, a plain table (a domain-parallel lookup): the weight's gradient is
     # plain and summed over every rank's indices
     layout = Layout.row_wise((2, 3), [1, 0, 1])
@@ -74,15 +96,15 @@ def _tables(rank: int, world: int) -> dict[str, dict[str, object]]:
         and torch.allclose(w.grad, want_grad, rtol=1e-12, atol=0),
         "fallbacks": sorted(map(str, FALLBACK_OPS)),
     }
-    return out
+    return out, row_max
 
 
 def test_embeddings_match_the_whole_table() -> None:
-    for rank, results in enumerate(run_ranks(_tables, 3, timeout=90)):
+    for rank, (results, row_max) in enumerate(run_ranks(_tables, 3, timeout=90)):
+        assert row_max["values"] and row_max["grad"], f"rank {rank}: {row_max}"
+        assert "aten._embedding_bag.default" in row_max["fallbacks"], row_max
         for name, r in results.items():
             assert r["values"] and r["grad"], f"rank {rank}, {name}: {r}"
-        assert results["row-wise"]["fallbacks"] == [], results["row-wise"]
-        assert results["column-wise"]["fallbacks"] == [], results["column-wise"]
-        assert results["sharded indices"]["fallbacks"] == [], results["sharded indices"]
-        # embedding_bag has no rule: it gathers the table, never a wrong answer
-        assert "aten._embedding_bag.default" in results["bag row-wise"]["fallbacks"]
+        for name, r in results.items():  # every lookup and bag (and backward) by a rule
+            assert r["fallbacks"] == [], f"rank {rank}, {name}: {r}"
+        assert len(results) == 16

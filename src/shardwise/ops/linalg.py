@@ -32,7 +32,7 @@ import torch
 
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
-from .exchange import is_replicated, local_in, primary_blocks, whole_or_plain
+from .exchange import is_replicated, local_in, primary_blocks, replicated, whole_or_plain
 from .fallback import fallback
 from .halo import conv_backward, conv_forward, conv_plan, sharded_spatial_dim
 from .pending import later
@@ -251,6 +251,119 @@ def _embedding_backward(func: Any, args: tuple, kwargs: dict) -> Any:
             out.add_(func(grad._shards[i], indices._shards[i], *rest))
         return later(out, "sum", grad)
     return fallback(func, args, kwargs)
+
+
+# `embedding_bag`: the bags' sums, means or maxima of looked-up rows. On a column-wise
+# table each block reduces its own columns (no communication); on a row-wise one each
+# rank sums the rows it holds, those of the others weighted 0, and the result is a
+# pending sum (`pending`: one all-reduce of bags × dim on first use); a mean divides
+# each part by the bag's size. A row-wise maximum has no rule (a row a rank lacks would
+# have to be -inf, not 0): it falls back, as sparse gradients do.
+
+_BAG_SUM, _BAG_MEAN, _BAG_MAX = 0, 1, 2
+
+
+@_handles(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+def _embedding_bag(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    weight, mode = a["weight"], a["mode"]
+    plain = (a["indices"], a["offsets"], a["per_sample_weights"])
+    if not isinstance(weight, ShardedTensor) or not all(_is_whole(t) for t in plain):
+        return fallback(func, args, kwargs)
+    idx, offsets, psw = (whole_or_plain(t) for t in plain)
+    flags = {k: a[k] for k in ("scale_grad_by_freq", "sparse", "include_last_offset")}
+    rows, dim = weight.shape
+    # what depends on the indices alone (bag of each index, bag sizes), from no columns
+    empty = torch.empty((rows, 0), dtype=weight.dtype, device=weight.device)
+    aux = func(
+        empty,
+        idx,
+        offsets,
+        mode=mode,
+        per_sample_weights=psw,
+        padding_idx=a["padding_idx"],
+        **flags,
+    )
+    bags = aux[0].shape[0]
+    if spans(weight._layout, (0,)):  # column-wise: each block its columns
+        results = [
+            func(
+                s,
+                idx,
+                offsets,
+                mode=mode,
+                per_sample_weights=psw,
+                padding_idx=a["padding_idx"],
+                **flags,
+            )
+            for s in weight._shards
+        ]
+        layout = _product_layout(weight._layout, (1,), (bags, dim), (1,))
+        out = weight._with_layout(
+            layout, [r[0] for r in results], dtype=weight.dtype, device=weight.device
+        )
+        if mode != _BAG_MAX:
+            return out, aux[1], aux[2], aux[3]
+        argmax = weight._with_layout(
+            layout, [r[3] for r in results], dtype=aux[3].dtype, device=weight.device
+        )
+        return out, aux[1], aux[2], argmax
+    if mode == _BAG_MAX or not spans(weight._layout, (1,)):
+        return fallback(func, args, kwargs)
+    keep = (
+        idx != a["padding_idx"] if a["padding_idx"] >= 0 else torch.ones_like(idx, dtype=torch.bool)
+    )
+    out = torch.zeros((bags, dim), dtype=weight.dtype, device=weight.device)
+    blocks = weight._layout.blocks_of(weight._rank)
+    for i in primary_blocks(weight._layout, weight._rank):
+        lo, size = blocks[i].offsets[0], blocks[i].sizes[0]
+        if not size:
+            continue
+        mine = ((idx >= lo) & (idx < lo + size) & keep).to(weight.dtype)
+        local = (idx - lo).clamp(0, size - 1)
+        part = func(
+            weight._shards[i],
+            local,
+            offsets,
+            mode=_BAG_SUM,
+            per_sample_weights=mine if psw is None else psw * mine,
+            include_last_offset=a["include_last_offset"],
+        )[0]
+        out.add_(part)
+    if mode == _BAG_MEAN:  # the same divisor on every rank: each part divided
+        out = out / aux[2].clamp(min=1).unsqueeze(1).to(out.dtype)
+    return later(out, "sum", weight), aux[1], aux[2], aux[3]
+
+
+@_handles(aten._embedding_bag_backward.default)
+def _embedding_bag_backward(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    grad = a["grad"]
+    plain = ("indices", "offsets", "offset2bag", "bag_size", "per_sample_weights")
+    if (
+        not isinstance(grad, ShardedTensor)
+        or a["sparse"]
+        or not all(_is_whole(a[k]) for k in plain)
+    ):
+        return fallback(func, args, kwargs)
+    rest = [whole_or_plain(a[k]) for k in ("indices", "offsets", "offset2bag", "bag_size")]
+    tail = (a["num_weights"], a["scale_grad_by_freq"], a["mode"], False)
+    after = (whole_or_plain(a["per_sample_weights"]), a["padding_idx"])
+    argmax = a["maximum_indices"]
+    shape = (a["num_weights"], grad.shape[1])
+    if is_replicated(grad._layout):  # a row-wise table's (or a whole) gradient: dense
+        value = func(grad._shards[0], *rest, whole_or_plain(argmax), *tail, *after)
+        return grad._with_layout(replicated(shape, grad._layout.world_size), [value])
+    if not spans(grad._layout, (0,)):
+        return fallback(func, args, kwargs)
+    # column-wise: each block the gradient of its columns
+    if isinstance(argmax, ShardedTensor):
+        argmaxes = local_in(argmax, grad._layout)
+    else:
+        argmaxes = [argmax] * len(grad._shards)
+    shards = [func(g, *rest, m, *tail, *after) for g, m in zip(grad._shards, argmaxes)]
+    layout = _product_layout(grad._layout, (1,), shape, (1,))
+    return grad._with_layout(layout, shards, dtype=grad.dtype, device=grad.device)
 
 
 @functools.lru_cache(maxsize=512)
