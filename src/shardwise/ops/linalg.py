@@ -313,7 +313,7 @@ def _embedding_bag(func: Any, args: tuple, kwargs: dict) -> Any:
     keep = (
         idx != a["padding_idx"] if a["padding_idx"] >= 0 else torch.ones_like(idx, dtype=torch.bool)
     )
-    out = torch.zeros((bags, dim), dtype=weight.dtype, device=weight.device)
+    parts = torch.zeros((bags, dim), dtype=weight.dtype, device=weight.device)
     blocks = weight._layout.blocks_of(weight._rank)
     for i in primary_blocks(weight._layout, weight._rank):
         lo, size = blocks[i].offsets[0], blocks[i].sizes[0]
@@ -329,10 +329,10 @@ def _embedding_bag(func: Any, args: tuple, kwargs: dict) -> Any:
             per_sample_weights=mine if psw is None else psw * mine,
             include_last_offset=a["include_last_offset"],
         )[0]
-        out.add_(part)
+        parts.add_(part)
     if mode == _BAG_MEAN:  # the same divisor on every rank: each part divided
-        out = out / aux[2].clamp(min=1).unsqueeze(1).to(out.dtype)
-    return later(out, "sum", weight), aux[1], aux[2], aux[3]
+        parts = parts / aux[2].clamp(min=1).unsqueeze(1).to(parts.dtype)
+    return later(parts, "sum", weight), aux[1], aux[2], aux[3]
 
 
 @_handles(aten._embedding_bag_backward.default)

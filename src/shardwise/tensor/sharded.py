@@ -70,13 +70,15 @@ class LocalView:
         if pending is None:
             return self._local
         combine = provided("combine_pending")
-        self._local = pending.values(lambda record: combine(self, record))
-        self._pending = None
-        return self._local
+        local = pending.values(lambda record: combine(self, record))
+        self._local = local  # type: ignore[misc]  # set on the instance
+        self._pending = None  # type: ignore[misc]
+        return local
 
     @_shards.setter
     def _shards(self, shards: list[torch.Tensor]) -> None:
-        self._local, self._pending = shards, None
+        self._local = shards  # type: ignore[misc]  # set on the instance
+        self._pending = None  # type: ignore[misc]
 
     @property
     def pending_reduce(self) -> str | None:
