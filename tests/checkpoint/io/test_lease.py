@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import time
 import warnings
@@ -218,8 +219,12 @@ def test_overwrite_false_looks_again_once_it_holds_the_lease(tmp_path):
     holder = new_lease(tmp_path).acquire()
 
     def commit_meanwhile() -> None:
+        # another writer's checkpoint lands while the lease is held, then the lease is
+        # given back (saved aside and copied in: a save here would wait for the lease,
+        # and after a release the waiting save could take it first)
+        swc.save({"w": torch.ones(2)}, tmp_path.parent / "aside")
+        shutil.copytree(tmp_path.parent / "aside", tmp_path, dirs_exist_ok=True)
         holder.release()
-        swc.save({"w": torch.ones(2)}, tmp_path)
 
     threading.Timer(0.3, commit_meanwhile).start()
     with pytest.raises(FileExistsError, match="pass overwrite=True"):
