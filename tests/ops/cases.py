@@ -26,7 +26,7 @@ class Case:
     fn: Callable[..., Any]
     exact: bool = False
     # True where some layout needs the gather fallback (an op with no rule for it, e.g.
-    # `index`, a slice's backward whose
+    # a boolean mask, a slice's backward whose
     # gradient blocks do not span the sliced dim); measured, not guessed.
     fallback_ok: bool = False
     # which inputs are sharded (the others are plain parameters that require grad)
@@ -99,12 +99,22 @@ CASES: list[Case] = [
     Case("narrow", ((7, 6),), lambda x: x.narrow(0, 2, 4) * 2, exact=True, fallback_ok=True),
     Case("select", ((7, 6),), lambda x: x[3] * 2, exact=True),
     Case("select_col", ((7, 6),), lambda x: x[:, -2] * 2, exact=True),
+    # by an integer tensor: along a sharded dim a masked lookup (pending sum), else per block
+    Case("index_tensor", ((7, 6),), lambda x: x[torch.tensor([0, 5, 2])] * 2, exact=True),
+    Case("index_repeats", ((7, 6),), lambda x: x[torch.tensor([6, -1, 0, 6])] * 2, exact=True),
+    Case("index_cols", ((7, 6),), lambda x: x[:, torch.tensor([5, 0, 5, 2])] * 2, exact=True),
+    Case("index_2d", ((7, 6),), lambda x: x[torch.tensor([[1, 2], [6, 1]])] * 2, exact=True),
     Case(
-        "index_tensor",
-        ((7, 6),),
-        lambda x: x[torch.tensor([0, 5, 2])] * 2,
+        "index_select",
+        ((5, 3, 4),),
+        lambda x: x.index_select(1, torch.tensor([2, 0, 2])) * 2,
         exact=True,
-        fallback_ok=True,
+    ),
+    Case(
+        "index_select_rows",
+        ((7, 6),),
+        lambda x: torch.index_select(x, 0, torch.tensor([3, 3, 0])) * 2,
+        exact=True,
     ),
     Case("split", ((7, 6),), lambda x: x.split(3, dim=1)[1] * 2, exact=True),
     Case(

@@ -6,7 +6,8 @@ Handlers are consulted in order:
    an op that keeps it pending (`pending`); any other op combines it first;
 2. the built-in table (`builtin`: copies, factories, equality, functional collectives);
 3. the rules by family: `reductions` (sums, extrema, norms, softmax, layer norm),
-   `shape` (layout transforms, slicing, cat), `linalg` (products, embeddings,
+   `shape` (layout transforms, slicing, cat), `indexing` (by an integer tensor),
+   `linalg` (products, embeddings,
    convolutions), `random` (in-place samplers, `nn.init`);
 4. every op tagged `torch.Tag.pointwise`, shard by shard once the operands
    share a layout (`pointwise`);
@@ -29,6 +30,7 @@ from ..tensor.provided import provide
 from .builtin import BUILTIN_HANDLERS
 from .fallback import FALLBACK_OPS, fallback
 from .functions import torch_function
+from .indexing import INDEXING_HANDLERS
 from .linalg import LINALG_HANDLERS
 from .pending import KEEPS_PENDING, combine, keep
 from .pointwise import pointwise
@@ -89,6 +91,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
 _RULES: dict[Any, Handler] = {
     **REDUCTION_HANDLERS,
     **SHAPE_HANDLERS,
+    **INDEXING_HANDLERS,
     **LINALG_HANDLERS,
     **RANDOM_HANDLERS,
     **BUILTIN_HANDLERS,

@@ -13,7 +13,7 @@ from .exchange import local_in, replicated, whole
 from .per_shard import named, per_shard, registrar
 from .pointwise import pointwise
 
-__all__ = ["BUILTIN_HANDLERS"]
+__all__ = ["BUILTIN_HANDLERS", "LIKE_OPS"]
 
 aten = torch.ops.aten
 
@@ -54,17 +54,19 @@ def _copy(func: Any, args: tuple, kwargs: dict) -> Any:
 # -- shard-wise copies and factories --------------------------------------------
 
 
-@_handles(
-    aten.detach.default,
-    aten.alias.default,
-    aten.clone.default,
-    aten._to_copy.default,
+# factories that read only their operand's shape, dtype and device
+LIKE_OPS = (
     aten.empty_like.default,
     aten.zeros_like.default,
     aten.ones_like.default,
     aten.full_like.default,
     aten.rand_like.default,
     aten.randn_like.default,
+)
+
+
+@_handles(
+    aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default, *LIKE_OPS
 )
 def _shardwise(func: Any, args: tuple, kwargs: dict) -> ShardedTensor:
     ref = args[0]

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from ..tensor import ShardedTensor
 from ..tensor.pending import Pending
+from .builtin import LIKE_OPS
 from .exchange import _distributed, replicated
 from .per_shard import named
 
@@ -274,15 +275,6 @@ _SUM_IN_PLACE_OPS = (
     aten.div_.Scalar,
 )
 
-_LIKE_OPS = (
-    aten.empty_like.default,
-    aten.zeros_like.default,
-    aten.ones_like.default,
-    aten.full_like.default,
-    aten.rand_like.default,
-    aten.randn_like.default,
-)
-
 # op -> its rule on a pending operand (None from the rule: combine first, as any op)
 KEEPS_PENDING: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     aten.detach.default: _alias,
@@ -293,7 +285,7 @@ KEEPS_PENDING: dict[Any, Callable[[Any, tuple, dict], Any]] = {
     **{op: _sum_only for op in _SUM_OPS},
     **{op: _sum_in_place for op in _SUM_IN_PLACE_OPS},
     aten.zero_.default: _zero,
-    **{op: _like for op in _LIKE_OPS},
+    **{op: _like for op in LIKE_OPS},
 }
 
 

@@ -1,0 +1,209 @@
+"""Indexing by an integer tensor along one dimension: `x[idx]`, `x[:, idx]`,
+`index_select`, and their backward (`index_put`, `index_add_`).
+
+The index (a plain tensor or a replicated ShardedTensor, the same on every
+rank) picks positions along one dimension `d` of a ShardedTensor:
+
+- **`d` unsharded** (every block spans it): each block picks its own, the
+  result keeps the blocks, `d` replaced by the index's shape. No communication.
+- **`d` sharded**: each rank looks up the positions its blocks hold (the
+  others count 0), as an embedding lookup on a row-wise table; the result is
+  a pending sum (`pending`: one all-reduce of the result's size, 2·O bytes, on
+  first use), against the gather fallback's whole tensor.
+
+Writes (`index_put`, `index_add_`: what the backward of a lookup does into a
+tensor of zeros) go to the blocks that hold each position, with no
+communication beyond gathering a `values` operand that is neither plain nor
+replicated. Boolean masks, several index tensors and anything else fall back.
+An index out of range raises torch's `IndexError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..layout import Block, Layout
+from ..tensor import ShardedTensor
+from .exchange import is_replicated, primary_blocks, whole_or_plain
+from .fallback import fallback
+from .pending import later
+from .per_shard import named, registrar
+from .reductions import spans
+
+__all__ = ["INDEXING_HANDLERS"]
+
+aten = torch.ops.aten
+
+INDEXING_HANDLERS: dict[Any, Callable[[Any, tuple, dict], Any]] = {}
+
+_handles = registrar(INDEXING_HANDLERS)
+
+
+def _one_index(indices: list[Any], ndim: int) -> tuple[int, Any] | None:
+    """(d, index) when `indices` is Nones then one integer tensor every rank holds alike;
+    else None."""
+    found = [(d, t) for d, t in enumerate(indices) if t is not None]
+    if len(found) != 1 or len(indices) > ndim:
+        return None
+    d, index = found[0]
+    if isinstance(index, ShardedTensor) and not is_replicated(index._layout):
+        return None
+    if index.dtype not in (torch.int64, torch.int32):
+        return None  # a boolean mask's result size depends on its values
+    return d, whole_or_plain(index)
+
+
+def _checked(index: torch.Tensor, size: int) -> torch.Tensor:
+    """`index` with negative positions counted from the end; torch's IndexError (on every
+    rank, the index being the same) for one out of range."""
+    if index.numel():
+        low, high = int(index.min()), int(index.max())
+        if low < -size or high >= size:
+            bad = low if low < -size else high
+            raise IndexError(f"index {bad} is out of bounds for dimension with size {size}")
+    return torch.where(index < 0, index + size, index)
+
+
+def _picked_layout(layout: Layout, d: int, shape: tuple[int, ...], k: tuple[int, ...]) -> Layout:
+    """The layout of the blocks' picks along `d` (every block spans `d`): `d` becomes the
+    index's dims `k`, whole."""
+    blocks: dict[int, list[Block]] = {}
+    for r, rank_blocks in enumerate(layout.blocks):
+        out = []
+        for b in rank_blocks:
+            if b.is_empty():
+                out.append(Block((0,) * len(shape), (0,) * len(shape)))
+                continue
+            out.append(
+                Block(
+                    b.offsets[:d] + (0,) * len(k) + b.offsets[d + 1 :],
+                    b.sizes[:d] + k + b.sizes[d + 1 :],
+                )
+            )
+        blocks[r] = out
+    return Layout(shape, blocks, layout.world_size)
+
+
+def _lookup(st: ShardedTensor, d: int, index: torch.Tensor) -> ShardedTensor:
+    """`st` indexed by `index` along `d`, by the rules above."""
+    index = _checked(index, st.shape[d])
+    k = tuple(index.shape)
+    shape = tuple(st.shape[:d]) + k + tuple(st.shape[d + 1 :])
+    pick = [None] * d + [index]
+    if spans(st._layout, (d,)):
+        layout = _picked_layout(st._layout, d, shape, k)
+        shards = [aten.index.Tensor(s, pick) for s in st._shards]
+        return st._with_layout(layout, shards, dtype=st.dtype, device=st.device)
+    parts = torch.zeros(shape, dtype=st.dtype, device=st.device)
+    blocks = st._layout.blocks_of(st._rank)
+    for i in primary_blocks(st._layout, st._rank):
+        b, shard = blocks[i], st._shards[i]
+        lo, size = b.offsets[d], b.sizes[d]
+        if not shard.numel():
+            continue
+        mine = (index >= lo) & (index < lo + size)
+        local = (index - lo).clamp(0, size - 1)
+        rows = aten.index.Tensor(shard, [None] * d + [local])
+        view = mine.reshape((1,) * d + k + (1,) * (st.ndim - d - 1))
+        region = tuple(slice(o, o + n) for o, n in zip(b.offsets[:d], b.sizes[:d]))
+        after = tuple(slice(o, o + n) for o, n in zip(b.offsets[d + 1 :], b.sizes[d + 1 :]))
+        target = parts[region + (slice(None),) * len(k) + after]
+        target.add_(torch.where(view, rows, torch.zeros((), dtype=rows.dtype)))
+    return later(parts, "sum", st)
+
+
+@_handles(aten.index.Tensor)
+def _index(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    st = a["self"]
+    found = _one_index(list(a["indices"]), st.ndim) if isinstance(st, ShardedTensor) else None
+    if found is None:
+        return fallback(func, args, kwargs)
+    return _lookup(st, *found)
+
+
+@_handles(aten.index_select.default)
+def _index_select(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    st, index = a["self"], a["index"]
+    if not isinstance(st, ShardedTensor) or st.ndim == 0:
+        return fallback(func, args, kwargs)
+    found = _one_index([index], 1)
+    if found is None or index.ndim != 1:
+        return fallback(func, args, kwargs)
+    return _lookup(st, a["dim"] % st.ndim, found[1])
+
+
+# -- writes: into the blocks that hold each position ----------------------------------
+
+
+def _write(
+    st: ShardedTensor,
+    d: int,
+    index: torch.Tensor,
+    values: Any,
+    write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+) -> None:
+    """For each of this rank's blocks: the positions of `index` (flattened) along `d` it
+    holds, and `values` (broadcast to the lookup's shape) at them, handed to
+    `write(shard, local positions, values)`, which writes them in place."""
+    index = _checked(index, st.shape[d])
+    before, after = tuple(st.shape[:d]), tuple(st.shape[d + 1 :])
+    full = whole_or_plain(values).expand(before + tuple(index.shape) + after)
+    index, full = index.reshape(-1), full.reshape(before + (-1,) + after)
+    for shard, b in zip(st._shards, st._layout.blocks_of(st._rank)):
+        if not shard.numel():
+            continue
+        lo, size = b.offsets[d], b.sizes[d]
+        mine = (index >= lo) & (index < lo + size)
+        before = tuple(slice(o, o + n) for o, n in zip(b.offsets[:d], b.sizes[:d]))
+        after = tuple(slice(o, o + n) for o, n in zip(b.offsets[d + 1 :], b.sizes[d + 1 :]))
+        write(shard, index[mine] - lo, full[before + (mine,) + after])
+
+
+def _one_dim_index(a: dict, st: Any) -> tuple[int, torch.Tensor] | None:
+    if not isinstance(st, ShardedTensor):
+        return None
+    return _one_index(list(a["indices"]), st.ndim)
+
+
+@_handles(aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
+def _index_put(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    st = a["self"]
+    found = _one_dim_index(a, st)
+    if found is None:
+        return fallback(func, args, kwargs)
+    d, index = found
+    accumulate = bool(a["accumulate"])
+    if func is aten.index_put.default:
+        st = st._with_shards([s.clone() for s in st._shards])
+
+    def write(shard: torch.Tensor, local: torch.Tensor, values: torch.Tensor) -> None:
+        aten.index_put_.default(shard, [None] * d + [local], values, accumulate)
+
+    _write(st, d, index, a["values"], write)
+    return st
+
+
+@_handles(aten.index_add_.default, aten.index_add.default)
+def _index_add(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    st, index = a["self"], a["index"]
+    if not isinstance(st, ShardedTensor) or st.ndim == 0:
+        return fallback(func, args, kwargs)
+    found = _one_index([index], 1)
+    if found is None or index.ndim != 1:
+        return fallback(func, args, kwargs)
+    d, alpha = a["dim"] % st.ndim, a.get("alpha", 1)
+    if func is aten.index_add.default:
+        st = st._with_shards([s.clone() for s in st._shards])
+
+    def write(shard: torch.Tensor, local: torch.Tensor, values: torch.Tensor) -> None:
+        shard.index_add_(d, local, values, alpha=alpha)
+
+    _write(st, d, found[1], a["source"], write)
+    return st
