@@ -159,9 +159,9 @@ def _write(
             continue
         lo, size = b.offsets[d], b.sizes[d]
         mine = (index >= lo) & (index < lo + size)
-        before = tuple(slice(o, o + n) for o, n in zip(b.offsets[:d], b.sizes[:d]))
-        after = tuple(slice(o, o + n) for o, n in zip(b.offsets[d + 1 :], b.sizes[d + 1 :]))
-        write(shard, index[mine] - lo, full[before + (mine,) + after])
+        head = tuple(slice(o, o + n) for o, n in zip(b.offsets[:d], b.sizes[:d]))
+        tail = tuple(slice(o, o + n) for o, n in zip(b.offsets[d + 1 :], b.sizes[d + 1 :]))
+        write(shard, index[mine] - lo, full[head + (mine,) + tail])
 
 
 def _one_dim_index(a: dict, st: Any) -> tuple[int, torch.Tensor] | None:
