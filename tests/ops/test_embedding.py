@@ -108,3 +108,31 @@ def test_embeddings_match_the_whole_table() -> None:
         for name, r in results.items():  # every lookup and bag (and backward) by a rule
             assert r["fallbacks"] == [], f"rank {rank}, {name}: {r}"
         assert len(results) == 16
+
+
+def _poisoned(rank: int, world: int) -> list[bool]:
+    """A row-wise table with an inf and a nan row that no bag looks up: another rank's
+    rows never count, not even as 0 · inf."""
+    full = _table()
+    full[3], full[2] = torch.inf, torch.nan
+    layout = Layout.row_wise(TABLE, [4, 0, 6])
+    w = sw.ShardedTensor.from_layout(
+        layout, [full[b.slices()].clone() for b in layout.blocks_of(rank)], dtype=full.dtype
+    )
+    idx, offsets = torch.tensor([5, 6, 9, 5]), torch.tensor([0, 2])
+    weights = torch.tensor([1.0, 2.0, 0.5, 1.0], dtype=torch.float64)
+    return [
+        torch.equal(F.embedding(idx, w).full_tensor(), F.embedding(idx, full)),
+        torch.equal(
+            F.embedding_bag(idx, w, offsets, mode="mean").full_tensor(),
+            F.embedding_bag(idx, full, offsets, mode="mean"),
+        ),
+        torch.equal(
+            F.embedding_bag(idx, w, offsets, mode="sum", per_sample_weights=weights).full_tensor(),
+            F.embedding_bag(idx, full, offsets, mode="sum", per_sample_weights=weights),
+        ),
+    ]
+
+
+def test_rows_a_rank_lacks_never_count() -> None:
+    assert run_ranks(_poisoned, 3, timeout=60) == [[True] * 3] * 3

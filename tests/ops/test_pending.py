@@ -399,3 +399,93 @@ def test_saving_a_pending_value_combines_it_on_every_rank(tmp_path: Any) -> None
             "dcp.save combined": None,
             "values": True,
         }, f"rank {rank}"
+
+
+def _dtypes_and_views(rank: int, world: int) -> dict[str, Any]:
+    """Arithmetic on parts only where it keeps their dtype and range; views that cannot
+    view the parts combine first."""
+    import pickle
+
+    from shardwise.errors import UsageError
+
+    def one_each(values: dict[int, float], dtype: torch.dtype) -> Any:
+        layout = Layout.row_wise((3,), [1, 1, 1])
+        return sw.ShardedTensor.from_layout(
+            layout, [torch.tensor([values.get(rank, 0)], dtype=dtype)]
+        ).sum()
+
+    out: dict[str, Any] = {}
+    big = {0: 2**24 + 1, 2: -(2**24)}  # float32 rounds each part, not their sum (1)
+    out["int64 to float32"] = one_each(big, torch.int64).float().item()
+    out["int64 * 1.0"] = (one_each(big, torch.int64) * 1.0).item()
+    out["int64 * 3"] = (lambda t: (t.pending_reduce, t.item()))(one_each(big, torch.int64) * 3)
+    out["int64 + float32 sum"] = (
+        one_each(big, torch.int64) + one_each({0: 0.5}, torch.float32)
+    ).item()
+    half = {0: 40000.0, 2: -39968.0}  # float16 parts overflow when doubled; their sum is 32
+    out["float16 * 2"] = (one_each(half, torch.float16) * 2).item()
+    out["float16 + itself"] = (lambda t: (t + t).item())(one_each(half, torch.float16))
+    out["float16 neg"] = (lambda t: (t.pending_reduce, t.item()))(-one_each(half, torch.float16))
+    zero_here = {0: 1.0, 2: 2.0}  # rank 1's part is 0: 0 * inf would be nan
+    a, b = one_each(zero_here, torch.float64), one_each(zero_here, torch.float64)
+    out["add, alpha=inf"] = torch.add(a, b, alpha=math.inf).item()
+    # a view of parts laid out otherwise (a transposed gradient): combined, then reshaped
+    full = torch.arange(42, dtype=torch.float64).reshape(7, 2, 3)
+    layout = Layout.row_wise((7, 2, 3), [4, 0, 3])
+    x = sw.ShardedTensor.from_layout(
+        layout, [full[b.slices()].clone() for b in layout.blocks_of(rank)], dtype=full.dtype
+    )
+    flat = x.sum(0).t().reshape(-1)
+    out["t().reshape(-1)"] = torch.equal(flat.full_tensor(), full.sum(0).t().reshape(-1))
+    # pickling needs the values: refused while pending (rank 0 alone would wait forever)
+    pending = x.sum()
+    try:
+        pickle.dumps(pending)
+        out["pickle"] = "pickled"
+    except UsageError as e:
+        out["pickle"] = "read it on every rank first" in str(e)
+    pending.full_tensor()
+    out["pickle once read"] = pickle.loads(pickle.dumps(pending)).item() == full.sum().item()
+    return out
+
+
+def test_arithmetic_keeps_parts_only_in_their_dtype_and_range() -> None:
+    for rank, out in enumerate(run_ranks(_dtypes_and_views, 3, timeout=60)):
+        assert out == {
+            "int64 to float32": 1.0,
+            "int64 * 1.0": 1.0,
+            "int64 * 3": ("sum", 3),
+            "int64 + float32 sum": 1.5,
+            "float16 * 2": 64.0,
+            "float16 + itself": 64.0,
+            "float16 neg": ("sum", -32.0),
+            "add, alpha=inf": math.inf,
+            "t().reshape(-1)": True,
+            "pickle": True,
+            "pickle once read": True,
+        }, f"rank {rank}"
+
+
+class _Unpicklable:
+    def __reduce__(self) -> Any:
+        raise RuntimeError("not on this rank")
+
+
+def _failed_save(rank: int, world: int, folder: str) -> str:
+    """One rank fails to describe its state: every rank raises its error (the pending
+    value was combined before, by every rank), none waits in a collective."""
+    from shardwise import checkpoint as swc
+    from shardwise.errors import InvalidTypeError
+
+    _, x = _inputs(rank)
+    state = {"obj": _Unpicklable() if rank == 1 else 1, "stat": x.mean(dim=0)}
+    try:
+        swc.save(state, folder)
+    except InvalidTypeError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_save_one_rank_fails_to_describe_raises_on_every_rank(tmp_path: Any) -> None:
+    errors = run_ranks(_failed_save, 3, str(tmp_path / "ckpt"), timeout=60)
+    assert all("object 'obj' cannot be pickled" in e for e in errors), errors

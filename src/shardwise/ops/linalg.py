@@ -223,7 +223,8 @@ def _embedding(func: Any, args: tuple, kwargs: dict) -> Any:
                 rows = torch.nn.functional.embedding(
                     (idx - lo).clamp(0, size - 1), weight._shards[i]
                 )
-                out.add_(rows * mine.unsqueeze(-1))
+                # where, not a product: another rank's row never counts, even as 0·inf
+                out.add_(torch.where(mine.unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype)))
             return later(out, "sum", weight)
     return fallback(func, args, kwargs)
 
@@ -310,6 +311,10 @@ def _embedding_bag(func: Any, args: tuple, kwargs: dict) -> Any:
         return out, aux[1], aux[2], argmax
     if mode == _BAG_MAX or not spans(weight._layout, (1,)):
         return fallback(func, args, kwargs)
+    # each index's bag, from the offsets (the op's own offset2bag is not filled without grad)
+    starts = offsets[:-1] if a["include_last_offset"] else offsets
+    positions = torch.arange(idx.numel(), device=idx.device)
+    bag_of = torch.searchsorted(starts, positions, right=True) - 1
     keep = (
         idx != a["padding_idx"] if a["padding_idx"] >= 0 else torch.ones_like(idx, dtype=torch.bool)
     )
@@ -319,19 +324,15 @@ def _embedding_bag(func: Any, args: tuple, kwargs: dict) -> Any:
         lo, size = blocks[i].offsets[0], blocks[i].sizes[0]
         if not size:
             continue
-        mine = ((idx >= lo) & (idx < lo + size) & keep).to(weight.dtype)
-        local = (idx - lo).clamp(0, size - 1)
-        part = func(
-            weight._shards[i],
-            local,
-            offsets,
-            mode=_BAG_SUM,
-            per_sample_weights=mine if psw is None else psw * mine,
-            include_last_offset=a["include_last_offset"],
-        )[0]
-        parts.add_(part)
+        # only the rows this block holds are read: another's never counts, even as 0·inf
+        mine = (idx >= lo) & (idx < lo + size) & keep
+        rows = weight._shards[i][idx[mine] - lo]
+        if psw is not None:
+            rows = rows * psw[mine].unsqueeze(1).to(rows.dtype)
+        parts.index_add_(0, bag_of[mine], rows)
     if mode == _BAG_MEAN:  # the same divisor on every rank: each part divided
-        parts = parts / aux[2].clamp(min=1).unsqueeze(1).to(parts.dtype)
+        sizes = torch.bincount(bag_of[keep], minlength=bags).clamp(min=1)
+        parts = parts / sizes.unsqueeze(1).to(parts.dtype)
     return later(parts, "sum", weight), aux[1], aux[2], aux[3]
 
 

@@ -18,13 +18,17 @@ result); `keep(func, args, kwargs)` runs them on the parts:
   (`view`, `reshape`, `t`, `transpose`, `permute`, `expand`, `squeeze`,
   `unsqueeze`, `slice`, `select`: a record whose values are that view of the
   base's, so writes through either are seen by both), `clone`;
-- `_to_copy` into a dtype as wide for a sum (rounded parts do not sum to the
-  rounded sum), into a floating dtype for a maximum or minimum;
-- for a sum: `neg`, `sum`/`mean` into a dtype as wide, a product with a finite
+- `_to_copy` into a dtype that holds the parts exactly for a sum (a float into
+  a wider float or complex; rounded parts do not sum to the rounded sum, and
+  integers would stop wrapping where their sum wraps), into a floating dtype
+  for a maximum or minimum;
+- for a sum: `neg`; `sum`/`mean` into such a dtype; a product with a finite
   Python number, a quotient by a nonzero one (a rank's part of 0 would make
-  0·inf a nan), and sums and differences of pending sums; in place too
-  (`add_` of a pending sum into one, `mul_`/`div_`: autograd accumulating a
-  weight gradient over steps), written into the parts;
+  0·inf a nan), and sums and differences of pending sums (a finite `alpha`),
+  each keeping the parts' dtype, on parts that are not float16 (whose parts
+  can overflow where their sum does not); in place too (`add_` of a pending
+  sum into one, `mul_`/`div_`: autograd accumulating a weight gradient over
+  steps), written into the parts;
 - `zero_` for any combine (zero parts combine to zero);
 - `empty_like`/`zeros_like`/`ones_like`/`full_like`/`rand_like`/`randn_like`
   read only the shape (autograd's `ones_like(loss)`): their result is a plain
@@ -134,10 +138,26 @@ def _like(func: Any, args: tuple, kwargs: dict) -> Any:
     return st._with_shards([func(s, *args[1:], **kwargs) for s in st._pending.parts])
 
 
+# dtype -> the dtypes that hold each of its values exactly, with at least its range (a
+# sum of converted parts is then the converted sum, up to the order of the additions).
+# Integers convert to nothing else: a float rounds them, a wider integer would not wrap
+# where their sum does.
+_WIDER = {
+    torch.float16: {torch.float32, torch.float64, torch.complex64, torch.complex128},
+    torch.bfloat16: {torch.float32, torch.float64, torch.complex64, torch.complex128},
+    torch.float32: {torch.float64, torch.complex64, torch.complex128},
+    torch.float64: {torch.complex128},
+    torch.complex64: {torch.complex128},
+}
+
+# parts whose arithmetic can overflow where their sum does not (65,504 is float16's
+# largest value): combined before any arithmetic
+_NARROW = (torch.float16,)
+
+
 def _widens(src: torch.dtype, dst: torch.dtype | None) -> bool:
-    """Whether every value of `src` is exactly a value of `dst` (None: `src` itself):
-    parts converted so still sum to the converted sum."""
-    return dst is None or torch.promote_types(src, dst) == dst
+    """Whether `src` values convert exactly into `dst` (None: `src` itself)."""
+    return dst is None or dst == src or dst in _WIDER.get(src, ())
 
 
 def _copy_or_view(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -157,7 +177,12 @@ def _copy_or_view(func: Any, args: tuple, kwargs: dict) -> Any:
             and not (dst.is_floating_point and not src.is_complex)
         ):
             return None  # a maximum's fill (-inf) has no integer; complex has no order
-    return _on_parts(func, args, kwargs, pending.op, st, view=func in _VIEW_OPS)
+    if func not in _VIEW_OPS:
+        return _on_parts(func, args, kwargs, pending.op, st)
+    try:
+        return _on_parts(func, args, kwargs, pending.op, st, view=True)
+    except RuntimeError:  # `view` of parts laid out otherwise (a transposed gradient)
+        return None  # combined first: the op's own rule reshapes the values
 
 
 def _finite_number(x: Any, nonzero: bool = False) -> bool:
@@ -168,26 +193,50 @@ def _finite_number(x: Any, nonzero: bool = False) -> bool:
     return type(x) in (int, float) and math.isfinite(x) and (not nonzero or x != 0)
 
 
+def _keeps(dtype: torch.dtype, number: Any, nonzero: bool = False) -> bool:
+    """A finite (nonzero) number that combined with `dtype` parts keeps their dtype."""
+    return (
+        _finite_number(number, nonzero)
+        and torch.result_type(torch.empty((), dtype=dtype), number) == dtype
+    )
+
+
 def _linear_in_sum(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether `func` is linear in its pending-sum operands, exactly: `neg`, `sum`/`mean`
-    into a dtype as wide, a product with a finite number, a quotient by a nonzero one,
-    sums and differences of pending sums."""
+    """Whether `func` is linear in its pending-sum operands, exactly: `neg`; `sum`/`mean`
+    into a dtype that holds the parts; a product with a finite number, a quotient by a
+    nonzero one, sums and differences of pending sums (a finite `alpha`), each keeping the
+    parts' dtype (no promotion: an integer sum times 1.0 would round its parts), on parts
+    whose arithmetic cannot overflow where the sum would not (not float16)."""
     sharded = [x for x in (*args, *kwargs.values()) if isinstance(x, ShardedTensor)]
-    if any(p.op != "sum" for p in map(_parts, sharded) if p is not None):
+    pendings = [p for p in map(_parts, sharded) if p is not None]
+    if any(p.op != "sum" for p in pendings):
+        return False
+    dtype = pendings[0].parts[0].dtype
+    if func is aten.neg.default:
+        return True
+    if dtype in _NARROW:
         return False
     if func in _ADDS:
         # a pending sum plus a value would add the value once per rank
         operands = args[:2]
-        return all(isinstance(x, ShardedTensor) and _parts(x) is not None for x in operands)
+        return (
+            all(isinstance(x, ShardedTensor) and _parts(x) is not None for x in operands)
+            and all(x.dtype == dtype for x in operands)
+            and _keeps(dtype, kwargs.get("alpha", 1))
+        )
     if func in _PRODUCTS:
         first, second = args[0], args[1]
-        if not (isinstance(first, ShardedTensor) and _parts(first) is not None):
-            return func not in _QUOTIENTS and _finite_number(first)
-        return kwargs.get("rounding_mode") is None and _finite_number(
-            second, nonzero=func in _QUOTIENTS
+        first_pending = isinstance(first, ShardedTensor) and _parts(first) is not None
+        number = second if first_pending else first
+        if func in _QUOTIENTS and not first_pending:
+            return False  # a value divided by a pending sum is not linear in it
+        return (
+            kwargs.get("rounding_mode") is None
+            and _keeps(dtype, number, nonzero=func in _QUOTIENTS)
+            and (func not in _QUOTIENTS or dtype.is_floating_point or dtype.is_complex)
         )
     if func in _REDUCTIONS:
-        return _widens(args[0].dtype, named(func, args, kwargs).get("dtype"))
+        return _widens(dtype, named(func, args, kwargs).get("dtype"))
     return True
 
 

@@ -13,7 +13,7 @@ from typing import Any, SupportsIndex
 
 import torch
 
-from ..errors import InvalidArgumentError, InvalidTypeError
+from ..errors import InvalidArgumentError, InvalidTypeError, UsageError
 from ..layout import Block, Layout
 from .checkpointable import Checkpointable
 from .construction import PendingLayout, check_shards, filled_shards
@@ -639,6 +639,15 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         # The group and mesh are process-local and not pickled: a loaded tensor has none.
+        if self.pending_reduce is not None:
+            # its values need every rank (often only rank 0 pickles: it would wait alone),
+            # and its parts alone are not its value
+            raise UsageError(
+                f"rank {self._rank}: this ShardedTensor of shape {tuple(self.shape)} is a "
+                f"reduction's result whose {self.pending_reduce} across ranks has not run yet "
+                f"(pending_reduce={self.pending_reduce!r}); read it on every rank first "
+                f"(st.full_tensor(), st.local_shards()), then pickle or torch.save it"
+            )
         return (
             _rebuild,
             (

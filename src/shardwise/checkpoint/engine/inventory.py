@@ -626,6 +626,24 @@ class Held:
         return value if type(value) in _PLAIN else value._shards[index]
 
 
+def combine_pending(state: Any) -> None:
+    """Every reduction's result in `state` still pending (`ShardedTensor.pending_reduce`)
+    combined now, on every rank in one order: a replicated value is read later by the
+    one rank that writes it, which must not combine alone. Run before anything that can
+    fail on one rank alone, so that a failure never leaves the others in a collective.
+    O(values), no copy of the state."""
+    stack = [state]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, ShardedTensor):
+            if value.pending_reduce is not None:
+                value._shards  # noqa: B018 - combined here, collectively
+        elif isinstance(value, Mapping):
+            stack.extend(reversed(list(value.values())))
+        elif isinstance(value, (list, tuple)):
+            stack.extend(reversed(value))
+
+
 def describe(
     flat: dict[str, Any], mappings: dict[str, tuple[Any, ...]], objects: dict[str, bytes]
 ) -> tuple[list[Entry], Held]:
@@ -646,10 +664,6 @@ def describe(
                 boxes: tuple[Box, ...] = (((0,) * len(shape), shape),)
             elif isinstance(value, ShardedTensor):
                 boxes = tuple((b.offsets, b.sizes) for b in value.local_blocks)
-                if value.pending_reduce is not None:
-                    # every rank describes every value, in one order; only the writer of
-                    # a replicated box reads it later
-                    value._shards  # noqa: B018 - combined here, collectively
             else:
                 held = pieces_of(value)
                 if held is None:

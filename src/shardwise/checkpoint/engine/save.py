@@ -44,7 +44,7 @@ from ..io import (
     write_archives,
 )
 from . import plan as plan_cache
-from .inventory import Entry, Held, describe, serialize_objects
+from .inventory import Entry, Held, combine_pending, describe, serialize_objects
 from .plan import (
     MyWrites,
     Places,
@@ -309,6 +309,7 @@ def _save(
     entries: list[Entry] = []
     held = Held({}, {})
     problem: BaseException | None = None
+    combine_pending(state_dict)  # collective: before anything that can fail on one rank
     try:  # whatever fails here fails every rank at the first exchange, never this one alone
         flat, mappings = _flattened(state_dict)
         objects, problem = serialize_objects(flat)
