@@ -326,10 +326,10 @@ def _embedding_bag(func: Any, args: tuple, kwargs: dict) -> Any:
             continue
         # only the rows this block holds are read: another's never counts, even as 0·inf
         mine = (idx >= lo) & (idx < lo + size) & keep
-        rows = weight._shards[i][idx[mine] - lo]
+        looked = weight._shards[i][idx[mine] - lo]
         if psw is not None:
-            rows = rows * psw[mine].unsqueeze(1).to(rows.dtype)
-        parts.index_add_(0, bag_of[mine], rows)
+            looked = looked * psw[mine].unsqueeze(1).to(looked.dtype)
+        parts.index_add_(0, bag_of[mine], looked)
     if mode == _BAG_MEAN:  # the same divisor on every rank: each part divided
         sizes = torch.bincount(bag_of[keep], minlength=bags).clamp(min=1)
         parts = parts / sizes.unsqueeze(1).to(parts.dtype)
