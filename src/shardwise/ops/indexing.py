@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .exchange import is_replicated, primary_blocks, whole_or_plain
 from .fallback import fallback
+from .linalg import _product_layout
 from .pending import later
 from .per_shard import named, registrar
 from .reductions import spans
@@ -67,34 +67,16 @@ def _checked(index: torch.Tensor, size: int) -> torch.Tensor:
     return torch.where(index < 0, index + size, index)
 
 
-def _picked_layout(layout: Layout, d: int, shape: tuple[int, ...], k: tuple[int, ...]) -> Layout:
-    """The layout of the blocks' picks along `d` (every block spans `d`): `d` becomes the
-    index's dims `k`, whole."""
-    blocks: dict[int, list[Block]] = {}
-    for r, rank_blocks in enumerate(layout.blocks):
-        out = []
-        for b in rank_blocks:
-            if b.is_empty():
-                out.append(Block((0,) * len(shape), (0,) * len(shape)))
-                continue
-            out.append(
-                Block(
-                    b.offsets[:d] + (0,) * len(k) + b.offsets[d + 1 :],
-                    b.sizes[:d] + k + b.sizes[d + 1 :],
-                )
-            )
-        blocks[r] = out
-    return Layout(shape, blocks, layout.world_size)
-
-
 def _lookup(st: ShardedTensor, d: int, index: torch.Tensor) -> ShardedTensor:
     """`st` indexed by `index` along `d`, by the rules above."""
     index = _checked(index, st.shape[d])
     k = tuple(index.shape)
     shape = tuple(st.shape[:d]) + k + tuple(st.shape[d + 1 :])
     pick = [None] * d + [index]
-    if spans(st._layout, (d,)):
-        layout = _picked_layout(st._layout, d, shape, k)
+    if spans(st._layout, (d,)):  # `d` becomes the index's dims, whole
+        rest = tuple(range(d)) + tuple(range(d + 1, st.ndim))
+        where = tuple(range(d)) + tuple(range(d + len(k), len(shape)))
+        layout = _product_layout(st._layout, rest, shape, where)
         shards = [aten.index.Tensor(s, pick) for s in st._shards]
         return st._with_layout(layout, shards, dtype=st.dtype, device=st.device)
     parts = torch.zeros(shape, dtype=st.dtype, device=st.device)
@@ -125,16 +107,20 @@ def _index(func: Any, args: tuple, kwargs: dict) -> Any:
     return _lookup(st, *found)
 
 
+def _along(a: dict) -> tuple[ShardedTensor, int, torch.Tensor] | None:
+    """(self, dim, index) of an op taking `self`, `dim` and a 1-d `index` (`index_select`,
+    `index_add`) when this module has a rule for it, else None."""
+    st, index = a["self"], a["index"]
+    if not isinstance(st, ShardedTensor) or st.ndim == 0 or index.ndim != 1:
+        return None
+    found = _one_index([index], 1)
+    return None if found is None else (st, a["dim"] % st.ndim, found[1])
+
+
 @_handles(aten.index_select.default)
 def _index_select(func: Any, args: tuple, kwargs: dict) -> Any:
-    a = named(func, args, kwargs)
-    st, index = a["self"], a["index"]
-    if not isinstance(st, ShardedTensor) or st.ndim == 0:
-        return fallback(func, args, kwargs)
-    found = _one_index([index], 1)
-    if found is None or index.ndim != 1:
-        return fallback(func, args, kwargs)
-    return _lookup(st, a["dim"] % st.ndim, found[1])
+    found = _along(named(func, args, kwargs))
+    return fallback(func, args, kwargs) if found is None else _lookup(*found)
 
 
 # -- writes: into the blocks that hold each position ----------------------------------
@@ -192,18 +178,16 @@ def _index_put(func: Any, args: tuple, kwargs: dict) -> Any:
 @_handles(aten.index_add_.default, aten.index_add.default)
 def _index_add(func: Any, args: tuple, kwargs: dict) -> Any:
     a = named(func, args, kwargs)
-    st, index = a["self"], a["index"]
-    if not isinstance(st, ShardedTensor) or st.ndim == 0:
+    found = _along(a)
+    if found is None:
         return fallback(func, args, kwargs)
-    found = _one_index([index], 1)
-    if found is None or index.ndim != 1:
-        return fallback(func, args, kwargs)
-    d, alpha = a["dim"] % st.ndim, a.get("alpha", 1)
+    st, d, index = found
+    alpha = a.get("alpha", 1)
     if func is aten.index_add.default:
         st = st._with_shards([s.clone() for s in st._shards])
 
     def write(shard: torch.Tensor, local: torch.Tensor, values: torch.Tensor) -> None:
         shard.index_add_(d, local, values, alpha=alpha)
 
-    _write(st, d, found[1], a["source"], write)
+    _write(st, d, index, a["source"], write)
     return st
