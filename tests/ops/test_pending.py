@@ -489,3 +489,42 @@ def _failed_save(rank: int, world: int, folder: str) -> str:
 def test_a_save_one_rank_fails_to_describe_raises_on_every_rank(tmp_path: Any) -> None:
     errors = run_ranks(_failed_save, 3, str(tmp_path / "ckpt"), timeout=60)
     assert all("object 'obj' cannot be pickled" in e for e in errors), errors
+
+
+def _on_device(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """The loss and weight-gradient paths on 2 ranks: gloo on the CPU, or NCCL with one
+    GPU each."""
+    device = torch.device("cuda", rank) if kind == "cuda" else torch.device("cpu")
+    full = torch.arange(42, dtype=torch.float64).reshape(7, 6) / 8 - 2
+    layout = Layout.row_wise((7, 6), [4, 3])
+    x = sw.ShardedTensor.from_layout(
+        layout, [full[b.slices()].to(device) for b in layout.blocks_of(rank)]
+    ).requires_grad_()
+    w = torch.ones(5, 6, dtype=torch.float64)
+    weight = sw.ShardedTensor.from_layout(
+        Layout.replicated((5, 6), world), [w.to(device)]
+    ).requires_grad_()
+    out: dict[str, Any] = {}
+    with _Counted() as c:
+        loss = F.linear(x, weight).sum()
+        pending = loss.pending_reduce
+        loss.backward()
+    out["pending, all_reduces"] = (pending, weight.grad.pending_reduce, c.calls)
+    out["loss"] = loss.full_tensor().item() == (full @ w.t()).sum().item()
+    out["grad"] = torch.equal(weight.grad.full_tensor().cpu(), torch.ones(7, 5).double().t() @ full)
+    out["device"] = weight.grad.full_tensor().device == device
+    return out
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_the_loss_and_weight_gradient_wait_on_each_device(kind: str) -> None:
+    if kind == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices (NCCL ranks)")
+    backend = "nccl" if kind == "cuda" else "gloo"
+    for rank, out in enumerate(run_ranks(_on_device, 2, kind, timeout=120, backend=backend)):
+        assert out == {
+            "pending, all_reduces": ("sum", "sum", 0),
+            "loss": True,
+            "grad": True,
+            "device": True,
+        }, f"rank {rank}"
