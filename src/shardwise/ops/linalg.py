@@ -276,29 +276,22 @@ def _embedding_bag(func: Any, args: tuple, kwargs: dict) -> Any:
     rows, dim = weight.shape
     # what depends on the indices alone (bag of each index, bag sizes), from no columns
     empty = torch.empty((rows, 0), dtype=weight.dtype, device=weight.device)
-    aux = func(
-        empty,
-        idx,
-        offsets,
-        mode=mode,
-        per_sample_weights=psw,
-        padding_idx=a["padding_idx"],
-        **flags,
-    )
+
+    def bag(table: torch.Tensor) -> Any:
+        return func(
+            table,
+            idx,
+            offsets,
+            mode=mode,
+            per_sample_weights=psw,
+            padding_idx=a["padding_idx"],
+            **flags,
+        )
+
+    aux = bag(empty)
     bags = aux[0].shape[0]
     if spans(weight._layout, (0,)):  # column-wise: each block its columns
-        results = [
-            func(
-                s,
-                idx,
-                offsets,
-                mode=mode,
-                per_sample_weights=psw,
-                padding_idx=a["padding_idx"],
-                **flags,
-            )
-            for s in weight._shards
-        ]
+        results = [bag(s) for s in weight._shards]
         layout = _product_layout(weight._layout, (1,), (bags, dim), (1,))
         out = weight._with_layout(
             layout, [r[0] for r in results], dtype=weight.dtype, device=weight.device

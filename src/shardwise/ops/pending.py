@@ -95,6 +95,15 @@ def _parts(x: ShardedTensor) -> Pending | None:
     return pending if pending is not None and not pending.done else None
 
 
+def _part(x: Any) -> Any:
+    """What an op on the parts takes for `x`: a pending operand's part, a ShardedTensor's
+    (replicated) value, anything else as it is."""
+    if isinstance(x, ShardedTensor):
+        pending = _parts(x)
+        return pending.parts[0] if pending is not None else x._shards[0]
+    return x
+
+
 def _on_parts(
     func: Any, args: tuple, kwargs: dict, op: str, ref: ShardedTensor, view: bool = False
 ) -> Any:
@@ -102,13 +111,7 @@ def _on_parts(
     with `op`; with `view` (a view op on one pending operand), a record whose values are
     the same view of its base's values. None when the result is not one tensor."""
 
-    def part(x: Any) -> Any:
-        if isinstance(x, ShardedTensor):
-            pending = _parts(x)
-            return pending.parts[0] if pending is not None else x._shards[0]
-        return x
-
-    out = func(*(part(x) for x in args), **{k: part(v) for k, v in kwargs.items()})
+    out = func(*map(_part, args), **{k: _part(v) for k, v in kwargs.items()})
     if not isinstance(out, torch.Tensor):
         return None
     layout = replicated(tuple(out.shape), ref._layout.world_size)
@@ -257,13 +260,7 @@ def _sum_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
     if pending is None or not _linear_in_sum(func, args, kwargs):
         return None
 
-    def part(x: Any) -> Any:
-        if isinstance(x, ShardedTensor):
-            own = _parts(x)
-            return own.parts[0] if own is not None else x._shards[0]
-        return x
-
-    func(pending.parts[0], *(part(x) for x in args[1:]), **kwargs)
+    func(pending.parts[0], *map(_part, args[1:]), **kwargs)
     return dst
 
 

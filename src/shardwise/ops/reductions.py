@@ -234,12 +234,9 @@ def _part_plan(
     first holder of lands, and whether one such block covers all of it."""
     shape = tuple(1 if d in dims else n for d, n in enumerate(layout.global_shape))
     blocks = layout.blocks_of(rank)
-    regions = []
-    for i in primary_blocks(layout, rank):
-        projected = _projected_block(blocks[i], dims, True)
-        regions.append((i, projected.slices()))
-    whole = len(regions) == 1 and _projected_block(blocks[regions[0][0]], dims, True).sizes == shape
-    return shape, tuple(regions), whole
+    projected = [(i, _projected_block(blocks[i], dims, True)) for i in primary_blocks(layout, rank)]
+    whole = len(projected) == 1 and projected[0][1].sizes == shape
+    return shape, tuple((i, b.slices()) for i, b in projected), whole
 
 
 _REDUCE_OPS = {_SUM: dist.ReduceOp.SUM, _MAX: dist.ReduceOp.MAX, _MIN: dist.ReduceOp.MIN}
