@@ -90,6 +90,11 @@ class Communicator(ABC):
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """Rank `src`'s `tensor` into every rank's `tensor` (the same size everywhere)."""
 
+    def carries(self, device_type: str) -> bool:
+        """Whether tensors on devices of `device_type` ("cpu", "cuda") travel over this
+        group as they are (a host tensor always does: over a side group if need be)."""
+        return device_type == "cpu"
+
     def send_recv(
         self,
         recvs: list[tuple[int, torch.Tensor]],
@@ -172,6 +177,11 @@ class ProcessGroupCommunicator(Communicator):
         t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=object_group(self.group))
         return t.tolist()
+
+    def carries(self, device_type: str) -> bool:
+        # a backend for the device type: NCCL ("nccl", "cpu:gloo,cuda:nccl") for "cuda"
+        pg: Any = self.group if self.group is not None else dist.group.WORLD
+        return device_type == "cpu" or torch.device(device_type) in pg._device_types
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         # a host tensor on a device-only group (NCCL) goes over its gloo side group

@@ -547,3 +547,47 @@ def test_tensors_every_rank_loads_whole_are_read_once(tmp_path: Path, device: st
     assert all(exact for exact, _r, _s in out)
     assert sum(read for _e, read, _s in out) == STORED  # each stored byte read once
     assert sum(sent for _e, _r, sent in out) == STORED  # and sent to the other rank
+
+
+def _sharded_targets(rank: int, world: int, path: str, device: str) -> tuple[bool, int, int]:
+    """ShardedTensor targets on `device` (DP replicas of column halves: each a band of
+    every stored row half) loaded through `dcp.load` + `Reader`: on CUDA the bytes a
+    rank receives land in pinned host memory and go on to its device."""
+    import torch.distributed.checkpoint as dcp
+
+    import shardwise.checkpoint as swc
+    from shardwise import Block, Layout, ShardedTensor
+    from shardwise.testing import shard_of
+
+    _save(path, _mesh())
+    halves = [Block((0, 0), (ROWS, COLS // 2)), Block((0, COLS // 2), (ROWS, COLS - COLS // 2))]
+    layout = Layout((ROWS, COLS), {r: [halves[r % 2]] for r in range(world)}, world)
+    targets = {
+        k: ShardedTensor.from_layout(
+            layout,
+            [s.to(device) for s in shard_of(torch.full((ROWS, COLS), -1.0), layout, rank)],
+            rank=rank,
+        )
+        for k in KEYS
+    }
+    reader = swc.Reader(path, read_once=True)
+    dcp.load(targets, storage_reader=reader)
+    exact = all(
+        all(
+            g.device.type == device and torch.equal(g.cpu(), w)
+            for g, w in zip(targets[k].local_shards(), shard_of(v, layout, rank), strict=True)
+        )
+        for k, v in _full().items()
+    )
+    return exact, reader.bytes_read, reader.bytes_sent
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_sharded_targets_on_each_device_are_read_once(tmp_path: Path, device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = run_ranks(_sharded_targets, W, os.fspath(tmp_path / "ck"), device, timeout=120)
+    assert all(exact for exact, _r, _s in out)
+    assert sum(read for _e, read, _s in out) == STORED  # each stored row half read once
+    # each row half's reader keeps its column half and sends the 3 other ranks theirs
+    assert sum(sent for _e, _r, sent in out) == STORED * 3 // 2

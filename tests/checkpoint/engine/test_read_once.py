@@ -740,3 +740,78 @@ def test_a_chunk_two_pieces_of_a_rank_take_part_of_is_checked_once(tmp_path: Pat
         for rank, target in enumerate(ThreadedWorld(W).run(one)):
             assert not isinstance(target, BaseException), target
             _exact(target, layout, rank)
+
+
+def _state_on(layout: Layout, rank: int, device: str) -> dict[str, Any]:
+    """Empty targets (-1) of `layout` on `device`."""
+    out = {}
+    for key in FULL:
+        shards = [s.to(device) for s in shard_of(torch.full(SHAPE, -1.0), layout, rank)]
+        out[key] = ShardedTensor.from_layout(layout, shards, rank=rank)
+    return out
+
+
+def _exact_on(target: dict[str, Any], layout: Layout, rank: int, device: str) -> None:
+    for key, full in FULL.items():
+        got = target[key].local_shards()
+        want = shard_of(full, layout, rank)
+        assert [g.device.type for g in got] == [device] * len(want), key
+        assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True)), (key, rank)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("name", ["dp-tp", "rows-to-columns"])
+def test_targets_on_each_device_are_read_once(
+    tmp_path: Path, monkeypatch, device: str, name: str
+) -> None:
+    """CUDA targets take part: the bytes read for others travel in host memory and
+    each rank copies its own to its device once (the same bytes read, sent and
+    received as CPU targets)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    saved, loaded = (DP_TP, DP_TP) if name == "dp-tp" else (ROWS, COLUMNS)
+    path = tmp_path / "ck"
+    _saved(path, saved)
+    world = ThreadedWorld(W)
+    received = _exchanged(monkeypatch)
+
+    def one(comm: ThreadedRank) -> tuple[int, dict[str, Any]]:
+        target = _state_on(loaded, comm.rank, device)
+        return _load_one(comm, target, path, True), target
+
+    out = world.run(one)
+    for rank, (read, target) in enumerate(out):
+        _exact_on(target, loaded, rank, device)
+    assert sum(read for read, _t in out) == 3 * NBYTES  # every stored byte read once
+    held = [sum(s.numel() * 4 for s in shard_of(FULL["a"], loaded, r)) * 3 for r in range(W)]
+    if name == "dp-tp":  # what a rank did not read it received
+        assert received == {r: held[r] - out[r][0] for r in range(W)}
+    else:  # a rank reads whole row chunks: it receives its band of the three others
+        assert received == {r: held[r] * 3 // 4 for r in range(W)}
+    assert world.calls.count("send_recv") == 1
+
+
+def test_targets_that_cannot_take_bytes_in_place_are_filled_through_scratch(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Every target staged as a CUDA target is (`_staged`: received into scratch, then
+    copied; the reader's own part copied from its read): the same values and bytes."""
+    monkeypatch.setattr(read_once, "_staged", lambda t: True)
+    staged: list[tuple[int, ...]] = []
+    real = read_once._scratch
+
+    def counted(shape: Any, dtype: torch.dtype, device_bound: bool) -> torch.Tensor:
+        staged.append(tuple(torch.Size(shape if not isinstance(shape, int) else [shape])))
+        return real(shape, dtype, device_bound)
+
+    monkeypatch.setattr(read_once, "_scratch", counted)
+    path = tmp_path / "ck"
+    _saved(path, DP_TP)
+    world = ThreadedWorld(W)
+    once = _load(world, path, DP_TP, True)
+    for rank in range(W):
+        _exact(once[rank][1], DP_TP, rank)
+    assert sum(r for r, _ in once) == 3 * NBYTES
+    # each of the 6 stored halves: its reader reads it straight into its own target (a
+    # CPU target), its other holder receives it into a (4, 6) scratch
+    assert sorted(staged) == [(4, 6)] * 6

@@ -294,3 +294,31 @@ def test_gloo_ranks_read_their_share_and_receive_the_rest(tmp_path: Path) -> Non
     shares = _shares(_scheduled(path, _gloo_values(), 3), 3)
     assert sorted(shares) == [4_000, 8_000, 12_000]  # a value each: 3 values, 3 ranks
     assert results == [(share, True) for share in shares]
+
+
+def _device_rank(rank: int, world: int, folder: str) -> tuple[int, bool]:
+    """Targets on this rank's CUDA device (NCCL: GPU `rank`; gloo: GPU 0)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    values = _gloo_values()
+    swc.save(values, folder)
+    target = {k: torch.zeros_like(v, device=device) for k, v in values.items()}
+    info = swc.load(target, folder, broadcast_replicated=True)
+    exact = all(t.device == device and torch.equal(t.cpu(), values[k]) for k, t in target.items())
+    return info.bytes_read, exact
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_cuda_targets_are_read_once_where_the_group_carries_them(
+    tmp_path: Path, backend: str
+) -> None:
+    """Over NCCL a value is read into its reader's device and broadcast device to
+    device; over gloo (no CUDA backend) each rank reads its own CUDA targets."""
+    if not torch.cuda.is_available() or (backend == "nccl" and torch.cuda.device_count() < 3):
+        pytest.skip("needs CUDA (3 GPUs for NCCL)")
+    path = tmp_path / "ck"
+    results = run_ranks(_device_rank, 3, str(path), timeout=120, backend=backend)
+    if backend == "nccl":
+        shares = _shares(_scheduled(path, _gloo_values(), 3), 3)
+        assert results == [(share, True) for share in shares]
+    else:
+        assert results == [(24_000, True)] * 3

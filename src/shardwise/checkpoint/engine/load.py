@@ -91,9 +91,12 @@ __all__ = [
 # S less its own share received, one broadcast per batch (at least one per
 # reader with work, at most min(R, W) + S / `BATCH` of them).
 #
-# Only CPU targets of the stored dtype with plain contiguous bytes take part: a
-# device target reads its own bytes (its broadcast would belong on the device's
-# own backend). A rank that is sent a value still checks its stored rows with the
+# Only targets of the stored dtype with plain contiguous bytes take part, on the CPU
+# or, where the load's group has a CUDA backend (NCCL), on the rank's current CUDA
+# device: the reader's read lands there (one copy to the device, `io.device`) and
+# the broadcast runs on the device's backend, into the others' device targets (no
+# host copy on a receiver). A CUDA target on a group without one reads its own
+# bytes. A rank that is sent a value still checks its stored rows with the
 # rows it reads (`engine.load._plan`), as if it read them: a crafted index cannot pass
 # one rank's checks by splitting its rows between readers.
 # -----------------------------------------------------------------------------
@@ -104,26 +107,33 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class Value(NamedTuple):
-    """A value to share: its key, byte size, and where its bytes start in storage."""
+    """A value to share: its key, byte size, where its bytes start in storage, and the
+    device type its targets are on (they travel there)."""
 
     key: str
     nbytes: int
     file: str
     offset: int
+    device: str = "cpu"
 
 
 class Batch(NamedTuple):
-    """Values one reader sends in one broadcast, in this order."""
+    """Values one reader sends in one broadcast, in this order, on one device type."""
 
     reader: int
     keys: tuple[str, ...]
     nbytes: int
+    device: str = "cpu"
 
 
-def candidates(flat: dict[str, Any], view: StoredView) -> dict[str, torch.Tensor]:
+def candidates(
+    flat: dict[str, Any], view: StoredView, devices: frozenset[str] = frozenset({"cpu"})
+) -> dict[str, torch.Tensor]:
     """The targets this rank loads whole that a broadcast can fill: a shardwise
-    checkpoint's tensor, one piece that is the whole of it, on the CPU, contiguous,
-    of the stored dtype (a cast or a device target reads its own bytes)."""
+    checkpoint's tensor, one piece that is the whole of it, on a device type of
+    `devices` (those the load's group carries: "cuda" over NCCL), contiguous, of the
+    stored dtype (a cast, or a device target on a group without its backend, reads
+    its own bytes)."""
     found: dict[str, torch.Tensor] = {}
     if view.manifest is None:
         return found
@@ -140,7 +150,8 @@ def candidates(flat: dict[str, Any], view: StoredView) -> dict[str, torch.Tensor
             and sizes == stored[0]
             and not any(offsets)
             and tensor.dtype == stored[1]
-            and tensor.device.type == "cpu"
+            and tensor.device.type in devices
+            and (not tensor.is_cuda or tensor.device.index == torch.cuda.current_device())
             and tensor.layout == torch.strided  # not mkldnn or sparse: bytes to view
             and tensor.is_contiguous()
             and not (tensor.is_conj() or tensor.is_neg())  # lazy views: no plain bytes
@@ -165,7 +176,7 @@ def placed(view: StoredView, shared: dict[str, torch.Tensor]) -> list[Value]:
                 view.storage(key, c.stored) for c in stored.covering((0,) * t.dim(), tuple(t.shape))
             ]
             where = min((i.relative_path, i.offset) for i in infos)
-        values.append(Value(key, t.numel() * t.element_size(), *where))
+        values.append(Value(key, t.numel() * t.element_size(), *where, t.device.type))
     return sorted(values, key=lambda v: (v.file, v.offset, v.key))
 
 
@@ -238,14 +249,14 @@ def schedule(values: list[Value], world: int, batch: int | None = None) -> list[
     batches: list[Batch] = []
     for reader in sorted(owned):
         keys: list[str] = []
-        size = 0
+        size, device = 0, owned[reader][0].device
         for v in owned[reader]:
-            if keys and size + v.nbytes > limit:
-                batches.append(Batch(reader, tuple(keys), size))
+            if keys and (size + v.nbytes > limit or v.device != device):
+                batches.append(Batch(reader, tuple(keys), size, device))
                 keys, size = [], 0
             keys.append(v.key)
-            size += v.nbytes
-        batches.append(Batch(reader, tuple(keys), size))
+            size, device = size + v.nbytes, v.device
+        batches.append(Batch(reader, tuple(keys), size, device))
     return batches
 
 
@@ -258,17 +269,19 @@ def send(
     it holds, a target that cannot take bytes takes them in scratch, and the
     verdict raises the problem everywhere."""
     rank, problem = comm.rank, None
-    for reader, keys, nbytes in batches:
+    for reader, keys, nbytes, device in batches:
+        # a batch's values are on one device type; on "cuda", this rank's device
+        at_device = torch.device(device) if device == "cpu" else targets[keys[0]].device
         try:
             views = [_bytes(targets[key]) for key in keys]
         except RuntimeError as e:  # never a skipped broadcast: the others would wait
             problem = problem or InvalidArgumentError(f"cannot fill {keys}: {e}")
-            comm.broadcast(torch.zeros(nbytes, dtype=torch.uint8), reader)
+            comm.broadcast(torch.zeros(nbytes, dtype=torch.uint8, device=at_device), reader)
             continue
         if len(views) == 1:
             comm.broadcast(views[0], reader)
             continue
-        flat = torch.empty(nbytes, dtype=torch.uint8)
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=at_device)
         if rank == reader:
             torch.cat(views, out=flat)
         comm.broadcast(flat, reader)
@@ -466,7 +479,8 @@ def load_state(
             if found:
                 problem = problem or CheckpointMismatchError(f"{folder}: " + "; ".join(found))
             elif view is not None and broadcast is not False and agreement.world_size > 1:
-                shared = candidates(flat, view)
+                carried = frozenset(d for d in ("cpu", "cuda") if agreement.comm.carries(d))
+                shared = candidates(flat, view, carried)
                 values = placed(view, shared)
                 if read_once.may_pay(broadcast, folder):
                     skip = set(shared) | shape_mismatch

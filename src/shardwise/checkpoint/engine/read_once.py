@@ -14,7 +14,7 @@ DTensor's mesh and placements list every rank's blocks. So every rank works out
 alone, with no exchange, who reads each chunk it needs and what it sends and
 receives; the load's first verdict (one `all_reduce` it makes anyway) carries a
 hash of what each rank takes part with (each key's layout, its ranks, whether
-this rank's targets can take bytes: CPU, of the stored dtype) and the largest
+this rank's targets can take bytes: CPU or CUDA, of the stored dtype) and the largest
 number of bytes a rank's targets hold, so every rank knows that every other
 planned from the same facts, and how many rounds to cut the bytes into.
 
@@ -50,8 +50,16 @@ regions it reads for others (read straight into its target where the region is i
 own part) and contiguous copies of parts that are not contiguous. A chunk held
 whole by every rank of a DP group is read into the reader's target and sent from
 there, received straight into the others' targets: no copy in between.
-Only CPU targets take part (a CUDA target reads its own bytes; its exchange
-belongs on the device's own backend).
+CUDA targets take part through host memory: the bytes a reader reads for
+others are read into host memory and sent from there (over the group's gloo side
+group under NCCL), a receiver takes them into pinned scratch and copies them to its
+device once, asynchronously on the device's current stream; a reader's own part
+goes to its device from pinned memory likewise. So a CUDA target's bytes cross the
+host-to-device link once, on its own rank, as without the exchange, and storage is
+read once. The load waits for those copies before it returns. (Sending them over
+NCCL instead, device to device, is not built: NCCL's point-to-point messages
+between a pair must be posted in one group call each way, which the exchange's
+posting of receives before reads does not do.)
 """
 
 from __future__ import annotations
@@ -262,8 +270,8 @@ def eligible(
     comm: Communicator,
     skip: set[str] | frozenset[str],
 ) -> tuple[dict[str, tuple[Holders, list[Piece]]], list[Any], int]:
-    """The sharded targets this rank can take part with (its pieces on the CPU, of
-    the stored dtype, plain contiguous bytes, exactly its layout's blocks), what
+    """The sharded targets this rank can take part with (its pieces on the CPU or a
+    CUDA device, of the stored dtype, plain bytes, exactly its layout's blocks), what
     it hashes for the verdict (every layout-described key, and whether it takes
     part: equal everywhere only when every rank plans from the same facts), and
     the bytes its taking-part targets hold."""
@@ -295,7 +303,39 @@ def eligible(
 
 
 def _takes_bytes(pieces: list[Piece], dtype: torch.dtype) -> bool:
-    return all(_plain_host(p.tensor, dtype) for p in pieces)
+    return all(_plain(p.tensor, dtype) for p in pieces)
+
+
+def _plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether `t` is plain strided memory of `dtype` on the CPU or a CUDA device (a
+    CUDA target's bytes travel in host memory and go to the device once, `_staged`)."""
+    return _plain_host(t, dtype) or (
+        type(t) in _PLAIN
+        and t.dtype == dtype
+        and t.device.type == "cuda"
+        and t.layout == torch.strided
+        and not (t.is_conj() or t.is_neg())
+    )
+
+
+def _staged(t: torch.Tensor) -> bool:
+    """Whether bytes bound for `t` land in host scratch first: `t` is not contiguous
+    host memory (a CUDA target: pinned scratch, one copy to the device)."""
+    return t.device.type != "cpu" or not t.is_contiguous()
+
+
+def _scratch(shape: Any, dtype: torch.dtype, device_bound: bool) -> torch.Tensor:
+    """Host memory for bytes on their way to a target: pinned when they go on to a
+    device, so that copy runs asynchronously on the device's current stream (the
+    caching host allocator keeps the memory until the copy is done)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=device_bound)
+
+
+def _settle(devices: set[torch.device]) -> None:
+    """Wait for the copies queued to `devices`' current streams: a load returns its
+    targets filled, for any stream."""
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _plain_host(t: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -441,8 +481,8 @@ def exchange(
             into = None
             for r, block, common in users:
                 own = _view_of(mine[key], block, common) if r == rank else None
-                if own is not None and common == region:
-                    into = own
+                if own is not None and common == region and own.device.type == "cpu":
+                    into = own  # read straight into it (a device target: into host memory)
                 parts.append((r, common, own, (*at, tuple(block.offsets))))
             rnd.fetches.append(
                 Fetch(
@@ -560,15 +600,16 @@ def run(
     unsettled: list[PendingChunk] = [
         f.info for rnd in plan.rounds for f in rnd.fetches if isinstance(f.info, PendingChunk)
     ]
+    devices: set[torch.device] = set()  # CUDA devices copied to
     for rnd in plan.rounds:
         landing: list[tuple[int, torch.Tensor]] = []
         later: list[tuple[torch.Tensor, torch.Tensor]] = []  # (scratch, target) to copy after
         for src in sorted(rnd.incoming):
             for _place, target in sorted(rnd.incoming[src], key=lambda m: m[0]):
-                if target.is_contiguous():
+                if not _staged(target):
                     landing.append((src, target))
                 else:
-                    scratch = torch.empty(target.shape, dtype=target.dtype)
+                    scratch = _scratch(target.shape, target.dtype, target.is_cuda)
                     landing.append((src, scratch))
                     later.append((scratch, target))
         outgoing: list[tuple[int, torch.Tensor]] = []
@@ -579,7 +620,9 @@ def run(
             settle: list[PendingChunk] = unsettled,
         ) -> Any:
             try:
-                outgoing += _read_and_part(comm.rank, executor, rnd.fetches, problems, settle)
+                outgoing += _read_and_part(
+                    comm.rank, executor, rnd.fetches, problems, settle, devices
+                )
             except Exception as e:  # noqa: BLE001 - never a message short: the others wait
                 problems.append(e)
                 outgoing[:] = _stand_ins(comm.rank, rnd.fetches)
@@ -588,11 +631,19 @@ def run(
         comm.send_recv(landing, sends)
         unsettled = []
         for scratch, target in later:
-            target.copy_(scratch)
+            target.copy_(scratch, non_blocking=target.is_cuda)
+            if target.is_cuda:
+                devices.add(target.device)
         sent += sum(t.numel() * t.element_size() for _r, t in outgoing)
     for filled, twin in plan.copies:
         twin.copy_(filled)
+    _settle(devices)
     return (problems[0] if problems else None), sent
+
+
+def _to_device(fetch: Fetch) -> bool:
+    """Whether one of `fetch`'s parts is this rank's own on a CUDA device."""
+    return any(own is not None and own.is_cuda for _r, _box, own, _order in fetch.parts)
 
 
 def _stand_ins(rank: int, fetches: list[Fetch]) -> list[tuple[int, torch.Tensor]]:
@@ -615,11 +666,13 @@ def _read_and_part(
     fetches: list[Fetch],
     problems: list[BaseException],
     settle: list[PendingChunk],
+    devices: set[torch.device],
 ) -> list[tuple[int, torch.Tensor]]:
-    """`fetches` read, this rank's parts copied into its targets, and the others' parts
-    to send, by rank then `Order` (as each receiver expects them)."""
+    """`fetches` read, this rank's parts copied into its targets (a CUDA target's from
+    pinned host memory, queued on its device's current stream: `devices` gains it),
+    and the others' parts to send, by rank then `Order` (as each receiver expects them)."""
     buffers = [
-        f.into if f.into is not None else torch.empty(f.region.sizes, dtype=f.dtype)
+        f.into if f.into is not None else _scratch(f.region.sizes, f.dtype, _to_device(f))
         for f in fetches
     ]
     reads = [
@@ -645,7 +698,9 @@ def _read_and_part(
             if r != rank:
                 outgoing.append((r, place, part.contiguous()))
             elif own is not None and f.into is None:
-                own.copy_(part)
+                own.copy_(part, non_blocking=own.is_cuda)
+                if own.is_cuda:
+                    devices.add(own.device)
     outgoing.sort(key=lambda m: (m[0], m[1]))
     return [(r, t) for r, _place, t in outgoing]
 
@@ -1000,6 +1055,7 @@ def run_item_route(
     problems: list[BaseException] = []
     rank = comm.rank
     resolved: dict[ReadItem, torch.Tensor | None] = {}
+    devices: set[torch.device] = set()  # CUDA devices copied to
 
     def target(item: ReadItem) -> torch.Tensor | None:
         if item not in wanted:
@@ -1018,7 +1074,8 @@ def run_item_route(
                 landing.append((src, _flat_bytes(into)))
                 done.append((item, into))
             else:
-                scratch = torch.empty(math.prod(item.lengths) * kind.itemsize, dtype=torch.uint8)
+                nbytes = math.prod(item.lengths) * kind.itemsize
+                scratch = _scratch(nbytes, torch.uint8, into is not None and into.is_cuda)
                 landing.append((src, scratch))
                 later.append((scratch, item, kind))
         senders = sorted({m.src for m in route.incoming if m.round == rnd})
@@ -1030,7 +1087,9 @@ def run_item_route(
             fetches: list[ItemFetch] = fetches, done: list[Any] = done
         ) -> list[tuple[int, torch.Tensor]]:
             try:
-                out = _fetch_and_part(rank, executor, fetches, chunk_read, target, problems, done)
+                out = _fetch_and_part(
+                    rank, executor, fetches, chunk_read, target, problems, done, devices
+                )
             except Exception as e:  # noqa: BLE001 - never a message short: the others wait
                 problems.append(e)
                 out = _zeros_for(rank, fetches)
@@ -1051,10 +1110,14 @@ def run_item_route(
             if into is None or problems:
                 continue
             try:
-                into.copy_(scratch.view(kind).view(tuple(item.lengths)))
+                into.copy_(scratch.view(kind).view(tuple(item.lengths)), non_blocking=into.is_cuda)
+                if into.is_cuda:
+                    devices.add(into.device)
                 done.append((item, into))
             except Exception as e:  # noqa: BLE001 - raised once every round ran
                 problems.append(e)
+        _settle(devices)  # a planner's commit may read the target on another stream
+        devices.clear()
         for item, into in done:
             if problems:
                 break
@@ -1103,11 +1166,14 @@ def _fetch_and_part(
     target: Callable[[ReadItem], torch.Tensor | None],
     problems: list[BaseException],
     done: list[tuple[ReadItem, torch.Tensor]],
+    devices: set[torch.device],
 ) -> list[tuple[int, torch.Tensor]]:
     """`fetches` read (into this rank's target where the region is exactly its one item
-    and the target takes the bytes as they are, else into scratch), this rank's items
-    filled (added to `done`, committed by the caller once the round's messages are
-    done), the others' boxes to send, by rank in send order."""
+    and the target takes the bytes as they are, else into scratch: pinned where one of
+    its items goes on to a CUDA target, the copy queued on the device's current stream
+    and `devices` gaining it), this rank's items filled (added to `done`, committed by
+    the caller once the round's messages are done), the others' boxes to send, by rank
+    in send order."""
     reads, buffers, owned = [], [], []
     for f in fetches:
         mine = [(it, b) for r, it, b in f.parts if r == rank]
@@ -1115,7 +1181,9 @@ def _fetch_and_part(
         if len(mine) == 1 and mine[0][1] == f.region:
             into = target(mine[0][0])
             into = into if into is not None and _takes(into, f.dtype) else None
-        buf = into if into is not None else torch.empty(f.region.sizes, dtype=f.dtype)
+        bound = [target(it) for it, _b in mine]
+        to_device = any(t is not None and t.is_cuda for t in bound)
+        buf = into if into is not None else _scratch(f.region.sizes, f.dtype, to_device)
         reads.append(dataclasses.replace(chunk_read(f.index, f.region), target=buf, done=None))
         buffers.append(buf)
         owned.append(into)
@@ -1135,7 +1203,9 @@ def _fetch_and_part(
                 continue
             try:
                 if into is None:
-                    mine_into.copy_(part)
+                    mine_into.copy_(part, non_blocking=mine_into.is_cuda)
+                    if mine_into.is_cuda:
+                        devices.add(mine_into.device)
                 done.append((item, mine_into))
             except Exception as e:  # noqa: BLE001 - raised once every round ran
                 problems.append(e)
