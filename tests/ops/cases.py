@@ -35,6 +35,9 @@ class Case:
     integer_inputs: tuple[int, ...] = field(default=())
 
 
+_SPANS1 = ("rows", "replicated")  # layouts whose blocks span dim 1
+
+
 def _layer_norm(x: Any, w: Any, b: Any) -> Any:
     return F.layer_norm(x, (x.shape[-1],), w, b)
 
@@ -116,6 +119,48 @@ CASES: list[Case] = [
         lambda x: torch.index_select(x, 0, torch.tensor([3, 3, 0])) * 2,
         exact=True,
     ),
+    # along a dim every block spans ("rows": dim 1 whole), forward and backward (`scatter`,
+    # `gather`, `flip`): per block, no fallback
+    Case("sort_dim1", ((7, 6),), lambda x: x.sort(dim=1).values * 2, exact=True, layouts=_SPANS1),
+    Case("argsort_dim1", ((7, 6),), lambda x: x * x.argsort(dim=1), exact=True, layouts=_SPANS1),
+    Case(
+        "topk_dim1", ((7, 6),), lambda x: x.topk(3, dim=1).values * 2, exact=True, layouts=_SPANS1
+    ),
+    Case(
+        "max_dim1_rows", ((7, 6),), lambda x: x.max(dim=1).values * 2, exact=True, layouts=_SPANS1
+    ),
+    Case("cummax_dim1", ((7, 6),), lambda x: x.cummax(1).values * 2, exact=True, layouts=_SPANS1),
+    Case("cumprod_dim1", ((7, 6),), lambda x: x.cumprod(1), layouts=_SPANS1),
+    Case(
+        "gather_dim1",
+        ((7, 6),),
+        lambda x: torch.gather(x, 1, x.argsort(1)) * 2,
+        exact=True,
+        layouts=_SPANS1,
+    ),  # fmt: skip
+    Case(
+        "scatter_dim1",
+        ((7, 6),),
+        lambda x: torch.zeros_like(x).scatter(1, x.argsort(1), x * 2),
+        exact=True,
+        layouts=_SPANS1,
+    ),
+    Case(
+        "scatter_add_dim1",
+        ((7, 6),),
+        lambda x: torch.ones_like(x).scatter_add(1, x.argsort(1)[:, :3], x[:, :3] * 2),
+        exact=True,
+        layouts=_SPANS1,
+    ),
+    Case(
+        "scatter_value",
+        ((7, 6),),
+        lambda x: x.scatter(1, x.argsort(1)[:, :2], 5.0) * 2,
+        exact=True,
+        layouts=_SPANS1,
+    ),  # fmt: skip
+    Case("flip", ((7, 6),), lambda x: x.flip(0, 1) * 2, exact=True),
+    Case("flip_rows", ((7, 6),), lambda x: x.flip(0) * 2, exact=True),
     Case("split", ((7, 6),), lambda x: x.split(3, dim=1)[1] * 2, exact=True),
     Case(
         "chunk",

@@ -60,3 +60,55 @@ def test_indexing_by_an_integer_tensor() -> None:
             "out of range cols": "index -7 is out of bounds for dimension with size 6",
             "mask": (True, ["aten.index.Tensor"]),
         }, f"rank {rank}"
+
+
+def _gather_scatter(rank: int, world: int) -> dict[str, Any]:
+    full = torch.arange(42, dtype=torch.float64).reshape(7, 6).flip(1)
+    rows = Layout.row_wise((7, 6), [4, 0, 3])
+    x = sw.ShardedTensor.from_layout(
+        rows, [full[b.slices()].clone() for b in rows.blocks_of(rank)], dtype=full.dtype
+    )
+    order = full.argsort(1)
+    out: dict[str, Any] = {}
+    FALLBACK_OPS.clear()
+    # the index's layout from self's: rows of the sorted order, per block
+    g = torch.gather(x, 1, order)
+    out["plain index"] = (g.layout_spec == rows, torch.equal(g.full_tensor(), full.sort(1).values))
+    # a replicated self brought to a sharded index's blocks: sliced, nothing sent
+    whole = sw.ShardedTensor.from_layout(
+        Layout.replicated((7, 6), world), [full.clone()], dtype=full.dtype
+    )
+    idx = x.argsort(1)  # row-sharded
+    g2 = whole.gather(1, idx)  # torch's gather, not the legacy collective
+    out["replicated self"] = (g2.layout_spec == rows, torch.equal(g2.full_tensor(), g.full_tensor()))
+    # a plain self written per block of the index's layout (what a backward does)
+    s = torch.zeros(7, 6, dtype=torch.float64).scatter(1, idx, x)
+    out["plain self"] = (
+        isinstance(s, sw.ShardedTensor) and s.layout_spec == rows,
+        torch.equal(s.full_tensor(), torch.zeros(7, 6, dtype=torch.float64).scatter(1, order, full)),
+    )
+    x.scatter_(1, order[:, :1], -1.0)  # in place into the blocks
+    want = full.clone().scatter_(1, order[:, :1], -1.0)
+    out["in place"] = torch.equal(x.full_tensor(), want)
+    out["fallbacks"] = sorted(map(str, FALLBACK_OPS))
+    # along the sharded dim: the fallback, still exact
+    g3 = torch.gather(x, 0, torch.zeros(1, 6, dtype=torch.int64))
+    out["sharded dim"] = (torch.equal(g3.full_tensor(), want[:1]), sorted(map(str, FALLBACK_OPS)))
+    # the legacy collective keeps its positional form: gather(dst, out)
+    into = torch.empty(7, 6, dtype=torch.float64) if rank == 1 else None
+    x.gather(1, into)
+    out["legacy"] = torch.equal(into, want) if rank == 1 else None
+    return out
+
+
+def test_gather_and_scatter_along_a_dim_every_block_spans() -> None:
+    for rank, out in enumerate(run_ranks(_gather_scatter, 3, timeout=60)):
+        assert out == {
+            "plain index": (True, True),
+            "replicated self": (True, True),
+            "plain self": (True, True),
+            "in place": True,
+            "fallbacks": [],
+            "sharded dim": (True, ["aten.gather.default"]),
+            "legacy": True if rank == 1 else None,
+        }, rank

@@ -16,6 +16,12 @@ tensor of zeros) go to the blocks that hold each position, with no
 communication beyond gathering a `values` operand that is neither plain nor
 replicated. Boolean masks, several index tensors and anything else fall back.
 An index out of range raises torch's `IndexError`.
+
+`gather` and `scatter` (`scatter_add`, `scatter_reduce`, in place too: the backward
+of `gather`, `sort`, `max(dim)`, `topk`) pick and write along one dimension `d`
+within each row of the others: where the index's blocks span `d`, each block
+works alone, against the same rows of `self` (and `src`) brought to its blocks:
+no communication when they are laid out alike, else what `local_in` moves.
 """
 
 from __future__ import annotations
@@ -25,13 +31,14 @@ from typing import Any
 
 import torch
 
+from ..layout import Layout
 from ..tensor import ShardedTensor
-from .exchange import is_replicated, primary_blocks, whole_or_plain
+from .exchange import is_replicated, local_in, primary_blocks, whole_or_plain
 from .fallback import fallback
 from .linalg import _product_layout
 from .pending import later
 from .per_shard import named, registrar
-from .reductions import spans
+from .reductions import spans, widened
 
 __all__ = ["INDEXING_HANDLERS"]
 
@@ -191,3 +198,116 @@ def _index_add(func: Any, args: tuple, kwargs: dict) -> Any:
 
     _write(st, d, index, a["source"], write)
     return st
+
+
+# -- gather and scatter along a dimension every block spans ---------------------------
+
+
+def _rows_alike(a: torch.Size, b: torch.Size, d: int) -> bool:
+    """The same sizes but along `d` (a block of one is then the same rows of the other)."""
+    return len(a) == len(b) and all(x == y for e, (x, y) in enumerate(zip(a, b)) if e != d)
+
+
+def _blocks_of(x: Any, layout: Layout, rank: int) -> list[torch.Tensor]:
+    """This rank's shards of `layout` holding `x` (a ShardedTensor or a plain tensor)."""
+    if isinstance(x, ShardedTensor):
+        return local_in(x, layout)
+    return [x[b.slices()] for b in layout.blocks_of(rank)]
+
+
+def _gather_layouts(st: Any, index: Any, d: int) -> tuple[Layout, Layout] | None:
+    """(the index's layout, self's) for a rule along `d`, or None: the index's blocks
+    (its own layout, else self's cut to its size along `d`) must span `d`."""
+    replicated_index = isinstance(index, ShardedTensor) and is_replicated(index._layout)
+    if isinstance(index, ShardedTensor) and not (
+        replicated_index and isinstance(st, ShardedTensor)
+    ):
+        layout = index._layout
+    elif isinstance(st, ShardedTensor) and spans(st._layout, (d,)):
+        layout = widened(st._layout, d, index.shape[d])
+    else:
+        return None
+    if not spans(layout, (d,)):
+        return None
+    return layout, widened(layout, d, st.shape[d])
+
+
+@_handles(aten.gather.default)
+def _gather(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    st, index = a["self"], a["index"]
+    d = a["dim"] % max(st.ndim, 1)
+    found = None
+    if st.ndim and not a["sparse_grad"] and _rows_alike(st.shape, index.shape, d):
+        found = _gather_layouts(st, index, d)
+    if found is None:
+        return fallback(func, args, kwargs)
+    at, need = found
+    ref = index if isinstance(index, ShardedTensor) else st
+    rank = ref._rank
+    shards = [
+        aten.gather.default(s, d, i)
+        for s, i in zip(_blocks_of(st, need, rank), _blocks_of(index, at, rank), strict=True)
+    ]
+    return ref._with_layout(at, shards, dtype=st.dtype, device=st.device)
+
+
+_SCATTERS = (
+    aten.scatter.src,
+    aten.scatter.value,
+    aten.scatter.reduce,
+    aten.scatter.value_reduce,
+    aten.scatter_add.default,
+    aten.scatter_reduce.two,
+)
+_SCATTERS_IN_PLACE = (
+    aten.scatter_.src,
+    aten.scatter_.value,
+    aten.scatter_.reduce,
+    aten.scatter_.value_reduce,
+    aten.scatter_add_.default,
+    aten.scatter_reduce_.two,
+)
+
+
+@_handles(*_SCATTERS, *_SCATTERS_IN_PLACE)
+def _scatter(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`self` with `src` (or a value) written at `index` along `d`, per block of
+    `self`'s layout (its own, else the index's widened to `self`'s size along `d`)."""
+    a = named(func, args, kwargs)
+    st, index = a["self"], a["index"]
+    src = args[3] if len(args) > 3 else None  # a tensor, or the value written
+    in_place = func in _SCATTERS_IN_PLACE
+    d = a["dim"] % max(st.ndim, 1)
+    layouts = None
+    if (
+        st.ndim
+        and len(args) > 3
+        and not any(isinstance(v, torch.Tensor) for v in kwargs.values())
+        and _rows_alike(st.shape, index.shape, d)
+        and (not isinstance(src, torch.Tensor) or tuple(src.shape) == tuple(index.shape))
+        and (isinstance(st, ShardedTensor) or not in_place)
+    ):
+        if isinstance(st, ShardedTensor) and not is_replicated(st._layout):
+            if spans(st._layout, (d,)):
+                layouts = (widened(st._layout, d, index.shape[d]), st._layout)
+        else:
+            layouts = _gather_layouts(st, index, d)
+    if layouts is None or (in_place and layouts[1] != st._layout):
+        return fallback(func, args, kwargs)
+    at, out = layouts
+    ref = (
+        st
+        if isinstance(st, ShardedTensor)
+        else next(x for x in (index, src) if isinstance(x, ShardedTensor))
+    )
+    rank = ref._rank
+    selfs = _blocks_of(st, out, rank)
+    indices = _blocks_of(index, at, rank)
+    srcs = _blocks_of(src, at, rank) if isinstance(src, torch.Tensor) else [src] * len(selfs)
+    shards = []
+    for s, i, v in zip(selfs, indices, srcs, strict=True):
+        shards.append(func(s, d, i, v, *args[4:], **kwargs))
+    if in_place:
+        return st
+    return ref._with_layout(out, shards, dtype=st.dtype, device=st.device)

@@ -40,7 +40,7 @@ from .fallback import fallback
 from .pending import later
 from .per_shard import named, registrar, sharded_args
 
-__all__ = ["REDUCTION_HANDLERS", "project", "spans", "summed"]
+__all__ = ["REDUCTION_HANDLERS", "project", "spans", "summed", "widened"]
 
 aten = torch.ops.aten
 
@@ -96,6 +96,22 @@ def project(layout: Layout, dims: tuple[int, ...], keepdim: bool) -> Layout:
         for r, rank_blocks in enumerate(layout.blocks)
     }
     return Layout(tuple(n for n in shape if n is not None), blocks, layout.world_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def widened(layout: Layout, dim: int, size: int) -> Layout:
+    """`layout` (whose blocks span `dim`) with `dim` resized to `size`: each block still
+    spans it (a `topk`'s or `gather`'s result along `dim`, the operand a block needs)."""
+    shape = list(layout.global_shape)
+    shape[dim] = size
+
+    def resized(b: Block) -> Block:
+        offsets, sizes = list(b.offsets), list(b.sizes)
+        offsets[dim], sizes[dim] = 0, size
+        return Block(tuple(offsets), tuple(sizes))
+
+    blocks = {r: [resized(b) for b in rank_blocks] for r, rank_blocks in enumerate(layout.blocks)}
+    return Layout(tuple(shape), blocks, layout.world_size)
 
 
 _META: dict[Any, Any] = {}
@@ -473,6 +489,12 @@ REDUCTION_HANDLERS.update(
         aten._softmax_backward_data.default: _along("dim", keeps_shape=True),
         aten._log_softmax_backward_data.default: _along("dim", keeps_shape=True),
         aten.cumsum.default: _along("dim", keeps_shape=True),
+        aten.cumprod.default: _along("dim", keeps_shape=True),
+        aten.logcumsumexp.default: _along("dim", keeps_shape=True),
+        aten.cummax.default: _along("dim", keeps_shape=True),
+        aten.cummin.default: _along("dim", keeps_shape=True),
+        aten.sort.default: _along("dim", keeps_shape=True),
+        aten.sort.stable: _along("dim", keeps_shape=True),
         aten.logsumexp.default: _along("dim", keeps_shape=False),
         aten.max.dim: _along("dim", keeps_shape=False),
         aten.min.dim: _along("dim", keeps_shape=False),
@@ -480,6 +502,23 @@ REDUCTION_HANDLERS.update(
         aten.argmin.default: _along("dim", keeps_shape=False),
     }
 )
+
+
+def _topk(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`topk` along a dim every block spans: per block, that dim cut to `k`."""
+    a = named(func, args, kwargs)
+    st = a["self"]
+    if not isinstance(st, ShardedTensor) or st.ndim == 0:
+        return fallback(func, args, kwargs)
+    d = a["dim"] % st.ndim
+    if not spans(st._layout, (d,)):
+        return fallback(func, args, kwargs)
+    layout = widened(st._layout, d, a["k"])
+    results = [func(shard, *args[1:], **kwargs) for shard in st._shards]
+    return _wrap_all(st, layout, results, func, args, kwargs)
+
+
+REDUCTION_HANDLERS[aten.topk.default] = _topk
 
 
 # -- layer norm: local when every block spans the normalised dimensions ------------

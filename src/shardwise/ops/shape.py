@@ -134,6 +134,26 @@ def _t(func: Any, args: tuple, kwargs: dict) -> Any:
     return _permute(st, list(reversed(range(st.ndim))))
 
 
+@_handles(aten.flip.default)
+def _flip(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`flip`: each block mirrored to the far side of the flipped dims, its shard
+    flipped (a copy, as torch's). No communication."""
+    a = named(func, args, kwargs)
+    st = a["self"]
+    dims = tuple(sorted({d % st.ndim for d in a["dims"]})) if st.ndim else ()
+    shape = tuple(st.shape)
+
+    def how(b: Block) -> Block:
+        offsets = tuple(
+            shape[d] - o - n if d in dims else o for d, (o, n) in enumerate(zip(b.offsets, b.sizes))
+        )
+        return Block(offsets, b.sizes)
+
+    layout = _mapped(st._layout, shape, how, ("flip", dims))
+    assert layout is not None
+    return _result(st, layout, lambda s, b, nb: s.flip(dims))
+
+
 # -- extent-1 dimensions -----------------------------------------------------------
 
 

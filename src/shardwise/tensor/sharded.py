@@ -605,13 +605,25 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         )
 
     # Shadows torch.Tensor.gather (so not in `ProvidedMethods`: mypy checks bases agree).
-    # Its legacy ShardedTensor's collective, not the indexing op.
+    # The legacy ShardedTensor's collective, or torch's indexing op by its arguments.
     def gather(  # type: ignore[override]
-        self, dst: int = 0, out: torch.Tensor | None = None
+        self, dst: int = 0, out: torch.Tensor | None = None, **kwargs: Any
     ) -> torch.Tensor | None:
         """The whole tensor on rank `dst`, None on the others. Collective.
 
-        With `out` (on `dst` only, as the legacy API) it is filled and returned."""
+        With `out` (on `dst` only, as the legacy API) it is filled and returned.
+        `st.gather(dim, index)` with an integer `index` on a non-integer tensor, or
+        any of `dim=` / `index=` / `sparse_grad=`, is `torch.gather` (on every rank);
+        on an integer tensor the positional form is the legacy collective."""
+        index = kwargs.pop("index", None)
+        if "dim" in kwargs:
+            dst = kwargs.pop("dim")
+        if index is None and isinstance(out, torch.Tensor) and _an_index(out, self.dtype):
+            index, out = out, None
+        if index is not None or kwargs:  # torch's own TypeError for a missing index
+            return torch.gather(
+                self, dst, index, **kwargs, **({"out": out} if out is not None else {})
+            )
         if out is None:
             return provided("gather")(self, dst)
         return provided("gather_into")(self, dst, out)
@@ -704,3 +716,10 @@ def _rebuild(
         device=torch.device(device),
         requires_grad=requires_grad,
     )
+
+
+def _an_index(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether `t`, passed where the legacy `gather` takes `out`, is `torch.gather`'s
+    index: integers, where the tensor's values are not (a legacy `out` has its dtype)."""
+    integer = not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+    return integer and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
