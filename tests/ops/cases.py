@@ -36,6 +36,8 @@ class Case:
 
 
 _SPANS1 = ("rows", "replicated")  # layouts whose blocks span dim 1
+_MASK7 = torch.tensor([True, False, False, True, True, False, True])
+_MASK6 = torch.tensor([False, True, True, False, True, True])
 
 
 def _layer_norm(x: Any, w: Any, b: Any) -> Any:
@@ -161,6 +163,10 @@ CASES: list[Case] = [
     ),  # fmt: skip
     Case("flip", ((7, 6),), lambda x: x.flip(0, 1) * 2, exact=True),
     Case("flip_rows", ((7, 6),), lambda x: x.flip(0) * 2, exact=True),
+    # a boolean mask every rank holds, along either dim: per block, placed by its count
+    Case("mask_rows", ((7, 6),), lambda x: x[_MASK7] * 2, exact=True),
+    Case("mask_cols", ((7, 6),), lambda x: x[:, _MASK6] * 2, exact=True),
+    Case("mask_none", ((7, 6),), lambda x: x[torch.zeros(7, dtype=torch.bool)] * 2, exact=True),
     Case("split", ((7, 6),), lambda x: x.split(3, dim=1)[1] * 2, exact=True),
     Case(
         "chunk",

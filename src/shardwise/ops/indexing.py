@@ -14,8 +14,11 @@ rank) picks positions along one dimension `d` of a ShardedTensor:
 Writes (`index_put`, `index_add_`: what the backward of a lookup does into a
 tensor of zeros) go to the blocks that hold each position, with no
 communication beyond gathering a `values` operand that is neither plain nor
-replicated. Boolean masks, several index tensors and anything else fall back.
-An index out of range raises torch's `IndexError`.
+replicated. A 1-d boolean mask every rank holds alike, along any dimension: each
+block keeps its rows, its place in the result worked out from the mask's running
+count, with no communication (writes take the mask's positions). Masks over several
+dimensions, masks that differ by rank, several index tensors and anything else fall
+back. An index out of range raises torch's `IndexError`.
 
 `gather` and `scatter` (`scatter_add`, `scatter_reduce`, in place too: the backward
 of `gather`, `sort`, `max(dim)`, `topk`) pick and write along one dimension `d`
@@ -31,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..layout import Layout
+from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .exchange import is_replicated, local_in, primary_blocks, whole_or_plain
 from .fallback import fallback
@@ -49,18 +52,66 @@ INDEXING_HANDLERS: dict[Any, Callable[[Any, tuple, dict], Any]] = {}
 _handles = registrar(INDEXING_HANDLERS)
 
 
-def _one_index(indices: list[Any], ndim: int) -> tuple[int, Any] | None:
-    """(d, index) when `indices` is Nones then one integer tensor every rank holds alike;
-    else None."""
+def _one_index(indices: list[Any], ndim: int, masks: bool = False) -> tuple[int, Any] | None:
+    """(d, index) when `indices` is Nones then one integer tensor every rank holds alike
+    (with `masks`, also a 1-d boolean mask over `d`); else None."""
     found = [(d, t) for d, t in enumerate(indices) if t is not None]
     if len(found) != 1 or len(indices) > ndim:
         return None
     d, index = found[0]
     if isinstance(index, ShardedTensor) and not is_replicated(index._layout):
         return None
-    if index.dtype not in (torch.int64, torch.int32):
-        return None  # a boolean mask's result size depends on its values
-    return d, whole_or_plain(index)
+    if index.dtype in (torch.int64, torch.int32) or (
+        masks and index.dtype in (torch.bool, torch.uint8) and index.ndim == 1
+    ):
+        return d, whole_or_plain(index)
+    return None
+
+
+def _mask_fits(mask: torch.Tensor, st: ShardedTensor, d: int) -> None:
+    """torch's IndexError (on every rank, the mask being the same) for a mask whose
+    length is not the dimension's."""
+    if mask.shape[0] != st.shape[d]:
+        raise IndexError(
+            f"The shape of the mask [{mask.shape[0]}] at index {d} does not match the shape "
+            f"of the indexed tensor {list(st.shape)} at index {d}"
+        )
+
+
+def _masked(st: ShardedTensor, d: int, mask: torch.Tensor) -> ShardedTensor:
+    """`st` indexed by a boolean `mask` along `d`: every rank holds the mask, so each
+    works out every block's place in the result from the mask's running count (O(B)
+    for B blocks in the layout, the count O(n) once) and keeps its rows. No
+    communication, whether `d` is sharded or not."""
+    _mask_fits(mask, st, d)
+    mask = mask.to(torch.bool)
+    before = torch.zeros(mask.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(mask.cpu(), 0, out=before[1:])
+    at = before.tolist()  # at[i]: the kept positions before position i
+    shape = tuple(st.shape[:d]) + (at[-1],) + tuple(st.shape[d + 1 :])
+
+    def kept(b: Block) -> Block:
+        lo, hi = b.offsets[d], b.offsets[d] + b.sizes[d]
+        if b.is_empty() or at[hi] == at[lo]:
+            return Block((0,) * len(shape), (0,) * len(shape))
+        offsets, sizes = list(b.offsets), list(b.sizes)
+        offsets[d], sizes[d] = at[lo], at[hi] - at[lo]
+        return Block(tuple(offsets), tuple(sizes))
+
+    layout = Layout(
+        shape,
+        {r: [kept(b) for b in blocks] for r, blocks in enumerate(st._layout.blocks)},
+        st._layout.world_size,
+    )
+    mask = mask.to(st.device)
+    shards = []
+    for shard, b, nb in zip(st._shards, st._layout.blocks_of(st._rank), layout.blocks_of(st._rank)):
+        if nb.is_empty():  # an empty block's shard has its (zero) sizes
+            shards.append(shard.new_empty(nb.sizes))
+            continue
+        part = mask[b.offsets[d] : b.offsets[d] + b.sizes[d]]
+        shards.append(shard[(slice(None),) * d + (part,)])
+    return st._with_layout(layout, shards, dtype=st.dtype, device=st.device)
 
 
 def _checked(index: torch.Tensor, size: int) -> torch.Tensor:
@@ -108,10 +159,17 @@ def _lookup(st: ShardedTensor, d: int, index: torch.Tensor) -> ShardedTensor:
 def _index(func: Any, args: tuple, kwargs: dict) -> Any:
     a = named(func, args, kwargs)
     st = a["self"]
-    found = _one_index(list(a["indices"]), st.ndim) if isinstance(st, ShardedTensor) else None
+    found = (
+        _one_index(list(a["indices"]), st.ndim, masks=True)
+        if isinstance(st, ShardedTensor)
+        else None
+    )
     if found is None:
         return fallback(func, args, kwargs)
-    return _lookup(st, *found)
+    d, index = found
+    if not index.is_floating_point() and index.dtype in (torch.bool, torch.uint8):
+        return _masked(st, d, index)
+    return _lookup(st, d, index)
 
 
 def _along(a: dict) -> tuple[ShardedTensor, int, torch.Tensor] | None:
@@ -158,9 +216,15 @@ def _write(
 
 
 def _one_dim_index(a: dict, st: Any) -> tuple[int, torch.Tensor] | None:
+    """(d, integer positions) of a write's one index along `d` (a mask: its positions)."""
     if not isinstance(st, ShardedTensor):
         return None
-    return _one_index(list(a["indices"]), st.ndim)
+    found = _one_index(list(a["indices"]), st.ndim, masks=True)
+    if found is not None and found[1].dtype in (torch.bool, torch.uint8):
+        d, mask = found
+        _mask_fits(mask, st, d)
+        return d, mask.to(torch.bool).nonzero().reshape(-1)
+    return found
 
 
 @_handles(aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)

@@ -780,7 +780,7 @@ def test_targets_on_each_device_are_read_once(
         return _load_one(comm, target, path, True), target
 
     out = world.run(one)
-    for rank, (read, target) in enumerate(out):
+    for rank, (_read, target) in enumerate(out):
         _exact_on(target, loaded, rank, device)
     assert sum(read for read, _t in out) == 3 * NBYTES  # every stored byte read once
     held = [sum(s.numel() * 4 for s in shard_of(FULL["a"], loaded, r)) * 3 for r in range(W)]
