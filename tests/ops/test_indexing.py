@@ -83,12 +83,17 @@ def _gather_scatter(rank: int, world: int) -> dict[str, Any]:
     )
     idx = x.argsort(1)  # row-sharded
     g2 = whole.gather(1, idx)  # torch's gather, not the legacy collective
-    out["replicated self"] = (g2.layout_spec == rows, torch.equal(g2.full_tensor(), g.full_tensor()))
+    out["replicated self"] = (
+        g2.layout_spec == rows,
+        torch.equal(g2.full_tensor(), g.full_tensor()),
+    )
     # a plain self written per block of the index's layout (what a backward does)
     s = torch.zeros(7, 6, dtype=torch.float64).scatter(1, idx, x)
     out["plain self"] = (
         isinstance(s, sw.ShardedTensor) and s.layout_spec == rows,
-        torch.equal(s.full_tensor(), torch.zeros(7, 6, dtype=torch.float64).scatter(1, order, full)),
+        torch.equal(
+            s.full_tensor(), torch.zeros(7, 6, dtype=torch.float64).scatter(1, order, full)
+        ),
     )
     x.scatter_(1, order[:, :1], -1.0)  # in place into the blocks
     want = full.clone().scatter_(1, order[:, :1], -1.0)
