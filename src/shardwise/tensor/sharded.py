@@ -621,9 +621,9 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         if index is None and isinstance(out, torch.Tensor) and _an_index(out, self.dtype):
             index, out = out, None
         if index is not None or kwargs:  # torch's own TypeError for a missing index
-            return torch.gather(
-                self, dst, index, **kwargs, **({"out": out} if out is not None else {})
-            )
+            if out is not None:
+                kwargs["out"] = out
+            return torch.gather(self, dst, index, **kwargs)
         if out is None:
             return provided("gather")(self, dst)
         return provided("gather_into")(self, dst, out)
