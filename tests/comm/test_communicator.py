@@ -30,3 +30,16 @@ def test_after_the_script_destroyed_the_default_group_nothing_is_done():
     dist.destroy_process_group()
     communicator._destroy_made()
     assert communicator._MADE == [] and not dist.is_initialized()
+
+
+def test_a_gloo_group_carries_host_tensors_only():
+    """gloo lists CUDA among its devices but stages a CUDA tensor through host memory: a
+    load sends CUDA values over a group only where NCCL is bound to CUDA."""
+    from shardwise.comm.communicator import ProcessGroupCommunicator
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        comm = ProcessGroupCommunicator(None)
+        assert [comm.carries(d) for d in ("cpu", "cuda", "meta")] == [True, False, False]
+    finally:
+        dist.destroy_process_group()

@@ -119,7 +119,8 @@ def test_train_resume_killed_and_resumed_on_three_ranks_ends_bit_exact(tmp_path:
         "train_resume.py", 2, "--root", str(killed), *steps, "--die-at-step", "7"
     )
     assert code != 0, out + err
-    assert sorted(re.findall(r"^rank (\d): dying after step 7", out, re.MULTILINE)) == ["0", "1"]
+    dying = re.findall(r"^rank (\d): dying after step 7", out, re.MULTILINE)
+    assert sorted(dying) == ["0", "1"], out + err
     assert "digest:" not in out
     assert sorted(_losses(out)) == list(range(1, 8))
     latest = swc.CheckpointManager(killed).latest()  # the save of step 6 may not have committed

@@ -35,7 +35,7 @@ class Case:
     integer_inputs: tuple[int, ...] = field(default=())
 
 
-_SPANS1 = ("rows", "replicated")  # layouts whose blocks span dim 1
+_SPANS1 = ("rows", "blocks", "replicated")  # layouts whose blocks span dim 1
 _MASK7 = torch.tensor([True, False, False, True, True, False, True])
 _MASK6 = torch.tensor([False, True, True, False, True, True])
 
@@ -162,6 +162,22 @@ CASES: list[Case] = [
         layouts=_SPANS1,
     ),  # fmt: skip
     Case("flip", ((7, 6),), lambda x: x.flip(0, 1) * 2, exact=True),
+    # a flipped layout's empty blocks still span dim 1: cumsum per block
+    Case("flip_cumsum", ((7, 6),), lambda x: x.flip(0).cumsum(1), layouts=_SPANS1),
+    # a sharded operand smaller than the result: its blocks seen through its shape
+    Case("bcast_scale", ((7, 6), (7,)), lambda x, s: x * s[:, None], sharded=(0, 1)),  # grads: sums
+    Case(
+        "bcast_up",
+        ((7,),),
+        lambda s: s[:, None] + torch.arange(6.0, dtype=torch.float64),
+        exact=True,
+    ),
+    Case(
+        "bcast_mask_mul",
+        ((7, 6), (7,)),
+        lambda x, s: (s[:, None] > 0) * x + s[:, None],
+        sharded=(0, 1),
+    ),
     Case("flip_rows", ((7, 6),), lambda x: x.flip(0) * 2, exact=True),
     # a boolean mask every rank holds, along either dim: per block, placed by its count
     Case("mask_rows", ((7, 6),), lambda x: x[_MASK7] * 2, exact=True),

@@ -120,3 +120,66 @@ def test_gather_and_scatter_along_a_dim_every_block_spans() -> None:
             "sharded dim": (True, ["aten.gather.default"]),
             "legacy": True if rank == 1 else None,
         }, rank
+
+
+def _refused(rank: int, world: int) -> dict[str, str]:
+    """What each call raised (type: message) on this rank, rows 4 : 0 : 3."""
+    full = torch.arange(42, dtype=torch.float64).reshape(7, 6)
+    rows = Layout.row_wise((7, 6), [4, 0, 3])
+    x = sw.ShardedTensor.from_layout(
+        rows, [full[b.slices()].clone() for b in rows.blocks_of(rank)], dtype=full.dtype
+    )
+    order = full.argsort(1)
+    bad = order.clone()
+    bad[0, 0] = 99  # a plain index every rank holds, out of range in row 0 (rank 0's)
+    calls = {
+        "gather dim 3": lambda: torch.gather(x, 3, order),
+        "scatter dim -3": lambda: torch.zeros_like(x).scatter(-3, order, x),
+        "flip dim 3": lambda: x.flip(3),
+        "flip dim twice": lambda: x.flip(0, 0),
+        "sort dim 3": lambda: x.sort(3),
+        "topk dim 2": lambda: x.topk(1, 2),
+        "gather index 99": lambda: torch.gather(x, 1, bad),
+        "gather without index": lambda: x.gather(dim=1),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "returned"
+        except Exception as e:  # noqa: BLE001 - what each raised is the observation
+            out[name] = type(e).__name__
+    # torch.gather's form on an integer tensor: an index of another shape is no legacy `out`
+    xi = sw.ShardedTensor.from_layout(
+        rows, [full[b.slices()].long() for b in rows.blocks_of(rank)], dtype=torch.int64
+    )
+    picked = xi.gather(1, order[:, :2])
+    out["integer gather"] = str(
+        torch.equal(picked.full_tensor(), full.long().gather(1, order[:, :2]))
+    )
+    return out
+
+
+def test_a_bad_dim_or_index_raises_torchs_error_on_every_rank() -> None:
+    """A rank with no rows (rank 1) raises as the others do: the rules leave a bad dim, or
+    an index every rank holds that is out of range, to the fallback, whose run on the
+    whole tensors raises torch's error everywhere."""
+    want = {}
+    full = torch.zeros(7, 6)
+    for name, call in {
+        "gather dim 3": lambda: torch.gather(full, 3, full.long()),
+        "scatter dim -3": lambda: full.scatter(-3, full.long(), full),
+        "flip dim 3": lambda: full.flip(3),
+        "flip dim twice": lambda: full.flip(0, 0),
+        "sort dim 3": lambda: full.sort(3),
+        "topk dim 2": lambda: full.topk(1, 2),
+        "gather index 99": lambda: torch.gather(full, 1, torch.full((7, 6), 99)),
+        "gather without index": lambda: full.gather(dim=1),
+    }.items():
+        with pytest.raises(Exception) as caught:  # noqa: PT011 - torch's own type, recorded
+            call()
+        want[name] = caught.type.__name__
+    want["integer gather"] = "True"
+    assert want["gather dim 3"] == "IndexError" and want["gather without index"] == "TypeError"
+    for rank, out in enumerate(run_ranks(_refused, 3, timeout=60)):
+        assert out == want, rank

@@ -179,9 +179,14 @@ class ProcessGroupCommunicator(Communicator):
         return t.tolist()
 
     def carries(self, device_type: str) -> bool:
-        # a backend for the device type: NCCL ("nccl", "cpu:gloo,cuda:nccl") for "cuda"
+        # "cuda": NCCL bound to it ("nccl", "cpu:gloo,cuda:nccl"); gloo also lists CUDA
+        # among its devices, but stages a CUDA tensor through host memory on every rank
+        if device_type == "cpu":
+            return True
         pg: Any = self.group if self.group is not None else dist.group.WORLD
-        return device_type == "cpu" or torch.device(device_type) in pg._device_types
+        if device_type != "cuda" or torch.device("cuda") not in pg._device_types:
+            return False
+        return "nccl" in str(dist.get_backend(pg)).lower()
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         # a host tensor on a device-only group (NCCL) goes over its gloo side group

@@ -41,7 +41,7 @@ from .fallback import fallback
 from .linalg import _product_layout
 from .pending import later
 from .per_shard import named, registrar
-from .reductions import spans, widened
+from .reductions import in_range, spans, widened
 
 __all__ = ["INDEXING_HANDLERS"]
 
@@ -279,6 +279,20 @@ def _blocks_of(x: Any, layout: Layout, rank: int) -> list[torch.Tensor]:
     return [x[b.slices()] for b in layout.blocks_of(rank)]
 
 
+def _plain_fits(st: Any, index: Any, dim: int) -> bool:
+    """Whether a rule may run: `dim` names a dim of `self` (not 0-d), and an index every
+    rank holds (plain, or replicated) is in range there: the fallback's run on the whole
+    tensors raises torch's error for either on every rank. (A sharded index is checked
+    by each block's op, on the ranks holding it, as DTensor's.)"""
+    if st.ndim == 0 or not in_range(dim, st.ndim):
+        return False
+    if isinstance(index, ShardedTensor) and not is_replicated(index._layout):
+        return True
+    index = whole_or_plain(index)
+    size = st.shape[dim % st.ndim]
+    return not index.numel() or (-size <= int(index.min()) and int(index.max()) < size)
+
+
 def _gather_layouts(st: Any, index: Any, d: int) -> tuple[Layout, Layout] | None:
     """(the index's layout, self's) for a rule along `d`, or None: the index's blocks
     (its own layout, else self's cut to its size along `d`) must span `d`."""
@@ -300,10 +314,11 @@ def _gather_layouts(st: Any, index: Any, d: int) -> tuple[Layout, Layout] | None
 def _gather(func: Any, args: tuple, kwargs: dict) -> Any:
     a = named(func, args, kwargs)
     st, index = a["self"], a["index"]
-    d = a["dim"] % max(st.ndim, 1)
     found = None
-    if st.ndim and not a["sparse_grad"] and _rows_alike(st.shape, index.shape, d):
-        found = _gather_layouts(st, index, d)
+    if _plain_fits(st, index, a["dim"]) and not a["sparse_grad"]:
+        d = a["dim"] % st.ndim
+        if _rows_alike(st.shape, index.shape, d):
+            found = _gather_layouts(st, index, d)
     if found is None:
         return fallback(func, args, kwargs)
     at, need = found
@@ -342,10 +357,11 @@ def _scatter(func: Any, args: tuple, kwargs: dict) -> Any:
     st, index = a["self"], a["index"]
     src = args[3] if len(args) > 3 else None  # a tensor, or the value written
     in_place = func in _SCATTERS_IN_PLACE
+    fits = _plain_fits(st, index, a["dim"])
     d = a["dim"] % max(st.ndim, 1)
     layouts = None
     if (
-        st.ndim
+        fits
         and len(args) > 3
         and not any(isinstance(v, torch.Tensor) for v in kwargs.values())
         and _rows_alike(st.shape, index.shape, d)

@@ -5,6 +5,14 @@ Operands in different layouts are brought to one first (`aligned`): a
 replicated operand (a plain parameter promoted, a reduction's result) takes
 its blocks locally, for free; another layout of the same shape is
 redistributed (each element this rank lacks received once).
+
+A sharded operand smaller than the result (broadcast: `x * scale[:, None]`,
+`idx[:, None] == torch.arange(n)`) takes the blocks the result's need of it
+(`_broadcast`): the result's layout is the first full-size operand's, or the
+operand's own spread along the dims it broadcasts; each of the result's blocks
+needs that block seen through the operand's shape (its size-1 dims whole),
+which it holds already when laid out alike (a batch-sharded `[B, 1]` against a
+batch-sharded `[B, D]`): nothing moves, where the rule used to gather it whole.
 """
 
 from __future__ import annotations
@@ -14,10 +22,11 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from ..layout import Block, Layout
 from ..tensor import ShardedTensor
-from .exchange import is_replicated, local_in, whole
+from .exchange import is_replicated, local_in
 from .fallback import fallback
-from .per_shard import is_inplace, per_shard, sharded_args, tensors_in, wrap
+from .per_shard import is_inplace, per_shard, result_meta, sharded_args, tensors_in, wrap
 
 __all__ = ["aligned", "pointwise"]
 
@@ -29,7 +38,8 @@ def aligned(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
 
     The layout is the first operand's for an in-place op, else the first non-replicated
     one of the result's shape. A replicated operand takes its blocks locally, another of
-    the same shape is redistributed, a smaller sharded one (broadcast) is taken whole.
+    the same shape is redistributed; a smaller sharded one (broadcast) is `_broadcast`'s
+    (None here).
     """
     found = tensors_in(args, kwargs)
     sharded = [x for x in found if isinstance(x, ShardedTensor)]
@@ -42,10 +52,10 @@ def aligned(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         x._layout is first._layout and x._rank == first._rank for x in sharded
     ):  # one layout object: nothing to align (and a layout not learned yet stays so)
         return args, kwargs
+    if any(tuple(x.shape) != shape for x in sharded):
+        return None
     if is_inplace(func):
         ref = sharded[0]
-        if tuple(ref.shape) != shape:
-            return None
     else:
         candidates = [x for x in sharded if tuple(x.shape) == shape]
         if not candidates:
@@ -59,10 +69,8 @@ def aligned(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not isinstance(x, ShardedTensor) or x._layout == ref._layout or x is ref:
             return x
         if id(x) not in converted:
-            if tuple(x.shape) == tuple(ref.shape):
-                converted[id(x)] = ref._with_layout(ref._layout, local_in(x, ref._layout))
-            else:
-                converted[id(x)] = whole(x)
+            shards = local_in(x, ref._layout)
+            converted[id(x)] = ref._with_layout(ref._layout, shards, dtype=x.dtype, device=x.device)
         return converted[id(x)]
 
     if is_inplace(func):
@@ -78,7 +86,8 @@ def pointwise(func: Any, args: tuple, kwargs: dict) -> Any:
         )
     ready = aligned(func, args, kwargs)
     if ready is None:
-        return fallback(func, args, kwargs)
+        done = _broadcast(func, args, kwargs)
+        return fallback(func, args, kwargs) if done is None else done
     args, kwargs = ready
     results = per_shard(func, args, kwargs)
     if "out" in kwargs:
@@ -87,3 +96,110 @@ def pointwise(func: Any, args: tuple, kwargs: dict) -> Any:
         return args[0]
     ref = next(x for x in sharded_args(args, kwargs))
     return wrap(func, ref, results, args, kwargs)
+
+
+# -- broadcasting: sharded operands smaller than the result ------------------------------
+
+
+def _empty(ndim: int) -> Block:
+    return Block((0,) * ndim, (0,) * ndim)
+
+
+def _seen_as(layout: Layout, shape: tuple[int, ...]) -> Layout | None:
+    """What each block of `layout` (the result's) needs of an operand of `shape`
+    broadcast to it: the block with the operand's size-1 dims whole and its missing
+    leading dims dropped; None when `shape` does not broadcast."""
+    full = layout.global_shape
+    lead = len(full) - len(shape)
+    if lead < 0:
+        return None
+    for d, n in enumerate(shape):
+        if n not in (1, full[d + lead]):
+            return None
+
+    def image(b: Block) -> Block:
+        if b.is_empty():
+            return _empty(len(shape))
+        offsets = tuple(
+            0 if n != full[d + lead] else b.offsets[d + lead] for d, n in enumerate(shape)
+        )
+        sizes = tuple(1 if n != full[d + lead] else b.sizes[d + lead] for d, n in enumerate(shape))
+        return Block(offsets, sizes)
+
+    blocks = {r: [image(b) for b in rank_blocks] for r, rank_blocks in enumerate(layout.blocks)}
+    return Layout(shape, blocks, layout.world_size)
+
+
+def _spread(layout: Layout, shape: tuple[int, ...]) -> Layout:
+    """`layout` of an operand broadcast to `shape`: each block whole along the dims the
+    operand broadcasts (its size-1 ones and the new leading ones)."""
+    own = layout.global_shape
+    lead = len(shape) - len(own)
+
+    def image(b: Block) -> Block:
+        if b.is_empty():
+            return _empty(len(shape))
+        offsets = [0] * lead + [
+            b.offsets[d] if own[d] == shape[d + lead] else 0 for d in range(len(own))
+        ]
+        sizes = list(shape[:lead]) + [
+            b.sizes[d] if own[d] == shape[d + lead] else shape[d + lead] for d in range(len(own))
+        ]
+        return Block(tuple(offsets), tuple(sizes))
+
+    blocks = {r: [image(b) for b in rank_blocks] for r, rank_blocks in enumerate(layout.blocks)}
+    return Layout(shape, blocks, layout.world_size)
+
+
+def _broadcast(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`func` on operands some of which are sharded and smaller than the result (see the
+    module's note), or None (the fallback's) when they do not broadcast so."""
+    if "out" in kwargs:
+        return None
+    found = tensors_in(args, kwargs)
+    sharded = [x for x in found if isinstance(x, ShardedTensor)]
+    try:
+        shape = tuple(torch.broadcast_shapes(*(x.shape for x in found)))
+    except RuntimeError:
+        return None  # torch's own error, from the fallback's run on whole tensors
+    whole = [x for x in sharded if tuple(x.shape) == shape]
+    if is_inplace(func):
+        if not whole or whole[0] is not args[0]:
+            return None
+        ref = args[0]
+        out = ref._layout
+    else:
+        ref = next(
+            (x for x in whole if not is_replicated(x._layout)),
+            next((x for x in sharded if not is_replicated(x._layout)), sharded[0]),
+        )
+        out = ref._layout if tuple(ref.shape) == shape else _spread(ref._layout, shape)
+    if any(x._rank != ref._rank for x in sharded):
+        return None
+    shards: dict[int, list[torch.Tensor]] = {}
+    for x in sharded:
+        if id(x) in shards:
+            continue
+        need = out if tuple(x.shape) == shape else _seen_as(out, tuple(x.shape))
+        if need is None:
+            return None
+        shards[id(x)] = x._shards if x._layout == need else local_in(x, need)
+    blocks = out.blocks_of(ref._rank)
+    results = []
+    for i, block in enumerate(blocks):
+
+        def pick(x: Any, i: int = i, block: Block = block) -> Any:
+            if isinstance(x, ShardedTensor):
+                return shards[id(x)][i]
+            if isinstance(x, torch.Tensor) and x.dim() > 0:
+                return x.expand(shape)[block.slices()]
+            return x
+
+        a, k = tree_map(pick, (args, kwargs))
+        results.append(func(*a, **k))
+    if is_inplace(func):
+        return args[0]
+    if results:
+        return ref._with_layout(out, results)
+    dtype, device = result_meta(func, args, kwargs)
+    return ref._with_layout(out, [], dtype=dtype, device=device)

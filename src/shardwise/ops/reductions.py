@@ -40,7 +40,7 @@ from .fallback import fallback
 from .pending import later
 from .per_shard import named, registrar, sharded_args
 
-__all__ = ["REDUCTION_HANDLERS", "project", "spans", "summed", "widened"]
+__all__ = ["REDUCTION_HANDLERS", "in_range", "project", "spans", "summed", "widened"]
 
 aten = torch.ops.aten
 
@@ -48,6 +48,17 @@ REDUCTION_HANDLERS: dict[Any, Callable[[Any, tuple, dict], Any]] = {}
 
 
 _handles = registrar(REDUCTION_HANDLERS)
+
+
+def in_range(dim: Any, ndim: int) -> bool:
+    """Whether `dim` (an int, a list of them, or None) names dims of an `ndim`-dim tensor
+    once each, as torch requires (a 0-d tensor takes 0 and -1); a rule leaves any other
+    to the fallback, whose run on the whole tensor raises torch's error on every rank."""
+    if dim is None:
+        return True
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    bound = max(ndim, 1)
+    return all(-bound <= d < bound for d in dims) and len({d % bound for d in dims}) == len(dims)
 
 
 def _dims(dim: Any, ndim: int) -> tuple[int, ...]:
@@ -62,10 +73,11 @@ def _dims(dim: Any, ndim: int) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=4096)
 def spans(layout: Layout, dims: tuple[int, ...]) -> bool:
-    """Every block covers `dims` whole, so work along them is local to each block."""
+    """Every block covers `dims` whole, so work along them is local to each block (an
+    empty block, however its box is written, holds nothing to work on)."""
     shape = layout.global_shape
     return all(
-        b.offsets[d] == 0 and b.sizes[d] == shape[d]
+        b.is_empty() or (b.offsets[d] == 0 and b.sizes[d] == shape[d])
         for rank_blocks in layout.blocks
         for b in rank_blocks
         for d in dims
@@ -410,6 +422,8 @@ def _along(dim_arg: str, *, keeps_shape: bool) -> Callable[[Any, tuple, dict], A
         sharded = sharded_args(args, kwargs)
         ref = sharded[0]
         a = named(func, args, kwargs)
+        if not in_range(a.get(dim_arg), ref.ndim):
+            return fallback(func, args, kwargs)  # torch's IndexError, on every rank
         dims = _dims(a.get(dim_arg), ref.ndim)
         if ref.ndim and not spans(ref._layout, dims):
             across = _ACROSS.get(func)
@@ -508,7 +522,7 @@ def _topk(func: Any, args: tuple, kwargs: dict) -> Any:
     """`topk` along a dim every block spans: per block, that dim cut to `k`."""
     a = named(func, args, kwargs)
     st = a["self"]
-    if not isinstance(st, ShardedTensor) or st.ndim == 0:
+    if not isinstance(st, ShardedTensor) or st.ndim == 0 or not in_range(a["dim"], st.ndim):
         return fallback(func, args, kwargs)
     d = a["dim"] % st.ndim
     if not spans(st._layout, (d,)):

@@ -27,6 +27,7 @@ from ..tensor import ShardedTensor
 from .exchange import is_replicated, replicated
 from .fallback import fallback
 from .per_shard import named, registrar, sharded_args
+from .reductions import in_range
 
 __all__ = ["SHAPE_HANDLERS"]
 
@@ -140,6 +141,8 @@ def _flip(func: Any, args: tuple, kwargs: dict) -> Any:
     flipped (a copy, as torch's). No communication."""
     a = named(func, args, kwargs)
     st = a["self"]
+    if not in_range(a["dims"], st.ndim):
+        return fallback(func, args, kwargs)  # torch's error, on every rank
     dims = tuple(sorted({d % st.ndim for d in a["dims"]})) if st.ndim else ()
     shape = tuple(st.shape)
 

@@ -615,12 +615,13 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         `st.gather(dim, index)` with an integer `index` on a non-integer tensor, or
         any of `dim=` / `index=` / `sparse_grad=`, is `torch.gather` (on every rank);
         on an integer tensor the positional form is the legacy collective."""
+        torch_form = bool(kwargs)  # dim=, index=, sparse_grad=: torch's names
         index = kwargs.pop("index", None)
         if "dim" in kwargs:
             dst = kwargs.pop("dim")
-        if index is None and isinstance(out, torch.Tensor) and _an_index(out, self.dtype):
+        if index is None and isinstance(out, torch.Tensor) and _an_index(out, self):
             index, out = out, None
-        if index is not None or kwargs:  # torch's own TypeError for a missing index
+        if index is not None or torch_form:  # torch's own TypeError for a missing index
             if out is not None:
                 kwargs["out"] = out
             return torch.gather(self, dst, index, **kwargs)
@@ -718,8 +719,11 @@ def _rebuild(
     )
 
 
-def _an_index(t: torch.Tensor, dtype: torch.dtype) -> bool:
+def _an_index(t: torch.Tensor, st: ShardedTensor) -> bool:
     """Whether `t`, passed where the legacy `gather` takes `out`, is `torch.gather`'s
-    index: integers, where the tensor's values are not (a legacy `out` has its dtype)."""
-    integer = not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
-    return integer and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    index: integers, and not what a legacy `out` is (a plain tensor of the tensor's
+    global shape and dtype). Only an integer plain tensor of exactly that shape, for an
+    integer ShardedTensor, is taken as `out`."""
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        return False
+    return isinstance(t, ShardedTensor) or t.dtype != st.dtype or t.shape != st.shape

@@ -269,9 +269,12 @@ def send(
     it holds, a target that cannot take bytes takes them in scratch, and the
     verdict raises the problem everywhere."""
     rank, problem = comm.rank, None
+    devices: set[torch.device] = set()  # CUDA devices broadcast into
     for reader, keys, nbytes, device in batches:
         # a batch's values are on one device type; on "cuda", this rank's device
         at_device = torch.device(device) if device == "cpu" else targets[keys[0]].device
+        if at_device.type == "cuda":
+            devices.add(at_device)
         try:
             views = [_bytes(targets[key]) for key in keys]
         except RuntimeError as e:  # never a skipped broadcast: the others would wait
@@ -290,6 +293,8 @@ def send(
             for view in views:
                 view.copy_(flat[at : at + view.numel()])
                 at += view.numel()
+    for cuda in devices:  # the load returns its targets filled, for any stream
+        torch.cuda.current_stream(cuda).synchronize()
     return problem
 
 
