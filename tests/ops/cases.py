@@ -37,6 +37,9 @@ class Case:
 
 _SPANS1 = ("rows", "blocks", "replicated")  # layouts whose blocks span dim 1
 _MASK7 = torch.tensor([True, False, False, True, True, False, True])
+_T7 = torch.tensor([0, 5, 2, 2, 1, 3, 4])  # a class per row
+_W6 = torch.tensor([0.5, 1.0, 2.0, 1.5, 0.25, 3.0], dtype=torch.float64)
+_T2D = torch.arange(2 * 4 * 5).reshape(2, 4, 5) % 3  # a class per pixel
 _MASK6 = torch.tensor([False, True, True, False, True, True])
 
 
@@ -179,6 +182,33 @@ CASES: list[Case] = [
         sharded=(0, 1),
     ),
     Case("flip_rows", ((7, 6),), lambda x: x.flip(0) * 2, exact=True),
+    # nll_loss (cross_entropy) on inputs whose blocks span the classes: per block, the
+    # loss a pending sum (the mean: each part over the targets' total weight)
+    Case("cross_entropy", ((7, 6),), lambda x: F.cross_entropy(x, _T7), layouts=_SPANS1),
+    Case(
+        "cross_entropy_weight_ignore_sum",
+        ((7, 6),),
+        lambda x: F.cross_entropy(x, _T7, weight=_W6, ignore_index=2, reduction="sum"),
+        layouts=_SPANS1,
+    ),
+    Case(
+        "nll_loss_weight_mean",
+        ((7, 6),),
+        lambda x: F.nll_loss(F.log_softmax(x, 1), _T7, weight=_W6, ignore_index=5),
+        layouts=_SPANS1,
+    ),
+    Case(
+        "nll_loss_none",
+        ((7, 6),),
+        lambda x: F.nll_loss(x, _T7, reduction="none") * 2,
+        exact=True,
+        layouts=_SPANS1,
+    ),
+    Case("cross_entropy_2d", ((2, 3, 4, 5),), lambda x: F.cross_entropy(x, _T2D)),
+    # a block's part of the triangle, its diagonal shifted by where it starts
+    Case("tril", ((7, 6),), lambda x: x.tril() * 2, exact=True),
+    Case("triu_k", ((7, 6),), lambda x: x.triu(-2) * 2, exact=True),
+    Case("tril_batched", ((3, 5, 4),), lambda x: torch.tril(x, 1) * 2, exact=True),
     # a boolean mask every rank holds, along either dim: per block, placed by its count
     Case("mask_rows", ((7, 6),), lambda x: x[_MASK7] * 2, exact=True),
     Case("mask_cols", ((7, 6),), lambda x: x[:, _MASK6] * 2, exact=True),

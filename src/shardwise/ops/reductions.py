@@ -35,7 +35,14 @@ from torch.utils._pytree import tree_map
 
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
-from .exchange import all_reduce, local_in, primary_blocks, replicated, whole_or_plain
+from .exchange import (
+    all_reduce,
+    is_replicated,
+    local_in,
+    primary_blocks,
+    replicated,
+    whole_or_plain,
+)
 from .fallback import fallback
 from .pending import later
 from .per_shard import named, registrar, sharded_args
@@ -533,6 +540,110 @@ def _topk(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 REDUCTION_HANDLERS[aten.topk.default] = _topk
+
+
+# -- nll_loss (what cross_entropy becomes) on inputs whose blocks span the classes ----
+#
+# The loss of each sample (and each pixel, for `nll_loss2d`) reads its own row of
+# classes only: where every block of the input spans dim 1 (a batch- or
+# pixel-sharded input), each block's loss is its own. Its sum over this rank's
+# blocks is a part of a pending sum (one all-reduce of 1 element on first use); a
+# mean divides each part by the total weight of the targets first (every rank
+# works it out from a target it holds whole; from a sharded target, one all-reduce
+# of 1 element at once). The backward is per block, given that total. DTensor
+# does the same for a batch-sharded input.
+
+
+def _nll_operands(a: dict) -> tuple[ShardedTensor, list[Any], list[int]] | None:
+    """(input, this rank's target for each of its blocks, the blocks it counts once) when
+    the rule applies: the input's blocks span the classes (dim 1), a target it can take
+    per block (plain, replicated, or sharded as the input without dim 1)."""
+    st, target = a["self"], a["target"]
+    if not isinstance(st, ShardedTensor) or st.ndim < 2 or not spans(st._layout, (1,)):
+        return None
+    weight = a.get("weight")
+    if isinstance(weight, ShardedTensor) and not is_replicated(weight._layout):
+        return None
+    rows = project(st._layout, (1,), False)  # the target's blocks, as the input's
+    blocks = rows.blocks_of(st._rank)
+    if isinstance(target, ShardedTensor) and not is_replicated(target._layout):
+        targets = local_in(target, rows)
+    else:
+        whole_target = whole_or_plain(target)
+        targets = [whole_target[b.slices()] for b in blocks]
+    return st, targets, primary_blocks(st._layout, st._rank)
+
+
+def _total_weight(a: dict, st: ShardedTensor, targets: list[Any], mine: list[int]) -> Any:
+    """The weight of the targets not ignored, summed over the whole batch (a 0-d tensor
+    every rank holds)."""
+    weight = a.get("weight")
+    weight = None if weight is None else whole_or_plain(weight)
+    target = a["target"]
+    shared = not isinstance(target, ShardedTensor) or is_replicated(target._layout)
+    picked = [whole_or_plain(target)] if shared else [targets[i] for i in mine]
+    total = torch.zeros((), dtype=st.dtype, device=st.device)
+    for t in picked:
+        kept = t[t != a["ignore_index"]]
+        total = total + (kept.numel() if weight is None else weight[kept].sum().to(st.dtype))
+    if not shared:
+        all_reduce(total, dist.ReduceOp.SUM, st)
+    return total
+
+
+def _nll_loss(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    found = _nll_operands(a)
+    if found is None or a["reduction"] not in (0, 1, 2):
+        return fallback(func, args, kwargs)
+    st, targets, mine = found
+    weight = a.get("weight")
+    weight = None if weight is None else whole_or_plain(weight)
+    ignore, reduction = a["ignore_index"], a["reduction"]
+    total = _total_weight(a, st, targets, mine)
+    total_st = st._with_layout(replicated((), st._layout.world_size), [total])
+    if reduction == 0:  # one loss per sample: the target's blocks
+        outs = [func(x, t, weight, 0, ignore)[0] for x, t in zip(st._shards, targets)]
+        rows = project(st._layout, (1,), False)
+        return st._with_layout(rows, outs, dtype=st.dtype, device=st.device), total_st
+    part = torch.zeros((), dtype=st.dtype, device=st.device)
+    for i in mine:
+        part = part + func(st._shards[i], targets[i], weight, 2, ignore)[0]
+    if reduction == 1:
+        part = part / total
+    return later(part, "sum", st), total_st
+
+
+def _nll_loss_backward(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    found = _nll_operands(a)
+    if found is None:
+        return fallback(func, args, kwargs)
+    st, targets, _mine = found
+    weight = a.get("weight")
+    weight = None if weight is None else whole_or_plain(weight)
+    total = whole_or_plain(a["total_weight"])
+    grad = a["grad_output"]
+    if a["reduction"] == 0:
+        rows = project(st._layout, (1,), False)
+        if isinstance(grad, ShardedTensor) and not is_replicated(grad._layout):
+            grads = local_in(grad, rows)
+        else:
+            g = whole_or_plain(grad)
+            grads = [g[b.slices()] for b in rows.blocks_of(st._rank)]
+    else:
+        grads = [whole_or_plain(grad)] * len(st._shards)
+    shards = [
+        func(g, x, t, weight, a["reduction"], a["ignore_index"], total)
+        for g, x, t in zip(grads, st._shards, targets)
+    ]
+    return st._with_layout(st._layout, shards, dtype=st.dtype, device=st.device)
+
+
+for _op in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default):
+    REDUCTION_HANDLERS[_op] = _nll_loss
+for _op in (aten.nll_loss_backward.default, aten.nll_loss2d_backward.default):
+    REDUCTION_HANDLERS[_op] = _nll_loss_backward
 
 
 # -- layer norm: local when every block spans the normalised dimensions ------------

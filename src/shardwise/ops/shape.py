@@ -157,6 +157,24 @@ def _flip(func: Any, args: tuple, kwargs: dict) -> Any:
     return _result(st, layout, lambda s, b, nb: s.flip(dims))
 
 
+@_handles(aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_.default)
+def _triangle(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`tril`/`triu` of the last two dims, in any layout: each block keeps its part of
+    the triangle, its diagonal shifted by where the block starts (element (i, j) of a
+    block at rows r0, columns c0 is (i + r0, j + c0) of the whole). No communication."""
+    a = named(func, args, kwargs)
+    st, k = a["self"], a["diagonal"]
+    if not isinstance(st, ShardedTensor) or st.ndim < 2:
+        return fallback(func, args, kwargs)  # torch's error for fewer than 2 dims
+    shards = []
+    for shard, b in zip(st._shards, st._layout.blocks_of(st._rank)):
+        shift = 0 if b.is_empty() else b.offsets[-2] - b.offsets[-1]
+        shards.append(func(shard, k + shift))
+    if func._schema.name.endswith("_"):
+        return st
+    return st._with_layout(st._layout, shards, dtype=st.dtype, device=st.device)
+
+
 # -- extent-1 dimensions -----------------------------------------------------------
 
 
