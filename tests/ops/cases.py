@@ -205,6 +205,60 @@ CASES: list[Case] = [
         layouts=_SPANS1,
     ),
     Case("cross_entropy_2d", ((2, 3, 4, 5),), lambda x: F.cross_entropy(x, _T2D)),
+    # per block along the leading dims (batch, channels / heads): pooling, upsampling,
+    # attention, group norm ("rows" and "blocks" shard the batch)
+    Case(
+        "max_pool2d", ((4, 2, 6, 6),), lambda x: F.max_pool2d(x, 2) * 2, exact=True, layouts=_SPANS1
+    ),  # fmt: skip
+    Case(
+        "max_pool2d_pad",
+        ((4, 2, 6, 6),),
+        lambda x: F.max_pool2d(x, 3, 2, 1) * 2,
+        exact=True,
+        layouts=_SPANS1,
+    ),  # fmt: skip
+    Case(
+        "avg_pool2d", ((4, 2, 6, 6),), lambda x: F.avg_pool2d(x, 2) * 2, exact=True, layouts=_SPANS1
+    ),  # fmt: skip
+    Case(
+        "adaptive_avg_pool2d",
+        ((4, 2, 6, 6),),
+        lambda x: F.adaptive_avg_pool2d(x, (2, 3)),
+        exact=True,
+        layouts=_SPANS1,
+    ),  # fmt: skip
+    Case(
+        "upsample_nearest",
+        ((4, 2, 3, 3),),
+        lambda x: F.interpolate(x, scale_factor=2) * 2,
+        exact=True,
+        layouts=_SPANS1,
+    ),  # fmt: skip
+    Case(
+        "upsample_bilinear",
+        ((4, 2, 3, 3),),
+        lambda x: F.interpolate(x, size=(5, 4), mode="bilinear", align_corners=False),
+        exact=True,
+        layouts=_SPANS1,
+    ),
+    Case(
+        "sdpa",
+        ((4, 3, 5, 4),),
+        lambda x: F.scaled_dot_product_attention(x, x * 0.5, x.flip(-1)),
+        layouts=_SPANS1,
+    ),
+    Case(
+        "sdpa_causal",
+        ((4, 3, 5, 4),),
+        lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True),
+        layouts=_SPANS1,
+    ),
+    Case(
+        "group_norm",
+        ((4, 4, 5), (4,), (4,)),
+        lambda x, w, b: F.group_norm(x, 2, w, b),
+        layouts=_SPANS1,
+    ),
     # a block's part of the triangle, its diagonal shifted by where it starts
     Case("tril", ((7, 6),), lambda x: x.tril() * 2, exact=True),
     Case("triu_k", ((7, 6),), lambda x: x.triu(-2) * 2, exact=True),

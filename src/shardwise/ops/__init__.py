@@ -8,7 +8,8 @@ Handlers are consulted in order:
 3. the rules by family: `reductions` (sums, extrema, norms, softmax, layer norm),
    `shape` (layout transforms, slicing, cat), `indexing` (by an integer tensor),
    `linalg` (products, embeddings,
-   convolutions), `random` (in-place samplers, `nn.init`);
+   convolutions), `batched` (pooling, upsampling, attention, group norm: per block along
+   the leading dims), `random` (in-place samplers, `nn.init`);
 4. every op tagged `torch.Tag.pointwise`, shard by shard once the operands
    share a layout (`pointwise`);
 5. anything else runs on whole tensors and comes back sharded (`fallback`): slower,
@@ -27,6 +28,7 @@ import torch
 
 from ..errors import InvalidTypeError
 from ..tensor.provided import provide
+from .batched import BATCHED_HANDLERS
 from .builtin import BUILTIN_HANDLERS
 from .fallback import FALLBACK_OPS, fallback
 from .functions import torch_function
@@ -93,6 +95,7 @@ _RULES: dict[Any, Handler] = {
     **SHAPE_HANDLERS,
     **INDEXING_HANDLERS,
     **LINALG_HANDLERS,
+    **BATCHED_HANDLERS,
     **RANDOM_HANDLERS,
     **BUILTIN_HANDLERS,
 }

@@ -1,0 +1,222 @@
+"""Ops that work on each index of the leading dims alone: pooling, upsampling, attention,
+group norm, and their backward.
+
+`max_pool2d` pools each (sample, channel) plane on its own; `interpolate` resizes
+each plane; `scaled_dot_product_attention` attends within each (batch, head);
+`group_norm` normalises each sample. So where every block of the operands spans the
+trailing dims the op works on (a batch-sharded activation, a head-sharded query),
+each block's result is its own: the op runs per block, the results keep the
+blocks' leading offsets, whole along their own trailing dims. No communication; a
+weight gradient (`group_norm`'s) is a sum over the blocks, left pending until read.
+
+Operands that share the leading dims must be laid out alike along them (the same
+blocks in the same order on every rank, as autograd's saved tensors are); a plain
+or replicated one is sliced per block. Anything else falls back. An op whose
+arguments name the input's whole shape (`upsample_*_backward`'s `input_size`,
+`group_norm`'s `N`) is called with the block's.
+
+Per rank: O(B) for its B blocks; nothing sent but a pending weight gradient (2·W
+bytes on first use, W its size).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from ..layout import Block, Layout
+from ..tensor import ShardedTensor
+from .exchange import is_replicated, primary_blocks, whole_or_plain
+from .fallback import fallback
+from .pending import later
+from .reductions import _meta, spans
+
+__all__ = ["BATCHED_HANDLERS"]
+
+aten = torch.ops.aten
+
+BATCHED_HANDLERS: dict[Any, Callable[[Any, tuple, dict], Any]] = {}
+
+
+class _Spec(NamedTuple):
+    """How an op's arguments relate to the leading dims."""
+
+    batched: tuple[int, ...]  # positions of the tensors sharing the leading dims
+    trailing: Callable[[tuple, ShardedTensor], int]  # trailing dims of the first one
+    sizes: tuple[int, ...] = ()  # int lists naming the first one's whole shape
+    counts: tuple[int, ...] = ()  # ints naming its first dim's size
+    summed: tuple[int, ...] = ()  # outputs summed over the blocks (weight gradients)
+
+
+def _empty(ndim: int) -> Block:
+    return Block((0,) * ndim, (0,) * ndim)
+
+
+@functools.lru_cache(maxsize=4096)
+def _leading(layout: Layout, lead: int) -> tuple[tuple[Any, ...], ...]:
+    """Each rank's blocks along the leading dims, in order (None: an empty block)."""
+    return tuple(
+        tuple(None if b.is_empty() else (b.offsets[:lead], b.sizes[:lead]) for b in blocks)
+        for blocks in layout.blocks
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _result_layout(layout: Layout, lead: int, shape: tuple[int, ...]) -> Layout:
+    """`layout`'s blocks along the leading dims, whole along the result's trailing dims."""
+    blocks = {
+        r: [
+            _empty(len(shape))
+            if b.is_empty()
+            else Block(b.offsets[:lead] + (0,) * (len(shape) - lead), b.sizes[:lead] + shape[lead:])
+            for b in rank_blocks
+        ]
+        for r, rank_blocks in enumerate(layout.blocks)
+    }
+    return Layout(shape, blocks, layout.world_size)
+
+
+def _per_block(spec: _Spec) -> Callable[[Any, tuple, dict], Any]:
+    def handler(func: Any, args: tuple, kwargs: dict) -> Any:
+        first = args[spec.batched[0]]
+        if not isinstance(first, ShardedTensor):
+            return fallback(func, args, kwargs)
+        lead = first.ndim - spec.trailing(args, first)
+        if lead < 1 or not spans(first._layout, tuple(range(lead, first.ndim))):
+            return fallback(func, args, kwargs)
+        layout, rank = first._layout, first._rank
+        blocks = layout.blocks_of(rank)
+        head = tuple(first.shape[:lead])
+        # each batched operand's tensor for each block
+        per: dict[int, list[Any]] = {}
+        for pos in spec.batched:
+            x = args[pos] if pos < len(args) else None
+            if x is None:
+                continue
+            if isinstance(x, ShardedTensor) and not is_replicated(x._layout):
+                if (
+                    x.ndim < lead
+                    or tuple(x.shape[:lead]) != head
+                    or _leading(x._layout, lead) != _leading(layout, lead)
+                    or not spans(x._layout, tuple(range(lead, x.ndim)))
+                ):
+                    return fallback(func, args, kwargs)
+                per[pos] = list(x._shards)
+            else:
+                full = whole_or_plain(x)
+                if tuple(full.shape[:lead]) != head:
+                    return fallback(func, args, kwargs)
+                per[pos] = [full[b.slices()[:lead]] for b in blocks]
+        kw = {}
+        for name, v in kwargs.items():
+            if isinstance(v, torch.Tensor):  # an attention mask: broadcast over the leading dims
+                v = whole_or_plain(v)
+                if any(n != 1 for n in v.shape[: max(v.ndim - (first.ndim - lead), 0)]):
+                    return fallback(func, args, kwargs)
+            kw[name] = v
+        rest = [whole_or_plain(a) if isinstance(a, ShardedTensor) else a for a in args]
+        meta = _meta(func, args, kwargs)
+        metas = meta if isinstance(meta, (tuple, list)) else (meta,)
+        results: list[list[torch.Tensor]] = [[] for _ in metas]
+        for i, b in enumerate(blocks):
+            if b.is_empty():  # nothing to run on: an empty result (a sum's zeros)
+                for j, m in enumerate(metas):
+                    if m is None:
+                        results[j].append(None)
+                        continue
+                    shape = (0,) * m.ndim if j not in spec.summed else tuple(m.shape)
+                    results[j].append(torch.zeros(shape, dtype=m.dtype, device=first.device))
+                continue
+            call = list(rest)
+            for pos, shards in per.items():
+                call[pos] = shards[i]
+            for pos in spec.sizes:
+                call[pos] = list(b.sizes[:lead]) + list(args[pos][lead:])
+            for pos in spec.counts:
+                call[pos] = b.sizes[0]
+            out = func(*call, **kw)
+            for j, o in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+                results[j].append(o)
+        mine = set(primary_blocks(layout, rank))
+        outs: list[Any] = []
+        for j, m in enumerate(metas):
+            if m is None:
+                outs.append(None)  # not asked for (`output_mask`)
+                continue
+            if j in spec.summed:
+                part = torch.zeros(tuple(m.shape), dtype=m.dtype, device=first.device)
+                for i in sorted(mine):
+                    part = part + results[j][i]
+                outs.append(later(part, "sum", first))
+                continue
+            if tuple(m.shape[:lead]) != head:
+                return fallback(func, args, kwargs)
+            out_layout = _result_layout(layout, lead, tuple(m.shape))
+            outs.append(
+                first._with_layout(out_layout, results[j], dtype=m.dtype, device=first.device)
+            )
+        return type(meta)(outs) if isinstance(meta, (tuple, list)) else outs[0]
+
+    return handler
+
+
+def _spatial(n: int) -> Callable[[tuple, ShardedTensor], int]:
+    return lambda args, first: n
+
+
+def _output_size(pos: int) -> Callable[[tuple, ShardedTensor], int]:
+    return lambda args, first: len(args[pos])
+
+
+def _all_but_first(args: tuple, first: ShardedTensor) -> int:
+    return first.ndim - 1
+
+
+_SPECS: dict[Any, _Spec] = {
+    # pooling: each (sample, channel) plane
+    aten.max_pool2d_with_indices.default: _Spec((0,), _spatial(2)),
+    aten.max_pool2d_with_indices_backward.default: _Spec((0, 1, 7), _spatial(2)),
+    aten.max_pool3d_with_indices.default: _Spec((0,), _spatial(3)),
+    aten.max_pool3d_with_indices_backward.default: _Spec((0, 1, 7), _spatial(3)),
+    aten.avg_pool2d.default: _Spec((0,), _spatial(2)),
+    aten.avg_pool2d_backward.default: _Spec((0, 1), _spatial(2)),
+    aten.avg_pool3d.default: _Spec((0,), _spatial(3)),
+    aten.avg_pool3d_backward.default: _Spec((0, 1), _spatial(3)),
+    aten._adaptive_avg_pool2d.default: _Spec((0,), _spatial(2)),
+    aten._adaptive_avg_pool2d_backward.default: _Spec((0, 1), _spatial(2)),
+    aten._adaptive_avg_pool3d.default: _Spec((0,), _spatial(3)),
+    aten._adaptive_avg_pool3d_backward.default: _Spec((0, 1), _spatial(3)),
+    aten.adaptive_max_pool2d.default: _Spec((0,), _spatial(2)),
+    aten.adaptive_max_pool2d_backward.default: _Spec((0, 1, 2), _spatial(2)),
+    # upsampling: each plane; the backward names the input's whole shape
+    aten.upsample_nearest1d.default: _Spec((0,), _output_size(1)),
+    aten.upsample_nearest2d.default: _Spec((0,), _output_size(1)),
+    aten.upsample_nearest3d.default: _Spec((0,), _output_size(1)),
+    aten.upsample_linear1d.default: _Spec((0,), _output_size(1)),
+    aten.upsample_bilinear2d.default: _Spec((0,), _output_size(1)),
+    aten.upsample_bicubic2d.default: _Spec((0,), _output_size(1)),
+    aten.upsample_trilinear3d.default: _Spec((0,), _output_size(1)),
+    aten.upsample_nearest1d_backward.default: _Spec((0,), _output_size(1), sizes=(2,)),
+    aten.upsample_nearest2d_backward.default: _Spec((0,), _output_size(1), sizes=(2,)),
+    aten.upsample_nearest3d_backward.default: _Spec((0,), _output_size(1), sizes=(2,)),
+    aten.upsample_linear1d_backward.default: _Spec((0,), _output_size(1), sizes=(2,)),
+    aten.upsample_bilinear2d_backward.default: _Spec((0,), _output_size(1), sizes=(2,)),
+    aten.upsample_bicubic2d_backward.default: _Spec((0,), _output_size(1), sizes=(2,)),
+    aten.upsample_trilinear3d_backward.default: _Spec((0,), _output_size(1), sizes=(2,)),
+    # attention: each (batch, head); the CPU kernel (CUDA's return RNG state besides)
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _Spec((0, 1, 2), _spatial(2)),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _Spec(
+        (0, 1, 2, 3, 4, 5), _spatial(2)
+    ),
+    # group norm: each sample; the weight and bias gradients summed over the blocks
+    aten.native_group_norm.default: _Spec((0,), _all_but_first, counts=(3,)),
+    aten.native_group_norm_backward.default: _Spec(
+        (0, 1, 2, 3), _all_but_first, counts=(5,), summed=(1, 2)
+    ),
+}
+
+for _op, _spec in _SPECS.items():
+    BATCHED_HANDLERS[_op] = _per_block(_spec)
