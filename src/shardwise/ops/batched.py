@@ -120,7 +120,7 @@ def _per_block(spec: _Spec) -> Callable[[Any, tuple, dict], Any]:
         rest = [whole_or_plain(a) if isinstance(a, ShardedTensor) else a for a in args]
         meta = _meta(func, args, kwargs)
         metas = meta if isinstance(meta, (tuple, list)) else (meta,)
-        results: list[list[torch.Tensor]] = [[] for _ in metas]
+        results: list[list[torch.Tensor | None]] = [[] for _ in metas]
         for i, b in enumerate(blocks):
             if b.is_empty():  # nothing to run on: an empty result (a sum's zeros)
                 for j, m in enumerate(metas):
@@ -146,18 +146,17 @@ def _per_block(spec: _Spec) -> Callable[[Any, tuple, dict], Any]:
             if m is None:
                 outs.append(None)  # not asked for (`output_mask`)
                 continue
+            got = [r for r in results[j] if r is not None]  # with `m`, every block's
             if j in spec.summed:
                 part = torch.zeros(tuple(m.shape), dtype=m.dtype, device=first.device)
                 for i in sorted(mine):
-                    part = part + results[j][i]
+                    part = part + got[i]
                 outs.append(later(part, "sum", first))
                 continue
             if tuple(m.shape[:lead]) != head:
                 return fallback(func, args, kwargs)
             out_layout = _result_layout(layout, lead, tuple(m.shape))
-            outs.append(
-                first._with_layout(out_layout, results[j], dtype=m.dtype, device=first.device)
-            )
+            outs.append(first._with_layout(out_layout, got, dtype=m.dtype, device=first.device))
         return type(meta)(outs) if isinstance(meta, (tuple, list)) else outs[0]
 
     return handler
