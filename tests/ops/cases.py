@@ -259,6 +259,24 @@ CASES: list[Case] = [
         lambda x, w, b: F.group_norm(x, 2, w, b),
         layouts=_SPANS1,
     ),
+    # losses and statistics made of the ops that have rules
+    Case(
+        "smooth_l1", ((7, 6), (7, 6)), lambda x, t: F.smooth_l1_loss(x, t, beta=0.5), sharded=(0, 1)
+    ),  # fmt: skip
+    Case(
+        "smooth_l1_sum_beta0",
+        ((7, 6), (7, 6)),
+        lambda x, t: F.smooth_l1_loss(x, t, reduction="sum", beta=0.0),
+        sharded=(0, 1),
+    ),  # fmt: skip
+    Case(
+        "huber_none",
+        ((7, 6), (7, 6)),
+        lambda x, t: F.huber_loss(x, t, reduction="none", delta=0.7),
+        sharded=(0, 1),
+    ),  # fmt: skip
+    Case("std_mean_dim1", ((7, 6),), lambda x: torch.std_mean(x, 1)[0] + torch.std_mean(x, 1)[1]),
+    Case("var_mean_all", ((7, 6),), lambda x: torch.var_mean(x)[0] * torch.var_mean(x)[1]),
     # a block's part of the triangle, its diagonal shifted by where it starts
     Case("tril", ((7, 6),), lambda x: x.tril() * 2, exact=True),
     Case("triu_k", ((7, 6),), lambda x: x.triu(-2) * 2, exact=True),

@@ -163,6 +163,60 @@ def _mse_loss(func: Any, args: tuple, kwargs: dict) -> Any:
     return squares if reduce is None else reduce(squares)
 
 
+def _smooth(d: Any, beta: float, huber: bool) -> Any:
+    """Smooth L1 (`huber`: Huber) of `d`, elementwise: quadratic within `beta` (delta)."""
+    size = aten.abs.default(d)
+    inside = aten.lt.Scalar(size, beta)
+    if huber:
+        quad = aten.mul.Tensor(aten.mul.Tensor(d, d), 0.5)
+        lin = aten.mul.Tensor(aten.sub.Tensor(size, 0.5 * beta), beta)
+    else:
+        quad = aten.mul.Tensor(aten.mul.Tensor(d, d), 0.5 / beta) if beta else size
+        lin = aten.sub.Tensor(size, 0.5 * beta)
+    return aten.where.self(inside, quad, lin)
+
+
+@_handles(aten.smooth_l1_loss.default, aten.huber_loss.default)
+def _smooth_l1_loss(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Elementwise on the difference, shard by shard, then reduced as `mse_loss` is."""
+    a = named(func, args, kwargs)
+    huber = func is aten.huber_loss.default
+    beta = a["delta"] if huber else a["beta"]
+    losses = _smooth(aten.sub.Tensor(a["self"], a["target"]), beta, huber)
+    reduce = _REDUCTIONS[a["reduction"]]
+    return losses if reduce is None else reduce(losses)
+
+
+@_handles(aten.smooth_l1_loss_backward.default, aten.huber_loss_backward.default)
+def _smooth_l1_loss_backward(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    huber = func is aten.huber_loss_backward.default
+    beta = a["delta"] if huber else a["beta"]
+    d = aten.sub.Tensor(a["self"], a["target"])
+    inside = aten.lt.Scalar(aten.abs.default(d), beta)
+    if huber:  # d within delta, else delta·sign(d)
+        slope = aten.where.self(inside, d, aten.mul.Tensor(aten.sign.default(d), beta))
+    else:  # d / beta within beta, else sign(d)
+        within = aten.div.Tensor(d, beta) if beta else aten.sign.default(d)
+        slope = aten.where.self(inside, within, aten.sign.default(d))
+    if a["reduction"] == 1:
+        slope = aten.mul.Tensor(slope, 1.0 / a["self"].numel())
+    return aten.mul.Tensor(slope, a["grad_output"])
+
+
+@_handles(aten.std_mean.correction, aten.var_mean.correction)
+def _std_mean(func: Any, args: tuple, kwargs: dict) -> Any:
+    """(std or var, mean): the two reductions, each by its own rule."""
+    a = named(func, args, kwargs)
+    spread = aten.std.correction if func is aten.std_mean.correction else aten.var.correction
+    st, dim, keepdim = a["self"], a.get("dim"), a.get("keepdim", False)
+    first = spread(st, dim, correction=a.get("correction"), keepdim=keepdim)
+    mean = aten.mean.dim(st, dim, keepdim) if dim is not None else aten.mean.default(st)
+    if dim is None and keepdim:
+        mean = aten.view.default(mean, [1] * st.ndim)
+    return first, mean
+
+
 @_handles(aten.mse_loss_backward.default)
 def _mse_loss_backward(func: Any, args: tuple, kwargs: dict) -> Any:
     a = named(func, args, kwargs)
