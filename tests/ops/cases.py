@@ -40,6 +40,8 @@ _MASK7 = torch.tensor([True, False, False, True, True, False, True])
 _T7 = torch.tensor([0, 5, 2, 2, 1, 3, 4])  # a class per row
 _W6 = torch.tensor([0.5, 1.0, 2.0, 1.5, 0.25, 3.0], dtype=torch.float64)
 _T2D = torch.arange(2 * 4 * 5).reshape(2, 4, 5) % 3  # a class per pixel
+_RM3 = torch.tensor([0.1, -0.2, 0.3], dtype=torch.float64)  # running statistics
+_RV3 = torch.tensor([1.5, 0.5, 2.0], dtype=torch.float64)
 _MASK6 = torch.tensor([False, True, True, False, True, True])
 
 
@@ -257,6 +259,12 @@ CASES: list[Case] = [
         "group_norm",
         ((4, 4, 5), (4,), (4,)),
         lambda x, w, b: F.group_norm(x, 2, w, b),
+        layouts=_SPANS1,
+    ),
+    Case(
+        "batch_norm_eval",
+        ((4, 3, 5), (3,), (3,)),
+        lambda x, w, b: F.batch_norm(x, _RM3, _RV3, w, b, training=False, eps=1e-3),
         layouts=_SPANS1,
     ),
     # losses and statistics made of the ops that have rules

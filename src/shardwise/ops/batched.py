@@ -1,5 +1,5 @@
 """Ops that work on each index of the leading dims alone: pooling, upsampling, attention,
-group norm, and their backward.
+group norm, batch norm in eval mode, and their backward.
 
 `max_pool2d` pools each (sample, channel) plane on its own; `interpolate` resizes
 each plane; `scaled_dot_product_attention` attends within each (batch, head);
@@ -29,7 +29,7 @@ import torch
 
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
-from .exchange import is_replicated, primary_blocks, whole_or_plain
+from .exchange import is_replicated, primary_blocks, replicated, whole_or_plain
 from .fallback import fallback
 from .pending import later
 from .reductions import _meta, spans
@@ -49,6 +49,7 @@ class _Spec(NamedTuple):
     sizes: tuple[int, ...] = ()  # int lists naming the first one's whole shape
     counts: tuple[int, ...] = ()  # ints naming its first dim's size
     summed: tuple[int, ...] = ()  # outputs summed over the blocks (weight gradients)
+    alike: tuple[int, ...] = ()  # outputs every block gives alike (empty statistics)
 
 
 def _empty(ndim: int) -> Block:
@@ -124,7 +125,7 @@ def _per_block(spec: _Spec) -> Callable[[Any, tuple, dict], Any]:
         for i, b in enumerate(blocks):
             if b.is_empty():  # nothing to run on: an empty result (a sum's zeros)
                 for j, m in enumerate(metas):
-                    if m is None:
+                    if m is None or j in spec.alike:
                         results[j].append(None)
                         continue
                     shape = (0,) * m.ndim if j not in spec.summed else tuple(m.shape)
@@ -147,6 +148,11 @@ def _per_block(spec: _Spec) -> Callable[[Any, tuple, dict], Any]:
                 outs.append(None)  # not asked for (`output_mask`)
                 continue
             got = [r for r in results[j] if r is not None]  # with `m`, every block's
+            if j in spec.alike:  # the same on every block and rank: replicated
+                value = got[0] if got else torch.zeros(tuple(m.shape), dtype=m.dtype)
+                whole_layout = replicated(tuple(m.shape), layout.world_size)
+                outs.append(first._with_layout(whole_layout, [value.to(first.device)]))
+                continue
             if j in spec.summed:
                 part = torch.zeros(tuple(m.shape), dtype=m.dtype, device=first.device)
                 for i in sorted(mine):
@@ -219,3 +225,28 @@ _SPECS: dict[Any, _Spec] = {
 
 for _op, _spec in _SPECS.items():
     BATCHED_HANDLERS[_op] = _per_block(_spec)
+
+
+# batch norm in eval mode: each element by the running statistics (per channel), so
+# per block where the blocks span the channels; in training the statistics are the
+# whole batch's (what SyncBatchNorm computes): the fallback's
+_EVAL = {
+    aten.native_batch_norm.default: (5, _Spec((0,), _all_but_first, alike=(1, 2))),
+    aten.native_batch_norm_backward.default: (
+        7,
+        _Spec((0, 1), _all_but_first, summed=(1, 2)),
+    ),
+}
+
+
+def _eval_only(training_at: int, rule: Callable[[Any, tuple, dict], Any]) -> Callable:
+    def handler(func: Any, args: tuple, kwargs: dict) -> Any:
+        if len(args) <= training_at or args[training_at]:
+            return fallback(func, args, kwargs)
+        return rule(func, args, kwargs)
+
+    return handler
+
+
+for _op, (_at, _spec) in _EVAL.items():
+    BATCHED_HANDLERS[_op] = _eval_only(_at, _per_block(_spec))
