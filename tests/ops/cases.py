@@ -267,6 +267,31 @@ CASES: list[Case] = [
         lambda x, w, b: F.batch_norm(x, _RM3, _RV3, w, b, training=False, eps=1e-3),
         layouts=_SPANS1,
     ),
+    # after a slice leaves a rank an empty block: every rank's value right (rules that
+    # need a block to span a dim fall back for it)
+    Case("slice_then_sum", ((7, 6),), lambda x: x[4:].sum() * 2, fallback_ok=True),
+    Case(
+        "slice_then_max_dim1",
+        ((7, 6),),
+        lambda x: x[4:].max(dim=1).values,
+        exact=True,
+        fallback_ok=True,
+    ),  # fmt: skip
+    Case(
+        "slice_then_topk",
+        ((7, 6),),
+        lambda x: x[4:].topk(2, 1).values,
+        exact=True,
+        fallback_ok=True,
+    ),  # fmt: skip
+    Case("mask_then_sum", ((7,),), lambda x: x[_MASK7].sum() * 2, fallback_ok=True),
+    Case(
+        "slice_gather_scale",
+        ((7, 6), (7,)),
+        lambda x, s: torch.gather(x[4:], 1, x[4:].argsort(1)) * s[4:, None],
+        sharded=(0, 1),
+        fallback_ok=True,
+    ),  # fmt: skip
     # losses and statistics made of the ops that have rules
     Case(
         "smooth_l1", ((7, 6), (7, 6)), lambda x, t: F.smooth_l1_loss(x, t, beta=0.5), sharded=(0, 1)

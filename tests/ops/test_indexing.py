@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import shardwise as sw
-from shardwise import Layout
+from shardwise import Block, Layout
 from shardwise.ops import FALLBACK_OPS
 from shardwise.testing import run_ranks
 
@@ -183,3 +183,43 @@ def test_a_bad_dim_or_index_raises_torchs_error_on_every_rank() -> None:
     assert want["gather dim 3"] == "IndexError" and want["gather without index"] == "TypeError"
     for rank, out in enumerate(run_ranks(_refused, 3, timeout=60)):
         assert out == want, rank
+
+
+def _broadcasts(rank: int, world: int) -> dict[str, bool]:
+    """A sharded `s[:, None]` against `x` laid out off a grid, and with an empty block
+    written with a box: right on every rank."""
+    full = torch.arange(42, dtype=torch.float64).reshape(7, 6)
+    s = torch.arange(7, dtype=torch.float64) - 3
+    layouts = {
+        # rank 0 rows 0-3 of columns 0-2, rank 1 columns 3-5, rank 2 rows 4-6 of 0-2
+        "off a grid": Layout(
+            (7, 6),
+            {0: [Block((0, 0), (4, 3))], 1: [Block((0, 3), (7, 3))], 2: [Block((4, 0), (3, 3))]},
+            3,
+        ),  # fmt: skip
+        "empty with a box": Layout(
+            (7, 6),
+            {0: [Block((0, 0), (4, 6))], 1: [Block((4, 0), (0, 6))], 2: [Block((4, 0), (3, 6))]},
+            3,
+        ),  # fmt: skip
+    }
+    rows = Layout.row_wise((7,), [4, 0, 3])
+    st = sw.ShardedTensor.from_layout(
+        rows, [s[b.slices()].clone() for b in rows.blocks_of(rank)], dtype=s.dtype
+    )
+    out = {}
+    for name, layout in layouts.items():
+        x = sw.ShardedTensor.from_layout(
+            layout, [full[b.slices()].clone() for b in layout.blocks_of(rank)], dtype=full.dtype
+        )
+        y = x * st[:, None]
+        out[name] = torch.equal(y.full_tensor(), full * s[:, None]) and all(
+            torch.equal(shard, (full * s[:, None])[b.slices()])
+            for shard, b in zip(y.local_shards(), y.layout_spec.blocks_of(rank))
+        )
+    return out
+
+
+def test_a_smaller_sharded_operand_broadcasts_in_any_layout() -> None:
+    for rank, out in enumerate(run_ranks(_broadcasts, 3, timeout=60)):
+        assert out == {"off a grid": True, "empty with a box": True}, rank

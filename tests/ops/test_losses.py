@@ -72,3 +72,22 @@ def test_cross_entropy_on_row_sharded_logits() -> None:
             for name in LAYOUTS
             for kind in ("plain target", "sharded target")
         }, rank
+
+
+def _out_of_range(rank: int, world: int) -> str:
+    x = sw.ShardedTensor.from_layout(
+        LAYOUTS["uneven rows"],
+        [FULL[b.slices()].clone() for b in LAYOUTS["uneven rows"].blocks_of(rank)],
+        dtype=FULL.dtype,
+    )
+    bad = TARGET.clone()
+    bad[5] = 9  # rank 2's row: a target every rank holds is checked on every rank
+    try:
+        F.cross_entropy(x, bad).full_tensor()
+    except IndexError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_target_out_of_range_raises_on_every_rank() -> None:
+    assert run_ranks(_out_of_range, 3, timeout=60) == ["Target 9 is out of bounds."] * 3

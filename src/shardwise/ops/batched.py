@@ -118,7 +118,11 @@ def _per_block(spec: _Spec) -> Callable[[Any, tuple, dict], Any]:
                 if any(n != 1 for n in v.shape[: max(v.ndim - (first.ndim - lead), 0)]):
                     return fallback(func, args, kwargs)
             kw[name] = v
-        rest = [whole_or_plain(a) if isinstance(a, ShardedTensor) else a for a in args]
+        # the others (a weight, saved statistics) whole: per block they are all needed
+        rest = [
+            whole_or_plain(a) if isinstance(a, ShardedTensor) and pos not in per else a
+            for pos, a in enumerate(args)
+        ]
         meta = _meta(func, args, kwargs)
         metas = meta if isinstance(meta, (tuple, list)) else (meta,)
         results: list[list[torch.Tensor | None]] = [[] for _ in metas]

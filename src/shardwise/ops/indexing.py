@@ -90,10 +90,8 @@ def _masked(st: ShardedTensor, d: int, mask: torch.Tensor) -> ShardedTensor:
     at = before.tolist()  # at[i]: the kept positions before position i
     shape = tuple(st.shape[:d]) + (at[-1],) + tuple(st.shape[d + 1 :])
 
-    def kept(b: Block) -> Block:
+    def kept(b: Block) -> Block:  # a block keeping no row keeps its box along the rest
         lo, hi = b.offsets[d], b.offsets[d] + b.sizes[d]
-        if b.is_empty() or at[hi] == at[lo]:
-            return Block((0,) * len(shape), (0,) * len(shape))
         offsets, sizes = list(b.offsets), list(b.sizes)
         offsets[d], sizes[d] = at[lo], at[hi] - at[lo]
         return Block(tuple(offsets), tuple(sizes))
@@ -281,7 +279,8 @@ def _blocks_of(x: Any, layout: Layout, rank: int) -> list[torch.Tensor]:
 
 def _plain_fits(st: Any, index: Any, dim: int) -> bool:
     """Whether a rule may run: `dim` names a dim of `self` (not 0-d), and an index every
-    rank holds (plain, or replicated) is in range there: the fallback's run on the whole
+    rank holds (plain, or replicated) is in range there (0 up: gather and scatter take
+    no negative index): the fallback's run on the whole
     tensors raises torch's error for either on every rank. (A sharded index is checked
     by each block's op, on the ranks holding it, as DTensor's.)"""
     if st.ndim == 0 or not in_range(dim, st.ndim):
@@ -290,7 +289,7 @@ def _plain_fits(st: Any, index: Any, dim: int) -> bool:
         return True
     index = whole_or_plain(index)
     size = st.shape[dim % st.ndim]
-    return not index.numel() or (-size <= int(index.min()) and int(index.max()) < size)
+    return not index.numel() or (0 <= int(index.min()) and int(index.max()) < size)
 
 
 def _gather_layouts(st: Any, index: Any, d: int) -> tuple[Layout, Layout] | None:

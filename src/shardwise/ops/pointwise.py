@@ -22,9 +22,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from ..errors import LayoutError
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
-from .exchange import is_replicated, local_in
+from .exchange import is_replicated, local_in, whole
 from .fallback import fallback
 from .per_shard import is_inplace, per_shard, result_meta, sharded_args, tensors_in, wrap
 
@@ -108,7 +109,8 @@ def _empty(ndim: int) -> Block:
 def _seen_as(layout: Layout, shape: tuple[int, ...]) -> Layout | None:
     """What each block of `layout` (the result's) needs of an operand of `shape`
     broadcast to it: the block with the operand's size-1 dims whole and its missing
-    leading dims dropped; None when `shape` does not broadcast."""
+    leading dims dropped (an empty block's image empty); None when `shape` does not
+    broadcast, or when the images partly overlap (blocks not on a grid)."""
     full = layout.global_shape
     lead = len(full) - len(shape)
     if lead < 0:
@@ -118,32 +120,32 @@ def _seen_as(layout: Layout, shape: tuple[int, ...]) -> Layout | None:
             return None
 
     def image(b: Block) -> Block:
-        if b.is_empty():
-            return _empty(len(shape))
-        offsets = tuple(
-            0 if n != full[d + lead] else b.offsets[d + lead] for d, n in enumerate(shape)
-        )
-        sizes = tuple(1 if n != full[d + lead] else b.sizes[d + lead] for d, n in enumerate(shape))
+        keeps = [n == full[d + lead] for d, n in enumerate(shape)]
+        offsets = tuple(b.offsets[d + lead] if k else 0 for d, k in enumerate(keeps))
+        sizes = tuple(b.sizes[d + lead] if k else min(1, b.numel) for d, k in enumerate(keeps))
         return Block(offsets, sizes)
 
     blocks = {r: [image(b) for b in rank_blocks] for r, rank_blocks in enumerate(layout.blocks)}
-    return Layout(shape, blocks, layout.world_size)
+    try:
+        return Layout(shape, blocks, layout.world_size)
+    except LayoutError:
+        return None
 
 
 def _spread(layout: Layout, shape: tuple[int, ...]) -> Layout:
     """`layout` of an operand broadcast to `shape`: each block whole along the dims the
-    operand broadcasts (its size-1 ones and the new leading ones)."""
+    operand broadcasts (its size-1 ones and the new leading ones); an empty block stays
+    empty (its box kept where a zero size survives the spread)."""
     own = layout.global_shape
     lead = len(shape) - len(own)
 
     def image(b: Block) -> Block:
-        if b.is_empty():
+        keeps = [own[d] == shape[d + lead] for d in range(len(own))]
+        if b.is_empty() and not any(k and b.sizes[d] == 0 for d, k in enumerate(keeps)):
             return _empty(len(shape))
-        offsets = [0] * lead + [
-            b.offsets[d] if own[d] == shape[d + lead] else 0 for d in range(len(own))
-        ]
+        offsets = [0] * lead + [b.offsets[d] if k else 0 for d, k in enumerate(keeps)]
         sizes = list(shape[:lead]) + [
-            b.sizes[d] if own[d] == shape[d + lead] else shape[d + lead] for d in range(len(own))
+            b.sizes[d] if k else shape[d + lead] for d, k in enumerate(keeps)
         ]
         return Block(tuple(offsets), tuple(sizes))
 
@@ -162,35 +164,43 @@ def _broadcast(func: Any, args: tuple, kwargs: dict) -> Any:
         shape = tuple(torch.broadcast_shapes(*(x.shape for x in found)))
     except RuntimeError:
         return None  # torch's own error, from the fallback's run on whole tensors
-    whole = [x for x in sharded if tuple(x.shape) == shape]
+    full_size = [x for x in sharded if tuple(x.shape) == shape]
     if is_inplace(func):
-        if not whole or whole[0] is not args[0]:
+        if not full_size or full_size[0] is not args[0]:
             return None
         ref = args[0]
         out = ref._layout
     else:
         ref = next(
-            (x for x in whole if not is_replicated(x._layout)),
+            (x for x in full_size if not is_replicated(x._layout)),
             next((x for x in sharded if not is_replicated(x._layout)), sharded[0]),
         )
         out = ref._layout if tuple(ref.shape) == shape else _spread(ref._layout, shape)
     if any(x._rank != ref._rank for x in sharded):
         return None
     shards: dict[int, list[torch.Tensor]] = {}
+    wholes: dict[int, torch.Tensor] = {}  # operands whose blocks' images overlap: whole
     for x in sharded:
-        if id(x) in shards:
+        if id(x) in shards or id(x) in wholes:
             continue
         need = out if tuple(x.shape) == shape else _seen_as(out, tuple(x.shape))
         if need is None:
-            return None
-        shards[id(x)] = x._shards if x._layout == need else local_in(x, need)
+            wholes[id(x)] = whole(x)
+        else:
+            shards[id(x)] = x._shards if x._layout == need else local_in(x, need)
     blocks = out.blocks_of(ref._rank)
+    dtype, device = result_meta(func, args, kwargs)
     results = []
     for i, block in enumerate(blocks):
+        if block.is_empty() and not is_inplace(func):  # nothing to compute
+            results.append(torch.empty(block.sizes, dtype=dtype, device=device))
+            continue
 
         def pick(x: Any, i: int = i, block: Block = block) -> Any:
             if isinstance(x, ShardedTensor):
-                return shards[id(x)][i]
+                if id(x) in shards:
+                    return shards[id(x)][i]
+                x = wholes[id(x)]
             if isinstance(x, torch.Tensor) and x.dim() > 0:
                 return x.expand(shape)[block.slices()]
             return x
@@ -199,7 +209,4 @@ def _broadcast(func: Any, args: tuple, kwargs: dict) -> Any:
         results.append(func(*a, **k))
     if is_inplace(func):
         return args[0]
-    if results:
-        return ref._with_layout(out, results)
-    dtype, device = result_meta(func, args, kwargs)
-    return ref._with_layout(out, [], dtype=dtype, device=device)
+    return ref._with_layout(out, results, dtype=dtype, device=device)

@@ -80,11 +80,12 @@ def _dims(dim: Any, ndim: int) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=4096)
 def spans(layout: Layout, dims: tuple[int, ...]) -> bool:
-    """Every block covers `dims` whole, so work along them is local to each block (an
-    empty block, however its box is written, holds nothing to work on)."""
+    """Every block covers `dims` whole, so work along them is local to each block. (An
+    empty block counts only when its box spans them too: rules run their kernels on
+    its empty shard, which must then have the sizes along `dims` the kernel expects.)"""
     shape = layout.global_shape
     return all(
-        b.is_empty() or (b.offsets[d] == 0 and b.sizes[d] == shape[d])
+        b.offsets[d] == 0 and b.sizes[d] == shape[d]
         for rank_blocks in layout.blocks
         for b in rank_blocks
         for d in dims
@@ -567,9 +568,14 @@ def _nll_operands(a: dict) -> tuple[ShardedTensor, list[Any], list[int]] | None:
     rows = project(st._layout, (1,), False)  # the target's blocks, as the input's
     blocks = rows.blocks_of(st._rank)
     if isinstance(target, ShardedTensor) and not is_replicated(target._layout):
-        targets = local_in(target, rows)
+        targets = local_in(target, rows)  # its classes checked by each block's kernel
     else:
         whole_target = whole_or_plain(target)
+        # every rank holds it: a class out of range goes to the fallback, whose run on
+        # the whole tensors raises torch's error on every rank
+        counted = whole_target[whole_target != a["ignore_index"]]
+        if counted.numel() and not (0 <= int(counted.min()) and int(counted.max()) < st.shape[1]):
+            return None
         targets = [whole_target[b.slices()] for b in blocks]
     return st, targets, primary_blocks(st._layout, st._rank)
 

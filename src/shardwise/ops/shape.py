@@ -152,8 +152,12 @@ def _flip(func: Any, args: tuple, kwargs: dict) -> Any:
         )
         return Block(offsets, b.sizes)
 
-    layout = _mapped(st._layout, shape, how, ("flip", dims))
-    assert layout is not None
+    # every block mirrored, an empty one too: its box keeps spanning what it spanned
+    layout = Layout(
+        shape,
+        {r: [how(b) for b in blocks] for r, blocks in enumerate(st._layout.blocks)},
+        st._layout.world_size,
+    )
     return _result(st, layout, lambda s, b, nb: s.flip(dims))
 
 
