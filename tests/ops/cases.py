@@ -144,7 +144,7 @@ CASES: list[Case] = [
         lambda x: torch.gather(x, 1, x.argsort(1)) * 2,
         exact=True,
         layouts=_SPANS1,
-    ),  # fmt: skip
+    ),
     Case(
         "scatter_dim1",
         ((7, 6),),
@@ -165,7 +165,7 @@ CASES: list[Case] = [
         lambda x: x.scatter(1, x.argsort(1)[:, :2], 5.0) * 2,
         exact=True,
         layouts=_SPANS1,
-    ),  # fmt: skip
+    ),
     Case("flip", ((7, 6),), lambda x: x.flip(0, 1) * 2, exact=True),
     # a flipped layout's empty blocks still span dim 1: cumsum per block
     Case("flip_cumsum", ((7, 6),), lambda x: x.flip(0).cumsum(1), layouts=_SPANS1),
@@ -211,31 +211,31 @@ CASES: list[Case] = [
     # attention, group norm ("rows" and "blocks" shard the batch)
     Case(
         "max_pool2d", ((4, 2, 6, 6),), lambda x: F.max_pool2d(x, 2) * 2, exact=True, layouts=_SPANS1
-    ),  # fmt: skip
+    ),
     Case(
         "max_pool2d_pad",
         ((4, 2, 6, 6),),
         lambda x: F.max_pool2d(x, 3, 2, 1) * 2,
         exact=True,
         layouts=_SPANS1,
-    ),  # fmt: skip
+    ),
     Case(
         "avg_pool2d", ((4, 2, 6, 6),), lambda x: F.avg_pool2d(x, 2) * 2, exact=True, layouts=_SPANS1
-    ),  # fmt: skip
+    ),
     Case(
         "adaptive_avg_pool2d",
         ((4, 2, 6, 6),),
         lambda x: F.adaptive_avg_pool2d(x, (2, 3)),
         exact=True,
         layouts=_SPANS1,
-    ),  # fmt: skip
+    ),
     Case(
         "upsample_nearest",
         ((4, 2, 3, 3),),
         lambda x: F.interpolate(x, scale_factor=2) * 2,
         exact=True,
         layouts=_SPANS1,
-    ),  # fmt: skip
+    ),
     Case(
         "upsample_bilinear",
         ((4, 2, 3, 3),),
@@ -276,14 +276,14 @@ CASES: list[Case] = [
         lambda x: x[4:].max(dim=1).values,
         exact=True,
         fallback_ok=True,
-    ),  # fmt: skip
+    ),
     Case(
         "slice_then_topk",
         ((7, 6),),
         lambda x: x[4:].topk(2, 1).values,
         exact=True,
         fallback_ok=True,
-    ),  # fmt: skip
+    ),
     Case("mask_then_sum", ((7,),), lambda x: x[_MASK7].sum() * 2, fallback_ok=True),
     Case(
         "slice_gather_scale",
@@ -291,23 +291,23 @@ CASES: list[Case] = [
         lambda x, s: torch.gather(x[4:], 1, x[4:].argsort(1)) * s[4:, None],
         sharded=(0, 1),
         fallback_ok=True,
-    ),  # fmt: skip
+    ),
     # losses and statistics made of the ops that have rules
     Case(
         "smooth_l1", ((7, 6), (7, 6)), lambda x, t: F.smooth_l1_loss(x, t, beta=0.5), sharded=(0, 1)
-    ),  # fmt: skip
+    ),
     Case(
         "smooth_l1_sum_beta0",
         ((7, 6), (7, 6)),
         lambda x, t: F.smooth_l1_loss(x, t, reduction="sum", beta=0.0),
         sharded=(0, 1),
-    ),  # fmt: skip
+    ),
     Case(
         "huber_none",
         ((7, 6), (7, 6)),
         lambda x, t: F.huber_loss(x, t, reduction="none", delta=0.7),
         sharded=(0, 1),
-    ),  # fmt: skip
+    ),
     Case("std_mean_dim1", ((7, 6),), lambda x: torch.std_mean(x, 1)[0] + torch.std_mean(x, 1)[1]),
     Case("var_mean_all", ((7, 6),), lambda x: torch.var_mean(x)[0] * torch.var_mean(x)[1]),
     # a block's part of the triangle, its diagonal shifted by where it starts

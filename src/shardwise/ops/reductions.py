@@ -580,11 +580,16 @@ def _nll_operands(a: dict) -> tuple[ShardedTensor, list[Any], list[int]] | None:
     return st, targets, primary_blocks(st._layout, st._rank)
 
 
+def _class_weight(a: dict) -> torch.Tensor | None:
+    """The per-class `weight` every rank holds whole, or None."""
+    weight = a.get("weight")
+    return None if weight is None else whole_or_plain(weight)
+
+
 def _total_weight(a: dict, st: ShardedTensor, targets: list[Any], mine: list[int]) -> Any:
     """The weight of the targets not ignored, summed over the whole batch (a 0-d tensor
     every rank holds)."""
-    weight = a.get("weight")
-    weight = None if weight is None else whole_or_plain(weight)
+    weight = _class_weight(a)
     target = a["target"]
     shared = not isinstance(target, ShardedTensor) or is_replicated(target._layout)
     picked = [whole_or_plain(target)] if shared else [targets[i] for i in mine]
@@ -603,8 +608,7 @@ def _nll_loss(func: Any, args: tuple, kwargs: dict) -> Any:
     if found is None or a["reduction"] not in (0, 1, 2):
         return fallback(func, args, kwargs)
     st, targets, mine = found
-    weight = a.get("weight")
-    weight = None if weight is None else whole_or_plain(weight)
+    weight = _class_weight(a)
     ignore, reduction = a["ignore_index"], a["reduction"]
     total = _total_weight(a, st, targets, mine)
     total_st = st._with_layout(replicated((), st._layout.world_size), [total])
@@ -626,8 +630,7 @@ def _nll_loss_backward(func: Any, args: tuple, kwargs: dict) -> Any:
     if found is None:
         return fallback(func, args, kwargs)
     st, targets, _mine = found
-    weight = a.get("weight")
-    weight = None if weight is None else whole_or_plain(weight)
+    weight = _class_weight(a)
     total = whole_or_plain(a["total_weight"])
     grad = a["grad_output"]
     if a["reduction"] == 0:
