@@ -306,13 +306,13 @@ def _takes_bytes(pieces: list[Piece], dtype: torch.dtype) -> bool:
     return all(_plain(p.tensor, dtype) for p in pieces)
 
 
-def _plain(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether `t` is plain strided memory of `dtype` on the CPU or a CUDA device (a
-    CUDA target's bytes travel in host memory and go to the device once, `_staged`)."""
-    return _plain_host(t, dtype) or (
+def _plain(t: torch.Tensor, dtype: torch.dtype, devices: tuple[str, ...] = ("cpu", "cuda")) -> bool:
+    """Whether `t` is plain strided memory of `dtype` on a device of `devices` (bytes
+    land in it as stored; a CUDA target's travel in host memory first, `_staged`)."""
+    return (
         type(t) in _PLAIN
         and t.dtype == dtype
-        and t.device.type == "cuda"
+        and t.device.type in devices
         and t.layout == torch.strided
         and not (t.is_conj() or t.is_neg())
     )
@@ -340,13 +340,7 @@ def _settle(devices: set[torch.device]) -> None:
 
 def _plain_host(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether `t` is plain strided CPU memory of `dtype` (bytes land in it as stored)."""
-    return (
-        type(t) in _PLAIN
-        and t.dtype == dtype
-        and t.device.type == "cpu"
-        and t.layout == torch.strided
-        and not (t.is_conj() or t.is_neg())
-    )
+    return _plain(t, dtype, ("cpu",))
 
 
 def words(signature: list[Any], view: StoredView | None, verify: bool, nbytes: int) -> list[int]:
