@@ -310,6 +310,25 @@ CASES: list[Case] = [
     ),
     Case("std_mean_dim1", ((7, 6),), lambda x: torch.std_mean(x, 1)[0] + torch.std_mean(x, 1)[1]),
     Case("var_mean_all", ((7, 6),), lambda x: torch.var_mean(x)[0] * torch.var_mean(x)[1]),
+    # along dims every block spans: per block (the backward: the opposite roll, a crop)
+    Case("roll_dim1", ((7, 6),), lambda x: x.roll(2, 1) * 2, exact=True, layouts=_SPANS1),
+    Case(
+        "roll_two_dims",
+        ((7, 6),),
+        lambda x: x.roll((1, -2), (0, 1)) * 2,
+        exact=True,
+        layouts=("replicated",),
+    ),
+    Case(
+        "pad_last",
+        ((7, 6),),
+        lambda x: F.pad(x, (1, 2), value=0.5) * 2,
+        exact=True,
+        layouts=_SPANS1,
+    ),
+    Case(
+        "pad_crop", ((4, 3, 6),), lambda x: F.pad(x, (-1, 2, 1, 0)) * 2, exact=True, layouts=_SPANS1
+    ),
     # a block's part of the triangle, its diagonal shifted by where it starts
     Case("tril", ((7, 6),), lambda x: x.tril() * 2, exact=True),
     Case("triu_k", ((7, 6),), lambda x: x.triu(-2) * 2, exact=True),

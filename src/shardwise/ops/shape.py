@@ -27,7 +27,7 @@ from ..tensor import ShardedTensor
 from .exchange import is_replicated, replicated
 from .fallback import fallback
 from .per_shard import named, registrar, sharded_args
-from .reductions import in_range
+from .reductions import in_range, spans, widened
 
 __all__ = ["SHAPE_HANDLERS"]
 
@@ -159,6 +159,46 @@ def _flip(func: Any, args: tuple, kwargs: dict) -> Any:
         st._layout.world_size,
     )
     return _result(st, layout, lambda s, b, nb: s.flip(dims))
+
+
+@_handles(aten.roll.default)
+def _roll(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`roll` along dims every block spans: per block. No communication."""
+    a = named(func, args, kwargs)
+    st, dims = a["self"], list(a["dims"])
+    if not dims or st.ndim == 0 or not in_range(dims, st.ndim):
+        return fallback(func, args, kwargs)  # a flattened roll; torch's errors
+    if not spans(st._layout, tuple(sorted({d % st.ndim for d in dims}))):
+        return fallback(func, args, kwargs)
+    shards = [func(shard, a["shifts"], dims) for shard in st._shards]
+    return st._with_layout(st._layout, shards, dtype=st.dtype, device=st.device)
+
+
+@_handles(aten.constant_pad_nd.default)
+def _pad(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`F.pad` (constant) along dims every block spans: per block, each block whole along
+    the padded dims (a negative pad crops: the backward). No communication."""
+    a = named(func, args, kwargs)
+    st, pad = a["self"], list(a["pad"])
+    if len(pad) % 2 or len(pad) // 2 > st.ndim:
+        return fallback(func, args, kwargs)  # torch's error
+    layout = st._layout
+    padded = []
+    for i in range(len(pad) // 2):
+        d = st.ndim - 1 - i
+        if pad[2 * i] or pad[2 * i + 1]:
+            padded.append((d, st.shape[d] + pad[2 * i] + pad[2 * i + 1]))
+    if not spans(layout, tuple(d for d, _n in padded)) or any(n < 0 for _d, n in padded):
+        return fallback(func, args, kwargs)
+    for d, n in padded:
+        layout = widened(layout, d, n)
+    shards = [
+        func(shard, pad, a["value"]) if not b.is_empty() else shard.new_empty(nb.sizes)
+        for shard, b, nb in zip(
+            st._shards, st._layout.blocks_of(st._rank), layout.blocks_of(st._rank)
+        )
+    ]
+    return st._with_layout(layout, shards, dtype=st.dtype, device=st.device)
 
 
 @_handles(aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_.default)
