@@ -119,8 +119,13 @@ def test_train_resume_killed_and_resumed_on_three_ranks_ends_bit_exact(tmp_path:
         "train_resume.py", 2, "--root", str(killed), *steps, "--die-at-step", "7"
     )
     assert code != 0, out + err
+    # every rank ended at the simulated preemption (torchrun's report of each exit), and
+    # its "dying" line reached the output from at least one: the other's last line has
+    # been seen missing from what torchrun passed on once the first rank exited
+    exits = re.findall(r"rank\s*: (\d) \(local_rank: \d\)\s*\n\s*exitcode\s*: (\d+)", err)
+    assert sorted(exits) == [("0", "75"), ("1", "75")], err
     dying = re.findall(r"^rank (\d): dying after step 7", out, re.MULTILINE)
-    assert sorted(dying) == ["0", "1"], out + err
+    assert dying and set(dying) <= {"0", "1"}, out + err
     assert "digest:" not in out
     assert sorted(_losses(out)) == list(range(1, 8))
     latest = swc.CheckpointManager(killed).latest()  # the save of step 6 may not have committed

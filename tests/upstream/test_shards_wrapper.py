@@ -161,10 +161,10 @@ VALID = [name for name in SCENARIOS if "invalid" not in name]
 
 
 @pytest.mark.parametrize("origin", list(SCENARIOS))
-def test_padding_falls_back_to_f_pad_of_the_whole(origin):
-    """Every LocalShardsWrapperPaddingTest scenario, built in: shardwise has no rule for
-    constant_pad_nd, so its fallback pads the whole tensor (torch 2.13's
-    LocalShardsWrapper refuses the op)."""
+def test_padding_pads_each_block_or_falls_back_to_f_pad_of_the_whole(origin):
+    """Every LocalShardsWrapperPaddingTest scenario, built in: where every block spans the
+    padded dims, each block is padded alone; else the fallback pads the whole tensor
+    (torch 2.13's LocalShardsWrapper refuses the op)."""
     from shardwise.ops import FALLBACK_OPS
 
     make, calls = SCENARIOS[origin]
@@ -178,7 +178,13 @@ def test_padding_falls_back_to_f_pad_of_the_whole(origin):
             continue
         FALLBACK_OPS.clear()
         out = PAD(st, pad, value)
-        assert FALLBACK_OPS == {PAD: 1}
+        padded = [st.ndim - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]]
+        per_block = all(
+            b.offsets[d] == 0 and b.sizes[d] == st.shape[d]
+            for b in st.layout_spec.blocks_of(0)
+            for d in padded
+        )
+        assert FALLBACK_OPS == ({} if per_block else {PAD: 1})
         assert torch.equal(_assembled(out), F.pad(whole, pad, value=value))
         if "invalid_1d" not in origin:  # upstream's 1-d fixture is malformed (see below)
             with pytest.raises(NotImplementedError, match="constant_pad_nd"):
@@ -194,13 +200,16 @@ def _assembled(st: ShardedTensor) -> torch.Tensor:
 
 
 def test_empty_shards_padding():
-    """LocalShardsWrapperPaddingTest.test_empty_shards_padding: padding a rank that
-    holds nothing raises (upstream accepts any Exception; here NotImplementedError)."""
+    """LocalShardsWrapperPaddingTest.test_empty_shards_padding: upstream raises for a
+    wrapper with no shards. shardwise differs: rank 1's one block spans every dim, so
+    each rank pads its own blocks, and rank 0, holding nothing, gets the padded shape
+    and no block of it (as through the registry, below)."""
     empty = ShardedTensor.from_layout(
         Layout((2, 2), {1: [Block((0, 0), (2, 2))]}, 2), [], rank=0, dtype=torch.float32
     )
-    with pytest.raises(Exception):
-        PAD(empty, [1, 2, 3, 4], 5.0)
+    out = PAD(empty, [1, 2, 3, 4], 5.0)
+    assert out.local_shards() == [] and out.shape == torch.Size([9, 5])
+    assert out.layout_spec.blocks_of(1) == (Block((0, 0), (9, 5)),)
     with pytest.raises(Exception):
         PAD(LocalShardsWrapper([], []), [1, 2, 3, 4], 5.0)
 
