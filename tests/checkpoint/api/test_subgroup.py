@@ -289,7 +289,12 @@ def _disagreeing(rank: int, world: int, root: str) -> list[tuple[str, str, bool]
 
 
 def _wrote(folder: str) -> bool:
-    return os.path.isdir(folder) and any(n.endswith(".distcp") for n in os.listdir(folder))
+    """Whether data files are in `folder` (another rank's failed save may be removing
+    what it made meanwhile: gone is not written)."""
+    try:
+        return any(n.endswith(".distcp") for n in os.listdir(folder))
+    except FileNotFoundError:
+        return False
 
 
 REPLICAS = (
