@@ -32,6 +32,7 @@ from ..tensor import ShardedTensor
 from .exchange import is_replicated, primary_blocks, replicated, whole_or_plain
 from .fallback import fallback
 from .pending import later
+from .per_shard import empty_block
 from .reductions import _meta, spans
 
 __all__ = ["BATCHED_HANDLERS"]
@@ -52,10 +53,6 @@ class _Spec(NamedTuple):
     alike: tuple[int, ...] = ()  # outputs every block gives alike (empty statistics)
 
 
-def _empty(ndim: int) -> Block:
-    return Block((0,) * ndim, (0,) * ndim)
-
-
 @functools.lru_cache(maxsize=4096)
 def _leading(layout: Layout, lead: int) -> tuple[tuple[Any, ...], ...]:
     """Each rank's blocks along the leading dims, in order (None: an empty block)."""
@@ -70,7 +67,7 @@ def _result_layout(layout: Layout, lead: int, shape: tuple[int, ...]) -> Layout:
     """`layout`'s blocks along the leading dims, whole along the result's trailing dims."""
     blocks = {
         r: [
-            _empty(len(shape))
+            empty_block(len(shape))
             if b.is_empty()
             else Block(b.offsets[:lead] + (0,) * (len(shape) - lead), b.sizes[:lead] + shape[lead:])
             for b in rank_blocks

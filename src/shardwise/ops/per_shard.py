@@ -14,9 +14,11 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import LayoutError
+from ..layout import Block
 from ..tensor import ShardedTensor
 
 __all__ = [
+    "empty_block",
     "flat",
     "is_inplace",
     "named",
@@ -26,6 +28,11 @@ __all__ = [
     "tensors_in",
     "wrap",
 ]
+
+
+def empty_block(ndim: int) -> Block:
+    """The box an empty block of an `ndim`-dim result is written with."""
+    return Block((0,) * ndim, (0,) * ndim)
 
 
 # what an aten op's argument is when it is no container: such arguments are their own

@@ -27,7 +27,15 @@ from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .exchange import is_replicated, local_in, whole
 from .fallback import fallback
-from .per_shard import is_inplace, per_shard, result_meta, sharded_args, tensors_in, wrap
+from .per_shard import (
+    empty_block,
+    is_inplace,
+    per_shard,
+    result_meta,
+    sharded_args,
+    tensors_in,
+    wrap,
+)
 
 __all__ = ["aligned", "pointwise"]
 
@@ -102,10 +110,6 @@ def pointwise(func: Any, args: tuple, kwargs: dict) -> Any:
 # -- broadcasting: sharded operands smaller than the result ------------------------------
 
 
-def _empty(ndim: int) -> Block:
-    return Block((0,) * ndim, (0,) * ndim)
-
-
 def _seen_as(layout: Layout, shape: tuple[int, ...]) -> Layout | None:
     """What each block of `layout` (the result's) needs of an operand of `shape`
     broadcast to it: the block with the operand's size-1 dims whole and its missing
@@ -142,7 +146,7 @@ def _spread(layout: Layout, shape: tuple[int, ...]) -> Layout:
     def image(b: Block) -> Block:
         keeps = [own[d] == shape[d + lead] for d in range(len(own))]
         if b.is_empty() and not any(k and b.sizes[d] == 0 for d, k in enumerate(keeps)):
-            return _empty(len(shape))
+            return empty_block(len(shape))
         offsets = [0] * lead + [b.offsets[d] if k else 0 for d, k in enumerate(keeps)]
         sizes = list(shape[:lead]) + [
             b.sizes[d] if k else shape[d + lead] for d, k in enumerate(keeps)

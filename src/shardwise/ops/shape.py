@@ -26,7 +26,7 @@ from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .exchange import is_replicated, replicated
 from .fallback import fallback
-from .per_shard import named, registrar, sharded_args
+from .per_shard import empty_block, named, registrar, sharded_args
 from .reductions import in_range, spans, widened
 
 __all__ = ["SHAPE_HANDLERS"]
@@ -37,10 +37,6 @@ SHAPE_HANDLERS: dict[Any, Callable[[Any, tuple, dict], Any]] = {}
 
 
 _handles = registrar(SHAPE_HANDLERS)
-
-
-def _empty(ndim: int) -> Block:
-    return Block((0,) * ndim, (0,) * ndim)
 
 
 _MAPPED: dict[tuple[Any, ...], Layout | None] = {}
@@ -71,12 +67,12 @@ def _map(
         out = []
         for b in rank_blocks:
             if b.is_empty():
-                out.append(_empty(len(shape)))
+                out.append(empty_block(len(shape)))
                 continue
             mapped = how(b)
             if mapped is None:
                 return None
-            out.append(mapped if not mapped.is_empty() else _empty(len(shape)))
+            out.append(mapped if not mapped.is_empty() else empty_block(len(shape)))
         blocks[rank] = out
     return Layout(shape, blocks, layout.world_size)
 
@@ -403,7 +399,7 @@ def _view_plan(
         per_block, new_blocks = [], []
         for b in rank_blocks:
             if b.is_empty():
-                pieces: list[Piece] | None = [((-1,) * len(old), _empty(len(shape)))]
+                pieces: list[Piece] | None = [((-1,) * len(old), empty_block(len(shape)))]
             else:
                 pieces = _pieces(b, groups, old, shape)
             if pieces is None:
@@ -459,7 +455,7 @@ def _slice(st: ShardedTensor, dim: int, start: int, stop: int, step: int) -> Sha
         last = min(count, -(-(hi - start) // step))  # first k with start + k*step >= hi
         offsets, sizes = list(b.offsets), list(b.sizes)
         if last <= first:
-            return _empty(len(shape))
+            return empty_block(len(shape))
         offsets[dim], sizes[dim] = first, last - first
         return Block(tuple(offsets), tuple(sizes))
 
@@ -546,7 +542,7 @@ def _cat_layout(layouts: tuple[Layout, ...], dim: int) -> Layout:
         for r in range(world):
             for b in layout.blocks_of(r):
                 if b.is_empty():
-                    blocks[r].append(_empty(len(shape)))
+                    blocks[r].append(empty_block(len(shape)))
                     continue
                 offsets = list(b.offsets)
                 offsets[dim] += base
