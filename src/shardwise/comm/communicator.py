@@ -20,6 +20,7 @@ import atexit
 import itertools
 import pickle
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable, Hashable
@@ -115,6 +116,7 @@ class ProcessGroupCommunicator(Communicator):
 
     def __init__(self, group: Any = None) -> None:
         self.group = group
+        _settle_workers_at_exit()
 
     @property
     def rank(self) -> int:
@@ -217,6 +219,29 @@ class ProcessGroupCommunicator(Communicator):
             seen[peer] += 1
             works.append(start(tensor, dist.get_global_rank(pg, peer), group=group, tag=tag))
         return works
+
+
+# How long the interpreter's exit hands the GIL to torch's collective workers.
+SETTLE_S = 0.05
+_SETTLING = False
+
+
+def _settle_workers_at_exit() -> None:
+    """Once per process: at exit, hand the GIL to gloo's worker threads before the
+    interpreter finalizes.
+
+    A gloo worker frees a finished collective's tensors after `wait()` has returned,
+    and freeing a tensor Python has seen takes the GIL (torch 2.13). A worker that
+    asks for it once the interpreter is finalizing is ended by `pthread_exit`, whose
+    unwinding through that destructor calls `std::terminate`: a job whose last
+    collective comes just before it exits aborts with SIGABRT ("terminate called
+    without an active exception"), after its work is done, on about one run in four
+    with 3 ranks on 2 cores. atexit functions run while threads may still take the GIL,
+    so this one sleeps for a moment, and a worker still waiting for the GIL gets it."""
+    global _SETTLING
+    if not _SETTLING:
+        _SETTLING = True
+        atexit.register(time.sleep, SETTLE_S)
 
 
 # (the default group they were made under, the gloo group) by global ranks.
