@@ -265,7 +265,6 @@ CASES: list[Case] = [
         "batch_norm_eval",
         ((4, 3, 5), (3,), (3,)),
         lambda x, w, b: F.batch_norm(x, _RM3, _RV3, w, b, training=False, eps=1e-3),
-        layouts=_SPANS1,
     ),
     # after a slice leaves a rank an empty block: every rank's value right (rules that
     # need a block to span a dim fall back for it)
@@ -310,24 +309,33 @@ CASES: list[Case] = [
     ),
     Case("std_mean_dim1", ((7, 6),), lambda x: torch.std_mean(x, 1)[0] + torch.std_mean(x, 1)[1]),
     Case("var_mean_all", ((7, 6),), lambda x: torch.var_mean(x)[0] * torch.var_mean(x)[1]),
-    # along dims every block spans: per block (the backward: the opposite roll, a crop)
-    Case("roll_dim1", ((7, 6),), lambda x: x.roll(2, 1) * 2, exact=True, layouts=_SPANS1),
+    # roll, pad, repeat in any layout: along a dim a block spans the shard changes; along
+    # another the block moves (cut where a roll wraps, extended at a padded edge, copied
+    # per tile). The backward: the opposite roll, a crop, a sum over the tiles.
+    Case("roll_dim1", ((7, 6),), lambda x: x.roll(2, 1) * 2, exact=True),
+    Case("roll_dim0_back", ((7, 6),), lambda x: x.roll(-3, 0) * 2, exact=True),
+    Case("roll_two_dims", ((7, 6),), lambda x: x.roll((1, -2), (0, 1)) * 2, exact=True),
+    Case("roll_same_dim_twice", ((7, 6),), lambda x: x.roll((4, 5), (0, 0)) * 2, exact=True),
+    Case("roll_then_sum_dim0", ((7, 6),), lambda x: x.roll(3, 0).sum(0)),
+    Case("roll_3d", ((4, 3, 6),), lambda x: x.roll((5, 1), (2, 0)) * 2, exact=True),
+    Case("pad_last", ((7, 6),), lambda x: F.pad(x, (1, 2), value=0.5) * 2, exact=True),
+    Case("pad_rows", ((7, 6),), lambda x: F.pad(x, (0, 0, 2, 1), value=-1.0) * 2, exact=True),
+    Case("pad_crop_rows", ((7, 6),), lambda x: F.pad(x, (1, -1, -2, 3)) * 2, exact=True),
+    Case("pad_crop", ((4, 3, 6),), lambda x: F.pad(x, (-1, 2, 1, 0)) * 2, exact=True),
+    Case("pad_crop_most", ((7, 6),), lambda x: F.pad(x, (0, 0, -5, -1)) * 2, exact=True),
+    # (the backward sums the tiles, in another order: close, not exact)
+    Case("repeat", ((7, 6),), lambda x: x.repeat(2, 3) * 2),
+    Case("repeat_lead", ((7, 6),), lambda x: x.repeat(2, 1, 2) * 2),
+    Case("repeat_then_sum", ((7, 6),), lambda x: x.repeat(3, 1).sum(0)),
     Case(
-        "roll_two_dims",
-        ((7, 6),),
-        lambda x: x.roll((1, -2), (0, 1)) * 2,
-        exact=True,
-        layouts=("replicated",),
+        "batch_norm_train",
+        ((4, 3, 5), (3,), (3,)),
+        lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True, eps=1e-3),
     ),
     Case(
-        "pad_last",
-        ((7, 6),),
-        lambda x: F.pad(x, (1, 2), value=0.5) * 2,
-        exact=True,
-        layouts=_SPANS1,
-    ),
-    Case(
-        "pad_crop", ((4, 3, 6),), lambda x: F.pad(x, (-1, 2, 1, 0)) * 2, exact=True, layouts=_SPANS1
+        "batch_norm_train_2d",
+        ((4, 3, 2, 3),),
+        lambda x: F.batch_norm(x, None, None, training=True) * 2,
     ),
     # a block's part of the triangle, its diagonal shifted by where it starts
     Case("tril", ((7, 6),), lambda x: x.tril() * 2, exact=True),

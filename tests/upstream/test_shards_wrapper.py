@@ -7,12 +7,11 @@ of that file is about one op, `aten.constant_pad_nd` (`F.pad(mode="constant")`),
 which LocalShardsWrapper handled in that version.
 
 Torch 2.13 does not: its installed `_shards_wrapper.py` has no such handler and
-raises NotImplementedError (asserted below). shardwise has no rule for it either and
-runs it through its fallback (SPEC §9: an op without a rule falls back, never a
-silent wrong answer): the whole tensor padded, as `F.pad` pads it. So each upstream
-scenario runs twice:
+raises NotImplementedError (asserted below). shardwise has a rule for it in any
+layout: each block padded alone, the blocks at a padded edge taking its new
+elements, no fallback. So each upstream scenario runs twice:
 
-1. built in: the fallback gives `F.pad` of the whole tensor (torch's own error for an
+1. built in: the rule gives `F.pad` of the whole tensor (torch's own error for an
    invalid pad), where torch 2.13's LocalShardsWrapper refuses the op;
 2. through the registry: `sw.register_op(aten.constant_pad_nd.default, pad_blocks)`
    with a handler written here on the public API only (Layout/Block geometry,
@@ -161,10 +160,10 @@ VALID = [name for name in SCENARIOS if "invalid" not in name]
 
 
 @pytest.mark.parametrize("origin", list(SCENARIOS))
-def test_padding_pads_each_block_or_falls_back_to_f_pad_of_the_whole(origin):
-    """Every LocalShardsWrapperPaddingTest scenario, built in: where every block spans the
-    padded dims, each block is padded alone; else the fallback pads the whole tensor
-    (torch 2.13's LocalShardsWrapper refuses the op)."""
+def test_padding_pads_each_block_to_f_pad_of_the_whole(origin):
+    """Every LocalShardsWrapperPaddingTest scenario, built in: each block is padded alone,
+    the blocks at a padded edge taking its new elements, with no fallback (torch 2.13's
+    LocalShardsWrapper refuses the op)."""
     from shardwise.ops import FALLBACK_OPS
 
     make, calls = SCENARIOS[origin]
@@ -178,13 +177,8 @@ def test_padding_pads_each_block_or_falls_back_to_f_pad_of_the_whole(origin):
             continue
         FALLBACK_OPS.clear()
         out = PAD(st, pad, value)
-        padded = [st.ndim - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]]
-        per_block = all(
-            b.offsets[d] == 0 and b.sizes[d] == st.shape[d]
-            for b in st.layout_spec.blocks_of(0)
-            for d in padded
-        )
-        assert FALLBACK_OPS == ({} if per_block else {PAD: 1})
+        assert FALLBACK_OPS == {}
+        assert len(out.local_shards()) == len(st.local_shards())  # one block each, moved
         assert torch.equal(_assembled(out), F.pad(whole, pad, value=value))
         if "invalid_1d" not in origin:  # upstream's 1-d fixture is malformed (see below)
             with pytest.raises(NotImplementedError, match="constant_pad_nd"):

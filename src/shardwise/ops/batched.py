@@ -1,5 +1,5 @@
 """Ops that work on each index of the leading dims alone: pooling, upsampling, attention,
-group norm, batch norm in eval mode, and their backward.
+group norm, and their backward; and batch norm, per channel.
 
 `max_pool2d` pools each (sample, channel) plane on its own; `interpolate` resizes
 each plane; `scaled_dot_product_attention` attends within each (batch, head);
@@ -16,23 +16,27 @@ arguments name the input's whole shape (`upsample_*_backward`'s `input_size`,
 `group_norm`'s `N`) is called with the block's.
 
 Per rank: O(B) for its B blocks; nothing sent but a pending weight gradient (2·W
-bytes on first use, W its size).
+bytes on first use, W its size). Batch norm (the section at the end) runs per block
+wherever the blocks span the channels; in training its statistics are the whole
+batch's, two all-reduces of C elements forward and one of 2·C backward.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
-from .exchange import is_replicated, primary_blocks, replicated, whole_or_plain
+from .exchange import all_reduce, is_replicated, primary_blocks, replicated, whole_or_plain
 from .fallback import fallback
 from .pending import later
-from .per_shard import empty_block
+from .per_shard import empty_block, named
 from .reductions import _meta, spans
 
 __all__ = ["BATCHED_HANDLERS"]
@@ -228,26 +232,144 @@ for _op, _spec in _SPECS.items():
     BATCHED_HANDLERS[_op] = _per_block(_spec)
 
 
-# batch norm in eval mode: each element by the running statistics (per channel), so
-# per block where the blocks span the channels; in training the statistics are the
-# whole batch's (what SyncBatchNorm computes): the fallback's
-_EVAL = {
-    aten.native_batch_norm.default: (5, _Spec((0,), _all_but_first, alike=(1, 2))),
-    aten.native_batch_norm_backward.default: (
-        7,
-        _Spec((0, 1), _all_but_first, summed=(1, 2)),
-    ),
-}
+# -- batch norm --------------------------------------------------------------------------
+#
+# Per channel, so per block wherever the blocks span the channels (any split of the
+# samples or the spatial dims). In eval mode each element is normalised by the running
+# statistics: nothing is sent but the weight and bias gradients, sums over the blocks
+# left pending until read (2·C elements). In training the statistics are the whole
+# batch's, as SyncBatchNorm's: each rank sums its primary blocks per channel, and the
+# forward all-reduces the sums (C elements), then the squared deviations from the mean
+# (C more: two passes, as exact as torch's); the backward all-reduces the two sums its
+# formula needs (2·C). The running statistics, plain buffers on every rank, are updated
+# alike on every rank. DTensor has no sharding rule for it: it gathers the batch.
 
 
-def _eval_only(training_at: int, rule: Callable[[Any, tuple, dict], Any]) -> Callable:
-    def handler(func: Any, args: tuple, kwargs: dict) -> Any:
-        if len(args) <= training_at or args[training_at]:
+def _batch_norm_operands(a: dict, names: tuple[str, ...]) -> tuple[Any, ...] | None:
+    """(input, the channel shape to broadcast with, the named per-channel operands whole)
+    where the input is a ShardedTensor whose blocks all span the channels, else None."""
+    st = a["input"]
+    if not isinstance(st, ShardedTensor) or st.ndim < 2 or not spans(st._layout, (1,)):
+        return None
+    others = []
+    for name in names:
+        x = a[name]
+        if isinstance(x, ShardedTensor) and not is_replicated(x._layout):
+            return None
+        others.append(whole_or_plain(x) if isinstance(x, ShardedTensor) else x)
+    shape = (1, st.shape[1]) + (1,) * (st.ndim - 2)
+    return st, shape, others
+
+
+def _channel_sums(
+    st: ShardedTensor, parts: list[torch.Tensor], dims: list[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """Per channel, the sum of `parts` (one per block of `st`) over this rank's primary
+    blocks: this rank's addend of the whole batch's sum."""
+    total = torch.zeros(st.shape[1], dtype=dtype, device=st.device)
+    for i in primary_blocks(st._layout, st._rank):
+        total += parts[i].sum(dims)
+    return total
+
+
+def _batch_norm(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    found = _batch_norm_operands(a, ("weight", "bias", "running_mean", "running_var"))
+    if found is None:
+        return fallback(func, args, kwargs)
+    st, shape, (weight, bias, running_mean, running_var) = found
+    count = math.prod(st.shape) // st.shape[1] if st.shape[1] else 0
+    training = a["training"]
+    if (training and count < 2) or (not training and (running_mean is None or running_var is None)):
+        return fallback(func, args, kwargs)  # torch's errors
+    meta = _meta(func, args, kwargs)
+    acc, dims = meta[1].dtype, [0, *range(2, st.ndim)]
+    xs = [x.to(acc) for x in st._shards]
+    if training:
+        mean = all_reduce(_channel_sums(st, xs, dims, acc), dist.ReduceOp.SUM, st) / count
+        deviations = [(x - mean.view(shape)).square() for x in xs]
+        var = all_reduce(_channel_sums(st, deviations, dims, acc), dist.ReduceOp.SUM, st) / count
+    else:
+        mean, var = running_mean.to(acc), running_var.to(acc)
+    invstd = (var + a["eps"]).rsqrt()
+    outs = []
+    for x in xs:
+        y = (x - mean.view(shape)) * invstd.view(shape)
+        if weight is not None:
+            y = y * weight.view(shape)
+        if bias is not None:
+            y = y + bias.view(shape)
+        outs.append(y.to(meta[0].dtype))
+    out = st._with_layout(st._layout, outs, dtype=meta[0].dtype, device=st.device)
+    if not training:  # what torch returns for the saved statistics in eval mode
+        saved = [torch.zeros(m.shape, dtype=m.dtype, device=st.device) for m in meta[1:]]
+        return out, *saved
+    momentum = a["momentum"]
+    with torch.no_grad():
+        if running_mean is not None:
+            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+        if running_var is not None:
+            unbiased = (var * count / (count - 1)).to(running_var.dtype)
+            running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+    return out, mean, invstd
+
+
+def _batch_norm_backward(func: Any, args: tuple, kwargs: dict) -> Any:
+    a = named(func, args, kwargs)
+    names = ("weight", "running_mean", "running_var", "save_mean", "save_invstd")
+    found = _batch_norm_operands(a, names)
+    if found is None:
+        return fallback(func, args, kwargs)
+    st, shape, (weight, running_mean, running_var, save_mean, save_invstd) = found
+    training = a["train"]
+    if training and (save_mean is None or save_invstd is None):
+        return fallback(func, args, kwargs)
+    if not training and (running_mean is None or running_var is None):
+        return fallback(func, args, kwargs)
+    grad = a["grad_out"]
+    if isinstance(grad, ShardedTensor) and not is_replicated(grad._layout):
+        if grad._layout != st._layout:
             return fallback(func, args, kwargs)
-        return rule(func, args, kwargs)
+        grads = list(grad._shards)
+    else:
+        g = whole_or_plain(grad)
+        grads = [g[b.slices()] for b in st._layout.blocks_of(st._rank)]
+    if training:
+        acc, mean, invstd = save_mean.dtype, save_mean, save_invstd
+    else:
+        acc = torch.promote_types(running_var.dtype, st.dtype)
+        mean, invstd = running_mean.to(acc), (running_var.to(acc) + a["eps"]).rsqrt()
+    dims = [0, *range(2, st.ndim)]
+    dys = [g.to(acc) for g in grads]
+    xmus = [x.to(acc) - mean.view(shape) for x in st._shards]
+    sum_dy = _channel_sums(st, dys, dims, acc)
+    sum_dy_xmu = _channel_sums(st, [dy * xmu for dy, xmu in zip(dys, xmus)], dims, acc)
+    count = math.prod(st.shape) // st.shape[1]
+    if training:  # the whole batch's sums: grad_input needs them
+        sums = all_reduce(torch.stack([sum_dy, sum_dy_xmu]), dist.ReduceOp.SUM, st)
+        sum_dy, sum_dy_xmu = sums[0], sums[1]
+    mask = list(a["output_mask"])
+    grad_input = None
+    if mask[0]:
+        scale = (invstd if weight is None else invstd * weight.to(acc)).view(shape)
+        if training:
+            k = (sum_dy_xmu * invstd.square() / count).view(shape)
+            mean_dy = (sum_dy / count).view(shape)
+            shards = [((dy - mean_dy - xmu * k) * scale).to(st.dtype) for dy, xmu in zip(dys, xmus)]
+        else:
+            shards = [(dy * scale).to(st.dtype) for dy in dys]
+        grad_input = st._with_layout(st._layout, shards, dtype=st.dtype, device=st.device)
+    wdtype = weight.dtype if weight is not None else st.dtype
+    outs: list[Any] = [grad_input]
+    for wanted, value in ((mask[1], sum_dy_xmu * invstd), (mask[2], sum_dy)):
+        if not wanted:
+            outs.append(None)
+        elif training:
+            outs.append(value.to(wdtype))  # summed over the batch already
+        else:
+            outs.append(later(value.to(wdtype), "sum", st))  # this rank's addend
+    return tuple(outs)
 
-    return handler
 
-
-for _op, (_at, _spec) in _EVAL.items():
-    BATCHED_HANDLERS[_op] = _eval_only(_at, _per_block(_spec))
+BATCHED_HANDLERS[aten.native_batch_norm.default] = _batch_norm
+BATCHED_HANDLERS[aten.native_batch_norm_backward.default] = _batch_norm_backward

@@ -27,7 +27,7 @@ from ..tensor import ShardedTensor
 from .exchange import is_replicated, replicated
 from .fallback import fallback
 from .per_shard import empty_block, named, registrar, sharded_args
-from .reductions import in_range, spans, widened
+from .reductions import in_range, spans
 
 __all__ = ["SHAPE_HANDLERS"]
 
@@ -157,44 +157,208 @@ def _flip(func: Any, args: tuple, kwargs: dict) -> Any:
     return _result(st, layout, lambda s, b, nb: s.flip(dims))
 
 
+# -- roll, pad, repeat: blocks moved, cut at the wrap, extended at the edges, tiled -------
+#
+# Along a dim a block spans, the op runs on its shard; along any other, the block moves
+# (a rank may end with several blocks: a rolled block cut where it wraps, a repeated one
+# copied once per tile). Every rank computes the new layout from the old one; nothing is
+# sent. Each result shard is new memory (a copy of the rank's elements), as torch's is.
+
+# Blocks one block may become (a roll's cut, a repeat's tiles); past this, the fallback.
+# A view splitting blocks keeps to the same bound.
+_MAX_PIECES = 256
+
+# (layout, shape, op, its arguments) -> (the new layout, each rank's blocks' pieces)
+_PIECES: dict[tuple[Any, ...], tuple[Layout, list[list[list[tuple[Block, Any]]]]]] = {}
+
+
+def _moved(
+    st: ShardedTensor,
+    shape: tuple[int, ...],
+    key: tuple[Any, ...],
+    pieces: Callable[[Block], list[tuple[Block, Any]]],
+    data: Callable[[torch.Tensor, Block, list[tuple[Block, Any]]], list[torch.Tensor]],
+) -> ShardedTensor | None:
+    """`st` with each block replaced by `pieces(block)` (new boxes, each with what `data`
+    needs to cut its shard); None where a block has too many pieces. Every rank maps
+    every rank's blocks, once per layout and arguments (cached)."""
+    full_key = (st._layout, shape, *key)
+    found = _PIECES.get(full_key)
+    if found is None:
+        if len(_PIECES) > 4096:
+            _PIECES.clear()
+        per_rank = [[pieces(b) for b in blocks] for blocks in st._layout.blocks]
+        if any(len(p) > _MAX_PIECES for rank in per_rank for p in rank):
+            return None
+        blocks = [[b for p in rank for b, _ in p] for rank in per_rank]
+        layout = Layout(shape, blocks, st._layout.world_size)
+        found = _PIECES[full_key] = (layout, per_rank)
+    layout, per_rank = found
+    shards: list[torch.Tensor] = []
+    for shard, b, p in zip(st._shards, st._layout.blocks_of(st._rank), per_rank[st._rank]):
+        shards.extend(data(shard, b, p))
+    return st._with_layout(layout, shards, dtype=st.dtype, device=st.device)
+
+
+def _with(seq: Sequence[int], d: int, value: int) -> tuple[int, ...]:
+    out = list(seq)
+    out[d] = value
+    return tuple(out)
+
+
 @_handles(aten.roll.default)
 def _roll(func: Any, args: tuple, kwargs: dict) -> Any:
-    """`roll` along dims every block spans: per block. No communication."""
+    """`roll` along given dims: along a dim a block spans, its shard rolls; along any
+    other, the block moves by the shift, cut in two where it wraps. No communication."""
     a = named(func, args, kwargs)
-    st, dims = a["self"], list(a["dims"])
-    if not dims or st.ndim == 0 or not in_range(dims, st.ndim):
-        return fallback(func, args, kwargs)  # a flattened roll; torch's errors
-    if not spans(st._layout, tuple(sorted({d % st.ndim for d in dims}))):
-        return fallback(func, args, kwargs)
-    shards = [func(shard, a["shifts"], dims) for shard in st._shards]
-    return st._with_layout(st._layout, shards, dtype=st.dtype, device=st.device)
+    st, dims, shifts = a["self"], list(a["dims"]), list(a["shifts"])
+    n = st.ndim
+    if not dims or len(dims) != len(shifts) or n == 0 or any(not -n <= d < n for d in dims):
+        return fallback(func, args, kwargs)  # a flattened roll; torch's errors (a dim may repeat)
+    shape = tuple(st.shape)
+    moves = tuple((d % st.ndim, s % shape[d % st.ndim]) for d, s in zip(dims, shifts) if shape[d])
+    if len(moves) != len(dims):
+        return fallback(func, args, kwargs)  # an empty dim
+
+    def pieces(b: Block) -> list[tuple[Block, Any]]:
+        # each piece: its box, and the (dim, start, length) cuts of the shard it takes
+        out: list[tuple[Block, Any]] = [(b, ())]
+        for d, s in moves:
+            n = shape[d]
+            step: list[tuple[Block, Any]] = []
+            for box, cuts in out:
+                o, size = box.offsets[d], box.sizes[d]
+                if size == n or s == 0:  # spans d: the shard rolls
+                    step.append((box, cuts))
+                    continue
+                start = (o + s) % n
+                if start + size <= n or box.is_empty():
+                    size = size if start + size <= n else n - start
+                    step.append(
+                        (Block(_with(box.offsets, d, start), _with(box.sizes, d, size)), cuts)
+                    )
+                    continue
+                head = n - start  # up to the end; the rest wraps to the start
+                step.append(
+                    (
+                        Block(_with(box.offsets, d, start), _with(box.sizes, d, head)),
+                        (*cuts, (d, 0, head)),
+                    )
+                )
+                step.append(
+                    (
+                        Block(_with(box.offsets, d, 0), _with(box.sizes, d, size - head)),
+                        (*cuts, (d, head, size - head)),
+                    )
+                )
+            out = step
+        return out
+
+    def data(shard: torch.Tensor, b: Block, p: list[tuple[Block, Any]]) -> list[torch.Tensor]:
+        spanned = [(s, d) for d, s in moves if b.sizes[d] == shape[d] and s]
+        if spanned:
+            shard = func(shard, [s for s, _ in spanned], [d for _, d in spanned])
+        out = []
+        for box, cuts in p:
+            if box.is_empty():
+                out.append(shard.new_empty(box.sizes))
+                continue
+            piece = shard
+            for d, start, length in cuts:
+                piece = piece.narrow(d, start, length)
+            out.append(piece if spanned else piece.clone())  # a rolled shard is a copy
+        return out
+
+    moved = _moved(st, shape, ("roll", moves), pieces, data)
+    return moved if moved is not None else fallback(func, args, kwargs)
 
 
 @_handles(aten.constant_pad_nd.default)
 def _pad(func: Any, args: tuple, kwargs: dict) -> Any:
-    """`F.pad` (constant) along dims every block spans: per block, each block whole along
-    the padded dims (a negative pad crops: the backward). No communication."""
+    """`F.pad` (constant) in any layout: every block moves by the left pad; a block at an
+    edge of a padded dim takes that edge's new elements, and a negative pad crops the
+    blocks it reaches (the backward). One `constant_pad_nd` per block, no communication."""
     a = named(func, args, kwargs)
     st, pad = a["self"], list(a["pad"])
     if len(pad) % 2 or len(pad) // 2 > st.ndim:
         return fallback(func, args, kwargs)  # torch's error
-    layout = st._layout
-    padded = []
+    shape = list(st.shape)
+    edges: list[tuple[int, int, int]] = []  # (dim, left, right)
     for i in range(len(pad) // 2):
         d = st.ndim - 1 - i
         if pad[2 * i] or pad[2 * i + 1]:
-            padded.append((d, st.shape[d] + pad[2 * i] + pad[2 * i + 1]))
-    if not spans(layout, tuple(d for d, _n in padded)) or any(n < 0 for _d, n in padded):
-        return fallback(func, args, kwargs)
-    for d, n in padded:
-        layout = widened(layout, d, n)
-    shards = [
-        func(shard, pad, a["value"]) if not b.is_empty() else shard.new_empty(nb.sizes)
-        for shard, b, nb in zip(
-            st._shards, st._layout.blocks_of(st._rank), layout.blocks_of(st._rank)
-        )
-    ]
-    return st._with_layout(layout, shards, dtype=st.dtype, device=st.device)
+            edges.append((d, pad[2 * i], pad[2 * i + 1]))
+            shape[d] += pad[2 * i] + pad[2 * i + 1]
+    new_shape = tuple(shape)
+    if any(st.shape[d] == 0 or new_shape[d] <= 0 for d, _l, _r in edges):
+        return fallback(func, args, kwargs)  # torch's errors and empty dims
+
+    def pieces(b: Block) -> list[tuple[Block, Any]]:
+        offsets, sizes = list(b.offsets), list(b.sizes)
+        local = [0] * (2 * st.ndim)  # this shard's pad, in constant_pad_nd's order
+        for d, left, right in edges:
+            n, o, size = st.shape[d], b.offsets[d], b.sizes[d]
+            lo, hi = max(o, -left, 0), min(o + size, n + min(right, 0))
+            if size == 0 or lo >= hi:  # nothing of it is kept along d
+                offsets[d] = min(max(o + left, 0), new_shape[d])
+                sizes[d] = 0
+                continue
+            grow_lo = left if left > 0 and o == 0 else 0
+            grow_hi = right if right > 0 and o + size == n else 0
+            offsets[d], sizes[d] = lo + left - grow_lo, hi - lo + grow_lo + grow_hi
+            at = 2 * (st.ndim - 1 - d)
+            local[at], local[at + 1] = grow_lo - (lo - o), grow_hi - (o + size - hi)
+        return [(Block(tuple(offsets), tuple(sizes)), tuple(local))]
+
+    def data(shard: torch.Tensor, b: Block, p: list[tuple[Block, Any]]) -> list[torch.Tensor]:
+        box, local = p[0]
+        if box.is_empty() or b.is_empty():
+            return [shard.new_empty(box.sizes)]
+        return [func(shard, list(local), a["value"])]  # new memory, even with no pad
+
+    moved = _moved(st, new_shape, ("pad", tuple(edges)), pieces, data)
+    assert moved is not None  # one piece per block
+    return moved
+
+
+@_handles(aten.repeat.default)
+def _repeat(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`repeat`: along a dim a block spans, its shard repeats; along any other, the block
+    is copied once per tile (at `tile * size + offset`), on the same rank. No
+    communication; each copy is new memory."""
+    a = named(func, args, kwargs)
+    st, times = a["self"], list(a["repeats"])
+    if len(times) < st.ndim or any(t <= 0 for t in times):
+        return fallback(func, args, kwargs)  # torch's error; a zero repeat
+    lead = len(times) - st.ndim
+    old = (1,) * lead + tuple(st.shape)
+    shape = tuple(n * t for n, t in zip(old, times))
+
+    def pieces(b: Block) -> list[tuple[Block, Any]]:
+        offsets, sizes = (0,) * lead + b.offsets, (1,) * lead + b.sizes
+        tiles: list[list[tuple[int, int]]] = []  # per dim: (offset, size) of each copy
+        for o, size, n, t in zip(offsets, sizes, old, times):
+            if size == n or t == 1:
+                tiles.append([(o, size * t if size == n else size)])
+            elif b.is_empty():
+                tiles.append([(o, size)])
+            else:
+                tiles.append([(k * n + o, size) for k in range(t)])
+        if math.prod(len(x) for x in tiles) > _MAX_PIECES:
+            return [(b, None)] * (_MAX_PIECES + 1)  # too many: the caller falls back
+        return [
+            (Block(tuple(o for o, _ in combo), tuple(n for _, n in combo)), None)
+            for combo in itertools.product(*tiles)
+        ]
+
+    def data(shard: torch.Tensor, b: Block, p: list[tuple[Block, Any]]) -> list[torch.Tensor]:
+        sizes = (1,) * lead + b.sizes
+        local = [t if size == n else 1 for size, n, t in zip(sizes, old, times)]
+        first = func(shard, local)  # new memory, spanned dims repeated
+        return [first] + [first.clone() for _ in p[1:]]
+
+    moved = _moved(st, shape, ("repeat", tuple(times)), pieces, data)
+    return moved if moved is not None else fallback(func, args, kwargs)
 
 
 @_handles(aten.tril.default, aten.triu.default, aten.tril_.default, aten.triu_.default)
@@ -342,9 +506,8 @@ def _box_in(start: int, stop: int, dims: list[int], shape: Sequence[int]) -> dic
     return None
 
 
-# Pieces per block a view may split it into (a sequence-split [B, S, D] viewed as
-# [B*S, D] gives B pieces per block); past this the view gathers instead.
-_MAX_PIECES = 256
+# A view may split a block into up to `_MAX_PIECES` pieces (a sequence-split [B, S, D]
+# viewed as [B*S, D] gives B pieces per block); past that the view gathers instead.
 
 # One piece of an old block: its index along the dimensions split to unit extent
 # (relative to the block; -1 where the dimension is kept whole), and its new block.
@@ -610,8 +773,6 @@ def _widened(st: ShardedTensor, sizes: tuple[int, ...], dim: int, key: tuple) ->
 def _slice_backward(func: Any, args: tuple, kwargs: dict) -> Any:
     a = named(func, args, kwargs)
     grad, sizes, dim = a["grad_output"], tuple(a["input_sizes"]), a["dim"] % len(a["input_sizes"])
-    from .reductions import spans
-
     if not isinstance(grad, ShardedTensor) or not spans(grad._layout, (dim,)):
         return fallback(func, args, kwargs)
     start, stop = _bounds(sizes[dim], a["start"], a["end"])
