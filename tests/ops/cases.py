@@ -209,18 +209,41 @@ CASES: list[Case] = [
     Case("cross_entropy_2d", ((2, 3, 4, 5),), lambda x: F.cross_entropy(x, _T2D)),
     # per block along the leading dims (batch, channels / heads): pooling, upsampling,
     # attention, group norm ("rows" and "blocks" shard the batch)
+    # ("cols" splits the last spatial dim: a halo exchange, as a convolution's; `.mT`
+    # turns that into a split of the first)
+    Case("max_pool2d", ((4, 2, 6, 6),), lambda x: F.max_pool2d(x, 2) * 2, exact=True),
+    Case("max_pool2d_pad", ((4, 2, 6, 6),), lambda x: F.max_pool2d(x, 3, 2, 1) * 2, exact=True),
     Case(
-        "max_pool2d", ((4, 2, 6, 6),), lambda x: F.max_pool2d(x, 2) * 2, exact=True, layouts=_SPANS1
-    ),
+        "max_pool2d_rows_split",
+        ((2, 2, 5, 7),),
+        lambda x: F.max_pool2d(x.mT, (3, 2), (2, 1), (1, 0), dilation=(2, 1), ceil_mode=True),
+    ),  # (overlapping windows: an element's gradient is added up in another order)
     Case(
-        "max_pool2d_pad",
-        ((4, 2, 6, 6),),
-        lambda x: F.max_pool2d(x, 3, 2, 1) * 2,
+        "max_pool3d_ceil",
+        ((2, 2, 3, 4, 7),),
+        lambda x: F.max_pool3d(x, (1, 2, 3), (1, 2, 2), (0, 1, 1), ceil_mode=True) * 2,
         exact=True,
-        layouts=_SPANS1,
+    ),
+    Case("avg_pool2d", ((4, 2, 6, 6),), lambda x: F.avg_pool2d(x, 2) * 2, exact=True),
+    Case(
+        "avg_pool2d_pad_ceil",
+        ((2, 2, 5, 7),),
+        lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True),
     ),
     Case(
-        "avg_pool2d", ((4, 2, 6, 6),), lambda x: F.avg_pool2d(x, 2) * 2, exact=True, layouts=_SPANS1
+        "avg_pool2d_no_pad_counted",
+        ((2, 2, 5, 7),),
+        lambda x: F.avg_pool2d(x.mT, (3, 2), 2, 1, ceil_mode=True, count_include_pad=False),
+    ),
+    Case(
+        "avg_pool2d_divisor",
+        ((2, 2, 5, 7),),
+        lambda x: F.avg_pool2d(x, 3, 1, 1, divisor_override=4),
+    ),
+    Case(
+        "avg_pool3d",
+        ((2, 2, 3, 4, 7),),
+        lambda x: F.avg_pool3d(x, (2, 2, 3), (1, 1, 2), (1, 0, 1), count_include_pad=False),
     ),
     Case(
         "adaptive_avg_pool2d",

@@ -35,6 +35,7 @@ from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .exchange import all_reduce, is_replicated, primary_blocks, replicated, whole_or_plain
 from .fallback import fallback
+from .halo import pool_args, pool_backward, pool_forward, pool_plan
 from .pending import later
 from .per_shard import empty_block, named
 from .reductions import _meta, spans
@@ -230,6 +231,54 @@ _SPECS: dict[Any, _Spec] = {
 
 for _op, _spec in _SPECS.items():
     BATCHED_HANDLERS[_op] = _per_block(_spec)
+
+
+# Pooling along a split spatial dim: the halo exchange convolutions use (`halo.py`).
+_POOLS = {
+    aten.max_pool2d_with_indices.default: 2,
+    aten.max_pool3d_with_indices.default: 3,
+    aten.avg_pool2d.default: 2,
+    aten.avg_pool3d.default: 3,
+}
+_POOL_BACKWARDS = {
+    aten.max_pool2d_with_indices_backward.default: 2,
+    aten.max_pool3d_with_indices_backward.default: 3,
+    aten.avg_pool2d_backward.default: 2,
+    aten.avg_pool3d_backward.default: 3,
+}
+
+
+def _pool_or_halo(
+    spatial: int, backward: bool, per_block: Callable[[Any, tuple, dict], Any]
+) -> Callable[[Any, tuple, dict], Any]:
+    """Per block where the blocks span the spatial dims, else a halo exchange along the
+    one spatial dim they split (the fallback's where there is none)."""
+
+    def handler(func: Any, args: tuple, kwargs: dict) -> Any:
+        a = named(func, args, kwargs)
+        x = a["self"]
+        if not isinstance(x, ShardedTensor) or spans(x._layout, tuple(range(2, x.ndim))):
+            return per_block(func, args, kwargs)
+        g = pool_args(a, spatial)
+        if backward:
+            grad = a["grad_output"]
+            plan = pool_plan(x, g, tuple(grad.shape))
+            if plan is None or not isinstance(grad, ShardedTensor):
+                return per_block(func, args, kwargs)
+            return pool_backward(func, grad, x, a, g, plan)
+        meta = _meta(func, args, kwargs)
+        plan = pool_plan(x, g, tuple((meta[0] if isinstance(meta, tuple) else meta).shape))
+        if plan is None:
+            return per_block(func, args, kwargs)
+        return pool_forward(func, x, a, g, plan, meta)
+
+    return handler
+
+
+for _op, _n in _POOLS.items():
+    BATCHED_HANDLERS[_op] = _pool_or_halo(_n, False, BATCHED_HANDLERS[_op])
+for _op, _n in _POOL_BACKWARDS.items():
+    BATCHED_HANDLERS[_op] = _pool_or_halo(_n, True, BATCHED_HANDLERS[_op])
 
 
 # -- batch norm --------------------------------------------------------------------------

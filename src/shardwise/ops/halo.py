@@ -1,4 +1,5 @@
-"""Convolutions along a sharded spatial dimension: a halo exchange, PhysicsNeMo's main use.
+"""Convolutions and pooling along a sharded spatial dimension: a halo exchange,
+PhysicsNeMo's main use (pooling: the section at the end).
 
 An input `[N, C, *spatial]` split along one spatial dimension `d` (every block
 spanning the other dimensions, no replicas): each block computes the outputs
@@ -22,7 +23,9 @@ Planning is O(blocks of the layout) per rank, from the layout every rank has.
 from __future__ import annotations
 
 import functools
-from typing import Any
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -32,7 +35,15 @@ from ..tensor import ShardedTensor
 from .exchange import _distributed, local_in
 from .reductions import summed
 
-__all__ = ["add_regions", "conv_backward", "conv_forward", "conv_plan", "regions"]
+__all__ = [
+    "add_regions",
+    "conv_backward",
+    "conv_forward",
+    "conv_plan",
+    "pool_backward",
+    "pool_forward",
+    "regions",
+]
 
 
 # -- the region exchange ----------------------------------------------------------------
@@ -150,10 +161,13 @@ class ConvPlan:
         stride: int,
         padding: int,
         dilation: int,
+        out_length: int | None = None,
     ) -> None:
         length = layout.global_shape[dim]
         self.dim = dim
-        self.out_length = (length + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+        if out_length is None:  # a convolution's; a pooling in ceil mode may have one more
+            out_length = (length + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+        self.out_length = out_length
         self.outputs: list[list[tuple[int, int]]] = []  # per rank, per block: [o0, o1)
         self.inputs: list[list[tuple[int, int]]] = []  # per rank, per block: [lo, hi), unclipped
         wants = []
@@ -185,7 +199,13 @@ class ConvPlan:
 
 @functools.lru_cache(maxsize=512)
 def conv_plan(
-    layout: Layout, dim: int, kernel: int, stride: int, padding: int, dilation: int
+    layout: Layout,
+    dim: int,
+    kernel: int,
+    stride: int,
+    padding: int,
+    dilation: int,
+    out_length: int | None = None,
 ) -> ConvPlan | None:
     """The plan when `layout` splits only spatial dimension `dim` and has no replicas."""
     shape = layout.global_shape
@@ -199,7 +219,7 @@ def conv_plan(
                 return None
     if any(not b.is_empty() for b in layout.replica_groups):
         return None
-    return ConvPlan(layout, dim, kernel, stride, padding, dilation)
+    return ConvPlan(layout, dim, kernel, stride, padding, dilation, out_length)
 
 
 def sharded_spatial_dim(layout: Layout) -> int | None:
@@ -218,19 +238,20 @@ def sharded_spatial_dim(layout: Layout) -> int | None:
     return None
 
 
-def _padded(x: torch.Tensor, dim: int, before: int, after: int) -> torch.Tensor:
+def _padded(x: torch.Tensor, dim: int, before: int, after: int, fill: float) -> torch.Tensor:
     if before <= 0 and after <= 0:
         return x
     pads = [0, 0] * (x.ndim - dim - 1) + [max(before, 0), max(after, 0)]
-    return torch.nn.functional.pad(x, pads)
+    return torch.nn.functional.pad(x, pads, value=fill)
 
 
-def _extended(st: ShardedTensor, plan: ConvPlan) -> list[torch.Tensor]:
-    """Each block's input rows with their halo, zero-padded past the tensor's edges."""
+def _extended(st: ShardedTensor, plan: ConvPlan, fill: float = 0.0) -> list[torch.Tensor]:
+    """Each block's input rows with their halo, padded with `fill` past the tensor's edges
+    (a convolution's and an average's zeros, a max pool's -inf)."""
     fetched = regions(st, plan.wants)
     out = []
     for x, (lo, hi) in zip(fetched, plan.inputs[st._rank]):
-        out.append(_padded(x, plan.dim, -lo, hi - plan.length))
+        out.append(_padded(x, plan.dim, -lo, hi - plan.length, fill))
     return out
 
 
@@ -326,3 +347,170 @@ def conv_backward(
     w = summed(grad_w, w_meta, x) if mask[1] else None
     b = summed(grad_b, b_meta, x) if mask[2] else None
     return out_in, w, b
+
+
+# -- pooling --------------------------------------------------------------------------
+#
+# A pooling window is a convolution's without weights: the same plan, each block's
+# outputs those whose windows start in it, its rows fetched with their halo. Past the
+# tensor's edges a max pool's rows are -inf (torch skips them), an average's zeros; the
+# local op runs without padding along the split dim, so each average is corrected by
+# its window's true count along it (what torch divides by: the padding counted or not,
+# a ceil-mode window cut at the padded edge). A max pool's indices are flat over the
+# whole spatial extent, as torch's: each block's are moved by where its rows start.
+# Backward: the local backward on each block's extended rows (a max pool's by the
+# indices, an average's spread), the halo parts sent back to their owners and added.
+
+
+class PoolArgs(NamedTuple):
+    """A pooling op's geometry, one entry per spatial dim."""
+
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+
+
+def pool_args(a: dict, spatial: int) -> PoolArgs:
+    def each(v: Any, default: Any) -> tuple[int, ...]:
+        v = list(v) if isinstance(v, (list, tuple)) else [v]
+        v = v or list(default)
+        return tuple(int(e) for e in (v * spatial if len(v) == 1 else v))
+
+    kernel = each(a["kernel_size"], ())
+    return PoolArgs(
+        kernel,
+        each(a["stride"], kernel),
+        each(a["padding"], (0,)),
+        each(a.get("dilation", 1), (1,)),
+    )
+
+
+def pool_plan(x: ShardedTensor, g: PoolArgs, out_shape: Sequence[int]) -> ConvPlan | None:
+    """The halo plan for a batched input split along one spatial dim (the op's output of
+    `out_shape`), or None."""
+    dim = sharded_spatial_dim(x._layout)
+    if dim is None or x.ndim != 2 + len(g.kernel) or len(out_shape) != x.ndim:
+        return None
+    i = dim - 2
+    return conv_plan(
+        x._layout, dim, g.kernel[i], g.stride[i], g.padding[i], g.dilation[i], int(out_shape[dim])
+    )
+
+
+def _local_padding(g: PoolArgs, plan: ConvPlan) -> list[int]:
+    out = list(g.padding)
+    out[plan.dim - 2] = 0
+    return out
+
+
+def _count_scale(
+    g: PoolArgs, plan: ConvPlan, o0: int, o1: int, include_pad: bool, ndim: int, like: torch.Tensor
+) -> torch.Tensor:
+    """Per output row along the split dim: its window's local count (the kernel) over
+    torch's count, shaped to broadcast over a block's output."""
+    i = plan.dim - 2
+    k, s, p, n = g.kernel[i], g.stride[i], g.padding[i], plan.length
+    counts = []
+    for j in range(o0, o1):
+        start = j * s - p
+        end = min(start + k, n + p)
+        counts.append(end - start if include_pad else min(end, n) - max(start, 0))
+    scale = torch.tensor([k / c for c in counts], dtype=like.dtype, device=like.device)
+    shape = [1] * ndim
+    shape[plan.dim] = o1 - o0
+    return scale.view(shape)
+
+
+def _moved_indices(
+    idx: torch.Tensor, plan: ConvPlan, rows: int, lo: int, spatial: tuple[int, ...], back: bool
+) -> torch.Tensor:
+    """Flat spatial indices of a block's `rows` extended rows (starting at global row
+    `lo`) as the whole tensor's, or (`back`) the reverse."""
+    i = plan.dim - 2
+    after = math.prod(spatial[i + 1 :])
+    src, dst, shift = (plan.length, rows, -lo) if back else (rows, plan.length, lo)
+    q, r = idx.div(after, rounding_mode="floor"), idx.remainder(after)
+    before, row = q.div(src, rounding_mode="floor"), q.remainder(src)
+    return (before * dst + row + shift) * after + r
+
+
+def pool_forward(
+    func: Any, x: ShardedTensor, a: dict, g: PoolArgs, plan: ConvPlan, meta: Any
+) -> Any:
+    """A pooling op's result (a max pool's with its indices) along the split dim."""
+    is_max = "max" in func._schema.name
+    metas = meta if isinstance(meta, (tuple, list)) else (meta,)
+    rank, padding = x._rank, _local_padding(g, plan)
+    fill = float("-inf") if is_max else 0.0
+    results: list[list[torch.Tensor]] = [[] for _ in metas]
+    for ext, (o0, o1), (lo, _hi) in zip(
+        _extended(x, plan, fill), plan.outputs[rank], plan.inputs[rank]
+    ):
+        if o1 <= o0:
+            for j, m in enumerate(metas):
+                shape = list(m.shape)
+                shape[plan.dim] = 0
+                results[j].append(torch.empty(shape, dtype=m.dtype, device=x.device))
+            continue
+        if is_max:
+            out, idx = func(ext, list(g.kernel), list(g.stride), padding, list(g.dilation),
+                            a["ceil_mode"])  # fmt: skip
+            rows = ext.shape[plan.dim]
+            spatial = tuple(ext.shape[2:])
+            results[0].append(out)
+            results[1].append(_moved_indices(idx, plan, rows, lo, spatial, back=False))
+            continue
+        out = func(ext, list(g.kernel), list(g.stride), padding, a["ceil_mode"],
+                   a["count_include_pad"], a["divisor_override"])  # fmt: skip
+        if a["divisor_override"] is None:
+            out = out * _count_scale(g, plan, o0, o1, a["count_include_pad"], out.ndim, out)
+        results[0].append(out)
+    outs = []
+    for j, m in enumerate(metas):
+        layout = _out_layout(x, plan, tuple(m.shape))
+        outs.append(x._with_layout(layout, results[j], dtype=m.dtype, device=x.device))
+    return tuple(outs) if isinstance(meta, (tuple, list)) else outs[0]
+
+
+def pool_backward(
+    func: Any, grad: ShardedTensor, x: ShardedTensor, a: dict, g: PoolArgs, plan: ConvPlan
+) -> ShardedTensor:
+    """The input's gradient of a pooling op along the split dim."""
+    is_max = "max" in func._schema.name
+    rank, padding = x._rank, _local_padding(g, plan)
+    out_layout = _out_layout(x, plan, tuple(grad.shape))
+    grads = local_in(grad, out_layout)
+    if is_max:
+        indices = a["indices"]
+        if not isinstance(indices, ShardedTensor):
+            indices = x._with_layout(
+                out_layout,
+                [indices[b.slices()] for b in out_layout.blocks_of(rank)],
+                dtype=indices.dtype,
+                device=x.device,
+            )
+        idxs = local_in(indices, out_layout)
+    ext_grads = []
+    for n, (gr, (o0, o1), (lo, hi), want) in enumerate(
+        zip(grads, plan.outputs[rank], plan.inputs[rank], plan.wants[rank])
+    ):
+        if o1 <= o0:
+            ext_grads.append(torch.zeros(want.sizes, dtype=x.dtype, device=x.device))
+            continue
+        shape = list(want.sizes)
+        shape[plan.dim] = hi - lo
+        ext = torch.empty(shape, dtype=x.dtype, device=x.device)  # its shape is all it reads
+        if is_max:
+            spatial = tuple(shape[2:])
+            local = _moved_indices(idxs[n], plan, hi - lo, lo, spatial, back=True)
+            gi = func(gr, ext, list(g.kernel), list(g.stride), padding, list(g.dilation),
+                      a["ceil_mode"], local)  # fmt: skip
+        else:
+            if a["divisor_override"] is None:
+                gr = gr * _count_scale(g, plan, o0, o1, a["count_include_pad"], gr.ndim, gr)
+            gi = func(gr, ext, list(g.kernel), list(g.stride), padding, a["ceil_mode"],
+                      a["count_include_pad"], a["divisor_override"])  # fmt: skip
+        ext_grads.append(gi.narrow(plan.dim, max(0, -lo), want.sizes[plan.dim]))
+    shards = add_regions(x, plan.wants, ext_grads)
+    return x._with_layout(x._layout, shards, dtype=x.dtype, device=x.device)
