@@ -410,6 +410,12 @@ CASES: list[Case] = [
         lambda x: F.mse_loss(x, torch.zeros(7, 6, dtype=x.dtype)),
     ),
     Case("gelu_mean", ((7, 6),), lambda x: F.gelu(x).mean()),
+    # along a split dim: each block's sums carried over from the blocks before it
+    Case("cumsum_dim0", ((7, 6),), lambda x: x.cumsum(0)),
+    Case("cumsum_dim1", ((7, 6),), lambda x: torch.cumsum(x, 1)),
+    Case("cumsum_3d", ((3, 7, 2),), lambda x: x.transpose(0, 1).cumsum(0)),
+    Case("logsumexp_dim0", ((7, 6),), lambda x: torch.logsumexp(x, 0)),
+    Case("logsumexp_all_keepdim", ((7, 6),), lambda x: x.logsumexp((0, 1), keepdim=True)),
 ]
 
 

@@ -17,9 +17,11 @@ Two rules, chosen by where the dimensions an op works along lie:
   rank. Bytes per rank: about 2× the result's size (a scalar for `x.sum()`),
   twice that for a variance (mean, then squares).
 
-Anything else here (an arg-extremum or a softmax along a sharded dimension)
-goes to the fallback. Values of sharded-dimension reductions equal torch's
-on the whole tensor up to floating-point summation order.
+`softmax`, `log_softmax` and `logsumexp` along a sharded dimension are composed of
+those reductions; `cumsum` along one carries each block's sums over to the blocks
+after it (one all-to-all). Anything else here (an arg-extremum, a sort along a
+sharded dimension) goes to the fallback. Values of sharded-dimension reductions
+equal torch's on the whole tensor up to floating-point summation order.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from ..comm.communicator import communicator
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .exchange import (
+    _distributed,
     all_reduce,
     is_replicated,
     local_in,
@@ -435,9 +439,12 @@ def _along(dim_arg: str, *, keeps_shape: bool) -> Callable[[Any, tuple, dict], A
         dims = _dims(a.get(dim_arg), ref.ndim)
         if ref.ndim and not spans(ref._layout, dims):
             across = _ACROSS.get(func)
+            out = None
             if across is not None and len(dims) == 1:
-                return across(a, dims[0])
-            return fallback(func, args, kwargs)
+                out = across(a, dims[0])
+            elif func in _ACROSS_DIMS:
+                out = _ACROSS_DIMS[func](a, list(dims))
+            return out if out is not None else fallback(func, args, kwargs)
         if len(sharded) > 1:  # backward ops: every operand has the first one's shape
             if any(tuple(x.shape) != tuple(ref.shape) for x in sharded):
                 return fallback(func, args, kwargs)
@@ -492,6 +499,115 @@ def _log_softmax_backward_across(a: dict, dim: int) -> Any:
     return aten.sub.Tensor(grad, aten.mul.Tensor(aten.exp.default(out), total))
 
 
+def _logsumexp_across(a: dict, dims: list[int]) -> Any:
+    """The maxima taken out first, as torch's (an infinite maximum is taken as 0)."""
+    x = a["self"]
+    if not x.dtype.is_floating_point:
+        return None
+    top = aten.amax.default(x, dims, True)
+    top = aten.where.self(aten.isinf.default(top), aten.zeros_like.default(top), top)
+    total = aten.sum.dim_IntList(aten.exp.default(aten.sub.Tensor(x, top)), dims, True)
+    out = aten.add.Tensor(aten.log.default(total), top)
+    return out if a["keepdim"] else aten.squeeze.dims(out, dims)
+
+
+# -- cumsum along a sharded dimension: each block's sums, carried over from the blocks
+# before it ---------------------------------------------------------------------------
+#
+# Where every block spans the other dims (a split along `dim` only, replicas allowed),
+# each block's cumulative sum is its own plus the sum of every block before it along
+# `dim`. Each rank sends, to each holder of a later block, the sum of its primary
+# blocks' totals before that block (one slice: C elements, the other dims' size), in
+# one all-to-all; it receives at most one slice per rank and block it holds. Bytes per
+# rank: C per earlier rank, per block (DTensor gathers the whole tensor). The backward
+# (a flip, this, a flip) takes the same route.
+
+
+class _Scan(NamedTuple):
+    """This rank's part of a carry exchange along a split dim."""
+
+    sends: tuple[tuple[int, tuple[int, ...]], ...]  # per message: dst rank, my blocks summed
+    send_ranks: tuple[int, ...]  # each message's destination
+    recvs: tuple[tuple[int, int], ...]  # per message: src rank, my block it adds to
+    local: tuple[tuple[int, ...], ...]  # per block of mine: my primary blocks before it
+
+
+@functools.lru_cache(maxsize=256)
+def _scan(layout: Layout, dim: int, me: int) -> _Scan | None:
+    shape = layout.global_shape
+    for blocks in layout.blocks:
+        for b in blocks:
+            if not b.is_empty() and any(
+                b.offsets[e] != 0 or b.sizes[e] != shape[e] for e in range(len(shape)) if e != dim
+            ):
+                return None
+
+    def segments(rank: int) -> list[tuple[int, int]]:  # (end along dim, block index)
+        blocks = layout.blocks_of(rank)
+        return [
+            (blocks[i].offsets[dim] + blocks[i].sizes[dim], i)
+            for i in primary_blocks(layout, rank)
+            if not blocks[i].is_empty()
+        ]
+
+    def before(rank: int, start: int) -> tuple[int, ...]:
+        return tuple(i for end, i in segments(rank) if end <= start)
+
+    sends, send_ranks, recvs = [], [], []
+    for q in range(layout.world_size):
+        for b in layout.blocks_of(q):
+            if q == me or b.is_empty():
+                continue
+            mine = before(me, b.offsets[dim])
+            if mine:
+                sends.append((q, mine))
+                send_ranks.append(q)
+    mine_blocks = layout.blocks_of(me)
+    for r in range(layout.world_size):
+        for k, b in enumerate(mine_blocks):
+            if r != me and not b.is_empty() and before(r, b.offsets[dim]):
+                recvs.append((r, k))
+    local = tuple(() if b.is_empty() else before(me, b.offsets[dim]) for b in mine_blocks)
+    return _Scan(tuple(sends), tuple(send_ranks), tuple(recvs), local)
+
+
+def _cumsum_across(a: dict, dim: int) -> Any:
+    st = a["self"]
+    plan = _scan(st._layout, dim, st._rank)
+    if plan is None:
+        return None
+    cum = [aten.cumsum.default(x, dim, dtype=a["dtype"]) for x in st._shards]
+    dtype = _meta(aten.cumsum.default, (st, dim), {"dtype": a["dtype"]}).dtype
+    width = math.prod(st.shape) // max(st.shape[dim], 1)  # one slice along dim
+    slice_shape = tuple(1 if e == dim else n for e, n in enumerate(st.shape))
+
+    def total(blocks: tuple[int, ...]) -> torch.Tensor:
+        out = torch.zeros(slice_shape, dtype=dtype, device=st.device)
+        for i in blocks:
+            out += cum[i].narrow(dim, cum[i].shape[dim] - 1, 1)
+        return out
+
+    world = st._layout.world_size
+    send_counts, recv_counts = [0] * world, [0] * world
+    for q in plan.send_ranks:
+        send_counts[q] += width
+    for r, _k in plan.recvs:
+        recv_counts[r] += width
+    send = (
+        torch.cat([total(blocks).reshape(-1) for _q, blocks in plan.sends])
+        if plan.sends
+        else torch.empty(0, dtype=dtype, device=st.device)
+    )
+    recv = torch.empty(sum(recv_counts), dtype=dtype, device=st.device)
+    if _distributed(st):  # every rank, messages or not: the layout alone decides them
+        communicator(st.group).all_to_all_single(recv, send, recv_counts, send_counts).wait()
+    carries = [total(blocks) for blocks in plan.local]
+    for n, (_r, k) in enumerate(plan.recvs):
+        carries[k] += recv[n * width : (n + 1) * width].view(slice_shape)
+    shards = [c + carry for c, carry in zip(cum, carries)]
+    return st._with_layout(st._layout, shards, dtype=dtype, device=st.device)
+
+
 def _as_float(x: Any, half_to_float: bool) -> Any:
     return aten._to_copy.default(x, dtype=torch.float32) if half_to_float else x
 
@@ -501,6 +617,11 @@ _ACROSS: dict[Any, Callable[[dict, int], Any]] = {
     aten._log_softmax.default: _log_softmax_across,
     aten._softmax_backward_data.default: _softmax_backward_across,
     aten._log_softmax_backward_data.default: _log_softmax_backward_across,
+    aten.cumsum.default: _cumsum_across,
+}
+# along several dims at once, not one only
+_ACROSS_DIMS: dict[Any, Callable[[dict, list[int]], Any]] = {
+    aten.logsumexp.default: _logsumexp_across,
 }
 
 

@@ -1,0 +1,65 @@
+"""`cumsum` along a split dim on 3 gloo ranks: integers promoted to int64 as torch does,
+`dtype=`, replicas counted once, a rank holding nothing, several blocks a rank, exact
+values, no fallback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise import Block, Layout
+from shardwise.ops import FALLBACK_OPS
+from shardwise.testing import run_ranks
+
+pytestmark = pytest.mark.spawned
+
+FULL = torch.arange(8 * 3).reshape(8, 3) % 7 - 3
+LAYOUTS = {
+    "uneven rows": Layout.row_wise((8, 3), [5, 0, 3]),
+    # rows 0-1 on ranks 0 and 2 (replicas), rows 2-3 and 6-7 on rank 1, rows 4-5 on rank 0
+    "replicas and several blocks": Layout(
+        (8, 3),
+        {
+            0: [Block((0, 0), (2, 3)), Block((4, 0), (2, 3))],
+            1: [Block((6, 0), (2, 3)), Block((2, 0), (2, 3))],
+            2: [Block((0, 0), (2, 3))],
+        },
+        3,
+    ),
+}
+
+
+def _run(rank: int, world: int) -> dict[str, Any]:
+    out = {}
+    for name, layout in LAYOUTS.items():
+        for kind, full, kwargs in (
+            ("int", FULL, {}),
+            ("int to float64", FULL, {"dtype": torch.float64}),
+            ("float32", FULL.float() / 3, {}),
+        ):
+            st = sw.ShardedTensor.from_layout(
+                layout, [full[b.slices()].clone() for b in layout.blocks_of(rank)], dtype=full.dtype
+            )
+            FALLBACK_OPS.clear()
+            got = st.cumsum(0, **kwargs)
+            want = full.cumsum(0, **kwargs)
+            whole = got.full_tensor()
+            out[(name, kind)] = (
+                whole.dtype == want.dtype,
+                torch.equal(whole, want)
+                if kind != "float32"
+                else torch.allclose(whole, want, atol=1e-6),
+                {str(k): v for k, v in FALLBACK_OPS.items()},
+            )
+    return out
+
+
+def test_cumsum_along_the_split_dim_carries_the_earlier_blocks() -> None:
+    per_rank = run_ranks(_run, 3, timeout=120)
+    for rank, got in enumerate(per_rank):
+        for key, (dtype_ok, equal, fallbacks) in got.items():
+            assert dtype_ok and equal, (rank, key)
+            assert fallbacks == {}, (rank, key, fallbacks)
