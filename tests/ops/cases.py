@@ -282,7 +282,21 @@ CASES: list[Case] = [
         "group_norm",
         ((4, 4, 5), (4,), (4,)),
         lambda x, w, b: F.group_norm(x, 2, w, b),
-        layouts=_SPANS1,
+    ),
+    # split along a spatial dim ("cols") or the channels ("rows" of the transpose):
+    # the statistics reduced across ranks
+    Case(
+        "group_norm_2d",
+        ((2, 4, 3, 5), (4,), (4,)),
+        lambda x, w, b: F.group_norm(x, 2, w, b, eps=1e-3),
+    ),
+    # (a transposed input: strided blocks; "blocks" cuts a group of channels, whose view
+    # then gathers)
+    Case(
+        "group_norm_channels_split",
+        ((6, 2, 3),),
+        lambda x: F.group_norm(x.transpose(0, 1), 3),
+        fallback_ok=True,
     ),
     Case(
         "batch_norm_eval",

@@ -107,12 +107,14 @@ def _per_block(spec: _Spec) -> Callable[[Any, tuple, dict], Any]:
                     or not spans(x._layout, tuple(range(lead, x.ndim)))
                 ):
                     return fallback(func, args, kwargs)
-                per[pos] = list(x._shards)
+                # contiguous, as the whole tensor torch's composite passes is (a block of a
+                # transposed tensor is a strided view; `native_group_norm` refuses one)
+                per[pos] = [shard.contiguous() for shard in x._shards]
             else:
                 full = whole_or_plain(x)
                 if tuple(full.shape[:lead]) != head:
                     return fallback(func, args, kwargs)
-                per[pos] = [full[b.slices()[:lead]] for b in blocks]
+                per[pos] = [full[b.slices()[:lead]].contiguous() for b in blocks]
         kw = {}
         for name, v in kwargs.items():
             if isinstance(v, torch.Tensor):  # an attention mask: broadcast over the leading dims
@@ -231,6 +233,101 @@ _SPECS: dict[Any, _Spec] = {
 
 for _op, _spec in _SPECS.items():
     BATCHED_HANDLERS[_op] = _per_block(_spec)
+
+
+# -- group norm along a split channel or spatial dim --------------------------------------
+#
+# Composed of aten ops on the ShardedTensors (each dispatched to its rule), as layer
+# norm along a sharded dim is: the input viewed as [N, G, C/G, *spatial], the mean and
+# variance of each (sample, group) reductions across ranks (one all-reduce of N·G
+# elements each), everything else pointwise on the blocks; the backward's two means
+# the same, the weight and bias gradients sums left pending. DTensor has no rule for
+# it: it gathers the input.
+
+
+def _group_norm_across(a: dict, meta: Any) -> Any:
+    x, n, c, g = a["input"], a["N"], a["C"], a["group"]
+    if not x.dtype.is_floating_point or not c or c % g or not a["HxW"]:
+        return None
+    grouped = [n, g, c // g, *x.shape[2:]]
+    dims = list(range(2, len(grouped)))
+    xg = aten.view.default(x, grouped)
+    if meta[1].dtype != x.dtype:
+        xg = aten._to_copy.default(xg, dtype=meta[1].dtype)
+    mean = aten.mean.dim(xg, dims, True)
+    centred = aten.sub.Tensor(xg, mean)
+    var = aten.mean.dim(aten.mul.Tensor(centred, centred), dims, True)
+    rstd = aten.rsqrt.default(aten.add.Tensor(var, a["eps"]))
+    out = aten.view.default(aten.mul.Tensor(centred, rstd), list(x.shape))
+    channels = [1, c] + [1] * (x.ndim - 2)
+    if a["weight"] is not None:
+        out = aten.mul.Tensor(out, aten.view.default(whole_or_plain(a["weight"]), channels))
+    if a["bias"] is not None:
+        out = aten.add.Tensor(out, aten.view.default(whole_or_plain(a["bias"]), channels))
+    if out.dtype != meta[0].dtype:
+        out = aten._to_copy.default(out, dtype=meta[0].dtype)
+    return out, aten.view.default(mean, [n, g]), aten.view.default(rstd, [n, g])
+
+
+def _group_norm_backward_across(a: dict, meta: Any) -> Any:
+    x, grad, n, c, g = a["input"], a["grad_out"], a["N"], a["C"], a["group"]
+    if not x.dtype.is_floating_point or not c or c % g or not a["HxW"]:
+        return None
+    grouped = [n, g, c // g, *x.shape[2:]]
+    dims = list(range(2, len(grouped)))
+    stats = [n, g] + [1] * (len(grouped) - 2)
+    mean, rstd = aten.view.default(a["mean"], stats), aten.view.default(a["rstd"], stats)
+    xg = aten.view.default(x, grouped)
+    if mean.dtype != x.dtype:
+        xg = aten._to_copy.default(xg, dtype=mean.dtype)
+    xhat = aten.mul.Tensor(aten.sub.Tensor(xg, mean), rstd)
+    channels = [1, c] + [1] * (x.ndim - 2)
+    weight = whole_or_plain(a["weight"])
+    mask = list(a["output_mask"])
+    grad_in = grad_w = grad_b = None
+    if mask[0]:
+        gw = grad if weight is None else aten.mul.Tensor(grad, aten.view.default(weight, channels))
+        gg = aten.view.default(gw, grouped)
+        inner = aten.add.Tensor(
+            aten.mean.dim(gg, dims, True),
+            aten.mul.Tensor(xhat, aten.mean.dim(aten.mul.Tensor(gg, xhat), dims, True)),
+        )
+        grad_in = aten.view.default(
+            aten.mul.Tensor(aten.sub.Tensor(gg, inner), rstd), list(x.shape)
+        )
+        if grad_in.dtype != meta[0].dtype:
+            grad_in = aten._to_copy.default(grad_in, dtype=meta[0].dtype)
+    others = [0, *range(2, x.ndim)]
+    if mask[1]:
+        product = aten.mul.Tensor(grad, aten.view.default(xhat, list(x.shape)))
+        grad_w = aten.sum.dim_IntList(product, others, False)
+    if mask[2]:
+        grad_b = aten.sum.dim_IntList(grad, others, False)
+    return grad_in, grad_w, grad_b
+
+
+def _or_across(
+    per_block: Callable[[Any, tuple, dict], Any], across: Callable[[dict, Any], Any]
+) -> Callable[[Any, tuple, dict], Any]:
+    """Per block where the blocks span every dim but the batch, else `across`."""
+
+    def handler(func: Any, args: tuple, kwargs: dict) -> Any:
+        a = named(func, args, kwargs)
+        x = a["input"]
+        if not isinstance(x, ShardedTensor) or spans(x._layout, tuple(range(1, x.ndim))):
+            return per_block(func, args, kwargs)
+        out = across(a, _meta(func, args, kwargs))
+        return out if out is not None else fallback(func, args, kwargs)
+
+    return handler
+
+
+BATCHED_HANDLERS[aten.native_group_norm.default] = _or_across(
+    BATCHED_HANDLERS[aten.native_group_norm.default], _group_norm_across
+)
+BATCHED_HANDLERS[aten.native_group_norm_backward.default] = _or_across(
+    BATCHED_HANDLERS[aten.native_group_norm_backward.default], _group_norm_backward_across
+)
 
 
 # Pooling along a split spatial dim: the halo exchange convolutions use (`halo.py`).
