@@ -252,12 +252,43 @@ CASES: list[Case] = [
         exact=True,
         layouts=_SPANS1,
     ),
+    # ("cols": split along the last spatial dim, each block upsampling its own rows, a
+    # linear mode's with its neighbours' edge rows)
     Case(
         "upsample_nearest",
         ((4, 2, 3, 3),),
         lambda x: F.interpolate(x, scale_factor=2) * 2,
         exact=True,
-        layouts=_SPANS1,
+    ),
+    Case(
+        "upsample_nearest_rows",
+        ((2, 2, 3, 7),),
+        lambda x: F.interpolate(x.mT, size=(21, 6)) * 2,
+        exact=True,
+    ),
+    Case("upsample_nearest3d", ((2, 1, 2, 3, 5),), lambda x: F.interpolate(x, scale_factor=2) * 2),
+    Case(
+        "upsample_linear1d", ((4, 2, 7),), lambda x: F.interpolate(x, scale_factor=3, mode="linear")
+    ),
+    Case(
+        "upsample_bilinear_x2",
+        ((2, 2, 4, 7),),
+        lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"),
+    ),
+    Case(
+        "upsample_bilinear_rows",
+        ((2, 2, 4, 7),),
+        lambda x: F.interpolate(x.mT, scale_factor=(3, 2), mode="bilinear"),
+    ),
+    Case(
+        "upsample_bicubic",
+        ((2, 2, 4, 7),),
+        lambda x: F.interpolate(x, scale_factor=2, mode="bicubic"),
+    ),
+    Case(
+        "upsample_trilinear",
+        ((2, 1, 2, 3, 5),),
+        lambda x: F.interpolate(x, scale_factor=(1, 2, 2), mode="trilinear"),
     ),
     Case(
         "upsample_bilinear",

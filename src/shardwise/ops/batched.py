@@ -35,7 +35,18 @@ from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .exchange import all_reduce, is_replicated, primary_blocks, replicated, whole_or_plain
 from .fallback import fallback
-from .halo import pool_args, pool_backward, pool_forward, pool_plan
+from .halo import (
+    pool_args,
+    pool_backward,
+    pool_forward,
+    pool_plan,
+    sharded_spatial_dim,
+    upsample_backward,
+    upsample_factor,
+    upsample_forward,
+    upsample_input_layout,
+    upsample_plan,
+)
 from .pending import later
 from .per_shard import empty_block, named
 from .reductions import _meta, spans
@@ -372,6 +383,65 @@ def _pool_or_halo(
     return handler
 
 
+# Upsampling by a whole factor along a split spatial dim: each block its own rows, with
+# the rows a linear (1) or cubic (2) mode reads from each neighbour (`halo.py`).
+_UPSAMPLES = {
+    aten.upsample_nearest1d.default: 0,
+    aten.upsample_nearest2d.default: 0,
+    aten.upsample_nearest3d.default: 0,
+    aten.upsample_linear1d.default: 1,
+    aten.upsample_bilinear2d.default: 1,
+    aten.upsample_trilinear3d.default: 1,
+    aten.upsample_bicubic2d.default: 2,
+}
+_UPSAMPLE_BACKWARDS = {
+    aten.upsample_nearest1d_backward.default: 0,
+    aten.upsample_nearest2d_backward.default: 0,
+    aten.upsample_nearest3d_backward.default: 0,
+    aten.upsample_linear1d_backward.default: 1,
+    aten.upsample_bilinear2d_backward.default: 1,
+    aten.upsample_trilinear3d_backward.default: 1,
+    aten.upsample_bicubic2d_backward.default: 2,
+}
+
+
+def _upsample_or_halo(
+    halo: int, backward: bool, per_block: Callable[[Any, tuple, dict], Any]
+) -> Callable[[Any, tuple, dict], Any]:
+    """Per block where the blocks span the spatial dims, else each block its own rows
+    along the one spatial dim they split (the per-block rule's, which falls back, where
+    the map is not `r -> r·s` for a whole `s`)."""
+
+    def handler(func: Any, args: tuple, kwargs: dict) -> Any:
+        a = named(func, args, kwargs)
+        x = a["grad_output"] if backward else a["self"]
+        if not isinstance(x, ShardedTensor) or spans(x._layout, tuple(range(2, x.ndim))):
+            return per_block(func, args, kwargs)
+        dim = sharded_spatial_dim(x._layout)
+        if dim is None:
+            return per_block(func, args, kwargs)
+        if backward:
+            shape = tuple(a["input_size"])
+            factor = upsample_factor(a, func, shape[dim], x.shape[dim], dim)
+            layout = None if factor is None else upsample_input_layout(x, dim, factor, shape)
+            plan = None if layout is None else upsample_plan(layout, dim, factor, halo)
+            if plan is None or layout is None:
+                return per_block(func, args, kwargs)
+            return upsample_backward(func, x, a, layout, plan)
+        meta = _meta(func, args, kwargs)
+        factor = upsample_factor(a, func, x.shape[dim], meta.shape[dim], dim)
+        plan = None if factor is None else upsample_plan(x._layout, dim, factor, halo)
+        if plan is None:
+            return per_block(func, args, kwargs)
+        return upsample_forward(func, x, a, plan, meta)
+
+    return handler
+
+
+for _op, _n in _UPSAMPLES.items():
+    BATCHED_HANDLERS[_op] = _upsample_or_halo(_n, False, BATCHED_HANDLERS[_op])
+for _op, _n in _UPSAMPLE_BACKWARDS.items():
+    BATCHED_HANDLERS[_op] = _upsample_or_halo(_n, True, BATCHED_HANDLERS[_op])
 for _op, _n in _POOLS.items():
     BATCHED_HANDLERS[_op] = _pool_or_halo(_n, False, BATCHED_HANDLERS[_op])
 for _op, _n in _POOL_BACKWARDS.items():

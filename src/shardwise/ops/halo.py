@@ -43,6 +43,11 @@ __all__ = [
     "pool_backward",
     "pool_forward",
     "regions",
+    "upsample_backward",
+    "upsample_factor",
+    "upsample_forward",
+    "upsample_input_layout",
+    "upsample_plan",
 ]
 
 
@@ -208,6 +213,14 @@ def conv_plan(
     out_length: int | None = None,
 ) -> ConvPlan | None:
     """The plan when `layout` splits only spatial dimension `dim` and has no replicas."""
+    if not _split_only_along(layout, dim):
+        return None
+    return ConvPlan(layout, dim, kernel, stride, padding, dilation, out_length)
+
+
+def _split_only_along(layout: Layout, dim: int) -> bool:
+    """Every block whole along every dim but `dim`, and no replicas (the region exchange
+    sends each element from its one holder, and adds gradients into it)."""
     shape = layout.global_shape
     for rank_blocks in layout.blocks:
         for b in rank_blocks:
@@ -216,10 +229,8 @@ def conv_plan(
             if any(
                 b.offsets[e] != 0 or b.sizes[e] != shape[e] for e in range(len(shape)) if e != dim
             ):
-                return None
-    if any(not b.is_empty() for b in layout.replica_groups):
-        return None
-    return ConvPlan(layout, dim, kernel, stride, padding, dilation, out_length)
+                return False
+    return not any(not b.is_empty() for b in layout.replica_groups)
 
 
 def sharded_spatial_dim(layout: Layout) -> int | None:
@@ -514,3 +525,155 @@ def pool_backward(
         ext_grads.append(gi.narrow(plan.dim, max(0, -lo), want.sizes[plan.dim]))
     shards = add_regions(x, plan.wants, ext_grads)
     return x._with_layout(x._layout, shards, dtype=x.dtype, device=x.device)
+
+
+# -- upsampling by a whole factor along the split dim -----------------------------------
+#
+# `interpolate(scale_factor=s)` for a whole `s` maps input row `r` to output rows
+# `[r·s, (r+1)·s)`, so a block of rows `[a, a+n)` gives output rows `[a·s, (a+n)·s)`:
+# each block upsamples its own rows, nearest with no halo, linear modes
+# (`align_corners=False`) with one row from each neighbour, and keeps the middle of its
+# result. The backward, whose arguments name no input, finds the input's blocks by
+# dividing the gradient's by `s`; a linear one sends the halo rows' gradients back.
+# Another factor, `align_corners=True` or replicas: the per-block rule's (the fallback).
+
+
+class UpsamplePlan(NamedTuple):
+    """Per rank, per block: the input rows its outputs read, `[lo, hi)` along `dim`."""
+
+    dim: int
+    factor: int
+    rows: tuple[tuple[tuple[int, int, int, int], ...], ...]  # per block: a, n, lo, hi
+    wants: tuple[tuple[Block, ...], ...]
+
+
+@functools.lru_cache(maxsize=512)
+def upsample_plan(layout: Layout, dim: int, factor: int, halo: int) -> UpsamplePlan | None:
+    shape = layout.global_shape
+    if not _split_only_along(layout, dim):
+        return None
+    rows, wants = [], []
+    for blocks in layout.blocks:
+        rank_rows, rank_wants = [], []
+        for b in blocks:
+            a, n = (b.offsets[dim], b.sizes[dim]) if not b.is_empty() else (0, 0)
+            lo, hi = (max(a - halo, 0), min(a + n + halo, shape[dim])) if n else (0, 0)
+            offsets = tuple(lo if e == dim else 0 for e in range(len(shape)))
+            sizes = tuple(hi - lo if e == dim else shape[e] for e in range(len(shape)))
+            rank_rows.append((a, n, lo, hi))
+            rank_wants.append(Block(offsets, sizes))
+        rows.append(tuple(rank_rows))
+        wants.append(tuple(rank_wants))
+    return UpsamplePlan(dim, factor, tuple(rows), tuple(wants))
+
+
+def _upsample_call(func: Any, a: dict, first: Any, dim: int, rows: int, factor: int) -> list:
+    """`func`'s arguments for a block of `rows` extended rows: sizes along `dim` local,
+    its scale the whole factor (so the local map is the global one, shifted)."""
+    i = dim - 2
+    scales = [arg.name for arg in func._schema.arguments if arg.name.startswith("scales")]
+    call = []
+    for arg in func._schema.arguments:
+        v = a[arg.name]
+        if arg.name in ("self", "grad_output"):
+            v = first
+        elif arg.name == "output_size":
+            v = list(v)
+            v[i] = rows * factor
+        elif arg.name == "input_size":
+            v = list(v)
+            v[dim] = rows
+        elif arg.name == scales[i]:
+            v = float(factor)
+        call.append(v)
+    return call
+
+
+def upsample_factor(a: dict, func: Any, in_rows: int, out_rows: int, dim: int) -> int | None:
+    """The whole factor along `dim`, or None where the op's map is not `r -> r·s`."""
+    if in_rows <= 0 or out_rows % in_rows or a.get("align_corners"):
+        return None
+    factor = out_rows // in_rows
+    scales = [arg.name for arg in func._schema.arguments if arg.name.startswith("scales")]
+    given = a[scales[dim - 2]]
+    return factor if given is None or float(given) == float(factor) else None
+
+
+def _needs_halo(plan: UpsamplePlan) -> bool:
+    """Whether any rank's block reads rows beyond its own (decided alike on every rank)."""
+    return any(lo < a or hi > a + n for rank in plan.rows for a, n, lo, hi in rank)
+
+
+def upsample_forward(func: Any, x: ShardedTensor, a: dict, plan: UpsamplePlan, meta: Any) -> Any:
+    dim, s = plan.dim, plan.factor
+    halo = _needs_halo(plan)
+    exts = regions(x, plan.wants) if halo else [shard.contiguous() for shard in x._shards]
+    shards = []
+    for ext, (start, n, lo, hi) in zip(exts, plan.rows[x._rank]):
+        if n == 0:
+            shape = list(meta.shape)
+            shape[dim] = 0
+            shards.append(torch.empty(shape, dtype=meta.dtype, device=x.device))
+            continue
+        out = func(*_upsample_call(func, a, ext, dim, hi - lo, s))
+        shards.append(out.narrow(dim, (start - lo) * s, n * s))
+    layout = _scaled_layout(x._layout, dim, s, 1, tuple(meta.shape))
+    return x._with_layout(layout, shards, dtype=meta.dtype, device=x.device)
+
+
+@functools.lru_cache(maxsize=512)
+def _scaled_layout(
+    layout: Layout, dim: int, times: int, over: int, shape: tuple[int, ...]
+) -> Layout:
+    """`layout`'s blocks with their rows along `dim` scaled by `times / over`, whole along
+    the other dims of `shape`."""
+    blocks = {}
+    for r, rank_blocks in enumerate(layout.blocks):
+        row = []
+        for b in rank_blocks:
+            if b.is_empty():
+                row.append(Block((0,) * len(shape), (0,) * len(shape)))
+                continue
+            a, n = b.offsets[dim] * times // over, b.sizes[dim] * times // over
+            offsets = tuple(a if e == dim else 0 for e in range(len(shape)))
+            sizes = tuple(n if e == dim else shape[e] for e in range(len(shape)))
+            row.append(Block(offsets, sizes))
+        blocks[r] = row
+    return Layout(shape, blocks, layout.world_size)
+
+
+def upsample_input_layout(grad: ShardedTensor, dim: int, factor: int, shape: tuple) -> Any:
+    """The input's layout, from the gradient's: its rows divided by `factor`; None where
+    a block's rows are no whole multiple of it."""
+    for b in (b for blocks in grad._layout.blocks for b in blocks if not b.is_empty()):
+        if b.offsets[dim] % factor or b.sizes[dim] % factor:
+            return None
+    return _scaled_layout(grad._layout, dim, 1, factor, tuple(shape))
+
+
+def upsample_backward(
+    func: Any, grad: ShardedTensor, a: dict, in_layout: Layout, plan: UpsamplePlan
+) -> ShardedTensor:
+    dim, s, rank = plan.dim, plan.factor, grad._rank
+    halo = _needs_halo(plan)
+    ext_grads = []
+    for g, (start, n, lo, hi), want in zip(grad._shards, plan.rows[rank], plan.wants[rank]):
+        if n == 0:
+            ext_grads.append(torch.zeros(want.sizes, dtype=grad.dtype, device=grad.device))
+            continue
+        if halo:  # the block's output rows in place, the neighbours' rows zero
+            shape = list(g.shape)
+            shape[dim] = (hi - lo) * s
+            local = g.new_zeros(shape)
+            local.narrow(dim, (start - lo) * s, n * s).copy_(g)
+        else:
+            local = g.contiguous()
+        ext_grads.append(func(*_upsample_call(func, a, local, dim, hi - lo, s)))
+    if not halo:
+        return grad._with_layout(in_layout, ext_grads, dtype=grad.dtype, device=grad.device)
+    blocks = in_layout.blocks_of(rank)
+    like = grad._with_layout(
+        in_layout, [torch.empty(b.sizes, dtype=grad.dtype, device=grad.device) for b in blocks]
+    )  # where `add_regions` sends each row's gradient
+    shards = add_regions(like, plan.wants, ext_grads)
+    return like._with_layout(in_layout, shards, dtype=grad.dtype, device=grad.device)
