@@ -36,8 +36,7 @@ the same ranks, and where it runs our values must equal its values. Two notes:
   collectives the others never join).
 
 `shardwise.ops.FALLBACK_OPS` is cleared before each forward and recorded after the
-backward: the conv model falls back for `aten.convolution` (and its backward), the
-others not at all.
+backward: no model falls back (the conv model's convolution exchanges halos).
 """
 
 from __future__ import annotations
