@@ -49,6 +49,13 @@ def _layer_norm(x: Any, w: Any, b: Any) -> Any:
     return F.layer_norm(x, (x.shape[-1],), w, b)
 
 
+def _cat_in_place(x: Any, dim: int) -> Any:
+    a = x * 1
+    y = torch.cat([a, a * 2], dim)
+    y.add_(1)
+    return a + y.narrow(dim, 0, x.shape[dim]) + y.narrow(dim, x.shape[dim], x.shape[dim])
+
+
 def _attention(x: Any, wq: Any, wk: Any) -> Any:
     q, k = x @ wq, x @ wk
     return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ x
@@ -391,6 +398,9 @@ CASES: list[Case] = [
     Case("pad_crop_rows", ((7, 6),), lambda x: F.pad(x, (1, -1, -2, 3)) * 2, exact=True),
     Case("pad_crop", ((4, 3, 6),), lambda x: F.pad(x, (-1, 2, 1, 0)) * 2, exact=True),
     Case("pad_crop_most", ((7, 6),), lambda x: F.pad(x, (0, 0, -5, -1)) * 2, exact=True),
+    # one side cropped away whole, the other padded: the edge blocks take the new elements
+    Case("pad_crop_all_left", ((7, 6),), lambda x: F.pad(x, (-6, 2), value=1.5), exact=True),
+    Case("pad_crop_all_bottom", ((7, 6),), lambda x: F.pad(x, (0, 0, 3, -7)) + 1, exact=True),
     # (the backward sums the tiles, in another order: close, not exact)
     Case("repeat", ((7, 6),), lambda x: x.repeat(2, 3) * 2),
     Case("repeat_lead", ((7, 6),), lambda x: x.repeat(2, 1, 2) * 2),
@@ -455,6 +465,22 @@ CASES: list[Case] = [
         lambda x: F.mse_loss(x, torch.zeros(7, 6, dtype=x.dtype)),
     ),
     Case("gelu_mean", ((7, 6),), lambda x: F.gelu(x).mean()),
+    # `cat`'s result is new memory: an in-place op on it leaves the operands alone (the
+    # narrows' backward along a split dim falls back)
+    Case(
+        "cat_then_in_place_dim1",
+        ((7, 6),),
+        lambda x: _cat_in_place(x, 1),
+        exact=True,
+        fallback_ok=True,
+    ),
+    Case(
+        "cat_then_in_place_dim0",
+        ((7, 6),),
+        lambda x: _cat_in_place(x, 0),
+        exact=True,
+        fallback_ok=True,
+    ),
     # along a split dim: each block's sums carried over from the blocks before it
     Case("cumsum_dim0", ((7, 6),), lambda x: x.cumsum(0)),
     Case("cumsum_dim1", ((7, 6),), lambda x: torch.cumsum(x, 1)),

@@ -33,7 +33,14 @@ import torch.distributed as dist
 
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
-from .exchange import all_reduce, is_replicated, primary_blocks, replicated, whole_or_plain
+from .exchange import (
+    all_reduce,
+    is_replicated,
+    local_in,
+    primary_blocks,
+    replicated,
+    whole_or_plain,
+)
 from .fallback import fallback
 from .halo import (
     pool_args,
@@ -544,16 +551,17 @@ def _batch_norm_backward(func: Any, args: tuple, kwargs: dict) -> Any:
         return fallback(func, args, kwargs)
     grad = a["grad_out"]
     if isinstance(grad, ShardedTensor) and not is_replicated(grad._layout):
-        if grad._layout != st._layout:
+        if tuple(grad.shape) != tuple(st.shape):
             return fallback(func, args, kwargs)
-        grads = list(grad._shards)
+        grads = list(local_in(grad, st._layout))  # the elements it lacks, if laid out otherwise
     else:
         g = whole_or_plain(grad)
         grads = [g[b.slices()] for b in st._layout.blocks_of(st._rank)]
     if training:
         acc, mean, invstd = save_mean.dtype, save_mean, save_invstd
     else:
-        acc = torch.promote_types(running_var.dtype, st.dtype)
+        # at least float32, as the forward's statistics and torch's kernels
+        acc = torch.promote_types(torch.promote_types(running_var.dtype, st.dtype), torch.float32)
         mean, invstd = running_mean.to(acc), (running_var.to(acc) + a["eps"]).rsqrt()
     dims = [0, *range(2, st.ndim)]
     dys = [g.to(acc) for g in grads]

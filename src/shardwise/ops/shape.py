@@ -6,10 +6,11 @@
 elements stay a box (always for dimensions a block spans whole, or for a
 split or merge that keeps each block's rows whole); slicing (`slice` with any
 step, `select`, `narrow`, `split`) intersects the blocks with the slice and
-views each shard; `cat`/`stack` lay the operands' blocks side by side, so a
-rank holds the blocks of every operand it held (several blocks per rank, no
-copy). None of them communicates; a `view` whose blocks are no box in the
-new shape goes to the fallback. Empty blocks stay empty.
+views each shard; `cat`/`stack` lay the operands' blocks side by side, a rank's
+blocks that make a box merged into one (a copy, as torch's); `roll`, `pad` and
+`repeat` move, cut, extend or tile blocks. None of them communicates; a `view`
+whose blocks are no box in the new shape goes to the fallback. Empty blocks stay
+empty.
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def _moved(
     """`st` with each block replaced by `pieces(block)` (new boxes, each with what `data`
     needs to cut its shard); None where a block has too many pieces. Every rank maps
     every rank's blocks, once per layout and arguments (cached)."""
-    full_key = (st._layout, shape, *key)
+    full_key = (st._layout, st._layout.allow_holes, shape, *key)
     found = _PIECES.get(full_key)
     if found is None:
         if len(_PIECES) > 4096:
@@ -191,7 +192,7 @@ def _moved(
         if any(len(p) > _MAX_PIECES for rank in per_rank for p in rank):
             return None
         blocks = [[b for p in rank for b, _ in p] for rank in per_rank]
-        layout = Layout(shape, blocks, st._layout.world_size)
+        layout = Layout(shape, blocks, st._layout.world_size, allow_holes=st._layout.allow_holes)
         found = _PIECES[full_key] = (layout, per_rank)
     layout, per_rank = found
     shards: list[torch.Tensor] = []
@@ -292,6 +293,9 @@ def _pad(func: Any, args: tuple, kwargs: dict) -> Any:
     new_shape = tuple(shape)
     if any(st.shape[d] == 0 or new_shape[d] <= 0 for d, _l, _r in edges):
         return fallback(func, args, kwargs)  # torch's errors and empty dims
+    # a fill value the dtype cannot hold raises torch's error on every rank, a rank whose
+    # blocks are all empty included
+    func(torch.empty(0, dtype=st.dtype), [1, 0], a["value"])
 
     def pieces(b: Block) -> list[tuple[Block, Any]]:
         offsets, sizes = list(b.offsets), list(b.sizes)
@@ -299,15 +303,22 @@ def _pad(func: Any, args: tuple, kwargs: dict) -> Any:
         for d, left, right in edges:
             n, o, size = st.shape[d], b.offsets[d], b.sizes[d]
             lo, hi = max(o, -left, 0), min(o + size, n + min(right, 0))
-            if size == 0 or lo >= hi:  # nothing of it is kept along d
+            # a block at an edge takes that edge's new elements, even when the other
+            # side's crop keeps none of its own (`F.pad(x, (-n, 1))`)
+            grow_lo = left if left > 0 and o == 0 and size else 0
+            grow_hi = right if right > 0 and o + size == n and size else 0
+            if size == 0 or (lo >= hi and not grow_lo and not grow_hi):  # nothing along d
                 offsets[d] = min(max(o + left, 0), new_shape[d])
                 sizes[d] = 0
                 continue
-            grow_lo = left if left > 0 and o == 0 else 0
-            grow_hi = right if right > 0 and o + size == n else 0
-            offsets[d], sizes[d] = lo + left - grow_lo, hi - lo + grow_lo + grow_hi
+            kept = max(hi - lo, 0)
+            start = lo + left - grow_lo if kept else (0 if grow_lo else new_shape[d] - grow_hi)
+            offsets[d], sizes[d] = start, kept + grow_lo + grow_hi
             at = 2 * (st.ndim - 1 - d)
-            local[at], local[at + 1] = grow_lo - (lo - o), grow_hi - (o + size - hi)
+            if kept:
+                local[at], local[at + 1] = grow_lo - (lo - o), grow_hi - (o + size - hi)
+            else:  # all of the shard cropped from the side that does not grow
+                local[at], local[at + 1] = (grow_lo, -size) if grow_lo else (-size, grow_hi)
         return [(Block(tuple(offsets), tuple(sizes)), tuple(local))]
 
     def data(shard: torch.Tensor, b: Block, p: list[tuple[Block, Any]]) -> list[torch.Tensor]:
@@ -739,8 +750,90 @@ def _cat(func: Any, args: tuple, kwargs: dict) -> Any:
         return fallback(func, args, kwargs)
     layout = _cat_layout(tuple(p._layout for p in parts), dim)
     dtype = functools.reduce(torch.promote_types, [p.dtype for p in parts])
-    shards = [s.to(dtype) for p in parts for s in p._shards]
-    return like._with_layout(layout, shards, dtype=dtype, device=like.device)
+    shards = [s for p in parts for s in p._shards]
+    merged, recipes = _coalesced(layout)
+    # new memory, as torch's `cat`: the result never aliases an operand
+    out = [
+        shards[r].to(dtype, copy=True) if isinstance(r, int) else _joined_shard(r, shards).to(dtype)
+        for r in recipes[like._rank]
+    ]
+    return like._with_layout(merged, out, dtype=dtype, device=like.device)
+
+
+# A merged block's shard: an old block's index, or (dim, parts) concatenated along dim.
+Recipe = Any
+
+
+@functools.lru_cache(maxsize=1024)
+def _coalesced(layout: Layout) -> tuple[Layout, tuple[tuple[Recipe, ...], ...]]:
+    """`layout` with each rank's blocks that together make a box merged into one (a `cat`
+    of operands split alike: each rank's operand blocks side by side), and per rank how
+    to build each new block's shard from the old ones. Only blocks held by the same
+    ranks merge, each set in an order of their own (offsets), so every holder merges a
+    replicated pair alike. Rules that need whole dims (a convolution, a norm) then see
+    one block per rank, as after torch's `cat`."""
+    merged_blocks: dict[int, list[Block]] = {}
+    recipes = []
+    for rank, blocks in enumerate(layout.blocks):
+        groups: dict[tuple[int, ...], list[tuple[Block, Recipe]]] = {}
+        for i, b in enumerate(blocks):
+            key = () if b.is_empty() else layout.ranks_holding(b)
+            groups.setdefault(key, []).append((b, i))
+        items: list[tuple[Block, Recipe]] = []
+        for key, group in groups.items():
+            items.extend(group if not key else _merged(sorted(group, key=lambda e: e[0].offsets)))
+        merged_blocks[rank] = [b for b, _ in items]
+        recipes.append(tuple(r for _, r in items))
+    return Layout(layout.global_shape, merged_blocks, layout.world_size), tuple(recipes)
+
+
+def _merged(items: list[tuple[Block, Recipe]]) -> list[tuple[Block, Recipe]]:
+    """Pairs of boxes side by side merged, first pair first, until none is left."""
+    changed = True
+    while changed:
+        changed = False
+        for i, j in itertools.combinations(range(len(items)), 2):
+            joined = _joined(items[i][0], items[j][0])
+            if joined is None:
+                continue
+            box, dim, first = joined
+            parts = [items[i][1], items[j][1]] if first else [items[j][1], items[i][1]]
+            items[i] = (box, (dim, parts))
+            del items[j]
+            changed = True
+            break
+    return items
+
+
+def _joined(a: Block, b: Block) -> tuple[Block, int, bool] | None:
+    """The box two non-empty blocks make side by side along one dim (with that dim and
+    whether `a` comes first), or None."""
+    if a.is_empty() or b.is_empty():
+        return None
+    differ = [
+        d for d in range(len(a.offsets)) if (a.offsets[d], a.sizes[d]) != (b.offsets[d], b.sizes[d])
+    ]
+    if len(differ) != 1:
+        return None
+    d = differ[0]
+    if a.offsets[d] + a.sizes[d] == b.offsets[d]:
+        first = True
+    elif b.offsets[d] + b.sizes[d] == a.offsets[d]:
+        first = False
+    else:
+        return None
+    lo = min(a.offsets[d], b.offsets[d])
+    offsets = tuple(lo if e == d else o for e, o in enumerate(a.offsets))
+    sizes = tuple(a.sizes[d] + b.sizes[d] if e == d else n for e, n in enumerate(a.sizes))
+    return Block(offsets, sizes), d, first
+
+
+def _joined_shard(recipe: Recipe, shards: list[torch.Tensor]) -> torch.Tensor:
+    """A merged block's shard: its parts concatenated (in new memory)."""
+    if isinstance(recipe, int):
+        return shards[recipe]
+    dim, parts = recipe
+    return torch.cat([_joined_shard(p, shards) for p in parts], dim)
 
 
 @_handles(aten.stack.default)
