@@ -12,19 +12,13 @@ communicator, shows it aborts.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from shardwise.testing import free_port
+from tests.launch import jobs
 
 pytestmark = pytest.mark.spawned
-
-TIMEOUT_S = 120
 
 SCRIPT = """
 import sys
@@ -49,34 +43,8 @@ while seen.tolist() != want:  # every rank's bytes arrived (no call that drops t
 def _job(tmp_path: Path, mode: str) -> tuple[int, str]:
     script = tmp_path / "last_collective.py"
     script.write_text(SCRIPT)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "3",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(script),
-        mode,
-    ]
-    proc = subprocess.Popen(
-        command,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"the job ran past {TIMEOUT_S} s\n{out[-4000:]}")
-    return proc.returncode, out
+    code, out, err = jobs.torchrun(script, 3, mode)
+    return code, out + err
 
 
 def test_a_collective_just_before_exit_does_not_abort_the_rank(tmp_path: Path) -> None:
