@@ -270,8 +270,9 @@ def _group_norm_across(a: dict, meta: Any) -> Any:
     grouped = [n, g, c // g, *x.shape[2:]]
     dims = list(range(2, len(grouped)))
     xg = aten.view.default(x, grouped)
-    if meta[1].dtype != x.dtype:
-        xg = aten._to_copy.default(xg, dtype=meta[1].dtype)
+    acc = _at_least_float(meta[1].dtype)  # torch's kernel computes in float, stores in its own
+    if acc != x.dtype:
+        xg = aten._to_copy.default(xg, dtype=acc)
     mean = aten.mean.dim(xg, dims, True)
     centred = aten.sub.Tensor(xg, mean)
     var = aten.mean.dim(aten.mul.Tensor(centred, centred), dims, True)
@@ -284,7 +285,15 @@ def _group_norm_across(a: dict, meta: Any) -> Any:
         out = aten.add.Tensor(out, aten.view.default(whole_or_plain(a["bias"]), channels))
     if out.dtype != meta[0].dtype:
         out = aten._to_copy.default(out, dtype=meta[0].dtype)
-    return out, aten.view.default(mean, [n, g]), aten.view.default(rstd, [n, g])
+    mean, rstd = aten.view.default(mean, [n, g]), aten.view.default(rstd, [n, g])
+    if acc != meta[1].dtype:
+        mean = aten._to_copy.default(mean, dtype=meta[1].dtype)
+        rstd = aten._to_copy.default(rstd, dtype=meta[1].dtype)
+    return out, mean, rstd
+
+
+def _at_least_float(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _group_norm_backward_across(a: dict, meta: Any) -> Any:
@@ -295,9 +304,15 @@ def _group_norm_backward_across(a: dict, meta: Any) -> Any:
     dims = list(range(2, len(grouped)))
     stats = [n, g] + [1] * (len(grouped) - 2)
     mean, rstd = aten.view.default(a["mean"], stats), aten.view.default(a["rstd"], stats)
+    acc = _at_least_float(mean.dtype)
+    if mean.dtype != acc:
+        mean = aten._to_copy.default(mean, dtype=acc)
+        rstd = aten._to_copy.default(rstd, dtype=acc)
     xg = aten.view.default(x, grouped)
-    if mean.dtype != x.dtype:
-        xg = aten._to_copy.default(xg, dtype=mean.dtype)
+    if acc != x.dtype:
+        xg = aten._to_copy.default(xg, dtype=acc)
+    if acc != grad.dtype:
+        grad = aten._to_copy.default(grad, dtype=acc)
     xhat = aten.mul.Tensor(aten.sub.Tensor(xg, mean), rstd)
     channels = [1, c] + [1] * (x.ndim - 2)
     weight = whole_or_plain(a["weight"])
@@ -319,8 +334,12 @@ def _group_norm_backward_across(a: dict, meta: Any) -> Any:
     if mask[1]:
         product = aten.mul.Tensor(grad, aten.view.default(xhat, list(x.shape)))
         grad_w = aten.sum.dim_IntList(product, others, False)
+        if grad_w.dtype != meta[1].dtype:
+            grad_w = aten._to_copy.default(grad_w, dtype=meta[1].dtype)
     if mask[2]:
         grad_b = aten.sum.dim_IntList(grad, others, False)
+        if grad_b.dtype != meta[2].dtype:
+            grad_b = aten._to_copy.default(grad_b, dtype=meta[2].dtype)
     return grad_in, grad_w, grad_b
 
 
@@ -374,6 +393,8 @@ def _pool_or_halo(
         x = a["self"]
         if not isinstance(x, ShardedTensor) or spans(x._layout, tuple(range(2, x.ndim))):
             return per_block(func, args, kwargs)
+        if "avg" in func._schema.name and not x.dtype.is_floating_point:
+            return per_block(func, args, kwargs)  # torch's error, on every rank
         g = pool_args(a, spatial)
         if backward:
             grad = a["grad_output"]

@@ -230,6 +230,8 @@ def _split_only_along(layout: Layout, dim: int) -> bool:
                 b.offsets[e] != 0 or b.sizes[e] != shape[e] for e in range(len(shape)) if e != dim
             ):
                 return False
+    if layout.allow_holes:  # a hole's rows hold nothing to send
+        return False
     return not any(not b.is_empty() for b in layout.replica_groups)
 
 
@@ -373,6 +375,9 @@ def conv_backward(
 # indices, an average's spread), the halo parts sent back to their owners and added.
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 class PoolArgs(NamedTuple):
     """A pooling op's geometry, one entry per spatial dim."""
 
@@ -433,17 +438,49 @@ def _count_scale(
     return scale.view(shape)
 
 
-def _moved_indices(
-    idx: torch.Tensor, plan: ConvPlan, rows: int, lo: int, spatial: tuple[int, ...], back: bool
-) -> torch.Tensor:
-    """Flat spatial indices of a block's `rows` extended rows (starting at global row
-    `lo`) as the whole tensor's, or (`back`) the reverse."""
-    i = plan.dim - 2
-    after = math.prod(spatial[i + 1 :])
-    src, dst, shift = (plan.length, rows, -lo) if back else (rows, plan.length, lo)
+def _split_index(
+    idx: torch.Tensor, plan: ConvPlan, spatial: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Flat indices over an input of `spatial` extent, cut into (the dims before the split
+    dim, the row along it, the dims after it) and the size of the dims after it."""
+    after = math.prod(spatial[plan.dim - 1 :])
     q, r = idx.div(after, rounding_mode="floor"), idx.remainder(after)
-    before, row = q.div(src, rounding_mode="floor"), q.remainder(src)
-    return (before * dst + row + shift) * after + r
+    rows = spatial[plan.dim - 2]
+    return q.div(rows, rounding_mode="floor"), q.remainder(rows), r, after
+
+
+def _global_indices(
+    idx: torch.Tensor, plan: ConvPlan, g: PoolArgs, ext: tuple[int, ...], lo: int, o0: int
+) -> torch.Tensor:
+    """A block's max-pool indices over its extended rows (spatial extent `ext`, from
+    global row `lo`) as the whole tensor's. A window whose real elements are all -inf
+    (or the integer minimum) picks a padding row here; torch picks its first row in the
+    tensor."""
+    before, row, r, after = _split_index(idx, plan, ext)
+    row = row + lo
+    i = plan.dim - 2
+    s, p, d = g.stride[i], g.padding[i], g.dilation[i]
+    starts = [j * s - p for j in range(o0, o0 + idx.shape[plan.dim])]
+    first = [h if h >= 0 else h + (-h + d - 1) // d * d for h in starts]
+    shape = [1] * idx.ndim
+    shape[plan.dim] = len(first)
+    first_rows = torch.tensor(first, dtype=row.dtype, device=row.device).view(shape)
+    row = torch.where(row < 0, first_rows, row)
+    return (before * plan.length + row) * after + r
+
+
+def _local_indices(
+    idx: torch.Tensor, plan: ConvPlan, whole: tuple[int, ...], rows: int, lo: int
+) -> torch.Tensor:
+    """The whole tensor's max-pool indices (spatial extent `whole`) as a block's over its
+    `rows` extended rows from global row `lo`."""
+    before, row, r, after = _split_index(idx, plan, whole)
+    return (before * rows + row - lo) * after + r
+
+
+def _pool_fill(dtype: torch.dtype) -> float:
+    """What a max pool's rows past the edges hold: below every element (ties lose)."""
+    return float("-inf") if dtype.is_floating_point else float(torch.iinfo(dtype).min)
 
 
 def pool_forward(
@@ -453,7 +490,7 @@ def pool_forward(
     is_max = "max" in func._schema.name
     metas = meta if isinstance(meta, (tuple, list)) else (meta,)
     rank, padding = x._rank, _local_padding(g, plan)
-    fill = float("-inf") if is_max else 0.0
+    fill = _pool_fill(x.dtype) if is_max else 0.0
     results: list[list[torch.Tensor]] = [[] for _ in metas]
     for ext, (o0, o1), (lo, _hi) in zip(
         _extended(x, plan, fill), plan.outputs[rank], plan.inputs[rank]
@@ -467,16 +504,16 @@ def pool_forward(
         if is_max:
             out, idx = func(ext, list(g.kernel), list(g.stride), padding, list(g.dilation),
                             a["ceil_mode"])  # fmt: skip
-            rows = ext.shape[plan.dim]
-            spatial = tuple(ext.shape[2:])
             results[0].append(out)
-            results[1].append(_moved_indices(idx, plan, rows, lo, spatial, back=False))
+            results[1].append(_global_indices(idx, plan, g, tuple(ext.shape[2:]), lo, o0))
             continue
-        out = func(ext, list(g.kernel), list(g.stride), padding, a["ceil_mode"],
+        # an average of half-precision rows in float32, rounded once (as torch's kernel)
+        wide = ext.float() if ext.dtype in _HALF else ext
+        out = func(wide, list(g.kernel), list(g.stride), padding, a["ceil_mode"],
                    a["count_include_pad"], a["divisor_override"])  # fmt: skip
         if a["divisor_override"] is None:
             out = out * _count_scale(g, plan, o0, o1, a["count_include_pad"], out.ndim, out)
-        results[0].append(out)
+        results[0].append(out.to(metas[0].dtype))
     outs = []
     for j, m in enumerate(metas):
         layout = _out_layout(x, plan, tuple(m.shape))
@@ -513,15 +550,16 @@ def pool_backward(
         shape[plan.dim] = hi - lo
         ext = torch.empty(shape, dtype=x.dtype, device=x.device)  # its shape is all it reads
         if is_max:
-            spatial = tuple(shape[2:])
-            local = _moved_indices(idxs[n], plan, hi - lo, lo, spatial, back=True)
+            local = _local_indices(idxs[n], plan, tuple(x.shape[2:]), hi - lo, lo)
             gi = func(gr, ext, list(g.kernel), list(g.stride), padding, list(g.dilation),
                       a["ceil_mode"], local)  # fmt: skip
         else:
+            if gr.dtype in _HALF:
+                gr, ext = gr.float(), ext.float()
             if a["divisor_override"] is None:
                 gr = gr * _count_scale(g, plan, o0, o1, a["count_include_pad"], gr.ndim, gr)
             gi = func(gr, ext, list(g.kernel), list(g.stride), padding, a["ceil_mode"],
-                      a["count_include_pad"], a["divisor_override"])  # fmt: skip
+                      a["count_include_pad"], a["divisor_override"]).to(x.dtype)  # fmt: skip
         ext_grads.append(gi.narrow(plan.dim, max(0, -lo), want.sizes[plan.dim]))
     shards = add_regions(x, plan.wants, ext_grads)
     return x._with_layout(x._layout, shards, dtype=x.dtype, device=x.device)
@@ -594,6 +632,11 @@ def upsample_factor(a: dict, func: Any, in_rows: int, out_rows: int, dim: int) -
     if in_rows <= 0 or out_rows % in_rows or a.get("align_corners"):
         return None
     factor = out_rows // in_rows
+    if "nearest" in func._schema.name and factor & (factor - 1):
+        # torch maps output j to input floor(j · fl(1/s)); for an s whose reciprocal is
+        # inexact that can round one below j / s (s = 41: output 41 reads input 0), which
+        # a block's own map, counted from its start, would not reproduce
+        return None
     scales = [arg.name for arg in func._schema.arguments if arg.name.startswith("scales")]
     given = a[scales[dim - 2]]
     return factor if given is None or float(given) == float(factor) else None

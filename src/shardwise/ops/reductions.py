@@ -535,6 +535,8 @@ class _Scan(NamedTuple):
 @functools.lru_cache(maxsize=256)
 def _scan(layout: Layout, dim: int, me: int) -> _Scan | None:
     shape = layout.global_shape
+    if layout.allow_holes:  # no sum to carry over a hole
+        return None
     for blocks in layout.blocks:
         for b in blocks:
             if not b.is_empty() and any(
@@ -604,7 +606,10 @@ def _cumsum_across(a: dict, dim: int) -> Any:
     carries = [total(blocks) for blocks in plan.local]
     for n, (_r, k) in enumerate(plan.recvs):
         carries[k] += recv[n * width : (n + 1) * width].view(slice_shape)
-    shards = [c + carry for c, carry in zip(cum, carries)]
+    shards = [
+        c if b.is_empty() else c + carry
+        for c, carry, b in zip(cum, carries, st._layout.blocks_of(st._rank))
+    ]
     return st._with_layout(st._layout, shards, dtype=dtype, device=st.device)
 
 

@@ -784,7 +784,10 @@ def _coalesced(layout: Layout) -> tuple[Layout, tuple[tuple[Recipe, ...], ...]]:
             items.extend(group if not key else _merged(sorted(group, key=lambda e: e[0].offsets)))
         merged_blocks[rank] = [b for b, _ in items]
         recipes.append(tuple(r for _, r in items))
-    return Layout(layout.global_shape, merged_blocks, layout.world_size), tuple(recipes)
+    merged = Layout(
+        layout.global_shape, merged_blocks, layout.world_size, allow_holes=layout.allow_holes
+    )
+    return merged, tuple(recipes)
 
 
 def _merged(items: list[tuple[Block, Recipe]]) -> list[tuple[Block, Recipe]]:
@@ -866,10 +869,17 @@ def _widened(st: ShardedTensor, sizes: tuple[int, ...], dim: int, key: tuple) ->
 def _slice_backward(func: Any, args: tuple, kwargs: dict) -> Any:
     a = named(func, args, kwargs)
     grad, sizes, dim = a["grad_output"], tuple(a["input_sizes"]), a["dim"] % len(a["input_sizes"])
-    if not isinstance(grad, ShardedTensor) or not spans(grad._layout, (dim,)):
+    if not isinstance(grad, ShardedTensor):
         return fallback(func, args, kwargs)
     start, stop = _bounds(sizes[dim], a["start"], a["end"])
     step = a["step"]
+    if not spans(grad._layout, (dim,)):
+        # a contiguous slice's gradient is the gradient zero-padded back to the input's
+        # extent: `pad`'s rule, in any layout (the edge blocks take the zeros)
+        if step != 1 or grad.shape[dim] != stop - start:
+            return fallback(func, args, kwargs)
+        pad = [0, 0] * (len(sizes) - 1 - dim) + [start, sizes[dim] - stop]
+        return _pad(aten.constant_pad_nd.default, (grad, pad, 0), {})
     layout = _widened(grad, sizes, dim, ("slice_backward", dim))
     shards = []
     for shard, nb in zip(grad._shards, layout.blocks_of(grad._rank)):

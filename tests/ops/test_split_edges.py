@@ -1,0 +1,88 @@
+"""Edge cases of the rules along a split dim, on 3 gloo ranks (one of them empty where the
+split says so), each against torch on the whole tensor:
+
+- an integer max pool (rows past the edges hold the integer minimum);
+- a max pool whose window at the edge holds only -inf: torch's index is the window's
+  first row in the tensor, so the gradient goes there;
+- `cumsum` after a slice leaves a rank an empty block;
+- nearest upsampling by 41, whose map torch computes with a rounded reciprocal (output
+  41 reads input 0): the fallback's, equal to torch's;
+- bfloat16 average pooling and group norm: rounded once, bit for bit as torch's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardwise as sw
+from shardwise import Layout
+from shardwise.ops import FALLBACK_OPS
+from shardwise.testing import run_ranks
+
+pytestmark = pytest.mark.spawned
+
+
+def _sharded(full: torch.Tensor, layout: Layout, rank: int) -> sw.ShardedTensor:
+    shards = [full[b.slices()].clone() for b in layout.blocks_of(rank)]
+    return sw.ShardedTensor.from_layout(layout, shards, dtype=full.dtype)
+
+
+def _run(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(0)
+
+    full = torch.arange(9 * 2).view(1, 1, 9, 2)
+    x = _sharded(full, Layout.along(full.shape, 2, [3, 0, 6]), rank)
+    got, idx = F.max_pool2d(x, 3, 1, 1, return_indices=True)
+    want, want_idx = F.max_pool2d(full, 3, 1, 1, return_indices=True)
+    out["int max pool"] = torch.equal(got.full_tensor(), want) and torch.equal(
+        idx.full_tensor(), want_idx
+    )
+
+    full = torch.tensor([float("-inf"), float("-inf"), 1.0, 2.0, 0.5], dtype=torch.float64)
+    full = full.view(1, 1, 5, 1)
+    x = _sharded(full, Layout.along(full.shape, 2, [2, 0, 3]), rank).requires_grad_()
+    plain = full.clone().requires_grad_()
+    got, idx = F.max_pool2d(x, (3, 1), 1, (1, 0), return_indices=True)
+    want, want_idx = F.max_pool2d(plain, (3, 1), 1, (1, 0), return_indices=True)
+    got.full_tensor().sum().backward()
+    want.sum().backward()
+    out["-inf window"] = (
+        torch.equal(idx.full_tensor(), want_idx),
+        torch.equal(x.grad.full_tensor(), plain.grad),
+    )
+
+    full = torch.randn(7, 2, generator=g, dtype=torch.float64)
+    x = _sharded(full, Layout.row_wise((7, 2), [3, 0, 4]), rank)
+    out["cumsum after a slice"] = torch.allclose(x[4:].cumsum(0).full_tensor(), full[4:].cumsum(0))
+
+    full = torch.arange(3.0).view(1, 1, 3)
+    x = _sharded(full, Layout.along(full.shape, 2, [1, 1, 1]), rank)
+    FALLBACK_OPS.clear()
+    got = F.interpolate(x, scale_factor=41).full_tensor()
+    out["nearest by 41"] = (
+        torch.equal(got, F.interpolate(full, scale_factor=41)),
+        sum(FALLBACK_OPS.values()),
+    )
+
+    full = (torch.randn(2, 6, 16, 8, generator=g, dtype=torch.float64) * 10 + 8).bfloat16()
+    x = _sharded(full, Layout.along(full.shape, 2, [7, 0, 9]), rank)
+    out["bf16 avg pool"] = torch.equal(
+        F.avg_pool2d(x, 5, 1, 2, count_include_pad=False).full_tensor(),
+        F.avg_pool2d(full, 5, 1, 2, count_include_pad=False),
+    )
+    out["bf16 group norm"] = torch.equal(F.group_norm(x, 2).full_tensor(), F.group_norm(full, 2))
+    return out
+
+
+def test_rules_along_a_split_dim_at_their_edges() -> None:
+    for rank, got in enumerate(run_ranks(_run, 3, timeout=120)):
+        assert got["int max pool"], rank
+        assert got["-inf window"] == (True, True), rank
+        assert got["cumsum after a slice"], rank
+        assert got["nearest by 41"] == (True, 1), rank  # one op, through the fallback
+        assert got["bf16 avg pool"] and got["bf16 group norm"], (rank, got)
