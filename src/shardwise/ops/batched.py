@@ -16,9 +16,13 @@ arguments name the input's whole shape (`upsample_*_backward`'s `input_size`,
 `group_norm`'s `N`) is called with the block's.
 
 Per rank: O(B) for its B blocks; nothing sent but a pending weight gradient (2·W
-bytes on first use, W its size). Batch norm (the section at the end) runs per block
-wherever the blocks span the channels; in training its statistics are the whole
-batch's, two all-reduces of C elements forward and one of 2·C backward.
+bytes on first use, W its size).
+
+Where the blocks split a spatial dim instead (a domain-parallel field), pooling and
+upsampling by a whole factor exchange halo rows with the neighbours (`halo.py`), and
+group norm reduces its statistics across ranks. Batch norm runs per block wherever the
+blocks span the channels; in training its statistics are the whole batch's, two
+all-reduces of C elements forward and one of 2·C backward.
 """
 
 from __future__ import annotations

@@ -177,19 +177,23 @@ def _moved(
     st: ShardedTensor,
     shape: tuple[int, ...],
     key: tuple[Any, ...],
-    pieces: Callable[[Block], list[tuple[Block, Any]]],
+    pieces: Callable[[Block], list[tuple[Block, Any]] | None],
     data: Callable[[torch.Tensor, Block, list[tuple[Block, Any]]], list[torch.Tensor]],
 ) -> ShardedTensor | None:
     """`st` with each block replaced by `pieces(block)` (new boxes, each with what `data`
-    needs to cut its shard); None where a block has too many pieces. Every rank maps
-    every rank's blocks, once per layout and arguments (cached)."""
+    needs to cut its shard); None where a block would have too many pieces (`pieces`
+    says None, or more than `_MAX_PIECES`). Every rank maps every rank's blocks, once per
+    layout and arguments (cached)."""
     full_key = (st._layout, st._layout.allow_holes, shape, *key)
     found = _PIECES.get(full_key)
     if found is None:
         if len(_PIECES) > 4096:
             _PIECES.clear()
-        per_rank = [[pieces(b) for b in blocks] for blocks in st._layout.blocks]
-        if any(len(p) > _MAX_PIECES for rank in per_rank for p in rank):
+        found_pieces = [[pieces(b) for b in blocks] for blocks in st._layout.blocks]
+        per_rank = [[p for p in rank if p is not None] for rank in found_pieces]
+        if any(len(p) != len(q) for p, q in zip(per_rank, found_pieces)) or any(
+            len(p) > _MAX_PIECES for rank in per_rank for p in rank
+        ):
             return None
         blocks = [[b for p in rank for b, _ in p] for rank in per_rank]
         layout = Layout(shape, blocks, st._layout.world_size, allow_holes=st._layout.allow_holes)
@@ -201,7 +205,7 @@ def _moved(
     return st._with_layout(layout, shards, dtype=st.dtype, device=st.device)
 
 
-def _with(seq: Sequence[int], d: int, value: int) -> tuple[int, ...]:
+def _replaced(seq: Sequence[int], d: int, value: int) -> tuple[int, ...]:
     out = list(seq)
     out[d] = value
     return tuple(out)
@@ -213,11 +217,11 @@ def _roll(func: Any, args: tuple, kwargs: dict) -> Any:
     other, the block moves by the shift, cut in two where it wraps. No communication."""
     a = named(func, args, kwargs)
     st, dims, shifts = a["self"], list(a["dims"]), list(a["shifts"])
-    n = st.ndim
-    if not dims or len(dims) != len(shifts) or n == 0 or any(not -n <= d < n for d in dims):
+    ndim = st.ndim
+    if not dims or len(dims) != len(shifts) or not ndim or any(not -ndim <= d < ndim for d in dims):
         return fallback(func, args, kwargs)  # a flattened roll; torch's errors (a dim may repeat)
     shape = tuple(st.shape)
-    moves = tuple((d % st.ndim, s % shape[d % st.ndim]) for d, s in zip(dims, shifts) if shape[d])
+    moves = tuple((d % ndim, s % shape[d]) for d, s in zip(dims, shifts) if shape[d])
     if len(moves) != len(dims):
         return fallback(func, args, kwargs)  # an empty dim
 
@@ -236,19 +240,22 @@ def _roll(func: Any, args: tuple, kwargs: dict) -> Any:
                 if start + size <= n or box.is_empty():
                     size = size if start + size <= n else n - start
                     step.append(
-                        (Block(_with(box.offsets, d, start), _with(box.sizes, d, size)), cuts)
+                        (
+                            Block(_replaced(box.offsets, d, start), _replaced(box.sizes, d, size)),
+                            cuts,
+                        )
                     )
                     continue
                 head = n - start  # up to the end; the rest wraps to the start
                 step.append(
                     (
-                        Block(_with(box.offsets, d, start), _with(box.sizes, d, head)),
+                        Block(_replaced(box.offsets, d, start), _replaced(box.sizes, d, head)),
                         (*cuts, (d, 0, head)),
                     )
                 )
                 step.append(
                     (
-                        Block(_with(box.offsets, d, 0), _with(box.sizes, d, size - head)),
+                        Block(_replaced(box.offsets, d, 0), _replaced(box.sizes, d, size - head)),
                         (*cuts, (d, head, size - head)),
                     )
                 )
@@ -345,7 +352,7 @@ def _repeat(func: Any, args: tuple, kwargs: dict) -> Any:
     old = (1,) * lead + tuple(st.shape)
     shape = tuple(n * t for n, t in zip(old, times))
 
-    def pieces(b: Block) -> list[tuple[Block, Any]]:
+    def pieces(b: Block) -> list[tuple[Block, Any]] | None:
         offsets, sizes = (0,) * lead + b.offsets, (1,) * lead + b.sizes
         tiles: list[list[tuple[int, int]]] = []  # per dim: (offset, size) of each copy
         for o, size, n, t in zip(offsets, sizes, old, times):
@@ -356,7 +363,7 @@ def _repeat(func: Any, args: tuple, kwargs: dict) -> Any:
             else:
                 tiles.append([(k * n + o, size) for k in range(t)])
         if math.prod(len(x) for x in tiles) > _MAX_PIECES:
-            return [(b, None)] * (_MAX_PIECES + 1)  # too many: the caller falls back
+            return None  # too many: the fallback's
         return [
             (Block(tuple(o for o, _ in combo), tuple(n for _, n in combo)), None)
             for combo in itertools.product(*tiles)
