@@ -366,11 +366,13 @@ def conv_backward(
 #
 # A pooling window is a convolution's without weights: the same plan, each block's
 # outputs those whose windows start in it, its rows fetched with their halo. Past the
-# tensor's edges a max pool's rows are -inf (torch skips them), an average's zeros; the
-# local op runs without padding along the split dim, so each average is corrected by
-# its window's true count along it (what torch divides by: the padding counted or not,
-# a ceil-mode window cut at the padded edge). A max pool's indices are flat over the
-# whole spatial extent, as torch's: each block's are moved by where its rows start.
+# tensor's edges a max pool's rows hold -inf (an integer pool's: its minimum; torch
+# skips them), an average's zeros; the local op runs without padding along the split
+# dim, so each average is corrected by its window's true count along it (what torch
+# divides by: the padding counted or not, a ceil-mode window cut at the padded edge).
+# A max pool's indices are flat over the whole spatial extent, as torch's: each block's
+# are moved by where its rows start, and a window whose elements are all the fill picks
+# its first row in the tensor, as torch's does.
 # Backward: the local backward on each block's extended rows (a max pool's by the
 # indices, an average's spread), the halo parts sent back to their owners and added.
 
