@@ -93,7 +93,9 @@ def test_train_resume_killed_and_resumed_on_three_ranks_ends_bit_exact(tmp_path:
     dying = re.findall(r"^rank (\d): dying after step 7", out, re.MULTILINE)
     assert dying and set(dying) <= {"0", "1"}, out + err
     assert "digest:" not in out
-    assert sorted(_losses(out)) == list(range(1, 8))
+    # rank 0's lines of step 7 (its loss, its "dying" line) can be lost the same way, once
+    # rank 1 exits first; every step before it was passed on, and none after
+    assert sorted(_losses(out)) in (list(range(1, 7)), list(range(1, 8))), out
     latest = swc.CheckpointManager(killed).latest()  # the save of step 6 may not have committed
     assert latest in (3, 6), latest
 
