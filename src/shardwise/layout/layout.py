@@ -8,6 +8,7 @@ collective.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -242,10 +243,14 @@ class Layout:
 
     @classmethod
     def replicated(cls, shape: Sequence[int], world_size: int) -> Layout:
-        """The whole tensor on every rank."""
-        shape = tuple(shape)
-        whole = Block((0,) * len(shape), shape)
-        return cls(shape, {r: [whole] for r in range(world_size)}, world_size)
+        """The whole tensor on every rank. One object per shape and world size: every
+        reduction's result and every `full_tensor()` asks for one, and checking its
+        coverage anew costs more than a small op."""
+        if cls is not Layout:
+            shape = tuple(shape)
+            whole = Block((0,) * len(shape), shape)
+            return cls(shape, {r: [whole] for r in range(world_size)}, world_size)
+        return _replicated(tuple(int(n) for n in shape), int(world_size))
 
     @classmethod
     def from_sharding_spec(cls, spec: Any, shape: Sequence[int], world_size: int) -> Layout:
@@ -282,3 +287,9 @@ def _from_json_dict(data: Any) -> Layout:
         return Layout(shape, blocks, world_size, allow_holes=allow_holes)
     except (KeyError, TypeError) as e:
         raise LayoutError(f"malformed layout JSON: {e!r}") from e
+
+
+@functools.lru_cache(maxsize=4096)
+def _replicated(shape: tuple[int, ...], world_size: int) -> Layout:
+    whole = Block((0,) * len(shape), shape)
+    return Layout(shape, {r: [whole] for r in range(world_size)}, world_size)
