@@ -586,7 +586,7 @@ def _batch_norm_backward(func: Any, args: tuple, kwargs: dict) -> Any:
         acc, mean, invstd = save_mean.dtype, save_mean, save_invstd
     else:
         # at least float32, as the forward's statistics and torch's kernels
-        acc = torch.promote_types(torch.promote_types(running_var.dtype, st.dtype), torch.float32)
+        acc = _at_least_float(torch.promote_types(running_var.dtype, st.dtype))
         mean, invstd = running_mean.to(acc), (running_var.to(acc) + a["eps"]).rsqrt()
     dims = [0, *range(2, st.ndim)]
     dys = [g.to(acc) for g in grads]

@@ -33,6 +33,7 @@ from ..comm.communicator import communicator
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .exchange import _distributed, local_in
+from .per_shard import empty_block
 from .reductions import summed
 
 __all__ = [
@@ -279,7 +280,7 @@ def _out_layout_cached(layout: Layout, plan: ConvPlan, shape: tuple[int, ...]) -
         row = []
         for o0, o1 in outs:
             if o1 <= o0:
-                row.append(Block((0,) * len(shape), (0,) * len(shape)))
+                row.append(empty_block(len(shape)))
                 continue
             offsets, sizes = [0] * len(shape), list(shape)
             offsets[plan.dim], sizes[plan.dim] = o0, o1 - o0
@@ -677,7 +678,7 @@ def _scaled_layout(
         row = []
         for b in rank_blocks:
             if b.is_empty():
-                row.append(Block((0,) * len(shape), (0,) * len(shape)))
+                row.append(empty_block(len(shape)))
                 continue
             a, n = b.offsets[dim] * times // over, b.sizes[dim] * times // over
             offsets = tuple(a if e == dim else 0 for e in range(len(shape)))

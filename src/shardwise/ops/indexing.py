@@ -280,9 +280,9 @@ def _blocks_of(x: Any, layout: Layout, rank: int) -> list[torch.Tensor]:
 def _plain_fits(st: Any, index: Any, dim: int) -> bool:
     """Whether a rule may run: `dim` names a dim of `self` (not 0-d), and an index every
     rank holds (plain, or replicated) is in range there (0 up: gather and scatter take
-    no negative index): the fallback's run on the whole
-    tensors raises torch's error for either on every rank. (A sharded index is checked
-    by each block's op, on the ranks holding it, as DTensor's.)"""
+    no negative index): the fallback's run on the whole tensors raises torch's error
+    for either on every rank. (A sharded index is checked by each block's op, on the
+    ranks holding it, as DTensor's.)"""
     if st.ndim == 0 or not in_range(dim, st.ndim):
         return False
     if isinstance(index, ShardedTensor) and not is_replicated(index._layout):

@@ -36,7 +36,7 @@ from .exchange import is_replicated, local_in, primary_blocks, replicated, whole
 from .fallback import fallback
 from .halo import conv_backward, conv_forward, conv_plan, sharded_spatial_dim
 from .pending import later
-from .per_shard import named, registrar
+from .per_shard import empty_block, named, registrar
 from .reductions import spans, summed
 
 __all__ = ["LINALG_HANDLERS"]
@@ -64,7 +64,7 @@ def _product_layout(
         out = []
         for b in rank_blocks:
             if b.is_empty():
-                out.append(Block((0,) * len(shape), (0,) * len(shape)))
+                out.append(empty_block(len(shape)))
                 continue
             offsets, sizes = [0] * len(shape), list(shape)
             for src, dst in zip(keep, where):
