@@ -71,6 +71,64 @@ def test_redistribute_between_any_layouts(world):
     assert run_ranks(_redistribute_chain, world, timeout=60) == [[]] * world
 
 
+def _async_redistribute(rank: int, world: int, flag: str) -> list[str]:
+    """`redistribute(..., async_op=True)` returns before the peers' messages are posted:
+    rank 1 posts its all-to-all only once rank 0 has returned from its own call (a flag
+    file; a synchronous move would wait for rank 1, which waits for the flag, and rank
+    1 reports that). Moves in flight together, and a synchronous one among them, each
+    get their own buffers: every result equals the full tensor's blocks."""
+    import os
+    import time
+
+    from shardwise.comm.communicator import ProcessGroupCommunicator
+
+    full = full_tensor()
+    layouts = chain(world)
+    bad = []
+    st = ShardedTensor.from_layout(layouts[1], shard_of(full, layouts[1], rank))
+    if rank == 1:
+        posted = ProcessGroupCommunicator.all_to_all_single
+
+        def after_rank_0(self, *args):  # type: ignore[no-untyped-def]
+            deadline = time.monotonic() + 30
+            while not os.path.exists(flag):
+                if time.monotonic() > deadline:
+                    bad.append("rank 0 did not return from redistribute(async_op=True)")
+                    break
+                time.sleep(0.01)
+            ProcessGroupCommunicator.all_to_all_single = posted  # once
+            return posted(self, *args)
+
+        ProcessGroupCommunicator.all_to_all_single = after_rank_0
+    first = st.redistribute(layouts[2], async_op=True)
+    if rank == 0:
+        if first._arriving is None:
+            bad.append("rank 0: the result had landed before rank 1 posted")
+        open(flag, "w").close()
+    second = st.redistribute(layouts[0], async_op=True)  # several blocks: packed buffers
+    middle = st.redistribute(layouts[5])  # synchronous, on the shared staging buffer
+    third = second.redistribute(layouts[3], async_op=True)  # reads `second`: waits first
+    bad += _check(middle, full, "synchronous between")
+    bad += _check(third, full, "async of async")
+    bad += _check(second, full, "second")
+    bad += _check(first, full, "first")
+    if any(t._arriving is not None for t in (first, second, third)):
+        bad.append(f"rank {rank}: read but still arriving")
+    # differentiable: the gradient moves back to the source's layout
+    x = ShardedTensor.from_layout(layouts[0], shard_of(full, layouts[0], rank))
+    x.requires_grad_(True)
+    y = x.redistribute(layouts[1], async_op=True)
+    (y * 2).sum().backward()
+    bad += _check(x.grad, torch.full(SHAPE, 2.0), "gradient")
+    return bad
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_async_redistribute_returns_before_the_messages_land(world, tmp_path):
+    flag = str(tmp_path / "rank 0 returned")
+    assert run_ranks(_async_redistribute, world, flag, timeout=90) == [[]] * world
+
+
 def _gather_family(rank: int, world: int) -> list[str]:
     full = full_tensor()
     bad = []

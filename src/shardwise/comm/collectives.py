@@ -17,10 +17,11 @@ import torch.distributed as dist
 from ..errors import InvalidArgumentError, InvalidTypeError, LayoutError
 from ..layout import Layout
 from ..tensor import ShardedTensor
+from ..tensor.pending import Arriving
 from .agreement import exchange, odd_ranks
 from .communicator import communicator
 from .group import resolve_group
-from .transfer import agree, move
+from .transfer import agree, move, post
 
 __all__ = ["distribute", "equal", "full_tensor", "gather", "redistribute"]
 
@@ -55,28 +56,43 @@ def _slice_into(
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, st: ShardedTensor, layout: Layout, stats: dict | None) -> ShardedTensor:
+    def forward(
+        ctx: Any, st: ShardedTensor, layout: Layout, stats: dict | None, async_op: bool
+    ) -> ShardedTensor:
         ctx.src_layout, ctx.dst_layout = st.layout_spec, layout
         ctx.rank, ctx.group, ctx.mesh = st.rank, st.group, st._mesh
-        return _wrap(layout, move(st, layout, stats, checked=True), st)
+        if not async_op:
+            return _wrap(layout, move(st, layout, stats, checked=True), st)
+        shards, finish = post(st, layout, stats, checked=True)
+        out = _wrap(layout, shards, st)
+        out._arriving = Arriving(finish)
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[ShardedTensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[ShardedTensor, None, None, None]:
         if not isinstance(grad, ShardedTensor):
             grad = _slice_into(grad, ctx.dst_layout, ctx.rank, ctx.group, ctx.mesh)
-        return _wrap(ctx.src_layout, move(grad, ctx.src_layout), grad), None, None
+        return _wrap(ctx.src_layout, move(grad, ctx.src_layout), grad), None, None, None
 
 
 def redistribute(
-    st: ShardedTensor, layout: Layout, *, stats: dict[str, int] | None = None
+    st: ShardedTensor,
+    layout: Layout,
+    *,
+    stats: dict[str, int] | None = None,
+    async_op: bool = False,
 ) -> ShardedTensor:
     """A new ShardedTensor with `layout`'s blocks. Collective: every rank calls it.
 
     Each remote element is sent once, in one `all_to_all`; elements already on
-    the rank are copied locally. Differentiable.
+    the rank are copied locally. Differentiable. With `async_op` (DTensor's) it
+    returns once the messages are posted; the first read of the result (any op
+    on it, `local_shards()`, ...) waits for them, so the move overlaps whatever
+    runs in between. Until then the source's shards must not be written, as
+    with DTensor: some may be sent as they are.
     """
     agree(st, layout, "redistribute")
-    return _Redistribute.apply(st, layout, stats)
+    return _Redistribute.apply(st, layout, stats, bool(async_op))
 
 
 class _FullTensor(torch.autograd.Function):

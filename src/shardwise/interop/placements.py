@@ -207,15 +207,15 @@ def redistribute_placements(
     `mesh` (None: its own; the same ranks, maybe another shape). Collective, one
     plan-driven move (`shardwise.redistribute`); differentiable. `Shard(-1)` is
     accepted; even targets take DTensor's torch.chunk sizes, the tensor's own
-    placements keep its (uneven) sizes. `async_op` is accepted for DTensor's
-    signature; the move has completed when this returns."""
+    placements keep its (uneven) sizes. With `async_op` it returns once the
+    messages are posted; the first read of the result waits for them."""
     mesh = _target_mesh(st, mesh)
     if target is None:
         target = st.placements  # DTensor: placements default to the current ones
     found = _block_placements(target, mesh, st.dim(), "placements")
     shape = tuple(int(n) for n in mesh.shape)
     layout = _layout_of(st, found, shape)
-    out = redistribute(st, layout)
+    out = redistribute(st, layout, async_op=async_op)
     out._mesh, out._placements = mesh, found
     return out
 

@@ -14,6 +14,11 @@ its own whose parts are that view of its base's parts, and whose values are
 that view of its base's values, so a write through either is seen by the
 other before and after the combine. In-place ops that keep a result pending
 (`add_`, `mul_`, `zero_`) write into the parts.
+
+A move posted with `async_op=True` is another value not known yet: its
+shards are allocated, their remote elements still in flight. `Arriving`
+holds the wait; the first read of the shards runs it (no collective: every
+rank posted its messages when it called the move).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["Pending"]
+__all__ = ["Arriving", "Pending"]
 
 
 class Pending:
@@ -62,3 +67,25 @@ class Pending:
     def __repr__(self) -> str:
         state = "combined" if self.done else "not combined"
         return f"Pending({self.op!r}, {state})"
+
+
+class Arriving:
+    """The messages of a move still in flight into a tensor's shards: `wait()` (once;
+    later calls return at once) waits for them and unpacks them into the shards."""
+
+    __slots__ = ("_finish",)
+
+    def __init__(self, finish: Callable[[], None]) -> None:
+        self._finish: Callable[[], None] | None = finish
+
+    @property
+    def done(self) -> bool:
+        return self._finish is None
+
+    def wait(self) -> None:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+    def __repr__(self) -> str:
+        return f"Arriving({'landed' if self.done else 'in flight'})"

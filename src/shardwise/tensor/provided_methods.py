@@ -100,10 +100,12 @@ class ProvidedMethods:
         placements)` takes DTensor's form (`device_mesh` None with placements: its
         own mesh; a mesh without placements: its current ones), DTensor's
         torch.chunk sizes for a new placement, the tensor's own (uneven) sizes
-        for its own."""
+        for its own. With `async_op` (either form) it returns once the messages are
+        posted; the first read of the result (any op on it) waits for them, so the
+        move overlaps what runs in between; the source must not be written until then."""
         mesh_form = placements is not None or hasattr(device_mesh, "get_coordinate")
         if not mesh_form:  # a Layout, or what the Layout form refuses on every rank alike
-            return provided("redistribute")(self, device_mesh, stats=stats)
+            return provided("redistribute")(self, device_mesh, stats=stats, async_op=async_op)
         return provided("redistribute_placements")(self, device_mesh, placements, async_op=async_op)
 
     def to_dtensor(self, mesh: Any, placements: Sequence[Any]) -> Any:

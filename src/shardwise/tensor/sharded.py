@@ -17,7 +17,7 @@ from ..errors import InvalidArgumentError, InvalidTypeError, UsageError
 from ..layout import Block, Layout
 from .checkpointable import Checkpointable
 from .construction import PendingLayout, check_shards, filled_shards
-from .pending import Pending
+from .pending import Arriving, Pending
 from .provided import provided
 from .provided_methods import ProvidedMethods
 
@@ -51,6 +51,9 @@ class LocalView:
     # `Partial`), else None. Its layout is the result's (replicated); its values are
     # `_shards`, which combines it (collective) the first time they are read.
     _pending: Pending | None
+    # A move posted with `async_op=True` whose messages have not been waited for, else
+    # None: `_local` is allocated, its remote elements still in flight until `_shards`.
+    _arriving: Arriving | None
     _group: Any
     # The DeviceMesh (or sub-mesh) the tensor was built on, else None: then its mesh is a
     # 1-d one over `_group`. Layout rank r is the mesh's row-major position r.
@@ -65,7 +68,10 @@ class LocalView:
     @property
     def _shards(self) -> list[torch.Tensor]:
         """This rank's shards, with their values: a pending result is combined across
-        the group first (once, collectively; every rank of the group reads them alike)."""
+        the group first (once, collectively; every rank of the group reads them alike);
+        the messages of a move posted with `async_op=True` are waited for."""
+        if self._arriving is not None:
+            self._landed()
         pending = self._pending
         if pending is None:
             return self._local
@@ -77,8 +83,17 @@ class LocalView:
 
     @_shards.setter
     def _shards(self, shards: list[torch.Tensor]) -> None:
+        if self._arriving is not None:
+            self._landed()  # nothing is left writing into the shards replaced
         self._local = shards  # type: ignore[misc]  # set on the instance
         self._pending = None  # type: ignore[misc]
+
+    def _landed(self) -> None:
+        """Wait for the messages of the move posted into the shards (`async_op=True`)."""
+        arriving = self._arriving
+        if arriving is not None:
+            arriving.wait()
+            self._arriving = None  # type: ignore[misc]  # set on the instance
 
     @property
     def pending_reduce(self) -> str | None:
@@ -383,6 +398,7 @@ class ShardedTensor(LocalView, ProvidedMethods, Checkpointable, torch.Tensor):
         out._rank = rank
         out._local = shards
         out._pending = None
+        out._arriving = None
         out._group = group
         out._mesh = mesh
         out._mesh_offsets = None
