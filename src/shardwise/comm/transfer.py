@@ -14,7 +14,8 @@ comes out of one ordered by source rank:
 
 Elements the rank already holds are copied locally while the collective is in
 flight. `post` returns before the messages have landed (`redistribute(...,
-async_op=True)`): the caller waits with the `finish` it is handed. Bytes travel as uint8, so any dtype works on any backend.
+async_op=True)`): the caller waits with the `finish` it is handed. Bytes
+travel as uint8, so any dtype works on any backend.
 (Measured on gloo: one all_to_all_single beats batched isend/irecv of the
 same bytes by about 1.5x.)
 """
