@@ -118,9 +118,9 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--matmuls", type=int, default=20, help="compute overlapped")
     args = parser.parse_args()
-    results = run_ranks(
-        _rank, args.world_size, args.mib, args.repeat, args.matmuls, timeout=1800
-    )[0]
+    results = run_ranks(_rank, args.world_size, args.mib, args.repeat, args.matmuls, timeout=1800)[
+        0
+    ]
     print(f"{args.mib} MiB float32, {args.world_size} ranks (gloo, CPU), median of {args.repeat}")
     for base, names in (
         ("raw all_to_all_single", ["DTensor.redistribute", "shardwise redistribute"]),
