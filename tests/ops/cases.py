@@ -473,6 +473,12 @@ CASES: list[Case] = [
     Case("cumsum_dim0", ((7, 6),), lambda x: x.cumsum(0)),
     Case("cumsum_dim1", ((7, 6),), lambda x: torch.cumsum(x, 1)),
     Case("cumsum_3d", ((3, 7, 2),), lambda x: x.transpose(0, 1).cumsum(0)),
+    # its backward, as torch composes it for a tensor subclass (argmax, gather and
+    # scatter_ along the dim, for zeros), falls back along a split dim
+    Case("cumprod_dim0", ((7, 6),), lambda x: (x * 0.5 + 1).cumprod(0), fallback_ok=True),
+    Case("cumprod_dim1", ((7, 6),), lambda x: torch.cumprod(x + 1.5, 1), fallback_ok=True),
+    Case("logcumsumexp_dim0", ((7, 6),), lambda x: x.logcumsumexp(0)),
+    Case("logcumsumexp_3d", ((3, 7, 2),), lambda x: x.transpose(0, 1).logcumsumexp(0)),
     Case("logsumexp_dim0", ((7, 6),), lambda x: torch.logsumexp(x, 0)),
     Case("logsumexp_all_keepdim", ((7, 6),), lambda x: x.logsumexp((0, 1), keepdim=True)),
 ]

@@ -1,6 +1,7 @@
-"""`cumsum` along a split dim on 3 gloo ranks: integers promoted to int64 as torch does,
-`dtype=`, replicas counted once, a rank holding nothing, several blocks a rank, exact
-values, no fallback."""
+"""`cumsum`, `cumprod` and `logcumsumexp` along a split dim on 3 gloo ranks: integers
+promoted to int64 as torch does (and wrapping alike), `dtype=`, replicas counted once, a
+rank holding nothing, several blocks a rank, -inf and zeros carried, exact values where
+the join is exact, no fallback."""
 
 from __future__ import annotations
 
@@ -35,29 +36,34 @@ LAYOUTS = {
 def _run(rank: int, world: int) -> dict[str, Any]:
     out = {}
     for name, layout in LAYOUTS.items():
-        for kind, full, kwargs in (
-            ("int", FULL, {}),
-            ("int to float64", FULL, {"dtype": torch.float64}),
-            ("float32", FULL.float() / 3, {}),
+        for op, kind, full, kwargs in (
+            ("cumsum", "int", FULL, {}),
+            ("cumsum", "int to float64", FULL, {"dtype": torch.float64}),
+            ("cumsum", "float32", FULL.float() / 3, {}),
+            # int64 products wrap: a carry joined by a wrapping product wraps alike
+            ("cumprod", "int", FULL * 1000 + 7, {}),
+            ("cumprod", "int32 with a zero", FULL.int(), {}),
+            ("cumprod", "float32", FULL.float() / 2, {}),
+            ("logcumsumexp", "float64 with -inf", torch.log(FULL.double() + 3), {}),
         ):
             st = sw.ShardedTensor.from_layout(
                 layout, [full[b.slices()].clone() for b in layout.blocks_of(rank)], dtype=full.dtype
             )
             FALLBACK_OPS.clear()
-            got = st.cumsum(0, **kwargs)
-            want = full.cumsum(0, **kwargs)
+            got = getattr(st, op)(0, **kwargs)
+            want = getattr(full, op)(0, **kwargs)
             whole = got.full_tensor()
-            out[(name, kind)] = (
+            out[(name, op, kind)] = (
                 whole.dtype == want.dtype,
                 torch.equal(whole, want)
-                if kind != "float32"
-                else torch.allclose(whole, want, atol=1e-6),
+                if "float" not in kind
+                else torch.allclose(whole, want, rtol=1e-6, atol=1e-6, equal_nan=True),
                 {str(k): v for k, v in FALLBACK_OPS.items()},
             )
     return out
 
 
-def test_cumsum_along_the_split_dim_carries_the_earlier_blocks() -> None:
+def test_scans_along_the_split_dim_carry_the_earlier_blocks() -> None:
     per_rank = run_ranks(_run, 3, timeout=120)
     for rank, got in enumerate(per_rank):
         for key, (dtype_ok, equal, fallbacks) in got.items():

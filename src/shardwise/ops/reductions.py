@@ -18,9 +18,9 @@ Two rules, chosen by where the dimensions an op works along lie:
   twice that for a variance (mean, then squares).
 
 `softmax`, `log_softmax` and `logsumexp` along a sharded dimension are composed of
-those reductions; `cumsum` along one carries each block's sums over to the blocks
-after it (one all-to-all). Anything else here (an arg-extremum, a sort along a
-sharded dimension) goes to the fallback. Values of sharded-dimension reductions
+those reductions; `cumsum`, `cumprod` and `logcumsumexp` along one carry each
+block's total over to the blocks after it (one all-to-all). Anything else here
+(an arg-extremum, a sort along a sharded dimension) goes to the fallback. Values of sharded-dimension reductions
 equal torch's on the whole tensor up to floating-point summation order.
 """
 
@@ -511,16 +511,19 @@ def _logsumexp_across(a: dict, dims: list[int]) -> Any:
     return out if a["keepdim"] else aten.squeeze.dims(out, dims)
 
 
-# -- cumsum along a sharded dimension: each block's sums, carried over from the blocks
-# before it ---------------------------------------------------------------------------
+# -- scans along a sharded dimension: each block's scan, carried over from the blocks
+# before it ----------------------------------------------------------------------------
 #
 # Where every block spans the other dims (a split along `dim` only, replicas allowed),
-# each block's cumulative sum is its own plus the sum of every block before it along
-# `dim`. Each rank sends, to each holder of a later block, the sum of its primary
-# blocks' totals before that block (one slice: C elements, the other dims' size), in
-# one all-to-all; it receives at most one slice per rank and block it holds. Bytes per
-# rank: C per earlier rank, per block (DTensor gathers the whole tensor). The backward
-# (a flip, this, a flip) takes the same route.
+# each block's cumulative sum (product, log-sum-exp) is its own joined with the total
+# of every block before it along `dim`. Each rank sends, to each holder of a later
+# block, the total of its primary blocks before that block (one slice: C elements,
+# the other dims' size), in one all-to-all; it receives at most one slice per rank and
+# block it holds. Bytes per rank: C per earlier rank, per block (DTensor gathers the
+# whole tensor). The joins are exact for integer sums and products; for floats they
+# round in another order than torch's sequential scan (within a few ulps). cumsum's
+# backward (a flip, this, a flip) takes the same route; cumprod's and logcumsumexp's
+# are composed of ops with rules of their own.
 
 
 class _Scan(NamedTuple):
@@ -573,20 +576,45 @@ def _scan(layout: Layout, dim: int, me: int) -> _Scan | None:
     return _Scan(tuple(sends), tuple(send_ranks), tuple(recvs), local)
 
 
-def _cumsum_across(a: dict, dim: int) -> Any:
+class _ScanOp(NamedTuple):
+    """A scan that runs per block and joins a carry in: `run(x, dim, dtype)` on a
+    block, `join(carry, x)` (associative), starting from `identity`."""
+
+    run: Callable[[Any, int, Any], Any]
+    join: Callable[[Any, Any], Any]
+    identity: float
+
+
+_SCANS: dict[Any, _ScanOp] = {
+    aten.cumsum.default: _ScanOp(
+        lambda x, d, dtype: aten.cumsum.default(x, d, dtype=dtype), aten.add.Tensor, 0.0
+    ),
+    aten.cumprod.default: _ScanOp(
+        lambda x, d, dtype: aten.cumprod.default(x, d, dtype=dtype), aten.mul.Tensor, 1.0
+    ),
+    aten.logcumsumexp.default: _ScanOp(
+        lambda x, d, dtype: aten.logcumsumexp.default(x, d), aten.logaddexp.default, -math.inf
+    ),
+}
+
+
+def _scan_across(func: Any, a: dict, dim: int) -> Any:
     st = a["self"]
     plan = _scan(st._layout, dim, st._rank)
     if plan is None:
         return None
-    cum = [aten.cumsum.default(x, dim, dtype=a["dtype"]) for x in st._shards]
-    dtype = _meta(aten.cumsum.default, (st, dim), {"dtype": a["dtype"]}).dtype
+    scan = _SCANS[func]
+    dtype = _meta(func, (st, dim), {k: a[k] for k in ("dtype",) if k in a}).dtype
+    if func is aten.logcumsumexp.default and not (dtype.is_floating_point or dtype.is_complex):
+        return None
+    cum = [scan.run(x, dim, a.get("dtype")) for x in st._shards]
     width = math.prod(st.shape) // max(st.shape[dim], 1)  # one slice along dim
     slice_shape = tuple(1 if e == dim else n for e, n in enumerate(st.shape))
 
     def total(blocks: tuple[int, ...]) -> torch.Tensor:
-        out = torch.zeros(slice_shape, dtype=dtype, device=st.device)
+        out = torch.full(slice_shape, scan.identity, dtype=dtype, device=st.device)
         for i in blocks:
-            out += cum[i].narrow(dim, cum[i].shape[dim] - 1, 1)
+            out = scan.join(out, cum[i].narrow(dim, cum[i].shape[dim] - 1, 1))
         return out
 
     world = st._layout.world_size
@@ -604,10 +632,10 @@ def _cumsum_across(a: dict, dim: int) -> Any:
     if _distributed(st):  # every rank, messages or not: the layout alone decides them
         communicator(st.group).all_to_all_single(recv, send, recv_counts, send_counts).wait()
     carries = [total(blocks) for blocks in plan.local]
-    for n, (_r, k) in enumerate(plan.recvs):
-        carries[k] += recv[n * width : (n + 1) * width].view(slice_shape)
+    for n, (_r, k) in enumerate(plan.recvs):  # by source rank: the order along dim
+        carries[k] = scan.join(carries[k], recv[n * width : (n + 1) * width].view(slice_shape))
     shards = [
-        c if b.is_empty() else c + carry
+        c if b.is_empty() else scan.join(carry, c)
         for c, carry, b in zip(cum, carries, st._layout.blocks_of(st._rank))
     ]
     return st._with_layout(st._layout, shards, dtype=dtype, device=st.device)
@@ -622,7 +650,9 @@ _ACROSS: dict[Any, Callable[[dict, int], Any]] = {
     aten._log_softmax.default: _log_softmax_across,
     aten._softmax_backward_data.default: _softmax_backward_across,
     aten._log_softmax_backward_data.default: _log_softmax_backward_across,
-    aten.cumsum.default: _cumsum_across,
+    aten.cumsum.default: functools.partial(_scan_across, aten.cumsum.default),
+    aten.cumprod.default: functools.partial(_scan_across, aten.cumprod.default),
+    aten.logcumsumexp.default: functools.partial(_scan_across, aten.logcumsumexp.default),
 }
 # along several dims at once, not one only
 _ACROSS_DIMS: dict[Any, Callable[[dict, list[int]], Any]] = {
