@@ -20,8 +20,9 @@ Two rules, chosen by where the dimensions an op works along lie:
 `softmax`, `log_softmax` and `logsumexp` along a sharded dimension are composed of
 those reductions; `cumsum`, `cumprod` and `logcumsumexp` along one carry each
 block's total over to the blocks after it (one all-to-all). Anything else here
-(an arg-extremum, a sort along a sharded dimension) goes to the fallback. Values of sharded-dimension reductions
-equal torch's on the whole tensor up to floating-point summation order.
+(an arg-extremum, a sort along a sharded dimension) goes to the fallback. Values
+of sharded-dimension reductions equal torch's on the whole tensor up to
+floating-point summation order.
 """
 
 from __future__ import annotations
