@@ -479,6 +479,10 @@ CASES: list[Case] = [
     Case("cumprod_dim1", ((7, 6),), lambda x: torch.cumprod(x + 1.5, 1), fallback_ok=True),
     Case("logcumsumexp_dim0", ((7, 6),), lambda x: x.logcumsumexp(0)),
     Case("logcumsumexp_3d", ((3, 7, 2),), lambda x: x.transpose(0, 1).logcumsumexp(0)),
+    Case("max_dim0", ((7, 6),), lambda x: x.max(0)[0]),
+    Case("min_dim1_keepdim", ((7, 6),), lambda x: x.min(1, keepdim=True).values),
+    Case("argmax_dim0", ((7, 6),), lambda x: x + x.argmax(0)),
+    Case("argmin_dim1_keepdim", ((7, 6),), lambda x: x * torch.argmin(x, 1, keepdim=True)),
     Case("logsumexp_dim0", ((7, 6),), lambda x: torch.logsumexp(x, 0)),
     Case("logsumexp_all_keepdim", ((7, 6),), lambda x: x.logsumexp((0, 1), keepdim=True)),
 ]

@@ -19,8 +19,9 @@ Two rules, chosen by where the dimensions an op works along lie:
 
 `softmax`, `log_softmax` and `logsumexp` along a sharded dimension are composed of
 those reductions; `cumsum`, `cumprod` and `logcumsumexp` along one carry each
-block's total over to the blocks after it (one all-to-all). Anything else here
-(an arg-extremum, a sort along a sharded dimension) goes to the fallback. Values
+block's total over to the blocks after it (one all-to-all); `max(dim)` and
+`argmax` along one take two all-reduces (the value, then its first index).
+Anything else here (a sort along a sharded dimension) goes to the fallback. Values
 of sharded-dimension reductions equal torch's on the whole tensor up to
 floating-point summation order.
 """
@@ -642,6 +643,65 @@ def _scan_across(func: Any, a: dict, dim: int) -> Any:
     return st._with_layout(st._layout, shards, dtype=dtype, device=st.device)
 
 
+# -- max(dim), min(dim), argmax, argmin along a sharded dimension -----------------------
+#
+# Each rank reduces its blocks (torch's first index among equal values, the first NaN
+# where there is one), then two all-reduces of O (the result's size) pick, per element,
+# torch's answer over the whole dim: the extreme value (a NaN flag first, so a NaN
+# wins as torch's does), then the smallest index holding it. A vocab-parallel argmax
+# (logits split along the classes) is this. DTensor gathers the dim instead.
+
+
+def _extremum_across(func: Any, a: dict, dim: int) -> Any:
+    st = a["self"]
+    if a.get("dim") is None or st.dtype.is_complex or st.dtype == torch.bool:
+        return None
+    high = func in (aten.max.dim, aten.argmax.default)
+    take = torch.gt if high else torch.lt
+    floating = st.dtype.is_floating_point
+    shape, regions, _whole = _part_plan(st._layout, st._rank, (dim,))
+    if floating:
+        fill: float = -math.inf if high else math.inf
+    else:
+        info = torch.iinfo(st.dtype)
+        fill = info.min if high else info.max
+    n = st.shape[dim]  # larger than every index: "none here"
+    value = torch.full(shape, fill, dtype=st.dtype, device=st.device)
+    index = torch.full(shape, n, dtype=torch.int64, device=st.device)
+    nan = torch.zeros(shape, dtype=torch.bool, device=st.device)
+    blocks = st._layout.blocks_of(st._rank)
+    for i, where in regions:
+        shard = st._shards[i]
+        if shard.numel() == 0:
+            continue
+        v, k = (aten.max.dim if high else aten.min.dim)(shard, dim, True)
+        k = k + blocks[i].offsets[dim]
+        cv, ck, cn = value[where], index[where], nan[where]
+        vn = torch.isnan(v) if floating else torch.zeros_like(cn)
+        earlier = k < ck
+        beats = take(v, cv) | ((v == cv) & earlier)  # a NaN compares false: flagged apart
+        better = (vn & ~cn) | (vn & cn & earlier) | (~vn & ~cn & beats)
+        value[where] = torch.where(better, v, cv)
+        index[where] = torch.where(better, k, ck)
+        nan[where] = cn | vn
+    if floating:  # one MAX of the NaN flags and the values (negated for a minimum)
+        plain = torch.where(nan, torch.full_like(value, -math.inf), value if high else -value)
+        both = all_reduce(torch.stack([nan.to(st.dtype), plain]), dist.ReduceOp.MAX, st)
+        any_nan, best = both[0] > 0, both[1] if high else -both[1]
+        mine = torch.where(any_nan, nan, ~nan & (value == best))
+    else:
+        best = all_reduce(value.clone(), dist.ReduceOp.MAX if high else dist.ReduceOp.MIN, st)
+        any_nan = torch.zeros_like(nan)
+        mine = value == best
+    first = all_reduce(torch.where(mine, index, n), dist.ReduceOp.MIN, st)
+    keepdim = bool(a.get("keepdim", False))
+    indices = _finish(st, first, (dim,), keepdim)
+    if func in (aten.argmax.default, aten.argmin.default):
+        return indices
+    best = torch.where(any_nan, torch.full_like(best, math.nan), best) if floating else best
+    return _finish(st, best, (dim,), keepdim), indices
+
+
 def _as_float(x: Any, half_to_float: bool) -> Any:
     return aten._to_copy.default(x, dtype=torch.float32) if half_to_float else x
 
@@ -651,6 +711,10 @@ _ACROSS: dict[Any, Callable[[dict, int], Any]] = {
     aten._log_softmax.default: _log_softmax_across,
     aten._softmax_backward_data.default: _softmax_backward_across,
     aten._log_softmax_backward_data.default: _log_softmax_backward_across,
+    aten.max.dim: functools.partial(_extremum_across, aten.max.dim),
+    aten.min.dim: functools.partial(_extremum_across, aten.min.dim),
+    aten.argmax.default: functools.partial(_extremum_across, aten.argmax.default),
+    aten.argmin.default: functools.partial(_extremum_across, aten.argmin.default),
     aten.cumsum.default: functools.partial(_scan_across, aten.cumsum.default),
     aten.cumprod.default: functools.partial(_scan_across, aten.cumprod.default),
     aten.logcumsumexp.default: functools.partial(_scan_across, aten.logcumsumexp.default),

@@ -1,0 +1,87 @@
+"""`max(dim)`, `min(dim)`, `argmax`, `argmin` along a split dim on 3 gloo ranks: torch's
+values and first indices exactly, with ties across ranks, NaN (torch's first NaN wins),
+-inf everywhere in a column, integers at their extremes, replicas, several blocks a rank,
+a rank holding nothing, and a layout split along both dims; no fallback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import shardwise as sw
+from shardwise import Block, Layout
+from shardwise.ops import FALLBACK_OPS
+from shardwise.testing import run_ranks
+
+pytestmark = pytest.mark.spawned
+
+SHAPE = (9, 5)
+LAYOUTS = {
+    "uneven rows, an empty rank": Layout.row_wise(SHAPE, [4, 0, 5]),
+    "replicas and several blocks": Layout(
+        SHAPE,
+        {
+            0: [Block((0, 0), (3, 5)), Block((6, 0), (3, 5))],
+            1: [Block((3, 0), (3, 5))],
+            2: [Block((0, 0), (3, 5))],
+        },
+        3,
+    ),
+    "split along both dims": Layout(
+        SHAPE,
+        {0: [Block((0, 0), (5, 3))], 1: [Block((5, 0), (4, 3))], 2: [Block((0, 3), (9, 2))]},
+        3,
+    ),
+}
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, SHAPE, generator=g).double()  # many ties
+    x[3, 1] = x[7, 1] = x[6, 2] = float("nan")
+    x[:, 4] = -float("inf")
+    ints = torch.randint(-3, 3, SHAPE, generator=g)
+    ints[2, 0] = ints[8, 0] = torch.iinfo(torch.int64).min
+    ints[1, 3] = torch.iinfo(torch.int64).max
+    return {"float64": x, "int64": ints, "float32": torch.randn(SHAPE, generator=g)}
+
+
+CALLS = {
+    "max": lambda t: t.max(0),
+    "min keepdim": lambda t: t.min(0, keepdim=True),
+    "argmax": lambda t: t.argmax(0),
+    "argmin keepdim": lambda t: torch.argmin(t, 0, keepdim=True),
+    "max dim 1": lambda t: torch.max(t, 1),
+    "argmin dim -1": lambda t: t.argmin(-1),
+}
+
+
+def _run(rank: int, world: int) -> dict[Any, Any]:
+    out = {}
+    for name, layout in LAYOUTS.items():
+        for kind, full in _inputs().items():
+            shards = [full[b.slices()].clone() for b in layout.blocks_of(rank)]
+            st = sw.ShardedTensor.from_layout(layout, shards, dtype=full.dtype)
+            for call, f in CALLS.items():
+                FALLBACK_OPS.clear()
+                got, want = f(st), f(full)
+                if isinstance(want, torch.Tensor):
+                    same = torch.equal(got.full_tensor(), want)
+                else:
+                    values, indices = got[0].full_tensor(), got[1].full_tensor()
+                    same = torch.equal(indices, want[1]) and torch.allclose(
+                        values, want[0], equal_nan=True
+                    )
+                out[(name, kind, call)] = (same, {str(k): v for k, v in FALLBACK_OPS.items()})
+    return out
+
+
+def test_extrema_along_a_split_dim_match_torch_values_and_first_indices() -> None:
+    per_rank = run_ranks(_run, 3, timeout=120)
+    assert len(per_rank[0]) == len(LAYOUTS) * 3 * len(CALLS)
+    for rank, got in enumerate(per_rank):
+        for key, (same, fallbacks) in got.items():
+            assert same, (rank, key)
+            assert fallbacks == {}, (rank, key, fallbacks)
