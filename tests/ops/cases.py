@@ -483,6 +483,8 @@ CASES: list[Case] = [
     Case("min_dim1_keepdim", ((7, 6),), lambda x: x.min(1, keepdim=True).values),
     Case("argmax_dim0", ((7, 6),), lambda x: x + x.argmax(0)),
     Case("argmin_dim1_keepdim", ((7, 6),), lambda x: x * torch.argmin(x, 1, keepdim=True)),
+    Case("topk_dim0", ((7, 6),), lambda x: x.topk(3, 0).values),
+    Case("topk_smallest_dim1", ((7, 6),), lambda x: x.topk(2, 1, largest=False)[0] * 2),
     Case("logsumexp_dim0", ((7, 6),), lambda x: torch.logsumexp(x, 0)),
     Case("logsumexp_all_keepdim", ((7, 6),), lambda x: x.logsumexp((0, 1), keepdim=True)),
 ]

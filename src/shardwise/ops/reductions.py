@@ -20,8 +20,9 @@ Two rules, chosen by where the dimensions an op works along lie:
 `softmax`, `log_softmax` and `logsumexp` along a sharded dimension are composed of
 those reductions; `cumsum`, `cumprod` and `logcumsumexp` along one carry each
 block's total over to the blocks after it (one all-to-all); `max(dim)` and
-`argmax` along one take two all-reduces (the value, then its first index).
-Anything else here (a sort along a sharded dimension) goes to the fallback. Values
+`argmax` along one take two all-reduces (the value, then its first index);
+`topk` along one gathers each rank's k best. Anything else here (a sort along a
+sharded dimension) goes to the fallback. Values
 of sharded-dimension reductions equal torch's on the whole tensor up to
 floating-point summation order.
 """
@@ -748,20 +749,94 @@ REDUCTION_HANDLERS.update(
 
 
 def _topk(func: Any, args: tuple, kwargs: dict) -> Any:
-    """`topk` along a dim every block spans: per block, that dim cut to `k`."""
+    """`topk` along a dim every block spans: per block, that dim cut to `k`; along a
+    sharded dim, `_topk_across`."""
     a = named(func, args, kwargs)
     st = a["self"]
     if not isinstance(st, ShardedTensor) or st.ndim == 0 or not in_range(a["dim"], st.ndim):
         return fallback(func, args, kwargs)
     d = a["dim"] % st.ndim
     if not spans(st._layout, (d,)):
-        return fallback(func, args, kwargs)
+        out = _topk_across(st, a, d)
+        return out if out is not None else fallback(func, args, kwargs)
     layout = widened(st._layout, d, a["k"])
     results = [func(shard, *args[1:], **kwargs) for shard in st._shards]
     return _wrap_all(st, layout, results, func, args, kwargs)
 
 
 REDUCTION_HANDLERS[aten.topk.default] = _topk
+
+
+# -- topk along a sharded dimension: each rank's k best, gathered -------------------------
+#
+# Each rank takes the k best of its blocks along the dim (per slice of the other dims,
+# its blocks there joined), with their indices in the whole tensor; one all-gather of
+# those k candidates per rank (values, then indices) gives every rank W·k per slice,
+# whose k best are the result, replicated: torch's values exactly, NaN first as
+# torch's. Which of equal values is taken is unspecified in torch and may differ
+# here. Bytes per rank: W·k per slice, twice (values, indices); DTensor gathers the
+# whole dim (n per slice). The backward scatters the gradient as `max(dim)`'s does.
+
+
+# torch 2.13 renamed all_gather_into_tensor (which now warns) all_gather_single
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def _topk_across(st: ShardedTensor, a: dict, d: int) -> Any:
+    k, largest = a["k"], bool(a.get("largest", True))
+    if not 0 <= k <= st.shape[d] or st.dtype.is_complex or st.dtype == torch.bool:
+        return None  # torch's error, or its refusal, on every rank from the fallback
+    shape, regions, _whole = _part_plan(st._layout, st._rank, (d,))
+    wide = tuple(k if e == d else n for e, n in enumerate(shape))
+    if st.dtype.is_floating_point:
+        fill: float = -math.inf if largest else math.inf
+    else:
+        info = torch.iinfo(st.dtype)
+        fill = info.min if largest else info.max
+    values = torch.full(wide, fill, dtype=st.dtype, device=st.device)
+    indices = torch.full(wide, -1, dtype=torch.int64, device=st.device)  # -1: no candidate
+    blocks = st._layout.blocks_of(st._rank)
+    joined: dict[tuple[Any, ...], tuple[tuple[slice, ...], list[int]]] = {}
+    for i, where in regions:  # this rank's blocks that share a slice along the dim
+        if st._shards[i].numel():
+            key = tuple((w.start, w.stop) for w in where)
+            joined.setdefault(key, (where, []))[1].append(i)
+    for where, members in joined.values():
+        v = torch.cat([st._shards[i] for i in members], d)
+        at = torch.cat(
+            [
+                torch.arange(blocks[i].sizes[d], device=st.device) + blocks[i].offsets[d]
+                for i in members
+            ]
+        )
+        at = at.view([-1 if e == d else 1 for e in range(st.ndim)]).expand_as(v)
+        best, which = aten.topk.default(v, min(k, v.shape[d]), d, largest, True)
+        cut = tuple(slice(0, best.shape[d]) if e == d else w for e, w in enumerate(where))
+        values[cut] = best
+        indices[cut] = at.gather(d, which)
+    world = st._layout.world_size
+    if _distributed(st):
+        every = torch.empty((world, *wide), dtype=st.dtype, device=st.device)
+        every_at = torch.empty((world, *wide), dtype=torch.int64, device=st.device)
+        for out, mine in ((every, values), (every_at, indices)):
+            _all_gather(out.view(-1), mine.reshape(-1), group=st.group)
+    else:
+        every, every_at = values[None], indices[None]
+
+    def along(t: torch.Tensor) -> torch.Tensor:  # (W, ..., k, ...) -> (..., W·k, ...)
+        return t.movedim(0, d).flatten(d, d + 1)
+
+    candidates, at = along(every), along(every_at)
+    # the best first (NaN first when largest, as topk), then stably the real ones first
+    order = torch.sort(candidates, dim=d, descending=largest, stable=True).indices
+    candidates, at = candidates.gather(d, order), at.gather(d, order)
+    order = torch.sort((at < 0).to(torch.uint8), dim=d, stable=True).indices
+    top = candidates.gather(d, order).narrow(d, 0, k)
+    top_at = at.gather(d, order).narrow(d, 0, k)
+    layout = replicated(tuple(top.shape), world)
+    return st._with_layout(layout, [top.contiguous()]), st._with_layout(
+        layout, [top_at.contiguous()], dtype=torch.int64
+    )
 
 
 # -- nll_loss (what cross_entropy becomes) on inputs whose blocks span the classes ----

@@ -1,7 +1,8 @@
-"""`max(dim)`, `min(dim)`, `argmax`, `argmin` along a split dim on 3 gloo ranks: torch's
-values and first indices exactly, with ties across ranks, NaN (torch's first NaN wins),
--inf everywhere in a column, integers at their extremes, replicas, several blocks a rank,
-a rank holding nothing, and a layout split along both dims; no fallback."""
+"""`max(dim)`, `min(dim)`, `argmax`, `argmin` and `topk` along a split dim on 3 gloo
+ranks: torch's values (and first indices; `topk`'s wherever torch's are defined, no ties)
+exactly, with ties across ranks, NaN (torch's first NaN wins), -inf everywhere in a
+column, integers at their extremes, replicas, several blocks a rank, a rank holding
+nothing, and a layout split along both dims; no fallback."""
 
 from __future__ import annotations
 
@@ -81,6 +82,41 @@ def _run(rank: int, world: int) -> dict[Any, Any]:
 def test_extrema_along_a_split_dim_match_torch_values_and_first_indices() -> None:
     per_rank = run_ranks(_run, 3, timeout=120)
     assert len(per_rank[0]) == len(LAYOUTS) * 3 * len(CALLS)
+    for rank, got in enumerate(per_rank):
+        for key, (same, fallbacks) in got.items():
+            assert same, (rank, key)
+            assert fallbacks == {}, (rank, key, fallbacks)
+
+
+def _topk(rank: int, world: int) -> dict[Any, Any]:
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(_inputs(), distinct=torch.randn(SHAPE, generator=g, dtype=torch.float64))
+    out = {}
+    for name, layout in LAYOUTS.items():
+        for kind, full in inputs.items():
+            shards = [full[b.slices()].clone() for b in layout.blocks_of(rank)]
+            st = sw.ShardedTensor.from_layout(layout, shards, dtype=full.dtype)
+            for k in (0, 1, 3, SHAPE[0]):
+                for largest in (True, False):
+                    FALLBACK_OPS.clear()
+                    values, indices = st.topk(k, 0, largest=largest)
+                    values, indices = values.full_tensor(), indices.full_tensor()
+                    want, want_at = full.topk(k, 0, largest=largest)
+                    picked = full.gather(0, indices)  # the values at the indices returned
+                    distinct = all(len(set(indices[:, c].tolist())) == k for c in range(SHAPE[1]))
+                    out[(name, kind, k, largest)] = (
+                        torch.allclose(values, want, equal_nan=True)
+                        and torch.allclose(picked, values, equal_nan=True)
+                        and distinct
+                        and (kind != "distinct" or torch.equal(indices, want_at)),
+                        {str(op): n for op, n in FALLBACK_OPS.items()},
+                    )
+    return out
+
+
+def test_topk_along_a_split_dim_matches_torch() -> None:
+    per_rank = run_ranks(_topk, 3, timeout=120)
+    assert len(per_rank[0]) == len(LAYOUTS) * 4 * 4 * 2
     for rank, got in enumerate(per_rank):
         for key, (same, fallbacks) in got.items():
             assert same, (rank, key)
