@@ -112,7 +112,9 @@ CASES: list[Case] = [
     Case("expand", ((7, 1),), lambda x: x.expand(7, 5) * 2, exact=True),
     # slicing
     Case("slice_cols", ((7, 6),), lambda x: x[:, 1:4] * 2, exact=True, fallback_ok=True),
-    Case("slice_rows_step", ((7, 6),), lambda x: x[1::2] * 2, exact=True, fallback_ok=True),
+    Case("slice_rows_step", ((7, 6),), lambda x: x[1::2] * 2, exact=True),
+    Case("slice_cols_step", ((7, 6),), lambda x: x[:, ::3] * 2, exact=True),
+    Case("slice_rows_step_stop", ((7, 6),), lambda x: x[2:6:3] * 2, exact=True),
     Case("narrow", ((7, 6),), lambda x: x.narrow(0, 2, 4) * 2, exact=True, fallback_ok=True),
     Case("select", ((7, 6),), lambda x: x[3] * 2, exact=True),
     Case("select_col", ((7, 6),), lambda x: x[:, -2] * 2, exact=True),

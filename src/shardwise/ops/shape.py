@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..errors import LayoutError
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .exchange import is_replicated, replicated
@@ -883,10 +884,11 @@ def _slice_backward(func: Any, args: tuple, kwargs: dict) -> Any:
     if not spans(grad._layout, (dim,)):
         # a contiguous slice's gradient is the gradient zero-padded back to the input's
         # extent: `pad`'s rule, in any layout (the edge blocks take the zeros)
-        if step != 1 or grad.shape[dim] != stop - start:
-            return fallback(func, args, kwargs)
-        pad = [0, 0] * (len(sizes) - 1 - dim) + [start, sizes[dim] - stop]
-        return _pad(aten.constant_pad_nd.default, (grad, pad, 0), {})
+        if step == 1 and grad.shape[dim] == stop - start:
+            pad = [0, 0] * (len(sizes) - 1 - dim) + [start, sizes[dim] - stop]
+            return _pad(aten.constant_pad_nd.default, (grad, pad, 0), {})
+        out = _strided_slice_backward(grad, sizes, dim, start, step)
+        return out if out is not None else fallback(func, args, kwargs)
     layout = _widened(grad, sizes, dim, ("slice_backward", dim))
     shards = []
     for shard, nb in zip(grad._shards, layout.blocks_of(grad._rank)):
@@ -894,6 +896,46 @@ def _slice_backward(func: Any, args: tuple, kwargs: dict) -> Any:
         if not nb.is_empty():
             index = [slice(None)] * len(sizes)
             index[dim] = slice(start, max(start, stop), step)
+            out[tuple(index)] = shard
+        shards.append(out)
+    return grad._with_layout(layout, shards, dtype=grad.dtype, device=grad.device)
+
+
+def _strided_slice_backward(
+    grad: ShardedTensor, sizes: tuple[int, ...], dim: int, start: int, step: int
+) -> ShardedTensor | None:
+    """The gradient of `x[start::step]` along a split dim, in the input's shape, nothing
+    sent: each gradient block, covering elements j0..j1 of the slice, becomes the input
+    block from element j0's position up to element j1's (the first from 0, the last to
+    the end), its elements spread `step` apart among zeros. None where the gradient's
+    blocks do not tile the slice (holes: the fallback)."""
+    n, count = sizes[dim], grad.shape[dim]
+    if count == 0 or start + step * (count - 1) >= n:
+        return None
+
+    def how(b: Block) -> Block:
+        j0, j1 = b.offsets[dim], b.offsets[dim] + b.sizes[dim]
+        lo = 0 if j0 == 0 else start + step * j0
+        hi = n if j1 == count else start + step * j1
+        offsets, extent = list(b.offsets), list(b.sizes)
+        offsets[dim], extent[dim] = lo, hi - lo
+        return Block(tuple(offsets), tuple(extent))
+
+    try:
+        layout = _mapped(grad._layout, sizes, how, ("strided slice_backward", dim, start, step))
+    except LayoutError:  # the gradient's blocks leave holes along the dim
+        return None
+    if layout is None:
+        return None
+    shards = []
+    for shard, b, nb in zip(
+        grad._shards, grad._layout.blocks_of(grad._rank), layout.blocks_of(grad._rank)
+    ):
+        out = shard.new_zeros(nb.sizes)
+        if not nb.is_empty() and not b.is_empty():
+            begin = start + step * b.offsets[dim] - nb.offsets[dim]
+            index = [slice(None)] * len(sizes)
+            index[dim] = slice(begin, begin + step * (b.sizes[dim] - 1) + 1, step)
             out[tuple(index)] = shard
         shards.append(out)
     return grad._with_layout(layout, shards, dtype=grad.dtype, device=grad.device)
