@@ -887,8 +887,8 @@ def _slice_backward(func: Any, args: tuple, kwargs: dict) -> Any:
         if step == 1 and grad.shape[dim] == stop - start:
             pad = [0, 0] * (len(sizes) - 1 - dim) + [start, sizes[dim] - stop]
             return _pad(aten.constant_pad_nd.default, (grad, pad, 0), {})
-        out = _strided_slice_backward(grad, sizes, dim, start, step)
-        return out if out is not None else fallback(func, args, kwargs)
+        strided = _strided_slice_backward(grad, sizes, dim, start, step)
+        return strided if strided is not None else fallback(func, args, kwargs)
     layout = _widened(grad, sizes, dim, ("slice_backward", dim))
     shards = []
     for shard, nb in zip(grad._shards, layout.blocks_of(grad._rank)):
