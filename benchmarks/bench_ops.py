@@ -138,6 +138,9 @@ OPS: dict[str, tuple[Callable[[Any, Any], Any], bool]] = {
     "transpose(0,1)": (lambda x, w: x.transpose(0, 1), True),
     "x[:, 1:3]": (lambda x, w: x[:, 1:3], True),
     "cat([x, x])": (lambda x, w: torch.cat([x, x]), True),
+    "x.cumsum(dim=0)": (lambda x, w: x.cumsum(dim=0), True),
+    "x.argmax(dim=0)": (lambda x, w: x.argmax(dim=0), False),
+    "x.topk(4, dim=0).values": (lambda x, w: x.topk(4, dim=0).values, True),
     "F.linear(x, W)": (_linear, True),
     "x @ x.T": (lambda x, w: x @ x.T, True),
 }
@@ -172,6 +175,7 @@ class _Counter:
         "all_to_all_single",
         "all_gather",
         "all_gather_into_tensor",
+        "all_gather_single",
         "all_gather_object",
         "reduce_scatter_tensor",
         "send",
@@ -202,7 +206,7 @@ class _Counter:
                 return _nbytes(inp) * (world - 1) // world
             row = _nbytes(inp) // inp.shape[0] if inp.shape[0] else 0
             return sum(s for r, s in enumerate(splits) if r != me) * row
-        if name in ("all_gather", "all_gather_into_tensor"):
+        if name in ("all_gather", "all_gather_into_tensor", "all_gather_single"):
             return _nbytes(args[1])
         if name == "reduce_scatter_tensor":
             return _nbytes(args[1])
@@ -212,7 +216,9 @@ class _Counter:
 
     def __enter__(self) -> _Counter:
         for name in self.NAMES:
-            original = getattr(self.dist, name)
+            original = getattr(self.dist, name, None)
+            if original is None:  # all_gather_single: torch 2.13 and later
+                continue
             self.saved[name] = original
 
             def wrapped(*args: Any, _n: str = name, _f: Any = original, **kwargs: Any) -> Any:

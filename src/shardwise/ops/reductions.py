@@ -778,8 +778,11 @@ REDUCTION_HANDLERS[aten.topk.default] = _topk
 # whole dim (n per slice). The backward scatters the gradient as `max(dim)`'s does.
 
 
-# torch 2.13 renamed all_gather_into_tensor (which now warns) all_gather_single
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+def _all_gather(out: torch.Tensor, mine: torch.Tensor, group: Any) -> None:
+    """Every rank's `mine`, in rank order, into `out`: torch 2.13's `all_gather_single`,
+    which `all_gather_into_tensor` (now warning) was called before."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, mine, group=group)
 
 
 def _topk_across(st: ShardedTensor, a: dict, d: int) -> Any:
