@@ -403,7 +403,7 @@ def _rank(rank: int, world: int, work: dict[str, Any]) -> bool:
             ok = True
             if rank == 0 and got is not None and expected is not None:
                 ok = got.shape == expected.shape and torch.allclose(
-                    got.float(), expected, rtol=1e-4, atol=1e-3
+                    got.float(), expected.float(), rtol=1e-4, atol=1e-3
                 )
             right = agree_failed(not ok) < 0
             if got is not None:

@@ -771,10 +771,10 @@ REDUCTION_HANDLERS[aten.topk.default] = _topk
 #
 # Each rank takes the k best of its blocks along the dim (per slice of the other dims,
 # its blocks there joined), with their indices in the whole tensor; one all-gather of
-# those k candidates per rank (values, then indices) gives every rank W·k per slice,
-# whose k best are the result, replicated: torch's values exactly, NaN first as
+# those k candidates per rank (values and indices, as bytes) gives every rank W·k per
+# slice, whose k best are the result, replicated: torch's values exactly, NaN first as
 # torch's. Which of equal values is taken is unspecified in torch and may differ
-# here. Bytes per rank: W·k per slice, twice (values, indices); DTensor gathers the
+# here. Bytes per rank: W·k values and indices per slice; DTensor gathers the
 # whole dim (n per slice). The backward scatters the gradient as `max(dim)`'s does.
 
 
@@ -818,11 +818,15 @@ def _topk_across(st: ShardedTensor, a: dict, d: int) -> Any:
         values[cut] = best
         indices[cut] = at.gather(d, which)
     world = st._layout.world_size
-    if _distributed(st):
-        every = torch.empty((world, *wide), dtype=st.dtype, device=st.device)
-        every_at = torch.empty((world, *wide), dtype=torch.int64, device=st.device)
-        for out, mine in ((every, values), (every_at, indices)):
-            _all_gather(out.view(-1), mine.reshape(-1), group=st.group)
+    if _distributed(st):  # values and indices as bytes, in one all-gather
+        mine = torch.cat(
+            [values.reshape(-1).view(torch.uint8), indices.reshape(-1).view(torch.uint8)]
+        )
+        gathered = torch.empty((world, mine.numel()), dtype=torch.uint8, device=st.device)
+        _all_gather(gathered.view(-1), mine, group=st.group)
+        split = values.numel() * values.element_size()
+        every = gathered[:, :split].reshape(-1).view(st.dtype).view(world, *wide)
+        every_at = gathered[:, split:].reshape(-1).view(torch.int64).view(world, *wide)
     else:
         every, every_at = values[None], indices[None]
 
