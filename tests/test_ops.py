@@ -307,3 +307,21 @@ def test_an_ops_tensors_are_found_as_pytree_finds_them() -> None:
         got = tensors_in(args, kwargs)
         assert len(got) == len(want) and all(g is w for g, w in zip(got, want)), (args, kwargs)
     assert [flat(a, k) for a, k in cases] == [True, True] + [False] * 6 + [True]
+
+
+def test_flip_keeps_a_layout_with_holes_and_mirrors_its_blocks():
+    # rows 0-1 on rank 0, rows 5-6 on rank 1; rows 2-4 held by no rank
+    layout = Layout(
+        (7, 3),
+        {0: [sw.Block((0, 0), (2, 3))], 1: [sw.Block((5, 0), (2, 3))]},
+        2,
+        allow_holes=True,
+    )
+    full = torch.arange(21.0).reshape(7, 3)
+    for st in each_rank(layout, full):
+        flipped = st.flip(0)
+        assert flipped.layout_spec.allow_holes
+        mine = layout.blocks_of(st.rank)[0]
+        (block,) = flipped.local_blocks
+        assert block.offsets == (7 - mine.offsets[0] - 2, 0)
+        assert torch.equal(flipped.local_shards()[0], full.flip(0)[block.slices()])

@@ -142,7 +142,14 @@ def _flip(func: Any, args: tuple, kwargs: dict) -> Any:
     if not in_range(a["dims"], st.ndim):
         return fallback(func, args, kwargs)  # torch's error, on every rank
     dims = tuple(sorted({d % st.ndim for d in a["dims"]})) if st.ndim else ()
-    shape = tuple(st.shape)
+    return _result(st, _flipped(st._layout, dims), lambda s, b, nb: s.flip(dims))
+
+
+@functools.lru_cache(maxsize=1024)
+def _flipped(layout: Layout, dims: tuple[int, ...]) -> Layout:
+    """`layout` mirrored across `dims` (cached: a layout's validation costs more than the
+    flip of a small shard, and a `cumsum`'s backward flips twice per step)."""
+    shape = layout.global_shape
 
     def how(b: Block) -> Block:
         offsets = tuple(
@@ -151,12 +158,12 @@ def _flip(func: Any, args: tuple, kwargs: dict) -> Any:
         return Block(offsets, b.sizes)
 
     # every block mirrored, an empty one too: its box keeps spanning what it spanned
-    layout = Layout(
+    return Layout(
         shape,
-        {r: [how(b) for b in blocks] for r, blocks in enumerate(st._layout.blocks)},
-        st._layout.world_size,
+        {r: [how(b) for b in blocks] for r, blocks in enumerate(layout.blocks)},
+        layout.world_size,
+        allow_holes=layout.allow_holes,
     )
-    return _result(st, layout, lambda s, b, nb: s.flip(dims))
 
 
 # -- roll, pad, repeat: blocks moved, cut at the wrap, extended at the edges, tiled -------
