@@ -9,6 +9,7 @@ op of its forward and backward passes has a rule).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,8 @@ class Case:
 
 
 _SPANS1 = ("rows", "blocks", "replicated")  # layouts whose blocks span dim 1
+# with "spatial": a grid over the last two dims, halos along both (corners included)
+_HALO = ("rows", "cols", "blocks", "replicated", "spatial")
 _MASK7 = torch.tensor([True, False, False, True, True, False, True])
 _T7 = torch.tensor([0, 5, 2, 2, 1, 3, 4])  # a class per row
 _W6 = torch.tensor([0.5, 1.0, 2.0, 1.5, 0.25, 3.0], dtype=torch.float64)
@@ -220,39 +223,55 @@ CASES: list[Case] = [
     # attention, group norm ("rows" and "blocks" shard the batch)
     # ("cols" splits the last spatial dim: a halo exchange, as a convolution's; `.mT`
     # turns that into a split of the first)
-    Case("max_pool2d", ((4, 2, 6, 6),), lambda x: F.max_pool2d(x, 2) * 2, exact=True),
-    Case("max_pool2d_pad", ((4, 2, 6, 6),), lambda x: F.max_pool2d(x, 3, 2, 1) * 2, exact=True),
+    Case(
+        "max_pool2d", ((4, 2, 6, 6),), lambda x: F.max_pool2d(x, 2) * 2, exact=True, layouts=_HALO
+    ),
+    Case(
+        "max_pool2d_pad",
+        ((4, 2, 6, 6),),
+        lambda x: F.max_pool2d(x, 3, 2, 1) * 2,
+        exact=True,
+        layouts=_HALO,
+    ),
     Case(
         "max_pool2d_rows_split",
         ((2, 2, 5, 7),),
         lambda x: F.max_pool2d(x.mT, (3, 2), (2, 1), (1, 0), dilation=(2, 1), ceil_mode=True),
+        layouts=_HALO,
     ),  # (overlapping windows: an element's gradient is added up in another order)
     Case(
         "max_pool3d_ceil",
         ((2, 2, 3, 4, 7),),
         lambda x: F.max_pool3d(x, (1, 2, 3), (1, 2, 2), (0, 1, 1), ceil_mode=True) * 2,
         exact=True,
+        layouts=_HALO,
     ),
-    Case("avg_pool2d", ((4, 2, 6, 6),), lambda x: F.avg_pool2d(x, 2) * 2, exact=True),
+    Case(
+        "avg_pool2d", ((4, 2, 6, 6),), lambda x: F.avg_pool2d(x, 2) * 2, exact=True, layouts=_HALO
+    ),
     Case(
         "avg_pool2d_pad_ceil",
         ((2, 2, 5, 7),),
         lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True),
+        layouts=_HALO,
     ),
     Case(
         "avg_pool2d_no_pad_counted",
         ((2, 2, 5, 7),),
         lambda x: F.avg_pool2d(x.mT, (3, 2), 2, 1, ceil_mode=True, count_include_pad=False),
+        layouts=_HALO,
     ),
     Case(
         "avg_pool2d_divisor",
         ((2, 2, 5, 7),),
         lambda x: F.avg_pool2d(x, 3, 1, 1, divisor_override=4),
+        layouts=_HALO,
     ),
     Case(
         "avg_pool3d",
         ((2, 2, 3, 4, 7),),
         lambda x: F.avg_pool3d(x, (2, 2, 3), (1, 1, 2), (1, 0, 1), count_include_pad=False),
+        layouts=_HALO,
     ),
     Case(
         "adaptive_avg_pool2d",
@@ -457,8 +476,19 @@ CASES: list[Case] = [
         lambda x, w: F.conv1d(x, w, stride=2, dilation=2, padding=3),
     ),
     Case("conv1d_no_padding", ((2, 2, 9), (2, 2, 4)), lambda x, w: F.conv1d(x, w)),
-    Case("conv2d", ((4, 2, 5, 5), (3, 2, 3, 3)), lambda x, w: F.conv2d(x, w, padding=(1, 2))),
-    Case("conv3d", ((3, 1, 3, 4, 4), (2, 1, 2, 2, 2)), lambda x, w: F.conv3d(x, w)),
+    Case(
+        "conv2d",
+        ((4, 2, 5, 5), (3, 2, 3, 3)),
+        lambda x, w: F.conv2d(x, w, padding=(1, 2)),
+        layouts=_HALO,
+    ),
+    Case("conv3d", ((3, 1, 3, 4, 4), (2, 1, 2, 2, 2)), lambda x, w: F.conv3d(x, w), layouts=_HALO),
+    Case(
+        "conv2d_stride_dilation",
+        ((2, 2, 9, 8), (3, 2, 3, 2)),
+        lambda x, w: F.conv2d(x, w, stride=(2, 1), padding=(2, 1), dilation=(2, 3)),
+        layouts=_HALO,
+    ),
     # losses made of the above
     Case("mse_sum", ((7, 6),), lambda x: ((x - 0.5) ** 2).sum()),
     Case(
@@ -503,6 +533,16 @@ def layout_for(kind: str, shape: tuple[int, ...], world: int) -> Layout:
     if kind == "cols":
         sizes = _uneven(shape[-1], world)
         return Layout.along(shape, len(shape) - 1, sizes)
+    if kind == "spatial":  # a 2 x 2 grid over the last two dims, uneven, dealt round-robin
+        h, w = shape[-2], shape[-1]
+        cuts = ([0, h // 3, h], [0, w - w // 3, w])
+        quads: dict[int, list[Block]] = {r: [] for r in range(world)}
+        lead = (0,) * (len(shape) - 2)
+        for i, (a, b) in enumerate(itertools.product(range(2), range(2))):
+            offsets = (*lead, cuts[0][a], cuts[1][b])
+            sizes = (*shape[:-2], cuts[0][a + 1] - cuts[0][a], cuts[1][b + 1] - cuts[1][b])
+            quads[i % world].append(Block(offsets, sizes))
+        return Layout(shape, quads, world)
     if kind == "blocks":  # two blocks per rank where possible, dealt round-robin, rows
         pieces = _uneven(rows, 2 * world)
         blocks: dict[int, list[Block]] = {r: [] for r in range(world)}

@@ -1,14 +1,16 @@
 """Convolutions and pooling along a sharded spatial dimension: a halo exchange,
 PhysicsNeMo's main use (pooling: the section at the end).
 
-An input `[N, C, *spatial]` split along one spatial dimension `d` (every block
-spanning the other dimensions, no replicas): each block computes the outputs
-whose window starts (`j·stride`) fall in it, the first block from output 0 and
-the last one to the end. For that it needs the input rows of its windows: its
-own rows plus a halo of up to `dilation·(kernel−1)` rows (less the padding)
-from the neighbouring blocks, fetched in one all-to-all (`regions`); rows
-beyond the tensor's edges are the convolution's zero padding. The local
-convolution then runs without padding along `d`.
+An input `[N, C, *spatial]` split along spatial dimensions only (every block
+spanning the batch and channels, no replicas; along several dims, any grid of
+uneven boxes): each block computes the outputs whose window starts
+(`j·stride`) fall in it along each split dim, the first block from output 0
+and the last one to the end. For that it needs the input rows of its windows:
+its own rows plus a halo of up to `dilation·(kernel−1)` rows (less the padding)
+along each split dim — the corners included — from the blocks that hold them,
+fetched in one all-to-all (`regions`, which takes any box); rows beyond the
+tensor's edges are the convolution's zero padding. The local convolution then
+runs without padding along the split dims.
 
 Backward: the same halo is fetched again, the local `convolution_backward`
 gives the gradient of the block's extended rows, and the halo parts of it are
@@ -23,7 +25,6 @@ Planning is O(blocks of the layout) per rank, from the layout every rank has.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -44,6 +45,8 @@ __all__ = [
     "pool_backward",
     "pool_forward",
     "regions",
+    "sharded_spatial_dim",
+    "sharded_spatial_dims",
     "upsample_backward",
     "upsample_factor",
     "upsample_forward",
@@ -157,70 +160,104 @@ def _all_to_all(
 
 
 class ConvPlan:
-    """Per rank, per block: its output rows along `dim` and the input rows its windows need."""
+    """Per rank, per block, per split dim: its output rows and the input rows its windows
+    need. `dims` are the split spatial dims; the other entries are per split dim."""
 
     def __init__(
         self,
         layout: Layout,
-        dim: int,
-        kernel: int,
-        stride: int,
-        padding: int,
-        dilation: int,
-        out_length: int | None = None,
+        dims: tuple[int, ...],
+        kernel: tuple[int, ...],
+        stride: tuple[int, ...],
+        padding: tuple[int, ...],
+        dilation: tuple[int, ...],
+        out_lengths: tuple[int, ...] | None = None,
     ) -> None:
-        length = layout.global_shape[dim]
-        self.dim = dim
-        if out_length is None:  # a convolution's; a pooling in ceil mode may have one more
-            out_length = (length + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
-        self.out_length = out_length
-        self.outputs: list[list[tuple[int, int]]] = []  # per rank, per block: [o0, o1)
-        self.inputs: list[list[tuple[int, int]]] = []  # per rank, per block: [lo, hi), unclipped
+        shape = layout.global_shape
+        self.dims = dims
+        self.lengths = tuple(shape[d] for d in dims)
+        if out_lengths is None:  # a convolution's; a pooling in ceil mode may have one more
+            out_lengths = tuple(
+                (n + 2 * p - d * (k - 1) - 1) // s + 1
+                for n, k, s, p, d in zip(self.lengths, kernel, stride, padding, dilation)
+            )
+        self.out_lengths = out_lengths
+        # per rank, per block, per split dim: [o0, o1) of the output, [lo, hi) of the input
+        # (unclipped: rows past the edges are padding)
+        self.outputs: list[list[tuple[tuple[int, int], ...]]] = []
+        self.inputs: list[list[tuple[tuple[int, int], ...]]] = []
         wants = []
         for rank_blocks in layout.blocks:
             outs, ins, want = [], [], []
             for b in rank_blocks:
-                a, e = b.offsets[dim], b.offsets[dim] + b.sizes[dim]
-                if b.is_empty():
-                    o0 = o1 = 0
-                else:
-                    o0 = 0 if a == 0 else -(-a // stride)
-                    o1 = self.out_length if e == length else -(-e // stride)
-                    o1 = min(o1, self.out_length)
-                o1 = max(o0, o1)
-                lo = o0 * stride - padding
-                hi = (o1 - 1) * stride - padding + dilation * (kernel - 1) + 1 if o1 > o0 else lo
-                outs.append((o0, o1))
-                ins.append((lo, hi))
                 offsets, sizes = list(b.offsets), list(b.sizes)
-                offsets[dim] = min(max(lo, 0), length)
-                sizes[dim] = max(0, min(hi, length) - offsets[dim]) if o1 > o0 else 0
+                block_outs, block_ins = [], []
+                for i, dim in enumerate(dims):
+                    o0, o1, lo, hi = _rows(
+                        b, dim, self.lengths[i], out_lengths[i],
+                        kernel[i], stride[i], padding[i], dilation[i],
+                    )  # fmt: skip
+                    block_outs.append((o0, o1))
+                    block_ins.append((lo, hi))
+                    offsets[dim] = min(max(lo, 0), self.lengths[i])
+                    sizes[dim] = max(0, min(hi, self.lengths[i]) - offsets[dim]) if o1 > o0 else 0
+                outs.append(tuple(block_outs))
+                ins.append(tuple(block_ins))
                 want.append(Block(tuple(offsets), tuple(sizes)))
             self.outputs.append(outs)
             self.inputs.append(ins)
             wants.append(tuple(want))
         self.wants = tuple(wants)
-        self.length = length
+
+
+def _rows(
+    b: Block, dim: int, length: int, out_length: int, k: int, s: int, p: int, d: int
+) -> tuple[int, int, int, int]:
+    """Along `dim`: the outputs `[o0, o1)` whose windows start in block `b` (the first
+    block from 0, the last to the end) and the input rows `[lo, hi)` they read."""
+    a, e = b.offsets[dim], b.offsets[dim] + b.sizes[dim]
+    if b.is_empty():
+        o0 = o1 = 0
+    else:
+        o0 = 0 if a == 0 else -(-a // s)
+        o1 = out_length if e == length else -(-e // s)
+        o1 = min(o1, out_length)
+    o1 = max(o0, o1)
+    lo = o0 * s - p
+    hi = (o1 - 1) * s - p + d * (k - 1) + 1 if o1 > o0 else lo
+    return o0, o1, lo, hi
+
+
+def _produces(outs: tuple[tuple[int, int], ...]) -> bool:
+    """Whether a block has outputs: some along every split dim."""
+    return all(o1 > o0 for o0, o1 in outs)
+
+
+def _emptied(shape: Sequence[int], plan: ConvPlan) -> list[int]:
+    """The shape of a block's result that has no outputs."""
+    out = list(shape)
+    out[plan.dims[0]] = 0
+    return out
 
 
 @functools.lru_cache(maxsize=512)
 def conv_plan(
     layout: Layout,
-    dim: int,
-    kernel: int,
-    stride: int,
-    padding: int,
-    dilation: int,
-    out_length: int | None = None,
+    dims: tuple[int, ...],
+    kernel: tuple[int, ...],
+    stride: tuple[int, ...],
+    padding: tuple[int, ...],
+    dilation: tuple[int, ...],
+    out_lengths: tuple[int, ...] | None = None,
 ) -> ConvPlan | None:
-    """The plan when `layout` splits only spatial dimension `dim` and has no replicas."""
-    if not _split_only_along(layout, dim):
+    """The plan when `layout` splits only spatial dimensions `dims` and has no replicas."""
+    if not _split_only_along(layout, dims):
         return None
-    return ConvPlan(layout, dim, kernel, stride, padding, dilation, out_length)
+    return ConvPlan(layout, dims, kernel, stride, padding, dilation, out_lengths)
 
 
-def _split_only_along(layout: Layout, dim: int) -> bool:
-    """Every block whole along every dim but `dim`, and no replicas (the region exchange
+def _split_only_along(layout: Layout, dims: tuple[int, ...]) -> bool:
+    """Every block whole along every dim but `dims`, and no replicas (the region exchange
     sends each element from its one holder, and adds gradients into it)."""
     shape = layout.global_shape
     for rank_blocks in layout.blocks:
@@ -228,7 +265,9 @@ def _split_only_along(layout: Layout, dim: int) -> bool:
             if b.is_empty():
                 continue
             if any(
-                b.offsets[e] != 0 or b.sizes[e] != shape[e] for e in range(len(shape)) if e != dim
+                b.offsets[e] != 0 or b.sizes[e] != shape[e]
+                for e in range(len(shape))
+                if e not in dims
             ):
                 return False
     if layout.allow_holes:  # a hole's rows hold nothing to send
@@ -236,8 +275,8 @@ def _split_only_along(layout: Layout, dim: int) -> bool:
     return not any(not b.is_empty() for b in layout.replica_groups)
 
 
-def sharded_spatial_dim(layout: Layout) -> int | None:
-    """The one spatial dimension (≥ 2) some block does not span, if exactly one."""
+def sharded_spatial_dims(layout: Layout) -> tuple[int, ...] | None:
+    """The spatial dimensions (≥ 2) some block does not span, if any and only those."""
     shape = layout.global_shape
     split = {
         e
@@ -247,9 +286,15 @@ def sharded_spatial_dim(layout: Layout) -> int | None:
         for e in range(len(shape))
         if b.sizes[e] != shape[e]
     }
-    if len(split) == 1 and min(split) >= 2:
-        return split.pop()
+    if split and min(split) >= 2:
+        return tuple(sorted(split))
     return None
+
+
+def sharded_spatial_dim(layout: Layout) -> int | None:
+    """The one spatial dimension (≥ 2) some block does not span, if exactly one."""
+    dims = sharded_spatial_dims(layout)
+    return dims[0] if dims is not None and len(dims) == 1 else None
 
 
 def _padded(x: torch.Tensor, dim: int, before: int, after: int, fill: float) -> torch.Tensor:
@@ -261,12 +306,22 @@ def _padded(x: torch.Tensor, dim: int, before: int, after: int, fill: float) -> 
 
 def _extended(st: ShardedTensor, plan: ConvPlan, fill: float = 0.0) -> list[torch.Tensor]:
     """Each block's input rows with their halo, padded with `fill` past the tensor's edges
-    (a convolution's and an average's zeros, a max pool's -inf)."""
+    (a convolution's and an average's zeros, a max pool's -inf), along each split dim."""
     fetched = regions(st, plan.wants)
     out = []
-    for x, (lo, hi) in zip(fetched, plan.inputs[st._rank]):
-        out.append(_padded(x, plan.dim, -lo, hi - plan.length, fill))
+    for x, ins in zip(fetched, plan.inputs[st._rank]):
+        for dim, length, (lo, hi) in zip(plan.dims, plan.lengths, ins):
+            x = _padded(x, dim, -lo, hi - length, fill)
+        out.append(x)
     return out
+
+
+def _trimmed(g: torch.Tensor, plan: ConvPlan, ins: Any, want: Block) -> torch.Tensor:
+    """The gradient of a block's extended rows without the padding past the edges: its
+    wanted (clipped) rows, along each split dim."""
+    for dim, (lo, _hi) in zip(plan.dims, ins):
+        g = g.narrow(dim, max(0, -lo), want.sizes[dim])
+    return g
 
 
 def _out_layout(x: ShardedTensor, plan: ConvPlan, shape: tuple[int, ...]) -> Layout:
@@ -278,12 +333,13 @@ def _out_layout_cached(layout: Layout, plan: ConvPlan, shape: tuple[int, ...]) -
     blocks: dict[int, list[Block]] = {}
     for r, outs in enumerate(plan.outputs):
         row = []
-        for o0, o1 in outs:
-            if o1 <= o0:
+        for block_outs in outs:
+            if not _produces(block_outs):
                 row.append(empty_block(len(shape)))
                 continue
             offsets, sizes = [0] * len(shape), list(shape)
-            offsets[plan.dim], sizes[plan.dim] = o0, o1 - o0
+            for dim, (o0, o1) in zip(plan.dims, block_outs):
+                offsets[dim], sizes[dim] = o0, o1 - o0
             row.append(Block(tuple(offsets), tuple(sizes)))
         blocks[r] = row
     return Layout(shape, blocks, layout.world_size)
@@ -301,22 +357,24 @@ def _geometry(a: dict, padding: list[int]) -> tuple[Any, ...]:
     )
 
 
-def _unpadded(padding: list[int], dim: int) -> list[int]:
+def _unpadded(padding: Sequence[int], plan: ConvPlan) -> list[int]:
+    """The op's padding with none along the split dims (their halo holds it)."""
     out = list(padding)
-    out[dim - 2] = 0
+    for dim in plan.dims:
+        out[dim - 2] = 0
     return out
 
 
 def conv_forward(
     func: Any, x: ShardedTensor, weight: torch.Tensor, bias: Any, a: dict, plan: ConvPlan, meta: Any
 ) -> ShardedTensor:
-    padding = _unpadded(list(a["padding"]), plan.dim)
+    padding = _unpadded(a["padding"], plan)
     shards = []
-    for ext, (o0, o1) in zip(_extended(x, plan), plan.outputs[x._rank]):
-        if o1 <= o0:
-            shape = list(meta.shape)
-            shape[plan.dim] = 0
-            shards.append(torch.empty(shape, dtype=meta.dtype, device=x.device))
+    for ext, outs in zip(_extended(x, plan), plan.outputs[x._rank]):
+        if not _produces(outs):
+            shards.append(
+                torch.empty(_emptied(meta.shape, plan), dtype=meta.dtype, device=x.device)
+            )
             continue
         shards.append(func(ext, weight, bias, *_geometry(a, padding)))
     layout = _out_layout(x, plan, tuple(meta.shape))
@@ -326,16 +384,16 @@ def conv_forward(
 def conv_backward(
     func: Any, grad: ShardedTensor, x: ShardedTensor, weight: torch.Tensor, a: dict, plan: ConvPlan
 ) -> tuple[Any, Any, Any]:
-    padding = _unpadded(list(a["padding"]), plan.dim)
+    padding = _unpadded(a["padding"], plan)
     out_layout = _out_layout(x, plan, tuple(grad.shape))
     grads = local_in(grad, out_layout)
     mask = list(a["output_mask"])
     ext_grads: list[torch.Tensor] = []
     grad_w = grad_b = None
-    for g, ext, (o0, o1), (lo, _hi), want in zip(
+    for g, ext, outs, ins, want in zip(
         grads, _extended(x, plan), plan.outputs[x._rank], plan.inputs[x._rank], plan.wants[x._rank]
     ):
-        if o1 <= o0:
+        if not _produces(outs):
             ext_grads.append(torch.zeros(want.sizes, dtype=x.dtype, device=x.device))
             continue
         gi, gw, gb = func(
@@ -346,9 +404,7 @@ def conv_backward(
             *_geometry(a, padding),
             [True, mask[1], mask[2]],
         )
-        # drop the zero padding past the edges: keep the wanted (clipped) rows
-        start = max(0, -lo)
-        ext_grads.append(gi.narrow(plan.dim, start, want.sizes[plan.dim]))
+        ext_grads.append(_trimmed(gi, plan, ins, want))
         if mask[1]:
             grad_w = gw if grad_w is None else grad_w + gw
         if mask[2]:
@@ -406,79 +462,96 @@ def pool_args(a: dict, spatial: int) -> PoolArgs:
 
 
 def pool_plan(x: ShardedTensor, g: PoolArgs, out_shape: Sequence[int]) -> ConvPlan | None:
-    """The halo plan for a batched input split along one spatial dim (the op's output of
-    `out_shape`), or None."""
-    dim = sharded_spatial_dim(x._layout)
-    if dim is None or x.ndim != 2 + len(g.kernel) or len(out_shape) != x.ndim:
+    """The halo plan for a batched input split along spatial dims only (the op's output
+    of `out_shape`), or None."""
+    dims = sharded_spatial_dims(x._layout)
+    if dims is None or x.ndim != 2 + len(g.kernel) or len(out_shape) != x.ndim:
         return None
-    i = dim - 2
+
+    def each(values: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(values[d - 2] for d in dims)
+
     return conv_plan(
-        x._layout, dim, g.kernel[i], g.stride[i], g.padding[i], g.dilation[i], int(out_shape[dim])
+        x._layout,
+        dims,
+        each(g.kernel),
+        each(g.stride),
+        each(g.padding),
+        each(g.dilation),
+        tuple(int(out_shape[d]) for d in dims),
     )
 
 
-def _local_padding(g: PoolArgs, plan: ConvPlan) -> list[int]:
-    out = list(g.padding)
-    out[plan.dim - 2] = 0
+def _count_scale(
+    g: PoolArgs, plan: ConvPlan, outs: Any, include_pad: bool, ndim: int, like: torch.Tensor
+) -> torch.Tensor:
+    """Per output element: its window's local count (the kernel along the split dims)
+    over torch's count, a product of one factor per split dim, shaped to broadcast over
+    a block's output."""
+    scale: torch.Tensor | None = None
+    for dim, n, (o0, o1) in zip(plan.dims, plan.lengths, outs):
+        i = dim - 2
+        k, s, p = g.kernel[i], g.stride[i], g.padding[i]
+        counts = []
+        for j in range(o0, o1):
+            start = j * s - p
+            end = min(start + k, n + p)
+            counts.append(end - start if include_pad else min(end, n) - max(start, 0))
+        shape = [1] * ndim
+        shape[dim] = o1 - o0
+        factor = torch.tensor([k / c for c in counts], dtype=like.dtype, device=like.device)
+        scale = factor.view(shape) if scale is None else scale * factor.view(shape)
+    assert scale is not None  # a plan splits at least one dim
+    return scale
+
+
+def _unravel(idx: torch.Tensor, spatial: Sequence[int]) -> list[torch.Tensor]:
+    """Flat indices over a `spatial` extent as one coordinate per spatial dim."""
+    coords = []
+    for n in reversed(spatial):
+        coords.append(idx.remainder(n))
+        idx = idx.div(n, rounding_mode="floor")
+    return coords[::-1]
+
+
+def _ravel(coords: list[torch.Tensor], spatial: Sequence[int]) -> torch.Tensor:
+    out = coords[0]
+    for c, n in zip(coords[1:], spatial[1:]):
+        out = out * n + c
     return out
 
 
-def _count_scale(
-    g: PoolArgs, plan: ConvPlan, o0: int, o1: int, include_pad: bool, ndim: int, like: torch.Tensor
-) -> torch.Tensor:
-    """Per output row along the split dim: its window's local count (the kernel) over
-    torch's count, shaped to broadcast over a block's output."""
-    i = plan.dim - 2
-    k, s, p, n = g.kernel[i], g.stride[i], g.padding[i], plan.length
-    counts = []
-    for j in range(o0, o1):
-        start = j * s - p
-        end = min(start + k, n + p)
-        counts.append(end - start if include_pad else min(end, n) - max(start, 0))
-    scale = torch.tensor([k / c for c in counts], dtype=like.dtype, device=like.device)
-    shape = [1] * ndim
-    shape[plan.dim] = o1 - o0
-    return scale.view(shape)
-
-
-def _split_index(
-    idx: torch.Tensor, plan: ConvPlan, spatial: tuple[int, ...]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Flat indices over an input of `spatial` extent, cut into (the dims before the split
-    dim, the row along it, the dims after it) and the size of the dims after it."""
-    after = math.prod(spatial[plan.dim - 1 :])
-    q, r = idx.div(after, rounding_mode="floor"), idx.remainder(after)
-    rows = spatial[plan.dim - 2]
-    return q.div(rows, rounding_mode="floor"), q.remainder(rows), r, after
-
-
 def _global_indices(
-    idx: torch.Tensor, plan: ConvPlan, g: PoolArgs, ext: tuple[int, ...], lo: int, o0: int
-) -> torch.Tensor:
+    idx: torch.Tensor, plan: ConvPlan, g: PoolArgs, ext: tuple[int, ...], ins: Any, outs: Any,
+    whole: tuple[int, ...],
+) -> torch.Tensor:  # fmt: skip
     """A block's max-pool indices over its extended rows (spatial extent `ext`, from
-    global row `lo`) as the whole tensor's. A window whose real elements are all -inf
-    (or the integer minimum) picks a padding row here; torch picks its first row in the
-    tensor."""
-    before, row, r, after = _split_index(idx, plan, ext)
-    row = row + lo
-    i = plan.dim - 2
-    s, p, d = g.stride[i], g.padding[i], g.dilation[i]
-    starts = [j * s - p for j in range(o0, o0 + idx.shape[plan.dim])]
-    first = [h if h >= 0 else h + (-h + d - 1) // d * d for h in starts]
-    shape = [1] * idx.ndim
-    shape[plan.dim] = len(first)
-    first_rows = torch.tensor(first, dtype=row.dtype, device=row.device).view(shape)
-    row = torch.where(row < 0, first_rows, row)
-    return (before * plan.length + row) * after + r
+    global rows `ins[i][0]` along each split dim) as the whole tensor's (extent `whole`).
+    A window whose real elements are all -inf (or the integer minimum) picks its first
+    element here, in a padding row; torch picks its first row in the tensor."""
+    coords = _unravel(idx, ext)
+    for dim, (lo, _hi), (o0, _o1) in zip(plan.dims, ins, outs):
+        i = dim - 2
+        row = coords[i] + lo
+        s, p, d = g.stride[i], g.padding[i], g.dilation[i]
+        starts = [j * s - p for j in range(o0, o0 + idx.shape[dim])]
+        first = [h if h >= 0 else h + (-h + d - 1) // d * d for h in starts]
+        shape = [1] * idx.ndim
+        shape[dim] = len(first)
+        first_rows = torch.tensor(first, dtype=row.dtype, device=row.device).view(shape)
+        coords[i] = torch.where(row < 0, first_rows, row)
+    return _ravel(coords, whole)
 
 
 def _local_indices(
-    idx: torch.Tensor, plan: ConvPlan, whole: tuple[int, ...], rows: int, lo: int
+    idx: torch.Tensor, plan: ConvPlan, whole: tuple[int, ...], ext: tuple[int, ...], ins: Any
 ) -> torch.Tensor:
     """The whole tensor's max-pool indices (spatial extent `whole`) as a block's over its
-    `rows` extended rows from global row `lo`."""
-    before, row, r, after = _split_index(idx, plan, whole)
-    return (before * rows + row - lo) * after + r
+    extended rows (extent `ext`, from global rows `ins[i][0]` along each split dim)."""
+    coords = _unravel(idx, whole)
+    for dim, (lo, _hi) in zip(plan.dims, ins):
+        coords[dim - 2] = coords[dim - 2] - lo
+    return _ravel(coords, ext)
 
 
 def _pool_fill(dtype: torch.dtype) -> float:
@@ -489,47 +562,47 @@ def _pool_fill(dtype: torch.dtype) -> float:
 def pool_forward(
     func: Any, x: ShardedTensor, a: dict, g: PoolArgs, plan: ConvPlan, meta: Any
 ) -> Any:
-    """A pooling op's result (a max pool's with its indices) along the split dim."""
+    """A pooling op's result (a max pool's with its indices) along the split dims."""
     is_max = "max" in func._schema.name
     metas = meta if isinstance(meta, (tuple, list)) else (meta,)
-    rank, padding = x._rank, _local_padding(g, plan)
+    rank, padding = x._rank, _unpadded(g.padding, plan)
     fill = _pool_fill(x.dtype) if is_max else 0.0
+    whole = tuple(x.shape[2:])
     results: list[list[torch.Tensor]] = [[] for _ in metas]
-    for ext, (o0, o1), (lo, _hi) in zip(
-        _extended(x, plan, fill), plan.outputs[rank], plan.inputs[rank]
-    ):
-        if o1 <= o0:
+    for ext, outs, ins in zip(_extended(x, plan, fill), plan.outputs[rank], plan.inputs[rank]):
+        if not _produces(outs):
             for j, m in enumerate(metas):
-                shape = list(m.shape)
-                shape[plan.dim] = 0
-                results[j].append(torch.empty(shape, dtype=m.dtype, device=x.device))
+                results[j].append(
+                    torch.empty(_emptied(m.shape, plan), dtype=m.dtype, device=x.device)
+                )
             continue
         if is_max:
             out, idx = func(ext, list(g.kernel), list(g.stride), padding, list(g.dilation),
                             a["ceil_mode"])  # fmt: skip
             results[0].append(out)
-            results[1].append(_global_indices(idx, plan, g, tuple(ext.shape[2:]), lo, o0))
+            spatial = tuple(ext.shape[2:])
+            results[1].append(_global_indices(idx, plan, g, spatial, ins, outs, whole))
             continue
         # an average of half-precision rows in float32, rounded once (as torch's kernel)
         wide = ext.float() if ext.dtype in _HALF else ext
         out = func(wide, list(g.kernel), list(g.stride), padding, a["ceil_mode"],
                    a["count_include_pad"], a["divisor_override"])  # fmt: skip
         if a["divisor_override"] is None:
-            out = out * _count_scale(g, plan, o0, o1, a["count_include_pad"], out.ndim, out)
+            out = out * _count_scale(g, plan, outs, a["count_include_pad"], out.ndim, out)
         results[0].append(out.to(metas[0].dtype))
-    outs = []
+    results_out = []
     for j, m in enumerate(metas):
         layout = _out_layout(x, plan, tuple(m.shape))
-        outs.append(x._with_layout(layout, results[j], dtype=m.dtype, device=x.device))
-    return tuple(outs) if isinstance(meta, (tuple, list)) else outs[0]
+        results_out.append(x._with_layout(layout, results[j], dtype=m.dtype, device=x.device))
+    return tuple(results_out) if isinstance(meta, (tuple, list)) else results_out[0]
 
 
 def pool_backward(
     func: Any, grad: ShardedTensor, x: ShardedTensor, a: dict, g: PoolArgs, plan: ConvPlan
 ) -> ShardedTensor:
-    """The input's gradient of a pooling op along the split dim."""
+    """The input's gradient of a pooling op along the split dims."""
     is_max = "max" in func._schema.name
-    rank, padding = x._rank, _local_padding(g, plan)
+    rank, padding = x._rank, _unpadded(g.padding, plan)
     out_layout = _out_layout(x, plan, tuple(grad.shape))
     grads = local_in(grad, out_layout)
     if is_max:
@@ -543,27 +616,28 @@ def pool_backward(
             )
         idxs = local_in(indices, out_layout)
     ext_grads = []
-    for n, (gr, (o0, o1), (lo, hi), want) in enumerate(
+    for n, (gr, outs, ins, want) in enumerate(
         zip(grads, plan.outputs[rank], plan.inputs[rank], plan.wants[rank])
     ):
-        if o1 <= o0:
+        if not _produces(outs):
             ext_grads.append(torch.zeros(want.sizes, dtype=x.dtype, device=x.device))
             continue
         shape = list(want.sizes)
-        shape[plan.dim] = hi - lo
+        for dim, (lo, hi) in zip(plan.dims, ins):
+            shape[dim] = hi - lo
         ext = torch.empty(shape, dtype=x.dtype, device=x.device)  # its shape is all it reads
         if is_max:
-            local = _local_indices(idxs[n], plan, tuple(x.shape[2:]), hi - lo, lo)
+            local = _local_indices(idxs[n], plan, tuple(x.shape[2:]), tuple(shape[2:]), ins)
             gi = func(gr, ext, list(g.kernel), list(g.stride), padding, list(g.dilation),
                       a["ceil_mode"], local)  # fmt: skip
         else:
             if gr.dtype in _HALF:
                 gr, ext = gr.float(), ext.float()
             if a["divisor_override"] is None:
-                gr = gr * _count_scale(g, plan, o0, o1, a["count_include_pad"], gr.ndim, gr)
+                gr = gr * _count_scale(g, plan, outs, a["count_include_pad"], gr.ndim, gr)
             gi = func(gr, ext, list(g.kernel), list(g.stride), padding, a["ceil_mode"],
                       a["count_include_pad"], a["divisor_override"]).to(x.dtype)  # fmt: skip
-        ext_grads.append(gi.narrow(plan.dim, max(0, -lo), want.sizes[plan.dim]))
+        ext_grads.append(_trimmed(gi, plan, ins, want))
     shards = add_regions(x, plan.wants, ext_grads)
     return x._with_layout(x._layout, shards, dtype=x.dtype, device=x.device)
 
@@ -591,7 +665,7 @@ class UpsamplePlan(NamedTuple):
 @functools.lru_cache(maxsize=512)
 def upsample_plan(layout: Layout, dim: int, factor: int, halo: int) -> UpsamplePlan | None:
     shape = layout.global_shape
-    if not _split_only_along(layout, dim):
+    if not _split_only_along(layout, (dim,)):
         return None
     rows, wants = [], []
     for blocks in layout.blocks:

@@ -34,7 +34,7 @@ from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .exchange import is_replicated, local_in, primary_blocks, replicated, whole_or_plain
 from .fallback import fallback
-from .halo import conv_backward, conv_forward, conv_plan, sharded_spatial_dim
+from .halo import conv_backward, conv_forward, conv_plan, sharded_spatial_dims
 from .pending import later
 from .per_shard import empty_block, named, registrar
 from .reductions import spans, summed
@@ -455,18 +455,17 @@ def _convolution_backward(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _halo_plan(x: ShardedTensor, weight: torch.Tensor, a: dict) -> Any:
-    """The halo exchange's plan for an input split along one spatial dimension, or None."""
+    """The halo exchange's plan for an input split along spatial dimensions only, or None."""
     if a["transposed"]:
         return None
-    dim = sharded_spatial_dim(x._layout)
-    if dim is None:
+    dims = sharded_spatial_dims(x._layout)
+    if dims is None:
         return None
-    k = dim - 2
     return conv_plan(
         x._layout,
-        dim,
-        int(weight.shape[dim]),
-        int(a["stride"][k]),
-        int(a["padding"][k]),
-        int(a["dilation"][k]),
+        dims,
+        tuple(int(weight.shape[d]) for d in dims),
+        tuple(int(a["stride"][d - 2]) for d in dims),
+        tuple(int(a["padding"][d - 2]) for d in dims),
+        tuple(int(a["dilation"][d - 2]) for d in dims),
     )
