@@ -69,3 +69,35 @@ def test_scans_along_the_split_dim_carry_the_earlier_blocks() -> None:
         for key, (dtype_ok, equal, fallbacks) in got.items():
             assert dtype_ok and equal, (rank, key)
             assert fallbacks == {}, (rank, key, fallbacks)
+
+
+# torch accumulates a float scan in a wider type: a carry that overflows or cancels in
+# the result's dtype would not come back (found by review: inf where torch recovers)
+WIDE = {
+    "cumsum float32, cancelling": (torch.tensor([1e8, 1.0, -1e8, 0.0]), "cumsum"),
+    "cumsum float32, past the largest float": (torch.tensor([3e38, 3e38, -3e38, 0.0]), "cumsum"),
+    "cumsum float16, past the largest half": (
+        torch.tensor([6e4, 6e4, -6e4, 0.0]).half(),
+        "cumsum",
+    ),
+    "cumprod float32, past the largest float": (
+        torch.tensor([1e30, 1e30, 1e-30, 1.0]),
+        "cumprod",
+    ),
+}
+
+
+def _wide(rank: int, world: int) -> dict[str, Any]:
+    layout = Layout.row_wise((4,), [2, 2])
+    out = {}
+    for name, (full, op) in WIDE.items():
+        shards = [full[b.slices()].clone() for b in layout.blocks_of(rank)]
+        st = sw.ShardedTensor.from_layout(layout, shards, dtype=full.dtype)
+        out[name] = getattr(st, op)(0).full_tensor()
+    return out
+
+
+def test_scans_carry_in_torchs_accumulation_type() -> None:
+    for got in run_ranks(_wide, 2, timeout=60):
+        for name, (full, op) in WIDE.items():
+            assert torch.equal(got[name], getattr(full, op)(0)), (name, got[name])

@@ -35,6 +35,16 @@ LAYOUTS = {
         {0: [Block((0, 0), (5, 3))], 1: [Block((5, 0), (4, 3))], 2: [Block((0, 3), (9, 2))]},
         3,
     ),
+    # rank 0's blocks seen along dim 1 cover rows 0-3 and rows 2-3: partly the same slices
+    "a rank's blocks partly over the same slices": Layout(
+        SHAPE,
+        {
+            0: [Block((0, 0), (4, 3)), Block((2, 3), (2, 2))],
+            1: [Block((0, 3), (2, 2))],
+            2: [Block((4, 0), (5, 5))],
+        },
+        3,
+    ),
 }
 
 
@@ -46,7 +56,14 @@ def _inputs() -> dict[str, torch.Tensor]:
     ints = torch.randint(-3, 3, SHAPE, generator=g)
     ints[2, 0] = ints[8, 0] = torch.iinfo(torch.int64).min
     ints[1, 3] = torch.iinfo(torch.int64).max
-    return {"float64": x, "int64": ints, "float32": torch.randn(SHAPE, generator=g)}
+    zeros = torch.zeros(SHAPE, dtype=torch.float64)
+    zeros[::2] = -0.0  # -0.0 and 0.0 tie: torch's value is the element at its index
+    return {
+        "float64": x,
+        "int64": ints,
+        "float32": torch.randn(SHAPE, generator=g),
+        "signed zeros": zeros,
+    }
 
 
 CALLS = {
@@ -72,8 +89,11 @@ def _run(rank: int, world: int) -> dict[Any, Any]:
                     same = torch.equal(got.full_tensor(), want)
                 else:
                     values, indices = got[0].full_tensor(), got[1].full_tensor()
-                    same = torch.equal(indices, want[1]) and torch.allclose(
-                        values, want[0], equal_nan=True
+                    real = ~torch.isnan(want[0])
+                    same = (
+                        torch.equal(indices, want[1])
+                        and torch.allclose(values, want[0], equal_nan=True)
+                        and torch.equal(torch.signbit(values[real]), torch.signbit(want[0][real]))
                     )
                 out[(name, kind, call)] = (same, {str(k): v for k, v in FALLBACK_OPS.items()})
     return out
@@ -81,7 +101,7 @@ def _run(rank: int, world: int) -> dict[Any, Any]:
 
 def test_extrema_along_a_split_dim_match_torch_values_and_first_indices() -> None:
     per_rank = run_ranks(_run, 3, timeout=120)
-    assert len(per_rank[0]) == len(LAYOUTS) * 3 * len(CALLS)
+    assert len(per_rank[0]) == len(LAYOUTS) * len(_inputs()) * len(CALLS)
     for rank, got in enumerate(per_rank):
         for key, (same, fallbacks) in got.items():
             assert same, (rank, key)
@@ -96,28 +116,61 @@ def _topk(rank: int, world: int) -> dict[Any, Any]:
         for kind, full in inputs.items():
             shards = [full[b.slices()].clone() for b in layout.blocks_of(rank)]
             st = sw.ShardedTensor.from_layout(layout, shards, dtype=full.dtype)
-            for k in (0, 1, 3, SHAPE[0]):
-                for largest in (True, False):
-                    FALLBACK_OPS.clear()
-                    values, indices = st.topk(k, 0, largest=largest)
-                    values, indices = values.full_tensor(), indices.full_tensor()
-                    want, want_at = full.topk(k, 0, largest=largest)
-                    picked = full.gather(0, indices)  # the values at the indices returned
-                    distinct = all(len(set(indices[:, c].tolist())) == k for c in range(SHAPE[1]))
-                    out[(name, kind, k, largest)] = (
-                        torch.allclose(values, want, equal_nan=True)
-                        and torch.allclose(picked, values, equal_nan=True)
-                        and distinct
-                        and (kind != "distinct" or torch.equal(indices, want_at)),
-                        {str(op): n for op, n in FALLBACK_OPS.items()},
-                    )
+            for d, k, largest in TOPK:
+                FALLBACK_OPS.clear()
+                values, indices = st.topk(k, d, largest=largest)
+                values, indices = values.full_tensor(), indices.full_tensor()
+                want, want_at = full.topk(k, d, largest=largest)
+                picked = full.gather(d, indices)  # the values at the indices returned
+                rows = indices.movedim(d, -1).reshape(-1, k) if k else []
+                distinct = all(len(set(row.tolist())) == k for row in rows)
+                out[(name, kind, d, k, largest)] = (
+                    torch.allclose(values, want, equal_nan=True)
+                    and torch.allclose(picked, values, equal_nan=True)
+                    and distinct
+                    and (kind != "distinct" or torch.equal(indices, want_at)),
+                    {str(op): n for op, n in FALLBACK_OPS.items()},
+                )
     return out
+
+
+TOPK = [
+    (d, k, largest)
+    for d in (0, 1)
+    for k in (0, 1, 3, 5, SHAPE[0])
+    for largest in (True, False)
+    if k <= SHAPE[d]
+]
 
 
 def test_topk_along_a_split_dim_matches_torch() -> None:
     per_rank = run_ranks(_topk, 3, timeout=120)
-    assert len(per_rank[0]) == len(LAYOUTS) * 4 * 4 * 2
+    assert len(per_rank[0]) == len(LAYOUTS) * 5 * len(TOPK)
     for rank, got in enumerate(per_rank):
         for key, (same, fallbacks) in got.items():
             assert same, (rank, key)
             assert fallbacks == {}, (rank, key, fallbacks)
+
+
+HOLES = Layout(
+    (4, 2), {0: [Block((0, 0), (2, 1))], 1: [Block((2, 0), (2, 1))]}, 2, allow_holes=True
+)
+
+
+def _holes(rank: int, world: int) -> list[str]:
+    full = torch.arange(8.0).reshape(4, 2)
+    shards = [full[b.slices()].clone() for b in HOLES.blocks_of(rank)]
+    st = sw.ShardedTensor.from_layout(HOLES, shards, dtype=full.dtype)
+    out = []
+    for f in (lambda t: t.argmax(0), lambda t: t.max(0), lambda t: t.topk(3, 0)):
+        try:
+            f(st)
+            out.append("returned")
+        except sw.LayoutError as e:
+            out.append(type(e).__name__)
+    return out
+
+
+def test_a_layout_with_holes_is_refused_on_every_rank() -> None:
+    # column 1 is a hole: there is no maximum to give, on any rank
+    assert run_ranks(_holes, 2, timeout=60) == [["LayoutError"] * 3] * 2

@@ -523,10 +523,11 @@ def _logsumexp_across(a: dict, dims: list[int]) -> Any:
 # block, the total of its primary blocks before that block (one slice: C elements,
 # the other dims' size), in one all-to-all; it receives at most one slice per rank and
 # block it holds. Bytes per rank: C per earlier rank, per block (DTensor gathers the
-# whole tensor). The joins are exact for integer sums and products; for floats they
-# round in another order than torch's sequential scan (within a few ulps). cumsum's
-# backward (a flip, this, a flip) takes the same route; cumprod's and logcumsumexp's
-# are composed of ops with rules of their own.
+# whole tensor). Blocks, carries and joins run in torch's accumulation type (float64
+# for a float32 scan on the CPU), the result rounded once, as torch's is: exact for
+# integers; for floats, torch's value unless the two wide sums round to neighbours.
+# cumsum's backward (a flip, this, a flip) takes the same route; cumprod's and
+# logcumsumexp's are composed of ops with rules of their own.
 
 
 class _Scan(NamedTuple):
@@ -601,21 +602,39 @@ _SCANS: dict[Any, _ScanOp] = {
 }
 
 
+# what a scan also takes besides the ordered dtypes
+_SCANNED = frozenset({torch.bool, torch.complex64, torch.complex128})
+
+
+def _accumulator(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The type torch's scan kernels accumulate `dtype` in (`at::acc_type`): half
+    precision in float32; on the CPU, float32 in float64 (complex alike)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    if device.type == "cpu" and dtype in (torch.float32, torch.complex64):
+        return torch.float64 if dtype == torch.float32 else torch.complex128
+    return dtype
+
+
 def _scan_across(func: Any, a: dict, dim: int) -> Any:
     st = a["self"]
     plan = _scan(st._layout, dim, st._rank)
     if plan is None:
         return None
     scan = _SCANS[func]
+    if st.dtype not in _ORDERED and st.dtype not in _SCANNED:
+        return None  # torch's error, on every rank from the fallback
     dtype = _meta(func, (st, dim), {k: a[k] for k in ("dtype",) if k in a}).dtype
     if func is aten.logcumsumexp.default and not (dtype.is_floating_point or dtype.is_complex):
         return None
-    cum = [scan.run(x, dim, a.get("dtype")) for x in st._shards]
+    # blocks, carries and joins in torch's accumulation type, the result rounded once
+    wide = _accumulator(dtype, st.device)
+    cum = [scan.run(x.to(wide), dim, None) for x in st._shards]
     width = math.prod(st.shape) // max(st.shape[dim], 1)  # one slice along dim
     slice_shape = tuple(1 if e == dim else n for e, n in enumerate(st.shape))
 
     def total(blocks: tuple[int, ...]) -> torch.Tensor:
-        out = torch.full(slice_shape, scan.identity, dtype=dtype, device=st.device)
+        out = torch.full(slice_shape, scan.identity, dtype=wide, device=st.device)
         for i in blocks:
             out = scan.join(out, cum[i].narrow(dim, cum[i].shape[dim] - 1, 1))
         return out
@@ -629,16 +648,16 @@ def _scan_across(func: Any, a: dict, dim: int) -> Any:
     send = (
         torch.cat([total(blocks).reshape(-1) for _q, blocks in plan.sends])
         if plan.sends
-        else torch.empty(0, dtype=dtype, device=st.device)
+        else torch.empty(0, dtype=wide, device=st.device)
     )
-    recv = torch.empty(sum(recv_counts), dtype=dtype, device=st.device)
+    recv = torch.empty(sum(recv_counts), dtype=wide, device=st.device)
     if _distributed(st):  # every rank, messages or not: the layout alone decides them
         communicator(st.group).all_to_all_single(recv, send, recv_counts, send_counts).wait()
     carries = [total(blocks) for blocks in plan.local]
     for n, (_r, k) in enumerate(plan.recvs):  # by source rank: the order along dim
         carries[k] = scan.join(carries[k], recv[n * width : (n + 1) * width].view(slice_shape))
     shards = [
-        c if b.is_empty() else scan.join(carry, c)
+        (c if b.is_empty() else scan.join(carry, c)).to(dtype)
         for c, carry, b in zip(cum, carries, st._layout.blocks_of(st._rank))
     ]
     return st._with_layout(st._layout, shards, dtype=dtype, device=st.device)
@@ -649,14 +668,31 @@ def _scan_across(func: Any, a: dict, dim: int) -> Any:
 # Each rank reduces its blocks (torch's first index among equal values, the first NaN
 # where there is one), then two all-reduces of O (the result's size) pick, per element,
 # torch's answer over the whole dim: the extreme value (a NaN flag first, so a NaN
-# wins as torch's does), then the smallest index holding it. A vocab-parallel argmax
+# wins as torch's does), then the smallest index holding it (a max of zeros: a third,
+# the holder's zero, whose sign torch keeps). A vocab-parallel argmax
 # (logits split along the classes) is this. DTensor gathers the dim instead.
+
+
+# the dtypes torch's CPU and CUDA kernels order (max, topk), and that every backend sends
+_ORDERED = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+    }
+)
 
 
 def _extremum_across(func: Any, a: dict, dim: int) -> Any:
     st = a["self"]
-    if a.get("dim") is None or st.dtype.is_complex or st.dtype == torch.bool:
-        return None
+    if a.get("dim") is None or st.dtype not in _ORDERED or st._layout.allow_holes:
+        return None  # torch's error, or the layout's, on every rank from the fallback
     high = func in (aten.max.dim, aten.argmax.default)
     take = torch.gt if high else torch.lt
     floating = st.dtype.is_floating_point
@@ -699,7 +735,13 @@ def _extremum_across(func: Any, a: dict, dim: int) -> Any:
     indices = _finish(st, first, (dim,), keepdim)
     if func in (aten.argmax.default, aten.argmin.default):
         return indices
-    best = torch.where(any_nan, torch.full_like(best, math.nan), best) if floating else best
+    if floating:
+        best = torch.where(any_nan, torch.full_like(best, math.nan), best)
+        if bool((best == 0).any()):  # the same on every rank: `best` is all-reduced
+            # -0.0 and 0.0 tie; torch's value is the element at its index, so its holder
+            # sends it and every other rank -0.0, which adds nothing to any value
+            held = torch.where(mine & (index == first), value, torch.full_like(value, -0.0))
+            best = torch.where(best == 0, all_reduce(held, dist.ReduceOp.SUM, st), best)
     return _finish(st, best, (dim,), keepdim), indices
 
 
@@ -787,8 +829,8 @@ def _all_gather(out: torch.Tensor, mine: torch.Tensor, group: Any) -> None:
 
 def _topk_across(st: ShardedTensor, a: dict, d: int) -> Any:
     k, largest = a["k"], bool(a.get("largest", True))
-    if not 0 <= k <= st.shape[d] or st.dtype.is_complex or st.dtype == torch.bool:
-        return None  # torch's error, or its refusal, on every rank from the fallback
+    if not 0 <= k <= st.shape[d] or st.dtype not in _ORDERED or st._layout.allow_holes:
+        return None  # torch's error, or the layout's, on every rank from the fallback
     shape, regions, _whole = _part_plan(st._layout, st._rank, (d,))
     wide = tuple(k if e == d else n for e, n in enumerate(shape))
     if st.dtype.is_floating_point:
@@ -799,24 +841,20 @@ def _topk_across(st: ShardedTensor, a: dict, d: int) -> Any:
     values = torch.full(wide, fill, dtype=st.dtype, device=st.device)
     indices = torch.full(wide, -1, dtype=torch.int64, device=st.device)  # -1: no candidate
     blocks = st._layout.blocks_of(st._rank)
-    joined: dict[tuple[Any, ...], tuple[tuple[slice, ...], list[int]]] = {}
-    for i, where in regions:  # this rank's blocks that share a slice along the dim
-        if st._shards[i].numel():
-            key = tuple((w.start, w.stop) for w in where)
-            joined.setdefault(key, (where, []))[1].append(i)
-    for where, members in joined.values():
-        v = torch.cat([st._shards[i] for i in members], d)
-        at = torch.cat(
-            [
-                torch.arange(blocks[i].sizes[d], device=st.device) + blocks[i].offsets[d]
-                for i in members
-            ]
+    for i, where in regions:  # each block's k best, merged with those of the slices it shares
+        shard = st._shards[i]
+        if shard.numel() == 0:
+            continue
+        best, which = aten.topk.default(shard, min(k, shard.shape[d]), d, largest, True)
+        cut = tuple(slice(0, k) if e == d else w for e, w in enumerate(where))
+        merged, merged_at = _best(
+            torch.cat([values[cut], best], d),
+            torch.cat([indices[cut], which + blocks[i].offsets[d]], d),
+            k,
+            d,
+            largest,
         )
-        at = at.view([-1 if e == d else 1 for e in range(st.ndim)]).expand_as(v)
-        best, which = aten.topk.default(v, min(k, v.shape[d]), d, largest, True)
-        cut = tuple(slice(0, best.shape[d]) if e == d else w for e, w in enumerate(where))
-        values[cut] = best
-        indices[cut] = at.gather(d, which)
+        values[cut], indices[cut] = merged, merged_at
     world = st._layout.world_size
     if _distributed(st):  # values and indices as bytes, in one all-gather
         mine = torch.cat(
@@ -833,17 +871,22 @@ def _topk_across(st: ShardedTensor, a: dict, d: int) -> Any:
     def along(t: torch.Tensor) -> torch.Tensor:  # (W, ..., k, ...) -> (..., W·k, ...)
         return t.movedim(0, d).flatten(d, d + 1)
 
-    candidates, at = along(every), along(every_at)
-    # the best first (NaN first when largest, as topk), then stably the real ones first
-    order = torch.sort(candidates, dim=d, descending=largest, stable=True).indices
-    candidates, at = candidates.gather(d, order), at.gather(d, order)
-    order = torch.sort((at < 0).to(torch.uint8), dim=d, stable=True).indices
-    top = candidates.gather(d, order).narrow(d, 0, k)
-    top_at = at.gather(d, order).narrow(d, 0, k)
+    top, top_at = _best(along(every), along(every_at), k, d, largest)
     layout = replicated(tuple(top.shape), world)
     return st._with_layout(layout, [top.contiguous()]), st._with_layout(
         layout, [top_at.contiguous()], dtype=torch.int64
     )
+
+
+def _best(
+    values: torch.Tensor, at: torch.Tensor, k: int, d: int, largest: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` best candidates along `d` and their indices: the best first (NaN first when
+    largest, as topk), real ones (index ≥ 0) before the fill, whatever it equals."""
+    order = torch.sort(values, dim=d, descending=largest, stable=True).indices
+    values, at = values.gather(d, order), at.gather(d, order)
+    order = torch.sort((at < 0).to(torch.uint8), dim=d, stable=True).indices
+    return values.gather(d, order).narrow(d, 0, k), at.gather(d, order).narrow(d, 0, k)
 
 
 # -- nll_loss (what cross_entropy becomes) on inputs whose blocks span the classes ----
