@@ -86,3 +86,22 @@ def test_rules_along_a_split_dim_at_their_edges() -> None:
         assert got["cumsum after a slice"], rank
         assert got["nearest by 41"] == (True, 1), rank  # one op, through the fallback
         assert got["bf16 avg pool"] and got["bf16 group norm"], (rank, got)
+
+
+def _refused(rank: int, world: int) -> list[str]:
+    layout = Layout.row_wise((6, 3), [2, 0, 4])  # rank 1 holds nothing
+    st = _sharded(torch.zeros(6, 3, dtype=torch.bool), layout, rank)
+    out = []
+    for f in (lambda t: t.argmin(1), lambda t: t.float().max(1), lambda t: t.float().softmax(1)):
+        try:
+            f(st)
+            out.append("returned")
+        except RuntimeError as e:
+            out.append(str(e).split(":")[0])
+    st.float().sum().full_tensor()  # a collective after: no rank was left behind
+    return out
+
+
+def test_an_op_torch_refuses_raises_on_a_rank_holding_nothing_too() -> None:
+    # found by review: the empty rank returned and the others waited at the next collective
+    assert run_ranks(_refused, 3, timeout=60) == [["argmin()", "returned", "returned"]] * 3

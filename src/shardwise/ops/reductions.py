@@ -183,9 +183,16 @@ def _meta(func: Any, args: tuple, kwargs: dict) -> Any:
 def _blockwise(
     func: Any, st: ShardedTensor, args: tuple, kwargs: dict, dims: tuple[int, ...], keepdim: bool
 ) -> Any:
-    """Run `func` on each block (which spans `dims`); results in the projected layout."""
+    """Run `func` on each block (which spans `dims`); results in the projected layout.
+
+    A rank holding no block runs it on an empty stand-in (the dims it works along
+    whole, another empty), so that an op torch refuses (`argmin` of a bool tensor)
+    raises on that rank too, as on the others, instead of leaving them waiting."""
     layout = project(st._layout, dims, keepdim)
     results = [func(shard, *args[1:], **kwargs) for shard in st._shards]
+    if not st._shards and any(d not in dims for d in range(st.ndim)):
+        empty = [n if d in dims else 0 for d, n in enumerate(st.shape)]
+        func(torch.empty(empty, dtype=st.dtype, device=st.device), *args[1:], **kwargs)
     return _wrap_all(st, layout, results, func, args, kwargs)
 
 
