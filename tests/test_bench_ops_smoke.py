@@ -1,6 +1,8 @@
 """`shardwise bench ops --quick` at tiny sizes on 2 gloo ranks: the table has a row for every
 op and pass, shardwise's and DTensor's cells are numbers (no timing asserted), every result
-checked against plain torch is right, and the JSON holds the same rows."""
+checked against plain torch is right but PhysicsNeMo's argmax along its sharded dim (its
+indices are not the whole tensor's: [3, 2, 4] where torch gives [4, 2, 5] on rows 4 : 2),
+and the JSON holds the same rows."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ pytestmark = pytest.mark.spawned  # the bench starts its ranks as processes
 ROOT = Path(__file__).resolve().parents[1]
 NUMBER = re.compile(r"^\d+(\.\d+)?$")
 RATIO = re.compile(r"^\d+\.\d\dx$")
+# rows whose PhysicsNeMo result the bench finds wrong, as observed with PhysicsNeMo 2.2.2
+PEER_WRONG = ["x.argmax(dim=0) fwd 32x8: PhysicsNeMo"]
 
 
 def test_the_quick_ops_bench_prints_every_op_with_numbers(tmp_path: Path) -> None:
@@ -61,8 +65,14 @@ def test_the_quick_ops_bench_prints_every_op_with_numbers(tmp_path: Path) -> Non
         assert NUMBER.match(ours), c  # a number: neither an error nor WRONG
         assert NUMBER.match(ours_uneven), c
         assert RATIO.match(ratio), c
-        assert NUMBER.match(physicsnemo) or physicsnemo.startswith(("error:", "n/a")), c
-    assert "WRONG" not in done.stdout
+        wrong = f"{c[1].strip('`')} {c[2]} 32x8: PhysicsNeMo" in PEER_WRONG
+        peer = physicsnemo.removesuffix(" WRONG") if wrong else physicsnemo
+        assert NUMBER.match(peer) or peer.startswith(("error:", "n/a")), c
+    wrong_lines = [line for line in done.stdout.splitlines() if "WRONG" in line]
+    if "PhysicsNeMo not importable" in done.stdout:  # no peer result to find wrong
+        assert wrong_lines == []
+    else:
+        assert wrong_lines[-1] == "WRONG results (against plain torch): " + "; ".join(PEER_WRONG)
     record = json.loads(out.read_text())
     assert [(r["op"], r["pass"]) for r in record["rows"]] == expected
     sums = [r for r in record["rows"] if r["op"] == "x.sum()"]
