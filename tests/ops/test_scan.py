@@ -101,3 +101,38 @@ def test_scans_carry_in_torchs_accumulation_type() -> None:
     for got in run_ranks(_wide, 2, timeout=60):
         for name, (full, op) in WIDE.items():
             assert torch.equal(got[name], getattr(full, op)(0)), (name, got[name])
+
+
+def _explicit(rank: int, world: int) -> dict[str, Any]:
+    layout = Layout.row_wise((6,), [3, 3])
+    cases = {
+        # an integer result dtype: no promotion to int64 (one rank raised, the other hung)
+        "cumsum int32 dtype=int32": (torch.arange(1, 7, dtype=torch.int32), torch.int32),
+        "cumsum bool dtype=int32": (
+            torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool),
+            torch.int32,
+        ),
+        "cumprod int64 dtype=int8": (torch.arange(1, 7), torch.int8),
+        # a narrower float: the input rounded to it first, as torch does
+        "cumsum float64 dtype=float32": (
+            torch.full((6,), 1 + 0.6 * 2.0**-23, dtype=torch.float64),
+            torch.float32,
+        ),
+        "cumprod float64 dtype=float32": (
+            1 + torch.arange(6, dtype=torch.float64) / 7,
+            torch.float32,
+        ),
+    }
+    out = {}
+    for name, (full, dtype) in cases.items():
+        op = name.split()[0]
+        shards = [full[b.slices()].clone() for b in layout.blocks_of(rank)]
+        st = sw.ShardedTensor.from_layout(layout, shards, dtype=full.dtype)
+        got = getattr(st, op)(0, dtype=dtype).full_tensor()
+        out[name] = torch.equal(got, getattr(full, op)(0, dtype=dtype))
+    return out
+
+
+def test_scans_with_an_explicit_dtype_match_torch() -> None:
+    for got in run_ranks(_explicit, 2, timeout=60):
+        assert got == dict.fromkeys(got, True) and len(got) == 5, got

@@ -105,3 +105,57 @@ def _refused(rank: int, world: int) -> list[str]:
 def test_an_op_torch_refuses_raises_on_a_rank_holding_nothing_too() -> None:
     # found by review: the empty rank returned and the others waited at the next collective
     assert run_ranks(_refused, 3, timeout=60) == [["argmin()", "returned", "returned"]] * 3
+
+
+def _grid_edges(rank: int, world: int) -> dict[str, bool]:
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    # a padding wider than the kernel reaches: the 1-wide blocks' windows lie wholly in it
+    x = torch.randn(1, 1, 4, 6, dtype=torch.float64, generator=g)
+    w = torch.randn(1, 1, 1, 3, dtype=torch.float64, generator=g)
+    b = torch.ones(1, dtype=torch.float64)
+    layout = Layout.grid(x.shape, (1, 1, 2, 2), sizes=[[1], [1], [2, 2], [1, 5]])
+    st = _sharded(x, layout, rank).requires_grad_()
+    got = F.conv2d(st, w, b, padding=(0, 4))
+    ref_in = x.clone().requires_grad_()
+    ref = F.conv2d(ref_in, w, b, padding=(0, 4))
+    out["conv, padding past the kernel's reach"] = torch.equal(got.full_tensor(), ref) and all(
+        tuple(s.shape) == blk.sizes for s, blk in zip(got.local_shards(), got.local_blocks)
+    )
+    got.full_tensor().sum().backward()
+    ref.sum().backward()
+    out["its backward"] = torch.allclose(st.grad.full_tensor(), ref_in.grad, rtol=1e-12)
+    # float32 averages on a 2 x 2 grid: each window's sum divided once, as torch's
+    x32 = torch.randn(2, 2, 7, 9, generator=g)
+    grid = Layout.grid(x32.shape, (1, 1, 2, 2), sizes=[[2], [2], [3, 4], [5, 4]])
+    for include in (True, False):
+        pooled = F.avg_pool2d(_sharded(x32, grid, rank), 3, 2, 1, True, include)
+        out[f"avg_pool2d float32, count_include_pad={include}"] = torch.equal(
+            pooled.full_tensor(), F.avg_pool2d(x32, 3, 2, 1, True, include)
+        )
+    # int16, which gloo neither reduces nor sends: bytes, or the fallback
+    i16 = torch.arange(2 * 6 * 8, dtype=torch.int16).reshape(1, 2, 6, 8) * 7 % 23
+    out["int16 max_pool2d on a grid"] = torch.equal(
+        F.max_pool2d(
+            _sharded(i16, Layout.grid(i16.shape, (1, 1, 2, 2)), rank), 3, 2, 1
+        ).full_tensor(),
+        F.max_pool2d(i16, 3, 2, 1),
+    )
+    along = Layout.along(i16.shape, 3, [2, 2, 2, 2])
+    out["int16 argmax along the split dim"] = torch.equal(
+        _sharded(i16, along, rank).argmax(3).full_tensor(), i16.argmax(3)
+    )
+    # amax keeps a NaN, which gloo's MAX drops
+    v = torch.tensor([1.0, 2.0, float("nan"), 0.5, 3.0, -1.0, 0.0, 4.0])
+    vs = _sharded(v, Layout.row_wise((8,), [2, 2, 2, 2]), rank)
+    out["amax with a NaN"] = bool(vs.amax().full_tensor().isnan())
+    out["amin with a NaN"] = bool(vs.amin().full_tensor().isnan())
+    out["amax without"] = vs[3:].amax().full_tensor().item() == 4.0
+    return out
+
+
+def test_grids_paddings_dtypes_and_nans_found_by_review() -> None:
+    per_rank = run_ranks(_grid_edges, 4, timeout=120)
+    for rank, got in enumerate(per_rank):
+        assert len(got) == 9
+        assert all(got.values()), (rank, got)

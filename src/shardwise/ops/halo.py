@@ -146,7 +146,13 @@ def _all_to_all(
         else torch.empty(0, dtype=dtype, device=st.device)
     )
     recv = torch.empty(sum(recv_counts), dtype=dtype, device=st.device)
-    communicator(st.group).all_to_all_single(recv, send, recv_counts, send_counts).wait()
+    size = recv.element_size()  # as bytes: any dtype on any backend (gloo sends no int16)
+    communicator(st.group).all_to_all_single(
+        recv.view(torch.uint8),
+        send.view(torch.uint8),
+        [n * size for n in recv_counts],
+        [n * size for n in send_counts],
+    ).wait()
     at = 0
     for src in range(world):
         for i, part in recvs[src]:
@@ -310,17 +316,24 @@ def _extended(st: ShardedTensor, plan: ConvPlan, fill: float = 0.0) -> list[torc
     fetched = regions(st, plan.wants)
     out = []
     for x, ins in zip(fetched, plan.inputs[st._rank]):
-        for dim, length, (lo, hi) in zip(plan.dims, plan.lengths, ins):
-            x = _padded(x, dim, -lo, hi - length, fill)
+        for dim, (lo, hi) in zip(plan.dims, ins):
+            before = _before(lo, hi)
+            x = _padded(x, dim, before, hi - lo - before - x.shape[dim], fill)
         out.append(x)
     return out
+
+
+def _before(lo: int, hi: int) -> int:
+    """How many of the input rows `[lo, hi)` lie before the tensor's first row (all of
+    them for windows wholly in a padding wider than the kernel's reach)."""
+    return min(max(-lo, 0), hi - lo)
 
 
 def _trimmed(g: torch.Tensor, plan: ConvPlan, ins: Any, want: Block) -> torch.Tensor:
     """The gradient of a block's extended rows without the padding past the edges: its
     wanted (clipped) rows, along each split dim."""
-    for dim, (lo, _hi) in zip(plan.dims, ins):
-        g = g.narrow(dim, max(0, -lo), want.sizes[dim])
+    for dim, (lo, hi) in zip(plan.dims, ins):
+        g = g.narrow(dim, _before(lo, hi), want.sizes[dim])
     return g
 
 
@@ -425,8 +438,9 @@ def conv_backward(
 # outputs those whose windows start in it, its rows fetched with their halo. Past the
 # tensor's edges a max pool's rows hold -inf (an integer pool's: its minimum; torch
 # skips them), an average's zeros; the local op runs without padding along the split
-# dim, so each average is corrected by its window's true count along it (what torch
-# divides by: the padding counted or not, a ceil-mode window cut at the padded edge).
+# dims and sums its windows (`divisor_override=1`), and each sum is divided once by
+# torch's count for its window (the padding counted or not, a ceil-mode window cut at
+# the padded edge): the same rounding as torch's.
 # A max pool's indices are flat over the whole spatial extent, as torch's: each block's
 # are moved by where its rows start, and a window whose elements are all the fill picks
 # its first row in the tensor, as torch's does.
@@ -482,27 +496,31 @@ def pool_plan(x: ShardedTensor, g: PoolArgs, out_shape: Sequence[int]) -> ConvPl
     )
 
 
-def _count_scale(
-    g: PoolArgs, plan: ConvPlan, outs: Any, include_pad: bool, ndim: int, like: torch.Tensor
-) -> torch.Tensor:
-    """Per output element: its window's local count (the kernel along the split dims)
-    over torch's count, a product of one factor per split dim, shaped to broadcast over
-    a block's output."""
-    scale: torch.Tensor | None = None
-    for dim, n, (o0, o1) in zip(plan.dims, plan.lengths, outs):
-        i = dim - 2
+def _divisors(
+    g: PoolArgs, plan: ConvPlan, outs: Any, include_pad: bool, out: torch.Tensor,
+    whole: Sequence[int],
+) -> torch.Tensor:  # fmt: skip
+    """Per output element of a block (`out`): torch's divisor, its window's count (the
+    padding counted or not), a product of one count per spatial dim of the whole input
+    `whole`, shaped to broadcast over `out`. The local op sums (`divisor_override=1`)
+    and this divides once, as torch does: the same rounding."""
+    split = dict(zip(plan.dims, outs))
+    result: torch.Tensor | None = None
+    for i, n in enumerate(whole):
+        dim = i + 2
         k, s, p = g.kernel[i], g.stride[i], g.padding[i]
+        o0, o1 = split.get(dim, (0, out.shape[dim]))
         counts = []
         for j in range(o0, o1):
             start = j * s - p
             end = min(start + k, n + p)
             counts.append(end - start if include_pad else min(end, n) - max(start, 0))
-        shape = [1] * ndim
+        shape = [1] * out.ndim
         shape[dim] = o1 - o0
-        factor = torch.tensor([k / c for c in counts], dtype=like.dtype, device=like.device)
-        scale = factor.view(shape) if scale is None else scale * factor.view(shape)
-    assert scale is not None  # a plan splits at least one dim
-    return scale
+        count = torch.tensor(counts, dtype=out.dtype, device=out.device).view(shape)
+        result = count if result is None else result * count
+    assert result is not None  # a pooling has spatial dims
+    return result
 
 
 def _unravel(idx: torch.Tensor, spatial: Sequence[int]) -> list[torch.Tensor]:
@@ -585,10 +603,11 @@ def pool_forward(
             continue
         # an average of half-precision rows in float32, rounded once (as torch's kernel)
         wide = ext.float() if ext.dtype in _HALF else ext
+        divisor = a["divisor_override"]
         out = func(wide, list(g.kernel), list(g.stride), padding, a["ceil_mode"],
-                   a["count_include_pad"], a["divisor_override"])  # fmt: skip
-        if a["divisor_override"] is None:
-            out = out * _count_scale(g, plan, outs, a["count_include_pad"], out.ndim, out)
+                   a["count_include_pad"], 1 if divisor is None else divisor)  # fmt: skip
+        if divisor is None:  # the window sums, divided by torch's counts
+            out = out / _divisors(g, plan, outs, a["count_include_pad"], out, whole)
         results[0].append(out.to(metas[0].dtype))
     results_out = []
     for j, m in enumerate(metas):
@@ -633,10 +652,13 @@ def pool_backward(
         else:
             if gr.dtype in _HALF:
                 gr, ext = gr.float(), ext.float()
-            if a["divisor_override"] is None:
-                gr = gr * _count_scale(g, plan, outs, a["count_include_pad"], gr.ndim, gr)
+            divisor = a["divisor_override"]
+            if divisor is None:  # each output's gradient divided by torch's count first
+                whole = tuple(x.shape[2:])
+                gr = gr / _divisors(g, plan, outs, a["count_include_pad"], gr, whole)
             gi = func(gr, ext, list(g.kernel), list(g.stride), padding, a["ceil_mode"],
-                      a["count_include_pad"], a["divisor_override"]).to(x.dtype)  # fmt: skip
+                      a["count_include_pad"], 1 if divisor is None else divisor)  # fmt: skip
+            gi = gi.to(x.dtype)
         ext_grads.append(_trimmed(gi, plan, ins, want))
     shards = add_regions(x, plan.wants, ext_grads)
     return x._with_layout(x._layout, shards, dtype=x.dtype, device=x.device)

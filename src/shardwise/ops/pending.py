@@ -37,7 +37,9 @@ result); `keep(func, args, kwargs)` runs them on the parts:
 Any other op reads the values and so combines first. Every API reads values,
 never parts: `to_local()`, `local_shards()`, `placements` (`Replicate()`: what
 the values are), a checkpoint (saving combines every pending tensor on every
-rank first). Cost: a pending result's all-reduce, about 2× its bytes per rank,
+rank first). Cost: a pending result's all-reduce, about 2× its bytes per rank
+(a floating maximum or minimum twice that: a NaN flag rides along, as torch's
+`amax` keeps a NaN that gloo's and NCCL's MAX drop),
 runs at most once; a result that is never read costs none. As with DTensor,
 reading a pending value is collective: every rank of the group must read it
 (`if rank == 0: loss.item()` waits for the others; printing is not reading:
@@ -81,9 +83,25 @@ def combine(st: ShardedTensor, pending: Pending) -> list[torch.Tensor]:
     """`st`'s values: its parts all-reduced over its group, into new tensors (the parts
     stay as they are, for views of them)."""
     value = pending.parts[0].clone(memory_format=torch.contiguous_format)
-    if _distributed(st):
-        dist.all_reduce(value, op=_REDUCE_OPS[pending.op], group=st.group)
+    if not _distributed(st):
+        return [value]
+    if pending.op != "sum" and value.dtype.is_floating_point:
+        return [_extreme(value, pending.op == "max", st.group)]
+    dist.all_reduce(value, op=_REDUCE_OPS[pending.op], group=st.group)
     return [value]
+
+
+def _extreme(value: torch.Tensor, high: bool, group: Any) -> torch.Tensor:
+    """The maximum (`high`) or minimum over the group of floating `value`, NaN where any
+    rank's is, as torch's `amax`: gloo's and NCCL's MAX skip or keep a NaN as it comes,
+    so a NaN flag rides along in the same all-reduce (a minimum as the maximum of the
+    negated values, exact)."""
+    nan = torch.isnan(value)
+    plain = torch.where(nan, torch.full_like(value, -math.inf), value if high else -value)
+    both = torch.stack([nan.to(value.dtype), plain])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    best = both[1] if high else -both[1]
+    return torch.where(both[0] > 0, torch.full_like(best, math.nan), best)
 
 
 # -- ops run on the parts --------------------------------------------------------------

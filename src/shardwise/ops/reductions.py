@@ -636,7 +636,8 @@ def _scan_across(func: Any, a: dict, dim: int) -> Any:
         return None
     # blocks, carries and joins in torch's accumulation type, the result rounded once
     wide = _accumulator(dtype, st.device)
-    cum = [scan.run(x.to(wide), dim, None) for x in st._shards]
+    # as torch: the input cast to the result's dtype first, then scanned in the wide one
+    cum = [scan.run(x.to(dtype).to(wide), dim, wide) for x in st._shards]
     width = math.prod(st.shape) // max(st.shape[dim], 1)  # one slice along dim
     slice_shape = tuple(1 if e == dim else n for e, n in enumerate(st.shape))
 
@@ -680,7 +681,8 @@ def _scan_across(func: Any, a: dict, dim: int) -> Any:
 # (logits split along the classes) is this. DTensor gathers the dim instead.
 
 
-# the dtypes torch's CPU and CUDA kernels order (max, topk), and that every backend sends
+# the dtypes torch's CPU and CUDA kernels order (max, topk), and that gloo and NCCL reduce
+# (not int16: gloo has no reduction for it; such a tensor takes the fallback)
 _ORDERED = frozenset(
     {
         torch.float16,
@@ -689,7 +691,6 @@ _ORDERED = frozenset(
         torch.float64,
         torch.uint8,
         torch.int8,
-        torch.int16,
         torch.int32,
         torch.int64,
     }
