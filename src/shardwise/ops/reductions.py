@@ -660,7 +660,13 @@ def _scan_across(func: Any, a: dict, dim: int) -> Any:
     )
     recv = torch.empty(sum(recv_counts), dtype=wide, device=st.device)
     if _distributed(st):  # every rank, messages or not: the layout alone decides them
-        communicator(st.group).all_to_all_single(recv, send, recv_counts, send_counts).wait()
+        size = recv.element_size()  # as bytes: any dtype on any backend (gloo: no int16)
+        communicator(st.group).all_to_all_single(
+            recv.view(torch.uint8),
+            send.contiguous().view(torch.uint8),
+            [n * size for n in recv_counts],
+            [n * size for n in send_counts],
+        ).wait()
     carries = [total(blocks) for blocks in plan.local]
     for n, (_r, k) in enumerate(plan.recvs):  # by source rank: the order along dim
         carries[k] = scan.join(carries[k], recv[n * width : (n + 1) * width].view(slice_shape))
