@@ -34,7 +34,7 @@ from ..comm.communicator import communicator
 from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .exchange import _distributed, local_in
-from .per_shard import empty_block
+from .per_shard import blocks_mapped, empty_block
 from .reductions import summed
 
 __all__ = [
@@ -769,19 +769,16 @@ def _scaled_layout(
 ) -> Layout:
     """`layout`'s blocks with their rows along `dim` scaled by `times / over`, whole along
     the other dims of `shape`."""
-    blocks = {}
-    for r, rank_blocks in enumerate(layout.blocks):
-        row = []
-        for b in rank_blocks:
-            if b.is_empty():
-                row.append(empty_block(len(shape)))
-                continue
-            a, n = b.offsets[dim] * times // over, b.sizes[dim] * times // over
-            offsets = tuple(a if e == dim else 0 for e in range(len(shape)))
-            sizes = tuple(n if e == dim else shape[e] for e in range(len(shape)))
-            row.append(Block(offsets, sizes))
-        blocks[r] = row
-    return Layout(shape, blocks, layout.world_size)
+
+    def how(b: Block) -> Block:
+        a, n = b.offsets[dim] * times // over, b.sizes[dim] * times // over
+        offsets = tuple(a if e == dim else 0 for e in range(len(shape)))
+        sizes = tuple(n if e == dim else shape[e] for e in range(len(shape)))
+        return Block(offsets, sizes)
+
+    scaled = blocks_mapped(layout, shape, how)
+    assert scaled is not None  # `how` maps every block
+    return scaled
 
 
 def upsample_input_layout(grad: ShardedTensor, dim: int, factor: int, shape: tuple) -> Any:

@@ -14,10 +14,11 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import LayoutError
-from ..layout import Block
+from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 
 __all__ = [
+    "blocks_mapped",
     "empty_block",
     "flat",
     "is_inplace",
@@ -33,6 +34,27 @@ __all__ = [
 def empty_block(ndim: int) -> Block:
     """The box an empty block of an `ndim`-dim result is written with."""
     return Block((0,) * ndim, (0,) * ndim)
+
+
+def blocks_mapped(
+    layout: Layout, shape: tuple[int, ...], how: Callable[[Block], Block | None]
+) -> Layout | None:
+    """A layout of `shape` with each block of `layout` mapped by `how` (an empty block,
+    or one mapped to nothing, is written as `empty_block`); None when `how` gives some
+    block no image."""
+    blocks: dict[int, list[Block]] = {}
+    for rank, rank_blocks in enumerate(layout.blocks):
+        out = []
+        for b in rank_blocks:
+            if b.is_empty():
+                out.append(empty_block(len(shape)))
+                continue
+            mapped = how(b)
+            if mapped is None:
+                return None
+            out.append(mapped if not mapped.is_empty() else empty_block(len(shape)))
+        blocks[rank] = out
+    return Layout(shape, blocks, layout.world_size)
 
 
 # what an aten op's argument is when it is no container: such arguments are their own

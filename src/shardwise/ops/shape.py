@@ -28,7 +28,7 @@ from ..layout import Block, Layout
 from ..tensor import ShardedTensor
 from .exchange import is_replicated, replicated
 from .fallback import fallback
-from .per_shard import empty_block, named, registrar, sharded_args
+from .per_shard import blocks_mapped, empty_block, named, registrar, sharded_args
 from .reductions import in_range, spans
 
 __all__ = ["SHAPE_HANDLERS"]
@@ -57,26 +57,8 @@ def _mapped(
         return _MAPPED[full_key]
     if len(_MAPPED) > 4096:
         _MAPPED.clear()
-    _MAPPED[full_key] = result = _map(layout, shape, how)
+    _MAPPED[full_key] = result = blocks_mapped(layout, shape, how)
     return result
-
-
-def _map(
-    layout: Layout, shape: tuple[int, ...], how: Callable[[Block], Block | None]
-) -> Layout | None:
-    blocks: dict[int, list[Block]] = {}
-    for rank, rank_blocks in enumerate(layout.blocks):
-        out = []
-        for b in rank_blocks:
-            if b.is_empty():
-                out.append(empty_block(len(shape)))
-                continue
-            mapped = how(b)
-            if mapped is None:
-                return None
-            out.append(mapped if not mapped.is_empty() else empty_block(len(shape)))
-        blocks[rank] = out
-    return Layout(shape, blocks, layout.world_size)
 
 
 def _result(
